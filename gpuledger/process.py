@@ -1,0 +1,89 @@
+"""Run a gpuledger service (`gpuledger worker`, ...) as a child process.
+
+Used by the demo, the exercises and the tests: the child gets its configuration
+through GPULEDGER_* environment variables, logs to a file, and is stopped with
+SIGTERM, then SIGKILL if it does not exit within the grace period.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+class ServiceError(RuntimeError):
+    """A child service failed to start or died."""
+
+
+class ServiceProcess:
+    def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.args = args
+        self.env = {**os.environ, **env}
+        self.log_path = Path(log_path)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> ServiceProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as logf:
+            self.proc = subprocess.Popen([sys.executable, "-m", "gpuledger.cli", *self.args], env=self.env, stdout=logf,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, grace: float = 15.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, for restart tests."""
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def __enter__(self) -> ServiceProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def wait_for_worker(service: ServiceProcess, owner_file: Path, timeout: float = 90.0) -> str:
+    """Wait until the worker recorded its query endpoint and answers health; return its URL."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not service.alive():
+            raise ServiceError(f"worker exited with {service.proc.returncode}:\n{service.log_tail()}")
+        try:
+            url = json.loads(owner_file.read_text())["url"]
+            with urllib.request.urlopen(f"{url}/gpuledger/health/", timeout=2) as resp:
+                if resp.status == 200:
+                    return url
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.3)
+    raise ServiceError(f"worker not ready within {timeout:.0f}s:\n{service.log_tail()}")

@@ -1,0 +1,157 @@
+"""The one settings loader: pydantic-settings models, one per area.
+
+Every field reads ``GPULEDGER_<AREA>_<FIELD>`` from the environment (e.g.
+``GPULEDGER_KAFKA_BOOTSTRAP``, ``GPULEDGER_CLICKHOUSE_DSN``) and can be overridden by
+CLI flags. ``Settings.load()`` validates everything before any I/O and reports every
+problem at once.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from schemas.topics import TopicCatalogue
+
+
+def default_data_dir() -> Path:
+    return Path(os.environ.get("GPULEDGER_DATA_DIR", Path.home() / ".local" / "share" / "gpuledger"))
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("GPULEDGER_CACHE_DIR", Path.home() / ".cache" / "gpuledger"))
+
+
+class SettingsError(ValueError):
+    """Settings that cannot work together; the message lists every problem."""
+
+
+class KafkaSettings(BaseSettings):
+    """Where Kafka is and how gpuledger's topics are laid out."""
+
+    model_config = SettingsConfigDict(env_prefix="GPULEDGER_KAFKA_", extra="ignore")
+
+    bootstrap: str | None = Field(default=None, description="Bootstrap servers, host:port[,host:port]. Unset: the local broker started by `gpuledger kafka up`.")
+    topic_prefix: str = Field(default="gpuledger", description="Prefix of every topic name.")
+    raw_partitions: int = Field(default=4, ge=1, description="Partitions of each raw topic (all co-partitioned).")
+    replication_factor: int = Field(default=1, ge=1, description="Replication factor of created topics.")
+    security_protocol: str = Field(default="PLAINTEXT", description="PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL.")
+    sasl_mechanism: str | None = Field(default=None, description="SASL mechanism, e.g. SCRAM-SHA-512.")
+    sasl_username: str | None = Field(default=None, description="SASL user name.")
+    sasl_password: SecretStr | None = Field(default=None, description="SASL password.")
+    delivery_timeout_s: float = Field(default=30.0, gt=0, description="How long a producer waits for acks=all before giving up on a record.")
+
+    def catalogue(self) -> TopicCatalogue:
+        return TopicCatalogue(prefix=self.topic_prefix, raw_partitions=self.raw_partitions, replication_factor=self.replication_factor)
+
+    def client_config(self) -> dict[str, str]:
+        """librdkafka connection settings (security included), without the bootstrap."""
+        conf: dict[str, str] = {"security.protocol": self.security_protocol}
+        if self.sasl_mechanism:
+            conf["sasl.mechanism"] = self.sasl_mechanism
+        if self.sasl_username:
+            conf["sasl.username"] = self.sasl_username
+        if self.sasl_password:
+            conf["sasl.password"] = self.sasl_password.get_secret_value()
+        return conf
+
+    @model_validator(mode="after")
+    def _sasl_complete(self) -> KafkaSettings:
+        if self.security_protocol.startswith("SASL") and not (self.sasl_mechanism and self.sasl_username and self.sasl_password):
+            raise ValueError("security_protocol SASL_* needs sasl_mechanism, sasl_username and sasl_password")
+        return self
+
+
+class ClickHouseSettings(BaseSettings):
+    """The correlation store: one DSN, embedded chDB or a server."""
+
+    model_config = SettingsConfigDict(env_prefix="GPULEDGER_CLICKHOUSE_", extra="ignore")
+
+    dsn: str | None = Field(default=None, description="chdb:///path (embedded, default under the data dir) or http(s)://user:pass@host:8123/db.")
+    database: str = Field(default="gpuledger", description="Database holding gpuledger's tables.")
+    batch_rows: int = Field(default=5000, ge=1, description="Sink flushes a batch at this many rows...")
+    batch_seconds: float = Field(default=1.0, gt=0, description="...or after this many seconds, whichever comes first.")
+    cluster: str | None = Field(default=None, description="ClickHouse cluster name for ON CLUSTER / Replicated tables.")
+
+    @field_validator("dsn")
+    @classmethod
+    def _scheme(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("chdb://", "http://", "https://")):
+            raise ValueError(f"dsn must start with chdb://, http:// or https://, got {value.split(':', 1)[0]!r}")
+        return value
+
+    def resolved_dsn(self, data_dir: Path) -> str:
+        return self.dsn or f"chdb://{data_dir / 'clickhouse'}"
+
+
+class StreamsSettings(BaseSettings):
+    """The Faust worker."""
+
+    model_config = SettingsConfigDict(env_prefix="GPULEDGER_STREAMS_", extra="ignore")
+
+    app_id: str = Field(default="gpuledger", description="Faust app id = consumer group; change it to replay into a fresh group.")
+    web_port: int = Field(default=0, ge=0, le=65535, description="Worker's loopback web port (health, read-only queries); 0 picks a free port.")
+    park_ttl_s: float = Field(default=300.0, gt=0, description="Event-time seconds an event waits for its identity before it is emitted unattributed.")
+
+
+class TelemetrySettings(BaseSettings):
+    """OpenTelemetry traces and metrics."""
+
+    model_config = SettingsConfigDict(env_prefix="GPULEDGER_OTEL_", extra="ignore")
+
+    exporter: str = Field(default="none", description="none, console or otlp.")
+    endpoint: str | None = Field(default=None, description="OTLP/HTTP endpoint, e.g. http://127.0.0.1:4318 (implies exporter=otlp).")
+    service_name: str = Field(default="gpuledger", description="service.name resource attribute.")
+
+    @field_validator("exporter")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        if value not in ("none", "console", "otlp"):
+            raise ValueError(f"exporter must be none, console or otlp, got {value!r}")
+        return value
+
+
+class Settings(BaseSettings):
+    """Root settings: data locations plus one block per area."""
+
+    model_config = SettingsConfigDict(env_prefix="GPULEDGER_", extra="ignore")
+
+    data_dir: Path = Field(default_factory=default_data_dir, description="Where local state lives (broker data, embedded ClickHouse).")
+    cache_dir: Path = Field(default_factory=default_cache_dir, description="Where downloaded Kafka jars are cached.")
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    clickhouse: ClickHouseSettings = Field(default_factory=ClickHouseSettings)
+    streams: StreamsSettings = Field(default_factory=StreamsSettings)
+    telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
+
+    @classmethod
+    def load(cls, **overrides) -> Settings:
+        """Build settings from env + overrides; every problem is reported at once."""
+        problems: list[str] = []
+        blocks = {}
+        for name, klass in (("kafka", KafkaSettings), ("clickhouse", ClickHouseSettings), ("streams", StreamsSettings), ("telemetry", TelemetrySettings)):
+            try:
+                blocks[name] = klass(**{k: v for k, v in overrides.pop(name, {}).items() if v is not None})
+            except ValidationError as exc:
+                problems.extend(_lines(exc, klass.model_config['env_prefix']))
+        if problems:
+            raise SettingsError("invalid settings:\n  " + "\n  ".join(problems))
+        try:
+            return cls(**blocks, **{k: v for k, v in overrides.items() if v is not None})
+        except ValidationError as exc:
+            raise SettingsError("invalid settings:\n  " + "\n  ".join(_lines(exc, ""))) from exc
+
+    @property
+    def clickhouse_dsn(self) -> str:
+        return self.clickhouse.resolved_dsn(self.data_dir)
+
+
+def _lines(exc: ValidationError, env_prefix: str) -> list[str]:
+    out = []
+    for err in exc.errors(include_url=False):
+        loc = ".".join(str(p) for p in err["loc"])
+        env = f"{env_prefix}{loc.upper()}" if env_prefix and loc else loc
+        out.append(f"{env}: {err['msg']}")
+    return out

@@ -1,0 +1,103 @@
+"""OpenTelemetry wiring: one tracer and meter provider, configured from settings.
+
+Exporter ``none`` (default) keeps the API live but exports nothing; ``console`` prints
+spans/metrics; ``otlp`` (or any endpoint set) ships them over OTLP/HTTP.
+W3C trace context travels in Kafka headers (``traceparent``/``tracestate``), so one
+span tree covers an event's trip from collector to sink.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+
+from opentelemetry import metrics, trace
+from opentelemetry.propagate import extract, inject
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+log = logging.getLogger(__name__)
+_configured = False
+
+
+def setup_telemetry(settings) -> None:
+    """Install providers once per process from a ``TelemetrySettings``."""
+    global _configured
+    if _configured:
+        return
+    _configured = True
+    exporter = "otlp" if settings.endpoint else settings.exporter
+    resource = Resource.create({"service.name": settings.service_name})
+    tracer_provider = TracerProvider(resource=resource)
+    readers = []
+    if exporter == "console":
+        tracer_provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+        readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter(), export_interval_millis=60000))
+    elif exporter == "otlp":
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        base = (settings.endpoint or "http://127.0.0.1:4318").rstrip("/")
+        tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=f"{base}/v1/traces")))
+        readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=f"{base}/v1/metrics")))
+    trace.set_tracer_provider(tracer_provider)
+    metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=readers))
+
+
+def tracer(name: str) -> trace.Tracer:
+    return trace.get_tracer(name)
+
+
+def meter(name: str) -> metrics.Meter:
+    return metrics.get_meter(name)
+
+
+class ComponentCounters:
+    """The counters every component emits (events received/sent/rejected, bytes)."""
+
+    def __init__(self, component: str) -> None:
+        m = meter(component)
+        self.component = component
+        self.received = m.create_counter("gpuledger.events.received", description="Events received")
+        self.sent = m.create_counter("gpuledger.events.sent", description="Events sent downstream")
+        self.rejected = m.create_counter("gpuledger.events.rejected", description="Events rejected, by reason")
+        self.bytes_sent = m.create_counter("gpuledger.bytes.sent", unit="By", description="Bytes sent downstream")
+        self._attrs = {"component": component}
+        # Local mirror for health endpoints and tests that read counters back.
+        self.totals: dict[str, int] = {"received": 0, "sent": 0, "rejected": 0, "bytes_sent": 0}
+
+    def add_received(self, n: int = 1) -> None:
+        self.received.add(n, self._attrs)
+        self.totals["received"] += n
+
+    def add_sent(self, n: int = 1, nbytes: int = 0) -> None:
+        self.sent.add(n, self._attrs)
+        self.totals["sent"] += n
+        if nbytes:
+            self.bytes_sent.add(nbytes, self._attrs)
+            self.totals["bytes_sent"] += nbytes
+
+    def add_rejected(self, reason: str, n: int = 1) -> None:
+        self.rejected.add(n, {**self._attrs, "reason": reason})
+        self.totals["rejected"] += n
+        key = f"rejected.{reason}"
+        self.totals[key] = self.totals.get(key, 0) + n
+
+
+def inject_headers() -> list[tuple[str, bytes]]:
+    """Current span's W3C context as Kafka headers."""
+    carrier: dict[str, str] = {}
+    inject(carrier)
+    return [(k, v.encode()) for k, v in carrier.items()]
+
+
+def context_from_headers(headers: Iterable[tuple[str, bytes]] | Mapping[str, bytes] | None):
+    """Extract a W3C context from Kafka headers (list of pairs or a mapping)."""
+    if not headers:
+        return extract({})
+    items = headers.items() if isinstance(headers, Mapping) else headers
+    carrier = {k: (v.decode() if isinstance(v, (bytes, bytearray)) else str(v)) for k, v in items if v is not None}
+    return extract(carrier)

@@ -1,0 +1,1 @@
+"""Collectors: publish facts from external systems to Kafka under the shared key."""

@@ -1,0 +1,1 @@
+"""Kubelet PodResources v1 protobuf/gRPC definitions and generated stubs."""

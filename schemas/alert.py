@@ -1,0 +1,32 @@
+"""Alert family: quality and infrastructure alerts from Alertmanager."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from schemas.envelope import EventBase, Frozen, UtcDatetime
+
+AlertEventType = Literal["alert.firing", "alert.resolved"]
+
+
+class AlertPayload(Frozen):
+    """One alert as Alertmanager reports it (webhook v4)."""
+
+    alertname: str = Field(description="The alertname label.")
+    severity: str | None = Field(default=None, description="The severity label.")
+    labels: dict[str, str] = Field(default_factory=dict, description="All alert labels.")
+    annotations: dict[str, str] = Field(default_factory=dict, description="All alert annotations.")
+    starts_at: UtcDatetime = Field(description="startsAt: when the alert started firing.")
+    ends_at: UtcDatetime | None = Field(default=None, description="endsAt, when resolved (Alertmanager's zero time maps to null).")
+    generator_url: str | None = Field(default=None, description="generatorURL back to the rule.")
+    receiver: str | None = Field(default=None, description="Alertmanager receiver name.")
+    group_key: str | None = Field(default=None, description="Alertmanager groupKey.")
+
+
+class AlertEvent(EventBase):
+    """One alert state change (firing / resolved)."""
+
+    event_type: AlertEventType
+    payload: AlertPayload

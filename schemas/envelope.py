@@ -1,0 +1,114 @@
+"""The one envelope every gpuledger event travels in.
+
+Input: nothing (pure types). Output: frozen pydantic models shared by every stage.
+Guarantees: unknown fields and wrong types are rejected with a message naming the
+field; all times are timezone-aware and normalised to UTC; ``event_id`` is a
+deterministic hash of (source, natural key, source version), so an event re-sent by
+a collector after a restart or by an HA pair carries the same id and the idempotent
+tables downstream collapse it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import datetime, timezone
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = 1
+
+
+def _to_utc(value: datetime) -> datetime:
+    return value.astimezone(timezone.utc)
+
+
+#: A timezone-aware timestamp, normalised to UTC. Naive datetimes are rejected:
+#: guessing a zone for event time is how timelines silently shift by hours.
+UtcDatetime = Annotated[AwareDatetime, AfterValidator(_to_utc)]
+
+
+class Frozen(BaseModel):
+    """Base for every contract model: immutable, strict about unknown fields."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", str_strip_whitespace=True)
+
+
+def make_event_id(source: str, natural_key: str | tuple[Any, ...], source_version: str | int | None = "") -> str:
+    """The one event-id function: hash of source + natural key + source version.
+
+    ``natural_key`` identifies the fact in its source system (e.g. an alert's
+    fingerprint + status + startsAt, a pod's uid + transition); ``source_version`` is
+    the source's own version of it (a resourceVersion, a delivery id) when that is
+    part of the fact's identity. Re-sending the same fact yields the same id.
+    """
+    if isinstance(natural_key, tuple):
+        natural_key = "\x1f".join("" if part is None else str(part) for part in natural_key)
+    material = "\x1e".join((source, natural_key, "" if source_version is None else str(source_version)))
+    return hashlib.sha256(material.encode("utf-8")).hexdigest()[:32]
+
+
+class Source(Frozen):
+    """Which collector produced the event, and where it ran."""
+
+    collector: str = Field(description="Collector name, e.g. 'kubernetes', 'podresources', 'alertmanager', 'releases'.")
+    host: str = Field(default="", description="Host or node the collector ran on.")
+
+
+class TraceContext(Frozen):
+    """W3C trace context, so one span tree covers an event's trip from collector to sink."""
+
+    traceparent: str | None = Field(default=None, description="W3C traceparent header value.")
+    tracestate: str | None = Field(default=None, description="W3C tracestate header value.")
+
+
+class Identity(Frozen):
+    """The shared identifiers (DESIGN.md). Every field is optional: each source knows some."""
+
+    release_id: str | None = Field(default=None, description="One model release: model + version + artifact + environment plan.")
+    model_name: str | None = Field(default=None, description="Model name as the registry names it.")
+    model_version: str | None = Field(default=None, description="Model version as the registry names it.")
+    artifact_digest: str | None = Field(default=None, description="sha256 of the model artifact (immutable).")
+    image_digest: str | None = Field(default=None, description="Container image digest, 'sha256:...'.")
+    config_digest: str | None = Field(default=None, description="Serving/training config hash.")
+    dataset_ref: str | None = Field(default=None, description="Dataset reference.")
+    environment: str | None = Field(default=None, description="dev / eval / staging / prod (configurable list).")
+    workload_id: str | None = Field(default=None, description="One admitted unit of GPU work (Kueue Workload or owning controller).")
+    pod_uid: str | None = Field(default=None, description="Pod UID.")
+    namespace: str | None = Field(default=None, description="Kubernetes namespace.")
+    pod: str | None = Field(default=None, description="Pod name (with namespace: namespace/pod).")
+    node: str | None = Field(default=None, description="Node name.")
+    gpu_id: str | None = Field(default=None, description="Device ID as the device plugin reports it (GPU or MIG UUID).")
+    owner: str | None = Field(default=None, description="Accountable team.")
+    data_class: str | None = Field(default=None, description="Data classification.")
+    alert_fingerprint: str | None = Field(default=None, description="Alertmanager fingerprint of one alert series.")
+
+    def merged(self, other: Identity) -> Identity:
+        """Fill this block's gaps from ``other``; what is already known wins."""
+        mine = self.model_dump(exclude_none=True)
+        theirs = other.model_dump(exclude_none=True)
+        return Identity(**{**theirs, **mine})
+
+
+class EventBase(Frozen):
+    """Fields every event carries, whatever its family."""
+
+    event_id: str = Field(min_length=8, max_length=64, description="Deterministic id (see make_event_id).")
+    event_type: str = Field(description="'<family>.<action>', e.g. 'alert.firing'.")
+    schema_version: int = Field(default=SCHEMA_VERSION, ge=1, description="Envelope schema version.")
+    occurred_at: UtcDatetime = Field(description="Event time in UTC (when it happened in the source).")
+    observed_at: UtcDatetime = Field(description="When the collector observed it, UTC.")
+    source: Source = Field(description="Producing collector and host.")
+    identity: Identity = Field(default_factory=Identity, description="Shared identifiers known at the source.")
+    trace: TraceContext = Field(default_factory=TraceContext, description="W3C trace context.")
+
+    def correlation_key(self) -> str:
+        """The shared Kafka key: release_id where known, else the workload key."""
+        ident = self.identity
+        return (
+            ident.release_id
+            or ident.workload_id
+            or (f"{ident.namespace}/{ident.pod}" if ident.namespace and ident.pod else None)
+            or ident.alert_fingerprint
+            or self.event_id
+        )

@@ -1,0 +1,38 @@
+"""GPU family: which device is assigned to which container, from the kubelet.
+
+Published by the pod-resources collector. The kubelet names pods only by
+namespace/name, so these events are keyed by that and re-keyed by the streams.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from schemas.envelope import EventBase, Frozen
+
+GpuEventType = Literal["gpu.assigned", "gpu.released", "gpu.allocatable"]
+
+
+class GpuPayload(Frozen):
+    """One device assignment (assigned/released) or a node's allocatable snapshot."""
+
+    node: str = Field(description="Node name.")
+    namespace: str | None = Field(default=None, description="Pod namespace (assigned/released).")
+    pod: str | None = Field(default=None, description="Pod name (assigned/released).")
+    container: str | None = Field(default=None, description="Container name (assigned/released).")
+    resource_name: str = Field(default="nvidia.com/gpu", description="Extended resource name.")
+    device_id: str | None = Field(default=None, description="Device ID verbatim as the device plugin reports it.")
+    gpu: str | None = Field(default=None, description="Physical GPU parsed from the device id (GPU UUID or index name).")
+    mig_instance: str | None = Field(default=None, description="MIG instance UUID when the device is a MIG slice.")
+    share: int | None = Field(default=None, ge=0, description="Time-slicing replica index ('::N' suffix).")
+    numa_nodes: tuple[int, ...] = Field(default=(), description="NUMA nodes from the topology hint.")
+    devices: tuple[str, ...] = Field(default=(), description="Allocatable device ids (gpu.allocatable only).")
+
+
+class GpuEvent(EventBase):
+    """One GPU assignment change or allocatable snapshot."""
+
+    event_type: GpuEventType
+    payload: GpuPayload

@@ -1,0 +1,71 @@
+"""What gpuledger itself produces: correlated events, violations, dead letters."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from schemas.envelope import Frozen, Identity, UtcDatetime
+
+Attribution = Literal[
+    "release_label",
+    "workload_release",
+    "image_digest_match",
+    "model_version_match",
+    "gpu_assignment",
+    "release_event",
+    "unattributed",
+]
+
+
+class CorrelatedEvent(Frozen):
+    """One input event with its identity resolved as far as it can be.
+
+    ``correlation_id`` is the row key (the input's event_id); a later, better
+    attribution of the same input is emitted with the same key and a higher
+    ``version`` and supersedes the earlier row.
+    """
+
+    correlation_id: str = Field(description="Row key: the input event's event_id.")
+    version: int = Field(ge=0, description="Row version; the highest wins.")
+    event_type: str = Field(description="Input event type.")
+    occurred_at: UtcDatetime = Field(description="Input event time.")
+    attribution: Attribution = Field(description="How the release was resolved.")
+    identity: Identity = Field(description="Resolved identity block.")
+    release_state: str | None = Field(default=None, description="Latest lifecycle event type of the release at correlation.")
+    summary: str = Field(default="", description="One-line human summary of the input event.")
+    source_topic: str = Field(description="Kafka topic the input came from.")
+    source_partition: int = Field(ge=0, description="Kafka partition of the input.")
+    source_offset: int = Field(ge=0, description="Kafka offset of the input.")
+    payload_json: str = Field(default="{}", description="The input event's payload, as JSON.")
+
+
+class Violation(Frozen):
+    """One ownership-gap control violation, open or closed."""
+
+    violation_id: str = Field(description="Deterministic id of this violation.")
+    version: int = Field(ge=0, description="Row version; the highest wins.")
+    control_id: int = Field(ge=1, le=8, description="Control number (DESIGN.md, Controls).")
+    title: str = Field(description="Control title.")
+    severity: Literal["info", "warning", "critical"] = Field(description="Severity.")
+    identity: Identity = Field(description="Identifiers involved.")
+    evidence: tuple[str, ...] = Field(description="Event ids that prove it.")
+    owner: str | None = Field(default=None, description="Accountable owner from the policy.")
+    opened_at: UtcDatetime = Field(description="When the violation began (event time).")
+    closed_at: UtcDatetime | None = Field(default=None, description="When it ended, if it did.")
+    detail: str = Field(default="", description="Human explanation.")
+
+
+class DeadLetter(Frozen):
+    """A record that was accepted somewhere but could not be processed, with why."""
+
+    reason: str = Field(description="Short machine-readable reason, e.g. 'not_json', 'validation'.")
+    error: str = Field(description="The error message, naming the field where there is one.")
+    stage: str = Field(description="Which component rejected it (e.g. 'streams.correlate').")
+    source_topic: str | None = Field(default=None, description="Topic the record came from.")
+    source_partition: int | None = Field(default=None, description="Its partition.")
+    source_offset: int | None = Field(default=None, description="Its offset.")
+    key: str | None = Field(default=None, description="Record key, decoded as UTF-8 with replacement.")
+    value: str = Field(description="Record value, decoded as UTF-8 with replacement (truncated to 64 KiB).")
+    failed_at: UtcDatetime = Field(description="When it was rejected.")

@@ -1,0 +1,64 @@
+"""Scheduler family: what the scheduling plane did to a workload or pod.
+
+Published by the Kubernetes/Kueue collector, keyed by release_id where a workload
+label names it, else by workload_id.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from schemas.envelope import EventBase, Frozen
+
+SchedulerEventType = Literal[
+    "scheduler.submitted",
+    "scheduler.queued",
+    "scheduler.quota_reserved",
+    "scheduler.admitted",
+    "scheduler.scheduled",
+    "scheduler.running",
+    "scheduler.pods_ready",
+    "scheduler.failed_scheduling",
+    "scheduler.preempted",
+    "scheduler.evicted",
+    "scheduler.requeued",
+    "scheduler.finished",
+    "scheduler.deleted",
+]
+
+
+class ObjectRef(Frozen):
+    """A reference to a Kubernetes object (the preemptor of a preemption, say)."""
+
+    kind: str = Field(description="Pod, Workload, Job, ...")
+    namespace: str | None = Field(default=None, description="Namespace of the object.")
+    name: str = Field(description="Object name.")
+    uid: str | None = Field(default=None, description="Object UID when known.")
+
+
+class SchedulerPayload(Frozen):
+    """Scheduling facts about one transition."""
+
+    object_kind: str = Field(description="Kind of object the transition happened to: Pod, Workload or Event.")
+    queue: str | None = Field(default=None, description="Kueue LocalQueue name.")
+    cluster_queue: str | None = Field(default=None, description="Kueue ClusterQueue that admitted the workload.")
+    priority_class: str | None = Field(default=None, description="Priority class name.")
+    priority: int | None = Field(default=None, description="Priority value.")
+    reason: str | None = Field(default=None, description="Machine-readable reason (condition reason or event reason).")
+    message: str | None = Field(default=None, description="Human-readable message from the source.")
+    phase: str | None = Field(default=None, description="Pod phase when the object is a pod.")
+    gpus_requested: int | None = Field(default=None, ge=0, description="GPUs (extended resource units) requested.")
+    image_digests: tuple[str, ...] = Field(default=(), description="Running container image digests ('sha256:...').")
+    preemptor: ObjectRef | None = Field(default=None, description="Who preempted this workload/pod, when known.")
+    victim: ObjectRef | None = Field(default=None, description="Whom this workload/pod preempted, when known.")
+    labels: dict[str, str] = Field(default_factory=dict, description="Labels that carry shared identifiers.")
+    flavors: dict[str, str] = Field(default_factory=dict, description="Kueue resource flavor per resource.")
+
+
+class SchedulerEvent(EventBase):
+    """One scheduler transition."""
+
+    event_type: SchedulerEventType
+    payload: SchedulerPayload

@@ -1,0 +1,106 @@
+"""The topic catalogue: the only place topic names live.
+
+Raw topics are co-partitioned (same partition count) and keyed by the shared
+correlation key, so a Faust worker owning partition p holds every event and table
+entry for the keys in p. Names follow ``<prefix>.<family>.v<N>``; the prefix is
+configurable so tests and side-by-side deployments never share topics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    """One topic: its name, layout and retention."""
+
+    name: str
+    partitions: int
+    key: str
+    retention_ms: int
+    cleanup_policy: Literal["delete", "compact", "compact,delete"] = "delete"
+    role: Literal["raw", "output", "deadletter"] = "raw"
+    config: dict[str, str] = field(default_factory=dict)
+
+    def kafka_config(self) -> dict[str, str]:
+        return {"retention.ms": str(self.retention_ms), "cleanup.policy": self.cleanup_policy, **self.config}
+
+
+DAY_MS = 24 * 3600 * 1000
+
+
+class TopicCatalogue(BaseModel):
+    """Every topic gpuledger reads or writes, derived from a prefix and partition count."""
+
+    model_config = ConfigDict(frozen=True)
+
+    prefix: str = Field(default="gpuledger", pattern=r"^[A-Za-z0-9._-]+$", description="Topic name prefix.")
+    raw_partitions: int = Field(default=4, ge=1, description="Partitions of every raw topic (co-partitioned).")
+    replication_factor: int = Field(default=1, ge=1, description="Replication factor for created topics.")
+    raw_retention_ms: int = Field(default=-1, description="Raw topics are the system of record: keep forever by default.")
+    output_retention_ms: int = Field(default=30 * DAY_MS, description="Retention of derived topics (rebuildable).")
+
+    def _name(self, family: str, version: int = 1) -> str:
+        return f"{self.prefix}.{family}.v{version}"
+
+    @property
+    def scheduler(self) -> str:
+        return self._name("scheduler")
+
+    @property
+    def gpu(self) -> str:
+        return self._name("gpu")
+
+    @property
+    def release(self) -> str:
+        return self._name("release")
+
+    @property
+    def alert(self) -> str:
+        return self._name("alert")
+
+    @property
+    def correlated(self) -> str:
+        return self._name("correlated")
+
+    @property
+    def enriched_alerts(self) -> str:
+        return self._name("alerts-enriched")
+
+    @property
+    def violations(self) -> str:
+        return self._name("violations")
+
+    @property
+    def deadletter(self) -> str:
+        return self._name("deadletter")
+
+    @property
+    def raw_topics(self) -> tuple[str, ...]:
+        return (self.scheduler, self.gpu, self.release, self.alert)
+
+    def for_family(self, event_type: str) -> str:
+        """Raw topic for an event type ('alert.firing' -> the alert topic)."""
+        family = event_type.split(".", 1)[0]
+        if family not in ("scheduler", "gpu", "release", "alert"):
+            raise ValueError(f"event_type {event_type!r} has no raw topic (family {family!r})")
+        return self._name(family)
+
+    def specs(self) -> list[TopicSpec]:
+        raw = [
+            TopicSpec(self.scheduler, self.raw_partitions, "release_id, else workload_id", self.raw_retention_ms),
+            TopicSpec(self.gpu, self.raw_partitions, "namespace/pod (re-keyed by streams)", self.raw_retention_ms),
+            TopicSpec(self.release, self.raw_partitions, "release_id", self.raw_retention_ms),
+            TopicSpec(self.alert, self.raw_partitions, "release_id, else namespace/pod, else fingerprint", self.raw_retention_ms),
+        ]
+        out = [
+            TopicSpec(self.correlated, self.raw_partitions, "release_id, else correlation_id", self.output_retention_ms, role="output"),
+            TopicSpec(self.enriched_alerts, self.raw_partitions, "alert fingerprint", self.output_retention_ms, role="output"),
+            TopicSpec(self.violations, self.raw_partitions, "violation_id", self.output_retention_ms, role="output"),
+            TopicSpec(self.deadletter, 1, "source key", self.raw_retention_ms, role="deadletter"),
+        ]
+        return raw + out

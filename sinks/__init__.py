@@ -1,0 +1,1 @@
+"""Sinks: write correlated history into ClickHouse (embedded chDB or a server)."""

@@ -1,0 +1,1 @@
+"""Stream processors: the Faust app that joins raw events into correlated history."""
