@@ -237,6 +237,23 @@ def demo(keep: bool = typer.Option(False, "--keep", help="Leave the data dir for
     raise typer.Exit(code)
 
 
+# --- component commands ---------------------------------------------------------
+# Each collector/component module exposes a `register(app)` that adds its commands.
+# Keep one line per module here.
+COMPONENT_COMMANDS: tuple[str, ...] = (
+)
+
+
+def _register_components() -> None:
+    import importlib
+
+    for module in COMPONENT_COMMANDS:
+        importlib.import_module(module).register(app)
+
+
+_register_components()
+
+
 def main() -> None:
     try:
         app()

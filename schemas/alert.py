@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from schemas.envelope import EventBase, Frozen, UtcDatetime
 
@@ -30,3 +30,10 @@ class AlertEvent(EventBase):
 
     event_type: AlertEventType
     payload: AlertPayload
+
+    @model_validator(mode="after")
+    def _required_identity(self):
+        ident = self.identity
+        if not (ident.alert_fingerprint):
+            raise ValueError("identity.alert_fingerprint is required for alert events")
+        return self

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from schemas.envelope import EventBase, Frozen
 
@@ -36,3 +36,10 @@ class GpuEvent(EventBase):
 
     event_type: GpuEventType
     payload: GpuPayload
+
+    @model_validator(mode="after")
+    def _required_identity(self):
+        ident = self.identity
+        if not (ident.node):
+            raise ValueError("identity.node is required for gpu events")
+        return self

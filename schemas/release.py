@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from schemas.envelope import Frozen, EventBase, UtcDatetime
 
@@ -59,3 +59,10 @@ class ReleaseEvent(EventBase):
 
     event_type: ReleaseEventType
     payload: ReleasePayload = Field(default_factory=ReleasePayload)
+
+    @model_validator(mode="after")
+    def _required_identity(self):
+        ident = self.identity
+        if not (ident.release_id):
+            raise ValueError("identity.release_id is required for release events")
+        return self

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from schemas.envelope import EventBase, Frozen
 
@@ -62,3 +62,10 @@ class SchedulerEvent(EventBase):
 
     event_type: SchedulerEventType
     payload: SchedulerPayload
+
+    @model_validator(mode="after")
+    def _required_identity(self):
+        ident = self.identity
+        if not (ident.workload_id or ident.pod_uid or (ident.namespace and ident.pod)):
+            raise ValueError("a scheduler event needs identity.workload_id, identity.pod_uid or identity.namespace+pod")
+        return self

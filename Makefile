@@ -1,0 +1,28 @@
+# The two commands: `make demo` and `make test`. Both set everything up themselves.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup demo test jars clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+# Kafka's jars from Maven Central, cached under ~/.cache/gpuledger (once).
+jars: $(STAMP)
+	$(BIN)/python -c "from gpuledger.localkafka import ensure_jars; from gpuledger.settings import default_cache_dir; print('Kafka jars in', ensure_jars(default_cache_dir()))"
+
+setup: $(STAMP) jars
+
+demo: setup
+	$(BIN)/gpuledger demo
+
+test: setup
+	$(BIN)/pytest -q -ra
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,38 @@
+"""Settings: env prefixes, and every problem reported at once before any I/O."""
+
+import pytest
+
+from gpuledger.settings import Settings, SettingsError
+
+
+def test_env_vars_are_read_per_area(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPULEDGER_KAFKA_BOOTSTRAP", "10.0.0.1:9092")
+    monkeypatch.setenv("GPULEDGER_CLICKHOUSE_DSN", "http://u:p@ch:8123/db")
+    monkeypatch.setenv("GPULEDGER_DATA_DIR", str(tmp_path))
+    s = Settings.load()
+    assert s.kafka.bootstrap == "10.0.0.1:9092"
+    assert s.clickhouse_dsn == "http://u:p@ch:8123/db"
+    assert s.data_dir == tmp_path
+
+
+def test_default_store_is_embedded_under_the_data_dir(monkeypatch, tmp_path):
+    monkeypatch.delenv("GPULEDGER_CLICKHOUSE_DSN", raising=False)
+    monkeypatch.setenv("GPULEDGER_DATA_DIR", str(tmp_path))
+    assert Settings.load().clickhouse_dsn == f"chdb://{tmp_path / 'clickhouse'}"
+
+
+def test_flags_override_env(monkeypatch):
+    monkeypatch.setenv("GPULEDGER_KAFKA_BOOTSTRAP", "a:1")
+    assert Settings.load(kafka={"bootstrap": "b:2"}).kafka.bootstrap == "b:2"
+
+
+def test_all_problems_listed_at_once(monkeypatch):
+    monkeypatch.setenv("GPULEDGER_CLICKHOUSE_DSN", "mysql://x")
+    monkeypatch.setenv("GPULEDGER_OTEL_EXPORTER", "zipkin")
+    monkeypatch.setenv("GPULEDGER_KAFKA_SECURITY_PROTOCOL", "SASL_SSL")
+    with pytest.raises(SettingsError) as info:
+        Settings.load()
+    text = str(info.value)
+    assert "GPULEDGER_CLICKHOUSE_DSN" in text and "chdb://" in text
+    assert "GPULEDGER_OTEL_EXPORTER" in text
+    assert "sasl_mechanism" in text

@@ -1,0 +1,97 @@
+"""The event contract: ids, time, strictness, and the codec's error messages."""
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from pydantic import ValidationError
+
+from schemas import AlertEvent, EventDecodeError, Identity, ReleaseEvent, Source, decode_event, encode_event, make_event_id
+from schemas.jsonschema import render_all, JSON_DIR
+
+
+def release_event(**over):
+    base = dict(event_id=make_event_id("cli", ("r1", "release.approved"), "1"), event_type="release.approved",
+                occurred_at=datetime(2026, 1, 1, 12, tzinfo=timezone(timedelta(hours=2))),
+                observed_at=datetime(2026, 1, 1, 10, 0, 5, tzinfo=timezone.utc), source=Source(collector="cli"),
+                identity=Identity(release_id="r1", model_name="m", model_version="3"))
+    base.update(over)
+    return ReleaseEvent(**base)
+
+
+def test_event_id_is_deterministic_and_sensitive_to_each_part():
+    a = make_event_id("alertmanager", ("fp", "firing", "2026-01-01T00:00:00Z"))
+    assert a == make_event_id("alertmanager", ("fp", "firing", "2026-01-01T00:00:00Z"))
+    assert a != make_event_id("alertmanager", ("fp", "resolved", "2026-01-01T00:00:00Z"))
+    assert a != make_event_id("kubernetes", ("fp", "firing", "2026-01-01T00:00:00Z"))
+    assert a != make_event_id("alertmanager", ("fp", "firing", "2026-01-01T00:00:00Z"), "v2")
+    assert len(a) == 32
+
+
+def test_times_are_normalised_to_utc_and_naive_times_rejected():
+    ev = release_event()
+    assert ev.occurred_at == datetime(2026, 1, 1, 10, tzinfo=timezone.utc)
+    assert ev.occurred_at.utcoffset() == timedelta(0)
+    with pytest.raises(ValidationError, match="occurred_at"):
+        release_event(occurred_at=datetime(2026, 1, 1, 12))
+
+
+def test_models_are_frozen_and_reject_unknown_fields():
+    ev = release_event()
+    with pytest.raises(ValidationError):
+        ev.event_type = "release.retired"
+    with pytest.raises(ValidationError, match="surprise"):
+        Identity(release_id="r", surprise="x")
+
+
+def test_round_trip_through_the_codec():
+    ev = release_event()
+    assert decode_event(encode_event(ev)) == ev
+
+
+@pytest.mark.parametrize(
+    "raw, reason, field",
+    [
+        (b"\x00not json", "not_json", "not JSON"),
+        (b"[1,2]", "not_object", "JSON object"),
+        (b'{"event_type": "release.exploded"}', "unknown_event_type", "event_type"),
+        (b'{"event_id": "abcdefgh1", "event_type": "alert.firing", "occurred_at": "yesterday"}', "validation", "occurred_at"),
+    ],
+)
+def test_decode_errors_name_the_problem(raw, reason, field):
+    with pytest.raises(EventDecodeError) as info:
+        decode_event(raw)
+    assert info.value.reason == reason
+    assert field in str(info.value)
+
+
+def test_missing_identifier_is_rejected_with_its_name():
+    data = release_event().model_dump(mode="json")
+    data["identity"] = {"model_name": "m"}
+    with pytest.raises(EventDecodeError, match="identity.release_id is required"):
+        decode_event(data)
+
+
+def test_wrong_type_names_the_field():
+    data = release_event().model_dump(mode="json")
+    data["payload"] = {"reservation": {"reservation_id": "x", "gpus": "many"}}
+    with pytest.raises(EventDecodeError, match="payload.reservation.gpus"):
+        decode_event(data)
+
+
+def test_correlation_key_prefers_release_then_workload_then_pod():
+    assert release_event().correlation_key() == "r1"
+    alert = AlertEvent.model_validate({
+        "event_id": "abcdefgh12", "event_type": "alert.firing", "occurred_at": "2026-01-01T00:00:00Z",
+        "observed_at": "2026-01-01T00:00:00Z", "source": {"collector": "am"},
+        "identity": {"alert_fingerprint": "fp1", "namespace": "ns", "pod": "p"},
+        "payload": {"alertname": "X", "starts_at": "2026-01-01T00:00:00Z"},
+    })
+    assert alert.correlation_key() == "ns/p"
+
+
+def test_committed_json_schemas_match_the_models():
+    rendered = render_all()
+    for name, text in rendered.items():
+        path = JSON_DIR / name
+        assert path.exists(), f"{name} missing: run `gpuledger schemas generate`"
+        assert path.read_text() == text, f"{name} drifted from the models: run `gpuledger schemas generate`"
