@@ -14,7 +14,7 @@ from pydantic import Field, TypeAdapter, ValidationError
 
 from schemas.alert import AlertEvent
 from schemas.gpu import GpuEvent
-from schemas.outputs import CorrelatedEvent, DeadLetter, Violation
+from schemas.outputs import CorrelatedEvent, DeadLetter, GpuAllocation, Violation
 from schemas.release import ReleaseEvent
 from schemas.scheduler import SchedulerEvent
 
@@ -83,6 +83,7 @@ __all__ = [
     "CorrelatedEvent",
     "DeadLetter",
     "EventDecodeError",
+    "GpuAllocation",
     "GpuEvent",
     "ReleaseEvent",
     "SchedulerEvent",

@@ -10,7 +10,7 @@ from pydantic import TypeAdapter
 from schemas.alert import AlertEvent
 from schemas.events import AnyEvent
 from schemas.gpu import GpuEvent
-from schemas.outputs import CorrelatedEvent, DeadLetter, Violation
+from schemas.outputs import CorrelatedEvent, DeadLetter, GpuAllocation, Violation
 from schemas.release import ReleaseEvent
 from schemas.scheduler import SchedulerEvent
 
@@ -22,6 +22,7 @@ MODELS = {
     "release_event": ReleaseEvent,
     "alert_event": AlertEvent,
     "correlated_event": CorrelatedEvent,
+    "gpu_allocation": GpuAllocation,
     "violation": Violation,
     "dead_letter": DeadLetter,
 }

@@ -41,6 +41,33 @@ class CorrelatedEvent(Frozen):
     payload_json: str = Field(default="{}", description="The input event's payload, as JSON.")
 
 
+class GpuAllocation(Frozen):
+    """One interval during which a device was assigned to a pod's container.
+
+    Opened by ``gpu.assigned``, closed by ``gpu.released``, pod deletion or node
+    loss. ``allocation_id`` is the row key; the closed interval supersedes the open
+    one with a higher ``version``, as does a later, better attribution.
+    """
+
+    allocation_id: str = Field(description="Row key: hash of node, device, pod, container and the assigning event.")
+    version: int = Field(ge=0, description="Row version; the highest wins.")
+    node: str = Field(description="Node name.")
+    gpu_id: str = Field(description="Device id verbatim (GPU UUID, MIG UUID, index name, with any ::N share suffix).")
+    gpu: str | None = Field(default=None, description="Physical GPU parsed from the device id.")
+    mig_instance: str | None = Field(default=None, description="MIG instance when the device is a MIG slice.")
+    resource_name: str = Field(default="nvidia.com/gpu", description="Extended resource name.")
+    namespace: str = Field(description="Pod namespace.")
+    pod: str = Field(description="Pod name.")
+    container: str | None = Field(default=None, description="Container name.")
+    identity: Identity = Field(description="Resolved identity: pod uid, workload, release, model, owner, environment.")
+    attribution: str = Field(description="How the release was resolved (see CorrelatedEvent.attribution).")
+    started_at: UtcDatetime = Field(description="When the assignment was observed (event time).")
+    ended_at: UtcDatetime | None = Field(default=None, description="When it ended; null while held.")
+    end_reason: str | None = Field(default=None, description="released, pod_deleted, node_lost.")
+    start_event_id: str = Field(description="event_id of the gpu.assigned event.")
+    end_event_id: str | None = Field(default=None, description="event_id of the event that closed it.")
+
+
 class Violation(Frozen):
     """One ownership-gap control violation, open or closed."""
 

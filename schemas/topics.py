@@ -72,6 +72,10 @@ class TopicCatalogue(BaseModel):
         return self._name("alerts-enriched")
 
     @property
+    def allocations(self) -> str:
+        return self._name("allocations")
+
+    @property
     def violations(self) -> str:
         return self._name("violations")
 
@@ -99,6 +103,7 @@ class TopicCatalogue(BaseModel):
         ]
         out = [
             TopicSpec(self.correlated, self.raw_partitions, "release_id, else correlation_id", self.output_retention_ms, role="output"),
+            TopicSpec(self.allocations, self.raw_partitions, "node/gpu_id", self.output_retention_ms, role="output"),
             TopicSpec(self.enriched_alerts, self.raw_partitions, "alert fingerprint", self.output_retention_ms, role="output"),
             TopicSpec(self.violations, self.raw_partitions, "violation_id", self.output_retention_ms, role="output"),
             TopicSpec(self.deadletter, 1, "source key", self.raw_retention_ms, role="deadletter"),

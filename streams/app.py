@@ -21,6 +21,7 @@ on its loopback web port (``/gpuledger/query/``), recorded beside the data dir.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import weakref
 from datetime import datetime, timezone
@@ -31,7 +32,6 @@ from faust.streams import _current_event
 from gpuledger.localkafka import free_port
 from producers._kafka import resolve_bootstrap
 from schemas import CorrelatedEvent, DeadLetter, EventDecodeError, decode_event, encode_event
-from sinks.correlated import CORRELATED_COLUMNS, DEAD_LETTER_COLUMNS, TableWriter, correlated_rows, dead_letter_rows
 from sinks.query import QueryError, run_readonly
 from streams.correlate import Input, correlate_attached, correlate_unattached, new_state
 
@@ -89,6 +89,7 @@ def create_app(settings, store_client=None) -> faust.App:
     correlated = app.topic(cat.correlated, key_serializer="raw", value_serializer="raw")
     enriched = app.topic(cat.enriched_alerts, key_serializer="raw", value_serializer="raw")
     dead = app.topic(cat.deadletter, key_serializer="raw", value_serializer="raw")
+    allocations = app.topic(cat.allocations, key_serializer="raw", value_serializer="raw")
     releases = app.Table("releases", default=None, partitions=cat.raw_partitions,
                          schema=faust.Schema(key_type=bytes, value_type=dict, key_serializer="raw", value_serializer="json"))
     app.gpuledger_stats = {"correlated_in": 0, "correlated_out": 0, "dead_letters": 0, "stored": 0}
@@ -133,46 +134,11 @@ def create_app(settings, store_client=None) -> faust.App:
             log.info("correlated %d event(s) into %d row(s)", len(events), len(outputs))
 
     if store_client is not None:
-        db = settings.clickhouse.database
-        correlated_writer = TableWriter(store_client, db, "correlated_events", CORRELATED_COLUMNS, "sinks.correlated")
-        dead_writer = TableWriter(store_client, db, "dead_letters", DEAD_LETTER_COLUMNS, "sinks.dead_letters")
+        from sinks.agents import install_sink_agents
 
-        @app.agent(correlated, name="store_correlated")
-        async def store_correlated(stream):
-            async for events in stream.take_events(settings.clickhouse.batch_rows, within=settings.clickhouse.batch_seconds):
-                batch = []
-                for ev in events:
-                    try:
-                        batch.append(CorrelatedEvent.model_validate_json(ev.message.value))
-                    except Exception as exc:  # noqa: BLE001 - keep the sink going; the record is dead-lettered
-                        await send_dead(dead_letter("validation", str(exc), "sinks.store_correlated", ev.message), ev.message.key)
-                await correlated_writer.write(correlated_rows(batch))
-                app.gpuledger_stats["stored"] += len(batch)
-
-        @app.agent(dead, name="store_dead_letters")
-        async def store_dead_letters(stream):
-            async for events in stream.take_events(settings.clickhouse.batch_rows, within=settings.clickhouse.batch_seconds):
-                batch = []
-                for ev in events:
-                    try:
-                        batch.append(DeadLetter.model_validate_json(ev.message.value))
-                    except Exception:  # noqa: BLE001 - a dead letter about a dead letter would loop
-                        log.error("unreadable dead letter at %s[%d]@%d skipped", ev.message.topic, ev.message.partition, ev.message.offset)
-                await dead_writer.write(dead_letter_rows(batch))
-
-        @app.page("/gpuledger/query/")
-        class QueryView(faust.web.View):
-            async def post(self, request):
-                try:
-                    body = await request.json()
-                    sql, params = body["sql"], body.get("parameters") or {}
-                except (ValueError, KeyError, TypeError):
-                    return self.json({"error": "body must be JSON {\"sql\": ..., \"parameters\": {...}}"}, status=400)
-                try:
-                    result = await _to_thread(run_readonly, store_client, sql, params)
-                except QueryError as exc:
-                    return self.json({"error": str(exc)}, status=400)
-                return self.json({"columns": result.columns, "rows": result.rows})
+        install_sink_agents(app, settings, store_client, {"correlated": correlated, "deadletter": dead, "allocations": allocations,
+                                                          "raw": raw}, send_dead)
+        install_query_view(app, store_client)
 
     @app.page("/gpuledger/health/")
     class HealthView(faust.web.View):
@@ -183,10 +149,22 @@ def create_app(settings, store_client=None) -> faust.App:
     return app
 
 
-async def _to_thread(fn, *args):
-    import asyncio
+def install_query_view(app: faust.App, store_client) -> None:
+    """Serve read-only queries on the worker's loopback port (the owner of the store)."""
 
-    return await asyncio.to_thread(fn, *args)
+    @app.page("/gpuledger/query/")
+    class QueryView(faust.web.View):
+        async def post(self, request):
+            try:
+                body = await request.json()
+                sql, params = body["sql"], body.get("parameters") or {}
+            except (ValueError, KeyError, TypeError):
+                return self.json({"error": 'body must be JSON {"sql": ..., "parameters": {...}}'}, status=400)
+            try:
+                result = await asyncio.to_thread(run_readonly, store_client, sql, params)
+            except QueryError as exc:
+                return self.json({"error": str(exc)}, status=400)
+            return self.json({"columns": result.columns, "rows": result.rows})
 
 
 def run_worker(settings, loglevel: str = "info") -> None:
