@@ -95,6 +95,7 @@ class StreamsSettings(BaseSettings):
     app_id: str = Field(default="gpuledger", description="Faust app id = consumer group; change it to replay into a fresh group.")
     web_port: int = Field(default=0, ge=0, le=65535, description="Worker's loopback web port (health, read-only queries); 0 picks a free port.")
     park_ttl_s: float = Field(default=300.0, gt=0, description="Event-time seconds an event waits for its identity before it is emitted unattributed.")
+    park_idle_flush_s: float = Field(default=10.0, gt=0, description="Wall-clock seconds without input after which every parked event is emitted (an idle source must not hold rows back).")
 
 
 class TelemetrySettings(BaseSettings):

@@ -55,6 +55,7 @@ class SchedulerPayload(Frozen):
     victim: ObjectRef | None = Field(default=None, description="Whom this workload/pod preempted, when known.")
     labels: dict[str, str] = Field(default_factory=dict, description="Labels that carry shared identifiers.")
     flavors: dict[str, str] = Field(default_factory=dict, description="Kueue resource flavor per resource.")
+    pod_sets: dict[str, int] = Field(default_factory=dict, description="Kueue pod-set name -> pod count (admitted count when the workload has an admission).")
 
 
 class SchedulerEvent(EventBase):

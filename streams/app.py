@@ -2,18 +2,21 @@
 
 Input: the four raw topics (scheduler, gpu, release, alert), co-partitioned and keyed
 by the shared correlation key. Output: the correlated topic (one row per input,
-superseded by higher versions when attribution improves), enriched alerts, dead
-letters, and — through the sink agents — the ClickHouse tables.
+superseded by higher versions when attribution improves), GPU allocation intervals,
+enriched alerts, dead letters, and — through the sink agents — the ClickHouse tables.
 
-Agents:
-  - ``correlate_events`` reads every raw topic through one channel, in batches
-    (``take_events``), folds each event into the ``releases`` table (changelog-backed,
-    recovered on restart) and emits the correlated rows the change produced.
-  - ``store_correlated`` / ``store_dead_letters`` insert their topics into ClickHouse
-    in batches by size and time; offsets are acked only after the insert (see
-    sinks/correlated.py), so a crash re-delivers into idempotent tables.
-Poison records (not JSON, wrong types, unknown event types) go to the dead-letter
-topic with the reason and their topic/partition/offset; the agent keeps going.
+Topology (see docs/architecture.md for the diagram):
+  - ``route_events`` reads every raw topic through one channel in batches, dead-letters
+    poison records (with reason and topic/partition/offset) and re-keys each event to
+    its entity (``streams.routing``) on the internal route topic.
+  - ``correlate_entities`` folds routed messages into the ``entities`` table
+    (changelog-backed; recovered on restart) and re-derives each touched entity once
+    per batch (``streams.entities``): correlated rows, allocation intervals, and links
+    forwarded to related entities (pod -> node/GPU, pod <-> workload) via the route topic.
+  - ``follow_releases`` keeps the ReleaseDirectory (every release, on every worker);
+    ``housekeeping`` re-attributes the dependents of a changed release, reconciles
+    after a (re)start or rebalance, and flushes parked rows on an idle source.
+  - sink agents (``sinks.agents``) insert output topics into ClickHouse.
 
 The worker process owns the embedded store; it serves read-only queries for the CLI
 on its loopback web port (``/gpuledger/query/``), recorded beside the data dir.
@@ -22,18 +25,24 @@ on its loopback web port (``/gpuledger/query/``), recorded beside the data dir.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
+import time
 import weakref
-from datetime import datetime, timezone
+from collections import defaultdict
+from datetime import datetime, timedelta, timezone
 
 import faust
+import orjson
 from faust.streams import _current_event
 
 from gpuledger.localkafka import free_port
 from producers._kafka import resolve_bootstrap
 from schemas import CorrelatedEvent, DeadLetter, EventDecodeError, decode_event, encode_event
 from sinks.query import QueryError, run_readonly
-from streams.correlate import Input, correlate_attached, correlate_unattached, new_state
+from streams.directory import ReleaseDirectory, follow_release_topic
+from streams.entities import expire, fold_event, fold_link, new_entity, refresh
+from streams.routing import entity_key
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +58,58 @@ def _as_current(event) -> None:
     # point the context at the event that touched the key so the changelog lands on
     # the key's own (co-partitioned) partition. Faust has no public API for this.
     _current_event.set(weakref.ref(event))
+
+
+class Runtime:
+    """Per-worker, in-memory helpers around the entity table (rebuilt after a restart).
+
+    - ``dependents``: interest key (rid:/digest:/model:...) -> entity keys, so a release
+      change re-attributes exactly the entities that depend on it;
+    - the parking heap: (deadline, entity, row) ordered by event time; rows are expired
+      when the event-time watermark passes their deadline, or all at once when no input
+      arrived for ``idle_flush_s`` (an idle source must not hold rows back forever).
+    """
+
+    def __init__(self, park_ttl: timedelta, idle_flush_s: float) -> None:
+        self.park_ttl = park_ttl
+        self.idle_flush_s = idle_flush_s
+        self.dependents: dict[str, set[str]] = defaultdict(set)
+        self.pending_refresh: set[str] = set()
+        self.reconciled = False
+        self.watermark: str = ""
+        self.last_input = time.monotonic()
+        self._heap: list[tuple[str, str, str]] = []
+        self._parked: set[tuple[str, str]] = set()
+
+    def index(self, key: str, interests) -> None:
+        for interest in interests:
+            self.dependents[interest].add(key)
+
+    def park(self, at_iso: str, key: str, row_id: str) -> None:
+        if (key, row_id) in self._parked:
+            return
+        deadline = (datetime.fromisoformat(at_iso) + self.park_ttl).isoformat()
+        heapq.heappush(self._heap, (deadline, key, row_id))
+        self._parked.add((key, row_id))
+
+    def advance(self, watermark: datetime) -> None:
+        iso = watermark.isoformat()
+        if iso > self.watermark:
+            self.watermark = iso
+
+    def idle(self) -> bool:
+        return bool(self._heap) and time.monotonic() - self.last_input >= self.idle_flush_s
+
+    def due(self, flush_all: bool = False) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = defaultdict(list)
+        while self._heap and (flush_all or self._heap[0][0] <= self.watermark):
+            _deadline, key, row_id = heapq.heappop(self._heap)
+            self._parked.discard((key, row_id))
+            out[key].append(row_id)
+        return dict(out)
+
+    def parked_count(self) -> int:
+        return len(self._heap)
 
 
 def dead_letter(reason: str, error: str, stage: str, message) -> DeadLetter:
@@ -90,7 +151,7 @@ def create_app(settings, store_client=None) -> faust.App:
     enriched = app.topic(cat.enriched_alerts, key_serializer="raw", value_serializer="raw")
     dead = app.topic(cat.deadletter, key_serializer="raw", value_serializer="raw")
     allocations = app.topic(cat.allocations, key_serializer="raw", value_serializer="raw")
-    releases = app.Table("releases", default=None, partitions=cat.raw_partitions,
+    entities = app.Table("entities", default=None, partitions=cat.raw_partitions,
                          schema=faust.Schema(key_type=bytes, value_type=dict, key_serializer="raw", value_serializer="json"))
     app.gpuledger_stats = {"correlated_in": 0, "correlated_out": 0, "dead_letters": 0, "stored": 0}
 
@@ -98,40 +159,129 @@ def create_app(settings, store_client=None) -> faust.App:
         app.gpuledger_stats["dead_letters"] += 1
         await dead.send(key=key, value=encode_event(letter))
 
-    @app.agent(raw, name="correlate_events")
-    async def correlate_events(stream):
+    route = app.topic(f"{cat.prefix}.{conf.app_id}.route.v1", internal=True, partitions=cat.raw_partitions, key_serializer="raw", value_serializer="raw")
+    directory = ReleaseDirectory()
+    runtime = Runtime(park_ttl=timedelta(seconds=conf.park_ttl_s), idle_flush_s=conf.park_idle_flush_s)
+    app.gpuledger_directory = directory
+    app.gpuledger_runtime = runtime
+
+    @app.agent(raw, name="route_events")
+    async def route_events(stream):
+        """Decode raw events, dead-letter poison, re-key each event to its entity."""
         async for events in stream.take_events(CORRELATE_BATCH, within=CORRELATE_WITHIN_S):
-            outputs: list[CorrelatedEvent] = []
-            touched: dict[str, tuple[dict, object]] = {}
             for ev in events:
                 msg = ev.message
                 try:
                     event = decode_event(msg.value)
-                    inp = Input(event, msg.topic, msg.partition, msg.offset)
-                    rid = event.identity.release_id
-                    if rid:
-                        state = touched[rid][0] if rid in touched else (releases.get(rid.encode()) or new_state(rid))
-                        outputs.extend(correlate_attached(state, inp))
-                        touched[rid] = (state, ev)
-                    else:
-                        outputs.append(correlate_unattached(inp))
+                    key = entity_key(event)
                 except EventDecodeError as exc:
-                    await send_dead(dead_letter(exc.reason, str(exc), "streams.correlate_events", msg), msg.key)
+                    await send_dead(dead_letter(exc.reason, str(exc), "streams.route_events", msg), msg.key)
+                    continue
                 except Exception as exc:  # noqa: BLE001 - a poison record must not stop the agent
-                    log.exception("correlate_events failed on %s[%d]@%d", msg.topic, msg.partition, msg.offset)
-                    await send_dead(dead_letter("processing_error", f"{type(exc).__name__}: {exc}", "streams.correlate_events", msg), msg.key)
-            for rid, (state, ev) in touched.items():
+                    log.exception("route_events failed on %s[%d]@%d", msg.topic, msg.partition, msg.offset)
+                    await send_dead(dead_letter("processing_error", f"{type(exc).__name__}: {exc}", "streams.route_events", msg), msg.key)
+                    continue
+                envelope = {"k": "event", "src": [msg.topic, msg.partition, msg.offset], "event": orjson.loads(msg.value)}
+                await route.send(key=key.encode(), value=orjson.dumps(envelope))
+            app.gpuledger_stats["routed"] = app.gpuledger_stats.get("routed", 0) + len(events)
+            runtime.last_input = time.monotonic()
+
+    @app.agent(route, name="correlate_entities")
+    async def correlate_entities(stream):
+        """Fold routed messages into entity state; emit correlated rows, allocations, links."""
+        await directory.ready.wait()
+        async for events in stream.take_events(CORRELATE_BATCH, within=CORRELATE_WITHIN_S):
+            touched: dict[str, tuple[dict, object]] = {}
+            watermark = None
+            n_in = 0
+            for ev in events:
+                msg = ev.message
+                key = msg.key.decode()
+                try:
+                    body = orjson.loads(msg.value)
+                    state = touched[key][0] if key in touched else entities.get(key.encode())
+                    if state is None:
+                        if body["k"] == "refresh":
+                            continue
+                        state = new_entity(key)
+                    if body["k"] == "event":
+                        event = decode_event(body["event"])
+                        n_in += 1
+                        if fold_event(state, event, tuple(body["src"])):
+                            at = event.occurred_at
+                            watermark = at if watermark is None or at > watermark else watermark
+                    elif body["k"] == "link":
+                        fold_link(state, body["from"], body["link"])
+                    elif body["k"] == "expire":
+                        expire(state, body["rows"])
+                    # "refresh": nothing to fold; the entity is re-derived below
+                    touched[key] = (state, ev)
+                except Exception as exc:  # noqa: BLE001 - a poison record must not stop the agent
+                    log.exception("correlate_entities failed on %s[%d]@%d", msg.topic, msg.partition, msg.offset)
+                    await send_dead(dead_letter("processing_error", f"{type(exc).__name__}: {exc}", "streams.correlate_entities", msg), msg.key)
+            n_out = 0
+            for key, (state, ev) in touched.items():
+                outcome = refresh(state, directory)
                 _as_current(ev)
-                releases[rid.encode()] = state
-            for row in outputs:
-                key = (row.identity.release_id or row.correlation_id).encode()
-                value = encode_event(row)
-                await correlated.send(key=key, value=value)
-                if row.event_type.startswith("alert."):
-                    await enriched.send(key=(row.identity.alert_fingerprint or row.correlation_id).encode(), value=value)
-            app.gpuledger_stats["correlated_in"] += len(events)
-            app.gpuledger_stats["correlated_out"] += len(outputs)
-            log.info("correlated %d event(s) into %d row(s)", len(events), len(outputs))
+                entities[key.encode()] = state
+                runtime.index(key, state["interests"])
+                for at_iso, row_id in outcome.parked:
+                    runtime.park(at_iso, key, row_id)
+                for row in outcome.correlated:
+                    value = encode_event(row)
+                    await correlated.send(key=(row.identity.release_id or row.correlation_id).encode(), value=value)
+                    if row.event_type.startswith("alert."):
+                        await enriched.send(key=(row.identity.alert_fingerprint or row.correlation_id).encode(), value=value)
+                for alloc in outcome.allocations:
+                    await allocations.send(key=f"{alloc.node}/{alloc.gpu_id}".encode(), value=encode_event(alloc))
+                for target, link in outcome.forwards:
+                    await route.send(key=target.encode(), value=orjson.dumps({"k": "link", "from": key, "link": link}))
+                n_out += len(outcome.correlated)
+            if watermark is not None:
+                runtime.advance(watermark)
+            for target, rows in runtime.due().items():
+                await route.send(key=target.encode(), value=orjson.dumps({"k": "expire", "rows": rows}))
+            app.gpuledger_stats["correlated_in"] += n_in
+            app.gpuledger_stats["correlated_out"] += n_out
+            app.gpuledger_stats["parked"] = runtime.parked_count()
+            log.info("correlated %d message(s) for %d entit(ies) into %d row(s)", len(events), len(touched), n_out)
+
+    def on_release_change(interest_keys: list[str]) -> None:
+        runtime.pending_refresh.update(interest_keys)
+
+    @app.task
+    async def follow_releases():
+        await follow_release_topic(resolve_bootstrap(settings), cat.release, directory, on_release_change)
+
+    @app.on_rebalance_complete.connect
+    async def _rebalanced(sender, **kwargs):
+        runtime.reconciled = False
+
+    @app.timer(interval=0.5)
+    async def housekeeping():
+        """Re-attribute dependents of changed releases; reconcile after (re)start; idle flush."""
+        if not directory.ready.is_set():
+            return
+        targets: set[str] = set()
+        if not runtime.reconciled:
+            runtime.reconciled = True
+            for key, state in list(entities.items()):
+                key = key.decode() if isinstance(key, bytes) else key
+                runtime.index(key, state.get("interests", []))
+                for rec in state.get("rows", {}).values():
+                    if rec.get("parked"):
+                        runtime.park(rec["starts_at"] or rec["at"], key, rec["id"])
+                if state.get("interests"):
+                    targets.add(key)
+        if runtime.pending_refresh:
+            changed, runtime.pending_refresh = runtime.pending_refresh, set()
+            for interest in changed:
+                targets.update(runtime.dependents.get(interest, ()))
+        for key in sorted(targets):
+            await route.send(key=key.encode(), value=orjson.dumps({"k": "refresh"}))
+        if runtime.idle():
+            for target, rows in runtime.due(flush_all=True).items():
+                await route.send(key=target.encode(), value=orjson.dumps({"k": "expire", "rows": rows}))
 
     if store_client is not None:
         from sinks.agents import install_sink_agents

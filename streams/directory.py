@@ -1,0 +1,176 @@
+"""ReleaseDirectory: every worker's full, in-memory view of all releases.
+
+Input: the raw release topic, read from the beginning by each worker (no consumer
+group: every worker reads every partition). Output: release manifests, lifecycle
+history and look-up indexes (release id, image digest, model+version).
+
+Why not a co-partitioned table: scheduler, GPU and alert events are keyed by pod,
+node/GPU or fingerprint, and each of them must resolve *some* release. Releases are
+few (thousands) and change rarely, so — as with a Kafka Streams GlobalKTable — every
+worker holds them all and joins locally, with no repartition per look-up. This is
+hand-written rather than Faust's GlobalTable because the join needs secondary
+indexes (digest, model+version) and a change hook that re-attributes dependents,
+neither of which GlobalTable offers.
+
+Guarantees: the directory's content after reading a history is independent of
+read order (fields and states are merged by event time, see ``streams.correlate``).
+``ready`` is set once the topic's end offsets at start-up have been read, so the
+correlation agent does not attribute against a half-loaded directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+
+from schemas import EventDecodeError, decode_event
+from streams.correlate import apply_release_event, new_state, state_as_of
+
+log = logging.getLogger(__name__)
+
+
+class ReleaseDirectory:
+    def __init__(self) -> None:
+        self.releases: dict[str, dict] = {}
+        self.by_digest: dict[str, set[str]] = defaultdict(set)
+        self.by_model: dict[tuple[str, str], set[str]] = defaultdict(set)
+        self.by_model_name: dict[str, set[str]] = defaultdict(set)
+        self.seen: set[str] = set()
+        self.ready = asyncio.Event()
+
+    # --- folding events ---------------------------------------------------------
+    def apply(self, event) -> list[str]:
+        """Fold one release event in; return the interest keys whose answer changed."""
+        if event.event_id in self.seen:
+            return []
+        self.seen.add(event.event_id)
+        rid = event.identity.release_id
+        state = self.releases.setdefault(rid, new_state(rid))
+        before = self.interest_keys(rid)
+        apply_release_event(state, event)
+        after = self.interest_keys(rid)
+        manifest = self.manifest(rid)
+        for key in before - after:
+            self._unindex(key, rid)
+        if manifest.get("image_digest"):
+            self.by_digest[manifest["image_digest"]].add(rid)
+        if manifest.get("model_name"):
+            self.by_model_name[manifest["model_name"]].add(rid)
+            if manifest.get("model_version"):
+                self.by_model[(manifest["model_name"], manifest["model_version"])].add(rid)
+        return sorted(before | after)
+
+    def _unindex(self, key: str, rid: str) -> None:
+        kind, _, value = key.partition(":")
+        if kind == "digest":
+            self.by_digest[value].discard(rid)
+        elif kind == "model":
+            name, _, version = value.partition(":")
+            self.by_model[(name, version)].discard(rid)
+        elif kind == "modelname":
+            self.by_model_name[value].discard(rid)
+
+    # --- reading ------------------------------------------------------------------
+    def interest_keys(self, rid: str) -> set[str]:
+        """The keys an unresolved entity may wait on that this release can answer."""
+        keys = {f"rid:{rid}"}
+        m = self.manifest(rid)
+        if m.get("image_digest"):
+            keys.add(f"digest:{m['image_digest']}")
+        if m.get("model_name"):
+            keys.add(f"modelname:{m['model_name']}")
+            if m.get("model_version"):
+                keys.add(f"model:{m['model_name']}:{m['model_version']}")
+        return keys
+
+    def known(self, rid: str | None) -> bool:
+        return bool(rid) and rid in self.releases and bool(self.releases[rid]["history"])
+
+    def manifest(self, rid: str) -> dict:
+        state = self.releases.get(rid)
+        return {f: v[0] for f, v in state["manifest"].items()} if state else {}
+
+    def state_as_of(self, rid: str, at_iso: str) -> str | None:
+        state = self.releases.get(rid)
+        return state_as_of(state, at_iso) if state else None
+
+    def latest_event(self, rid: str) -> str | None:
+        state = self.releases.get(rid)
+        return state["history"][-1][1] if state and state["history"] else None
+
+    def environments_at(self, rid: str, at_iso: str) -> list[str]:
+        """Environments the release was promoted to (and not rolled back from) at a time."""
+        state = self.releases.get(rid)
+        envs: list[str] = []
+        for key, etype, _id, env, _actor in (state["history"] if state else []):
+            if key.split("|", 1)[0] > at_iso or not env:
+                continue
+            if etype == "release.promoted" and env not in envs:
+                envs.append(env)
+            elif etype in ("release.rolled_back", "release.revoked", "release.retired") and env in envs:
+                envs.remove(env)
+        return envs
+
+    def _pick(self, candidates: Iterable[str], environment: str | None) -> str | None:
+        """Deterministic choice among candidate releases: same environment first,
+        then the one whose latest lifecycle event is latest (ties by id)."""
+        cands = [c for c in candidates if self.known(c)]
+        if environment:
+            same_env = [c for c in cands if self.manifest(c).get("environment") == environment]
+            cands = same_env or cands
+        if not cands:
+            return None
+        return max(cands, key=lambda c: (self.releases[c]["history"][-1][0], c))
+
+    def by_image_digest(self, digest: str | None, environment: str | None = None) -> str | None:
+        return self._pick(self.by_digest.get(digest, ()), environment) if digest else None
+
+    def by_model_version(self, name: str | None, version: str | None, environment: str | None = None) -> str | None:
+        if not name:
+            return None
+        if version:
+            return self._pick(self.by_model.get((name, version), ()), environment)
+        return self._pick(self.by_model_name.get(name, ()), environment)
+
+
+async def follow_release_topic(bootstrap: str, topic: str, directory: ReleaseDirectory,
+                               on_change: Callable[[list[str]], None], stop: asyncio.Event | None = None) -> None:
+    """Read ``topic`` from the beginning forever into ``directory`` (no consumer group)."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None, auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        parts = [TopicPartition(topic, p) for p in (consumer.partitions_for_topic(topic) or set())]
+        while not parts:
+            await asyncio.sleep(0.5)
+            await consumer._client.force_metadata_update()  # topic may be created after we start
+            parts = [TopicPartition(topic, p) for p in (consumer.partitions_for_topic(topic) or set())]
+        consumer.assign(parts)
+        await consumer.seek_to_beginning(*parts)
+        end = await consumer.end_offsets(parts)
+        caught_up = {tp for tp, off in end.items() if off == 0}
+        if len(caught_up) == len(parts):
+            directory.ready.set()
+        while stop is None or not stop.is_set():
+            batch = await consumer.getmany(timeout_ms=200, max_records=5000)
+            changed: set[str] = set()
+            for tp, messages in batch.items():
+                for msg in messages:
+                    try:
+                        changed.update(directory.apply(decode_event(msg.value)))
+                    except EventDecodeError:
+                        pass  # dead-lettered by the routing agent, which reads the same record
+                    except Exception:  # noqa: BLE001 - one bad record must not stop the directory
+                        log.exception("release directory could not apply %s[%d]@%d", tp.topic, tp.partition, msg.offset)
+                    if msg.offset + 1 >= end.get(tp, 0):
+                        caught_up.add(tp)
+            if not directory.ready.is_set() and len(caught_up) == len(parts):
+                directory.ready.set()
+                log.info("release directory loaded: %d release(s)", len(directory.releases))
+            if changed and directory.ready.is_set():
+                on_change(sorted(changed))
+    finally:
+        await consumer.stop()

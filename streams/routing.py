@@ -1,0 +1,48 @@
+"""Which entity an event belongs to: the re-keying step, as a pure function.
+
+Raw topics are keyed by what each collector knows (release id, workload, namespace/pod,
+fingerprint). Joining needs every fact about one *entity* in one place, so the
+routing agent re-keys each event to its entity key on the internal route topic:
+
+| event | entity key |
+|---|---|
+| release.* | ``rel:<release_id>`` |
+| gpu.assigned / gpu.released | ``pod:<namespace>/<pod>`` |
+| gpu.allocatable | ``node:<node>`` |
+| scheduler.* with namespace+pod | ``pod:<namespace>/<pod>`` |
+| scheduler.* without a pod (Kueue Workload) | ``wl:<workload_id>`` |
+| alert.* with namespace+pod | ``pod:<namespace>/<pod>`` |
+| alert.* with node+gpu | ``gpu:<node>/<gpu_id>`` (as-of join against allocation intervals) |
+| alert.* with a release label | ``rel:<release_id>`` |
+| alert.* with model (+version) | ``model:<name>:<version>`` |
+| any other alert | ``fp:<fingerprint>`` (unattributed unless identity arrives) |
+"""
+
+from __future__ import annotations
+
+
+def entity_key(event) -> str:
+    ident = event.identity
+    family = event.event_type.split(".", 1)[0]
+    if family == "release":
+        return f"rel:{ident.release_id}"
+    if family == "gpu":
+        if event.event_type == "gpu.allocatable":
+            return f"node:{event.payload.node}"
+        return f"pod:{event.payload.namespace or ident.namespace}/{event.payload.pod or ident.pod}"
+    if family == "scheduler":
+        if ident.namespace and ident.pod:
+            return f"pod:{ident.namespace}/{ident.pod}"
+        if ident.workload_id:
+            return f"wl:{ident.workload_id}"
+        return f"uid:{ident.pod_uid}"
+    # alerts
+    if ident.namespace and ident.pod:
+        return f"pod:{ident.namespace}/{ident.pod}"
+    if ident.node and ident.gpu_id:
+        return f"gpu:{ident.node}/{ident.gpu_id}"
+    if ident.release_id:
+        return f"rel:{ident.release_id}"
+    if ident.model_name:
+        return f"model:{ident.model_name}:{ident.model_version or ''}"
+    return f"fp:{ident.alert_fingerprint}"
