@@ -142,6 +142,10 @@ def create_app(settings, store_client=None) -> faust.App:
         producer_acks=-1,
         table_standby_replicas=0,
         broker_commit_every=1000,
+        # A crashed worker's partitions move after this long (Kafka's default, 45 s,
+        # holds a restarted worker's input back for most of a minute).
+        broker_session_timeout=10.0,
+        broker_heartbeat_interval=2.0,
         broker_commit_interval=1.0,
         key_serializer="raw",
         value_serializer="raw",
@@ -151,8 +155,8 @@ def create_app(settings, store_client=None) -> faust.App:
     enriched = app.topic(cat.enriched_alerts, key_serializer="raw", value_serializer="raw")
     dead = app.topic(cat.deadletter, key_serializer="raw", value_serializer="raw")
     allocations = app.topic(cat.allocations, key_serializer="raw", value_serializer="raw")
-    entities = app.Table("entities", default=None, partitions=cat.raw_partitions,
-                         schema=faust.Schema(key_type=bytes, value_type=dict, key_serializer="raw", value_serializer="json"))
+    # key_type/value_type (not a Schema) is what Faust derives the changelog codecs from.
+    entities = app.Table("entities", default=None, partitions=cat.raw_partitions, key_type=str)
     app.gpuledger_stats = {"correlated_in": 0, "correlated_out": 0, "dead_letters": 0, "stored": 0}
 
     async def send_dead(letter: DeadLetter, key) -> None:
@@ -199,7 +203,7 @@ def create_app(settings, store_client=None) -> faust.App:
                 key = msg.key.decode()
                 try:
                     body = orjson.loads(msg.value)
-                    state = touched[key][0] if key in touched else entities.get(key.encode())
+                    state = touched[key][0] if key in touched else entities.get(key)
                     if state is None:
                         if body["k"] == "refresh":
                             continue
@@ -223,7 +227,7 @@ def create_app(settings, store_client=None) -> faust.App:
             for key, (state, ev) in touched.items():
                 outcome = refresh(state, directory)
                 _as_current(ev)
-                entities[key.encode()] = state
+                entities[key] = state
                 runtime.index(key, state["interests"])
                 for at_iso, row_id in outcome.parked:
                     runtime.park(at_iso, key, row_id)

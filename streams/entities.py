@@ -243,7 +243,10 @@ def refresh(state: dict, directory, park: bool = True) -> Outcome:
     for record in state["rows"].values():
         res = resolve_row(state, record, directory, entity_res)
         interests.update(res[3])
-        unresolved = res[1] == "unattributed" and not record["type"].startswith(("release.", "gpu.allocatable"))
+        # Unresolved = no release, or a release named (label) that no release event has
+        # described yet: wait for the manifest rather than emit a half-filled row.
+        unresolved = (res[1] == "unattributed" or (res[2] is not None and not directory.known(res[2]))) \
+            and not record["type"].startswith(("release.", "gpu.allocatable"))
         if park and unresolved and not record["expired"]:
             if not record["parked"]:
                 record["parked"] = True

@@ -1,0 +1,127 @@
+"""An in-memory driver of the entity join, for tests: the same pure functions the
+Faust agents call (routing, fold, refresh, forwards, expiry), with Kafka replaced
+by an ordered queue. Used to check join rules and order-independence quickly; the
+real-broker tests in test_app.py check the same rules through the worker."""
+
+from __future__ import annotations
+
+import random
+from datetime import datetime, timedelta, timezone
+
+from schemas import AlertEvent, GpuEvent, Identity, ReleaseEvent, SchedulerEvent, Source, make_event_id
+from schemas.alert import AlertPayload
+from schemas.gpu import GpuPayload
+from schemas.release import ReleasePayload
+from schemas.scheduler import SchedulerPayload
+from streams.directory import ReleaseDirectory
+from streams.entities import expire, fold_event, fold_link, new_entity, refresh
+from streams.routing import entity_key
+
+T0 = datetime(2026, 11, 1, 8, tzinfo=timezone.utc)
+SRC = Source(collector="test")
+
+
+def at(minutes: float) -> datetime:
+    return T0 + timedelta(minutes=minutes)
+
+
+def release(etype, minutes, rid="r1", model="m", version="7", env="prod", digest="sha256:" + "b" * 64, **payload):
+    ident = Identity(release_id=rid, model_name=model, model_version=version, environment=env, image_digest=digest,
+                     artifact_digest="sha256:" + "a" * 64, owner="team-" + model)
+    return ReleaseEvent(event_id=make_event_id("t", (rid, etype), at(minutes).isoformat()), event_type=etype,
+                        occurred_at=at(minutes), observed_at=at(minutes), source=SRC, identity=ident, payload=ReleasePayload(**payload))
+
+
+def pod_event(etype, minutes, ns="ml", pod="p1", workload="ml/Job/train", node="n1", release_id=None, digest=None, **ident):
+    return SchedulerEvent(event_id=make_event_id("t", (ns, pod, etype), at(minutes).isoformat()), event_type=etype,
+                          occurred_at=at(minutes), observed_at=at(minutes), source=SRC,
+                          identity=Identity(namespace=ns, pod=pod, workload_id=workload, node=node, release_id=release_id, **ident),
+                          payload=SchedulerPayload(object_kind="Pod", image_digests=(digest,) if digest else ()))
+
+
+def gpu_event(etype, minutes, ns="ml", pod="p1", node="n1", device="GPU-1111", container="main"):
+    return GpuEvent(event_id=make_event_id("t", (node, ns, pod, device, etype), at(minutes).isoformat()), event_type=etype,
+                    occurred_at=at(minutes), observed_at=at(minutes), source=SRC, identity=Identity(namespace=ns, pod=pod, node=node, gpu_id=device),
+                    payload=GpuPayload(node=node, namespace=ns, pod=pod, container=container, device_id=device, gpu=device))
+
+
+def alert(minutes, fp="fp1", **ident):
+    return AlertEvent(event_id=make_event_id("am", (fp, "firing", at(minutes).isoformat())), event_type="alert.firing",
+                      occurred_at=at(minutes), observed_at=at(minutes), source=SRC, identity=Identity(alert_fingerprint=fp, **ident),
+                      payload=AlertPayload(alertname="A", starts_at=at(minutes)))
+
+
+class Driver:
+    """Processes events like the worker: releases feed the directory; every event is
+    routed to its entity; forwards and refreshes are queued like route messages."""
+
+    def __init__(self, seed: int | None = None, park: bool = True) -> None:
+        self.directory = ReleaseDirectory()
+        self.entities: dict[str, dict] = {}
+        self.rows: dict[str, object] = {}
+        self.allocations: dict[str, object] = {}
+        self.queue: list[tuple[str, dict]] = []
+        self.rng = random.Random(seed) if seed is not None else None
+        self.park = park
+        self.offset = 0
+
+    def _state(self, key):
+        return self.entities.setdefault(key, new_entity(key))
+
+    def _apply(self, key: str, msg: dict) -> None:
+        state = self._state(key)
+        if msg["k"] == "event":
+            fold_event(state, msg["event"], ("raw", 0, msg["offset"]))
+        elif msg["k"] == "link":
+            fold_link(state, msg["from"], msg["link"])
+        elif msg["k"] == "expire":
+            expire(state, msg["rows"])
+        out = refresh(state, self.directory, park=self.park)
+        for row in out.correlated:
+            prev = self.rows.get(row.correlation_id)
+            assert prev is None or row.version > prev.version
+            self.rows[row.correlation_id] = row
+        for alloc in out.allocations:
+            self.allocations[alloc.allocation_id] = alloc
+        for target, link in out.forwards:
+            self.queue.append((target, {"k": "link", "from": key, "link": link}))
+
+    def _drain(self) -> None:
+        # Kafka keeps order per key (one partition) but not across keys: pick a random
+        # key, then its oldest message.
+        while self.queue:
+            if self.rng:
+                key = self.rng.choice(sorted({k for k, _ in self.queue}))
+                i = next(n for n, (k, _) in enumerate(self.queue) if k == key)
+            else:
+                i = 0
+            key, msg = self.queue.pop(i)
+            self._apply(key, msg)
+
+    def feed(self, events) -> Driver:
+        for ev in events:
+            self.offset += 1
+            if ev.event_type.startswith("release."):
+                changed = self.directory.apply(ev)
+                for key, state in list(self.entities.items()):
+                    if set(state["interests"]) & set(changed):
+                        self.queue.append((key, {"k": "refresh"}))
+            self.queue.append((entity_key(ev), {"k": "event", "event": ev, "offset": self.offset}))
+            if self.rng is None:
+                self._drain()
+        self._drain()
+        return self
+
+    def flush_parked(self) -> Driver:
+        for key, state in list(self.entities.items()):
+            ids = [r["id"] for r in state["rows"].values() if r["parked"]]
+            if ids:
+                self.queue.append((key, {"k": "expire", "rows": ids}))
+        self._drain()
+        return self
+
+    def latest(self) -> dict[str, dict]:
+        return {cid: r.model_dump(exclude={"version", "source_offset"}) for cid, r in self.rows.items()}
+
+    def latest_allocations(self) -> dict[str, dict]:
+        return {aid: a.model_dump(exclude={"version"}) for aid, a in self.allocations.items()}

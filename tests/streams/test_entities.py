@@ -1,0 +1,130 @@
+"""Join rules under disorder, with the in-memory driver (same functions as the worker)."""
+
+import random
+
+from tests.streams.harness import Driver, alert, gpu_event, pod_event, release
+
+DIGEST_R1 = "sha256:" + "b" * 64
+RELEASES = [release("release.registered", 0), release("release.approved", 1, actor="alice"),
+            release("release.promoted", 2, to_environment="prod")]
+
+
+def test_gpu_assignment_before_the_pods_scheduler_event_is_parked_then_attributed():
+    d = Driver().feed([*RELEASES, gpu_event("gpu.assigned", 10)])
+    assert d.rows == {} or all(r.event_type.startswith("release.") for r in d.rows.values())  # parked, not emitted
+    [alloc] = d.allocations.values()
+    assert alloc.attribution == "unattributed" and alloc.identity.release_id is None
+    d.feed([pod_event("scheduler.scheduled", 9, release_id="r1")])
+    gpu_row = next(r for r in d.rows.values() if r.event_type == "gpu.assigned")
+    assert gpu_row.identity.release_id == "r1" and gpu_row.identity.workload_id == "ml/Job/train"
+    [alloc] = d.allocations.values()
+    assert alloc.identity.release_id == "r1" and alloc.identity.model_version == "7" and alloc.ended_at is None
+
+
+def test_alert_before_the_release_is_attributed_when_the_release_arrives():
+    d = Driver().feed([alert(15, fp="q1", release_id="r1")])
+    assert "q1" not in {r.identity.alert_fingerprint for r in d.rows.values()}  # parked
+    d.feed(RELEASES)
+    row = next(r for r in d.rows.values() if r.identity.alert_fingerprint == "q1")
+    assert row.attribution == "release_label" and row.identity.artifact_digest == "sha256:" + "a" * 64
+    assert row.release_state == "release.promoted"
+
+
+def test_missing_release_label_falls_back_to_image_digest():
+    d = Driver().feed([*RELEASES, pod_event("scheduler.running", 12, pod="p2", digest=DIGEST_R1), alert(14, fp="q2", namespace="ml", pod="p2")])
+    row = next(r for r in d.rows.values() if r.identity.alert_fingerprint == "q2")
+    assert row.attribution == "image_digest_match" and row.identity.release_id == "r1"
+
+
+def test_two_releases_of_one_model_in_different_environments():
+    staging = [release("release.registered", 0, rid="r-stg", env="staging", digest="sha256:" + "c" * 64),
+               release("release.promoted", 3, rid="r-stg", env="staging", digest="sha256:" + "c" * 64, to_environment="staging")]
+    d = Driver().feed([*RELEASES, *staging,
+                       alert(20, fp="prod-alert", model_name="m", model_version="7", environment="prod"),
+                       alert(21, fp="stg-alert", model_name="m", model_version="7", environment="staging"),
+                       pod_event("scheduler.running", 22, ns="stg", pod="s1", digest="sha256:" + "c" * 64)])
+    by_fp = {r.identity.alert_fingerprint: r for r in d.rows.values() if r.event_type.startswith("alert.")}
+    assert by_fp["prod-alert"].identity.release_id == "r1" and by_fp["prod-alert"].attribution == "model_version_match"
+    assert by_fp["stg-alert"].identity.release_id == "r-stg"
+    pod_row = next(r for r in d.rows.values() if r.identity.pod == "s1")
+    assert pod_row.identity.release_id == "r-stg" and pod_row.attribution == "image_digest_match"
+
+
+def test_pod_rescheduled_to_another_node_has_two_intervals():
+    d = Driver().feed([*RELEASES, pod_event("scheduler.scheduled", 5, release_id="r1"),
+                       gpu_event("gpu.assigned", 6, node="n1", device="GPU-AAAA"), gpu_event("gpu.released", 30, node="n1", device="GPU-AAAA"),
+                       pod_event("scheduler.scheduled", 31, node="n2", release_id="r1"), gpu_event("gpu.assigned", 32, node="n2", device="GPU-BBBB")])
+    allocs = sorted(d.allocations.values(), key=lambda a: a.started_at)
+    assert [(a.node, a.gpu_id) for a in allocs] == [("n1", "GPU-AAAA"), ("n2", "GPU-BBBB")]
+    assert allocs[0].ended_at is not None and allocs[0].end_reason == "released" and allocs[1].ended_at is None
+    assert {a.identity.release_id for a in allocs} == {"r1"}
+
+
+def test_pod_deletion_closes_its_intervals():
+    d = Driver().feed([*RELEASES, pod_event("scheduler.scheduled", 5, release_id="r1"), gpu_event("gpu.assigned", 6),
+                       pod_event("scheduler.deleted", 40, release_id="r1")])
+    [alloc] = d.allocations.values()
+    assert alloc.end_reason == "pod_deleted" and alloc.ended_at.isoformat().startswith("2026-11-01T08:40")
+
+
+def test_gpu_alert_goes_to_who_held_the_gpu_when_it_started():
+    other = [release("release.registered", 0, rid="r2", model="n", version="1", digest="sha256:" + "d" * 64)]
+    d = Driver().feed([*RELEASES, *other,
+                       pod_event("scheduler.scheduled", 5, pod="old", release_id="r1"), gpu_event("gpu.assigned", 6, pod="old", device="GPU-X"),
+                       gpu_event("gpu.released", 20, pod="old", device="GPU-X"),
+                       pod_event("scheduler.scheduled", 21, pod="new", release_id="r2"), gpu_event("gpu.assigned", 22, pod="new", device="GPU-X"),
+                       # processed after the GPU changed hands, but it started while "old" held it
+                       alert(15, fp="xid", node="n1", gpu_id="GPU-X"), alert(25, fp="xid2", node="n1", gpu_id="GPU-X")])
+    by_fp = {r.identity.alert_fingerprint: r for r in d.rows.values() if r.event_type.startswith("alert.")}
+    assert by_fp["xid"].identity.release_id == "r1" and by_fp["xid"].identity.pod == "old"
+    assert by_fp["xid"].attribution == "gpu_assignment"
+    assert by_fp["xid2"].identity.release_id == "r2" and by_fp["xid2"].identity.pod == "new"
+
+
+def test_workload_events_get_the_release_of_their_pods():
+    from tests.streams.harness import SRC, at
+    from schemas import Identity, SchedulerEvent, make_event_id
+    from schemas.scheduler import SchedulerPayload
+
+    admitted = SchedulerEvent(event_id=make_event_id("t", ("wl", "admitted")), event_type="scheduler.admitted", occurred_at=at(4),
+                              observed_at=at(4), source=SRC, identity=Identity(workload_id="ml/Job/train"),
+                              payload=SchedulerPayload(object_kind="Workload", queue="q"))
+    d = Driver().feed([admitted, *RELEASES, pod_event("scheduler.scheduled", 5, digest=DIGEST_R1)])
+    row = d.rows[admitted.event_id]
+    assert row.identity.release_id == "r1" and row.attribution == "workload_release"
+
+
+def test_unresolvable_rows_are_emitted_unattributed_after_expiry_never_dropped():
+    d = Driver().feed([alert(5, fp="orphan")])
+    assert not d.rows
+    d.flush_parked()
+    [row] = d.rows.values()
+    assert row.attribution == "unattributed" and row.identity.alert_fingerprint == "orphan"
+    # late identity still re-attributes an expired row
+    d2 = Driver().feed([pod_event("scheduler.running", 1, pod="late"), alert(5, fp="q", namespace="ml", pod="late")]).flush_parked()
+    first = next(r for r in d2.rows.values() if r.identity.alert_fingerprint == "q")
+    assert first.attribution == "unattributed"
+    d2.feed([pod_event("scheduler.running", 6, pod="late", release_id="r1"), *RELEASES])
+    again = next(r for r in d2.rows.values() if r.identity.alert_fingerprint == "q")
+    assert again.version > first.version and again.identity.release_id == "r1"
+
+
+SCENARIO = [*RELEASES, release("release.rolled_back", 50), release("release.registered", 0, rid="r2", model="n", version="1", digest="sha256:" + "d" * 64),
+            pod_event("scheduler.scheduled", 5, pod="a", release_id="r1"), gpu_event("gpu.assigned", 6, pod="a", device="GPU-1"),
+            pod_event("scheduler.running", 7, pod="b", digest=DIGEST_R1), gpu_event("gpu.assigned", 8, pod="b", device="GPU-2"),
+            gpu_event("gpu.released", 30, pod="a", device="GPU-1"), pod_event("scheduler.scheduled", 31, pod="c", release_id="r2"),
+            gpu_event("gpu.assigned", 32, pod="c", device="GPU-1"), alert(20, fp="x1", node="n1", gpu_id="GPU-1"),
+            alert(40, fp="x2", node="n1", gpu_id="GPU-1"), alert(41, fp="q", namespace="ml", pod="b"),
+            alert(45, fp="m", model_name="m", model_version="7", environment="prod"), pod_event("scheduler.deleted", 60, pod="b")]
+
+
+def test_any_processing_order_yields_the_same_latest_rows():
+    reference = Driver().feed(SCENARIO).flush_parked()
+    ref_rows, ref_allocs = reference.latest(), reference.latest_allocations()
+    assert len(ref_rows) == len(SCENARIO) and len(ref_allocs) == 3
+    for seed in range(12):
+        order = list(SCENARIO)
+        random.Random(seed).shuffle(order)
+        d = Driver(seed=seed).feed(order).flush_parked()
+        assert d.latest() == ref_rows, f"seed {seed}"
+        assert d.latest_allocations() == ref_allocs, f"seed {seed}"
