@@ -196,6 +196,7 @@ def create_app(settings, store_client=None) -> faust.App:
         await directory.ready.wait()
         async for events in stream.take_events(CORRELATE_BATCH, within=CORRELATE_WITHIN_S):
             touched: dict[str, tuple[dict, object]] = {}
+            resend: set[str] = set()
             watermark = None
             n_in = 0
             for ev in events:
@@ -205,7 +206,7 @@ def create_app(settings, store_client=None) -> faust.App:
                     body = orjson.loads(msg.value)
                     state = touched[key][0] if key in touched else entities.get(key)
                     if state is None:
-                        if body["k"] == "refresh":
+                        if body["k"] in ("refresh", "resend"):
                             continue
                         state = new_entity(key)
                     if body["k"] == "event":
@@ -218,6 +219,8 @@ def create_app(settings, store_client=None) -> faust.App:
                         fold_link(state, body["from"], body["link"])
                     elif body["k"] == "expire":
                         expire(state, body["rows"])
+                    elif body["k"] == "resend":
+                        resend.add(key)
                     # "refresh": nothing to fold; the entity is re-derived below
                     touched[key] = (state, ev)
                 except Exception as exc:  # noqa: BLE001 - a poison record must not stop the agent
@@ -225,7 +228,7 @@ def create_app(settings, store_client=None) -> faust.App:
                     await send_dead(dead_letter("processing_error", f"{type(exc).__name__}: {exc}", "streams.correlate_entities", msg), msg.key)
             n_out = 0
             for key, (state, ev) in touched.items():
-                outcome = refresh(state, directory)
+                outcome = refresh(state, directory, resend=key in resend)
                 _as_current(ev)
                 entities[key] = state
                 runtime.index(key, state["interests"])
@@ -264,9 +267,10 @@ def create_app(settings, store_client=None) -> faust.App:
     @app.timer(interval=0.5)
     async def housekeeping():
         """Re-attribute dependents of changed releases; reconcile after (re)start; idle flush."""
-        if not directory.ready.is_set():
+        if not directory.ready.is_set() or app.in_recovery or app.rebalancing:
             return
         targets: set[str] = set()
+        resend_keys: set[str] = set()
         if not runtime.reconciled:
             runtime.reconciled = True
             for key, state in list(entities.items()):
@@ -275,13 +279,14 @@ def create_app(settings, store_client=None) -> faust.App:
                 for rec in state.get("rows", {}).values():
                     if rec.get("parked"):
                         runtime.park(rec["starts_at"] or rec["at"], key, rec["id"])
-                if state.get("interests"):
-                    targets.add(key)
+                resend_keys.add(key)
         if runtime.pending_refresh:
             changed, runtime.pending_refresh = runtime.pending_refresh, set()
             for interest in changed:
                 targets.update(runtime.dependents.get(interest, ()))
-        for key in sorted(targets):
+        for key in sorted(resend_keys):
+            await route.send(key=key.encode(), value=orjson.dumps({"k": "resend"}))
+        for key in sorted(targets - resend_keys):
             await route.send(key=key.encode(), value=orjson.dumps({"k": "refresh"}))
         if runtime.idle():
             for target, rows in runtime.due(flush_all=True).items():

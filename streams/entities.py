@@ -234,9 +234,23 @@ def render_row(record: dict, directory, resolution) -> dict:
 
 # --- the step ---------------------------------------------------------------------------
 
-def refresh(state: dict, directory, park: bool = True) -> Outcome:
-    """Re-derive every output of an entity and return what changed."""
+def refresh(state: dict, directory, park: bool = True, resend: bool = False) -> Outcome:
+    """Re-derive every output of an entity and return what changed.
+
+    ``resend=True`` (after a restart) re-emits every current row and link even if
+    unchanged: the entity's state may have reached the changelog while the outputs it
+    had sent were lost in the crash. Re-sends carry the same version and content, so
+    the idempotent tables collapse them.
+    """
     out = Outcome()
+    if resend:
+        state["fwd"] = {}
+        for record in state["rows"].values():
+            record["digest"] = ""
+            record["version"] = max(record["version"] - 1, -1)
+        for seen in state["allocs"].values():
+            seen["digest"] = ""
+            seen["version"] = max(seen["version"] - 1, -1)
     kind = kind_of(state["key"])
     entity_res = resolve_entity(state, directory) if kind in ("pod", "wl") else ({}, "unattributed", None, [])
     interests = set(entity_res[3])

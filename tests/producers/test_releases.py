@@ -1,0 +1,164 @@
+"""producers/releases.py: the real `gpuledger release …` CLI against a real broker.
+
+Commands run through gpuledger.cli's typer app (CliRunner, in-process) and once through
+the installed entry point (subprocess); events are read back from the release topic.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gpuledger.cli import app
+from gpuledger.localkafka import free_port
+from producers.releases import COMMANDS, build_event
+from schemas import decode_event
+from tests.fixtures.kafka import read_topic
+
+AT = "2026-05-04T09:00:00Z"
+REGISTER = ["--release-id", "fraud-detector:7", "--model", "fraud-detector", "--version", "7",
+            "--artifact-digest", "sha256:3f79bb7b435b05321651daefd374cdc681dc06faa65e374e38337b88ca046dea"]
+
+
+@pytest.fixture
+def cli(catalogue, kafka_bootstrap, tmp_path):
+    """Run `gpuledger <args>` in-process with the test broker and topic prefix."""
+    runner = CliRunner(env={"GPULEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap, "GPULEDGER_KAFKA_TOPIC_PREFIX": catalogue.prefix,
+                            "GPULEDGER_DATA_DIR": str(tmp_path / "data")})
+
+    def run(*args: str):
+        return runner.invoke(app, list(args))
+
+    return run
+
+
+def released(bootstrap: str, topic: str, count: int, timeout: float = 20.0) -> list:
+    return [(m.key().decode(), decode_event(m.value())) for m in read_topic(bootstrap, topic, count, timeout, settle=0.5)]
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_register_publishes_and_prints_the_event_id(cli, catalogue, kafka_bootstrap):
+    result = cli("release", "register", *REGISTER, "--image-digest", "sha256:b5d3", "--config-digest", "cfg-91",
+                 "--dataset", "s3://fraud/2026-04", "--owner", "risk-ml", "--data-class", "pii", "--actor", "ci/pipeline-812",
+                 "--tag", "git_sha=4e1f9a", "--at", AT)
+    assert result.exit_code == 0, result.output
+    event_id = result.stdout.strip()
+    ((key, event),) = released(kafka_bootstrap, catalogue.release, 1)
+    assert key == "fraud-detector:7"
+    assert event.event_id == event_id
+    assert event.event_type == "release.registered"
+    ident = event.identity
+    assert (ident.model_name, ident.model_version, ident.image_digest, ident.config_digest, ident.dataset_ref, ident.owner, ident.data_class) == (
+        "fraud-detector", "7", "sha256:b5d3", "cfg-91", "s3://fraud/2026-04", "risk-ml", "pii")
+    assert ident.artifact_digest.startswith("sha256:3f79")
+    assert event.payload.actor == "ci/pipeline-812" and event.payload.tags == {"git_sha": "4e1f9a"}
+    assert event.occurred_at.isoformat() == "2026-05-04T09:00:00+00:00"
+    assert event.source.collector == "releases"
+
+
+def test_every_command_publishes_its_event(cli, catalogue, kafka_bootstrap):
+    rid = ["--release-id", "llm-7b:12"]
+    admin = ["--actor", "oncall@example.com", "--expires-at", "2026-05-05T09:00:00Z", "--reason", "INC-77"]
+    runs = {
+        "register": [*REGISTER[2:], "--release-id", "llm-7b:12"],
+        "evaluate": [*rid, "--tag", "auc=0.97"],
+        "approve": [*rid, "--actor", "alice@example.com", "--approval-id", "CHG-1042"],
+        "promote": [*rid, "--env", "prod", "--superseded", "llm-7b:11"],
+        "rollback": [*rid, "--env", "prod", "--superseded", "llm-7b:11", "--reason", "latency regression"],
+        "revoke": [*rid, "--reason", "licence withdrawn"],
+        "retire": rid,
+        "reserve": [*rid, "--reservation-id", "rsv-9", "--gpus", "16", "--pool", "h100-pool",
+                    "--window-start", "2026-05-04T10:00:00Z", "--window-end", "2026-05-06T10:00:00Z"],
+        "unreserve": [*rid, "--reservation-id", "rsv-9"],
+        "pause-queue": [*rid, "--target", "cq-train", *admin],
+        "isolate-node": [*rid, "--target", "gpu-node-a3", *admin],
+        "override-priority": [*rid, "--target", "llm-train/llm-pretrain", *admin],
+    }
+    assert set(runs) == {c.name for c in COMMANDS}
+    printed = {}
+    for command in COMMANDS:
+        result = cli("release", command.name, *runs[command.name], "--at", AT)
+        assert result.exit_code == 0, (command.name, result.output)
+        printed[result.stdout.strip()] = command.event_type
+    events = {e.event_id: e for _, e in released(kafka_bootstrap, catalogue.release, len(COMMANDS))}
+    assert {i: e.event_type for i, e in events.items()} == printed
+    by_type = {e.event_type: e for e in events.values()}
+    assert by_type["release.promoted"].payload.to_environment == "prod"
+    assert by_type["release.promoted"].payload.superseded_release_id == "llm-7b:11"
+    assert by_type["release.approved"].payload.approval_id == "CHG-1042"
+    reservation = by_type["release.reservation_created"].payload.reservation
+    assert (reservation.reservation_id, reservation.gpus, reservation.pool) == ("rsv-9", 16, "h100-pool")
+    assert reservation.window_end.isoformat() == "2026-05-06T10:00:00+00:00"
+    isolated = by_type["release.node_isolated"]
+    assert isolated.payload.target == "gpu-node-a3" and isolated.identity.node == "gpu-node-a3"
+    assert isolated.payload.actor == "oncall@example.com" and isolated.payload.expires_at is not None
+    assert all(e.identity.release_id == "llm-7b:12" for e in events.values())
+
+
+def test_retry_with_the_same_time_keeps_one_event_id(cli):
+    args = ["release", "approve", "--release-id", "fraud-detector:7", "--actor", "alice", "--approval-id", "CHG-1", "--at", AT]
+    first, second = cli(*args), cli(*args)
+    assert first.exit_code == second.exit_code == 0
+    assert first.stdout == second.stdout
+    # Another event time is another fact (checked without a third publish).
+    options = dict(release_id="fraud-detector:7", actor="alice", approval_id="CHG-1")
+    approve = next(c for c in COMMANDS if c.name == "approve")
+    assert build_event(approve, {**options, "at": AT}).event_id == first.stdout.strip()
+    assert build_event(approve, {**options, "at": "2026-05-04T09:00:01Z"}).event_id != first.stdout.strip()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["register", "--release-id", "r:1"], "release register needs --model, --version, --artifact-digest"),
+    (["register"], "release register needs --release-id, --model, --version, --artifact-digest"),
+    (["approve", "--release-id", "r:1"], "release approve needs --actor"),
+    (["promote", "--release-id", "r:1"], "release promote needs --env"),
+    (["reserve", "--release-id", "r:1", "--gpus", "4"], "release reserve needs --reservation-id"),
+    (["isolate-node", "--release-id", "r:1"], "release isolate-node needs --target, --actor"),
+    (["revoke", "--release-id", "r:1"], "release revoke needs --reason"),
+    (["retire", "--release-id", "r:1", "--gpus", "4"], "--gpus do(es) not apply to release retire"),
+    (["retire", "--release-id", "r:1", "--at", "yesterday"], "--at: not an RFC 3339 time"),
+    (["retire", "--release-id", "r:1", "--at", "2026-05-04T09:00:00"], "--at: not an RFC 3339 time"),
+    (["retire", "--release-id", "r:1", "--tag", "novalue"], "--tag: expected KEY=VALUE"),
+    (["reserve", "--release-id", "r:1", "--reservation-id", "x", "--gpus", "2", "--window-start", AT, "--window-end", AT],
+     "--window-end must be after --window-start"),
+])
+def test_missing_or_wrong_flags_exit_non_zero_naming_them(tmp_path, args, message):
+    # Kafka points at a closed port: the command must fail on its flags, before any I/O.
+    runner = CliRunner(env={"GPULEDGER_KAFKA_BOOTSTRAP": f"127.0.0.1:{free_port()}", "GPULEDGER_DATA_DIR": str(tmp_path)})
+    result = runner.invoke(app, ["release", *args])
+    assert result.exit_code == 2, result.output
+    assert message in flat(result.stderr)
+    assert result.stdout == ""
+
+
+def test_nothing_is_published_for_rejected_commands(cli, catalogue, kafka_bootstrap):
+    assert cli("release", "register", "--release-id", "r:1").exit_code == 2
+    assert cli("release", "promote", "--release-id", "r:1").exit_code == 2
+    assert read_topic(kafka_bootstrap, catalogue.release, 0, timeout=3, settle=1.0) == []
+
+
+def test_unreachable_kafka_exits_non_zero(tmp_path):
+    runner = CliRunner(env={"GPULEDGER_KAFKA_BOOTSTRAP": f"127.0.0.1:{free_port()}", "GPULEDGER_KAFKA_DELIVERY_TIMEOUT_S": "1",
+                            "GPULEDGER_DATA_DIR": str(tmp_path)})
+    result = runner.invoke(app, ["release", "retire", "--release-id", "r:1"])
+    assert result.exit_code == 1
+    assert "release retire for r:1 not published" in flat(result.stderr)
+
+
+def test_installed_entry_point(catalogue, kafka_bootstrap, tmp_path):
+    exe = Path(sys.executable).parent / "gpuledger"
+    env = {**os.environ, "GPULEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap, "GPULEDGER_KAFKA_TOPIC_PREFIX": catalogue.prefix,
+           "GPULEDGER_DATA_DIR": str(tmp_path)}
+    proc = subprocess.run([str(exe), "release", "promote", "--release-id", "fraud-detector:7", "--env", "staging", "--actor", "ci"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    ((key, event),) = released(kafka_bootstrap, catalogue.release, 1)
+    assert event.event_id == proc.stdout.strip() and event.payload.to_environment == "staging"
