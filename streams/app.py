@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import os
 import logging
 import time
 import weakref
@@ -76,6 +77,7 @@ class Runtime:
         self.dependents: dict[str, set[str]] = defaultdict(set)
         self.pending_refresh: set[str] = set()
         self.reconciled = False
+        self.handled: set[str] = set()  # entity keys this process wrote or re-sent
         self.watermark: str = ""
         self.last_input = time.monotonic()
         self._heap: list[tuple[str, str, str]] = []
@@ -140,12 +142,18 @@ def create_app(settings, store_client=None) -> faust.App:
         topic_replication_factor=cat.replication_factor,
         consumer_auto_offset_reset="earliest",
         producer_acks=-1,
+        # Outputs, links and changelog records go out in batches, not one request each
+        # (the profile of one worker was dominated by tiny produce requests).
+        producer_linger=0.02,
+        producer_max_batch_size=512 * 1024,
+        producer_compression_type="lz4",
         table_standby_replicas=0,
         broker_commit_every=1000,
         # A crashed worker's partitions move after this long (Kafka's default, 45 s,
-        # holds a restarted worker's input back for most of a minute).
-        broker_session_timeout=10.0,
-        broker_heartbeat_interval=2.0,
+        # holds a restarted worker's input back for most of a minute; much shorter and a
+        # busy worker on a loaded machine misses heartbeats and rebalances needlessly).
+        broker_session_timeout=20.0,
+        broker_heartbeat_interval=3.0,
         broker_commit_interval=1.0,
         key_serializer="raw",
         value_serializer="raw",
@@ -231,6 +239,7 @@ def create_app(settings, store_client=None) -> faust.App:
                 outcome = refresh(state, directory, resend=key in resend)
                 _as_current(ev)
                 entities[key] = state
+                runtime.handled.add(key)
                 runtime.index(key, state["interests"])
                 for at_iso, row_id in outcome.parked:
                     runtime.park(at_iso, key, row_id)
@@ -279,7 +288,11 @@ def create_app(settings, store_client=None) -> faust.App:
                 for rec in state.get("rows", {}).values():
                     if rec.get("parked"):
                         runtime.park(rec["starts_at"] or rec["at"], key, rec["id"])
-                resend_keys.add(key)
+                # Entities this process has not handled yet (all of them after a
+                # restart, the moved ones after a rebalance) re-send their outputs once.
+                if key not in runtime.handled:
+                    runtime.handled.add(key)
+                    resend_keys.add(key)
         if runtime.pending_refresh:
             changed, runtime.pending_refresh = runtime.pending_refresh, set()
             for interest in changed:
@@ -291,6 +304,11 @@ def create_app(settings, store_client=None) -> faust.App:
         if runtime.idle():
             for target, rows in runtime.due(flush_all=True).items():
                 await route.send(key=target.encode(), value=orjson.dumps({"k": "expire", "rows": rows}))
+
+    from streams.controls import install_control_agents
+
+    violations_topic = app.topic(cat.violations, key_serializer="raw", value_serializer="raw")
+    install_control_agents(app, settings, {"correlated": correlated, "allocations": allocations, "violations": violations_topic}, directory)
 
     if store_client is not None:
         from sinks.agents import install_sink_agents
@@ -338,9 +356,19 @@ def run_worker(settings, loglevel: str = "info") -> None:
     app = create_app(settings, client)
     if dsn.startswith("chdb:"):
         write_owner(dsn, app.gpuledger_web_url)
+    profile = os.environ.get("GPULEDGER_PROFILE")  # benchmarks/bench_streams.py --profile
+    profiler = None
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     try:
         worker = faust.Worker(app, loglevel=loglevel, quiet=True, redirect_stdouts=False, override_logging=False)
         worker.execute_from_commandline()
     finally:
+        if profiler:
+            profiler.disable()
+            profiler.dump_stats(profile)
         if dsn.startswith("chdb:"):
             clear_owner(dsn)
