@@ -1,11 +1,20 @@
-"""CorrelatedEventSink: writes correlated events into ``correlated_events``.
+"""The correlated family: correlated events and the tables derived from them.
 
-Input: batches of ``CorrelatedEvent`` (from the correlated topic). Output: one
-columnar insert per batch. Guarantees: the insert is retried with back-off until it
+Input: batches of ``CorrelatedEvent`` (the correlated topic) and ``DeadLetter``.
+Output: one columnar insert per table per batch into ``correlated_events`` (every
+row: the source of truth) and, by event family, ``release_history`` (release.*),
+``workload_timeline`` (scheduler.* rows whose workload is known) and
+``enriched_alerts`` (alert.*), with the payload's fields as typed columns.
+Guarantees: ``TableWriter.write`` retries with capped back-off until the insert
 succeeds, so the caller (a Faust agent using ``take_events``) acks the batch's
-offsets only after the rows are stored — at-least-once into a ReplacingMergeTree
-keyed by (correlation_id, version) is effectively once. While ClickHouse is down,
-the caller is blocked here, so consumption stops and nothing is lost.
+offsets only after the rows are stored — at-least-once into ReplacingMergeTree tables
+keyed by row identity is effectively once. While ClickHouse is down (or the chDB
+directory is locked by another process) the caller is blocked here, so consumption
+stops and nothing is lost; the writer reconnects through its ``StoreConnection``.
+Limits: a payload that is not the JSON its family expects still yields its rows, with
+the typed columns empty (counted as ``payload_unparsed``). A batch ClickHouse rejects
+for its content (not for being unreachable) is retried forever too — no row is ever
+dropped by the sink; the ERROR log names the table and the error.
 """
 
 from __future__ import annotations
@@ -14,10 +23,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from datetime import datetime, timezone
+
+import orjson
 
 from gpuledger.telemetry import ComponentCounters
 from schemas.outputs import CorrelatedEvent, DeadLetter
-from sinks.errors import StoreUnavailable
+from sinks.clickhouse import StoreConnection
+from sinks.errors import SinkError, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -25,11 +38,65 @@ IDENTITY_FIELDS = (
     "release_id", "model_name", "model_version", "artifact_digest", "image_digest", "config_digest", "dataset_ref",
     "environment", "workload_id", "pod_uid", "namespace", "pod", "node", "gpu_id", "owner", "data_class", "alert_fingerprint",
 )
+SOURCE_FIELDS = ("source_topic", "source_partition", "source_offset")
 CORRELATED_COLUMNS = (
     "correlation_id", "version", "event_type", "occurred_at", "attribution", *IDENTITY_FIELDS,
-    "release_state", "summary", "source_topic", "source_partition", "source_offset", "payload_json",
+    "release_state", "summary", *SOURCE_FIELDS, "payload_json",
 )
 DEAD_LETTER_COLUMNS = ("reason", "error", "stage", "source_topic", "source_partition", "source_offset", "key", "value", "failed_at")
+
+MANIFEST_FIELDS = ("model_name", "model_version", "artifact_digest", "image_digest", "config_digest", "dataset_ref",
+                   "environment", "owner", "data_class")
+RELEASE_HISTORY_COLUMNS = (
+    "release_id", "occurred_at", "correlation_id", "version", "event_type", *MANIFEST_FIELDS,
+    "actor", "approval_id", "reason", "to_environment", "superseded_release_id", "reservation_id", "reservation_gpus",
+    "reservation_pool", "reservation_window_start", "reservation_window_end", "target", "expires_at", "tags",
+    "release_state", "summary", *SOURCE_FIELDS, "payload_json",
+)
+WORKLOAD_IDENTITY = tuple(f for f in IDENTITY_FIELDS if f != "workload_id")
+WORKLOAD_TIMELINE_COLUMNS = (
+    "workload_id", "occurred_at", "correlation_id", "version", "event_type", "attribution", *WORKLOAD_IDENTITY,
+    "release_state", "object_kind", "queue", "cluster_queue", "priority_class", "priority", "reason", "message", "phase",
+    "gpus_requested", "image_digests", "preemptor_kind", "preemptor_namespace", "preemptor_name", "preemptor_uid",
+    "victim_kind", "victim_namespace", "victim_name", "labels", "flavors", "summary", *SOURCE_FIELDS, "payload_json",
+)
+ALERT_IDENTITY = tuple(f for f in IDENTITY_FIELDS if f != "alert_fingerprint")
+ENRICHED_ALERT_COLUMNS = (
+    "alert_fingerprint", "occurred_at", "correlation_id", "version", "event_type", "attribution", *ALERT_IDENTITY,
+    "release_state", "alertname", "severity", "starts_at", "ends_at", "labels", "annotations", "generator_url", "receiver",
+    "group_key", "summary", *SOURCE_FIELDS,
+)
+
+
+def _s(value) -> str:
+    """A string column's value: '' for missing, str() for anything else."""
+    return "" if value is None else str(value)
+
+
+def _str_map(value) -> dict[str, str]:
+    return {str(k): _s(v) for k, v in value.items()} if isinstance(value, dict) else {}
+
+
+def _int_or_none(value) -> int | None:
+    try:
+        return None if value is None or isinstance(value, bool) else int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _time_or_none(value) -> datetime | None:
+    """An RFC 3339 time from a payload; None when absent or unreadable."""
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed.astimezone(timezone.utc) if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+
+
+def _source(ev: CorrelatedEvent) -> list:
+    return [ev.source_topic, ev.source_partition, ev.source_offset]
 
 
 def correlated_rows(batch: Sequence[CorrelatedEvent]) -> list[list]:
@@ -39,7 +106,7 @@ def correlated_rows(batch: Sequence[CorrelatedEvent]) -> list[list]:
         rows.append([
             ev.correlation_id, ev.version, ev.event_type, ev.occurred_at, ev.attribution,
             *[getattr(ident, f) or "" for f in IDENTITY_FIELDS],
-            ev.release_state or "", ev.summary, ev.source_topic, ev.source_partition, ev.source_offset, ev.payload_json,
+            ev.release_state or "", ev.summary, *_source(ev), ev.payload_json,
         ])
     return rows
 
@@ -49,21 +116,113 @@ def dead_letter_rows(batch: Sequence[DeadLetter]) -> list[list]:
              -1 if d.source_offset is None else d.source_offset, d.key or "", d.value, d.failed_at] for d in batch]
 
 
-class TableWriter:
-    """Columnar batch insert into one table, retried with back-off on failure."""
+def _payload(ev: CorrelatedEvent, counters: ComponentCounters | None) -> dict:
+    try:
+        value = orjson.loads(ev.payload_json)
+    except orjson.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        if counters is not None:  # the row is kept; only its typed columns stay empty
+            counters.totals["payload_unparsed"] = counters.totals.get("payload_unparsed", 0) + 1
+        return {}
+    return value
 
-    def __init__(self, client, database: str, table: str, columns: Sequence[str], component: str,
-                 max_backoff_s: float = 10.0) -> None:
-        self.client = client
+
+def release_history_row(ev: CorrelatedEvent, counters: ComponentCounters | None = None) -> list:
+    p = _payload(ev, counters)
+    ident = ev.identity
+    res = p.get("reservation") if isinstance(p.get("reservation"), dict) else {}
+    return [
+        ident.release_id or "", ev.occurred_at, ev.correlation_id, ev.version, ev.event_type,
+        *[getattr(ident, f) or "" for f in MANIFEST_FIELDS],
+        _s(p.get("actor")), _s(p.get("approval_id")), _s(p.get("reason")), _s(p.get("to_environment")),
+        _s(p.get("superseded_release_id")), _s(res.get("reservation_id")), _int_or_none(res.get("gpus")), _s(res.get("pool")),
+        _time_or_none(res.get("window_start")), _time_or_none(res.get("window_end")), _s(p.get("target")),
+        _time_or_none(p.get("expires_at")), _str_map(p.get("tags")),
+        ev.release_state or "", ev.summary, *_source(ev), ev.payload_json,
+    ]
+
+
+def workload_timeline_row(ev: CorrelatedEvent, counters: ComponentCounters | None = None) -> list:
+    p = _payload(ev, counters)
+    ident = ev.identity
+    pre = p.get("preemptor") if isinstance(p.get("preemptor"), dict) else {}
+    vic = p.get("victim") if isinstance(p.get("victim"), dict) else {}
+    digests = p.get("image_digests") if isinstance(p.get("image_digests"), list) else []
+    return [
+        ident.workload_id or "", ev.occurred_at, ev.correlation_id, ev.version, ev.event_type, ev.attribution,
+        *[getattr(ident, f) or "" for f in WORKLOAD_IDENTITY],
+        ev.release_state or "", _s(p.get("object_kind")), _s(p.get("queue")), _s(p.get("cluster_queue")), _s(p.get("priority_class")),
+        _int_or_none(p.get("priority")), _s(p.get("reason")), _s(p.get("message")), _s(p.get("phase")),
+        _int_or_none(p.get("gpus_requested")), [_s(d) for d in digests],
+        _s(pre.get("kind")), _s(pre.get("namespace")), _s(pre.get("name")), _s(pre.get("uid")),
+        _s(vic.get("kind")), _s(vic.get("namespace")), _s(vic.get("name")),
+        _str_map(p.get("labels")), _str_map(p.get("flavors")), ev.summary, *_source(ev), ev.payload_json,
+    ]
+
+
+def enriched_alert_row(ev: CorrelatedEvent, counters: ComponentCounters | None = None) -> list:
+    p = _payload(ev, counters)
+    ident = ev.identity
+    return [
+        ident.alert_fingerprint or "", ev.occurred_at, ev.correlation_id, ev.version, ev.event_type, ev.attribution,
+        *[getattr(ident, f) or "" for f in ALERT_IDENTITY],
+        ev.release_state or "", _s(p.get("alertname")), _s(p.get("severity")), _time_or_none(p.get("starts_at")) or ev.occurred_at,
+        _time_or_none(p.get("ends_at")), _str_map(p.get("labels")), _str_map(p.get("annotations")), _s(p.get("generator_url")),
+        _s(p.get("receiver")), _s(p.get("group_key")), ev.summary, *_source(ev),
+    ]
+
+
+def family_rows(batch: Sequence[CorrelatedEvent], counters: ComponentCounters | None = None) -> dict[str, list[list]]:
+    """Split a correlated batch into the rows of every table it feeds.
+
+    Scheduler rows go to ``workload_timeline`` only once their workload is known: the
+    table is keyed by workload_id, and a row that later gains one would otherwise stay
+    behind under the empty key (see sinks/migrations.py).
+    """
+    out: dict[str, list[list]] = {"correlated_events": correlated_rows(batch), "release_history": [], "workload_timeline": [],
+                                  "enriched_alerts": []}
+    for ev in batch:
+        family = ev.event_type.split(".", 1)[0]
+        if family == "release" and ev.identity.release_id:
+            out["release_history"].append(release_history_row(ev, counters))
+        elif family == "scheduler" and ev.identity.workload_id:
+            out["workload_timeline"].append(workload_timeline_row(ev, counters))
+        elif family == "alert" and ev.identity.alert_fingerprint:
+            out["enriched_alerts"].append(enriched_alert_row(ev, counters))
+    return out
+
+
+class TableWriter:
+    """Columnar batch insert into one table, retried with back-off until it succeeds.
+
+    ``store`` is an open client or a ``StoreConnection`` (lazy; reconnects while the
+    store is unreachable). ``insert_settings`` go with every insert (on a cluster:
+    wait for the Distributed insert to reach the shards before acking).
+    """
+
+    def __init__(self, store, database: str, table: str, columns: Sequence[str], component: str,
+                 max_backoff_s: float = 10.0, initial_backoff_s: float = 0.2, insert_settings: dict | None = None) -> None:
+        self.store = StoreConnection.of(store)
         self.table = f"{database}.{table}"
         self.columns = list(columns)
         self.counters = ComponentCounters(component)
         self.max_backoff_s = max_backoff_s
+        self.initial_backoff_s = initial_backoff_s
+        self.insert_settings = insert_settings or {}
         self.attempts = 0
+        self.failures = 0
+        self.rows_written = 0
+
+    @property
+    def client(self):
+        """The open client (connects if needed)."""
+        return self.store.get()
 
     def insert_once(self, rows: list[list]) -> None:
+        client = self.store.get()  # raises StoreUnavailable / StoreLocked while unreachable
         try:
-            self.client.insert(self.table, rows, column_names=self.columns)
+            client.insert(self.table, rows, column_names=self.columns, settings=self.insert_settings or None)
         except Exception as exc:  # noqa: BLE001 - driver errors vary by backend
             raise StoreUnavailable(f"insert of {len(rows)} row(s) into {self.table} failed: {exc}") from exc
 
@@ -71,7 +230,7 @@ class TableWriter:
         """Insert the batch, retrying forever with capped exponential back-off."""
         if not rows:
             return
-        backoff = 0.2
+        backoff = self.initial_backoff_s
         started = time.monotonic()
         while True:
             self.attempts += 1
@@ -80,10 +239,12 @@ class TableWriter:
                 # event loop (and Faust's heartbeats) alive while it runs.
                 await asyncio.to_thread(self.insert_once, rows)
                 break
-            except StoreUnavailable as exc:
+            except SinkError as exc:
+                self.failures += 1
                 self.counters.add_rejected("store_unavailable", 0)
-                log.warning("%s; retrying in %.1fs", exc, backoff)
+                log.log(logging.ERROR if self.failures % 10 == 0 else logging.WARNING, "%s; retrying in %.1fs", exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.max_backoff_s)
+        self.rows_written += len(rows)
         self.counters.add_sent(len(rows))
         log.info("inserted %d row(s) into %s in %.0f ms", len(rows), self.table, (time.monotonic() - started) * 1000)

@@ -1,20 +1,36 @@
 """Versioned, idempotent migrations of gpuledger's ClickHouse schema.
 
-Each migration is a list of statements templated with ``{db}``, ``{on_cluster}`` and
-``{engine(...)}`` so that the single-node schema and the cluster variant
-(``--cluster NAME``: ON CLUSTER + Replicated* engines) come from one definition.
-Applied migrations are recorded in ``{db}.schema_migrations``; re-running is a no-op.
+Input: a client and a database name (and, for a ClickHouse cluster, its name).
+Output: the correlation tables, recorded in ``{db}.schema_migrations``.
+Guarantees: every statement is idempotent (``IF NOT EXISTS``), so re-running — or
+running against another shard whose ``schema_migrations`` has not seen a migration —
+is harmless; applied migrations are never edited, new ones are appended.
 
-Table design: rows are keyed by what makes them the same fact (correlation_id,
-event id, ...) with ReplacingMergeTree(version), so re-delivered batches and
-superseding corrections collapse; readers use FINAL (or argMax) to see the latest.
-Lookup columns (release_id, alert_fingerprint, workload_id, node) carry bloom
-filter skipping indexes because they are not in the ORDER BY key.
+One definition, two renderings. Statements are templated with ``{db}``,
+``{on_cluster}`` and ``{engine_*}``: on one node they become plain
+ReplacingMergeTree tables; with ``--cluster NAME`` they become ``ON CLUSTER`` DDL over
+Replicated* engines, plus a ``<table>_dist`` Distributed table per table (statements
+marked ``{cluster_only}``), sharded by a function of the table's row identity so that
+every version of a row lands on the same shard (FINAL is per shard). On a cluster,
+writers and readers use the ``_dist`` tables (``table_name``).
+
+Table design (docs/store.md has the why): a ReplacingMergeTree only collapses rows
+with the same ORDER BY key, so every table's key is a function of what never changes
+between versions of a row — correlation_id, event_id, allocation_id, violation_id, or
+a lookup column the row's own input fixes (a release event's release_id, an alert's
+fingerprint, an allocation's node and device). ``workload_timeline`` is the one keyed
+by an attributed column (workload_id): rows enter it only once their workload is
+known, and readers drop a row whose correlation_id has a newer version elsewhere
+(``sinks/trace.py``).
+
+TTL (``GPULEDGER_CLICKHOUSE_TTL_DAYS``) is configuration, not a migration: ``apply_ttl``
+sets or removes it on the event tables when it differs from what the table has.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -45,6 +61,57 @@ IDENTITY_COLUMNS = """
     owner LowCardinality(String),
     data_class LowCardinality(String),
     alert_fingerprint String"""
+
+# The identity block minus what a table carries as its own columns (allocations).
+ALLOCATION_IDENTITY_COLUMNS = """
+    release_id String,
+    model_name String,
+    model_version String,
+    artifact_digest String,
+    image_digest String,
+    config_digest String,
+    dataset_ref String,
+    environment LowCardinality(String),
+    workload_id String,
+    pod_uid String,
+    owner LowCardinality(String),
+    data_class LowCardinality(String)"""
+
+SOURCE_COLUMNS = """
+    source_topic LowCardinality(String),
+    source_partition UInt32,
+    source_offset UInt64"""
+
+#: Distributed sharding expression per table: a function of the row identity (the
+#: ReplacingMergeTree key's invariant part), so all versions of a row share a shard.
+SHARD_KEYS: dict[str, str] = {
+    "correlated_events": "cityHash64(correlation_id)",
+    "dead_letters": "cityHash64(source_topic, source_partition, source_offset)",
+    "raw_events": "cityHash64(event_id)",
+    "gpu_allocations": "cityHash64(node, gpu_id)",
+    "release_history": "cityHash64(release_id)",
+    "workload_timeline": "cityHash64(workload_id)",
+    "enriched_alerts": "cityHash64(alert_fingerprint)",
+    "violations": "cityHash64(violation_id)",
+}
+
+#: Tables the configurable TTL applies to, and the (version-invariant) time column it
+#: counts from. Not here on purpose: release_history (a release in prod for years must
+#: keep its approvals), gpu_allocations (an open interval must not expire while held)
+#: and violations (audit evidence has its own retention).
+TTL_COLUMNS: dict[str, str] = {
+    "raw_events": "occurred_at",
+    "correlated_events": "occurred_at",
+    "workload_timeline": "occurred_at",
+    "enriched_alerts": "occurred_at",
+    "dead_letters": "failed_at",
+}
+
+
+def _distributed(table: str) -> str:
+    return ("{cluster_only}CREATE TABLE IF NOT EXISTS {db}.%s_dist {on_cluster} AS {db}.%s "
+            "ENGINE = Distributed({cluster_name}, {db_name}, '%s', %s)") % (table, table, table, SHARD_KEYS[table])
+
 
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "correlated events and dead letters", (
@@ -80,45 +147,310 @@ ORDER BY correlation_id""",
 ) ENGINE = {engine_replacing}
 ORDER BY (source_topic, source_partition, source_offset, stage)""",
     )),
+    Migration(2, "raw event log, allocations, release history, workload timeline, enriched alerts, violations", (
+        # Audit/replay log of every envelope. Keyed by (event_type, occurred_at, event_id):
+        # a re-delivered record (same event) collapses; family + time-window scans read a
+        # key range; point lookups by event_id use the bloom filter. A collector that
+        # re-sent one event_id with a different time would show as two rows — visible,
+        # not silently merged. Version = Kafka offset, so which copy is kept is
+        # deterministic.
+        """CREATE TABLE IF NOT EXISTS {db}.raw_events {on_cluster} (
+    event_id String,
+    event_type LowCardinality(String),
+    schema_version UInt16,
+    occurred_at DateTime64(3, 'UTC'),
+    observed_at DateTime64(3, 'UTC'),
+    source_collector LowCardinality(String),
+    source_host LowCardinality(String),""" + IDENTITY_COLUMNS + """,
+    traceparent String,
+    payload_json String,
+    kafka_topic LowCardinality(String),
+    kafka_partition UInt32,
+    kafka_offset UInt64,
+    inserted_at DateTime64(3, 'UTC') DEFAULT now64(3),
+    INDEX idx_event_id event_id TYPE bloom_filter GRANULARITY 4,
+    INDEX idx_release release_id TYPE bloom_filter GRANULARITY 4,
+    INDEX idx_workload workload_id TYPE bloom_filter GRANULARITY 4,
+    INDEX idx_node node TYPE bloom_filter GRANULARITY 4
+) ENGINE = {engine_replacing_kafka_offset}
+PARTITION BY toYYYYMM(occurred_at)
+ORDER BY (event_type, occurred_at, event_id)""",
+        # Allocation intervals. allocation_id hashes node, device, pod, container and the
+        # assigning event, so node, gpu_id and started_at never change between versions:
+        # keying by them answers "who held this GPU at T" with a key range and still
+        # collapses every version of one allocation.
+        """CREATE TABLE IF NOT EXISTS {db}.gpu_allocations {on_cluster} (
+    allocation_id String,
+    version UInt64,
+    node LowCardinality(String),
+    gpu_id String,
+    gpu String,
+    mig_instance String,
+    resource_name LowCardinality(String),
+    namespace LowCardinality(String),
+    pod String,
+    container String,""" + ALLOCATION_IDENTITY_COLUMNS + """,
+    attribution LowCardinality(String),
+    started_at DateTime64(3, 'UTC'),
+    ended_at Nullable(DateTime64(3, 'UTC')),
+    end_reason LowCardinality(String),
+    start_event_id String,
+    end_event_id String,
+    inserted_at DateTime64(3, 'UTC') DEFAULT now64(3),
+    INDEX idx_pod pod TYPE bloom_filter GRANULARITY 4,
+    INDEX idx_workload workload_id TYPE bloom_filter GRANULARITY 4,
+    INDEX idx_release release_id TYPE bloom_filter GRANULARITY 4,
+    INDEX idx_allocation allocation_id TYPE bloom_filter GRANULARITY 4
+) ENGINE = {engine_replacing_version}
+ORDER BY (node, gpu_id, started_at, allocation_id)
+SETTINGS index_granularity = 1024""",
+        # Release lifecycle with manifests. release_id is the release event's own
+        # (required) identifier and occurred_at its own time: neither changes between
+        # versions, so re-renders (manifest filled later) collapse.
+        """CREATE TABLE IF NOT EXISTS {db}.release_history {on_cluster} (
+    release_id String,
+    occurred_at DateTime64(3, 'UTC'),
+    correlation_id String,
+    version UInt64,
+    event_type LowCardinality(String),
+    model_name String,
+    model_version String,
+    artifact_digest String,
+    image_digest String,
+    config_digest String,
+    dataset_ref String,
+    environment LowCardinality(String),
+    owner LowCardinality(String),
+    data_class LowCardinality(String),
+    actor LowCardinality(String),
+    approval_id String,
+    reason String,
+    to_environment LowCardinality(String),
+    superseded_release_id String,
+    reservation_id String,
+    reservation_gpus Nullable(UInt32),
+    reservation_pool LowCardinality(String),
+    reservation_window_start Nullable(DateTime64(3, 'UTC')),
+    reservation_window_end Nullable(DateTime64(3, 'UTC')),
+    target String,
+    expires_at Nullable(DateTime64(3, 'UTC')),
+    tags Map(String, String),
+    release_state LowCardinality(String),
+    summary String,""" + SOURCE_COLUMNS + """,
+    payload_json String,
+    inserted_at DateTime64(3, 'UTC') DEFAULT now64(3),
+    INDEX idx_model model_name TYPE bloom_filter GRANULARITY 4,
+    INDEX idx_image image_digest TYPE bloom_filter GRANULARITY 4
+) ENGINE = {engine_replacing_version}
+ORDER BY (release_id, occurred_at, correlation_id)
+SETTINGS index_granularity = 1024""",
+        # Scheduler rows of known workloads (rows without a workload stay in
+        # correlated_events until one is attributed). Typed from the payload.
+        """CREATE TABLE IF NOT EXISTS {db}.workload_timeline {on_cluster} (
+    workload_id String,
+    occurred_at DateTime64(3, 'UTC'),
+    correlation_id String,
+    version UInt64,
+    event_type LowCardinality(String),
+    attribution LowCardinality(String),""" + IDENTITY_COLUMNS.replace("    workload_id String,\n", "") + """,
+    release_state LowCardinality(String),
+    object_kind LowCardinality(String),
+    queue LowCardinality(String),
+    cluster_queue LowCardinality(String),
+    priority_class LowCardinality(String),
+    priority Nullable(Int64),
+    reason LowCardinality(String),
+    message String,
+    phase LowCardinality(String),
+    gpus_requested Nullable(UInt32),
+    image_digests Array(String),
+    preemptor_kind LowCardinality(String),
+    preemptor_namespace LowCardinality(String),
+    preemptor_name String,
+    preemptor_uid String,
+    victim_kind LowCardinality(String),
+    victim_namespace LowCardinality(String),
+    victim_name String,
+    labels Map(String, String),
+    flavors Map(String, String),
+    summary String,""" + SOURCE_COLUMNS + """,
+    payload_json String,
+    inserted_at DateTime64(3, 'UTC') DEFAULT now64(3),
+    INDEX idx_release release_id TYPE bloom_filter GRANULARITY 4,
+    INDEX idx_pod pod TYPE bloom_filter GRANULARITY 4,
+    INDEX idx_node node TYPE bloom_filter GRANULARITY 4,
+    -- Candidate finders for readers that do not start from a workload. They hold every
+    -- version (projections are not read with FINAL): readers take candidates from them
+    -- and the truth from the table (sinks/trace.py).
+    PROJECTION p_release (SELECT release_id, workload_id, occurred_at ORDER BY release_id),
+    PROJECTION p_time (SELECT occurred_at, correlation_id, version, workload_id, node ORDER BY (occurred_at, correlation_id))
+) ENGINE = {engine_replacing_version}
+ORDER BY (workload_id, occurred_at, correlation_id)
+SETTINGS index_granularity = 1024, deduplicate_merge_projection_mode = 'rebuild'""",
+        # Alerts with their attribution. The fingerprint is the alert's own (required)
+        # identifier: re-attribution (as-of GPU joins) changes columns, never the key.
+        """CREATE TABLE IF NOT EXISTS {db}.enriched_alerts {on_cluster} (
+    alert_fingerprint String,
+    occurred_at DateTime64(3, 'UTC'),
+    correlation_id String,
+    version UInt64,
+    event_type LowCardinality(String),
+    attribution LowCardinality(String),""" + IDENTITY_COLUMNS.replace(",\n    alert_fingerprint String", "") + """,
+    release_state LowCardinality(String),
+    alertname LowCardinality(String),
+    severity LowCardinality(String),
+    starts_at DateTime64(3, 'UTC'),
+    ends_at Nullable(DateTime64(3, 'UTC')),
+    labels Map(String, String),
+    annotations Map(String, String),
+    generator_url String,
+    receiver LowCardinality(String),
+    group_key String,
+    summary String,""" + SOURCE_COLUMNS + """,
+    inserted_at DateTime64(3, 'UTC') DEFAULT now64(3),
+    INDEX idx_release release_id TYPE bloom_filter GRANULARITY 4,
+    INDEX idx_workload workload_id TYPE bloom_filter GRANULARITY 4,
+    INDEX idx_pod pod TYPE bloom_filter GRANULARITY 4,
+    INDEX idx_node node TYPE bloom_filter GRANULARITY 4,
+    INDEX idx_time occurred_at TYPE minmax GRANULARITY 1
+) ENGINE = {engine_replacing_version}
+ORDER BY (alert_fingerprint, occurred_at, correlation_id)
+SETTINGS index_granularity = 1024""",
+        """CREATE TABLE IF NOT EXISTS {db}.violations {on_cluster} (
+    violation_id String,
+    version UInt64,
+    control_id UInt8,
+    title LowCardinality(String),
+    severity LowCardinality(String),""" + IDENTITY_COLUMNS + """,
+    evidence Array(String),
+    accountable_owner LowCardinality(String),
+    opened_at DateTime64(3, 'UTC'),
+    closed_at Nullable(DateTime64(3, 'UTC')),
+    detail String,
+    inserted_at DateTime64(3, 'UTC') DEFAULT now64(3),
+    INDEX idx_control control_id TYPE set(8) GRANULARITY 4,
+    INDEX idx_release release_id TYPE bloom_filter GRANULARITY 4,
+    INDEX idx_opened opened_at TYPE minmax GRANULARITY 1
+) ENGINE = {engine_replacing_version}
+ORDER BY violation_id""",
+        # Lookups the trace falls back to on the source-of-truth table (pods that no
+        # workload or allocation names yet).
+        "ALTER TABLE {db}.correlated_events {on_cluster} ADD INDEX IF NOT EXISTS idx_pod pod TYPE bloom_filter GRANULARITY 4",
+        *(_distributed(t) for t in SHARD_KEYS),
+    )),
 )
 
 
-def _engines(cluster: str | None, table_hint: str = "{table}") -> dict[str, str]:
+def table_name(table: str, cluster: str | None) -> str:
+    """The table writers and readers use: ``<table>_dist`` on a cluster."""
+    return f"{table}_dist" if cluster else table
+
+
+def _engines(cluster: str | None) -> dict[str, str]:
     if cluster:
         path = "'/clickhouse/tables/{shard}/{database}/{table}', '{replica}'"
         return {
             "engine_replacing_version": f"ReplicatedReplacingMergeTree({path}, version)",
+            "engine_replacing_kafka_offset": f"ReplicatedReplacingMergeTree({path}, kafka_offset)",
             "engine_replacing": f"ReplicatedReplacingMergeTree({path})",
         }
-    return {"engine_replacing_version": "ReplacingMergeTree(version)", "engine_replacing": "ReplacingMergeTree"}
+    return {"engine_replacing_version": "ReplacingMergeTree(version)", "engine_replacing_kafka_offset": "ReplacingMergeTree(kafka_offset)",
+            "engine_replacing": "ReplacingMergeTree"}
 
 
-def render(statement: str, database: str, cluster: str | None = None) -> str:
-    """Fill a migration statement's placeholders for a single node or a cluster."""
-    values = {"db": f"`{database}`", "on_cluster": f"ON CLUSTER `{cluster}`" if cluster else "", **_engines(cluster)}
+def _quote_string(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def render(statement: str, database: str, cluster: str | None = None) -> str | None:
+    """Fill a statement's placeholders for one node or a cluster (None: not for this mode)."""
+    if statement.startswith("{cluster_only}"):
+        if not cluster:
+            return None
+        statement = statement[len("{cluster_only}"):]
+    values = {
+        "db": f"`{database}`",
+        "on_cluster": f"ON CLUSTER `{cluster}`" if cluster else "",
+        "cluster_name": _quote_string(cluster or ""),
+        "db_name": _quote_string(database),
+        **_engines(cluster),
+    }
     out = statement
     for key, value in values.items():
         out = out.replace("{" + key + "}", value)
     return out
 
 
-def migrate(client, database: str, cluster: str | None = None) -> list[int]:
-    """Apply pending migrations in order; return the versions applied."""
+def bootstrap_statements(database: str, cluster: str | None = None) -> list[str]:
     on_cluster = f"ON CLUSTER `{cluster}`" if cluster else ""
-    client.command(f"CREATE DATABASE IF NOT EXISTS `{database}` {on_cluster}")
-    client.command(
+    return [
+        f"CREATE DATABASE IF NOT EXISTS `{database}` {on_cluster}".strip(),
         f"CREATE TABLE IF NOT EXISTS `{database}`.schema_migrations {on_cluster} "
         f"(version UInt32, name String, applied_at DateTime64(3, 'UTC') DEFAULT now64(3)) "
-        f"ENGINE = {_engines(cluster)['engine_replacing']} ORDER BY version"
-    )
+        f"ENGINE = {_engines(cluster)['engine_replacing']} ORDER BY version",
+    ]
+
+
+def rendered(database: str, cluster: str | None = None, ttl_days: int | None = None) -> list[tuple[int, str]]:
+    """Every statement of every migration as it would run, as (version, sql); version 0 is
+    the bootstrap, -1 the TTL statements. For `gpuledger db migrate --print`."""
+    out = [(0, sql) for sql in bootstrap_statements(database, cluster)]
+    for migration in MIGRATIONS:
+        for statement in migration.statements:
+            sql = render(statement, database, cluster)
+            if sql is not None:
+                out.append((migration.version, sql))
+    if ttl_days:
+        out.extend((-1, ttl_statement(database, table, ttl_days, cluster)) for table in TTL_COLUMNS)
+    return out
+
+
+def migrate(client, database: str, cluster: str | None = None, ttl_days: int | None = None) -> list[int]:
+    """Apply pending migrations in order, then the configured TTL; return the versions applied."""
+    for sql in bootstrap_statements(database, cluster):
+        client.command(sql)
     done = {row[0] for row in client.query(f"SELECT version FROM `{database}`.schema_migrations FINAL").result_rows}
     applied = []
     for migration in MIGRATIONS:
         if migration.version in done:
             continue
         for statement in migration.statements:
-            client.command(render(statement, database, cluster))
+            sql = render(statement, database, cluster)
+            if sql is not None:
+                client.command(sql)
         client.insert(f"{database}.schema_migrations", [[migration.version, migration.name]], column_names=["version", "name"])
         applied.append(migration.version)
         log.info("applied migration %d: %s", migration.version, migration.name)
+    apply_ttl(client, database, ttl_days, cluster)
     return applied
+
+
+def ttl_statement(database: str, table: str, ttl_days: int | None, cluster: str | None = None) -> str:
+    on_cluster = f" ON CLUSTER `{cluster}`" if cluster else ""
+    if not ttl_days:
+        return f"ALTER TABLE `{database}`.{table}{on_cluster} REMOVE TTL"
+    return f"ALTER TABLE `{database}`.{table}{on_cluster} MODIFY TTL {TTL_COLUMNS[table]} + INTERVAL {int(ttl_days)} DAY"
+
+
+_TTL_RE = re.compile(r"\bTTL\s+(\w+)\s*\+\s*toIntervalDay\((\d+)\)")
+
+
+def apply_ttl(client, database: str, ttl_days: int | None, cluster: str | None = None) -> list[str]:
+    """Set (or remove) the retention TTL on the event tables where it differs; return the
+    tables changed. Changing a TTL makes ClickHouse rewrite parts once, so it is only
+    issued when the table's current TTL is not already the configured one."""
+    rows = client.query(
+        "SELECT name, engine_full FROM system.tables WHERE database = {db:String} AND name IN {names:Array(String)}",
+        parameters={"db": database, "names": list(TTL_COLUMNS)},
+    ).result_rows
+    changed = []
+    for name, engine_full in rows:
+        match = _TTL_RE.search(engine_full or "")
+        current = int(match.group(2)) if match and match.group(1) == TTL_COLUMNS[name] else None
+        has_ttl = " TTL " in f" {engine_full} "
+        if (ttl_days and current == int(ttl_days)) or (not ttl_days and not has_ttl):
+            continue
+        client.command(ttl_statement(database, name, ttl_days, cluster))
+        changed.append(name)
+        log.info("retention TTL of %s.%s set to %s", database, name, f"{ttl_days} days" if ttl_days else "none")
+    return changed

@@ -1,75 +1,633 @@
-"""The responder's trace: walk from an alert or a release to everything linked.
+"""The responder's trace: from any identifier to the whole chain of an incident.
 
-Input: a read-only reader (sinks/query.py). Output: a plain dict chain
-(alert -> release manifest -> lifecycle -> other alerts), with missing links listed
-under ``gaps`` rather than hidden. Every query is parameterised.
-Rows are read with FINAL so superseded versions and re-deliveries never show.
+Input: a read-only reader (``sinks/query.py``), an entry point — alert fingerprint,
+release, workload, pod, GPU or model — and optionally ``at`` (state as of that time)
+and ``window`` (how far back to look for other alerts and scheduler events).
+Output: a plain dict, the same for every entry point that leads to the same
+incident::
+
+    entry            what was asked and what it resolved to (the only entry-specific part)
+    release          manifest (model, version, digests, owner, ...), state as of ``at``,
+                     approvals, promotions, lifecycle
+    workloads        queue, cluster queue, priority, admissions, preemptions/evictions, pods
+    pods             namespace/pod, uid, workload, nodes
+    gpus             node/GPU with the chain's allocation intervals, and who else held it
+                     in the window
+    scheduler_events preemptions, evictions, ... of the chain's workloads and, in the
+                     window, of other workloads on the chain's nodes
+    alerts           alerts attributed to the chain (all, as of ``at``) and other alerts on
+                     its nodes in the window (``in_chain: false``)
+    gaps             missing links, said out loud rather than hidden
+
+How an entry becomes a chain: the entry resolves to a *root* — the release when one
+is known (alert → its release; workload → the release its rows name; pod → its
+workload; GPU → the allocation holding it at ``at``; model → its most recently active
+release), else the workload, else the pod, else the lone alert — and the chain is
+expanded from the root only. So every entry that reaches the same root yields the
+same chain. ``at`` hides rows that occurred after it and takes the release state as of
+it; rows keep their latest version (the best attribution known now). The window ends
+at ``at`` — or, without ``at``, at the chain's latest event — and lasts ``window``
+(default 2 h).
+
+Every query is parameterised (``{name:Type}``; table names come from a fixed list).
+Latest versions are read with FINAL (default) or argMax (``mode="argmax"``): see
+docs/store.md for the measurement behind the default.
 """
 
 from __future__ import annotations
 
+import re
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
-ROW_COLUMNS = (
-    "correlation_id, version, event_type, occurred_at, attribution, release_id, model_name, model_version, "
-    "artifact_digest, image_digest, config_digest, dataset_ref, environment, workload_id, namespace, pod, node, gpu_id, "
-    "owner, alert_fingerprint, release_state, summary, source_topic, source_partition, source_offset"
-)
+from sinks.migrations import table_name
+
+DEFAULT_WINDOW = timedelta(hours=2)
+MANIFEST_FIELDS = ("model_name", "model_version", "artifact_digest", "image_digest", "config_digest", "dataset_ref",
+                   "owner", "environment", "data_class")
+ROW_LIMIT = 2000
+#: ReplacingMergeTree sorting keys: what identifies one row across its versions.
+KEYS = {
+    "correlated_events": ("correlation_id",),
+    "release_history": ("release_id", "occurred_at", "correlation_id"),
+    "workload_timeline": ("workload_id", "occurred_at", "correlation_id"),
+    "enriched_alerts": ("alert_fingerprint", "occurred_at", "correlation_id"),
+    "gpu_allocations": ("node", "gpu_id", "started_at", "allocation_id"),
+}
+RELEASE_COLS = ("release_id", "occurred_at", "correlation_id", "version", "event_type", *MANIFEST_FIELDS, "actor", "approval_id",
+                "reason", "to_environment", "superseded_release_id", "target", "expires_at", "release_state", "summary")
+WORKLOAD_COLS = ("workload_id", "occurred_at", "correlation_id", "version", "event_type", "release_id", "namespace", "pod", "pod_uid",
+                 "node", "queue", "cluster_queue", "priority_class", "priority", "reason", "message", "preemptor_kind",
+                 "preemptor_namespace", "preemptor_name", "victim_kind", "victim_namespace", "victim_name", "summary")
+ALERT_COLS = ("alert_fingerprint", "occurred_at", "correlation_id", "version", "event_type", "attribution", "release_id",
+              "model_name", "model_version", "workload_id", "namespace", "pod", "node", "gpu_id", "owner", "environment",
+              "release_state", "alertname", "severity", "starts_at", "ends_at", "summary")
+ALLOC_COLS = ("allocation_id", "version", "node", "gpu_id", "gpu", "mig_instance", "resource_name", "namespace", "pod", "container",
+              "release_id", "workload_id", "pod_uid", "attribution", "started_at", "ended_at", "end_reason")
+CORRELATED_COLS = ("correlation_id", "version", "event_type", "occurred_at", "attribution", "release_id", "workload_id",
+                   "namespace", "pod", "pod_uid", "node", "gpu_id", "alert_fingerprint", "summary")
+SCHEDULER_INCIDENT_TYPES = ("scheduler.preempted", "scheduler.evicted", "scheduler.requeued", "scheduler.failed_scheduling")
+ENTRY_KINDS = ("alert", "release", "workload", "pod", "gpu", "model")
 
 
-def _rows(reader, where: str, params: dict) -> list[dict[str, Any]]:
-    sql = f"SELECT {ROW_COLUMNS} FROM {{db:Identifier}}.correlated_events FINAL WHERE {where} ORDER BY occurred_at, correlation_id"
-    return reader.query(sql, params).dicts()
+class TraceError(ValueError):
+    """An entry point or option the trace cannot use (the message says which and why)."""
 
 
-def _manifest(release_id: str, lifecycle: list[dict], attached: list[dict]) -> dict[str, Any]:
-    rows = lifecycle or attached
-    manifest: dict[str, Any] = {"release_id": release_id}
-    for field in ("model_name", "model_version", "artifact_digest", "image_digest", "config_digest", "dataset_ref", "owner", "environment"):
-        values = [r[field] for r in rows if r.get(field)]
-        manifest[field] = values[-1] if values else None
-    return manifest
+# --- parsing the CLI's options ------------------------------------------------------------
+
+def parse_time(text: str) -> datetime:
+    """RFC 3339 / ISO 8601; a time without zone is taken as UTC."""
+    try:
+        value = datetime.fromisoformat(text.strip().replace("Z", "+00:00").replace(" ", "T", 1))
+    except ValueError as exc:
+        raise TraceError(f"--at {text!r}: not an ISO 8601 time (e.g. 2026-11-30T13:40:00Z)") from exc
+    return value.astimezone(timezone.utc) if value.tzinfo else value.replace(tzinfo=timezone.utc)
 
 
-def trace_release(reader, database: str, release_id: str) -> dict[str, Any]:
-    params = {"db": database, "rid": release_id}
-    rows = _rows(reader, "release_id = {rid:String}", params)
-    lifecycle = [r for r in rows if r["event_type"].startswith("release.")]
-    alerts = [r for r in rows if r["event_type"].startswith("alert.")]
-    others = [r for r in rows if not r["event_type"].startswith(("release.", "alert."))]
-    gaps = []
-    if not lifecycle:
-        gaps.append(f"no lifecycle event for release {release_id} (never registered with gpuledger?)")
-    return {
-        "release": {
-            **_manifest(release_id, lifecycle, rows),
-            "state": lifecycle[-1]["event_type"] if lifecycle else None,
-            "lifecycle": [_brief(r) for r in lifecycle],
-        },
-        "alerts": [_brief(r) for r in alerts],
-        "events": [_brief(r) for r in others],
-        "gaps": gaps,
-    }
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)\s*$")
 
 
-def trace_alert(reader, database: str, fingerprint: str) -> dict[str, Any]:
-    rows = _rows(reader, "alert_fingerprint = {fp:String} AND startsWith(event_type, 'alert.')", {"db": database, "fp": fingerprint})
-    if not rows:
-        return {"alert": None, "release": None, "gaps": [f"no alert with fingerprint {fingerprint} in the store"]}
-    alert = rows[-1]
-    out: dict[str, Any] = {"alert": {**_brief(alert), "fingerprint": fingerprint, "history": [_brief(r) for r in rows]}}
-    if alert["release_id"]:
-        rel = trace_release(reader, database, alert["release_id"])
-        out["release"] = rel["release"]
-        out["other_alerts"] = [a for a in rel["alerts"] if a["correlation_id"] not in {r["correlation_id"] for r in rows}]
-        out["gaps"] = rel["gaps"]
-    else:
-        out["release"] = None
-        out["gaps"] = ["alert carries no release identity (attribution: unattributed)"]
+def parse_window(text: str) -> timedelta:
+    """'90s', '15m', '2h', '1d'."""
+    match = _DURATION.match(text or "")
+    if not match:
+        raise TraceError(f"--window {text!r}: use a number and a unit: 90s, 15m, 2h, 1d")
+    n, unit = float(match.group(1)), match.group(2)
+    return timedelta(seconds=n * {"s": 1, "m": 60, "h": 3600, "d": 86400}[unit])
+
+
+def format_window(value: timedelta) -> str:
+    seconds = int(value.total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds % size == 0 and seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def _ch_time(value: datetime) -> str:
+    """A DateTime64(3, 'UTC') parameter value (ClickHouse does not parse 'T…Z' here)."""
+    return value.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S.") + f"{value.microsecond // 1000:03d}"
+
+
+def _norm_time(value) -> str | None:
+    """Every time in the output as 'YYYY-MM-DDTHH:MM:SS.fffZ', so strings sort as times."""
+    if value in (None, ""):
+        return None
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value.replace("Z", "+00:00").replace(" ", "T", 1))
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=timezone.utc)
+    value = value.astimezone(timezone.utc)
+    return value.strftime("%Y-%m-%dT%H:%M:%S.") + f"{value.microsecond // 1000:03d}Z"
+
+
+#: Tables keyed by an attributed column, read with the newest-version check (see Store.latest).
+SUPERSEDED_CHECK = frozenset({"workload_timeline"})
+TIME_COLUMNS = {"occurred_at", "started_at", "ended_at", "starts_at", "ends_at", "expires_at"}
+
+
+# --- reading latest versions ----------------------------------------------------------------
+
+class Store:
+    """Parameterised reads of the latest version of rows, with FINAL or argMax."""
+
+    def __init__(self, reader, database: str, cluster: str | None = None, mode: str = "final") -> None:
+        if mode not in ("final", "argmax"):
+            raise TraceError(f"mode must be final or argmax, got {mode!r}")
+        self.reader = reader
+        self.database = database
+        self.cluster = cluster
+        self.mode = mode
+        self.queries = 0
+        self.truncated: set[str] = set()
+
+    def _table(self, table: str) -> str:
+        return "{db:Identifier}." + table_name(table, self.cluster)
+
+    def latest(self, table: str, columns: tuple[str, ...], where: str, params: dict, after: str | None = None,
+               after_columns: tuple[str, ...] = (), order: str | None = None, limit: int = ROW_LIMIT) -> list[dict[str, Any]]:
+        """Rows of ``table`` at their latest version.
+
+        ``where`` may only use columns that never change between versions of a row
+        (its key, its own time, an allocation's pod): it is applied before the versions
+        are collapsed. ``after`` may use any column (``after_columns`` lists them for the
+        argMax form); it is applied to the latest version only — a row whose older
+        version matched but whose latest does not is not returned.
+        """
+        keys = KEYS[table]
+        t = self._table(table)
+        order_sql = f" ORDER BY {order}" if order else ""
+        in_op = "GLOBAL IN" if self.cluster else "IN"
+        if table in SUPERSEDED_CHECK:
+            # Keyed by an attributed column (workload_timeline): a row re-attributed from one
+            # workload to another leaves its old version under the old key. Keep a row only
+            # if it is the newest version of its correlation_id anywhere in the table. Every
+            # version shares its occurred_at, so the (occurred_at, correlation_id)
+            # projection answers this with a few granules.
+            matching = f"({where})" + (f" AND ({after})" if after else "")
+            newest = (f"(correlation_id, version) {in_op} (SELECT correlation_id, max(version) FROM {t} WHERE "
+                      f"(occurred_at, correlation_id) {in_op} (SELECT occurred_at, correlation_id FROM {t} WHERE {matching}) "
+                      f"GROUP BY correlation_id)")
+            after = f"({after}) AND {newest}" if after else newest
+        if self.mode == "final":
+            cond = f"({where})" + (f" AND ({after})" if after else "")
+            sql = f"SELECT {', '.join(columns)} FROM {t} FINAL WHERE {cond}{order_sql} LIMIT {int(limit)}"
+        else:
+            values = [c for c in dict.fromkeys((*columns, *after_columns)) if c not in keys and c != "version"]
+            inner_cols = ", ".join([*keys, "max(version) AS version__v", *[f"argMax({c}, version) AS {c}__v" for c in values]])
+            outer_cols = ", ".join([*keys, "version__v AS version", *[f"{c}__v AS {c}" for c in values]])
+            prefilter = (f" AND ({', '.join(keys)}) {in_op} (SELECT {', '.join(keys)} FROM {t} WHERE ({where}) AND ({after}))"
+                         if after else "")
+            inner = f"SELECT {inner_cols} FROM {t} WHERE ({where}){prefilter} GROUP BY {', '.join(keys)}"
+            sql = (f"SELECT {', '.join(columns)} FROM (SELECT {outer_cols} FROM ({inner}))"
+                   + (f" WHERE {after}" if after else "") + f"{order_sql} LIMIT {int(limit)}")
+        self.queries += 1
+        rows = self.reader.query(sql, {"db": self.database, **params}).dicts()
+        if len(rows) >= limit:
+            self.truncated.add(table)
+        for row in rows:
+            for col in TIME_COLUMNS.intersection(row):
+                row[col] = _norm_time(row[col])
+        return rows
+
+    def candidates(self, table: str, column: str, where: str, params: dict) -> list[str]:
+        """Distinct values of ``column`` over *every* version of the rows matching
+        ``where`` (no FINAL, so projections serve it): a superset that the caller checks
+        against the latest versions."""
+        # An aggregate, not DISTINCT: DISTINCT on a sorting-key prefix is read in key order,
+        # which makes ClickHouse pass over the projections.
+        sql = f"SELECT groupUniqArray({ROW_LIMIT})({column}) AS v FROM {self._table(table)} WHERE {where}"
+        self.queries += 1
+        rows = self.reader.query(sql, {"db": self.database, **params}).dicts()
+        values = sorted(rows[0]["v"]) if rows else []
+        if len(values) >= ROW_LIMIT:
+            self.truncated.add(table)
+        return values
+
+
+# Pairs travel as 'a/b' strings next to a plain list of the indexed half: tuples do not
+# survive the JSON hop to the worker's query endpoint, and `pod IN` uses the bloom index.
+POD_IN = "pod IN {pod_names:Array(String)} AND concat(namespace, '/', pod) IN {pod_keys:Array(String)}"
+
+
+def _pod_params(pods) -> dict:
+    return {"pod_names": sorted({p for _, p in pods}), "pod_keys": sorted(f"{ns}/{p}" for ns, p in pods)}
+
+
+def _at_cond(column: str, at: datetime | None) -> str:
+    return f"{column} <= {{at:DateTime64(3, 'UTC')}}" if at else "1"
+
+
+def _at_params(at: datetime | None) -> dict:
+    return {"at": _ch_time(at)} if at else {}
+
+
+# --- resolving an entry to a root ------------------------------------------------------------
+
+def _root_from_identity(row: dict) -> tuple[str, str] | None:
+    if row.get("release_id"):
+        return ("release", row["release_id"])
+    if row.get("workload_id"):
+        return ("workload", row["workload_id"])
+    if row.get("namespace") and row.get("pod"):
+        return ("pod", f"{row['namespace']}/{row['pod']}")
+    return None
+
+
+def _split_pair(value: str, what: str, example: str) -> tuple[str, str]:
+    left, sep, right = (value or "").partition("/")
+    if not sep or not left or not right:
+        raise TraceError(f"--{what} {value!r}: expected {example}")
+    return left, right
+
+
+def _allocation_at(allocs: list[dict], at: str | None) -> dict | None:
+    """The allocation holding a device at ``at`` (latest start wins); without ``at`` the
+    latest one; if none held it at ``at``, the last one that started before."""
+    if not allocs:
+        return None
+    ordered = sorted(allocs, key=lambda a: (a["started_at"], a["allocation_id"]))
+    if at is None:
+        return ordered[-1]
+    holding = [a for a in ordered if a["started_at"] <= at and (a["ended_at"] is None or at < a["ended_at"])]
+    return (holding or [a for a in ordered if a["started_at"] <= at] or [None])[-1]
+
+
+class _Resolver:
+    def __init__(self, store: Store, at: datetime | None) -> None:
+        self.store = store
+        self.at = at
+        self.at_s = _norm_time(at) if at else None
+        self.notes: list[str] = []
+
+    def workload(self, workload_id: str) -> tuple[str, str] | None:
+        st = self.store
+        rows = st.latest(
+            "workload_timeline", ("workload_id", "occurred_at", "correlation_id", "version", "release_id"),
+            f"workload_id = {{w:String}} AND {_at_cond('occurred_at', self.at)}", {"w": workload_id, **_at_params(self.at)},
+            order="occurred_at, correlation_id")
+        named = [r["release_id"] for r in rows if r["release_id"]]
+        if named:
+            return ("release", named[-1])
+        allocs = st.latest("gpu_allocations", ("allocation_id", "version", "release_id", "started_at"),
+                           _at_cond("started_at", self.at), {"w": workload_id, **_at_params(self.at)}, after="workload_id = {w:String}",
+                           after_columns=("workload_id",), order="started_at, allocation_id")
+        allocs = [a for a in allocs if a["release_id"]]
+        if allocs:
+            return ("release", allocs[-1]["release_id"])
+        if rows or allocs:
+            return ("workload", workload_id)
+        return None
+
+    def pod(self, namespace: str, pod: str) -> tuple[str, str] | None:
+        st = self.store
+        params = {"ns": namespace, "pod": pod, **_at_params(self.at)}
+        cands = st.candidates("workload_timeline", "workload_id", "pod = {pod:String} AND namespace = {ns:String}", params)
+        rows = st.latest(
+            "workload_timeline", ("workload_id", "occurred_at", "correlation_id", "version", "release_id"),
+            f"workload_id IN {{ws:Array(String)}} AND {_at_cond('occurred_at', self.at)}", {**params, "ws": cands},
+            after="namespace = {ns:String} AND pod = {pod:String}", after_columns=("namespace", "pod"),
+            order="occurred_at, correlation_id") if cands else []
+        if rows:
+            return self.workload(rows[-1]["workload_id"]) or ("workload", rows[-1]["workload_id"])
+        allocs = st.latest("gpu_allocations", ("allocation_id", "version", "release_id", "workload_id", "namespace", "pod", "started_at"),
+                           f"namespace = {{ns:String}} AND pod = {{pod:String}} AND {_at_cond('started_at', self.at)}", params,
+                           order="started_at, allocation_id")
+        for alloc in reversed(allocs):
+            if alloc["release_id"] or alloc["workload_id"]:
+                return _root_from_identity(alloc)
+        events = st.latest("correlated_events", ("correlation_id", "version", "occurred_at", "release_id", "workload_id"),
+                           _at_cond("occurred_at", self.at), params, after="namespace = {ns:String} AND pod = {pod:String}",
+                           after_columns=("namespace", "pod"), order="occurred_at, correlation_id")
+        for ev in reversed(events):
+            if ev["release_id"] or ev["workload_id"]:
+                return _root_from_identity(ev)
+        if allocs or events:
+            return ("pod", f"{namespace}/{pod}")
+        return None
+
+    def gpu(self, node: str, gpu_id: str, at_s: str | None = None) -> tuple[str, str] | None:
+        at_s = at_s or self.at_s
+        allocs = self.store.latest("gpu_allocations", ALLOC_COLS, "node = {node:String} AND gpu_id = {gpu:String}",
+                                   {"node": node, "gpu": gpu_id}, order="started_at, allocation_id")
+        alloc = _allocation_at(allocs, at_s)
+        if alloc is None:
+            return None
+        if at_s and alloc["ended_at"] is not None and alloc["ended_at"] <= at_s:
+            self.notes.append(f"no allocation held {node}/{gpu_id} at {at_s}; the last one before ended at {alloc['ended_at']}")
+        return _root_from_identity(alloc)
+
+    def model(self, name: str, version: str | None) -> tuple[tuple[str, str] | None, list[str]]:
+        cond = "model_name = {model:String}" + (" AND model_version = {mv:String}" if version else "")
+        rows = self.store.latest("release_history", ("release_id", "occurred_at", "correlation_id", "version", "model_name", "model_version"),
+                                 _at_cond("occurred_at", self.at), {"model": name, "mv": version or "", **_at_params(self.at)},
+                                 after=cond, after_columns=("model_name", "model_version"), order="occurred_at, correlation_id")
+        last: dict[str, str] = {}
+        for row in rows:
+            last[row["release_id"]] = max(last.get(row["release_id"], ""), row["occurred_at"])
+        ranked = sorted(last, key=lambda rid: (last[rid], rid))
+        if not ranked:
+            return None, []
+        return ("release", ranked[-1]), ranked[:-1][::-1]
+
+    def alert(self, fingerprint: str) -> tuple[tuple[str, str] | None, list[dict]]:
+        rows = self.store.latest("enriched_alerts", ALERT_COLS, f"alert_fingerprint = {{fp:String}} AND {_at_cond('occurred_at', self.at)}",
+                                 {"fp": fingerprint, **_at_params(self.at)}, order="occurred_at, correlation_id")
+        if not rows:
+            return None, rows
+        focal = rows[-1]
+        root = _root_from_identity(focal)
+        if root is None and focal.get("node") and focal.get("gpu_id"):
+            root = self.gpu(focal["node"], focal["gpu_id"], focal["starts_at"])
+        return root or ("alert", fingerprint), rows
+
+
+# --- expanding a root into the chain -----------------------------------------------------------
+
+def _brief_alert(row: dict, in_chain: bool) -> dict:
+    keep = ("alert_fingerprint", "alertname", "severity", "event_type", "occurred_at", "starts_at", "ends_at", "attribution",
+            "release_id", "release_state", "workload_id", "namespace", "pod", "node", "gpu_id", "summary", "correlation_id")
+    out = {k: row.get(k) for k in keep if row.get(k) not in (None, "")}
+    out["status"] = row["event_type"].split(".", 1)[1]
+    out["in_chain"] = in_chain
     return out
 
 
-def _brief(row: dict[str, Any]) -> dict[str, Any]:
-    keep = ("correlation_id", "event_type", "occurred_at", "attribution", "summary", "release_id", "model_name", "model_version",
-            "artifact_digest", "environment", "workload_id", "namespace", "pod", "node", "gpu_id", "release_state", "owner")
-    return {k: row[k] for k in keep if row.get(k) not in (None, "")}
+def _brief_alloc(row: dict) -> dict:
+    keep = ("allocation_id", "node", "gpu_id", "gpu", "mig_instance", "namespace", "pod", "container", "workload_id", "release_id",
+            "attribution", "started_at", "ended_at", "end_reason")
+    return {k: row.get(k) for k in keep if row.get(k) not in (None, "") or k == "ended_at"}
+
+
+def _brief_scheduler(row: dict) -> dict:
+    keep = ("occurred_at", "event_type", "workload_id", "namespace", "pod", "node", "reason", "message", "queue", "cluster_queue",
+            "priority_class", "priority", "release_id", "summary", "correlation_id")
+    out = {k: row.get(k) for k in keep if row.get(k) not in (None, "")}
+    if row.get("preemptor_name"):
+        out["preemptor"] = "/".join(p for p in (row.get("preemptor_kind"), row.get("preemptor_namespace"), row["preemptor_name"]) if p)
+    if row.get("victim_name"):
+        out["victim"] = "/".join(p for p in (row.get("victim_kind"), row.get("victim_namespace"), row["victim_name"]) if p)
+    return out
+
+
+def _release_section(rows: list[dict], release_id: str, gaps: list[str]) -> dict:
+    manifest: dict[str, Any] = {}
+    for field in MANIFEST_FIELDS:
+        values = [r[field] for r in rows if r.get(field)]
+        manifest[field] = values[-1] if values else None
+    lifecycle = [{k: r[k] for k in ("occurred_at", "event_type", "actor", "approval_id", "to_environment", "reason",
+                                    "superseded_release_id", "target", "summary", "correlation_id") if r.get(k) not in (None, "")}
+                 for r in rows]
+    approvals = [{k: r[k] for k in ("occurred_at", "actor", "approval_id") if r.get(k)} for r in rows if r["event_type"] == "release.approved"]
+    promotions = [{k: r[k] for k in ("occurred_at", "to_environment", "actor", "approval_id") if r.get(k)}
+                  for r in rows if r["event_type"] == "release.promoted"]
+    if not rows:
+        gaps.append(f"release {release_id}: no lifecycle event in the store (never registered with gpuledger, or after --at)")
+    else:
+        missing = [f for f in ("model_name", "model_version", "artifact_digest", "image_digest", "config_digest", "owner") if not manifest[f]]
+        if missing:
+            gaps.append(f"release {release_id}: manifest lacks {', '.join(missing)}")
+        if not approvals:
+            gaps.append(f"release {release_id}: no approval recorded")
+    return {
+        "release_id": release_id,
+        "state": rows[-1]["event_type"] if rows else None,
+        "state_since": rows[-1]["occurred_at"] if rows else None,
+        **manifest,
+        "approvals": approvals,
+        "promotions": promotions,
+        "lifecycle": lifecycle,
+    }
+
+
+def _workload_section(workload_id: str, rows: list[dict], pods: list[dict], gaps: list[str]) -> dict:
+    def latest(field):
+        values = [r[field] for r in rows if r.get(field) not in (None, "")]
+        return values[-1] if values else None
+
+    admissions = [r["occurred_at"] for r in rows if r["event_type"] == "scheduler.admitted"]
+    if rows and not admissions:
+        gaps.append(f"workload {workload_id}: no admission event (admitted before the store's history, or never admitted)")
+    my_pods = sorted(f"{p['namespace']}/{p['pod']}" for p in pods if p.get("workload_id") == workload_id)
+    if rows and not my_pods:
+        gaps.append(f"workload {workload_id}: no pod seen")
+    return {
+        "workload_id": workload_id,
+        "queue": latest("queue"),
+        "cluster_queue": latest("cluster_queue"),
+        "priority_class": latest("priority_class"),
+        "priority": latest("priority"),
+        "admitted_at": admissions[0] if admissions else None,
+        "admissions": admissions,
+        "state": rows[-1]["event_type"] if rows else None,
+        "release_id": latest("release_id"),
+        "preemptions": [_brief_scheduler(r) for r in rows if r["event_type"] == "scheduler.preempted"],
+        "evictions": [_brief_scheduler(r) for r in rows if r["event_type"] == "scheduler.evicted"],
+        "pods": my_pods,
+        "events": [_brief_scheduler(r) for r in rows],
+    }
+
+
+def _expand(store: Store, root: tuple[str, str] | None, at: datetime | None, window: timedelta, focal_alerts: list[dict]) -> dict:
+    gaps: list[str] = []
+    at_p = _at_params(at)
+    out: dict[str, Any] = {"release": None, "workloads": [], "pods": [], "gpus": [], "scheduler_events": [], "alerts": [], "gaps": gaps}
+    if root is None:
+        gaps.append("the entry point matches nothing in the store" + (" as of --at" if at else ""))
+        return out
+    kind, value = root
+    release_id = value if kind == "release" else None
+    workload_ids: set[str] = {value} if kind == "workload" else set()
+    pod_keys: set[tuple[str, str]] = {tuple(value.split("/", 1))} if kind == "pod" else set()  # type: ignore[arg-type]
+
+    release_rows: list[dict] = []
+    release_allocs: list[dict] = []
+    release_candidates: set[str] = set()
+    if release_id:
+        release_rows = store.latest("release_history", RELEASE_COLS, f"release_id = {{r:String}} AND {_at_cond('occurred_at', at)}",
+                                    {"r": release_id, **at_p}, order="occurred_at, correlation_id")
+        out["release"] = _release_section(release_rows, release_id, gaps)
+        # Candidates from the release_id projection; kept below only where a latest row names the release.
+        release_candidates = set(store.candidates("workload_timeline", "workload_id",
+                                                  f"release_id = {{r:String}} AND {_at_cond('occurred_at', at)}", {"r": release_id, **at_p}))
+        release_allocs = store.latest("gpu_allocations", ALLOC_COLS, _at_cond("started_at", at), {"r": release_id, **at_p},
+                                      after="release_id = {r:String}", after_columns=("release_id",), order="started_at, allocation_id")
+        workload_ids.update(a["workload_id"] for a in release_allocs if a["workload_id"])
+        pod_keys.update((a["namespace"], a["pod"]) for a in release_allocs)
+    elif kind in ("workload", "pod"):
+        gaps.append(f"{kind} {value}: no release attributed (unattributed)")
+    else:
+        gaps.append("alert carries no release, workload, pod or GPU identity (unattributed)")
+
+    wl_rows: list[dict] = []
+    if workload_ids or release_candidates:
+        wl_rows = store.latest(
+            "workload_timeline", WORKLOAD_COLS, f"workload_id IN {{ws:Array(String)}} AND {_at_cond('occurred_at', at)}",
+            {"ws": sorted(workload_ids | release_candidates), **at_p}, order="workload_id, occurred_at, correlation_id")
+        workload_ids.update(r["workload_id"] for r in wl_rows if r["workload_id"] in release_candidates and r["release_id"] == release_id)
+        wl_rows = [r for r in wl_rows if r["workload_id"] in workload_ids]
+    pods: dict[tuple[str, str], dict] = {}
+    for r in wl_rows:
+        if r["namespace"] and r["pod"]:
+            p = pods.setdefault((r["namespace"], r["pod"]), {"namespace": r["namespace"], "pod": r["pod"], "pod_uid": None,
+                                                               "workload_id": r["workload_id"], "nodes": []})
+            p["pod_uid"] = r["pod_uid"] or p["pod_uid"]
+            if r["node"] and r["node"] not in p["nodes"]:
+                p["nodes"].append(r["node"])
+    for ns, name in pod_keys:
+        pods.setdefault((ns, name), {"namespace": ns, "pod": name, "pod_uid": None, "workload_id": None, "nodes": []})
+
+    allocs: dict[str, dict] = {a["allocation_id"]: a for a in release_allocs}
+    if pods:
+        for a in store.latest("gpu_allocations", ALLOC_COLS,
+                              f"{POD_IN} AND {_at_cond('started_at', at)}", {**_pod_params(pods), **at_p},
+                              order="started_at, allocation_id"):
+            allocs[a["allocation_id"]] = a
+    for a in allocs.values():
+        p = pods.setdefault((a["namespace"], a["pod"]), {"namespace": a["namespace"], "pod": a["pod"], "pod_uid": None,
+                                                          "workload_id": a["workload_id"] or None, "nodes": []})
+        p["pod_uid"] = p["pod_uid"] or a["pod_uid"] or None
+        p["workload_id"] = p["workload_id"] or a["workload_id"] or None
+        if a["node"] not in p["nodes"]:
+            p["nodes"].append(a["node"])
+
+    # Chain alerts: everything attributed to the release, its workloads or pods (as of at).
+    conds = []
+    params: dict[str, Any] = {**at_p}
+    if release_id:
+        conds.append("release_id = {r:String}")
+        params["r"] = release_id
+    if workload_ids:
+        conds.append("workload_id IN {ws:Array(String)}")
+        params["ws"] = sorted(workload_ids)
+    if pods:
+        conds.append(POD_IN)
+        params.update(_pod_params(pods))
+    chain_alerts = store.latest("enriched_alerts", ALERT_COLS, _at_cond("occurred_at", at), params,
+                                after=" OR ".join(f"({c})" for c in conds), after_columns=("release_id", "workload_id", "namespace", "pod"),
+                                order="occurred_at, correlation_id") if conds else []
+    alert_rows = {r["correlation_id"]: r for r in [*chain_alerts, *focal_alerts]}
+    for r in alert_rows.values():
+        if r.get("namespace") and r.get("pod") and (r["namespace"], r["pod"]) not in pods:
+            pods[(r["namespace"], r["pod"])] = {"namespace": r["namespace"], "pod": r["pod"], "pod_uid": None,
+                                                 "workload_id": r.get("workload_id") or None, "nodes": [r["node"]] if r.get("node") else []}
+
+    # The window: ends at --at, else at the chain's latest event.
+    times = [r["occurred_at"] for r in (*release_rows, *wl_rows, *alert_rows.values())]
+    times += [t for a in allocs.values() for t in (a["started_at"], a["ended_at"]) if t]
+    anchor_s = _norm_time(at) if at else (max(times) if times else None)
+    nodes = sorted({n for p in pods.values() for n in p["nodes"]} | {a["node"] for a in allocs.values()}
+                   | {r["node"] for r in alert_rows.values() if r.get("node")})
+    others_alerts: list[dict] = []
+    neighbours: list[dict] = []
+    other_allocs: list[dict] = []
+    if anchor_s and nodes:
+        anchor = datetime.fromisoformat(anchor_s.replace("Z", "+00:00"))
+        wparams = {"from": _ch_time(anchor - window), "to": _ch_time(anchor), "nodes": nodes}
+        in_window = "occurred_at >= {from:DateTime64(3, 'UTC')} AND occurred_at <= {to:DateTime64(3, 'UTC')}"
+        others_alerts = [r for r in store.latest("enriched_alerts", ALERT_COLS, in_window, wparams, after="node IN {nodes:Array(String)}",
+                                                 after_columns=("node",), order="occurred_at, correlation_id")
+                         if r["correlation_id"] not in alert_rows]
+        others = [w for w in store.candidates("workload_timeline", "workload_id", f"{in_window} AND node IN {{nodes:Array(String)}}", wparams)
+                  if w not in workload_ids]
+        neighbours = store.latest(
+            "workload_timeline", WORKLOAD_COLS, f"workload_id IN {{ws:Array(String)}} AND {in_window}",
+            {**wparams, "ws": others}, after="node IN {nodes:Array(String)}", after_columns=("node",),
+            order="occurred_at, correlation_id") if others else []
+        gpus = sorted({(a["node"], a["gpu_id"]) for a in allocs.values()})
+        if gpus:
+            other_allocs = [a for a in store.latest(
+                "gpu_allocations", ALLOC_COLS,
+                "node IN {gpu_nodes:Array(String)} AND concat(node, '/', gpu_id) IN {gpus:Array(String)} "
+                "AND started_at <= {to:DateTime64(3, 'UTC')}",
+                {**wparams, "gpu_nodes": sorted({n for n, _ in gpus}), "gpus": [f"{n}/{g}" for n, g in gpus]},
+                after="ended_at IS NULL OR ended_at >= {from:DateTime64(3, 'UTC')}", after_columns=("ended_at",),
+                order="started_at, allocation_id") if a["allocation_id"] not in allocs]
+
+    # Assemble.
+    if release_id and not workload_ids:
+        gaps.append(f"release {release_id}: no workload attributed to it" + (" as of --at" if at else ""))
+    for wid in sorted(workload_ids):
+        out["workloads"].append(_workload_section(wid, [r for r in wl_rows if r["workload_id"] == wid], list(pods.values()), gaps))
+    for key in sorted(pods):
+        p = pods[key]
+        p["nodes"] = sorted(p["nodes"])
+        p["allocations"] = [_brief_alloc(a) for a in sorted(allocs.values(), key=lambda a: (a["started_at"], a["allocation_id"]))
+                            if (a["namespace"], a["pod"]) == key]
+        if not p["allocations"]:
+            gaps.append(f"pod {key[0]}/{key[1]}: no GPU allocation seen")
+        out["pods"].append(p)
+    by_gpu: dict[tuple[str, str], dict] = {}
+    for a in sorted(allocs.values(), key=lambda a: (a["started_at"], a["allocation_id"])):
+        g = by_gpu.setdefault((a["node"], a["gpu_id"]), {"node": a["node"], "gpu_id": a["gpu_id"], "allocations": [], "others_in_window": []})
+        g["allocations"].append(_brief_alloc(a))
+    for a in other_allocs:
+        by_gpu[(a["node"], a["gpu_id"])]["others_in_window"].append(_brief_alloc(a))
+    out["gpus"] = [by_gpu[k] for k in sorted(by_gpu)]
+    chain_incidents = [r for r in wl_rows if r["event_type"] in SCHEDULER_INCIDENT_TYPES]
+    events = {r["correlation_id"]: {**_brief_scheduler(r), "in_chain": True} for r in chain_incidents}
+    for r in neighbours:
+        events.setdefault(r["correlation_id"], {**_brief_scheduler(r), "in_chain": False})
+    out["scheduler_events"] = sorted(events.values(), key=lambda e: (e["occurred_at"], e["correlation_id"]))
+    alerts = [_brief_alert(r, True) for r in alert_rows.values()] + [_brief_alert(r, False) for r in others_alerts]
+    out["alerts"] = sorted(alerts, key=lambda a: (a["occurred_at"], a["correlation_id"]))
+    out["window"] = {"from": _norm_time(datetime.fromisoformat(anchor_s.replace("Z", "+00:00")) - window) if anchor_s else None,
+                     "to": anchor_s, "length": format_window(window)}
+    return out
+
+
+def trace(reader, database: str, kind: str, value: str, at: datetime | None = None, window: timedelta | None = None,
+          cluster: str | None = None, mode: str = "final") -> dict[str, Any]:
+    """The chain for one entry point (see module docstring)."""
+    if kind not in ENTRY_KINDS:
+        raise TraceError(f"unknown entry point {kind!r}; use one of {', '.join(ENTRY_KINDS)}")
+    if not value:
+        raise TraceError(f"--{kind}: empty value")
+    window = window or DEFAULT_WINDOW
+    store = Store(reader, database, cluster, mode)
+    resolver = _Resolver(store, at)
+    focal: list[dict] = []
+    alternatives: list[str] = []
+    if kind == "alert":
+        root, focal = resolver.alert(value)
+    elif kind == "release":
+        root = ("release", value)
+    elif kind == "workload":
+        root = resolver.workload(value)
+    elif kind == "pod":
+        root = resolver.pod(*_split_pair(value, "pod", "NAMESPACE/NAME"))
+    elif kind == "gpu":
+        root = resolver.gpu(*_split_pair(value, "gpu", "NODE/GPU_ID"))
+    else:
+        name, _, version = value.partition(":")
+        root, alternatives = resolver.model(name, version or None)
+    chain = _expand(store, root, at, window, focal)
+    if kind == "alert" and not focal:
+        chain["gaps"].insert(0, f"no alert with fingerprint {value} in the store" + (" as of --at" if at else ""))
+    chain["gaps"][:0] = resolver.notes
+    chain["gaps"].extend(f"{t}: more than {ROW_LIMIT} rows matched; the chain shows the first {ROW_LIMIT} (narrow it with --at)"
+                         for t in sorted(store.truncated))
+    entry = {"kind": kind, "value": value, "at": _norm_time(at) if at else None, "window": format_window(window),
+             "root": {"kind": root[0], "id": root[1]} if root else None, "queries": store.queries}
+    if alternatives:
+        entry["other_releases"] = alternatives
+    return {"entry": entry, **chain}
+
+
+def chain_of(result: dict) -> dict:
+    """The entry-independent part of a trace (what every entry point must agree on)."""
+    return {k: v for k, v in result.items() if k != "entry"}
+
+
+def found(result: dict) -> bool:
+    return result["entry"]["root"] is not None
+
+
+# The skeleton's entry points, kept for callers that know only these two.
+def trace_alert(reader, database: str, fingerprint: str, **kwargs) -> dict[str, Any]:
+    return trace(reader, database, "alert", fingerprint, **kwargs)
+
+
+def trace_release(reader, database: str, release_id: str, **kwargs) -> dict[str, Any]:
+    return trace(reader, database, "release", release_id, **kwargs)

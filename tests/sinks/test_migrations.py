@@ -1,0 +1,119 @@
+"""sinks/migrations.py against real ClickHouse: idempotent, recorded, TTL as
+configuration, and the cluster rendering (checked as text: no cluster here)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from sinks.agents import CORRELATED_FAMILY
+from sinks.allocations import GPU_ALLOCATION_COLUMNS, VIOLATION_COLUMNS
+from sinks.correlated import DEAD_LETTER_COLUMNS
+from sinks.migrations import MIGRATIONS, SHARD_KEYS, TTL_COLUMNS, apply_ttl, migrate, rendered
+from sinks.raw import RAW_EVENT_COLUMNS
+
+TABLES = ("correlated_events", "dead_letters", "raw_events", "gpu_allocations", "release_history", "workload_timeline",
+          "enriched_alerts", "violations")
+
+
+def _tables(client, db: str) -> dict[str, str]:
+    rows = client.query("SELECT name, engine_full FROM system.tables WHERE database = {db:String}", parameters={"db": db}).result_rows
+    return dict(rows)
+
+
+def test_migrations_are_idempotent_and_recorded(clickhouse_client, clickhouse_db):
+    assert migrate(clickhouse_client, clickhouse_db) == [m.version for m in MIGRATIONS]
+    assert migrate(clickhouse_client, clickhouse_db) == []
+    recorded = clickhouse_client.query(f"SELECT version, name FROM `{clickhouse_db}`.schema_migrations FINAL ORDER BY version").result_rows
+    assert [v for v, _ in recorded] == [m.version for m in MIGRATIONS]
+    assert all(name for _, name in recorded)
+    tables = _tables(clickhouse_client, clickhouse_db)
+    assert set(TABLES) <= set(tables)
+    assert not any(name.endswith("_dist") for name in tables), "no Distributed tables on a single node"
+    assert "ReplacingMergeTree(version)" in tables["release_history"]
+    assert "ORDER BY (release_id, occurred_at, correlation_id)" in tables["release_history"]
+    assert "ORDER BY (node, gpu_id, started_at, allocation_id)" in tables["gpu_allocations"]
+    assert "ReplacingMergeTree(kafka_offset)" in tables["raw_events"]
+    # Re-running every statement by hand (as a second shard with an empty
+    # schema_migrations would) is harmless too.
+    for version, sql in rendered(clickhouse_db):
+        clickhouse_client.command(sql)
+
+
+def test_insert_columns_match_the_tables(clickhouse_client, clickhouse_db):
+    migrate(clickhouse_client, clickhouse_db)
+    writers = {**CORRELATED_FAMILY, "gpu_allocations": GPU_ALLOCATION_COLUMNS, "violations": VIOLATION_COLUMNS,
+               "raw_events": RAW_EVENT_COLUMNS, "dead_letters": DEAD_LETTER_COLUMNS}
+    for table, columns in writers.items():
+        have = {r[0] for r in clickhouse_client.query(
+            "SELECT name FROM system.columns WHERE database = {db:String} AND table = {t:String}",
+            parameters={"db": clickhouse_db, "t": table}).result_rows}
+        assert set(columns) <= have, f"{table}: {set(columns) - have} not in the table"
+        assert len(columns) == len(set(columns)), table
+
+
+def test_ttl_is_configuration_applied_only_when_it_changes(clickhouse_client, clickhouse_db):
+    migrate(clickhouse_client, clickhouse_db, ttl_days=30)
+    tables = _tables(clickhouse_client, clickhouse_db)
+    for table, column in TTL_COLUMNS.items():
+        assert f"TTL {column} + toIntervalDay(30)" in tables[table], tables[table]
+    assert "TTL" not in tables["release_history"] and "TTL" not in tables["gpu_allocations"]
+    assert apply_ttl(clickhouse_client, clickhouse_db, 30) == []  # unchanged: no ALTER
+    assert sorted(apply_ttl(clickhouse_client, clickhouse_db, 7)) == sorted(TTL_COLUMNS)
+    assert sorted(apply_ttl(clickhouse_client, clickhouse_db, None)) == sorted(TTL_COLUMNS)
+    assert all(" TTL " not in _tables(clickhouse_client, clickhouse_db)[t] for t in TTL_COLUMNS)
+    assert apply_ttl(clickhouse_client, clickhouse_db, None) == []
+
+
+def test_cluster_rendering_comes_from_the_same_definitions():
+    single = [sql for _, sql in rendered("gl")]
+    cluster = [sql for _, sql in rendered("gl", "prod", ttl_days=14)]
+    creates = [s for s in cluster if s.startswith("CREATE TABLE")]
+    local = [s for s in creates if "_dist" not in s.split("(")[0]]
+    # Every local table: ON CLUSTER and a Replicated engine whose path names shard and replica.
+    assert len(local) == len([s for s in single if s.startswith("CREATE TABLE")])
+    for sql in local:
+        assert "ON CLUSTER `prod`" in sql, sql
+        assert re.search(r"ENGINE = Replicated\w+MergeTree\('/clickhouse/tables/\{shard\}/\{database\}/\{table\}', '\{replica\}'", sql), sql
+    # One Distributed table per table, sharded by its row identity.
+    for table, key in SHARD_KEYS.items():
+        dist = [s for s in creates if f".{table}_dist " in s]
+        assert len(dist) == 1, table
+        assert f"ENGINE = Distributed('prod', 'gl', '{table}', {key})" in dist[0]
+    assert all("ON CLUSTER `prod`" in s for s in cluster if s.startswith(("ALTER", "CREATE")))
+    assert [s for s in cluster if "MODIFY TTL" in s] and all("INTERVAL 14 DAY" in s for s in cluster if "MODIFY TTL" in s)
+    # Single node: the same tables, no cluster constructs; no template placeholder left anywhere.
+    assert not any("ON CLUSTER" in s or "Replicated" in s or "Distributed" in s for s in single)
+    for sql in single + cluster:
+        leftovers = set(re.findall(r"\{(\w+)\}", sql)) - {"shard", "database", "table", "replica"}
+        assert not leftovers, (leftovers, sql)
+
+
+def test_cli_prints_the_cluster_sql_without_connecting(tmp_path):
+    env = {**os.environ, "GPULEDGER_DATA_DIR": str(tmp_path), "GPULEDGER_CLICKHOUSE_DSN": "http://127.0.0.1:9/nothing-listens-here",
+           "GPULEDGER_CLICKHOUSE_TTL_DAYS": "30"}
+    out = subprocess.run([sys.executable, "-m", "gpuledger.cli", "db", "migrate", "--cluster", "prod", "--print"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "CREATE TABLE IF NOT EXISTS `gpuledger`.release_history ON CLUSTER `prod`" in out.stdout
+    assert "ENGINE = Distributed('prod', 'gpuledger', 'workload_timeline', cityHash64(workload_id))" in out.stdout
+    assert "MODIFY TTL occurred_at + INTERVAL 30 DAY" in out.stdout
+    assert out.stdout.count(";\n") == len(rendered("gpuledger", "prod", 30))
+
+
+def test_cli_db_migrate_and_status(clickhouse_dsn, clickhouse_db, tmp_path):
+    from typer.testing import CliRunner
+
+    from gpuledger.cli import app
+
+    env = {"GPULEDGER_CLICKHOUSE_DSN": clickhouse_dsn, "GPULEDGER_CLICKHOUSE_DATABASE": clickhouse_db, "GPULEDGER_DATA_DIR": str(tmp_path)}
+    runner = CliRunner()
+    first = runner.invoke(app, ["db", "migrate"], env=env)
+    assert first.exit_code == 0 and first.stdout.strip() == f"applied {[m.version for m in MIGRATIONS]}", first.output
+    assert runner.invoke(app, ["db", "migrate"], env=env).stdout.strip() == "schema up to date"
+    status = runner.invoke(app, ["db", "status"], env=env)
+    assert status.exit_code == 0, status.output
+    assert all(f"migration {m.version}\tapplied" in status.stdout for m in MIGRATIONS)
+    assert f"{clickhouse_db}.release_history\t0 rows" in status.stdout

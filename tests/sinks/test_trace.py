@@ -1,0 +1,164 @@
+"""sinks/trace.py and `gpuledger trace` against real ClickHouse holding one incident
+(tests/sinks/incident.py), written by the real sink writers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from datetime import timedelta
+
+import pytest
+from typer.testing import CliRunner
+
+from gpuledger.cli import app as cli_app
+from sinks.agents import SinkWriters
+from sinks.migrations import migrate
+from sinks.query import DirectReader
+from sinks.trace import TraceError, chain_of, parse_time, parse_window, trace
+from tests.sinks import incident as inc
+
+AT = inc.T0 + timedelta(minutes=70)  # after the alert, before the rollback
+ENTRIES = [
+    ("alert", inc.FP),
+    ("release", inc.R7),
+    ("workload", inc.W7),
+    ("pod", f"risk/{inc.P2}"),
+    ("pod", f"risk/{inc.P1}"),
+    ("gpu", f"node-b/{inc.GPU_B}"),
+    ("model", "fraud-scorer:7"),
+    ("model", "fraud-scorer"),
+]
+
+
+@pytest.fixture(scope="module")
+def store(clickhouse_client):
+    db = f"t_{uuid.uuid4().hex[:12]}"
+    migrate(clickhouse_client, db)
+    writers = SinkWriters(clickhouse_client, db)
+
+    async def go():
+        await writers.store_correlated(inc.correlated_rows())
+        await writers.store_allocations(inc.allocation_rows())
+    asyncio.run(go())
+    return DirectReader(clickhouse_client), db
+
+
+@pytest.mark.parametrize("at", [AT, None], ids=["at", "now"])
+def test_every_entry_point_resolves_to_the_same_chain(store, at):
+    reader, db = store
+    results = {f"{k}={v}": trace(reader, db, k, v, at=at) for k, v in ENTRIES}
+    chains = {name: chain_of(r) for name, r in results.items()}
+    reference = chains[f"alert={inc.FP}"]
+    for name, chain in chains.items():
+        assert chain == reference, f"{name} differs from the alert's chain"
+    assert all(r["entry"]["root"] == {"kind": "release", "id": inc.R7} for r in results.values())
+    assert results["model=fraud-scorer:7"]["entry"]["other_releases"] == [inc.R7_STAGING]
+    assert results["model=fraud-scorer"]["entry"]["other_releases"] == [inc.R7_STAGING, inc.R6]
+
+
+def test_the_chain_links_alert_release_workload_pods_gpus_and_neighbours(store):
+    reader, db = store
+    result = trace(reader, db, "alert", inc.FP, at=AT)
+    rel = result["release"]
+    assert rel["release_id"] == inc.R7 and rel["state"] == "release.promoted"
+    assert {f: rel[f] for f in inc.MANIFEST7} == inc.MANIFEST7
+    assert rel["approvals"] == [{"occurred_at": "2026-11-30T12:10:00.000Z", "actor": "alice", "approval_id": "CHG-1042"}]
+    assert [p["to_environment"] for p in rel["promotions"]] == ["prod"]
+    assert [e["event_type"] for e in rel["lifecycle"]] == ["release.registered", "release.evaluated", "release.approved", "release.promoted"]
+
+    [wl] = result["workloads"]
+    assert (wl["workload_id"], wl["queue"], wl["cluster_queue"], wl["priority_class"], wl["priority"]) == \
+        (inc.W7, "prod-inference", "gpu-a100", "prod-high", 1000)
+    assert wl["admitted_at"] == "2026-11-30T12:17:30.000Z" and len(wl["admissions"]) == 2
+    assert [p["preemptor"] for p in wl["preemptions"]] == ["Workload/training/llm-finetune-3"]
+    assert wl["pods"] == [f"risk/{inc.P1}", f"risk/{inc.P2}"]
+    types = [e["event_type"] for e in wl["events"]]
+    # The row first emitted without a workload, and the one first given a wrong one, appear once, here.
+    assert types.count("scheduler.failed_scheduling") == 1 and types.count("scheduler.pods_ready") == 1
+
+    pods = {f"{p['namespace']}/{p['pod']}": p for p in result["pods"]}
+    assert pods[f"risk/{inc.P1}"]["allocations"][0]["ended_at"] == "2026-11-30T13:00:00.000Z"
+    assert pods[f"risk/{inc.P2}"]["allocations"][0]["ended_at"] is None
+    gpus = {f"{g['node']}/{g['gpu_id']}": g for g in result["gpus"]}
+    assert [a["pod"] for a in gpus[f"node-a/{inc.GPU_A}"]["others_in_window"]] == [inc.PT]  # who took the GPU after the preemption
+
+    events = {(e["event_type"], e.get("workload_id")): e for e in result["scheduler_events"]}
+    assert events[("scheduler.preempted", inc.W7)]["in_chain"] is True
+    assert events[("scheduler.scheduled", inc.WT)]["in_chain"] is False  # the preemptor landing on node-a
+    alerts = {a["alert_fingerprint"]: a for a in result["alerts"]}
+    assert alerts[inc.FP]["in_chain"] and alerts[inc.FP]["status"] == "firing" and alerts[inc.FP]["release_id"] == inc.R7
+    assert alerts[inc.FP_XID]["in_chain"] is False  # other alert on node-b in the window
+    assert inc.FP_OLD not in alerts  # v6's old alert is not this incident
+    assert result["gaps"] == []
+
+
+def test_at_before_the_rollback_shows_the_pre_rollback_state(store):
+    reader, db = store
+    before = trace(reader, db, "release", inc.R7, at=inc.ROLLBACK_AT - timedelta(minutes=1))
+    after = trace(reader, db, "release", inc.R7, at=inc.ROLLBACK_AT + timedelta(minutes=1))
+    now = trace(reader, db, "release", inc.R7)
+    assert before["release"]["state"] == "release.promoted"
+    assert "release.rolled_back" not in [e["event_type"] for e in before["release"]["lifecycle"]]
+    assert after["release"]["state"] == now["release"]["state"] == "release.rolled_back"
+    assert now["release"]["lifecycle"][-1]["actor"] == "bob"
+    # Nothing after --at leaks in: the alert resolved after the rollback.
+    assert [a["status"] for a in after["alerts"] if a["alert_fingerprint"] == inc.FP] == ["firing"]
+    assert [a["status"] for a in now["alerts"] if a["alert_fingerprint"] == inc.FP] == ["firing", "resolved"]
+    # Before the workload existed, the release had none: said as a gap.
+    early = trace(reader, db, "release", inc.R7, at=inc.T0 + timedelta(minutes=12))
+    assert early["release"]["state"] == "release.approved" and early["workloads"] == []
+    assert any("no workload attributed" in g for g in early["gaps"])
+
+
+@pytest.mark.parametrize("kind,value", ENTRIES[:4] + [("gpu", f"node-a/{inc.GPU_A}")])
+def test_final_and_argmax_read_the_same_chain(store, kind, value):
+    reader, db = store
+    for at in (AT, None):
+        assert trace(reader, db, kind, value, at=at, mode="final") == trace(reader, db, kind, value, at=at, mode="argmax")
+
+
+def test_missing_links_are_gaps_not_silence(store):
+    reader, db = store
+    # At T0+70m the training job holds node-a's GPU: a chain without a release.
+    held = trace(reader, db, "gpu", f"node-a/{inc.GPU_A}", at=AT)
+    assert held["entry"]["root"] == {"kind": "workload", "id": inc.WT} and held["release"] is None
+    assert any("no release attributed" in g for g in held["gaps"])
+    # A workload known only from a superseded row is not a workload.
+    assert trace(reader, db, "workload", inc.W_WRONG)["entry"]["root"] is None
+    # An unattributed alert on a node: the alert alone, with its node's neighbours.
+    xid = trace(reader, db, "alert", inc.FP_XID, at=AT)
+    assert xid["entry"]["root"] == {"kind": "alert", "id": inc.FP_XID}
+    assert any("unattributed" in g for g in xid["gaps"])
+    nothing = trace(reader, db, "alert", "no-such-fingerprint")
+    assert nothing["entry"]["root"] is None and nothing["gaps"][0].startswith("no alert with fingerprint")
+
+
+def test_options_are_validated():
+    assert parse_window("90s") == timedelta(seconds=90) and parse_window("2h") == timedelta(hours=2)
+    assert parse_time("2026-11-30T13:10:00Z") == parse_time("2026-11-30 13:10:00") == AT
+    for bad in ("2x", "", "h"):
+        with pytest.raises(TraceError):
+            parse_window(bad)
+    with pytest.raises(TraceError):
+        parse_time("yesterday")
+    with pytest.raises(TraceError):
+        trace(None, "db", "pod", "no-namespace")
+
+
+def test_cli_tree_and_json(store, clickhouse_dsn, tmp_path):
+    reader, db = store
+    env = {"GPULEDGER_CLICKHOUSE_DSN": clickhouse_dsn, "GPULEDGER_CLICKHOUSE_DATABASE": db, "GPULEDGER_DATA_DIR": str(tmp_path)}
+    runner = CliRunner()
+    out = runner.invoke(cli_app, ["trace", "--pod", f"risk/{inc.P2}", "--at", "2026-11-30T13:10:00Z", "--format", "json"], env=env)
+    assert out.exit_code == 0, out.output
+    assert chain_of(json.loads(out.stdout)) == chain_of(trace(reader, db, "alert", inc.FP, at=AT))
+    tree = runner.invoke(cli_app, ["trace", "--alert", inc.FP, "--at", "2026-11-30T13:10:00Z"], env={**env, "COLUMNS": "200"})
+    assert tree.exit_code == 0, tree.output
+    for text in ("alert ModelQualityDegraded (critical) firing", f"release {inc.R7}  state=release.promoted",
+                 f"workload {inc.W7}", "queue=prod-inference", f"pod risk/{inc.P2}", f"GPU node-b/{inc.GPU_B}", "preempted",
+                 f"also training/{inc.PT}", "GpuXidError"):
+        assert text in tree.stdout, text
+    assert runner.invoke(cli_app, ["trace", "--alert", "nope"], env=env).exit_code == 4
+    assert runner.invoke(cli_app, ["trace"], env=env).exit_code == 2
+    assert runner.invoke(cli_app, ["trace", "--release", inc.R7, "--window", "soon"], env=env).exit_code == 2
