@@ -112,19 +112,49 @@ def topics_ensure(bootstrap: Optional[str] = BootstrapOpt) -> None:
 
 
 @db_app.command("migrate")
-def db_migrate(dsn: Optional[str] = DsnOpt, cluster: Optional[str] = typer.Option(None, "--cluster", help="ClickHouse cluster name (ON CLUSTER, Replicated*).")) -> None:
-    """Apply pending schema migrations (idempotent)."""
+def db_migrate(dsn: Optional[str] = DsnOpt,
+               cluster: Optional[str] = typer.Option(None, "--cluster", help="ClickHouse cluster name (ON CLUSTER, Replicated*, <table>_dist Distributed tables)."),
+               print_only: bool = typer.Option(False, "--print", help="Print the SQL every migration renders to (and the TTL statements) without connecting.")) -> None:
+    """Apply pending schema migrations and the configured TTL (idempotent, recorded in schema_migrations)."""
     from sinks.clickhouse import connect
     from sinks.errors import SinkError
-    from sinks.migrations import migrate
+    from sinks.migrations import migrate, rendered
 
     settings = load_settings(dsn=dsn)
+    conf = settings.clickhouse
+    cluster = cluster or conf.cluster
+    if print_only:
+        for version, sql in rendered(conf.database, cluster, conf.ttl_days):
+            label = {0: "bootstrap", -1: "ttl"}.get(version, f"migration {version}")
+            print(f"-- {label}\n{sql};\n")
+        return
     try:
-        client = connect(settings.clickhouse_dsn, settings.clickhouse.database)
-        applied = migrate(client, settings.clickhouse.database, cluster or settings.clickhouse.cluster)
+        client = connect(settings.clickhouse_dsn, conf.database)
+        applied = migrate(client, conf.database, cluster, conf.ttl_days)
     except SinkError as exc:
         fail(str(exc))
     print(f"applied {applied}" if applied else "schema up to date")
+
+
+@db_app.command("status")
+def db_status(dsn: Optional[str] = DsnOpt) -> None:
+    """Applied migrations and the row count of every table (through the store's owner when it has one)."""
+    from sinks.errors import SinkError
+    from sinks.migrations import MIGRATIONS
+    from sinks.query import open_reader
+
+    settings = load_settings(dsn=dsn)
+    db = settings.clickhouse.database
+    try:
+        reader = open_reader(settings)
+        applied = {r["version"] for r in reader.query("SELECT version FROM {db:Identifier}.schema_migrations FINAL", {"db": db}).dicts()}
+        tables = reader.query("SELECT name, total_rows FROM system.tables WHERE database = {db:String} ORDER BY name", {"db": db}).dicts()
+    except SinkError as exc:
+        fail(str(exc))
+    for m in MIGRATIONS:
+        print(f"migration {m.version}\t{'applied' if m.version in applied else 'PENDING'}\t{m.name}")
+    for t in tables:
+        print(f"{db}.{t['name']}\t{t['total_rows'] if t['total_rows'] is not None else '-'} rows (before FINAL)")
 
 
 @schemas_app.command("generate")
@@ -183,64 +213,160 @@ def sql(query: str = typer.Argument(..., help="A SELECT query; read-only is enfo
 @app.command("trace")
 def trace(alert: Optional[str] = typer.Option(None, "--alert", help="Alert fingerprint."),
           release: Optional[str] = typer.Option(None, "--release", help="Release id."),
+          workload: Optional[str] = typer.Option(None, "--workload", help="Workload id."),
+          pod: Optional[str] = typer.Option(None, "--pod", help="Pod as NAMESPACE/NAME."),
+          gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU as NODE/GPU_ID (the allocation holding it at --at, else the latest)."),
+          model: Optional[str] = typer.Option(None, "--model", help="Model as NAME[:VERSION] (its most recently active release)."),
+          at: Optional[str] = typer.Option(None, "--at", help="State as of this time (ISO 8601; no zone means UTC)."),
+          window: str = typer.Option("2h", "--window", help="How far back from --at (else the chain's latest event) to look for other alerts and scheduler events: 90s, 15m, 2h, 1d."),
           fmt: str = typer.Option("tree", "--format", help="tree (for people) or json (for tools)."),
           dsn: Optional[str] = DsnOpt) -> None:
-    """Walk from an alert or a release to everything linked to it."""
+    """The responder's chain: alert → release manifest → workloads → pods → nodes/GPUs → scheduler events and alerts."""
     from sinks.errors import SinkError
     from sinks.query import open_reader
-    from sinks.trace import trace_alert, trace_release
+    from sinks.trace import TraceError, found, parse_time, parse_window
+    from sinks.trace import trace as run_trace
 
-    if not (alert or release):
-        fail("give an entry point: --alert FINGERPRINT or --release ID", 2)
+    entries = [(k, v) for k, v in (("alert", alert), ("release", release), ("workload", workload), ("pod", pod), ("gpu", gpu),
+                                   ("model", model)) if v]
+    if len(entries) != 1:
+        fail("give exactly one entry point: --alert FP, --release ID, --workload ID, --pod NS/NAME, --gpu NODE/GPU_ID or --model NAME[:VERSION]", 2)
+    if fmt not in ("tree", "json"):
+        fail(f"--format must be tree or json, got {fmt!r}", 2)
+    try:
+        at_time = parse_time(at) if at else None
+        span = parse_window(window)
+    except TraceError as exc:
+        fail(str(exc), 2)
     settings = load_settings(dsn=dsn)
     try:
         reader = open_reader(settings)
-        db = settings.clickhouse.database
-        result = trace_alert(reader, db, alert) if alert else trace_release(reader, db, release)
+        result = run_trace(reader, settings.clickhouse.database, *entries[0], at=at_time, window=span, cluster=settings.clickhouse.cluster)
+    except TraceError as exc:
+        fail(str(exc), 2)
     except SinkError as exc:
         fail(str(exc))
     if fmt == "json":
         print(json.dumps(result, indent=2, default=str))
     else:
-        console.print(render_tree(result))
-    if (alert and result.get("alert") is None) or (release and not result["release"]["lifecycle"] and not result.get("alerts")):
+        console.print(render_tree(result), highlight=False)
+    if not found(result):
         raise typer.Exit(4)
 
 
+def _span(start: Optional[str], end: Optional[str], reason: Optional[str] = None) -> str:
+    return f"{start} → {end or 'held'}" + (f" ({reason})" if reason and end else "")
+
+
 def render_tree(result: dict) -> Tree:
-    alert = result.get("alert")
+    """The trace as a rich tree; missing links in red."""
+    gap = "[red]<gap>[/]"
+    entry = result.get("entry") or {}
+    focal = [a for a in result.get("alerts", []) if entry.get("kind") == "alert" and a.get("alert_fingerprint") == entry.get("value")]
+    if focal:
+        a = focal[-1]
+        title = (f"[bold]alert[/] {a.get('alertname', '?')} ({a.get('severity') or 'no severity'}) {a['status']} "
+                 f"at {a.get('starts_at') or a['occurred_at']} (fingerprint {a['alert_fingerprint']})")
+    else:
+        title = f"[bold]trace[/] --{entry.get('kind')} {entry.get('value')}"
+    root_info = entry.get("root")
+    title += f"  [dim]as of {entry['at']}[/]" if entry.get("at") else ""
+    root = Tree(title + ("" if root_info else "  [red]matches nothing[/]"))
     rel = result.get("release")
-    root = Tree(f"[bold]alert[/] {alert['summary']} at {alert['occurred_at']} (fingerprint {alert['fingerprint']})" if alert else "[bold]release trace[/]")
     if rel:
-        node = root.add(f"[bold]release[/] {rel['release_id']}  state={rel.get('state') or '?'}")
-        for field in ("model_name", "model_version", "artifact_digest", "image_digest", "config_digest", "owner", "environment"):
-            node.add(f"{field}: {rel.get(field) or '[red]<gap>[/]'}")
+        node = root.add(f"[bold]release[/] {rel['release_id']}  state={rel.get('state') or gap}" +
+                        (f" since {rel['state_since']}" if rel.get("state_since") else ""))
+        for field in ("model_name", "model_version", "artifact_digest", "image_digest", "config_digest", "dataset_ref", "owner", "environment"):
+            node.add(f"{field}: {rel.get(field) or gap}")
+        approvals = node.add("approvals" if rel.get("approvals") else f"approvals: {gap}")
+        for ap in rel.get("approvals", []):
+            approvals.add(f"{ap['occurred_at']}  {ap.get('actor', '?')}  {ap.get('approval_id', '')}")
+        if rel.get("promotions"):
+            promos = node.add("promotions")
+            for pr in rel["promotions"]:
+                promos.add(f"{pr['occurred_at']}  → {pr.get('to_environment', '?')} by {pr.get('actor', '?')} {pr.get('approval_id', '')}")
         life = node.add("lifecycle")
         for ev in rel.get("lifecycle", []):
             life.add(f"{ev['occurred_at']}  {ev['event_type']}  {ev.get('summary', '')}")
-    elif alert:
-        root.add("[red]release: <gap>[/]")
-    for a in result.get("other_alerts", []) or result.get("alerts", []):
-        root.add(f"[yellow]alert[/] {a['occurred_at']} {a.get('summary', '')}")
-    for gap in result.get("gaps", []):
-        root.add(f"[red]gap:[/] {gap}")
+    elif entry.get("kind") in ("alert", "release", "model") or root_info:
+        root.add(f"release: {gap}")
+    pods = {f"{p['namespace']}/{p['pod']}": p for p in result.get("pods", [])}
+
+    def add_pod(parent, key: str) -> None:
+        p = pods[key]
+        pnode = parent.add(f"pod {key}" + (f"  uid={p['pod_uid']}" if p.get("pod_uid") else "") +
+                           (f"  nodes={','.join(p['nodes'])}" if p.get("nodes") else ""))
+        for a in p.get("allocations", []):
+            pnode.add(f"GPU {a['node']}/{a['gpu_id']}  {_span(a['started_at'], a.get('ended_at'), a.get('end_reason'))}")
+        if not p.get("allocations"):
+            pnode.add(f"GPU: {gap}")
+
+    for wl in result.get("workloads", []):
+        prio = f"{wl.get('priority_class') or '?'} ({wl['priority']})" if wl.get("priority") is not None else (wl.get("priority_class") or gap)
+        wnode = root.add(f"[bold]workload[/] {wl['workload_id']}  queue={wl.get('queue') or gap} "
+                         f"cluster_queue={wl.get('cluster_queue') or gap} priority={prio}")
+        wnode.add(f"admitted {wl['admitted_at']}" + (f" ({len(wl['admissions'])} admissions)" if len(wl["admissions"]) > 1 else "")
+                  if wl.get("admitted_at") else f"admission: {gap}")
+        for ev in wl.get("preemptions", []) + wl.get("evictions", []):
+            by = f" by {ev['preemptor']}" if ev.get("preemptor") else ""
+            wnode.add(f"[yellow]{ev['event_type'].split('.', 1)[1]}[/] {ev['occurred_at']}{by}" + (f"  {ev['reason']}" if ev.get("reason") else ""))
+        for key in wl.get("pods", []):
+            if key in pods:
+                add_pod(wnode, key)
+    loose = [k for k, p in pods.items() if not any(k in wl.get("pods", []) for wl in result.get("workloads", []))]
+    if loose:
+        lnode = root.add("pods without a known workload")
+        for key in loose:
+            add_pod(lnode, key)
+    if result.get("gpus"):
+        gnode = root.add("[bold]GPUs[/]")
+        for g in result["gpus"]:
+            gg = gnode.add(f"{g['node']}/{g['gpu_id']}")
+            for a in g["allocations"]:
+                gg.add(f"{a['namespace']}/{a['pod']}  {_span(a['started_at'], a.get('ended_at'), a.get('end_reason'))}")
+            for a in g.get("others_in_window", []):
+                gg.add(f"[yellow]also[/] {a['namespace']}/{a['pod']}  {_span(a['started_at'], a.get('ended_at'), a.get('end_reason'))}"
+                       + (f"  workload={a['workload_id']}" if a.get("workload_id") else ""))
+    win = result.get("window") or {}
+    if result.get("scheduler_events"):
+        snode = root.add(f"[bold]scheduler events[/]  (other workloads on these nodes: {win.get('from')} → {win.get('to')})")
+        for ev in result["scheduler_events"]:
+            who = ev.get("workload_id") or (f"{ev.get('namespace')}/{ev.get('pod')}" if ev.get("pod") else "?")
+            line = f"{ev['occurred_at']}  {ev['event_type']}  {who}" + (f" on {ev['node']}" if ev.get("node") else "")
+            line += (f" by {ev['preemptor']}" if ev.get("preemptor") else "") + (f"  {ev['reason']}" if ev.get("reason") else "")
+            snode.add(line + ("" if ev["in_chain"] else "  [dim](other workload)[/]"))
+    if result.get("alerts"):
+        anode = root.add("[bold]alerts[/]")
+        for a in result["alerts"]:
+            mark = "" if a["in_chain"] else "  [dim](other alert in the window)[/]"
+            where = f" on {a['node']}" if a.get("node") else ""
+            anode.add(f"{a['occurred_at']}  {a.get('alertname', '?')} ({a.get('severity') or '-'}) {a['status']}{where}{mark}")
+    if result.get("gaps"):
+        gaps = root.add("[red]gaps[/]")
+        for g in result["gaps"]:
+            gaps.add(f"[red]{g}[/]")
     return root
 
 
 @app.command("demo")
 def demo(keep: bool = typer.Option(False, "--keep", help="Leave the data dir for inspection (always kept; flag reserved).")) -> None:
-    """The thin end-to-end path: local Kafka, a worker, sample events, and their trace."""
-    from gpuledger.demo import run_demo
+    """What `make demo` runs: the incident-rollback exercise (local Kafka, the real collectors, worker and store, a simulated cluster)."""
+    from gpuledger.exercise import run_exercise
 
     settings = load_settings()
-    code = run_demo(settings, console)
-    raise typer.Exit(code)
+    raise typer.Exit(run_exercise(settings, "incident-rollback", console).exit_code)
 
 
 # --- component commands ---------------------------------------------------------
 # Each collector/component module exposes a `register(app)` that adds its commands.
 # Keep one line per module here.
 COMPONENT_COMMANDS: tuple[str, ...] = (
+    "producers.receiver",
+    "producers.releases",
+    "producers.podresources",
+    "producers.kubernetes",
+    "gpuledger.exercise",
+    "gpuledger.audit",
 )
 
 

@@ -1,0 +1,601 @@
+"""`gpuledger audit`: the evidence report of the eight controls for a time range.
+
+Input: the store (read-only, through ``sinks.query.open_reader`` — the worker's loopback
+endpoint when it owns the embedded store), a time range and a policy. Output: per
+control PASS/FAIL with counts and the violations in the range, plus the evidence each
+control asks for (DESIGN.md "Controls"; docs/controls.md), as a table, JSON or one
+self-contained HTML file. Exit code 0 when every control passes, 1 when one fails (so
+it can gate a pipeline), 2 for bad options or policy, 3 when the store cannot be read.
+
+How: the controls are *re-evaluated* over the stored history — the same rules the
+worker runs (``streams.controls_rules.ControlEngine``), fed with the latest version of
+every correlated row and allocation up to ``--to``, with the watermark at ``--to`` —
+so the report is "as of --to", works with any policy (``--policy``), and does not
+depend on the worker having run the controls. What the worker recorded in the
+``violations`` table over the same range is shown beside it (``recorded``).
+
+Limits: history older than ``--lookback`` before ``--from`` is not read (release
+lifecycle is always read in full); at most ``MAX_ROWS`` rows per table (the report
+says when it was truncated). Rows keep their latest attribution, which may have been
+learned after ``--to``.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections import defaultdict
+from datetime import datetime, timedelta, timezone
+from typing import Optional
+
+import typer
+
+from gpuledger.policy import ACTION_OF_EVENT, CONTROL_NAMES, CONTROL_TITLES, Policy, PolicyError, load_policy, parse_duration
+from streams.controls_rules import (
+    PREEMPTION_CLUSTER,
+    START,
+    ControlEngine,
+    Release,
+    approval_changes,
+    compact_row,
+    directory_from_rows,
+    intervals,
+    is_withdrawn,
+    peak_concurrency,
+)
+
+MAX_ROWS = 200_000
+LIST_LIMIT = 25
+QUEUE_ENTRY = ("scheduler.submitted", "scheduler.queued", "scheduler.quota_reserved", "scheduler.admitted", "scheduler.scheduled")
+IDENTITY_COLUMNS = ("release_id", "model_name", "model_version", "artifact_digest", "image_digest", "config_digest", "dataset_ref",
+                    "environment", "workload_id", "pod_uid", "namespace", "pod", "node", "gpu_id", "owner", "data_class", "alert_fingerprint")
+CONTAINMENT = ("release.queue_paused", "release.node_isolated", "release.priority_overridden", "release.rolled_back", "release.revoked",
+               "release.retired")
+
+
+class AuditError(ValueError):
+    """Options the audit cannot use."""
+
+
+def parse_time(text: str, option: str) -> datetime:
+    try:
+        value = datetime.fromisoformat(text.strip().replace("Z", "+00:00").replace(" ", "T", 1))
+    except ValueError as exc:
+        raise AuditError(f"{option} {text!r}: not an ISO 8601 time (e.g. 2026-11-30T13:40:00Z)") from exc
+    return value.astimezone(timezone.utc) if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+
+def _t(value) -> datetime | None:
+    if value in (None, ""):
+        return None
+    if isinstance(value, datetime):
+        return value.astimezone(timezone.utc)
+    parsed = datetime.fromisoformat(str(value).replace("Z", "+00:00").replace(" ", "T", 1))
+    return parsed.astimezone(timezone.utc) if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+
+
+def _z(value) -> str | None:
+    t = _t(value)
+    return None if t is None else t.strftime("%Y-%m-%dT%H:%M:%S") + (f".{t.microsecond // 1000:03d}" if t.microsecond else "") + "Z"
+
+
+# --- reading the history --------------------------------------------------------------------
+
+def load_history(reader, database: str, start: datetime, end: datetime, lookback: timedelta, cluster: str | None = None) -> dict:
+    """Latest versions of the correlated rows and allocations the audit needs, and the
+    violations the worker recorded over the range."""
+    from sinks.migrations import table_name
+    from sinks.trace import Store, _ch_time
+
+    store = Store(reader, database, cluster)
+    params = {"to": _ch_time(end), "since": _ch_time(start - lookback), "from": _ch_time(start)}
+    columns = ("correlation_id", "version", "event_type", "occurred_at", "attribution", *IDENTITY_COLUMNS, "release_state", "payload_json")
+    raw = store.latest("correlated_events", columns,
+                       "occurred_at <= {to:DateTime64(3)} AND (startsWith(event_type, 'release.') OR "
+                       "(occurred_at >= {since:DateTime64(3)} AND NOT startsWith(event_type, 'gpu.')))",
+                       params, order="occurred_at, correlation_id", limit=MAX_ROWS)
+    rows = [{"correlation_id": r["correlation_id"], "version": int(r["version"]), "event_type": r["event_type"],
+             "occurred_at": r["occurred_at"], "attribution": r["attribution"], "release_state": r.get("release_state") or None,
+             "identity": {k: r[k] for k in IDENTITY_COLUMNS if r.get(k)}, "payload_json": r.get("payload_json") or "{}"} for r in raw]
+    alloc_cols = ("allocation_id", "version", "node", "gpu_id", "namespace", "pod", "release_id", "workload_id", "attribution",
+                  "started_at", "ended_at", "start_event_id", "end_event_id")
+    raw_allocs = store.latest("gpu_allocations", alloc_cols, "started_at <= {to:DateTime64(3)}",
+                              params, after="ended_at IS NULL OR ended_at >= {since:DateTime64(3)}",
+                              order="started_at, allocation_id", limit=MAX_ROWS)
+    allocations = []
+    for a in raw_allocs:
+        ended = _t(a.get("ended_at"))
+        held_at_end = ended is None or ended > end  # as of --to it was still held
+        allocations.append({"allocation_id": a["allocation_id"], "version": int(a["version"]), "node": a["node"], "gpu_id": a["gpu_id"],
+                            "namespace": a["namespace"], "pod": a["pod"], "attribution": a["attribution"],
+                            "identity": {k: a[k] for k in ("release_id", "workload_id") if a.get(k)},
+                            "started_at": a["started_at"], "ended_at": None if held_at_end else a["ended_at"],
+                            "start_event_id": a["start_event_id"], "end_event_id": None if held_at_end else (a.get("end_event_id") or None)})
+    recorded_sql = (f"SELECT violation_id, version, control_id, severity, opened_at, closed_at, detail FROM "
+                    f"{{db:Identifier}}.{table_name('violations', cluster)} FINAL WHERE opened_at <= {{to:DateTime64(3)}} "
+                    f"AND (closed_at IS NULL OR closed_at >= {{from:DateTime64(3)}}) LIMIT {MAX_ROWS}")
+    recorded = [r for r in reader.query(recorded_sql, {"db": database, **params}).dicts() if not is_withdrawn(r)]
+    return {"rows": rows, "allocations": allocations, "recorded": recorded, "truncated": sorted(store.truncated)}
+
+
+# --- the report ------------------------------------------------------------------------------
+
+def build_report(history: dict, policy: Policy, start: datetime, end: datetime, policy_source: str = "built-in default") -> dict:
+    """Re-evaluate the controls over ``history`` as of ``end``; summarise ``[start, end]``."""
+    rows = history["rows"]
+    directory = directory_from_rows(rows)
+    engine = ControlEngine(directory, policy, watermark=end).feed(rows, history["allocations"])
+    engine.run()
+    in_range = [v for v in engine.current() if v.opened_at <= end and (v.closed_at is None or v.closed_at >= start)]
+    recorded = defaultdict(int)
+    for r in history.get("recorded", []):
+        recorded[int(r["control_id"])] += 1
+    controls = []
+    for cid in range(1, 9):
+        mine = [v for v in in_range if v.control_id == cid]
+        failing = [v for v in mine if v.severity != "info"]
+        conf = policy.control(cid)
+        controls.append({
+            "id": cid, "name": CONTROL_NAMES[cid], "title": CONTROL_TITLES[cid],
+            "status": "OFF" if not conf.enabled else ("FAIL" if failing else "PASS"),
+            "violations": len(mine), "open": sum(1 for v in mine if v.closed_at is None), "closed": sum(1 for v in mine if v.closed_at is not None),
+            "info": len(mine) - len(failing), "recorded": recorded.get(cid, 0), "owner": policy.owner_for(cid), "severity": conf.severity,
+        })
+    ev = Evidence(history, directory, policy, start, end, in_range)
+    return {
+        "range": {"from": _z(start), "to": _z(end)},
+        "policy": policy_source,
+        "passed": all(c["status"] != "FAIL" for c in controls),
+        "controls": controls,
+        "violations": [_violation_row(v) for v in in_range],
+        "evidence": [ev.admission(), ev.promotion(), ev.prod_run(), ev.preemption(), ev.reservations(), ev.telemetry(), ev.authority(),
+                     ev.retirement()],
+        "truncated": history.get("truncated", []),
+    }
+
+
+def _violation_row(v) -> dict:
+    ident = v.identity
+    subject = ident.release_id or ident.workload_id or ident.alert_fingerprint or (f"{ident.namespace}/{ident.pod}" if ident.pod else "")
+    return {"control": v.control_id, "severity": v.severity, "violation_id": v.violation_id, "opened_at": _z(v.opened_at),
+            "closed_at": _z(v.closed_at), "owner": v.owner, "subject": subject, "detail": v.detail, "evidence": list(v.evidence)}
+
+
+def _payload(row: dict) -> dict:
+    return json.loads(row.get("payload_json") or "{}")
+
+
+class Evidence:
+    """The evidence each control asks for, from the same history."""
+
+    def __init__(self, history: dict, directory, policy: Policy, start: datetime, end: datetime, violations: list) -> None:
+        self.rows = sorted(history["rows"], key=lambda r: (_t(r["occurred_at"]), r["correlation_id"]))
+        self.allocations = history["allocations"]
+        self.directory = directory
+        self.policy = policy
+        self.start, self.end = start, end
+        self.violations = violations
+        self.release_rows = {r["correlation_id"]: r for r in self.rows if r["event_type"].startswith("release.")}
+        self.workloads: dict[str, list[dict]] = defaultdict(list)
+        for r in self.rows:
+            if r["event_type"].startswith("scheduler."):
+                ident = r["identity"]
+                key = ident.get("workload_id") or (f"{ident.get('namespace')}/{ident.get('pod')}" if ident.get("pod") else r["correlation_id"])
+                self.workloads[key].append(r)
+        self.prod = policy.environments[-1].name
+
+    def _in_range(self, value) -> bool:
+        t = _t(value)
+        return t is not None and self.start <= t <= self.end
+
+    def _section(self, control: int, title: str, summary: str, columns: list[str], rows: list[dict]) -> dict:
+        return {"control": control, "title": title, "summary": summary, "columns": columns, "rows": rows[:LIST_LIMIT],
+                "more": max(0, len(rows) - LIST_LIMIT)}
+
+    def _approval_before(self, rid: str | None, env: str | None, at: datetime) -> dict | None:
+        if not rid:
+            return None
+        changes = approval_changes(Release(self.directory, rid), self.policy, env)
+        state = next((c for c in reversed(changes) if c[0] <= at), None)
+        if not state or not state[1]:
+            return None
+        row = self.release_rows.get(state[2], {})
+        p = _payload(row) if row else {}
+        return {"at": _z(state[0]), "actor": p.get("actor"), "approval_id": p.get("approval_id"), "event_id": state[2]}
+
+    def _release_of(self, rows: list[dict]) -> str | None:
+        return next((r["identity"]["release_id"] for r in reversed(rows) if r["identity"].get("release_id")), None)
+
+    # (1)
+    def admission(self) -> dict:
+        out = []
+        for wid, rows in sorted(self.workloads.items()):
+            entry = next((r for r in rows if r["event_type"] in QUEUE_ENTRY), None)
+            if entry is None or not self._in_range(entry["occurred_at"]):
+                continue
+            rid = entry["identity"].get("release_id") or self._release_of(rows)
+            env = entry["identity"].get("environment")
+            approval = self._approval_before(rid, env, _t(entry["occurred_at"]))
+            envp = self.policy.environment(env)
+            needed = envp.requires_approval if envp else True
+            verdict = ("approved before queue entry" if approval else "no release identity" if not rid else
+                       "no approval before queue entry" if needed else f"approval not required in {env}")
+            out.append({"workload": wid, "release": rid or "", "environment": env or "", "queue_entry": _z(entry["occurred_at"]),
+                        "entry_event": entry["event_type"], "approval": (f"{approval['actor']} {approval.get('approval_id') or ''} at {approval['at']}"
+                                                                         if approval else ""), "verdict": verdict})
+        ok = sum(1 for r in out if r["verdict"] == "approved before queue entry")
+        return self._section(1, "Approved identity before queue entry", f"{ok} of {len(out)} workload(s) entering a queue in the range "
+                             "had an approved release identity first",
+                             ["workload", "release", "environment", "queue_entry", "entry_event", "approval", "verdict"], out)
+
+    # (2)
+    def promotion(self) -> dict:
+        out = []
+        for rid, state in sorted(self.directory.releases.items()):
+            promos = [h for h in state["history"] if h[1] == "release.promoted" and h[3] == self.prod and _t(h[0].split("|")[0]) <= self.end]
+            if not promos:
+                continue
+            last = promos[-1]
+            p = _payload(self.release_rows.get(last[2], {}))
+            approval = self._approval_before(rid, self.prod, _t(last[0].split("|")[0]))
+            sched = set()
+            for rows in self.workloads.values():
+                for r in rows:
+                    ident = r["identity"]
+                    if (ident.get("release_id") == rid and ident.get("environment") == self.prod and r["event_type"] in START
+                            and self._in_range(r["occurred_at"])):
+                        q = _payload(r)
+                        sched.add((q.get("queue") or "", q.get("cluster_queue") or "", q.get("priority_class") or "",
+                                   "" if q.get("priority") is None else str(q.get("priority"))))
+            applied = "; ".join(f"queue={q} cluster_queue={cq} class={pc} priority={pr} (business "
+                                f"{self.policy.business_priority.of(rid, None, pc)})" for q, cq, pc, pr in sorted(sched)) or "no workload in the range"
+            out.append({"release": rid, "approved": (f"{approval['actor']} {approval.get('approval_id') or ''} at {approval['at']}"
+                                                      if approval else "NOT APPROVED"),
+                        "promoted": f"{last[4] or '?'} {p.get('approval_id') or ''} at {_z(last[0].split('|')[0])}"
+                                    + ("" if self.policy.allowed(last[4], "promote") else " (no promote right)"),
+                        "state_at_end": self.directory.state_as_of(rid, self.end.isoformat()) or "", "scheduling_applied": applied})
+        traced = sum(1 for r in out if r["approved"] != "NOT APPROVED")
+        return self._section(2, f"Release approval traced to the scheduling policy applied in {self.prod}",
+                             f"{traced} of {len(out)} release(s) promoted to {self.prod} trace to an approval",
+                             ["release", "approved", "promoted", "state_at_end", "scheduling_applied"], out)
+
+    # (3)
+    def prod_run(self) -> dict:
+        candidates = []
+        for wid, rows in self.workloads.items():
+            starts = [r for r in rows if r["event_type"] in START and r["identity"].get("release_id")
+                      and r["identity"].get("environment") == self.prod and self._in_range(r["occurred_at"])]
+            if starts:
+                candidates.append((_t(starts[-1]["occurred_at"]), wid, rows, starts[0]))
+        if not candidates:
+            return self._section(3, f"One {self.prod} run, scheduler event to artifact manifest", f"no {self.prod} run in the range",
+                                 ["step", "value"], [])
+        _at, wid, rows, first = max(candidates, key=lambda c: (c[0], c[1]))
+        rid = first["identity"]["release_id"]
+        manifest = self.directory.manifest(rid)
+        steps = [{"step": "workload", "value": wid}]
+        for r in rows[:12]:
+            ident, q = r["identity"], _payload(r)
+            where = " ".join(x for x in (f"pod {ident.get('namespace')}/{ident['pod']}" if ident.get("pod") else "",
+                                         f"node {ident['node']}" if ident.get("node") else "",
+                                         f"queue {q['queue']}" if q.get("queue") else "", f"class {q['priority_class']}" if q.get("priority_class") else "") if x)
+            steps.append({"step": r["event_type"], "value": f"{_z(r['occurred_at'])} {where}".strip()})
+        pods = {f"{r['identity'].get('namespace')}/{r['identity']['pod']}" for r in rows if r["identity"].get("pod")}
+        for a in self.allocations:
+            if f"{a['namespace']}/{a['pod']}" in pods:
+                steps.append({"step": "gpu", "value": f"{a['node']}/{a['gpu_id']} {_z(a['started_at'])} → {_z(a['ended_at']) or 'held'}"})
+        steps.append({"step": "release", "value": f"{rid} (state at admission: {self.directory.state_as_of(rid, _t(first['occurred_at']).isoformat()) or '?'})"})
+        approval = self._approval_before(rid, self.prod, _t(first["occurred_at"]))
+        steps.append({"step": "approval", "value": f"{approval['actor']} {approval.get('approval_id') or ''} at {approval['at']}" if approval else "none before admission"})
+        for f in ("model_name", "model_version", "artifact_digest", "image_digest", "config_digest", "dataset_ref", "owner"):
+            steps.append({"step": f"manifest.{f}", "value": manifest.get(f) or "<gap>"})
+        running = sorted({d for r in rows for d in (_payload(r).get("image_digests") or [])})
+        want = manifest.get("image_digest")
+        verdict = ("no running image digest observed" if not running else "running image matches the manifest" if want in running
+                   else f"running image(s) {', '.join(running)} do not include the manifest's {want}")
+        steps.append({"step": "image check", "value": verdict})
+        return self._section(3, f"One {self.prod} run, scheduler event to artifact manifest", f"workload {wid} of release {rid}",
+                             ["step", "value"], steps)
+
+    # (4)
+    def preemption(self) -> dict:
+        bp = self.policy.business_priority
+        classes: dict[str, set] = defaultdict(set)
+        out = []
+        for wid, rows in self.workloads.items():
+            for r in rows:
+                pc = _payload(r).get("priority_class")
+                if pc and self._in_range(r["occurred_at"]):
+                    classes[pc].add(wid)
+        for wid, rows in sorted(self.workloads.items()):
+            # One preemption often shows as several rows (the pod's, its Kueue workload's):
+            # rows of one workload within PREEMPTION_CLUSTER are one preemption.
+            clusters: list[list[dict]] = []
+            for r in rows:
+                q = _payload(r)
+                preempt = r["event_type"] == "scheduler.preempted" or (r["event_type"] == "scheduler.evicted" and "preempt" in (q.get("reason") or "").lower())
+                if not preempt or not self._in_range(r["occurred_at"]):
+                    continue
+                if clusters and _t(r["occurred_at"]) - _t(clusters[-1][0]["occurred_at"]) <= PREEMPTION_CLUSTER:
+                    clusters[-1].append(r)
+                else:
+                    clusters.append([r])
+            for cluster in clusters:
+                r = next((x for x in cluster if (_payload(x).get("preemptor") or {}).get("name")), cluster[0])
+                q = _payload(r)
+                rid = next((x["identity"]["release_id"] for x in cluster if x["identity"].get("release_id")), None)
+                pc = q.get("priority_class") or next((_payload(x).get("priority_class") for x in rows if _payload(x).get("priority_class")), None)
+                ref = q.get("preemptor") or {}
+                by = f"{ref.get('kind', '')} {ref.get('namespace') or ''}/{ref.get('name') or ref.get('uid') or ''}".strip() if ref else ""
+                their = self.workloads.get(f"{ref.get('namespace')}/{ref.get('name')}", []) if ref else []
+                their_pc = next((_payload(x).get("priority_class") for x in their if _payload(x).get("priority_class")), None)
+                ids = {x["correlation_id"] for x in cluster}
+                linked = [v for v in self.violations if v.control_id == 4 and ids & set(v.evidence)]
+                verdict = "; ".join(("inside observation window" if "observation window" in v.detail else "by lower business priority")
+                                    + f" ({v.violation_id[:8]})" for v in linked) or "within policy"
+                out.append({"at": _z(cluster[0]["occurred_at"]), "victim": wid, "release": rid or "", "class": pc or "",
+                            "business": bp.of(rid, None, pc), "preemptor": by or "unknown", "preemptor_class": their_pc or "",
+                            "preemptor_business": bp.of(self._release_of(their), None, their_pc) if their else None, "verdict": verdict})
+        overrides = [r for r in self.rows if r["event_type"] == "release.priority_overridden" and self._in_range(r["occurred_at"])]
+        for r in overrides:
+            p = _payload(r)
+            out.append({"at": _z(r["occurred_at"]), "victim": p.get("target") or "", "release": r["identity"].get("release_id", ""),
+                        "class": "override", "business": None, "preemptor": f"actor {p.get('actor') or '?'}", "preemptor_class": "",
+                        "preemptor_business": None,
+                        "verdict": ("authorized" if self.policy.allowed(p.get("actor"), "override_priority") else "NO RIGHT")
+                                   + f", expires {_z(p.get('expires_at')) or 'never'}"})
+        summary = ("priority classes: " + ", ".join(f"{pc}={bp.by_priority_class.get(pc, '?')} ({len(w)} workload(s))" for pc, w in sorted(classes.items()))
+                   if classes else "no priority classes seen") + f"; {len(out) - len(overrides)} preemption(s), {len(overrides)} override(s)"
+        return self._section(4, "Priority classes and preemptions with their authority", summary,
+                             ["at", "victim", "release", "class", "business", "preemptor", "preemptor_class", "preemptor_business", "verdict"], out)
+
+    # (5)
+    def reservations(self) -> dict:
+        out = []
+        created = {}
+        released = {}
+        for r in self.rows:
+            res = _payload(r).get("reservation") or {}
+            if not res.get("reservation_id"):
+                continue
+            key = (r["identity"].get("release_id"), res["reservation_id"])
+            if r["event_type"] == "release.reservation_created":
+                created.setdefault(key, (r, res))
+            elif r["event_type"] == "release.reservation_released":
+                released.setdefault(key, r)
+        for (rid, res_id), (row, res) in sorted(created.items(), key=lambda kv: (kv[0][0] or "", kv[0][1])):
+            ws = _t(res.get("window_start")) or _t(row["occurred_at"])
+            we = _t(res.get("window_end"))
+            if we is not None and we < self.start:
+                continue
+            gpus = int(res.get("gpus") or 0)
+            allocs = [{"start": a["started_at"], "end": a["ended_at"], "id": a["allocation_id"]} for a in self.allocations
+                      if a["identity"].get("release_id") == rid]
+            until = min(we or self.end, self.end)
+            peak = peak_concurrency(allocs, ws, until)
+            used_h = sum(max(0.0, (min(_t(a["end"]) or until, until) - max(_t(a["start"]), ws)).total_seconds()) for a in allocs) / 3600
+            planned_h = gpus * max(0.0, (until - ws).total_seconds()) / 3600
+            rel = released.get((rid, res_id))
+            actor = _payload(row).get("actor")
+            out.append({"release": rid or "", "reservation": res_id, "gpus": gpus, "pool": res.get("pool") or "",
+                        "window": f"{_z(ws)} → {_z(we) or 'open'}", "reserved_by": f"{actor or '?'}" + ("" if self.policy.allowed(actor, "reserve") else " (no reserve right)"),
+                        "released": _z(rel["occurred_at"]) if rel else "held", "peak_allocated": peak,
+                        "gpu_hours": f"{used_h:.1f} of {planned_h:.1f}", "utilisation": f"{used_h / planned_h:.0%}" if planned_h else "-"})
+        return self._section(5, "Reservation plan vs. actual utilisation", f"{len(out)} reservation(s) active in the range",
+                             ["release", "reservation", "gpus", "pool", "window", "reserved_by", "released", "peak_allocated", "gpu_hours", "utilisation"], out)
+
+    # (6)
+    def telemetry(self) -> dict:
+        episodes: dict[tuple, list[dict]] = defaultdict(list)
+        for r in self.rows:
+            if r["event_type"].startswith("alert."):
+                p = _payload(r)
+                episodes[(r["identity"].get("alert_fingerprint"), p.get("starts_at"))].append(r)
+        total = attributed = q_total = q_attr = 0
+        sample = None
+        matcher = self.policy.telemetry.quality_alerts
+        for (fp, starts), rows in sorted(episodes.items(), key=lambda kv: (str(kv[0][1]), str(kv[0][0]))):
+            if not self._in_range(starts or rows[0]["occurred_at"]):
+                continue
+            p = _payload(rows[0])
+            quality = matcher.matches(p.get("alertname"), p.get("labels"))
+            joined = next((r for r in rows if r["attribution"] != "unattributed" or r["identity"].get("release_id")), None)
+            total += 1
+            q_total += quality
+            if joined:
+                attributed += 1
+                q_attr += quality
+                if sample is None or quality >= sample[0]:
+                    sample = (quality, joined, p)
+        ratio = f"{attributed}/{total} = {attributed / total:.0%}" if total else "no alerts in the range"
+        q_ratio = f"{q_attr}/{q_total}" if q_total else "0/0"
+        steps = []
+        if sample:
+            _quality, row, p = sample
+            ident = row["identity"]
+            steps = [{"step": "alert", "value": f"{p.get('alertname')} ({p.get('severity') or '-'}) fingerprint {ident.get('alert_fingerprint')} "
+                                                f"starts {_z(p.get('starts_at'))}"},
+                     {"step": "attribution", "value": row["attribution"]},
+                     {"step": "release", "value": f"{ident.get('release_id') or '<gap>'} (state {row.get('release_state') or '?'})"},
+                     {"step": "workload", "value": ident.get("workload_id") or "<gap>"},
+                     {"step": "pod", "value": f"{ident['namespace']}/{ident['pod']}" if ident.get("pod") else "<gap>"},
+                     {"step": "node/gpu", "value": f"{ident.get('node') or '<gap>'}/{ident.get('gpu_id') or '<gap>'}"}]
+            wl = self.workloads.get(ident.get("workload_id") or "", [])
+            admitted = [r for r in wl if r["event_type"] in START and _t(r["occurred_at"]) <= _t(p.get("starts_at") or row["occurred_at"])]
+            if admitted:
+                q = _payload(admitted[-1])
+                steps.append({"step": "scheduling", "value": f"{admitted[-1]['event_type']} {_z(admitted[-1]['occurred_at'])} queue={q.get('queue') or '?'} "
+                                                             f"class={q.get('priority_class') or '?'} node={admitted[-1]['identity'].get('node') or '?'}"})
+        return self._section(6, "Alert coverage and a sampled alert joined to scheduling, node and release",
+                             f"coverage {ratio} (quality alerts {q_ratio})", ["step", "value"], steps)
+
+    # (7)
+    def authority(self) -> dict:
+        out = []
+        for r in self.rows:
+            if r["event_type"] not in CONTAINMENT or not self._in_range(r["occurred_at"]):
+                continue
+            p = _payload(r)
+            action = ACTION_OF_EVENT[r["event_type"]]
+            actor = p.get("actor")
+            out.append({"at": _z(r["occurred_at"]), "action": r["event_type"].split(".", 1)[1], "release": r["identity"].get("release_id", ""),
+                        "target": p.get("target") or p.get("to_environment") or "", "actor": actor or "<none>",
+                        "roles": ", ".join(self.policy.roles_of(actor)), "authorized": "yes" if self.policy.allowed(actor, action) else "NO",
+                        "expires": _z(p.get("expires_at")) or "", "reason": p.get("reason") or ""})
+        bad = sum(1 for r in out if r["authorized"] == "NO")
+        return self._section(7, "Containment and rollback actions with their actors",
+                             f"{len(out)} action(s), {bad} without the decision right",
+                             ["at", "action", "release", "target", "actor", "roles", "authorized", "expires", "reason"], out)
+
+    # (8)
+    def retirement(self) -> dict:
+        out = []
+        for rid, state in sorted(self.directory.releases.items()):
+            ended = next((h for h in state["history"] if h[1] in ("release.retired", "release.revoked") and _t(h[0].split("|")[0]) <= self.end), None)
+            if not ended:
+                continue
+            allocs = [a for a in self.allocations if a["identity"].get("release_id") == rid and a["ended_at"] is None]
+            reservations = set()
+            for r in self.rows:
+                res = _payload(r).get("reservation") or {}
+                if r["identity"].get("release_id") == rid and res.get("reservation_id"):
+                    if r["event_type"] == "release.reservation_created":
+                        reservations.add(res["reservation_id"])
+                    elif r["event_type"] == "release.reservation_released":
+                        reservations.discard(res["reservation_id"])
+            objects: dict[str, list] = defaultdict(list)
+            for wid, rows in self.workloads.items():
+                for r in rows:
+                    if r["identity"].get("release_id") == rid:
+                        ident = r["identity"]
+                        objects[f"{ident.get('namespace')}/{ident['pod']}" if ident.get("pod") else wid].append(compact_row(r) or {})
+            running = [k for k, rows in objects.items() if any(iv[1] is None for iv in intervals([x for x in rows if x]))]
+            held = len(allocs) + len(reservations) + len(running)
+            out.append({"release": rid, "ended": f"{ended[1].split('.', 1)[1]} by {ended[4] or '?'} at {_z(ended[0].split('|')[0])}",
+                        "gpus_held": len(allocs), "reservations_held": len(reservations), "running_workloads": len(running),
+                        "verdict": "reconciled to zero" if not held else "STILL HOLDS CAPACITY"})
+        clean = sum(1 for r in out if r["verdict"] == "reconciled to zero")
+        return self._section(8, "Retired releases reconciled to zero capacity", f"{clean} of {len(out)} retired/revoked release(s) hold nothing at the end of the range",
+                             ["release", "ended", "gpus_held", "reservations_held", "running_workloads", "verdict"], out)
+
+
+# --- rendering --------------------------------------------------------------------------------
+
+def render_table(report: dict, console) -> None:
+    from rich.table import Table
+
+    console.print(f"[bold]gpuledger audit[/] {report['range']['from']} → {report['range']['to']}  policy: {report['policy']}", highlight=False)
+    summary = Table("control", "status", "violations", "open", "closed", "info", "recorded", "owner", title="Controls")
+    for c in report["controls"]:
+        style = {"PASS": "green", "FAIL": "bold red", "OFF": "dim"}[c["status"]]
+        summary.add_row(f"{c['id']}. {c['title']}", f"[{style}]{c['status']}[/]", str(c["violations"]), str(c["open"]), str(c["closed"]),
+                        str(c["info"]), str(c["recorded"]), c["owner"])
+    console.print(summary)
+    if report["violations"]:
+        vt = Table("ctl", "severity", "opened", "closed", "owner", "detail", title="Violations in the range")
+        for v in report["violations"]:
+            vt.add_row(str(v["control"]), v["severity"], v["opened_at"], v["closed_at"] or "open", v["owner"] or "", v["detail"])
+        console.print(vt)
+    for sec in report["evidence"]:
+        t = Table(*sec["columns"], title=f"({sec['control']}) {sec['title']}", caption=sec["summary"] + (f" (+{sec['more']} more)" if sec["more"] else ""))
+        for row in sec["rows"]:
+            t.add_row(*["" if row.get(c) is None else str(row.get(c)) for c in sec["columns"]])
+        console.print(t)
+    if report["truncated"]:
+        console.print(f"[yellow]truncated:[/] {', '.join(report['truncated'])} (more than {MAX_ROWS} rows; narrow the range)")
+    console.print("[bold green]all controls pass[/]" if report["passed"] else "[bold red]at least one control fails[/]")
+
+
+def render_html(report: dict) -> str:
+    e = html.escape
+
+    def table(columns, rows) -> str:
+        head = "".join(f"<th>{e(str(c))}</th>" for c in columns)
+        body = "".join("<tr>" + "".join(f"<td>{e('' if r.get(c) is None else str(r.get(c)))}</td>" for c in columns) + "</tr>" for r in rows)
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+    parts = [f"<h1>gpuledger audit</h1><p class=meta>{e(report['range']['from'])} → {e(report['range']['to'])} · policy: {e(report['policy'])} · "
+             f"<b class={'pass' if report['passed'] else 'fail'}>{'ALL CONTROLS PASS' if report['passed'] else 'AT LEAST ONE CONTROL FAILS'}</b></p>"]
+    rows = [{"control": f"{c['id']}. {c['title']}", **c} for c in report["controls"]]
+    summary = table(["control", "status", "violations", "open", "closed", "info", "recorded", "owner"], rows)
+    for status in ("PASS", "FAIL", "OFF"):
+        summary = summary.replace(f"<td>{status}</td>", f"<td class={status.lower()}>{status}</td>")
+    parts.append("<h2>Controls</h2>" + summary)
+    if report["violations"]:
+        parts.append("<h2>Violations in the range</h2>" + table(["control", "severity", "opened_at", "closed_at", "owner", "subject", "detail"],
+                                                                 report["violations"]))
+    for sec in report["evidence"]:
+        more = f" (+{sec['more']} more)" if sec["more"] else ""
+        parts.append(f"<h2>({sec['control']}) {e(sec['title'])}</h2><p>{e(sec['summary'])}{e(more)}</p>" + table(sec["columns"], sec["rows"]))
+    style = ("body{font:14px system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin:.5em 0 1.5em}"
+             "td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top}th{background:#f3f3f3}"
+             ".pass{color:#176f2c;font-weight:bold}.fail{color:#b00020;font-weight:bold}.off{color:#888}.meta{color:#555}")
+    return (f"<!doctype html><html><head><meta charset=utf-8><title>gpuledger audit {e(report['range']['from'])} – {e(report['range']['to'])}</title>"
+            f"<style>{style}</style></head><body>{''.join(parts)}</body></html>")
+
+
+# --- the command ---------------------------------------------------------------------------
+
+def register(app: typer.Typer) -> None:
+    """Add ``gpuledger audit``."""
+
+    @app.command("audit")
+    def audit(
+        start: Optional[str] = typer.Option(None, "--from", help="Start of the range (ISO 8601; no zone means UTC). Default: 24h before --to."),
+        end: Optional[str] = typer.Option(None, "--to", help="End of the range, and the time the controls are evaluated as of. Default: now."),
+        fmt: str = typer.Option("table", "--format", help="table, json or html."),
+        policy_file: Optional[str] = typer.Option(None, "--policy", help="Policy YAML (default: GPULEDGER_POLICY_FILE, else the built-in default)."),
+        lookback: str = typer.Option("30d", "--lookback", help="How much history before --from to read (workloads admitted earlier, reservations made earlier)."),
+        output: Optional[str] = typer.Option(None, "--output", "-o", help="Write the report to this file instead of stdout."),
+        dsn: Optional[str] = typer.Option(None, "--dsn", help="ClickHouse DSN (default: GPULEDGER_CLICKHOUSE_DSN, else chdb under the data dir)."),
+    ) -> None:
+        """Evidence report of the eight controls: PASS/FAIL per control; exit 1 when one fails."""
+        from gpuledger.cli import console, fail, load_settings
+        from gpuledger.policy import PolicySettings
+        from sinks.errors import SinkError
+        from sinks.query import open_reader
+
+        if fmt not in ("table", "json", "html"):
+            fail(f"--format must be table, json or html, got {fmt!r}", 2)
+        try:
+            to_time = parse_time(end, "--to") if end else datetime.now(timezone.utc)
+            from_time = parse_time(start, "--from") if start else to_time - timedelta(hours=24)
+            span = parse_duration(lookback)
+        except (AuditError, ValueError) as exc:
+            fail(str(exc), 2)
+        if from_time > to_time:
+            fail(f"--from {_z(from_time)} is after --to {_z(to_time)}", 2)
+        try:
+            path = policy_file or PolicySettings().file
+            policy = load_policy(path)
+        except PolicyError as exc:
+            fail(str(exc), 2)
+        settings = load_settings(dsn=dsn)
+        try:
+            reader = open_reader(settings)
+            history = load_history(reader, settings.clickhouse.database, from_time, to_time, span, settings.clickhouse.cluster)
+        except SinkError as exc:
+            fail(str(exc), 3)
+        report = build_report(history, policy, from_time, to_time, str(path) if path else "built-in default")
+        if fmt == "json":
+            text = json.dumps(report, indent=2, default=str)
+        elif fmt == "html":
+            text = render_html(report)
+        else:
+            text = None
+        if output:
+            if text is None:
+                from rich.console import Console
+
+                with open(output, "w") as handle:
+                    render_table(report, Console(file=handle, width=200))
+            else:
+                with open(output, "w") as handle:
+                    handle.write(text)
+        elif text is None:
+            render_table(report, console)
+        else:
+            print(text)
+        if not report["passed"]:
+            raise typer.Exit(1)
+
