@@ -175,6 +175,7 @@ def worker(bootstrap: Optional[str] = BootstrapOpt, dsn: Optional[str] = DsnOpt,
            app_id: Optional[str] = typer.Option(None, "--app-id", help="Faust app id (consumer group)."),
            web_port: Optional[int] = typer.Option(None, "--web-port", help="Loopback port for health and read-only queries.")) -> None:
     """Run the Faust worker: correlate raw events and sink them into ClickHouse."""
+    from gpuledger.policy import PolicyError
     from producers._kafka import ProducerError
     from sinks.errors import SinkError
     from streams.app import run_worker
@@ -182,6 +183,8 @@ def worker(bootstrap: Optional[str] = BootstrapOpt, dsn: Optional[str] = DsnOpt,
     settings = load_settings(bootstrap, dsn, streams={"app_id": app_id, "web_port": web_port})
     try:
         run_worker(settings)
+    except PolicyError as exc:
+        fail(str(exc), 2)
     except (ProducerError, SinkError) as exc:
         fail(str(exc))
 
@@ -219,7 +222,8 @@ def trace(alert: Optional[str] = typer.Option(None, "--alert", help="Alert finge
           model: Optional[str] = typer.Option(None, "--model", help="Model as NAME[:VERSION] (its most recently active release)."),
           at: Optional[str] = typer.Option(None, "--at", help="State as of this time (ISO 8601; no zone means UTC)."),
           window: str = typer.Option("2h", "--window", help="How far back from --at (else the chain's latest event) to look for other alerts and scheduler events: 90s, 15m, 2h, 1d."),
-          fmt: str = typer.Option("tree", "--format", help="tree (for people) or json (for tools)."),
+          fmt: str = typer.Option("tree", "--format", help="tree (for people), json (for tools) or html (the incident timeline report: one self-contained file)."),
+          output: Optional[Path] = typer.Option(None, "--output", help="--format html: write the report to this file instead of stdout."),
           dsn: Optional[str] = DsnOpt) -> None:
     """The responder's chain: alert → release manifest → workloads → pods → nodes/GPUs → scheduler events and alerts."""
     from sinks.errors import SinkError
@@ -231,8 +235,8 @@ def trace(alert: Optional[str] = typer.Option(None, "--alert", help="Alert finge
                                    ("model", model)) if v]
     if len(entries) != 1:
         fail("give exactly one entry point: --alert FP, --release ID, --workload ID, --pod NS/NAME, --gpu NODE/GPU_ID or --model NAME[:VERSION]", 2)
-    if fmt not in ("tree", "json"):
-        fail(f"--format must be tree or json, got {fmt!r}", 2)
+    if fmt not in ("tree", "json", "html"):
+        fail(f"--format must be tree, json or html, got {fmt!r}", 2)
     try:
         at_time = parse_time(at) if at else None
         span = parse_window(window)
@@ -248,6 +252,19 @@ def trace(alert: Optional[str] = typer.Option(None, "--alert", help="Alert finge
         fail(str(exc))
     if fmt == "json":
         print(json.dumps(result, indent=2, default=str))
+    elif fmt == "html":
+        from sinks.report import trace_report
+
+        try:
+            page = trace_report(reader, settings.clickhouse.database, result, chain_text=render_tree(result), until=at_time,
+                                cluster=settings.clickhouse.cluster)
+        except SinkError as exc:
+            fail(str(exc))
+        if output:
+            output.write_text(page)
+            err.print(f"report written to {output}", highlight=False)
+        else:
+            print(page)
     else:
         console.print(render_tree(result), highlight=False)
     if not found(result):

@@ -314,7 +314,7 @@ def create_app(settings, store_client=None) -> faust.App:
         from sinks.agents import install_sink_agents
 
         install_sink_agents(app, settings, store_client, {"correlated": correlated, "deadletter": dead, "allocations": allocations,
-                                                          "raw": raw}, send_dead)
+                                                          "raw": raw, "violations": violations_topic}, send_dead)
         install_query_view(app, store_client)
 
     @app.page("/gpuledger/health/")

@@ -1,0 +1,930 @@
+"""The eight ownership-gap controls as pure functions (no Faust, no Kafka, no ClickHouse).
+
+Input: correlated rows (``CorrelatedEvent``) and GPU allocation intervals
+(``GpuAllocation``), the ``ReleaseDirectory`` (every release's manifest and lifecycle
+history), the ``Policy`` and an event-time watermark. Output: ``Violation`` records —
+each one opened, later re-emitted with ``closed_at`` and ``version + 1`` when it ends.
+
+State is kept per *control key*, a key that never changes between versions of the
+rows it holds (so a newer version always lands where the older one is):
+
+| key | holds | evaluates |
+|---|---|---|
+| ``pod:<ns>/<pod>`` | the pod's scheduler rows | 3 (running image vs manifest); forwards its rows to its workload |
+| ``wl:<workload_id>`` | a workload's own rows + its pods' rows (links) | 1, 2, 3 (identifiers), 4 (observation window); forwards running intervals to its releases and preemptions to the preemptor |
+| ``rel:<release_id>`` | the release's lifecycle rows + allocations and running intervals (links) | 5, 7, 8 |
+| ``alert:<fingerprint>`` | the alert's rows | 6 |
+| ``gpu:<node>/<gpu_id>`` | allocation intervals | forwards them to their release |
+
+(A pod without a workload id is its own workload; any key that receives preemptions
+from a victim evaluates 4 for the preemptor side.)
+
+Determinism: a key keeps the highest version of every row; a link from another key
+is replaced as a whole by that key's latest forward (an empty one retracts it). Each
+step re-derives every violation of the key from that state (``evaluate``) and emits
+only those whose content changed, with ``version + 1`` (``step``) — so the latest
+version of every violation is a function of the topic history and the directory,
+whatever order things were processed in. A violation the history no longer supports
+(a late approval that predates the admission, say) is *withdrawn*: re-emitted with
+``closed_at = opened_at`` and a detail starting ``withdrawn:`` (``is_withdrawn``).
+
+Time: every rule uses event time. Grace periods and windows end on the *watermark*
+(the latest event time seen): a deadline that the watermark has not passed yet is
+returned in ``Outcome.deadline`` so the caller re-evaluates the key when it has.
+
+Limits: ``MAX_ROWS`` rows per key (oldest dropped), ``MAX_EVIDENCE`` event ids per
+violation; preemption rows of one workload less than ``PREEMPTION_CLUSTER`` apart are
+one preemption.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+
+import orjson
+
+from gpuledger.policy import ACTION_OF_EVENT, CONTROL_TITLES, Policy, format_duration
+from schemas import Identity
+from schemas.outputs import Violation
+
+START = frozenset({"scheduler.admitted", "scheduler.scheduled", "scheduler.running", "scheduler.pods_ready"})
+STOP = frozenset({"scheduler.preempted", "scheduler.evicted", "scheduler.finished", "scheduler.deleted", "scheduler.requeued"})
+SCHEDULER_KEPT = START | STOP
+MAX_ROWS = 1000
+MAX_EVIDENCE = 50
+PREEMPTION_CLUSTER = timedelta(minutes=2)
+WITHDRAWN = "withdrawn: "
+
+IDENTITY_KEPT = ("release_id", "model_name", "model_version", "image_digest", "environment", "workload_id", "pod_uid", "namespace", "pod",
+                 "node", "gpu_id", "owner", "alert_fingerprint")
+PAYLOAD_KEPT = {
+    "scheduler": ("object_kind", "queue", "cluster_queue", "priority_class", "priority", "reason", "image_digests", "preemptor"),
+    "release": ("actor", "approval_id", "to_environment", "reservation", "target", "expires_at", "reason"),
+    "alert": ("alertname", "severity", "labels", "starts_at", "ends_at"),
+}
+
+
+# --- time ---------------------------------------------------------------------------
+
+def _t(value) -> datetime:
+    if isinstance(value, datetime):
+        return value.astimezone(timezone.utc)
+    parsed = datetime.fromisoformat(value)
+    return parsed.astimezone(timezone.utc) if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+
+
+def iso(value) -> str | None:
+    return None if value is None else _t(value).isoformat()
+
+
+def _min(*values):
+    present = [v for v in values if v is not None]
+    return min(present) if present else None
+
+
+def digest(obj) -> str:
+    return hashlib.blake2b(orjson.dumps(obj, option=orjson.OPT_SORT_KEYS, default=str), digest_size=12).hexdigest()
+
+
+def violation_id(control: int, *parts: str) -> str:
+    return hashlib.sha256("\x1f".join(["gpuledger.control", str(control), *parts]).encode()).hexdigest()[:32]
+
+
+def is_withdrawn(violation) -> bool:
+    detail = violation["detail"] if isinstance(violation, dict) else violation.detail
+    return detail.startswith(WITHDRAWN)
+
+
+# --- inputs -------------------------------------------------------------------------
+
+def _as_dict(record) -> dict:
+    return record if isinstance(record, dict) else record.model_dump(mode="json")
+
+
+def compact_row(record) -> dict | None:
+    """The part of a correlated row the controls need, or None when no control reads it."""
+    row = _as_dict(record)
+    etype = row["event_type"]
+    family = etype.split(".", 1)[0]
+    if family not in PAYLOAD_KEPT or (family == "scheduler" and etype not in SCHEDULER_KEPT):
+        return None
+    ident = row.get("identity") or {}
+    payload = orjson.loads(row.get("payload_json") or "{}")
+    kept = {k: payload[k] for k in PAYLOAD_KEPT[family] if payload.get(k) not in (None, "", [], {}, ())}
+    for k in ("starts_at", "ends_at", "expires_at"):
+        if k in kept:
+            kept[k] = iso(kept[k])
+    res = kept.get("reservation")
+    if isinstance(res, dict):
+        kept["reservation"] = {**res, "window_start": iso(res.get("window_start")), "window_end": iso(res.get("window_end"))}
+    return {"id": row["correlation_id"], "v": int(row["version"]), "type": etype, "at": iso(row["occurred_at"]), "attr": row["attribution"],
+            "i": {k: ident[k] for k in IDENTITY_KEPT if ident.get(k)}, "p": kept}
+
+
+def compact_allocation(record) -> dict:
+    a = _as_dict(record)
+    ident = a.get("identity") or {}
+    return {"id": a["allocation_id"], "v": int(a["version"]), "node": a["node"], "gpu_id": a["gpu_id"], "pod": f"{a['namespace']}/{a['pod']}",
+            "rid": ident.get("release_id"), "wid": ident.get("workload_id"), "attr": a.get("attribution"), "start": iso(a["started_at"]),
+            "end": iso(a.get("ended_at")), "se": a["start_event_id"], "ee": a.get("end_event_id")}
+
+
+def row_key(row: dict) -> str:
+    """The control key of a compact correlated row (invariant across its versions)."""
+    family = row["type"].split(".", 1)[0]
+    ident = row["i"]
+    if family == "release":
+        return f"rel:{ident.get('release_id')}"
+    if family == "alert":
+        return f"alert:{ident.get('alert_fingerprint') or row['id']}"
+    if ident.get("namespace") and ident.get("pod"):
+        return f"pod:{ident['namespace']}/{ident['pod']}"
+    if ident.get("workload_id"):
+        return f"wl:{ident['workload_id']}"
+    return f"uid:{ident.get('pod_uid') or row['id']}"
+
+
+def allocation_key(alloc: dict) -> str:
+    return f"gpu:{alloc['node']}/{alloc['gpu_id']}"
+
+
+# --- state --------------------------------------------------------------------------
+
+def new_state(key: str) -> dict:
+    return {"key": key, "rows": {}, "links": {}, "emitted": {}, "fwd": {}}
+
+
+def kind_of(key: str) -> str:
+    return key.split(":", 1)[0]
+
+
+def fold_row(state: dict, row: dict) -> bool:
+    """Keep the highest version of a row (correlated row or allocation); False if older/equal."""
+    current = state["rows"].get(row["id"])
+    if current is not None and current["v"] >= row["v"]:
+        return False
+    state["rows"][row["id"]] = row
+    if len(state["rows"]) > MAX_ROWS:
+        # Drop the oldest; closed allocations go before open ones (an open one still holds a GPU).
+        ordered = sorted(state["rows"].values(), key=lambda r: (r.get("end", "") is None, r.get("at") or r.get("start"), r["id"]))
+        for old in ordered[: len(state["rows"]) - MAX_ROWS]:
+            del state["rows"][old["id"]]
+    return True
+
+
+def fold_link(state: dict, source: str, link: dict) -> bool:
+    if not link:
+        return state["links"].pop(source, None) is not None
+    if state["links"].get(source) == link:
+        return False
+    state["links"][source] = link
+    return True
+
+
+def max_time(state: dict) -> str | None:
+    """The latest event time a key holds (to rebuild a watermark after a restart)."""
+    times = [t for r in state["rows"].values() for t in (r.get("at"), r.get("start"), r.get("end")) if t]
+    return max(times, key=_t) if times else None
+
+
+# --- evaluation context ---------------------------------------------------------------
+
+class Release:
+    """One release's lifecycle as the directory has it, with times parsed."""
+
+    def __init__(self, directory, rid: str) -> None:
+        state = directory.releases.get(rid) if rid else None
+        self.rid = rid
+        self.history = [(_t(k.split("|", 1)[0]), etype, eid, env, actor) for k, etype, eid, env, actor in (state["history"] if state else [])]
+        self.manifest = directory.manifest(rid) if state else {}
+        self.known = bool(self.history)
+        self.first_seen = self.history[0][0] if self.history else None
+
+
+class Clock:
+    """The event-time watermark; remembers the deadlines it has not reached yet."""
+
+    def __init__(self, watermark: datetime | None) -> None:
+        self.watermark = watermark
+        self.deadlines: list[datetime] = []
+
+    def passed(self, at: datetime) -> bool:
+        if self.watermark is not None and at <= self.watermark:
+            return True
+        self.deadlines.append(at)
+        return False
+
+    def reached(self, at: datetime | None) -> datetime | None:
+        """``at`` once the watermark passed it, else None (and remember it)."""
+        return at if at is not None and self.passed(at) else None
+
+
+@dataclass
+class Context:
+    directory: object
+    policy: Policy
+    watermark: datetime | None
+    _releases: dict = field(default_factory=dict)
+
+    def release(self, rid: str | None) -> Release:
+        if rid not in self._releases:
+            self._releases[rid] = Release(self.directory, rid)
+        return self._releases[rid]
+
+
+class Findings:
+    """Violations derived in one evaluation, keyed by violation id."""
+
+    def __init__(self, ctx: Context, key: str) -> None:
+        self.ctx = ctx
+        self.key = key
+        self.items: dict[str, dict] = {}
+
+    def add(self, control: int, parts: tuple, opened: datetime, closed: datetime | None, evidence, identity: dict, detail: str,
+            severity: str | None = None) -> None:
+        policy = self.ctx.policy
+        if not policy.control(control).enabled:
+            return
+        vid = violation_id(control, *[str(p) for p in parts])
+        seen: list[str] = []
+        for e in evidence:
+            if e and e not in seen:
+                seen.append(e)
+        if closed is not None and closed < opened:
+            closed = opened
+        self.items[vid] = {
+            "violation_id": vid, "control_id": control, "title": CONTROL_TITLES[control],
+            "severity": severity or policy.control(control).severity,
+            "identity": {k: v for k, v in identity.items() if v and k in Identity.model_fields},
+            "evidence": seen[:MAX_EVIDENCE], "owner": policy.owner_for(control), "opened_at": iso(opened), "closed_at": iso(closed),
+            "detail": detail,
+        }
+
+
+# --- lifecycle timelines (from the directory) ----------------------------------------------
+
+def _covers(policy: Policy, granted_env: str | None, env: str | None) -> bool:
+    """An approval for ``granted_env`` covers ``env``: no environment on either side, the
+    same one, or a later one in the policy's order."""
+    if not granted_env or not env or granted_env == env:
+        return True
+    granted, wanted = policy.environment_rank(granted_env), policy.environment_rank(env)
+    return granted is not None and wanted is not None and granted >= wanted
+
+
+def approval_changes(rel: Release, policy: Policy, env: str | None) -> list[tuple[datetime, bool, str]]:
+    """When the release became / stopped being approved for ``env``: an approval by an
+    actor holding the approve right (covering env) sets it; revocation or retirement clears it."""
+    out, state = [], False
+    for at, etype, eid, granted_env, actor in rel.history:
+        if etype == "release.approved" and policy.allowed(actor, "approve") and _covers(policy, granted_env, env):
+            new = True
+        elif etype in ("release.revoked", "release.retired"):
+            new = False
+        else:
+            continue
+        if new != state:
+            out.append((at, new, eid))
+            state = new
+    return out
+
+
+def promotion_changes(rel: Release, policy: Policy, env: str) -> list[tuple[datetime, bool, str]]:
+    """When the release was promoted to / rolled back from ``env``. Promotions by actors
+    without the promote right do not count (control 7 reports them); revocation and
+    retirement are control 8's business, not this timeline's."""
+    out, state = [], False
+    for at, etype, eid, to_env, actor in rel.history:
+        if etype == "release.promoted" and to_env == env and policy.allowed(actor, "promote"):
+            new = True
+        elif etype == "release.rolled_back" and to_env == env:
+            new = False
+        else:
+            continue
+        if new != state:
+            out.append((at, new, eid))
+            state = new
+    return out
+
+
+def gaps(changes: list[tuple[datetime, bool, str]], start: datetime, end: datetime | None) -> list[tuple]:
+    """Sub-intervals of [start, end) where the timeline is False:
+    (gap start, gap end or None, event that made it False or None, event that ended it)."""
+    state, cause, i = False, None, 0
+    while i < len(changes) and changes[i][0] <= start:
+        _, state, cause = changes[i]
+        i += 1
+    out = []
+    gap_start, gap_cause = (None, None) if state else (start, cause)
+    for at, value, eid in changes[i:]:
+        if end is not None and at >= end:
+            break
+        if value and gap_start is not None:
+            out.append((gap_start, at, gap_cause, eid))
+            gap_start = None
+        elif not value and gap_start is None:
+            gap_start, gap_cause = at, eid
+    if gap_start is not None:
+        out.append((gap_start, end, gap_cause, None))
+    return out
+
+
+# --- scheduler rows --------------------------------------------------------------------
+
+def _sorted(rows) -> list[dict]:
+    return sorted(rows, key=lambda r: (_t(r["at"]), r["id"]))
+
+
+def intervals(rows: list[dict]) -> list[tuple]:
+    """Running intervals of one object: (start, end|None, start row, end row|None)."""
+    out, current = [], None
+    for row in _sorted(r for r in rows if r["type"] in SCHEDULER_KEPT):
+        if current is None and row["type"] in START:
+            current = [_t(row["at"]), None, row, None]
+        elif current is not None and row["type"] in STOP:
+            current[1], current[3] = _t(row["at"]), row
+            out.append(tuple(current))
+            current = None
+    if current is not None:
+        out.append(tuple(current))
+    return out
+
+
+def merge_intervals(ivs: list[tuple]) -> list[tuple]:
+    """Union of several objects' intervals (a workload runs while any of its pods runs)."""
+    out: list[list] = []
+    for s, e, srow, erow in sorted(ivs, key=lambda iv: (iv[0], iv[2]["id"])):
+        if out and (out[-1][1] is None or s <= out[-1][1]):
+            last = out[-1]
+            if last[1] is not None and (e is None or e > last[1]):
+                last[1], last[3] = e, erow
+        else:
+            out.append([s, e, srow, erow])
+    return [tuple(iv) for iv in out]
+
+
+def _is_preemption(row: dict) -> bool:
+    return row["type"] == "scheduler.preempted" or (row["type"] == "scheduler.evicted" and "preempt" in (row["p"].get("reason") or "").lower())
+
+
+def _preemptor_key(ref: dict | None) -> str | None:
+    if not isinstance(ref, dict) or not ref.get("name") or not ref.get("namespace"):
+        return None
+    if ref.get("kind") == "Workload":
+        return f"wl:{ref['namespace']}/{ref['name']}"
+    return f"pod:{ref['namespace']}/{ref['name']}"
+
+
+def _workload_of(rows: list[dict]) -> str | None:
+    ids = [r for r in _sorted(rows) if r["i"].get("workload_id")]
+    return ids[-1]["i"]["workload_id"] if ids else None
+
+
+def _label(ident: dict) -> str:
+    if ident.get("workload_id"):
+        return f"workload {ident['workload_id']}" + (f" (pod {ident['namespace']}/{ident['pod']})" if ident.get("pod") else "")
+    if ident.get("pod"):
+        return f"pod {ident.get('namespace')}/{ident['pod']}"
+    return "an unnamed workload"
+
+
+def _business(ctx: Context, rows: list[dict]) -> tuple[int | None, str | None, str | None]:
+    """(business priority, priority class, release) of a workload from its rows."""
+    ordered = _sorted(rows)
+    pc = next((r["p"]["priority_class"] for r in reversed(ordered) if r["p"].get("priority_class")), None)
+    rid = next((r["i"]["release_id"] for r in reversed(ordered) if r["i"].get("release_id")), None)
+    owner = ctx.release(rid).manifest.get("owner") if rid else None
+    owner = owner or next((r["i"]["owner"] for r in reversed(ordered) if r["i"].get("owner")), None)
+    return ctx.policy.business_priority.of(rid, owner, pc), pc, rid
+
+
+# --- evaluation ------------------------------------------------------------------------
+
+@dataclass
+class Evaluation:
+    findings: dict[str, dict]
+    forwards: dict[str, dict]
+    deadline: datetime | None
+    interests: set[str]
+
+
+def evaluate(state: dict, ctx: Context) -> Evaluation:
+    """Every violation a key's state supports now, and what it forwards to other keys."""
+    key = state["key"]
+    kind = kind_of(key)
+    found = Findings(ctx, key)
+    clock = Clock(ctx.watermark)
+    forwards: dict[str, dict] = {}
+    interests: set[str] = set()
+    rows = list(state["rows"].values())
+    if kind in ("pod", "uid", "wl"):
+        own = [r for r in rows if r["type"].startswith("scheduler.")]
+        interests.update(f"rid:{r['i']['release_id']}" for r in own if r["i"].get("release_id"))
+        if kind == "pod":
+            _artifact_digests(own, found, ctx, key)
+        workload = _workload_of(own) if kind != "wl" else None
+        if workload:
+            forwards[f"wl:{workload}"] = {"rows": _sorted(own)}
+        else:
+            objects = {key: own}
+            for src, link in sorted(state["links"].items()):
+                if link.get("rows"):
+                    objects[src] = link["rows"]
+                    interests.update(f"rid:{r['i']['release_id']}" for r in link["rows"] if r["i"].get("release_id"))
+            _workload_unit(objects, key, found, forwards, clock, ctx)
+        victims = {vid: v for link in state["links"].values() for vid, v in (link.get("victims") or {}).items()}
+        if victims:
+            preemptor_rows = own + [r for src, link in state["links"].items() for r in link.get("rows", [])]
+            _preemptor_side(preemptor_rows, victims, key, found, ctx)
+            interests.update(f"rid:{v['rid']}" for v in victims.values() if v.get("rid"))
+    elif kind == "rel":
+        rid = key[4:]
+        interests.add(f"rid:{rid}")
+        _release_controls(rid, rows, state["links"], found, clock, ctx)
+    elif kind == "alert":
+        _telemetry(rows, found, ctx)
+    elif kind == "gpu":
+        per_release: dict[str, list] = defaultdict(list)
+        for a in sorted(rows, key=lambda a: (a["start"], a["id"])):
+            if a.get("rid"):
+                per_release[a["rid"]].append({"id": a["id"], "start": a["start"], "end": a["end"], "se": a["se"], "ee": a["ee"],
+                                              "pod": a["pod"], "gpu": key[4:]})
+        for rid, allocs in per_release.items():
+            forwards[f"rel:{rid}"] = {"allocs": allocs}
+    future = [d for d in clock.deadlines if ctx.watermark is None or d > ctx.watermark]
+    return Evaluation(found.items, forwards, min(future) if future else None, interests)
+
+
+def _artifact_digests(rows: list[dict], found: Findings, ctx: Context, key: str) -> None:
+    """3: the pod's running image digests must include its release manifest's image_digest."""
+    ivs = intervals(rows)
+
+    def interval_end(at: datetime):
+        for s, e, _sr, er in ivs:
+            if s <= at and (e is None or at < e):
+                return e, er
+        return at, None
+
+    segment = None  # [first row, end of its interval, end row, evidence, manifest digest, rid]
+
+    def close(at, closing_id):
+        first, _end, _er, evidence, want, rid = segment
+        ident = {**first["i"], "release_id": rid}
+        running = ", ".join(first["p"].get("image_digests") or [])
+        found.add(3, ("digest", key, first["id"]), _t(first["at"]), at, evidence + [closing_id],
+                  ident, f"{_label(first['i'])} runs image(s) {running}; release {rid} manifest image_digest is {want}")
+
+    for row in _sorted(r for r in rows if r["p"].get("image_digests")):
+        at = _t(row["at"])
+        if segment is not None and segment[1] is not None and at >= segment[1]:
+            close(segment[1], segment[2]["id"] if segment[2] else None)
+            segment = None
+        rid = row["i"].get("release_id")
+        want = ctx.release(rid).manifest.get("image_digest") if rid else None
+        if not want:
+            continue
+        mismatch = want not in row["p"]["image_digests"]
+        if mismatch and segment is None:
+            end, end_row = interval_end(at)
+            segment = [row, end, end_row, [row["id"]], want, rid]
+        elif mismatch:
+            segment[3].append(row["id"])
+        elif segment is not None:
+            close(at, row["id"])
+            segment = None
+    if segment is not None:
+        close(segment[1], segment[2]["id"] if segment[2] else None)
+
+
+def _workload_unit(objects: dict[str, list[dict]], key: str, found: Findings, forwards: dict, clock: Clock, ctx: Context) -> None:
+    """1, 2, 3 (identifiers) and 4 (observation window) for one workload."""
+    policy = ctx.policy
+    own = objects.get(key, [])
+    own_ivs = intervals(own)
+    if own_ivs:
+        unit_ivs = own_ivs
+    else:
+        unit_ivs = merge_intervals([iv for src, obj_rows in objects.items() if src != key for iv in intervals(obj_rows)])
+    running: dict[str, list] = defaultdict(list)
+    for start, end, srow, erow in unit_ivs:
+        ident = srow["i"]
+        rid = ident.get("release_id")
+        env = ident.get("environment")
+        envp = policy.environment(env)
+        rel = ctx.release(rid)
+        who = _label(ident)
+        ev = [srow["id"], erow["id"] if erow else None]
+        if rid:
+            running[rid].append({"start": iso(start), "end": iso(end), "se": srow["id"], "ee": erow["id"] if erow else None, "unit": key})
+        # 1. Admission
+        needs_approval = envp.requires_approval if envp else True
+        if not rid:
+            if needs_approval:
+                found.add(1, ("identity", key, srow["id"]), start, end, ev, ident,
+                          f"{who} was admitted ({srow['type']}) with no release identity"
+                          + (f" in {env}" if env else " (environment unknown)"))
+        elif needs_approval:
+            first = gaps(approval_changes(rel, policy, env), start, end)
+            if first and first[0][0] == start:
+                _gs, ge, cause, closing = first[0]
+                if not rel.known:
+                    why = f"release {rid} is not known (no release event names it)"
+                elif cause:
+                    why = f"release {rid} was revoked or retired before admission"
+                else:
+                    why = f"release {rid} had no approval for {env or 'its environment'} by an actor with the approve right"
+                found.add(1, ("approval", key, srow["id"]), start, _min(ge, end), ev + [cause, closing], {**ident, "release_id": rid},
+                          f"{who} was admitted ({srow['type']}) at {iso(start)} but {why}")
+        # 3. Identifiers that match no release
+        if rid and (not rel.known or rel.first_seen > start):
+            closed = _min(rel.first_seen, end) if rel.known else end
+            found.add(3, ("unknown-release", key, srow["id"]), start, closed, ev, ident,
+                      f"{who} names release {rid}, which " + ("no release event describes" if not rel.known else
+                                                             f"was first seen only at {iso(rel.first_seen)}"))
+        elif not rid and ident.get("model_name"):
+            model = ident["model_name"] + (f":{ident['model_version']}" if ident.get("model_version") else "")
+            found.add(3, ("unknown-model", key, srow["id"]), start, end, ev, ident, f"{who} names model {model}, which matches no release")
+        # 2. Promotion
+        if rid and rel.known and env and envp and envp.requires_promotion:
+            for gs, ge, cause, closing in gaps(promotion_changes(rel, policy, env), start, end):
+                why = "was rolled back from" if cause else "was never promoted to"
+                found.add(2, ("promotion", key, rid, env, srow["id"], cause or ""), gs, _min(ge, end), [srow["id"], cause, closing, ev[1]],
+                          {**ident, "release_id": rid}, f"{who} runs in {env} while release {rid} {why} {env}")
+    for rid, ivs in running.items():
+        forwards[f"rel:{rid}"] = {"running": ivs}
+    # 4. Preemption inside the observation window (victim side), and forward to the preemptor.
+    preemptions = _sorted(r for obj_rows in objects.values() for r in obj_rows if _is_preemption(r))
+    clusters: list[list[dict]] = []
+    for row in preemptions:
+        if clusters and _t(row["at"]) - _t(clusters[-1][0]["at"]) <= PREEMPTION_CLUSTER:
+            clusters[-1].append(row)
+        else:
+            clusters.append([row])
+    victims: dict[str, dict] = defaultdict(dict)
+    all_rows = [r for obj_rows in objects.values() for r in obj_rows]
+    for cluster in clusters:
+        at = _t(cluster[0]["at"])
+        attributed = next((r for r in cluster if r["i"].get("release_id")), cluster[0])
+        ident = {**attributed["i"]}
+        rid, env = ident.get("release_id"), ident.get("environment")
+        restarted = next((s for s, _e, _sr, _er in unit_ivs if s > at), None)
+        restart_row = next((sr["id"] for s, _e, sr, _er in unit_ivs if s > at), None)
+        evidence = [r["id"] for r in cluster]
+        ref = next((r["p"]["preemptor"] for r in cluster if isinstance(r["p"].get("preemptor"), dict)), None)
+        by = f" by {ref.get('kind', '?')} {ref.get('namespace') or '?'}/{ref.get('name') or ref.get('uid') or '?'}" if ref else ""
+        envp = policy.environment(env)
+        if rid and envp and envp.observation_window > timedelta(0):
+            changes = promotion_changes(ctx.release(rid), policy, env)
+            promoted = next((c for c in reversed(changes) if c[0] <= at), None)
+            if promoted and promoted[1] and at < promoted[0] + envp.observation_window:
+                window_end = promoted[0] + envp.observation_window
+                closed = restarted if restarted is not None and restarted <= window_end else clock.reached(window_end)
+                found.add(4, ("window", key, iso(at)), at, closed, evidence + [promoted[2], restart_row], ident,
+                          f"{_label(ident)} of release {rid} was preempted{by} at {iso(at)}, inside the {env} observation window "
+                          f"(promoted {iso(promoted[0])}, window ends {iso(window_end)})")
+        target = _preemptor_key(ref)
+        if target and target != key:
+            bp, pc, _rid = _business(ctx, all_rows)
+            victims[target][f"{key}@{iso(at)}"] = {"at": iso(at), "restarted": iso(restarted), "rid": rid, "bp": bp, "pc": pc,
+                                                 "identity": ident, "evidence": evidence + [restart_row], "victim": key}
+    for target, items in victims.items():
+        forwards[target] = {**forwards.get(target, {}), "victims": items}
+
+
+def _preemptor_side(rows: list[dict], victims: dict[str, dict], key: str, found: Findings, ctx: Context) -> None:
+    """4: a preemption by a workload of lower business priority than its victim's."""
+    bp, pc, rid = _business(ctx, rows)
+    if bp is None:
+        return
+    me = next((r["i"] for r in reversed(_sorted(rows))), {})
+    admitted = next((r["id"] for r in _sorted(rows) if r["type"] in START), None)
+    for vid, v in sorted(victims.items()):
+        if v.get("bp") is None or bp >= v["bp"]:
+            continue
+        found.add(4, ("lower-priority", v["victim"], vid), _t(v["at"]), _t(v["restarted"]) if v.get("restarted") else None,
+                  v["evidence"] + [admitted], v["identity"],
+                  f"{_label(v['identity'])} (release {v.get('rid') or 'none'}, class {v.get('pc') or '?'}, business priority {v['bp']}) "
+                  f"was preempted by {_label(me) if me else key} (release {rid or 'none'}, class {pc or '?'}, business priority {bp})")
+
+
+def _telemetry(rows: list[dict], found: Findings, ctx: Context) -> None:
+    """6: an alert episode no row of which could be joined to a release."""
+    telemetry = ctx.policy.telemetry
+    episodes: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        episodes[row["p"].get("starts_at") or row["at"]].append(row)
+    for starts, ep in sorted(episodes.items()):
+        ep = _sorted(ep)
+        if any(r["attr"] != "unattributed" or r["i"].get("release_id") for r in ep):
+            continue
+        name = next((r["p"].get("alertname") for r in ep if r["p"].get("alertname")), None)
+        labels = next((r["p"].get("labels") for r in ep if r["p"].get("labels")), {}) or {}
+        quality = telemetry.quality_alerts.matches(name, labels)
+        if telemetry.scope == "quality" and not quality:
+            continue
+        resolved = [r for r in ep if r["type"] == "alert.resolved"]
+        ends = _min(*[_t(r["p"].get("ends_at") or r["at"]) for r in resolved]) if resolved else None
+        ident = {k: v for r in ep for k, v in r["i"].items()}
+        where = ", ".join(f"{k}={ident[k]}" for k in ("namespace", "pod", "node", "gpu_id") if ident.get(k)) or "no workload or node labels"
+        found.add(6, ("unattributed", ident.get("alert_fingerprint") or ep[0]["id"], starts), _t(starts), ends, [r["id"] for r in ep], ident,
+                  f"{'quality ' if quality else ''}alert {name or '?'} ({where}) could not be joined to a release or workload",
+                  severity="critical" if quality else None)
+
+
+def _release_controls(rid: str, rows: list[dict], links: dict, found: Findings, clock: Clock, ctx: Context) -> None:
+    """5, 7 and 8 for one release."""
+    policy = ctx.policy
+    rows = _sorted(r for r in rows if r["type"].startswith("release."))
+    manifest = ctx.release(rid).manifest
+    base = {"release_id": rid, **{k: manifest.get(k) for k in ("model_name", "model_version", "environment", "owner", "image_digest")}}
+    allocs = sorted((a for link in links.values() for a in link.get("allocs", [])), key=lambda a: (a["start"], a["id"]))
+    running = sorted((r for link in links.values() for r in link.get("running", [])), key=lambda r: (r["start"], r["se"]))
+
+    # 7. Incident authority
+    for n, row in enumerate(rows):
+        action = ACTION_OF_EVENT.get(row["type"])
+        if not action:
+            continue
+        p = row["p"]
+        actor = p.get("actor")
+        at = _t(row["at"])
+        same = [r for r in rows[n + 1:] if r["type"] == row["type"] and r["p"].get("target") == p.get("target")
+                and r["p"].get("to_environment") == p.get("to_environment")]
+        what = row["type"].split(".", 1)[1] + (f" {p['target']}" if p.get("target") else "") + (f" to {p['to_environment']}" if p.get("to_environment") else "")
+        if not policy.allowed(actor, action):
+            ratified = next((r for r in same if policy.allowed(r["p"].get("actor"), action)), None)
+            expiry = clock.reached(_t(p["expires_at"])) if p.get("expires_at") else None
+            closed = _min(_t(ratified["at"]) if ratified else None, expiry)
+            if actor:
+                roles = policy.roles_of(actor)
+                why = f"{actor} holds {', '.join(roles) if roles else 'no role'}; none grants {action}"
+            else:
+                why = "no actor was recorded"
+            found.add(7, ("unauthorized", row["id"]), at, closed, [row["id"], ratified["id"] if ratified else None],
+                      {**base, "node": p.get("target") if row["type"] == "release.node_isolated" else None},
+                      f"{what} of release {rid} without the decision right: {why}")
+        if action in policy.emergency_overrides.actions:
+            limit = policy.emergency_overrides.max_duration
+            limit_text = format_duration(limit)
+            if not p.get("expires_at"):
+                reissued = next((r for r in same if r["p"].get("expires_at")), None)
+                found.add(7, ("no-expiry", row["id"]), at, _t(reissued["at"]) if reissued else None,
+                          [row["id"], reissued["id"] if reissued else None], base,
+                          f"emergency override {what} by {actor or 'unknown'} has no expiry (policy: at most {limit_text})")
+            else:
+                expires, deadline = _t(p["expires_at"]), at + limit
+                if expires > deadline and clock.passed(deadline):
+                    found.add(7, ("too-long", row["id"]), deadline, clock.reached(expires), [row["id"]], base,
+                              f"emergency override {what} by {actor or 'unknown'} runs until {iso(expires)}, past the {limit_text} maximum "
+                              f"({iso(deadline)})")
+
+    # 5. Capacity reservation
+    reservations: dict[str, dict] = {}
+    for row in rows:
+        res = row["p"].get("reservation") or {}
+        rid_res = res.get("reservation_id")
+        if not rid_res:
+            continue
+        entry = reservations.setdefault(rid_res, {"created": None, "released": None})
+        if row["type"] == "release.reservation_created" and entry["created"] is None:
+            entry["created"] = row
+        elif row["type"] == "release.reservation_released" and entry["released"] is None:
+            entry["released"] = row
+    grace = policy.reservations.grace
+    for res_id, entry in sorted(reservations.items()):
+        created, released = entry["created"], entry["released"]
+        if created is None:
+            continue
+        res = created["p"]["reservation"]
+        gpus = int(res.get("gpus") or 0)
+        ws = _t(res["window_start"]) if res.get("window_start") else _t(created["at"])
+        we = _t(res["window_end"]) if res.get("window_end") else None
+        released_at = _t(released["at"]) if released and _t(released["at"]) >= _t(created["at"]) else None
+        released_id = released["id"] if released_at else None
+        pool = f" in {res['pool']}" if res.get("pool") else ""
+        plan = f"reservation {res_id} ({gpus} GPU(s){pool}, window {iso(ws)} → {iso(we) if we else 'open'})"
+        in_window = [a for a in allocs if _t(a["start"]) < (we or datetime.max.replace(tzinfo=timezone.utc)) and (a["end"] is None or _t(a["end"]) > ws)]
+        peak = peak_concurrency(in_window, ws, we)
+        unused_at = ws + grace
+        if not (released_at and released_at <= unused_at) and clock.passed(unused_at):
+            used = [a for a in allocs if _t(a["start"]) <= unused_at and (a["end"] is None or _t(a["end"]) > ws)]
+            if not used:
+                later = [a for a in allocs if _t(a["start"]) > unused_at]
+                first_use = _t(later[0]["start"]) if later else None
+                found.add(5, ("unused", rid, res_id), unused_at, _min(first_use, released_at),
+                          [created["id"], released_id, later[0]["se"] if later else None], base,
+                          f"{plan} of release {rid}: no GPU allocated to the release by {iso(unused_at)} ({format_duration(grace)} after the window opened)")
+        if we is not None:
+            held_at = we + grace
+            if not (released_at and released_at <= held_at) and clock.passed(held_at):
+                found.add(5, ("held", rid, res_id), held_at, released_at, [created["id"], released_id], base,
+                          f"{plan} of release {rid} is still held {format_duration(grace)} after its window ended")
+            minimum = policy.reservations.min_utilisation
+            if gpus > 0 and minimum > 0 and clock.passed(we) and peak < gpus * minimum:
+                found.add(5, ("underused", rid, res_id), ws, we, [created["id"]] + [a["se"] for a in in_window], base,
+                          f"{plan} of release {rid}: peak {peak} of {gpus} reserved GPU(s) allocated ({peak / gpus:.0%}, "
+                          f"plan asks at least {minimum:.0%})", severity="info")
+
+    # 8. Retirement
+    ended = next((r for r in rows if r["type"] in ("release.retired", "release.revoked")), None)
+    if ended is None:
+        return
+    grace = policy.retirement.grace
+    deadline = _t(ended["at"]) + grace
+    if not clock.passed(deadline):
+        return
+    holdings = []  # (start, end|None, evidence ids, what)
+    for a in allocs:
+        if a["end"] is None or _t(a["end"]) > deadline:
+            holdings.append((_t(a["start"]), _t(a["end"]) if a["end"] else None, [a["se"], a["ee"]], f"GPU {a['gpu']} ({a['pod']})"))
+    for res_id, entry in sorted(reservations.items()):
+        if entry["created"] is None:
+            continue
+        rel_row = entry["released"]
+        rel_at = _t(rel_row["at"]) if rel_row else None
+        if rel_at is None or rel_at > deadline:
+            holdings.append((_t(entry["created"]["at"]), rel_at, [entry["created"]["id"], rel_row["id"] if rel_row else None],
+                             f"reservation {res_id}"))
+    for r in running:
+        if r["end"] is None or _t(r["end"]) > deadline:
+            holdings.append((_t(r["start"]), _t(r["end"]) if r["end"] else None, [r["se"], r["ee"]], f"running {r['unit']}"))
+    if not holdings:
+        return
+    opened = max(deadline, min(h[0] for h in holdings))
+    closed = max(h[1] for h in holdings) if all(h[1] is not None for h in holdings) else None
+    kinds = defaultdict(int)
+    for h in holdings:
+        kinds[h[3].split(" ", 1)[0]] += 1
+    held = ", ".join(f"{n} {k}(s)" for k, n in sorted(kinds.items()))
+    found.add(8, ("retired", rid, ended["id"]), opened, closed, [ended["id"]] + [e for h in holdings for e in h[2]], base,
+              f"release {rid} was {ended['type'].split('.', 1)[1]} at {ended['at']} and still held {held} after the {format_duration(grace)} grace period: "
+              + "; ".join(h[3] for h in holdings[:10]))
+
+
+def peak_concurrency(allocs: list[dict], start: datetime, end: datetime | None) -> int:
+    """Most allocations held at once within [start, end)."""
+    points = []
+    for a in allocs:
+        s = max(_t(a["start"]), start)
+        e = _t(a["end"]) if a["end"] else None
+        if end is not None:
+            e = min(e, end) if e else end
+        if e is not None and e <= s:
+            continue
+        points.append((s, 1))
+        if e is not None:
+            points.append((e, -1))
+    peak = level = 0
+    for _at, delta in sorted(points, key=lambda p: (p[0], p[1])):
+        level += delta
+        peak = max(peak, level)
+    return peak
+
+
+# --- the step -------------------------------------------------------------------------
+
+@dataclass
+class Outcome:
+    violations: list[Violation] = field(default_factory=list)
+    forwards: list[tuple[str, dict]] = field(default_factory=list)
+    deadline: datetime | None = None
+    interests: list[str] = field(default_factory=list)
+
+
+def _violation(rec: dict) -> Violation:
+    c = rec["c"]
+    return Violation(version=rec["v"], **{**c, "identity": Identity(**c["identity"]), "evidence": tuple(c["evidence"])})
+
+
+def step(state: dict, ctx: Context, resend: bool = False) -> Outcome:
+    """Re-derive a key's violations and forwards; return what changed (everything with ``resend``).
+
+    ``resend`` (after a restart) re-emits the current version of every violation and
+    forward: the state may have reached the changelog while the outputs it had sent
+    were lost. Re-sends carry the same version and content, so readers collapse them.
+    """
+    ev = evaluate(state, ctx)
+    out = Outcome(deadline=ev.deadline, interests=sorted(ev.interests))
+    emitted = state["emitted"]
+    for vid, content in sorted(ev.findings.items()):
+        d = digest(content)
+        rec = emitted.setdefault(vid, {"v": -1, "d": "", "c": None})
+        if rec["d"] != d:
+            rec.update(v=rec["v"] + 1, d=d, c=content)
+            out.violations.append(_violation(rec))
+        elif resend:
+            out.violations.append(_violation(rec))
+    for vid, rec in sorted(emitted.items()):
+        if vid in ev.findings:
+            continue
+        if not is_withdrawn(rec["c"]):
+            content = {**rec["c"], "closed_at": rec["c"]["opened_at"], "detail": WITHDRAWN + rec["c"]["detail"]}
+            rec.update(v=rec["v"] + 1, d=digest(content), c=content)
+            out.violations.append(_violation(rec))
+        elif resend:
+            out.violations.append(_violation(rec))
+    for target, link in sorted(ev.forwards.items()):
+        d = digest(link)
+        if state["fwd"].get(target) != d or resend:
+            state["fwd"][target] = d
+            out.forwards.append((target, link))
+    for target in sorted(set(state["fwd"]) - set(ev.forwards)):
+        if state["fwd"][target] != "" or resend:
+            state["fwd"][target] = ""
+            out.forwards.append((target, {}))
+    return out
+
+
+# --- an in-memory engine over a whole history (audit re-evaluation, tests) --------------------
+
+class ControlEngine:
+    """Runs the controls over a history in memory: the same fold/step functions the
+    worker runs, with the internal topic replaced by a queue. The result does not depend
+    on the order rows are fed in."""
+
+    def __init__(self, directory, policy: Policy, watermark: datetime | None = None) -> None:
+        self.directory = directory
+        self.policy = policy
+        self.fixed_watermark = watermark
+        self.states: dict[str, dict] = {}
+        self.violations: dict[str, Violation] = {}
+        self.queue: list[tuple[str, str, object]] = []
+        self.latest: datetime | None = None
+
+    def _seen(self, at: str | None) -> None:
+        if at:
+            t = _t(at)
+            self.latest = t if self.latest is None or t > self.latest else self.latest
+
+    def feed(self, rows=(), allocations=()) -> ControlEngine:
+        for record in rows:
+            row = compact_row(record)
+            if row is not None:
+                self._seen(row["at"])
+                self.queue.append((row_key(row), "row", row))
+        for record in allocations:
+            alloc = compact_allocation(record)
+            self._seen(alloc["start"])
+            self._seen(alloc["end"])
+            self.queue.append((allocation_key(alloc), "row", alloc))
+        return self
+
+    def watermark(self) -> datetime | None:
+        if self.fixed_watermark is not None:
+            return self.fixed_watermark
+        latest = self.latest
+        for state in self.directory.releases.values():
+            if state["history"]:
+                t = _t(state["history"][-1][0].split("|", 1)[0])
+                latest = t if latest is None or t > latest else latest
+        return latest
+
+    def run(self, refresh_all: bool = True) -> dict[str, Violation]:
+        touched = set(self.states) if refresh_all else set()
+        while self.queue or touched:
+            batch, self.queue = self.queue, []
+            for key, kind, item in batch:
+                state = self.states.setdefault(key, new_state(key))
+                if kind == "row":
+                    fold_row(state, item)
+                else:
+                    fold_link(state, item[0], item[1])
+                touched.add(key)
+            ctx = Context(self.directory, self.policy, self.watermark())
+            for key in sorted(touched):
+                outcome = step(self.states[key], ctx)
+                for v in outcome.violations:
+                    current = self.violations.get(v.violation_id)
+                    if current is None or v.version > current.version:
+                        self.violations[v.violation_id] = v
+                for target, link in outcome.forwards:
+                    self.queue.append((target, "link", (key, link)))
+            touched = set()
+        return self.violations
+
+    def current(self, include_withdrawn: bool = False) -> list[Violation]:
+        return sorted((v for v in self.violations.values() if include_withdrawn or not is_withdrawn(v)),
+                      key=lambda v: (v.control_id, v.opened_at, v.violation_id))
+
+
+def directory_from_rows(rows) -> object:
+    """A ReleaseDirectory rebuilt from stored correlated release rows (for re-evaluation
+    over ClickHouse history): each row is its release event (event id = correlation id)."""
+    from schemas import ReleaseEvent, Source
+    from schemas.release import ReleasePayload
+    from streams.directory import ReleaseDirectory
+
+    directory = ReleaseDirectory()
+    for record in rows:
+        row = _as_dict(record)
+        if not row["event_type"].startswith("release."):
+            continue
+        ident = {k: v for k, v in (row.get("identity") or {}).items() if v}
+        event = ReleaseEvent(event_id=row["correlation_id"], event_type=row["event_type"], occurred_at=row["occurred_at"],
+                             observed_at=row["occurred_at"], source=Source(collector="store"), identity=Identity(**ident),
+                             payload=ReleasePayload.model_validate_json(row.get("payload_json") or "{}"))
+        directory.apply(event)
+    return directory

@@ -1,0 +1,159 @@
+"""The control agents through the real pipeline: real broker, the real `gpuledger worker`
+(Faust + embedded ClickHouse) in its own process, violations read back from the
+violations topic. The rules themselves are checked one by one in test_controls_rules.py;
+here: violations open, close (same id, version + 1) and stay silent as events flow,
+deadlines fire on the event-time watermark, and a replay into a fresh consumer group
+ends with the same latest violations."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from confluent_kafka import Consumer, TopicPartition
+
+from producers._kafka import EventPublisher
+from schemas import Violation
+from streams.controls_rules import is_withdrawn
+from tests.fixtures.kafka import read_topic
+from tests.streams.harness import at, gpu_event
+from tests.streams.test_controls_rules import rel, released, sched
+
+FAST = {"GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "2"}
+
+FIRST = [
+    # approved and promoted: must stay silent
+    *released("r-ok"), sched("scheduler.scheduled", 10, pod="ok-1", workload="ml/Job/ok", release_id="r-ok"),
+    # admitted before any approval: control 1 opens (and 2: never promoted)
+    rel("release.registered", 0, "r-late", actor="ci-pipeline"),
+    sched("scheduler.scheduled", 10, pod="late-1", workload="ml/Job/late", release_id="r-late"),
+    # an admin action by an actor without the right: control 7
+    rel("release.queue_paused", 15, "r-ok", actor="mallory", target="prod-inference", expires_at=at(60)),
+    # retired at 30 while still holding a GPU; grace 1h -> control 8 once the watermark passes 90
+    *released("r-ret"), sched("scheduler.scheduled", 5, pod="ret-1", workload="ml/Job/ret", release_id="r-ret"),
+    gpu_event("gpu.assigned", 6, pod="ret-1", device="GPU-RET"), rel("release.retired", 30, "r-ret", actor="alice"),
+]
+SECOND = [
+    rel("release.approved", 20, "r-late", actor="alice"),      # closes control 1 at 20
+    rel("release.evaluated", 200, "r-ok", actor="eval-bot"),   # moves the watermark past the retirement grace
+]
+
+
+def publish(bootstrap, cat, events):
+    EventPublisher({"bootstrap.servers": bootstrap}, cat, "test").publish_batch(events)
+
+
+def latest(bootstrap, cat) -> dict[str, Violation]:
+    out: dict[str, Violation] = {}
+    for msg in read_topic(bootstrap, cat.violations, min_count=1, timeout=5, settle=1.0):
+        v = Violation.model_validate_json(msg.value())
+        if v.violation_id not in out or v.version > out[v.violation_id].version:
+            out[v.violation_id] = v
+    return out
+
+
+def wait_until(bootstrap, cat, check, timeout=90.0) -> dict[str, Violation]:
+    deadline = time.monotonic() + timeout
+    got: dict[str, Violation] = {}
+    while time.monotonic() < deadline:
+        got = latest(bootstrap, cat)
+        if check(got):
+            return got
+        time.sleep(1)
+    raise AssertionError("violations never matched: " + "; ".join(f"{v.control_id} v{v.version} {v.opened_at}->{v.closed_at} {v.detail}"
+                                                                  for v in got.values()))
+
+
+def by_control(got: dict[str, Violation]) -> dict[int, list[Violation]]:
+    out: dict[int, list[Violation]] = {}
+    for v in got.values():
+        out.setdefault(v.control_id, []).append(v)
+    return out
+
+
+def test_violations_open_close_and_replay_to_the_same_latest_state(kafka_bootstrap, catalogue, worker_factory):
+    live = worker_factory(catalogue, extra_env=FAST)
+    publish(kafka_bootstrap, catalogue, FIRST)
+
+    def opened(got):
+        c = by_control(got)
+        return ({1, 2, 7} <= set(c) and c[1][0].closed_at is None and 8 not in c)
+
+    got = wait_until(kafka_bootstrap, catalogue, opened)
+    c = by_control(got)
+    assert [v.identity.release_id for v in c[1]] == ["r-late"] and c[1][0].opened_at == at(10) and c[1][0].owner == "team-platform"
+    assert "mallory" in c[7][0].detail and c[7][0].evidence
+    assert not any(v.identity.release_id == "r-ok" and v.control_id in (1, 2, 3) for v in got.values())
+    open_id = c[1][0].violation_id
+
+    publish(kafka_bootstrap, catalogue, SECOND)
+
+    def closed(got):
+        c = by_control(got)
+        return got.get(open_id) is not None and got[open_id].closed_at is not None and 8 in c
+
+    got = wait_until(kafka_bootstrap, catalogue, closed)
+    v1 = got[open_id]
+    assert v1.version >= 1 and (v1.opened_at, v1.closed_at) == (at(10), at(20))
+    [retired] = by_control(got)[8]
+    assert retired.identity.release_id == "r-ret" and retired.opened_at == at(90) and retired.closed_at is None
+    assert "GPU n1/GPU-RET" in retired.detail
+
+    # A fresh consumer group replays the topics from offset zero and ends with the same
+    # latest violations (read from what the replaying worker appended).
+    live.service.stop(grace=10)
+    want = {vid: v.model_dump(exclude={"version"}) for vid, v in got.items() if not is_withdrawn(v)}
+    assert {v["control_id"] for v in want.values()} == {1, 2, 7, 8}
+    mark = end_offsets(kafka_bootstrap, catalogue.violations)
+    worker_factory(catalogue, app_id=f"{catalogue.prefix}-replay", extra_env=FAST)
+    deadline = time.monotonic() + 90
+    replayed: dict[str, dict] = {}
+    while time.monotonic() < deadline and replayed != want:
+        time.sleep(1)
+        replayed = {vid: v.model_dump(exclude={"version"}) for vid, v in read_from(kafka_bootstrap, catalogue.violations, mark).items()
+                    if not is_withdrawn(v)}
+    assert replayed == want
+
+
+def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"offsets-{uuid.uuid4().hex}"})
+    try:
+        parts = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in parts}
+    finally:
+        consumer.close()
+
+
+def read_from(bootstrap: str, topic: str, offsets: dict[int, int]) -> dict[str, Violation]:
+    """Latest violation per id among the records after ``offsets``."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"reader-{uuid.uuid4().hex}", "enable.auto.commit": False})
+    consumer.assign([TopicPartition(topic, p, off) for p, off in offsets.items()])
+    out: dict[str, Violation] = {}
+    idle = time.monotonic()
+    try:
+        while time.monotonic() - idle < 1.5:
+            msg = consumer.poll(0.2)
+            if msg is None or msg.error():
+                continue
+            idle = time.monotonic()
+            v = Violation.model_validate_json(msg.value())
+            if v.violation_id not in out or v.version > out[v.violation_id].version:
+                out[v.violation_id] = v
+    finally:
+        consumer.close()
+    return out
+
+
+def test_a_worker_killed_after_opening_violations_closes_them_after_restart(kafka_bootstrap, catalogue, worker_factory, tmp_path):
+    data = tmp_path / "crashy"
+    first = worker_factory(catalogue, data_dir=data, extra_env=FAST)
+    publish(kafka_bootstrap, catalogue, FIRST)
+    got = wait_until(kafka_bootstrap, catalogue, lambda got: 1 in by_control(got))
+    open_id = by_control(got)[1][0].violation_id
+    first.service.kill()
+    publish(kafka_bootstrap, catalogue, SECOND)
+    worker_factory(catalogue, data_dir=data, extra_env=FAST)  # same group, same store: state from the changelog
+    got = wait_until(kafka_bootstrap, catalogue, lambda got: got.get(open_id) is not None and got[open_id].closed_at is not None
+                     and 8 in by_control(got))
+    assert (got[open_id].opened_at, got[open_id].closed_at) == (at(10), at(20))
+    assert {v.control_id for v in got.values() if not is_withdrawn(v)} == {1, 2, 7, 8}

@@ -1,0 +1,325 @@
+"""The eight controls as pure rules: for each, a history that opens it, one that must not,
+and one where it opens then closes. Events go through the real join (the in-memory
+driver of tests/streams/harness.py), then through the control engine — the same fold
+and step functions the worker's agents call."""
+
+from __future__ import annotations
+
+import random
+from datetime import timedelta
+
+import pytest
+
+from gpuledger.policy import Policy
+from schemas import AlertEvent, Identity, SchedulerEvent, make_event_id
+from schemas.alert import AlertPayload
+from schemas.scheduler import ObjectRef, SchedulerPayload
+from streams.controls_rules import ControlEngine, is_withdrawn
+from tests.streams.harness import SRC, Driver, at, gpu_event, release
+
+D1, D2 = "sha256:" + "b" * 64, "sha256:" + "e" * 64
+POLICY = Policy()
+
+
+def rel(etype, minutes, rid="r1", **payload):
+    return release(etype, minutes, rid=rid, digest=D1, **payload)
+
+
+def released(rid="r1", promoted=True, approver="alice"):
+    out = [rel("release.registered", 0, rid, actor="ci-pipeline"), rel("release.approved", 1, rid, actor=approver, approval_id="CHG-1")]
+    if promoted:
+        out.append(rel("release.promoted", 2, rid, actor="alice", to_environment="prod"))
+    return out
+
+
+def sched(etype, minutes, pod="p1", workload="ml/Job/train", ns="ml", kind="Pod", release_id=None, env=None, digest=None, **payload):
+    ident = Identity(namespace=ns, workload_id=workload, release_id=release_id, environment=env,
+                     **({"pod": pod, "pod_uid": f"uid-{pod}"} if kind == "Pod" else {}))
+    return SchedulerEvent(event_id=make_event_id("t", (ns, pod if kind == "Pod" else workload, etype), at(minutes).isoformat()),
+                          event_type=etype, occurred_at=at(minutes), observed_at=at(minutes), source=SRC, identity=ident,
+                          payload=SchedulerPayload(object_kind=kind, image_digests=(digest,) if digest else (), **payload))
+
+
+def firing(minutes, fp="fp1", status="alert.firing", starts=None, name="GpuXidError", labels=None, **ident):
+    starts = at(starts if starts is not None else minutes)
+    return AlertEvent(event_id=make_event_id("am", (fp, status, starts.isoformat())), event_type=status, occurred_at=at(minutes),
+                      observed_at=at(minutes), source=SRC, identity=Identity(alert_fingerprint=fp, **ident),
+                      payload=AlertPayload(alertname=name, labels=labels or {}, starts_at=starts,
+                                           ends_at=at(minutes) if status == "alert.resolved" else None))
+
+
+def run(events, watermark=None, policy=POLICY, seed=None):
+    driver = Driver(seed=seed).feed(events).flush_parked()
+    engine = ControlEngine(driver.directory, policy, at(watermark) if watermark is not None else None)
+    rows, allocs = list(driver.rows.values()), list(driver.allocations.values())
+    if seed is not None:
+        random.Random(seed).shuffle(rows)
+        random.Random(seed).shuffle(allocs)
+    engine.feed(rows, allocs).run()
+    return engine.current()
+
+
+def of(violations, control):
+    return [v for v in violations if v.control_id == control]
+
+
+def one(violations, control):
+    found = of(violations, control)
+    assert len(found) == 1, f"control {control}: {[v.detail for v in violations]}"
+    return found[0]
+
+
+# --- 1. Admission ------------------------------------------------------------------------
+
+def test_admission_without_release_identity_or_approval_opens():
+    v = one(run([sched("scheduler.scheduled", 10, pod="u1", workload="ml/Job/u1")]), 1)
+    assert "no release identity" in v.detail and v.opened_at == at(10) and v.closed_at is None
+    assert v.owner == "team-platform" and v.severity == "critical" and v.identity.workload_id == "ml/Job/u1"
+    unapproved = run([*released("r2", promoted=False, approver="nobody"), sched("scheduler.scheduled", 10, release_id="r2")])
+    v = one(unapproved, 1)
+    assert "no approval" in v.detail and v.identity.release_id == "r2" and v.closed_at is None
+
+
+def test_admission_with_approved_release_or_in_dev_does_not_open():
+    assert of(run([*released(), sched("scheduler.scheduled", 10, release_id="r1"), sched("scheduler.running", 11, release_id="r1")]), 1) == []
+    assert of(run([sched("scheduler.scheduled", 10, pod="d1", workload="dev/Job/d1", ns="dev", env="dev")]), 1) == []
+
+
+def test_admission_opens_then_closes_on_approval_or_when_the_workload_ends():
+    events = [rel("release.registered", 0, "r2", actor="ci-pipeline"), sched("scheduler.scheduled", 10, release_id="r2"),
+              rel("release.approved", 20, "r2", actor="alice")]
+    v = one(run(events), 1)
+    assert (v.opened_at, v.closed_at) == (at(10), at(20))
+    ended = one(run([sched("scheduler.scheduled", 10, pod="u1", workload="ml/Job/u1"),
+                     sched("scheduler.deleted", 30, pod="u1", workload="ml/Job/u1")]), 1)
+    assert (ended.opened_at, ended.closed_at) == (at(10), at(30))
+
+
+def test_an_approval_by_an_actor_without_the_right_does_not_count():
+    out = run([*released("r2", promoted=True, approver="mallory"), sched("scheduler.scheduled", 10, release_id="r2")])
+    assert "no approval" in one(out, 1).detail
+    assert "mallory holds no role; none grants approve" in one(out, 7).detail
+
+
+def test_a_late_approval_that_predates_the_admission_withdraws_the_violation():
+    driver = Driver().feed([rel("release.registered", 0, "r2"), sched("scheduler.scheduled", 10, release_id="r2")])
+    engine = ControlEngine(driver.directory, POLICY).feed(driver.rows.values())
+    engine.run()
+    assert len(of(engine.current(), 1)) == 1
+    driver.feed([rel("release.approved", 5, "r2", actor="alice")])  # arrives late, happened before the admission
+    engine.run(refresh_all=True)
+    [v] = [v for v in engine.violations.values() if v.control_id == 1]
+    assert is_withdrawn(v) and v.version == 1 and v.closed_at == v.opened_at
+    assert of(engine.current(), 1) == []
+
+
+# --- 2. Promotion ------------------------------------------------------------------------
+
+def test_running_in_an_environment_never_promoted_to_opens():
+    v = one(run([*released(promoted=False), sched("scheduler.running", 10, release_id="r1")]), 2)
+    assert "never promoted to prod" in v.detail and v.opened_at == at(10) and v.closed_at is None and v.owner == "team-mlops"
+
+
+def test_running_after_promotion_does_not_open():
+    assert of(run([*released(), sched("scheduler.running", 10, release_id="r1")]), 2) == []
+
+
+def test_promotion_opens_then_closes_on_promotion_and_rollback_reopens_until_the_pod_ends():
+    v = one(run([*released(promoted=False), sched("scheduler.running", 10, release_id="r1"),
+                 rel("release.promoted", 15, actor="alice", to_environment="prod")]), 2)
+    assert (v.opened_at, v.closed_at) == (at(10), at(15))
+    rolled = one(run([*released(), sched("scheduler.running", 10, release_id="r1"),
+                      rel("release.rolled_back", 30, actor="bob", to_environment="prod"),
+                      sched("scheduler.deleted", 40, release_id="r1")]), 2)
+    assert (rolled.opened_at, rolled.closed_at) == (at(30), at(40)) and "rolled back from prod" in rolled.detail
+
+
+# --- 3. Artifact identity ---------------------------------------------------------------
+
+def test_running_image_that_differs_from_the_manifest_opens():
+    v = one(run([*released(), sched("scheduler.running", 10, release_id="r1", digest=D2)]), 3)
+    assert D2 in v.detail and D1 in v.detail and v.closed_at is None and v.identity.pod == "p1"
+
+
+def test_identifiers_that_match_no_release_open():
+    out = run([sched("scheduler.scheduled", 10, release_id="ghost", env="dev")])
+    assert "names release ghost" in one(out, 3).detail
+    model = run([SchedulerEvent(**{**sched("scheduler.scheduled", 10, env="dev").model_dump(),
+                                   "identity": Identity(namespace="ml", pod="p1", workload_id="ml/Job/train", environment="dev",
+                                                        model_name="unknown-model", model_version="3")})])
+    assert "model unknown-model:3, which matches no release" in one(model, 3).detail
+
+
+def test_matching_image_does_not_open():
+    assert of(run([*released(), sched("scheduler.running", 10, release_id="r1", digest=D1)]), 3) == []
+
+
+def test_artifact_mismatch_opens_then_closes_when_the_pod_ends():
+    v = one(run([*released(), sched("scheduler.running", 10, release_id="r1", digest=D2), sched("scheduler.deleted", 25, release_id="r1")]), 3)
+    assert (v.opened_at, v.closed_at) == (at(10), at(25))
+
+
+# --- 4. Priority and preemption -----------------------------------------------------------------
+
+KUEUE = dict(kind="Workload", workload="risk/scorer", ns="risk")
+
+
+def _victim(preempt_at, preemptor=None, **extra):
+    return [sched("scheduler.admitted", 10, release_id="r1", priority_class="prod-high", **KUEUE),
+            sched("scheduler.preempted", preempt_at, release_id="r1", priority_class="prod-high", reason="Preempted",
+                  preemptor=preemptor, **KUEUE, **extra)]
+
+
+def test_preemption_inside_the_observation_window_opens_and_closes_at_the_window_end():
+    events = [*released(), *_victim(30)]
+    v = one(run(events, watermark=60), 4)
+    assert "inside the prod observation window" in v.detail and v.opened_at == at(30) and v.closed_at is None
+    closed = one(run(events, watermark=200), 4)  # the watermark passed promotion (2) + 2h
+    assert closed.closed_at == at(122)
+
+
+def test_preemption_by_a_lower_business_priority_opens_and_closes_on_readmission():
+    burst = ObjectRef(kind="Workload", namespace="research", name="burst")
+    events = [*released(), *_victim(150, preemptor=burst),
+              sched("scheduler.admitted", 149, workload="research/burst", ns="research", kind="Workload", priority_class="research-burst")]
+    v = one(run(events), 4)
+    assert "business priority 90" in v.detail and "business priority 20" in v.detail and v.closed_at is None
+    again = one(run([*events, sched("scheduler.admitted", 170, release_id="r1", priority_class="prod-high", **{**KUEUE})]), 4)
+    assert again.closed_at == at(170)
+
+
+def test_preemption_outside_the_window_by_a_higher_priority_does_not_open():
+    vip = ObjectRef(kind="Workload", namespace="risk", name="vip")
+    events = [*released(), *_victim(150, preemptor=vip),
+              sched("scheduler.admitted", 149, workload="risk/vip", ns="risk", kind="Workload", priority_class="prod-critical")]
+    assert of(run(events), 4) == []
+
+
+# --- 5. Capacity reservation ------------------------------------------------------------------
+
+def _reserve(minutes=5, start=10, end=100, gpus=2, actor="carol"):
+    return rel("release.reservation_created", minutes, actor=actor,
+               reservation={"reservation_id": "res-1", "gpus": gpus, "pool": "a100", "window_start": at(start), "window_end": at(end)})
+
+
+def _unreserve(minutes):
+    return rel("release.reservation_released", minutes, actor="carol", reservation={"reservation_id": "res-1", "gpus": 2})
+
+
+def test_reservation_unused_past_its_grace_opens():
+    v = one(run([*released(), _reserve()], watermark=80), 5)
+    assert "no GPU allocated" in v.detail and v.opened_at == at(70) and v.closed_at is None and v.owner == "team-capacity"
+
+
+def test_reservation_used_to_plan_and_released_does_not_open():
+    events = [*released(), _reserve(), sched("scheduler.scheduled", 19, release_id="r1"), sched("scheduler.scheduled", 19, pod="p2", release_id="r1"),
+              gpu_event("gpu.assigned", 20), gpu_event("gpu.assigned", 20, pod="p2", device="GPU-2"),
+              gpu_event("gpu.released", 90), gpu_event("gpu.released", 90, pod="p2", device="GPU-2"), _unreserve(95)]
+    assert of(run(events, watermark=300), 5) == []
+
+
+def test_reservation_opens_then_closes_on_first_use_and_when_released_after_the_window():
+    events = [*released(), _reserve(gpus=4), sched("scheduler.scheduled", 74, release_id="r1"), gpu_event("gpu.assigned", 75), _unreserve(170)]
+    out = of(run(events, watermark=200), 5)
+    unused = next(v for v in out if "no GPU allocated" in v.detail)
+    assert (unused.opened_at, unused.closed_at) == (at(70), at(75))
+    held = next(v for v in out if "still held" in v.detail)
+    assert (held.opened_at, held.closed_at) == (at(160), at(170))
+    under = next(v for v in out if "peak" in v.detail)
+    assert under.severity == "info" and "peak 1 of 4" in under.detail and (under.opened_at, under.closed_at) == (at(10), at(100))
+
+
+# --- 6. Telemetry correlation -----------------------------------------------------------
+
+def test_unattributed_alert_opens():
+    v = one(run([firing(10, node="n9")]), 6)
+    assert "GpuXidError" in v.detail and v.severity == "warning" and v.closed_at is None and v.identity.alert_fingerprint == "fp1"
+    quality = one(run([firing(10, fp="q", name="ModelQualityDegraded")]), 6)
+    assert quality.severity == "critical"
+
+
+def test_attributed_alert_does_not_open():
+    assert of(run([*released(), firing(10, release_id="r1")]), 6) == []
+
+
+def test_unattributed_alert_opens_then_closes_when_resolved():
+    v = one(run([firing(10), firing(20, status="alert.resolved", starts=10)]), 6)
+    assert (v.opened_at, v.closed_at) == (at(10), at(20))
+
+
+# --- 7. Incident authority --------------------------------------------------------------
+
+def test_admin_action_without_the_right_and_override_without_expiry_open():
+    out = of(run([*released(), rel("release.queue_paused", 10, actor="mallory", target="prod-inference", expires_at=at(70)),
+                  rel("release.priority_overridden", 12, actor="bob", target="risk/scorer")], watermark=30), 7)
+    details = sorted(v.detail for v in out)
+    assert len(out) == 2
+    assert "queue_paused prod-inference of release r1 without the decision right: mallory holds no role" in details[1]
+    assert "has no expiry" in details[0]
+
+
+def test_authorized_actions_with_expiry_do_not_open():
+    events = [*released(), rel("release.priority_overridden", 10, actor="bob", target="risk/scorer", expires_at=at(70)),
+              rel("release.node_isolated", 11, actor="oncall-sre", target="n3"), rel("release.rolled_back", 12, actor="bob", to_environment="prod")]
+    assert of(run(events, watermark=500), 7) == []
+
+
+def test_authority_opens_then_closes_on_ratification_and_overlong_override_closes_at_expiry():
+    ratified = one(run([rel("release.registered", 0), rel("release.approved", 1, actor="mallory"), rel("release.approved", 5, actor="alice")]), 7)
+    assert (ratified.opened_at, ratified.closed_at) == (at(1), at(5))
+    long = [*released(), rel("release.priority_overridden", 10, actor="bob", target="risk/scorer", expires_at=at(10 + 360))]
+    v = one(run(long, watermark=300), 7)
+    assert "past the 4h maximum" in v.detail and v.opened_at == at(250) and v.closed_at is None
+    assert one(run(long, watermark=400), 7).closed_at == at(370)
+
+
+# --- 8. Retirement ----------------------------------------------------------------------------
+
+def _holding():
+    return [sched("scheduler.scheduled", 9, release_id="r1"), gpu_event("gpu.assigned", 10)]
+
+
+def test_retired_release_still_holding_a_gpu_after_grace_opens():
+    v = one(run([*released(), *_holding(), rel("release.retired", 30, actor="alice")], watermark=100), 8)
+    assert v.opened_at == at(90) and v.closed_at is None and "GPU n1/GPU-1111" in v.detail and v.owner == "team-capacity"
+
+
+def test_retired_release_that_released_everything_within_grace_does_not_open():
+    events = [*released(), *_holding(), rel("release.retired", 30, actor="alice"), gpu_event("gpu.released", 50),
+              sched("scheduler.deleted", 50, release_id="r1")]
+    assert of(run(events, watermark=200), 8) == []
+
+
+def test_retirement_opens_then_closes_when_the_last_holding_ends():
+    events = [*released(), *_holding(), rel("release.revoked", 30, actor="alice"), gpu_event("gpu.released", 120),
+              sched("scheduler.deleted", 121, release_id="r1")]
+    v = one(run(events, watermark=200), 8)
+    assert (v.opened_at, v.closed_at) == (at(90), at(121))
+
+
+# --- determinism ------------------------------------------------------------------------------
+
+EVERYTHING = [
+    *released(), sched("scheduler.scheduled", 10, pod="u1", workload="ml/Job/u1"),
+    *_victim(30, preemptor=ObjectRef(kind="Workload", namespace="research", name="burst")),
+    sched("scheduler.admitted", 29, workload="research/burst", ns="research", kind="Workload", priority_class="research-burst"),
+    sched("scheduler.running", 12, pod="p5", workload="ml/Job/five", release_id="r1", digest=D2),
+    _reserve(), firing(40), rel("release.queue_paused", 41, actor="mallory", target="q"),
+    *_holding(), rel("release.retired", 100, actor="alice"),
+]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_latest_violations_do_not_depend_on_processing_order(seed):
+    want = {v.violation_id: v.model_dump(exclude={"version"}) for v in run(EVERYTHING, watermark=400)}
+    assert {v.control_id for v in run(EVERYTHING, watermark=400)} == {1, 3, 4, 5, 6, 7, 8}
+    shuffled = list(EVERYTHING)
+    random.Random(seed).shuffle(shuffled)
+    got = {v.violation_id: v.model_dump(exclude={"version"}) for v in run(shuffled, watermark=400, seed=seed)}
+    assert got == want
+
+
+def test_a_disabled_control_reports_nothing():
+    policy = Policy.model_validate({"controls": {"telemetry_correlation": {"accountable": "platform-sre", "enabled": False}}})
+    assert of(run([firing(10)], policy=policy), 6) == []
+    assert timedelta(hours=2) == POLICY.environment("prod").observation_window
