@@ -110,5 +110,6 @@ class EventBase(Frozen):
             or ident.workload_id
             or (f"{ident.namespace}/{ident.pod}" if ident.namespace and ident.pod else None)
             or ident.alert_fingerprint
+            or (f"node:{ident.node}" if ident.node else None)
             or self.event_id
         )
