@@ -118,6 +118,7 @@ def main() -> None:
         stored = time.monotonic()
         print(f"correlated {args.events} events in {done - first:.1f}s -> {args.events / (done - first):,.0f} events/s (one worker)")
         print(f"stored (>=99% rows queryable) {stored - first:.1f}s after the first batch")
+        print(f"topic prefix {cat.prefix} (records per topic: python /tmp/offsets.py {bootstrap} {cat.prefix})")
     finally:
         worker.stop(grace=30)
         if broker:
