@@ -18,8 +18,9 @@ jars: $(STAMP)
 
 setup: $(STAMP) jars
 
+# The incident-rollback exercise through the real pipeline (docs/exercises.md).
 demo: setup
-	$(BIN)/gpuledger demo
+	$(BIN)/gpuledger exercise incident-rollback
 
 test: setup
 	$(BIN)/pytest -q -ra

@@ -237,6 +237,8 @@ def trace(alert: Optional[str] = typer.Option(None, "--alert", help="Alert finge
         fail("give exactly one entry point: --alert FP, --release ID, --workload ID, --pod NS/NAME, --gpu NODE/GPU_ID or --model NAME[:VERSION]", 2)
     if fmt not in ("tree", "json", "html"):
         fail(f"--format must be tree, json or html, got {fmt!r}", 2)
+    if output and fmt != "html":
+        fail("--output goes with --format html", 2)
     try:
         at_time = parse_time(at) if at else None
         span = parse_window(window)

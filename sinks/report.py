@@ -113,6 +113,18 @@ def collect_report_data(reader, database: str, result: dict, *, nodes: Iterable[
             "nodes": nodes, "from": start.isoformat(), "to": end.isoformat(), "queries": store.queries}
 
 
+def trace_report(reader, database: str, result: dict, *, chain_text=None, until: datetime | None = None, cluster: str | None = None,
+                 title: str | None = None) -> str:
+    """``gpuledger trace --format html``: the rows around ``result`` read and rendered.
+    ``chain_text`` is the text trace (a string or the CLI's rich Tree)."""
+    data = collect_report_data(reader, database, result, until=until, cluster=cluster)
+    if chain_text is not None and not isinstance(chain_text, str):
+        chain_text = tree_text(chain_text)
+    entry = result.get("entry") or {}
+    return render_html(result, data, title=title or f"gpuledger incident report: --{entry.get('kind')} {entry.get('value')}",
+                       chain_text=chain_text)
+
+
 def tree_text(tree, width: int = 140) -> str:
     """A rich Tree (the CLI's trace) as plain text."""
     from rich.console import Console
@@ -264,7 +276,7 @@ def render_html(result: dict, data: dict, *, title: str = "gpuledger incident re
                + (f" ({a['end_reason']})" if end and a.get("end_reason") else "")
                + f"\nrelease: {rid or 'unattributed'} ({a.get('attribution', '')})" + (f"\nworkload: {a['workload_id']}" if a.get("workload_id") else ""))
         open_cls = " open" if end is None else ""
-        label = a["pod"] if x1 - x0 > 70 else ""
+        label = a["pod"] if x1 - x0 > 5.6 * len(a["pod"]) + 8 else ""
         tl.add(lane_id, f'<g class="alloc-g"><title>{_e(tip)}</title><rect class="alloc{open_cls}" x="{x0}" y="-8" width="{max(x1 - x0, 1.5):.2f}" '
                         f'height="16" rx="2" fill="{colour}" data-release="{_e(rid or "unattributed")}" data-pod="{_e(pod)}" '
                         f'data-workload="{_e(a.get("workload_id") or "")}" data-allocation-id="{_e(a["allocation_id"])}" '
@@ -380,7 +392,7 @@ svg#timeline{background:#fff;border:1px solid #ddd;font-size:10px}
 .lane-bg{fill:transparent}.lane-gpu .lane-bg{fill:#fcfcfc}.lane-node .lane-bg{fill:#eceff1}.lane-top .lane-bg{fill:#f5f5f5}
 .lane-unhealthy .lane-bg{fill:#ffebee}.lane-label{fill:#333;font-size:10.5px}.lane-node .lane-label{font-weight:bold}
 .tick{stroke:#e0e0e0}.tick-label{fill:#777}.alloc{stroke:#0003;stroke-width:.5}.alloc.open{stroke-dasharray:3 2}
-.alloc-label{fill:#fff;font-size:9px;pointer-events:none}.marker .shape{stroke:#fff;stroke-width:1}.marker-label{fill:#222;font-size:9.5px}
+.alloc-label{fill:#fff;font-size:9px;pointer-events:none}.marker .shape{stroke:#fff;stroke-width:1}.marker-label{fill:#222;font-size:9.5px;paint-order:stroke;stroke:#fff;stroke-width:3px}
 .glyph{fill:#fff;font-size:9px;font-weight:bold;text-anchor:middle;pointer-events:none}
 .legend{margin:0 0 6px}.legend-item,.legend-key{display:inline-block;margin:0 12px 4px 0;cursor:pointer;font-size:12px}
 .legend-item i{display:inline-block;width:12px;height:12px;margin-right:4px;vertical-align:-2px;border-radius:2px}

@@ -30,3 +30,17 @@ def test_compose_names_the_services_and_the_env_the_code_reads():
     env = services["worker"]["environment"]
     assert env["GPULEDGER_KAFKA_BOOTSTRAP"] == "kafka:9092"
     assert env["GPULEDGER_CLICKHOUSE_DSN"].startswith("http://") and "@clickhouse:8123" in env["GPULEDGER_CLICKHOUSE_DSN"]
+
+
+def test_compose_runs_the_exercise_and_provisions_grafana():
+    from gpuledger.sim.scenario import load_scenario
+
+    services = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
+    cmd = services["exercise"]["command"]
+    assert cmd[:2] == ["gpuledger", "exercise"]
+    load_scenario(cmd[2])  # a shipped scenario
+    assert services["exercise"]["environment"]["GPULEDGER_CLICKHOUSE_DSN"].startswith("http://")
+    grafana = services["grafana"]
+    for volume in grafana["volumes"]:
+        assert (ROOT / volume.split(":")[0]).is_dir(), volume
+    assert grafana["depends_on"] == {"clickhouse": {"condition": "service_healthy"}}

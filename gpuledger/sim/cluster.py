@@ -66,7 +66,6 @@ from gpuledger.sim.kube_api import (
     make_pod,
     make_pod_set,
     make_workload,
-    pod_condition,
     pod_set_assignment,
     rfc3339,
     workload_condition,
@@ -546,7 +545,7 @@ class SimCluster:
         pods = self._start_pods(wl, placed, at)
         rel = f" (release {a.release}{'' if a.label_release else ', image digest only'})" if a.release else " (no release)"
         return (f"submit {wl.workload_id} [{a.priority_class}={wl.priority}]: {len(pods)} pod(s) × {a.gpus_per_pod} "
-                f"{'MIG slice' if a.mig else 'GPU'} on {', '.join(p.node for p in pods)}{rel}")
+                f"{'MIG slice' if a.mig else 'GPU'}{'s' if a.gpus_per_pod > 1 else ''} on {', '.join(p.node for p in pods)}{rel}")
 
     def _do_scale(self, a: ScaleAction, at: datetime) -> str:
         wl = self.workloads[a.workload]

@@ -1,0 +1,187 @@
+"""`gpuledger exercise`: the shipped scenarios end to end through the real pipeline, and
+what a bad scenario file gets told.
+
+The end-to-end tests run the real services (worker with its own chDB store, receiver,
+scheduler collector, one pod-resources collector per simulated node) as child
+processes against the shared test broker; the expectations are read back from the
+worker's store through ``sinks.trace`` (what ``gpuledger trace`` does).
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from rich.console import Console
+from typer.testing import CliRunner
+
+from gpuledger.exercise import run_exercise
+from gpuledger.settings import KafkaSettings, Settings
+from gpuledger.sim.cluster import SimCluster, SimulationError, alert_fingerprint, dry_run
+from gpuledger.sim.scenario import EXERCISES_DIR, ScenarioError, load_scenario, parse_scenario, shipped_scenarios
+
+SPEED = 120  # compress hard: the runner keeps a minimum gap between steps anyway
+SCENARIOS = ("incident-rollback", "retirement", "unapproved-admission")
+
+
+def test_the_three_scenarios_ship():
+    assert set(SCENARIOS) <= set(shipped_scenarios())
+    for name in SCENARIOS:
+        sc = load_scenario(name)
+        assert sc.name == name
+        dry_run(sc, sc.seed)  # capacity and placements fit
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_scenario_passes_through_the_real_pipeline(name, kafka_bootstrap, tmp_path):
+    settings = Settings(data_dir=tmp_path / "data", kafka=KafkaSettings(bootstrap=kafka_bootstrap))
+    out = io.StringIO()
+    run = run_exercise(settings, name, Console(file=out, width=200), speed=SPEED)
+    log = out.getvalue()
+    assert run.error is None, log
+    assert run.exit_code == 0, log
+    scenario = load_scenario(name)
+    assert [r.name for r in run.results] == [e.name for e in scenario.expect]
+    for result, exp in zip(run.results, scenario.expect):
+        # A pending expectation (it needs the controls) may pass once they exist; nothing fails.
+        assert result.status == "PASS" or (result.status == "PENDING" and exp.pending), (result, log)
+    assert sum(r.status == "PASS" for r in run.results) >= 4
+    # The table on the console is the one the results came from.
+    assert re.search(r"\d+ passed, 0 failed", log)
+    # The evidence names the identifiers the simulated cluster used (read back from the store).
+    sim = run.cluster
+    if name == "incident-rollback":
+        xid = run.results[0]
+        _, device = sim.device_id("n3/0")
+        assert device[:12] in xid.detail and "gpu_assignment" in xid.detail and sim.workload_id("fraud-scorer-7") in xid.detail
+        assert run.trace["entry"]["root"] == {"kind": "release", "id": "fraud-scorer-v7-prod"}
+        assert "release fraud-scorer-v7-prod" in log and "scheduler collector watching" in log
+    # The report: one self-contained file with a lane per device of the cluster.
+    html = run.report_path.read_text()
+    assert html.startswith("<!DOCTYPE html>") and "http://" not in html.split("<body>", 1)[0]
+    for lane in sim.lanes():
+        assert f'data-lane="{lane["node"]}/{lane["gpu_id"]}"' in html
+    # Nothing left running, the data dir kept and said.
+    assert not run.services_left
+    assert f"data     {run.data_dir}" in log
+    assert (run.data_dir / "logs" / "worker.log").exists()
+
+
+# --- scenario validation --------------------------------------------------------------------------
+
+GOOD = """
+name: tiny
+cluster:
+  nodes: 2
+  gpus_per_node: 2
+  queues: [{name: q, namespace: ml}]
+  priority_classes: {high: 100}
+releases:
+  r1: {model: m, version: 1, image: "registry.sim/m:1"}
+timeline:
+  - {at: 0s, register: {release: r1}}
+  - {at: 10s, submit: {workload: w, queue: q, priority_class: high, release: r1, pods: 2}}
+expect:
+  - {name: it runs, workload: w, traces_to: {release_id: r1}}
+"""
+
+
+def scenario_with(tmp_path: Path, patch) -> Path:
+    data = yaml.safe_load(GOOD)
+    patch(data)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_a_valid_scenario_loads(tmp_path):
+    path = scenario_with(tmp_path, lambda d: None)
+    sc = load_scenario(path)
+    assert [s.kind for s in sc.timeline] == ["register", "submit"]
+    assert sc.timeline[1].at == 10.0
+
+
+@pytest.mark.parametrize("patch, message", [
+    (lambda d: d["timeline"][1]["submit"].update(pods="two"), "timeline[1].submit.pods: Input should be a valid integer"),
+    (lambda d: d["timeline"][0]["register"].update(actr="x"), "timeline[0].register.actr: Extra inputs are not permitted"),
+    (lambda d: d["timeline"][1].update(at="10 minutes"), "timeline[1].at: not a duration"),
+    (lambda d: d["timeline"].append({"at": "20s"}), "timeline[2]: a step needs exactly one action"),
+    (lambda d: d["timeline"].append({"at": "20s", "retire": {"release": "r2"}}), "timeline[2].retire.release: unknown release 'r2'"),
+    (lambda d: d["timeline"].append({"at": "5s", "finish": {"workload": "w"}}), "timeline[2].at: steps must be in time order"),
+    (lambda d: d["timeline"].append({"at": "20s", "preempt": {"victim": "nope", "preemptor": "w"}}),
+     "timeline[2].preempt.victim: no workload 'nope' submitted before this step"),
+    (lambda d: d["timeline"].append({"at": "20s", "fail_gpu": {"node": "n2", "gpu": 5, "alert": "a"}}),
+     "timeline[2].fail_gpu.gpu: node n2 has devices 0..1, not 5"),
+    (lambda d: d["timeline"][1]["submit"].update(placement=["n9"]), "timeline[1].submit.placement[0]: unknown node 'n9'"),
+    (lambda d: d["expect"].append({"name": "x", "alert": "never"}), "expect[1]: an expectation needs at least one check"),
+    (lambda d: d["expect"].append({"name": "x", "alert": "never", "traces_to": {"node": "n1"}}), "expect[1].alert: no alert 'never' in the timeline"),
+    (lambda d: d["expect"].append({"name": "x", "gpu": "n1", "traces_to": {"node": "n1"}}), "expect[1].gpu: expected NODE/INDEX"),
+    (lambda d: d["expect"][0].update(at="later"), "expect[0].at: 'later' is neither a step id"),
+    (lambda d: d["cluster"].update(nodes=["n1", "n1"]), "cluster.nodes: names must be unique: n1"),
+])
+def test_a_bad_scenario_is_refused_naming_the_place(tmp_path, patch, message):
+    path = scenario_with(tmp_path, patch)
+    with pytest.raises(ScenarioError) as err:
+        load_scenario(path)
+    assert str(path) in str(err.value)
+    assert message.replace("Value error, ", "") in str(err.value)
+
+
+def test_every_problem_is_listed_at_once(tmp_path):
+    def patch(d):
+        d["timeline"][1]["submit"]["queue"] = "nope"
+        d["timeline"][1]["submit"]["priority_class"] = "low"
+        d["expect"][0]["traces_to"]["release_id"] = "r9"
+    with pytest.raises(ScenarioError) as err:
+        load_scenario(scenario_with(tmp_path, patch))
+    text = str(err.value)
+    assert "timeline[1].submit.queue: unknown queue 'nope'" in text
+    assert "timeline[1].submit.priority_class: unknown priority class 'low'" in text
+    assert "expect[0].traces_to.release_id: unknown release 'r9'" in text
+
+
+def test_capacity_is_checked_before_anything_starts(tmp_path):
+    sc = load_scenario(scenario_with(tmp_path, lambda d: d["timeline"][1]["submit"].update(pods=5)))
+    with pytest.raises(SimulationError, match=r"timeline\[1\] \(submit\): pod 5 of w needs 1 free GPU"):
+        dry_run(sc, 0)
+
+
+def test_the_cli_exits_2_with_the_problem(tmp_path):
+    from gpuledger.cli import app
+
+    bad = scenario_with(tmp_path, lambda d: d["timeline"][1]["submit"].update(pods=0))
+    result = CliRunner().invoke(app, ["exercise", str(bad)])
+    assert result.exit_code == 2
+    assert "timeline[1].submit.pods" in result.output
+    assert CliRunner().invoke(app, ["exercise", "no-such-scenario"]).exit_code == 2
+    ok = CliRunner().invoke(app, ["exercise", str(scenario_with(tmp_path, lambda d: None)), "--check"])
+    assert ok.exit_code == 0 and "valid (2 steps, 1 expectations)" in ok.output
+    listed = CliRunner().invoke(app, ["exercise", "--list"])
+    assert all(name in listed.output for name in SCENARIOS)
+
+
+def test_the_seed_makes_names_reproducible():
+    sc = load_scenario("incident-rollback")
+    a, b, c = SimCluster(sc, 7), SimCluster(sc, 7), SimCluster(sc, 8)
+    assert a.lanes() == b.lanes() != c.lanes()
+    assert [r.summary for r in dry_run(sc, 7)] == [r.summary for r in dry_run(sc, 7)]
+    assert all(re.fullmatch(r"(GPU|MIG)-[0-9a-f-]{36}", lane["gpu_id"]) for lane in a.lanes())
+    assert {lane["gpu_id"][:4] for lane in a.lanes() if lane["node"] == "n1"} == {"MIG-"}
+
+
+def test_alert_fingerprints_are_alertmanagers():
+    # Prometheus' LabelSet.Fingerprint: FNV-1a 64; the empty set hashes to the offset basis.
+    assert alert_fingerprint({}) == "cbf29ce484222325"
+    labels = {"alertname": "GpuXidError", "Hostname": "n3"}
+    assert alert_fingerprint(labels) == alert_fingerprint(dict(reversed(list(labels.items()))))
+    assert alert_fingerprint(labels) != alert_fingerprint({**labels, "Hostname": "n2"})
+
+
+def test_scenario_files_parse_as_documented():
+    # Every shipped file loads through the same path as user files do.
+    for path in sorted(EXERCISES_DIR.glob("*.yaml")):
+        parse_scenario(yaml.safe_load(path.read_text()), str(path))
