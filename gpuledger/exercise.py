@@ -113,6 +113,18 @@ class ExerciseRunner:
 
     # -- small helpers ----------------------------------------------------------------------------
 
+    def _write_policy(self, sc: Scenario) -> Path:
+        """The worker's policy: the configured file (or the default) with the scenario's
+        overrides, every duration compressed by the speed like the timeline."""
+        from gpuledger.policy import Policy, PolicySettings, dump_policy, load_policy
+
+        policy = load_policy(PolicySettings().file)
+        if sc.policy:
+            policy = Policy.model_validate(_merge(policy.model_dump(), sc.policy))
+        path = self.base / "policy.yaml"
+        path.write_text(dump_policy(policy.compressed(self.speed)))
+        return path
+
     def say(self, tag: str, text: str) -> None:
         self.console.print(f"[bold]{tag:<8}[/] {text}", highlight=False)
 
@@ -207,6 +219,7 @@ class ExerciseRunner:
                 # Exercise timelines are short: flush rows that wait for an identity after 2 s of quiet.
                 "GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "2",
             }
+            env["GPULEDGER_POLICY_FILE"] = str(self._write_policy(sc))
             self.say("start", "worker (Faust + " + ("embedded ClickHouse" if dsn.startswith("chdb:") else "ClickHouse server") + ")...")
             worker = self._start("worker", ["-v", "worker"], env)
             worker_url = f"http://127.0.0.1:{web_port}"
@@ -406,6 +419,13 @@ class ExerciseRunner:
         else:
             self.console.print(f"         in the ClickHouse server at {run.dsn.split('@')[-1]} (database {self.settings.clickhouse.database})",
                                highlight=False)
+
+
+def _merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def run_exercise(settings, scenario: str | Path | Scenario, console: Console, *, speed: float | None = None, seed: int | None = None,

@@ -394,6 +394,8 @@ class Scenario(Strict):
     timeline: list[Step] = Field(min_length=1)
     expect: list[Expectation] = Field(min_length=1)
     report: ReportSpec | None = Field(default=None, description="The trace the report centres on; default the first expectation's entry.")
+    policy: dict[str, Any] = Field(default_factory=dict, description="Overrides merged into the policy file for this exercise "
+                                   "(e.g. {retirement: {grace: 2m}}); durations are then compressed by the speed like the timeline.")
 
     @property
     def duration(self) -> float:
