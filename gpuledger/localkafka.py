@@ -82,7 +82,11 @@ logger.state.level = warn
 class LocalKafka:
     """Context manager around one broker process. ``bootstrap`` is ``127.0.0.1:PORT``."""
 
-    def __init__(self, data_dir: Path, cache_dir: Path, port: int | None = None, log_level: str = "INFO") -> None:
+    def __init__(self, data_dir: Path, cache_dir: Path, port: int | None = None, log_level: str = "INFO",
+                 sasl_users: dict[str, str] | None = None) -> None:
+        """``sasl_users`` (user -> password) makes the client listener SASL_PLAINTEXT with
+        the PLAIN mechanism, to test clients against an authenticating broker."""
+        self.sasl_users = sasl_users
         self.data_dir = Path(data_dir)
         self.cache_dir = Path(cache_dir)
         self.port = port or free_port()
@@ -119,6 +123,19 @@ class LocalKafka:
             "auto.create.topics.enable": "false",
             "log.retention.check.interval.ms": "60000",
         }
+        if self.sasl_users:
+            admin_user, admin_pw = next(iter(self.sasl_users.items()))
+            users = " ".join(f'user_{u}="{pw}"' for u, pw in self.sasl_users.items())
+            props.update({
+                "listeners": f"SASL_PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}",
+                "advertised.listeners": f"SASL_PLAINTEXT://127.0.0.1:{self.port}",
+                "listener.security.protocol.map": "SASL_PLAINTEXT:SASL_PLAINTEXT,CONTROLLER:PLAINTEXT",
+                "inter.broker.listener.name": "SASL_PLAINTEXT",
+                "sasl.enabled.mechanisms": "PLAIN",
+                "sasl.mechanism.inter.broker.protocol": "PLAIN",
+                "listener.name.sasl_plaintext.plain.sasl.jaas.config":
+                    f'org.apache.kafka.common.security.plain.PlainLoginModule required username="{admin_user}" password="{admin_pw}" {users};',
+            })
         path = self.data_dir / "server.properties"
         path.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
         (self.data_dir / "log4j2.properties").write_text(_LOG4J2.format(level=self.log_level))
@@ -152,7 +169,8 @@ class LocalKafka:
     def _wait_ready(self, timeout: float) -> None:
         from confluent_kafka.admin import AdminClient
 
-        admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0, "logger": logging.getLogger("librdkafka.silent")})
+        admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0, "logger": logging.getLogger("librdkafka.silent"),
+                             **self.client_security()})
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
@@ -166,6 +184,13 @@ class LocalKafka:
             time.sleep(0.5)
         self.stop()
         raise LocalKafkaError(f"Kafka broker at {self.bootstrap} did not answer a metadata request within {timeout:.0f}s:\n{self.log_tail()}")
+
+    def client_security(self) -> dict[str, str]:
+        """librdkafka settings a client needs to talk to this broker."""
+        if not self.sasl_users:
+            return {}
+        user, pw = next(iter(self.sasl_users.items()))
+        return {"security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": "PLAIN", "sasl.username": user, "sasl.password": pw}
 
     def log_tail(self, lines: int = 40) -> str:
         try:

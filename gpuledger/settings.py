@@ -58,6 +58,30 @@ class KafkaSettings(BaseSettings):
             conf["sasl.password"] = self.sasl_password.get_secret_value()
         return conf
 
+    def aiokafka_config(self) -> dict:
+        """The same security settings for aiokafka clients (Faust's transport)."""
+        conf: dict = {"security_protocol": self.security_protocol}
+        if self.security_protocol in ("SSL", "SASL_SSL"):
+            import ssl
+
+            conf["ssl_context"] = ssl.create_default_context()
+        if self.security_protocol.startswith("SASL"):
+            conf.update(sasl_mechanism=self.sasl_mechanism, sasl_plain_username=self.sasl_username,
+                        sasl_plain_password=self.sasl_password.get_secret_value() if self.sasl_password else None)
+        return conf
+
+    def faust_credentials(self):
+        """Faust's broker_credentials for these settings (None for PLAINTEXT)."""
+        import faust
+
+        conf = self.aiokafka_config()
+        if self.security_protocol.startswith("SASL"):
+            return faust.SASLCredentials(username=self.sasl_username, password=conf["sasl_plain_password"],
+                                         mechanism=self.sasl_mechanism, ssl_context=conf.get("ssl_context"))
+        if self.security_protocol == "SSL":
+            return faust.SSLCredentials(conf["ssl_context"])
+        return None
+
     @model_validator(mode="after")
     def _sasl_complete(self) -> KafkaSettings:
         if self.security_protocol.startswith("SASL") and not (self.sasl_mechanism and self.sasl_username and self.sasl_password):

@@ -132,6 +132,7 @@ def create_app(settings, store_client=None) -> faust.App:
     app = faust.App(
         conf.app_id,
         broker=f"kafka://{resolve_bootstrap(settings)}",
+        broker_credentials=settings.kafka.faust_credentials(),
         store="memory://",
         datadir=str(settings.data_dir / "streams"),
         web_enabled=True,
@@ -267,7 +268,8 @@ def create_app(settings, store_client=None) -> faust.App:
 
     @app.task
     async def follow_releases():
-        await follow_release_topic(resolve_bootstrap(settings), cat.release, directory, on_release_change)
+        await follow_release_topic(resolve_bootstrap(settings), cat.release, directory, on_release_change,
+                                   client_config=settings.kafka.aiokafka_config())
 
     @app.on_rebalance_complete.connect
     async def _rebalanced(sender, **kwargs):

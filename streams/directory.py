@@ -136,11 +136,14 @@ class ReleaseDirectory:
 
 
 async def follow_release_topic(bootstrap: str, topic: str, directory: ReleaseDirectory,
-                               on_change: Callable[[list[str]], None], stop: asyncio.Event | None = None) -> None:
-    """Read ``topic`` from the beginning forever into ``directory`` (no consumer group)."""
+                               on_change: Callable[[list[str]], None], stop: asyncio.Event | None = None,
+                               client_config: dict | None = None) -> None:
+    """Read ``topic`` from the beginning forever into ``directory`` (no consumer group).
+    ``client_config``: aiokafka security settings (KafkaSettings.aiokafka_config())."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None, auto_offset_reset="earliest")
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None, auto_offset_reset="earliest",
+                                **(client_config or {}))
     await consumer.start()
     try:
         parts = [TopicPartition(topic, p) for p in (consumer.partitions_for_topic(topic) or set())]
