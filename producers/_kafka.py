@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -123,7 +124,13 @@ class EventPublisher:
                 value = encode_event(event)
                 nbytes += len(value)
                 self._produce(topic or self.catalogue.for_family(event.event_type), event.correlation_key(), value, results)
-            remaining = self._producer.flush(timeout if timeout is not None else 60)
+            # Wait for this batch's own delivery reports, not for everything queued on
+            # the shared producer: concurrent callers (receiver requests) must not wait
+            # on each other's records. poll() serves whichever callbacks are due.
+            deadline = time.monotonic() + (timeout if timeout is not None else 60)
+            while len(results) < len(events) and time.monotonic() < deadline:
+                self._producer.poll(0.05)
+            remaining = len(events) - len(results)
         failures = [r for r in results if r is not None]
         if remaining or failures or len(results) < len(events):
             reason = str(failures[0]) if failures else (self._last_error or f"{remaining} record(s) not acknowledged in time")
