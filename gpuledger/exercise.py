@@ -325,7 +325,10 @@ class ExerciseRunner:
                        stats.get("stored", 0), stats.get("allocations_stored", 0), stats.get("parked", 0))
                 if sig != last_sig:
                     last_sig, stable_since = sig, time.monotonic()
-                caught_up = stats.get("routed", 0) >= total and stored_raw >= total and stats.get("parked", 0) == 0
+                # Every raw event routed, folded by the correlation agent (it waits for the
+                # release directory first), every correlated row stored, nothing parked.
+                caught_up = (stats.get("routed", 0) >= total and stored_raw >= total and stats.get("correlated_in", 0) >= total
+                             and stats.get("stored", 0) >= stats.get("correlated_out", 0) and stats.get("parked", 0) == 0)
                 now = time.monotonic()
                 if now - last_print >= 2.0:
                     last_print = now

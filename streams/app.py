@@ -38,10 +38,11 @@ import orjson
 from faust.streams import _current_event
 
 from gpuledger.localkafka import free_port
-from producers._kafka import resolve_bootstrap
+from producers._kafka import client_config, resolve_bootstrap
 from schemas import CorrelatedEvent, DeadLetter, EventDecodeError, decode_event, encode_event
 from sinks.query import QueryError, run_readonly
 from streams.directory import ReleaseDirectory, follow_release_topic
+from streams.output import BatchOutput
 from streams.entities import expire, fold_event, fold_link, new_entity, refresh
 from streams.routing import entity_key
 
@@ -172,7 +173,10 @@ def create_app(settings, store_client=None) -> faust.App:
         app.gpuledger_stats["dead_letters"] += 1
         await dead.send(key=key, value=encode_event(letter))
 
-    route = app.topic(f"{cat.prefix}.{conf.app_id}.route.v1", internal=True, partitions=cat.raw_partitions, key_serializer="raw", value_serializer="raw")
+    route_name = f"{cat.prefix}.{conf.app_id}.route.v1"
+    # Batch outputs go through librdkafka (streams/output.py); flushed before each batch is acked.
+    out = BatchOutput(client_config(settings), f"gpuledger-{conf.app_id}")
+    route = app.topic(route_name, internal=True, partitions=cat.raw_partitions, key_serializer="raw", value_serializer="raw")
     directory = ReleaseDirectory()
     runtime = Runtime(park_ttl=timedelta(seconds=conf.park_ttl_s), idle_flush_s=conf.park_idle_flush_s)
     app.gpuledger_directory = directory
@@ -195,7 +199,8 @@ def create_app(settings, store_client=None) -> faust.App:
                     await send_dead(dead_letter("processing_error", f"{type(exc).__name__}: {exc}", "streams.route_events", msg), msg.key)
                     continue
                 envelope = {"k": "event", "src": [msg.topic, msg.partition, msg.offset], "event": orjson.loads(msg.value)}
-                await route.send(key=key.encode(), value=orjson.dumps(envelope))
+                out.produce(route_name, key.encode(), orjson.dumps(envelope))
+            await out.flush()
             app.gpuledger_stats["routed"] = app.gpuledger_stats.get("routed", 0) + len(events)
             runtime.last_input = time.monotonic()
 
@@ -246,18 +251,19 @@ def create_app(settings, store_client=None) -> faust.App:
                     runtime.park(at_iso, key, row_id)
                 for row in outcome.correlated:
                     value = encode_event(row)
-                    await correlated.send(key=(row.identity.release_id or row.correlation_id).encode(), value=value)
+                    out.produce(cat.correlated, (row.identity.release_id or row.correlation_id).encode(), value)
                     if row.event_type.startswith("alert."):
-                        await enriched.send(key=(row.identity.alert_fingerprint or row.correlation_id).encode(), value=value)
+                        out.produce(cat.enriched_alerts, (row.identity.alert_fingerprint or row.correlation_id).encode(), value)
                 for alloc in outcome.allocations:
-                    await allocations.send(key=f"{alloc.node}/{alloc.gpu_id}".encode(), value=encode_event(alloc))
+                    out.produce(cat.allocations, f"{alloc.node}/{alloc.gpu_id}".encode(), encode_event(alloc))
                 for target, link in outcome.forwards:
-                    await route.send(key=target.encode(), value=orjson.dumps({"k": "link", "from": key, "link": link}))
+                    out.produce(route_name, target.encode(), orjson.dumps({"k": "link", "from": key, "link": link}))
                 n_out += len(outcome.correlated)
             if watermark is not None:
                 runtime.advance(watermark)
             for target, rows in runtime.due().items():
-                await route.send(key=target.encode(), value=orjson.dumps({"k": "expire", "rows": rows}))
+                out.produce(route_name, target.encode(), orjson.dumps({"k": "expire", "rows": rows}))
+            await out.flush()
             app.gpuledger_stats["correlated_in"] += n_in
             app.gpuledger_stats["correlated_out"] += n_out
             app.gpuledger_stats["parked"] = runtime.parked_count()
