@@ -63,19 +63,9 @@ IDENTITY_COLUMNS = """
     alert_fingerprint String"""
 
 # The identity block minus what a table carries as its own columns (allocations).
-ALLOCATION_IDENTITY_COLUMNS = """
-    release_id String,
-    model_name String,
-    model_version String,
-    artifact_digest String,
-    image_digest String,
-    config_digest String,
-    dataset_ref String,
-    environment LowCardinality(String),
-    workload_id String,
-    pod_uid String,
-    owner LowCardinality(String),
-    data_class LowCardinality(String)"""
+ALLOCATION_IDENTITY_COLUMNS = ",".join(
+    column for column in IDENTITY_COLUMNS.split(",")
+    if column.split()[0] not in ("namespace", "pod", "node", "gpu_id", "alert_fingerprint"))
 
 SOURCE_COLUMNS = """
     source_topic LowCardinality(String),

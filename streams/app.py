@@ -39,7 +39,7 @@ from faust.streams import _current_event
 
 from gpuledger.localkafka import free_port
 from producers._kafka import client_config, resolve_bootstrap
-from schemas import CorrelatedEvent, DeadLetter, EventDecodeError, decode_event, encode_event
+from schemas import DeadLetter, EventDecodeError, decode_event, encode_event
 from sinks.query import QueryError, run_readonly
 from streams.directory import ReleaseDirectory, follow_release_topic
 from streams.output import BatchOutput
@@ -162,7 +162,6 @@ def create_app(settings, store_client=None) -> faust.App:
     )
     raw = app.topic(*cat.raw_topics, key_serializer="raw", value_serializer="raw")
     correlated = app.topic(cat.correlated, key_serializer="raw", value_serializer="raw")
-    enriched = app.topic(cat.enriched_alerts, key_serializer="raw", value_serializer="raw")
     dead = app.topic(cat.deadletter, key_serializer="raw", value_serializer="raw")
     allocations = app.topic(cat.allocations, key_serializer="raw", value_serializer="raw")
     # key_type/value_type (not a Schema) is what Faust derives the changelog codecs from.
@@ -316,7 +315,7 @@ def create_app(settings, store_client=None) -> faust.App:
     from streams.controls import install_control_agents
 
     violations_topic = app.topic(cat.violations, key_serializer="raw", value_serializer="raw")
-    install_control_agents(app, settings, {"correlated": correlated, "allocations": allocations, "violations": violations_topic}, directory)
+    install_control_agents(app, settings, {"correlated": correlated, "allocations": allocations, "violations": violations_topic}, directory, out)
 
     if store_client is not None:
         from sinks.agents import install_sink_agents

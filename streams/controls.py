@@ -132,16 +132,19 @@ class ControlRuntime:
         return changed
 
 
-def install_control_agents(app, settings, topics: dict, directory):
+def install_control_agents(app, settings, topics: dict, directory, output):
     """Register the control agents on ``app``. ``topics`` maps role -> Faust topic:
-    ``correlated``, ``allocations`` (inputs) and ``violations`` (output)."""
+    ``correlated``, ``allocations`` (inputs) and ``violations`` (output). ``output`` is
+    the worker's ``streams.output.BatchOutput``: each batch's records are flushed
+    before the batch is acked."""
     from streams.app import _as_current  # the one place that knows Faust's current-event context
 
     policy = PolicySettings().load()  # a bad policy stops the worker before it consumes anything
     cat = settings.kafka.catalogue()
-    internal = app.topic(f"{cat.prefix}.{settings.streams.app_id}.controls.v1", internal=True, partitions=cat.raw_partitions,
+    internal_name = f"{cat.prefix}.{settings.streams.app_id}.controls.v1"
+    internal = app.topic(internal_name, internal=True, partitions=cat.raw_partitions,
                          key_serializer="raw", value_serializer="raw")
-    violations = topics["violations"]
+    violations_name = topics["violations"].get_topic_name()
     # key_type (not a Schema) is what Faust derives the changelog codecs from.
     table = app.Table("controls", default=None, partitions=cat.raw_partitions, key_type=str)
     runtime = ControlRuntime()
@@ -153,36 +156,31 @@ def install_control_agents(app, settings, topics: dict, directory):
     counters = ComponentCounters("streams.controls")
     app.gpuledger_control_counters = counters
 
-    @app.agent(topics["correlated"], name="route_to_controls")
-    async def route_to_controls(stream):
-        """Keep what the controls read from each correlated row; re-key it to its control key."""
+    async def reroute(stream, compact, key_of) -> None:
+        """Keep what the controls read from each record of ``stream``; re-key it to its control key."""
         async for events in stream.take_events(CONTROLS_BATCH, within=CONTROLS_WITHIN_S):
             for ev in events:
                 msg = ev.message
                 counters.add_received()
                 try:
-                    row = compact_row(orjson.loads(msg.value))
-                except Exception:  # noqa: BLE001 - the correlated sink dead-letters unreadable rows
+                    row = compact(orjson.loads(msg.value))
+                except Exception:  # noqa: BLE001 - the sinks dead-letter unreadable rows
                     log.exception("controls could not read %s[%d]@%d", msg.topic, msg.partition, msg.offset)
                     counters.add_rejected("unreadable")
                     continue
                 if row is not None:
-                    await internal.send(key=row_key(row).encode(), value=orjson.dumps({"k": "row", "row": row}))
+                    output.produce(internal_name, key_of(row).encode(), orjson.dumps({"k": "row", "row": row}))
+            await output.flush()
+
+    @app.agent(topics["correlated"], name="route_to_controls")
+    async def route_to_controls(stream):
+        """Correlated rows -> their control key (pod, workload, release, alert)."""
+        await reroute(stream, compact_row, row_key)
 
     @app.agent(topics["allocations"], name="route_allocations_to_controls")
     async def route_allocations_to_controls(stream):
-        """Re-key allocation intervals to their node/GPU control key."""
-        async for events in stream.take_events(CONTROLS_BATCH, within=CONTROLS_WITHIN_S):
-            for ev in events:
-                msg = ev.message
-                counters.add_received()
-                try:
-                    alloc = compact_allocation(orjson.loads(msg.value))
-                except Exception:  # noqa: BLE001 - the allocations sink dead-letters unreadable rows
-                    log.exception("controls could not read %s[%d]@%d", msg.topic, msg.partition, msg.offset)
-                    counters.add_rejected("unreadable")
-                    continue
-                await internal.send(key=allocation_key(alloc).encode(), value=orjson.dumps({"k": "row", "row": alloc}))
+        """Allocation intervals -> their node/GPU control key."""
+        await reroute(stream, compact_allocation, allocation_key)
 
     @app.agent(internal, name="evaluate_controls")
     async def evaluate_controls(stream):
@@ -234,13 +232,14 @@ def install_control_agents(app, settings, topics: dict, directory):
                 runtime.track(key, outcome.interests, outcome.deadline)
                 for violation in outcome.violations:
                     value = encode_event(violation)
-                    await violations.send(key=violation.violation_id.encode(), value=value)
+                    output.produce(violations_name, violation.violation_id.encode(), value)
                     counters.add_sent(1, len(value))
                 for target, link in outcome.forwards:
-                    await internal.send(key=target.encode(), value=orjson.dumps({"k": "link", "from": key, "link": link}))
+                    output.produce(internal_name, target.encode(), orjson.dumps({"k": "link", "from": key, "link": link}))
                 n_out += len(outcome.violations)
             for key in runtime.due():
-                await internal.send(key=key.encode(), value=TICK)
+                output.produce(internal_name, key.encode(), TICK)
+            await output.flush()
             stats["controls_in"] += len(events)
             stats["violations_out"] += n_out
             if touched:
