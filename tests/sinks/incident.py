@@ -185,3 +185,26 @@ def latest(records: list) -> dict[str, object]:
         if key not in out or r.version >= out[key].version:
             out[key] = r
     return out
+
+
+def load_store(client, raw_events=()) -> str:
+    """A fresh, migrated database holding the incident (and ``raw_events`` in raw_events),
+    written through the real sink writers; returns its name."""
+    import asyncio
+    import uuid
+
+    from sinks.agents import SinkWriters
+    from sinks.migrations import migrate
+
+    db = f"t_{uuid.uuid4().hex[:12]}"
+    migrate(client, db)
+    writers = SinkWriters(client, db)
+
+    async def go():
+        await writers.store_correlated(correlated_rows())
+        await writers.store_allocations(allocation_rows())
+        if raw_events:
+            await writers.store_raw([(e.model_dump_json().encode(), "t.raw.v1", 0, i) for i, e in enumerate(raw_events)])
+    asyncio.run(go())
+    return db
+

@@ -3,17 +3,13 @@ CLI runs them) against the real tables holding tests/sinks/incident.py."""
 
 from __future__ import annotations
 
-import asyncio
 import re
-import uuid
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
 from gpuledger.demo import sample_events
-from sinks.agents import SinkWriters
-from sinks.migrations import migrate
 from sinks.query import DirectReader
 from tests.sinks import incident as inc
 
@@ -25,15 +21,7 @@ RAW = sample_events(inc.T0)
 
 @pytest.fixture(scope="module")
 def store(clickhouse_client):
-    db = f"t_{uuid.uuid4().hex[:12]}"
-    migrate(clickhouse_client, db)
-    writers = SinkWriters(clickhouse_client, db)
-
-    async def go():
-        await writers.store_correlated(inc.correlated_rows())
-        await writers.store_allocations(inc.allocation_rows())
-        await writers.store_raw([(e.model_dump_json().encode(), "t.raw.v1", 0, i) for i, e in enumerate(RAW)])
-    asyncio.run(go())
+    db = inc.load_store(clickhouse_client, RAW)
     return DirectReader(clickhouse_client), db
 
 

@@ -10,10 +10,8 @@ tests/sinks/incident.py (written by the real sink writers), through
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import subprocess
-import uuid
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -21,8 +19,6 @@ import pytest
 from typer.testing import CliRunner
 
 from gpuledger.cli import app as cli_app
-from sinks.agents import SinkWriters
-from sinks.migrations import migrate
 from sinks.query import DirectReader
 from sinks.report import collect_report_data, render_html
 from sinks.trace import trace
@@ -68,15 +64,7 @@ class Dom(HTMLParser):
 
 @pytest.fixture(scope="module")
 def store(clickhouse_client):
-    db = f"t_{uuid.uuid4().hex[:12]}"
-    migrate(clickhouse_client, db)
-    writers = SinkWriters(clickhouse_client, db)
-
-    async def go():
-        await writers.store_correlated(inc.correlated_rows())
-        await writers.store_allocations(inc.allocation_rows())
-    asyncio.run(go())
-    return DirectReader(clickhouse_client), db
+    return DirectReader(clickhouse_client), inc.load_store(clickhouse_client)
 
 
 @pytest.fixture(scope="module")

@@ -3,17 +3,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import uuid
 from datetime import timedelta
 
 import pytest
 from typer.testing import CliRunner
 
 from gpuledger.cli import app as cli_app
-from sinks.agents import SinkWriters
-from sinks.migrations import migrate
 from sinks.query import DirectReader
 from sinks.trace import TraceError, chain_of, parse_time, parse_window, trace
 from tests.sinks import incident as inc
@@ -33,15 +29,7 @@ ENTRIES = [
 
 @pytest.fixture(scope="module")
 def store(clickhouse_client):
-    db = f"t_{uuid.uuid4().hex[:12]}"
-    migrate(clickhouse_client, db)
-    writers = SinkWriters(clickhouse_client, db)
-
-    async def go():
-        await writers.store_correlated(inc.correlated_rows())
-        await writers.store_allocations(inc.allocation_rows())
-    asyncio.run(go())
-    return DirectReader(clickhouse_client), db
+    return DirectReader(clickhouse_client), inc.load_store(clickhouse_client)
 
 
 @pytest.mark.parametrize("at", [AT, None], ids=["at", "now"])
