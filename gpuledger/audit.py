@@ -8,7 +8,7 @@ self-contained HTML file. Exit code 0 when every control passes, 1 when one fail
 it can gate a pipeline), 2 for bad options or policy, 3 when the store cannot be read.
 
 How: the controls are *re-evaluated* over the stored history — the same rules the
-worker runs (``streams.controls_rules.ControlEngine``), fed with the latest version of
+worker runs (``streams.controls.rules.ControlEngine``), fed with the latest version of
 every correlated row and allocation up to ``--to``, with the watermark at ``--to`` —
 so the report is "as of --to", works with any policy (``--policy``), and does not
 depend on the worker having run the controls. What the worker recorded in the
@@ -31,7 +31,7 @@ from typing import Optional
 import typer
 
 from gpuledger.policy import ACTION_OF_EVENT, CONTROL_NAMES, CONTROL_TITLES, Policy, PolicyError, load_policy, parse_duration
-from streams.controls_rules import (
+from streams.controls.rules import (
     PREEMPTION_CLUSTER,
     START,
     ControlEngine,

@@ -8,10 +8,10 @@ enriched alerts, dead letters, and — through the sink agents — the ClickHous
 Topology (see docs/architecture.md for the diagram):
   - ``route_events`` reads every raw topic through one channel in batches, dead-letters
     poison records (with reason and topic/partition/offset) and re-keys each event to
-    its entity (``streams.routing``) on the internal route topic.
+    its entity (``streams.correlate.routing``) on the internal route topic.
   - ``correlate_entities`` folds routed messages into the ``entities`` table
     (changelog-backed; recovered on restart) and re-derives each touched entity once
-    per batch (``streams.entities``): correlated rows, allocation intervals, and links
+    per batch (``streams.correlate.entities``): correlated rows, allocation intervals, and links
     forwarded to related entities (pod -> node/GPU, pod <-> workload) via the route topic.
   - ``follow_releases`` keeps the ReleaseDirectory (every release, on every worker);
     ``housekeeping`` re-attributes the dependents of a changed release, reconciles
@@ -41,10 +41,10 @@ from gpuledger.localkafka import free_port
 from producers._kafka import client_config, resolve_bootstrap
 from schemas import DeadLetter, EventDecodeError, decode_event, encode_event
 from sinks.query import QueryError, run_readonly
-from streams.directory import ReleaseDirectory, follow_release_topic
+from streams.correlate.directory import ReleaseDirectory, follow_release_topic
 from streams.output import BatchOutput
-from streams.entities import expire, fold_event, fold_link, new_entity, refresh
-from streams.routing import entity_key
+from streams.correlate.entities import expire, fold_event, fold_link, new_entity, refresh
+from streams.correlate.routing import entity_key
 
 log = logging.getLogger(__name__)
 
@@ -312,7 +312,7 @@ def create_app(settings, store_client=None) -> faust.App:
             for target, rows in runtime.due(flush_all=True).items():
                 await route.send(key=target.encode(), value=orjson.dumps({"k": "expire", "rows": rows}))
 
-    from streams.controls import install_control_agents
+    from streams.controls.agents import install_control_agents
 
     violations_topic = app.topic(cat.violations, key_serializer="raw", value_serializer="raw")
     install_control_agents(app, settings, {"correlated": correlated, "allocations": allocations, "violations": violations_topic}, directory, out)

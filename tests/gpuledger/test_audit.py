@@ -15,7 +15,7 @@ from gpuledger.cli import app as cli_app
 from gpuledger.policy import Policy
 from sinks.agents import SinkWriters
 from sinks.migrations import migrate
-from streams.controls_rules import ControlEngine, directory_from_rows
+from streams.controls.rules import ControlEngine, directory_from_rows
 from tests.sinks import incident as inc
 
 RANGE = ["--from", "2026-11-30T11:00:00Z", "--to", "2026-11-30T14:00:00Z"]

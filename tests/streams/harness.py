@@ -13,9 +13,9 @@ from schemas.alert import AlertPayload
 from schemas.gpu import GpuPayload
 from schemas.release import ReleasePayload
 from schemas.scheduler import SchedulerPayload
-from streams.directory import ReleaseDirectory
-from streams.entities import expire, fold_event, fold_link, new_entity, refresh
-from streams.routing import entity_key
+from streams.correlate.directory import ReleaseDirectory
+from streams.correlate.entities import expire, fold_event, fold_link, new_entity, refresh
+from streams.correlate.routing import entity_key
 
 T0 = datetime(2026, 11, 1, 8, tzinfo=timezone.utc)
 SRC = Source(collector="test")

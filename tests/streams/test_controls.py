@@ -14,7 +14,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from producers._kafka import EventPublisher
 from schemas import Violation
-from streams.controls_rules import is_withdrawn
+from streams.controls.rules import is_withdrawn
 from tests.fixtures.kafka import read_topic
 from tests.streams.harness import at, gpu_event
 from tests.streams.test_controls_rules import rel, released, sched

@@ -14,7 +14,7 @@ from gpuledger.policy import Policy
 from schemas import AlertEvent, Identity, SchedulerEvent, make_event_id
 from schemas.alert import AlertPayload
 from schemas.scheduler import ObjectRef, SchedulerPayload
-from streams.controls_rules import ControlEngine, is_withdrawn
+from streams.controls.rules import ControlEngine, is_withdrawn
 from tests.streams.harness import SRC, Driver, at, gpu_event, release
 
 D1, D2 = "sha256:" + "b" * 64, "sha256:" + "e" * 64

@@ -2,7 +2,7 @@
 
 import itertools
 
-from streams.directory import ReleaseDirectory
+from streams.correlate.directory import ReleaseDirectory
 from tests.streams.harness import release
 
 EVENTS = [release("release.registered", 0), release("release.approved", 5, actor="alice"),

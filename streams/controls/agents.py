@@ -10,7 +10,7 @@ keyed by violation_id — opened, then the same id with ``closed_at`` and
 Topology:
   - ``route_to_controls`` / ``route_allocations_to_controls`` keep what a control reads
     from each correlated row / allocation and re-key it to its *control key* (pod,
-    workload, release, alert fingerprint, node/GPU: ``streams.controls_rules``) on the
+    workload, release, alert fingerprint, node/GPU: ``streams.controls.rules``) on the
     internal topic ``<prefix>.<app id>.controls.v1`` (co-partitioned).
   - ``evaluate_controls`` folds those messages into the changelog-backed ``controls``
     table (keyed by the internal topic's key), re-derives the violations of every
@@ -25,7 +25,7 @@ Topology:
 
 Guarantees: the latest version of every violation is a function of the topic history,
 the release directory and the policy, whatever order inputs are processed in (the
-rules re-derive from state; see ``streams.controls_rules``). Delivery is at least once.
+rules re-derive from state; see ``streams.controls.rules``). Delivery is at least once.
 Limits: the watermark is the latest event time *this worker* has seen (its partitions'
 rows and every release event); with several workers a deadline may be reached by one
 worker a little before another. A policy change applies to keys as they are next
@@ -44,7 +44,7 @@ import orjson
 from gpuledger.policy import PolicySettings
 from gpuledger.telemetry import ComponentCounters
 from schemas import encode_event
-from streams.controls_rules import (
+from streams.controls.rules import (
     Context,
     allocation_key,
     compact_allocation,

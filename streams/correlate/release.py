@@ -5,7 +5,7 @@
   manifest is the same whatever order the events are processed in.
 - ``history``: the release's lifecycle events, sorted by event time; ``state_as_of``
   answers "what was the release's latest lifecycle event at time t".
-Used by ``streams.directory``. Limit: ``MAX_HISTORY`` lifecycle events per release.
+Used by ``streams.correlate.directory``. Limit: ``MAX_HISTORY`` lifecycle events per release.
 """
 
 from __future__ import annotations

@@ -915,7 +915,7 @@ def directory_from_rows(rows) -> object:
     over ClickHouse history): each row is its release event (event id = correlation id)."""
     from schemas import ReleaseEvent, Source
     from schemas.release import ReleasePayload
-    from streams.directory import ReleaseDirectory
+    from streams.correlate.directory import ReleaseDirectory
 
     directory = ReleaseDirectory()
     for record in rows:

@@ -1,7 +1,7 @@
 """Entity state and the join rules, as pure functions (no Faust, no Kafka).
 
 Every routed message is processed against the state of one entity (see
-``streams.routing``): a pod, a workload, a node/GPU, a release, a model, an alert
+``streams.correlate.routing``): a pod, a workload, a node/GPU, a release, a model, an alert
 fingerprint. An entity keeps
 
 - ``facts``: identity it learned from its own events (pod uid, workload, node, image
@@ -32,7 +32,7 @@ import orjson
 
 from schemas import Identity
 from schemas.outputs import CorrelatedEvent, GpuAllocation
-from streams.correlate import summarize
+from streams.correlate.release import summarize
 
 MAX_ROWS = 2000
 FACT_FIELDS = ("pod_uid", "workload_id", "namespace", "pod", "node", "image_digest", "release_id", "model_name", "model_version",

@@ -26,7 +26,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 
 from schemas import EventDecodeError, decode_event
-from streams.correlate import apply_release_event, new_state, state_as_of
+from streams.correlate.release import apply_release_event, new_state, state_as_of
 
 log = logging.getLogger(__name__)
 
