@@ -163,29 +163,44 @@ def ensure_topics(config: dict, catalogue: TopicCatalogue, timeout: float = 30.0
     count differs from the catalogue's is reported, because it would break
     co-partitioning silently.
     """
+    return ensure_specs(config, catalogue.specs(), catalogue.replication_factor, timeout)
+
+
+def ensure_specs(config: dict, specs, replication_factor: int, timeout: float = 30.0) -> list[str]:
+    """Create the missing topics of ``specs`` and wait until the broker's metadata shows
+    every one of them with all its partitions (a consumer that joins its group before
+    that would silently ignore the topic). Raw and internal topics must have the
+    partition count the spec says (co-partitioning)."""
     admin = AdminClient(config)
     existing = admin.list_topics(timeout=timeout).topics
-    specs = catalogue.specs()
     problems = [
         f"{s.name} has {len(existing[s.name].partitions)} partitions, catalogue says {s.partitions}"
-        for s in specs if s.name in existing and s.role == "raw" and len(existing[s.name].partitions) != s.partitions
+        for s in specs if s.name in existing and s.role in ("raw", "internal") and len(existing[s.name].partitions) != s.partitions
     ]
     if problems:
         raise ProducerError("topics are not co-partitioned: " + "; ".join(problems))
     missing = [s for s in specs if s.name not in existing]
-    if not missing:
-        return []
-    futures = admin.create_topics(
-        [NewTopic(s.name, num_partitions=s.partitions, replication_factor=catalogue.replication_factor, config=s.kafka_config()) for s in missing],
-        request_timeout=timeout,
-    )
     created = []
-    for name, fut in futures.items():
-        try:
-            fut.result()
-            created.append(name)
-        except KafkaException as exc:
-            if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-                raise ProducerError(f"creating topic {name} failed: {exc}") from exc
-    log.info("created %d topic(s): %s", len(created), ", ".join(created))
-    return created
+    if missing:
+        futures = admin.create_topics(
+            [NewTopic(s.name, num_partitions=s.partitions, replication_factor=replication_factor, config=s.kafka_config()) for s in missing],
+            request_timeout=timeout,
+        )
+        for name, fut in futures.items():
+            try:
+                fut.result()
+                created.append(name)
+            except KafkaException as exc:
+                if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                    raise ProducerError(f"creating topic {name} failed: {exc}") from exc
+        log.info("created %d topic(s): %s", len(created), ", ".join(created))
+    deadline = time.monotonic() + timeout
+    while True:
+        topics = admin.list_topics(timeout=timeout).topics
+        absent = [s.name for s in specs if s.name not in topics or len(topics[s.name].partitions) < s.partitions
+                  or any(p.leader < 0 for p in topics[s.name].partitions.values())]
+        if not absent:
+            return created
+        if time.monotonic() > deadline:
+            raise ProducerError(f"topics not visible in the broker's metadata after {timeout:.0f}s: {', '.join(absent)}")
+        time.sleep(0.1)  # polling the broker's metadata: there is no notification to wait on

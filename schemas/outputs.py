@@ -96,3 +96,20 @@ class DeadLetter(Frozen):
     key: str | None = Field(default=None, description="Record key, decoded as UTF-8 with replacement.")
     value: str = Field(description="Record value, decoded as UTF-8 with replacement (truncated to 64 KiB).")
     failed_at: UtcDatetime = Field(description="When it was rejected.")
+
+
+MAX_DEAD_VALUE = 64 * 1024
+
+
+def dead_letter(reason: str, error: str, stage: str, topic: str | None, partition: int | None, offset: int | None,
+                key: bytes | str | None, value: bytes | str | None) -> DeadLetter:
+    """A DeadLetter for a record at topic/partition/offset (value truncated to 64 KiB)."""
+    from datetime import datetime, timezone
+
+    def text(raw) -> str | None:
+        if raw is None:
+            return None
+        return bytes(raw[:MAX_DEAD_VALUE]).decode("utf-8", "replace") if isinstance(raw, (bytes, bytearray)) else str(raw)[:MAX_DEAD_VALUE]
+
+    return DeadLetter(reason=reason, error=error[:2000], stage=stage, source_topic=topic, source_partition=partition,
+                      source_offset=offset, key=text(key), value=text(value) or "", failed_at=datetime.now(timezone.utc))

@@ -1,5 +1,13 @@
 """The topic catalogue: the only place topic names live.
 
+Two scopes:
+
+- the catalogue's own topics — the four raw topics (the system of record) and the
+  edge dead-letter topic — are shared by everything;
+- a *run* (one worker app id, ``TopicCatalogue.run``) has its own outputs and internal
+  topics, ``<prefix>.<app id>.<name>.v<N>``, so a replay under a new app id is its own
+  world: it never reads (or sinks) another run's outputs.
+
 Raw topics are co-partitioned (same partition count) and keyed by the shared
 correlation key, so a Faust worker owning partition p holds every event and table
 entry for the keys in p. Names follow ``<prefix>.<family>.v<N>``; the prefix is
@@ -23,7 +31,7 @@ class TopicSpec:
     key: str
     retention_ms: int
     cleanup_policy: Literal["delete", "compact", "compact,delete"] = "delete"
-    role: Literal["raw", "output", "deadletter"] = "raw"
+    role: Literal["raw", "output", "deadletter", "internal"] = "raw"
     config: dict[str, str] = field(default_factory=dict)
 
     def kafka_config(self) -> dict[str, str]:
@@ -64,24 +72,13 @@ class TopicCatalogue(BaseModel):
         return self._name("alert")
 
     @property
-    def correlated(self) -> str:
-        return self._name("correlated")
-
-    @property
-    def enriched_alerts(self) -> str:
-        return self._name("alerts-enriched")
-
-    @property
-    def allocations(self) -> str:
-        return self._name("allocations")
-
-    @property
-    def violations(self) -> str:
-        return self._name("violations")
-
-    @property
     def deadletter(self) -> str:
+        """Dead letters of the edge (collectors, receiver): shared by every run."""
         return self._name("deadletter")
+
+    def run(self, app_id: str) -> RunTopics:
+        """The topics of one worker run (app id): its outputs and internal topics."""
+        return RunTopics(prefix=self.prefix, app_id=app_id, partitions=self.raw_partitions, retention_ms=self.output_retention_ms)
 
     @property
     def raw_topics(self) -> tuple[str, ...]:
@@ -101,11 +98,78 @@ class TopicCatalogue(BaseModel):
             TopicSpec(self.release, self.raw_partitions, "release_id", self.raw_retention_ms),
             TopicSpec(self.alert, self.raw_partitions, "release_id, else namespace/pod, else fingerprint", self.raw_retention_ms),
         ]
-        out = [
-            TopicSpec(self.correlated, self.raw_partitions, "release_id, else correlation_id", self.output_retention_ms, role="output"),
-            TopicSpec(self.allocations, self.raw_partitions, "node/gpu_id", self.output_retention_ms, role="output"),
-            TopicSpec(self.enriched_alerts, self.raw_partitions, "alert fingerprint", self.output_retention_ms, role="output"),
-            TopicSpec(self.violations, self.raw_partitions, "violation_id", self.output_retention_ms, role="output"),
-            TopicSpec(self.deadletter, 1, "source key", self.raw_retention_ms, role="deadletter"),
+        return raw + [TopicSpec(self.deadletter, 1, "source key", self.raw_retention_ms, role="deadletter")]
+
+
+class RunTopics(BaseModel):
+    """The topics of one worker run (app id): outputs, dead letters and internal topics.
+
+    Internal topics (``route``, ``controls``) carry packed messages addressed to a
+    partition; the changelogs hold each partition's entity / control state, written
+    only after the outputs it implies were acknowledged (see ``streams/store.py``).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    prefix: str
+    app_id: str = Field(pattern=r"^[A-Za-z0-9._-]+$")
+    partitions: int = Field(ge=1)
+    retention_ms: int
+
+    def _name(self, name: str, version: int = 1) -> str:
+        return f"{self.prefix}.{self.app_id}.{name}.v{version}"
+
+    @property
+    def correlated(self) -> str:
+        return self._name("correlated")
+
+    @property
+    def enriched_alerts(self) -> str:
+        return self._name("alerts-enriched")
+
+    @property
+    def allocations(self) -> str:
+        return self._name("allocations")
+
+    @property
+    def violations(self) -> str:
+        return self._name("violations")
+
+    @property
+    def deadletter(self) -> str:
+        """Dead letters of this run's stream and sink stages."""
+        return self._name("deadletter")
+
+    @property
+    def route(self) -> str:
+        return self._name("route")
+
+    @property
+    def controls(self) -> str:
+        return self._name("controls")
+
+    @property
+    def entities_changelog(self) -> str:
+        return self._name("entities-changelog")
+
+    @property
+    def controls_changelog(self) -> str:
+        return self._name("controls-changelog")
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return (self.correlated, self.enriched_alerts, self.allocations, self.violations, self.deadletter)
+
+    def specs(self) -> list[TopicSpec]:
+        n, keep = self.partitions, self.retention_ms
+        return [
+            TopicSpec(self.correlated, n, "release_id, else correlation_id", keep, role="output"),
+            TopicSpec(self.allocations, n, "node/gpu_id", keep, role="output"),
+            TopicSpec(self.enriched_alerts, n, "alert fingerprint", keep, role="output"),
+            TopicSpec(self.violations, n, "violation_id", keep, role="output"),
+            TopicSpec(self.deadletter, 1, "source key", keep, role="deadletter"),
+            TopicSpec(self.route, n, "packed messages, addressed by partition", keep, role="internal"),
+            TopicSpec(self.controls, n, "packed messages, addressed by partition", keep, role="internal"),
+            TopicSpec(self.entities_changelog, n, "entity key", -1, "compact", role="internal"),
+            TopicSpec(self.controls_changelog, n, "control key", -1, "compact", role="internal"),
         ]
-        return raw + out

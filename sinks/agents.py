@@ -96,12 +96,18 @@ class SinkWriters:
         return skipped
 
 
-def install_sink_agents(app, settings, client, topics: dict, send_dead) -> SinkWriters:
+def install_sink_agents(app, settings, client, topics: dict, ctx) -> SinkWriters:
     """Register the sink agents on ``app``. ``topics`` maps role -> faust topic
     (correlated, deadletter, allocations, raw; violations when present). ``client`` is
-    an open client or a ``StoreConnection``."""
+    an open client or a ``StoreConnection``; ``ctx`` the worker's context (its one
+    producer writes the dead letters, its stats count what was stored)."""
+    from schemas import encode_event
+    from schemas.outputs import dead_letter
     from sinks.migrations import apply_ttl
-    from streams.app import dead_letter
+
+    async def send_dead(letter: DeadLetter, key) -> None:
+        ctx.output.produce(ctx.run.deadletter, key, encode_event(letter))
+        await ctx.output.flush()
 
     conf = settings.clickhouse
     db = conf.database
@@ -111,8 +117,8 @@ def install_sink_agents(app, settings, client, topics: dict, send_dead) -> SinkW
         # Retention is configuration: keep it in step at every start (a no-op when unchanged).
         apply_ttl(store.get(), db, conf.ttl_days, conf.cluster)
     sinks = SinkWriters(store, db, conf.cluster)
-    app.gpuledger_sinks = sinks
-    stats = app.gpuledger_stats
+    ctx.sinks = sinks
+    stats = ctx.stats
     for key in ("stored", "allocations_stored", "raw_stored", "raw_skipped", "violations_stored"):
         stats.setdefault(key, 0)
 
@@ -122,7 +128,8 @@ def install_sink_agents(app, settings, client, topics: dict, send_dead) -> SinkW
             try:
                 batch.append(model.model_validate_json(ev.message.value))
             except Exception as exc:  # noqa: BLE001 - keep the sink going; the record is dead-lettered
-                await send_dead(dead_letter("validation", str(exc), stage, ev.message), ev.message.key)
+                msg = ev.message
+                await send_dead(dead_letter("validation", str(exc), stage, msg.topic, msg.partition, msg.offset, msg.key, msg.value), msg.key)
         return batch
 
     @app.agent(topics["correlated"], name="store_correlated")

@@ -25,7 +25,7 @@ Topology:
 
 Guarantees: the latest version of every violation is a function of the topic history,
 the release directory and the policy, whatever order inputs are processed in (the
-rules re-derive from state; see ``streams.controls.rules``). Delivery is at least once.
+rules re-derive from state; see ``streams.controls.rules``). Versions come from history (``rules.key_version``). Delivery is at least once.
 Limits: the watermark is the latest event time *this worker* has seen (its partitions'
 rows and every release event); with several workers a deadline may be reached by one
 worker a little before another. A policy change applies to keys as they are next
@@ -39,32 +39,16 @@ import logging
 from collections import defaultdict
 from datetime import datetime
 
-import orjson
-
 from gpuledger.policy import PolicySettings
-from gpuledger.telemetry import ComponentCounters
 from schemas import encode_event
-from streams.controls.rules import (
-    Context,
-    allocation_key,
-    compact_allocation,
-    compact_row,
-    digest,
-    fold_link,
-    fold_row,
-    max_time,
-    new_state,
-    row_key,
-    step,
-)
+from streams.controls.rules import Context, digest, fold_link, fold_row, max_time, new_state, step
+from streams.packing import Packer, unpack
+from streams.runner import run_batches
+from streams.store import PartitionStore
 
 log = logging.getLogger(__name__)
 
-CONTROLS_BATCH = 1000
-CONTROLS_WITHIN_S = 0.2
 HOUSEKEEPING_S = 1.0
-TICK = orjson.dumps({"k": "tick"})
-RESEND = orjson.dumps({"k": "resend"})
 
 
 def _parse(iso: str) -> datetime:
@@ -132,148 +116,131 @@ class ControlRuntime:
         return changed
 
 
-def install_control_agents(app, settings, topics: dict, directory, output):
-    """Register the control agents on ``app``. ``topics`` maps role -> Faust topic:
-    ``correlated``, ``allocations`` (inputs) and ``violations`` (output). ``output`` is
-    the worker's ``streams.output.BatchOutput``: each batch's records are flushed
-    before the batch is acked."""
-    from streams.app import _as_current  # the one place that knows Faust's current-event context
+class Controller:
+    """The batch logic of the controls agent, driven by Faust or by a test."""
 
-    policy = PolicySettings().load()  # a bad policy stops the worker before it consumes anything
-    cat = settings.kafka.catalogue()
-    internal_name = f"{cat.prefix}.{settings.streams.app_id}.controls.v1"
-    internal = app.topic(internal_name, internal=True, partitions=cat.raw_partitions,
-                         key_serializer="raw", value_serializer="raw")
-    violations_name = topics["violations"].get_topic_name()
-    # key_type (not a Schema) is what Faust derives the changelog codecs from.
-    table = app.Table("controls", default=None, partitions=cat.raw_partitions, key_type=str)
-    runtime = ControlRuntime()
-    app.gpuledger_policy = policy
-    app.gpuledger_controls = runtime
-    stats = app.gpuledger_stats
-    for name in ("controls_in", "controls_keys", "violations_out"):
-        stats.setdefault(name, 0)
-    counters = ComponentCounters("streams.controls")
-    app.gpuledger_control_counters = counters
+    def __init__(self, ctx) -> None:
+        self.ctx = ctx
+        self.directory = ctx.directory
+        self.policy = PolicySettings().load()  # a bad policy stops the worker before it consumes anything
+        self.runtime = ControlRuntime()
+        self.store = PartitionStore("controls", ctx.run.controls_changelog, ctx.consumer_config, on_load=self._loaded)
+        self.packer = Packer(ctx.run.controls, ctx.run.partitions)
+        self.counters = ctx.counters("streams.controls")
+        self.stats = ctx.stats
+        for name in ("controls_in", "controls_keys", "violations_out", "control_conflicts"):
+            self.stats.setdefault(name, 0)
 
-    async def reroute(stream, compact, key_of) -> None:
-        """Keep what the controls read from each record of ``stream``; re-key it to its control key."""
-        async for events in stream.take_events(CONTROLS_BATCH, within=CONTROLS_WITHIN_S):
-            for ev in events:
-                msg = ev.message
-                counters.add_received()
-                try:
-                    row = compact(orjson.loads(msg.value))
-                except Exception:  # noqa: BLE001 - the sinks dead-letter unreadable rows
-                    log.exception("controls could not read %s[%d]@%d", msg.topic, msg.partition, msg.offset)
-                    counters.add_rejected("unreadable")
+    def _loaded(self, _partition: int, states: dict) -> None:
+        for key, state in states.items():
+            self.runtime.track(key, state.get("interests", []), _parse(state["deadline"]) if state.get("deadline") else None)
+            self.runtime.advance(max_time(state))
+
+    async def evaluate_batch(self, events: list) -> None:
+        out = self.ctx.output
+        messages = [(ev.message.partition, key, body) for ev in events for key, body in unpack(ev.message.value)]
+        await self.store.ensure({p for p, _, _ in messages})
+        touched: dict[str, tuple[int, dict]] = {}
+        self.counters.add_received(len(messages))
+        for p, key, body in messages:
+            kind = body["k"]
+            state = touched[key][1] if key in touched else self.store.get(p, key)
+            if state is None:
+                if kind == "tick" or (kind == "link" and len(body["link"]) <= 1):
                     continue
-                if row is not None:
-                    output.produce(internal_name, key_of(row).encode(), orjson.dumps({"k": "row", "row": row}))
-            await output.flush()
+                state = new_state(key)
+            if kind == "row":
+                row = body["row"]
+                changed = fold_row(state, row)
+                for at in (row.get("at"), row.get("start"), row.get("end")):
+                    self.runtime.advance(at)
+            elif kind == "link":
+                changed = fold_link(state, body["from"], body["link"])
+            else:  # tick: a deadline passed or a release changed
+                changed = True
+            if changed or key in touched:
+                touched[key] = (p, state)
+        ctx = Context(self.directory, self.policy, self.runtime.watermark)
+        n_out = 0
+        for key, (p, state) in touched.items():
+            outcome = step(state, ctx)
+            state["interests"] = outcome.interests
+            state["deadline"] = outcome.deadline.isoformat() if outcome.deadline else None
+            self.store.put(p, key, state)
+            self.runtime.track(key, outcome.interests, outcome.deadline)
+            self.stats["control_conflicts"] += outcome.conflicts
+            for violation in outcome.violations:
+                value = encode_event(violation)
+                out.produce(self.ctx.run.violations, violation.violation_id.encode(), value)
+                self.counters.add_sent(1, len(value))
+            for target, link in outcome.forwards:
+                self.packer.add(target, {"k": "link", "from": key, "link": link})
+            n_out += len(outcome.violations)
+        for key in self.runtime.due():
+            self.packer.add(key, {"k": "tick"})
+        self.packer.drain_into(out)
+        await out.flush()
+        self.store.write_changes(out)
+        await out.flush()
+        self.stats["controls_in"] += len(messages)
+        self.stats["violations_out"] += n_out
+        self.stats["controls_keys"] = len(self.store)
+        if touched:
+            log.info("controls evaluated %d message(s) for %d key(s) into %d violation record(s)", len(messages), len(touched), n_out)
 
-    @app.agent(topics["correlated"], name="route_to_controls")
-    async def route_to_controls(stream):
-        """Correlated rows -> their control key (pod, workload, release, alert)."""
-        await reroute(stream, compact_row, row_key)
+    async def reset(self, events: list) -> None:
+        self.packer.drain_into(_Discard())
+        self.store.drop({ev.message.partition for ev in events})
 
-    @app.agent(topics["allocations"], name="route_allocations_to_controls")
-    async def route_allocations_to_controls(stream):
-        """Allocation intervals -> their node/GPU control key."""
-        await reroute(stream, compact_allocation, allocation_key)
+    async def dead(self, event, exc: BaseException) -> None:
+        from schemas.outputs import dead_letter
 
-    @app.agent(internal, name="evaluate_controls")
+        msg = event.message
+        letter = dead_letter("processing_error", f"{type(exc).__name__}: {exc}", "streams.evaluate_controls", msg.topic, msg.partition,
+                             msg.offset, msg.key, msg.value)
+        self.ctx.output.produce(self.ctx.run.deadletter, msg.key, encode_event(letter))
+        self.counters.add_rejected("processing_error")
+        await self.ctx.output.flush()
+
+    async def housekeeping(self) -> None:
+        """Re-evaluate dependents of changed releases and keys whose deadline passed."""
+        if not self.directory.ready.is_set():
+            return
+        # Dependents are indexed as partitions load: load every assigned one before a
+        # release change is matched against them (else the change would find nobody).
+        await self.store.ensure(self.ctx.assigned(self.ctx.run.controls))
+        targets: set[str] = set()
+        for rid in self.runtime.changed_releases(self.directory):
+            targets.update(self.runtime.dependents.get(f"rid:{rid}", ()))
+        targets.update(self.runtime.due())
+        for key in sorted(targets):
+            self.packer.add(key, {"k": "tick"})
+        if self.packer.pending():
+            self.packer.drain_into(self.ctx.output)
+            await self.ctx.output.flush()
+
+
+class _Discard:
+    def produce(self, *args, **kwargs) -> None:
+        pass
+
+
+def install_control_agents(app, ctx, controls_topic) -> Controller:
+    """Register the controls agent and its housekeeping timer on ``app``."""
+    controller = Controller(ctx)
+    ctx.controller = controller
+    app.gpuledger_policy = controller.policy
+
+    @app.agent(controls_topic, name="evaluate_controls")
     async def evaluate_controls(stream):
         """Fold control inputs into state; emit changed violations; forward links."""
-        await directory.ready.wait()
-        async for events in stream.take_events(CONTROLS_BATCH, within=CONTROLS_WITHIN_S):
-            touched: dict[str, tuple[dict, object]] = {}
-            resend: set[str] = set()
-            for ev in events:
-                msg = ev.message
-                key = msg.key.decode()
-                try:
-                    body = orjson.loads(msg.value)
-                    kind = body["k"]
-                    state = touched[key][0] if key in touched else table.get(key)
-                    if state is None:
-                        if kind in ("tick", "resend") or (kind == "link" and not body["link"]):
-                            continue
-                        state = new_state(key)
-                    if kind == "row":
-                        row = body["row"]
-                        changed = fold_row(state, row)
-                        for at in (row.get("at"), row.get("start"), row.get("end")):
-                            runtime.advance(at)
-                    elif kind == "link":
-                        changed = fold_link(state, body["from"], body["link"])
-                    else:  # tick (deadline or release change) / resend (after a restart)
-                        changed = True
-                        if kind == "resend":
-                            resend.add(key)
-                    if changed or key in touched:
-                        touched[key] = (state, ev)
-                except Exception:  # noqa: BLE001 - a poison message must not stop the agent
-                    log.exception("evaluate_controls failed on %s[%d]@%d", msg.topic, msg.partition, msg.offset)
-                    counters.add_rejected("processing_error")
-            ctx = Context(directory, policy, runtime.watermark)
-            n_out = 0
-            for key, (state, ev) in touched.items():
-                try:
-                    outcome = step(state, ctx, resend=key in resend)
-                except Exception:  # noqa: BLE001 - one key's bad state must not stop the others
-                    log.exception("control evaluation failed for %s", key)
-                    counters.add_rejected("evaluation_error")
-                    continue
-                state["interests"] = outcome.interests
-                state["deadline"] = outcome.deadline.isoformat() if outcome.deadline else None
-                _as_current(ev)
-                table[key] = state
-                runtime.track(key, outcome.interests, outcome.deadline)
-                for violation in outcome.violations:
-                    value = encode_event(violation)
-                    output.produce(violations_name, violation.violation_id.encode(), value)
-                    counters.add_sent(1, len(value))
-                for target, link in outcome.forwards:
-                    output.produce(internal_name, target.encode(), orjson.dumps({"k": "link", "from": key, "link": link}))
-                n_out += len(outcome.violations)
-            for key in runtime.due():
-                output.produce(internal_name, key.encode(), TICK)
-            await output.flush()
-            stats["controls_in"] += len(events)
-            stats["violations_out"] += n_out
-            if touched:
-                log.info("controls evaluated %d message(s) for %d key(s) into %d violation record(s)", len(events), len(touched), n_out)
-
-    @app.on_rebalance_complete.connect
-    async def _controls_rebalanced(sender, **kwargs):
-        runtime.reconciled = False
+        await controller.directory.ready.wait()
+        await run_batches(stream, "evaluate_controls", controller.evaluate_batch, controller.reset, controller.dead)
 
     @app.timer(interval=HOUSEKEEPING_S)
     async def control_housekeeping():
-        """Reconcile after (re)start; re-evaluate dependents of changed releases and due deadlines."""
-        if not directory.ready.is_set() or app.in_recovery or app.rebalancing:
+        if app.rebalancing:
             return
-        if not runtime.reconciled:
-            runtime.reconciled = True
-            keys = []
-            for key, state in list(table.items()):
-                key = key.decode() if isinstance(key, bytes) else key
-                if not state:
-                    continue
-                runtime.track(key, state.get("interests", []), _parse(state["deadline"]) if state.get("deadline") else None)
-                runtime.advance(max_time(state))
-                keys.append(key)
-            runtime.changed_releases(directory)  # marks only: every key is re-sent below anyway
-            stats["controls_keys"] = len(keys)
-            for key in sorted(keys):
-                await internal.send(key=key.encode(), value=RESEND)
-            return
-        targets: set[str] = set()
-        for rid in runtime.changed_releases(directory):
-            targets.update(runtime.dependents.get(f"rid:{rid}", ()))
-        targets.update(runtime.due())
-        for key in sorted(targets):
-            await internal.send(key=key.encode(), value=TICK)
+        await controller.housekeeping()
 
-    return runtime
+    return controller

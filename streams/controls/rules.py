@@ -176,10 +176,14 @@ def fold_row(state: dict, row: dict) -> bool:
 
 
 def fold_link(state: dict, source: str, link: dict) -> bool:
-    if not link:
-        return state["links"].pop(source, None) is not None
-    if state["links"].get(source) == link:
-        return False
+    """Keep the highest version of the link from ``source`` (an empty link — only its
+    version — retracts what the source sent before)."""
+    current = state["links"].get(source)
+    if current is not None:
+        if link.get("v", 0) < current.get("v", 0) or current == link:
+            return False
+        if link.get("v", 0) == current.get("v", 0) and digest(link) <= digest(current):
+            return False
     state["links"][source] = link
     return True
 
@@ -210,9 +214,11 @@ class Clock:
     def __init__(self, watermark: datetime | None) -> None:
         self.watermark = watermark
         self.deadlines: list[datetime] = []
+        self.passed_count = 0  # deadlines found passed: a version component
 
     def passed(self, at: datetime) -> bool:
         if self.watermark is not None and at <= self.watermark:
+            self.passed_count += 1
             return True
         self.deadlines.append(at)
         return False
@@ -228,8 +234,10 @@ class Context:
     policy: Policy
     watermark: datetime | None
     _releases: dict = field(default_factory=dict)
+    accessed: set = field(default_factory=set)  # releases read by the current evaluation
 
     def release(self, rid: str | None) -> Release:
+        self.accessed.add(rid)
         if rid not in self._releases:
             self._releases[rid] = Release(self.directory, rid)
         return self._releases[rid]
@@ -409,6 +417,7 @@ class Evaluation:
     forwards: dict[str, dict]
     deadline: datetime | None
     interests: set[str]
+    version: int = 0
 
 
 def evaluate(state: dict, ctx: Context) -> Evaluation:
@@ -417,6 +426,7 @@ def evaluate(state: dict, ctx: Context) -> Evaluation:
     kind = kind_of(key)
     found = Findings(ctx, key)
     clock = Clock(ctx.watermark)
+    ctx.accessed = set()
     forwards: dict[str, dict] = {}
     interests: set[str] = set()
     rows = list(state["rows"].values())
@@ -455,7 +465,17 @@ def evaluate(state: dict, ctx: Context) -> Evaluation:
         for rid, allocs in per_release.items():
             forwards[f"rel:{rid}"] = {"allocs": allocs}
     future = [d for d in clock.deadlines if ctx.watermark is None or d > ctx.watermark]
-    return Evaluation(found.items, forwards, min(future) if future else None, interests)
+    return Evaluation(found.items, forwards, min(future) if future else None, interests, key_version(state, ctx, clock))
+
+
+def key_version(state: dict, ctx: Context, clock: Clock) -> int:
+    """The version of everything a key's evaluation read — rows and links (their own
+    versions, which come from history), the releases it looked at (their event counts)
+    and the deadlines the watermark has passed. It grows with history and not with
+    processing, so a violation's latest version is the same in every run."""
+    rids = {r for r in ctx.accessed if r}
+    return (sum(r["v"] for r in state["rows"].values()) + sum(link.get("v", 0) for link in state["links"].values())
+            + sum(ctx.directory.count(r) for r in rids) + clock.passed_count)
 
 
 def _artifact_digests(rows: list[dict], found: Findings, ctx: Context, key: str) -> None:
@@ -792,6 +812,7 @@ class Outcome:
     forwards: list[tuple[str, dict]] = field(default_factory=list)
     deadline: datetime | None = None
     interests: list[str] = field(default_factory=list)
+    conflicts: int = 0
 
 
 def _violation(rec: dict) -> Violation:
@@ -799,43 +820,59 @@ def _violation(rec: dict) -> Violation:
     return Violation(version=rec["v"], **{**c, "identity": Identity(**c["identity"]), "evidence": tuple(c["evidence"])})
 
 
-def step(state: dict, ctx: Context, resend: bool = False) -> Outcome:
-    """Re-derive a key's violations and forwards; return what changed (everything with ``resend``).
+def step(state: dict, ctx: Context) -> Outcome:
+    """Re-derive a key's violations and forwards; return what changed.
 
-    ``resend`` (after a restart) re-emits the current version of every violation and
-    forward: the state may have reached the changelog while the outputs it had sent
-    were lost. Re-sends carry the same version and content, so readers collapse them.
+    Every violation the key supports is emitted at the key's version (``key_version``)
+    when that version grew; one the history no longer supports is *withdrawn* once
+    (re-emitted closed at its opening with a ``withdrawn:`` detail). A content change
+    without a version change bumps the version by one and is counted (``conflicts``).
     """
     ev = evaluate(state, ctx)
     out = Outcome(deadline=ev.deadline, interests=sorted(ev.interests))
     emitted = state["emitted"]
     for vid, content in sorted(ev.findings.items()):
-        d = digest(content)
-        rec = emitted.setdefault(vid, {"v": -1, "d": "", "c": None})
-        if rec["d"] != d:
-            rec.update(v=rec["v"] + 1, d=d, c=content)
-            out.violations.append(_violation(rec))
-        elif resend:
-            out.violations.append(_violation(rec))
+        rec = emitted.get(vid)
+        version = _next_version(rec, ev.version, content, out)
+        if version is not None:
+            emitted[vid] = {"v": version, "d": digest(content), "c": content}
+            out.violations.append(_violation(emitted[vid]))
     for vid, rec in sorted(emitted.items()):
-        if vid in ev.findings:
+        if vid in ev.findings or is_withdrawn(rec["c"]):
             continue
-        if not is_withdrawn(rec["c"]):
-            content = {**rec["c"], "closed_at": rec["c"]["opened_at"], "detail": WITHDRAWN + rec["c"]["detail"]}
-            rec.update(v=rec["v"] + 1, d=digest(content), c=content)
-            out.violations.append(_violation(rec))
-        elif resend:
-            out.violations.append(_violation(rec))
+        content = {**rec["c"], "closed_at": rec["c"]["opened_at"], "detail": WITHDRAWN + rec["c"]["detail"]}
+        emitted[vid] = {"v": max(ev.version, rec["v"] + 1), "d": digest(content), "c": content}
+        out.violations.append(_violation(emitted[vid]))
     for target, link in sorted(ev.forwards.items()):
-        d = digest(link)
-        if state["fwd"].get(target) != d or resend:
-            state["fwd"][target] = d
-            out.forwards.append((target, link))
+        _forward(state, target, link, ev.version, out)
     for target in sorted(set(state["fwd"]) - set(ev.forwards)):
-        if state["fwd"][target] != "" or resend:
-            state["fwd"][target] = ""
-            out.forwards.append((target, {}))
+        if state["fwd"][target][1] != "":
+            _forward(state, target, {}, ev.version, out)
     return out
+
+
+def _next_version(rec: dict | None, version: int, content: dict, out: Outcome) -> int | None:
+    if rec is None:
+        return version
+    same = rec["d"] == digest(content)
+    if version > rec["v"]:
+        return version
+    if same:
+        return None
+    out.conflicts += 1
+    return rec["v"] + 1
+
+
+def _forward(state: dict, target: str, link: dict, version: int, out: Outcome) -> None:
+    d = digest(link) if link else ""
+    last = state["fwd"].get(target)
+    if last is not None and version <= last[0]:
+        if d == last[1]:
+            return
+        out.conflicts += 1
+        version = last[0] + 1
+    state["fwd"][target] = [version, d]
+    out.forwards.append((target, {**link, "v": version}))
 
 
 # --- an in-memory engine over a whole history (audit re-evaluation, tests) --------------------

@@ -31,6 +31,22 @@ from streams.correlate.release import apply_release_event, new_state, state_as_o
 log = logging.getLogger(__name__)
 
 
+def interests_for(image_digest: str | None = None, model_name: str | None = None, model_version: str | None = None,
+                  release_id: str | None = None) -> list[str]:
+    """The interest keys a look-up by these identifiers depends on — the one place their
+    format lives: an entity waits on them, the directory announces changes by them."""
+    keys = []
+    if release_id:
+        keys.append(f"rid:{release_id}")
+    if image_digest:
+        keys.append(f"digest:{image_digest}")
+    if model_name:
+        keys.append(f"modelname:{model_name}")
+        if model_version:
+            keys.append(f"model:{model_name}:{model_version}")
+    return keys
+
+
 class ReleaseDirectory:
     def __init__(self) -> None:
         self.releases: dict[str, dict] = {}
@@ -38,6 +54,9 @@ class ReleaseDirectory:
         self.by_model: dict[tuple[str, str], set[str]] = defaultdict(set)
         self.by_model_name: dict[str, set[str]] = defaultdict(set)
         self.seen: set[str] = set()
+        # Every release that ever had a digest / model (never shrinks): the candidates a
+        # look-up consulted, for the version of the rows that look-up attributed.
+        self.ever: dict[str, set[str]] = defaultdict(set)
         self.ready = asyncio.Event()
 
     # --- folding events ---------------------------------------------------------
@@ -54,6 +73,9 @@ class ReleaseDirectory:
         manifest = self.manifest(rid)
         for key in before - after:
             self._unindex(key, rid)
+        self.ever[f"rid:{rid}"].add(rid)
+        for key in after:
+            self.ever[key].add(rid)
         if manifest.get("image_digest"):
             self.by_digest[manifest["image_digest"]].add(rid)
         if manifest.get("model_name"):
@@ -75,18 +97,36 @@ class ReleaseDirectory:
     # --- reading ------------------------------------------------------------------
     def interest_keys(self, rid: str) -> set[str]:
         """The keys an unresolved entity may wait on that this release can answer."""
-        keys = {f"rid:{rid}"}
         m = self.manifest(rid)
-        if m.get("image_digest"):
-            keys.add(f"digest:{m['image_digest']}")
-        if m.get("model_name"):
-            keys.add(f"modelname:{m['model_name']}")
-            if m.get("model_version"):
-                keys.add(f"model:{m['model_name']}:{m['model_version']}")
-        return keys
+        return set(interests_for(m.get("image_digest"), m.get("model_name"), m.get("model_version"), rid))
 
     def known(self, rid: str | None) -> bool:
         return bool(rid) and rid in self.releases and bool(self.releases[rid]["history"])
+
+    # --- versions (see streams.correlate.entities: versions come from history) -----------
+    def count(self, rid: str | None) -> int:
+        """How many distinct events of the release the directory holds (grows only)."""
+        state = self.releases.get(rid) if rid else None
+        return state["events"] if state else 0
+
+    def version_at(self, rid: str | None, at_iso: str | None = None) -> int:
+        """A number that grows whenever the release's manifest or (with ``at_iso``) its
+        state as of that time can have changed, and only then: a function of the
+        release's events, not of the order they arrived in."""
+        state = self.releases.get(rid) if rid else None
+        if not state or not state["events"]:
+            return 0
+        n = 1 + state["manifest_version"]
+        if at_iso is not None:
+            n += state["dropped"] + sum(1 for entry in state["history"] if entry[0].split("|", 1)[0] <= at_iso)
+        return n
+
+    def candidates(self, interest: str) -> set[str]:
+        """Every release that ever answered ``interest`` (``digest:…``, ``model:…``)."""
+        return self.ever.get(interest, set())
+
+    def candidates_version(self, interests) -> int:
+        return sum(self.count(rid) for interest in interests for rid in sorted(self.candidates(interest)))
 
     def manifest(self, rid: str) -> dict:
         state = self.releases.get(rid)

@@ -1,44 +1,61 @@
 """Entity state and the join rules, as pure functions (no Faust, no Kafka).
 
 Every routed message is processed against the state of one entity (see
-``streams.correlate.routing``): a pod, a workload, a node/GPU, a release, a model, an alert
-fingerprint. An entity keeps
+``streams.correlate.routing``): a pod, a workload, a node/GPU, a release, a model, an
+alert fingerprint. An entity keeps
 
-- ``facts``: identity it learned from its own events (pod uid, workload, node, image
-  digest, release/model labels, ...). Each fact remembers the (event time, event id)
-  that set it and the latest wins, so facts do not depend on processing order;
-- ``gpu``: a pod's gpu.assigned / gpu.released events per (node, device, container),
-  from which allocation intervals are *derived* (never mutated in place);
+- ``rows``: the input events attached to it (capped, oldest first out), each with the
+  identity facts it carries, whether it is parked, and the GPU operation it is;
 - ``links``: identity forwarded by related entities (a pod's intervals to its
-  node/GPU, a pod's release to its workload, a workload's release to its pods);
-- ``rows``: the input events attached to it, each with the version and content
-  digest last emitted, and whether it is parked.
+  node/GPU, a pod's release to its workload, a workload's release to its pods), each
+  with the sender's version; the highest version of a link wins;
+- ``sent`` / ``allocs`` / ``fwd``: the (version, digest) last emitted per row,
+  allocation and forward.
 
-Processing re-derives everything from that state and emits only rows whose content
-changed, with version + 1. So the latest version of every output row is a function
-of the topic history, whatever order the messages were processed in.
+Facts (pod uid, workload, node, image digest, release/model labels, …) are derived
+from the rows at each refresh: per field, the value of the latest event (sort key
+``occurred_at|event_id``) that carries it — independent of processing order.
+
+**Versions come from history.** A row's version is a sum of components, each a
+function of the part of the history its content depends on, never of processing
+order: 1 for the row's own event; per fact field the number of runs of equal values
+in event order (``release.segments``: grows when the latest value can change, not
+when an event repeats it); the versions of the links it reads; the directory's
+``version_at`` of every release it may name and ``count`` of every candidate a
+look-up consulted. Each component only grows as history is added, so the latest
+version is the row as the whole history has it, and two replays give identical rows
+*and* versions. A row is emitted when its version grows (even if its content did not:
+the final version must not depend on where a run happened to emit); should its
+content change without its version growing, the version is bumped by one and the
+event counted in ``Outcome.conflicts`` (loud, never silent).
 
 Parking: a row whose release cannot be resolved is *parked* (not emitted) until its
-identity arrives, or until the event-time watermark passes its time + TTL; then it
-is emitted ``unattributed``. Late identity still re-attributes it afterwards.
+identity arrives, or until the event-time watermark passes its time + TTL; then it is
+emitted ``unattributed``. Parking never changes a version: it only delays emission.
+
+Bounds: ``MAX_ROWS`` rows per entity and ``MAX_STATE_BYTES`` of row text (the newest
+rows that fit are kept; what is detached is counted in ``state["detached"]``).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import orjson
 
 from schemas import Identity
-from schemas.outputs import CorrelatedEvent, GpuAllocation
-from streams.correlate.release import summarize
+from streams.correlate.directory import interests_for
+from streams.correlate.release import segments, summarize
 
 MAX_ROWS = 2000
+MAX_STATE_BYTES = 600_000
 FACT_FIELDS = ("pod_uid", "workload_id", "namespace", "pod", "node", "image_digest", "release_id", "model_name", "model_version",
                "environment", "owner", "data_class")
 # Fields an event's own identity sets on the entity it belongs to.
 ENTITY_FACTS = {"pod": FACT_FIELDS, "wl": ("workload_id", "release_id", "model_name", "model_version", "environment", "owner", "data_class", "namespace")}
+IDENTITY_FIELDS = frozenset(Identity.model_fields)
 
 
 def digest(obj) -> str:
@@ -46,15 +63,16 @@ def digest(obj) -> str:
 
 
 def new_entity(key: str) -> dict:
-    return {"key": key, "facts": {}, "gpu": {}, "deleted_at": None, "links": {}, "rows": {}, "allocs": {}, "fwd": {}, "interests": []}
+    return {"key": key, "rows": {}, "links": {}, "sent": {}, "allocs": {}, "fwd": {}, "interests": [], "detached": 0}
 
 
 @dataclass
 class Outcome:
-    correlated: list[CorrelatedEvent] = field(default_factory=list)
-    allocations: list[GpuAllocation] = field(default_factory=list)
+    correlated: list[dict] = field(default_factory=list)   # CorrelatedEvent-shaped dicts
+    allocations: list[dict] = field(default_factory=list)  # GpuAllocation-shaped dicts
     forwards: list[tuple[str, dict]] = field(default_factory=list)
     parked: list[tuple[str, str]] = field(default_factory=list)  # (occurred_at iso, row id) newly parked
+    conflicts: int = 0
 
 
 def kind_of(key: str) -> str:
@@ -63,270 +81,63 @@ def kind_of(key: str) -> str:
 
 # --- folding inputs into state ---------------------------------------------------------
 
-def _set_fact(state: dict, name: str, value, sort_key: str) -> None:
-    if value in (None, ""):
-        return
-    current = state["facts"].get(name)
-    if current is None or sort_key >= current[1]:
-        state["facts"][name] = [value, sort_key]
-
-
-def fold_event(state: dict, event, src: tuple[str, int, int]) -> bool:
-    """Fold one event into ``state``; False when it was already folded (re-delivery)."""
-    if event.event_id in state["rows"]:
+def fold_event(state: dict, event: dict, src: tuple[str, int, int]) -> bool:
+    """Fold one event (its JSON envelope as a dict) into ``state``; False when it was
+    already folded (re-delivery)."""
+    eid = event["event_id"]
+    if eid in state["rows"]:
         return False
-    sort_key = f"{event.occurred_at.isoformat()}|{event.event_id}"
+    etype = event["event_type"]
+    at = event["occurred_at"]
+    ident = {k: v for k, v in (event.get("identity") or {}).items() if v not in (None, "")}
+    payload = event.get("payload") or {}
     kind = kind_of(state["key"])
-    ident = event.identity
+    facts = {}
+    gpu = None
     if kind in ENTITY_FACTS:
-        for name in ENTITY_FACTS[kind]:
-            _set_fact(state, name, getattr(ident, name), sort_key)
-        if event.event_type.startswith("scheduler."):
-            digests = getattr(event.payload, "image_digests", ()) or ()
-            if digests:
-                _set_fact(state, "image_digest", digests[0], sort_key)
-            if event.event_type == "scheduler.deleted":
-                at = event.occurred_at.isoformat()
-                if state["deleted_at"] is None or at > state["deleted_at"]:
-                    state["deleted_at"] = at
-        if event.event_type in ("gpu.assigned", "gpu.released"):
-            p = event.payload
-            akey = f"{p.node}|{p.device_id}|{p.container or ''}|{p.resource_name}"
-            state["gpu"].setdefault(akey, []).append(
-                [sort_key, "a" if event.event_type == "gpu.assigned" else "r", event.event_id, p.gpu, p.mig_instance])
-            state["gpu"][akey].sort()
-    state["rows"][event.event_id] = {
-        "id": event.event_id, "type": event.event_type, "at": event.occurred_at.isoformat(),
-        "identity": ident.model_dump(exclude_none=True), "summary": summarize(event),
-        "topic": src[0], "partition": src[1], "offset": src[2], "payload": event.payload.model_dump_json(),
-        "starts_at": event.payload.starts_at.isoformat() if event.event_type.startswith("alert.") else None,
-        "version": -1, "digest": "", "expired": False, "parked": False,
+        facts = {name: ident[name] for name in ENTITY_FACTS[kind] if name in ident}
+        if etype.startswith("scheduler.") and kind == "pod" and payload.get("image_digests"):
+            facts["image_digest"] = payload["image_digests"][0]
+        if etype in ("gpu.assigned", "gpu.released"):
+            gpu = [f"{payload.get('node')}|{payload.get('device_id')}|{payload.get('container') or ''}|{payload.get('resource_name')}",
+                   "a" if etype == "gpu.assigned" else "r", payload.get("gpu"), payload.get("mig_instance")]
+    state["rows"][eid] = {
+        "id": eid, "type": etype, "at": at, "key": f"{at}|{eid}", "identity": ident, "facts": facts, "gpu": gpu,
+        "summary": summarize(etype, payload), "topic": src[0], "partition": src[1], "offset": src[2],
+        "payload": orjson.dumps(payload).decode(), "starts_at": payload.get("starts_at") if etype.startswith("alert.") else None,
+        "expired": False, "parked": False,
     }
-    if len(state["rows"]) > MAX_ROWS:
-        oldest = sorted(state["rows"].values(), key=lambda r: (r["at"], r["id"]))[: len(state["rows"]) - MAX_ROWS]
-        for rec in oldest:
-            del state["rows"][rec["id"]]
+    _bound(state)
     return True
 
 
-def fold_link(state: dict, source: str, link: dict) -> None:
+def _bound(state: dict) -> None:
+    """Keep the newest rows within MAX_ROWS and MAX_STATE_BYTES (a function of the row
+    set, so the kept rows do not depend on arrival order)."""
+    rows = state["rows"]
+    budget, kept = MAX_STATE_BYTES, 0
+    ordered = sorted(rows.values(), key=lambda r: r["key"], reverse=True)
+    for i, rec in enumerate(ordered):
+        budget -= len(rec["payload"]) + len(rec["summary"]) + 256
+        if i >= MAX_ROWS or budget < 0:
+            for old in ordered[i:]:
+                del rows[old["id"]]
+                state["sent"].pop(old["id"], None)
+            state["detached"] += len(ordered) - i
+            return
+        kept += 1
+
+
+def fold_link(state: dict, source: str, link: dict) -> bool:
+    """Keep the highest version of the link from ``source``; True when it changed."""
+    current = state["links"].get(source)
+    if current is not None:
+        if link.get("v", 0) < current.get("v", 0):
+            return False
+        if link.get("v", 0) == current.get("v", 0) and digest(link) <= digest(current):
+            return False  # same version: keep one deterministically
     state["links"][source] = link
-
-
-# --- resolution -----------------------------------------------------------------------
-
-def facts(state: dict) -> dict:
-    return {k: v[0] for k, v in state["facts"].items()}
-
-
-def resolve_entity(state: dict, directory) -> tuple[dict, str, str | None, list[str]]:
-    """(identity, attribution, release_id, interests) of a pod or workload entity."""
-    f = facts(state)
-    env = f.get("environment")
-    interests = []
-    if f.get("image_digest"):
-        interests.append(f"digest:{f['image_digest']}")
-    if f.get("model_name"):
-        interests.append(f"modelname:{f['model_name']}")
-        if f.get("model_version"):
-            interests.append(f"model:{f['model_name']}:{f['model_version']}")
-    rid, how = None, "unattributed"
-    if f.get("release_id"):
-        rid, how = f["release_id"], "release_label"
-    else:
-        linked = sorted((src, link["release_id"]) for src, link in state["links"].items() if link.get("release_id"))
-        if linked:
-            rid, how = linked[0][1], "workload_release"
-        elif (match := directory.by_image_digest(f.get("image_digest"), env)):
-            rid, how = match, "image_digest_match"
-        elif f.get("model_name") and (match := directory.by_model_version(f["model_name"], f.get("model_version"), env)):
-            rid, how = match, "model_version_match"
-    if rid:
-        interests.append(f"rid:{rid}")
-    return f, how, rid, interests
-
-
-def own_release(state: dict, directory) -> tuple[str | None, str]:
-    """A pod's release from its own facts only (never from links): what it forwards."""
-    f = facts(state)
-    if f.get("release_id"):
-        return f["release_id"], "release_label"
-    if (match := directory.by_image_digest(f.get("image_digest"), f.get("environment"))):
-        return match, "image_digest_match"
-    if f.get("model_name") and (match := directory.by_model_version(f["model_name"], f.get("model_version"), f.get("environment"))):
-        return match, "model_version_match"
-    return None, "unattributed"
-
-
-def intervals(state: dict) -> list[dict]:
-    """Allocation intervals derived from a pod's gpu events (order-independent)."""
-    out = []
-    deleted = state["deleted_at"]
-    for akey, events in sorted(state["gpu"].items()):
-        node, device, container, resource = akey.split("|", 3)
-        current = None
-        for sort_key, op, event_id, gpu, mig in events:
-            at = sort_key.split("|", 1)[0]
-            if op == "a" and current is None:
-                current = {"node": node, "device": device, "container": container or None, "resource": resource, "gpu": gpu,
-                           "mig": mig, "start": at, "start_event": event_id, "end": None, "end_event": None, "end_reason": None}
-            elif op == "r" and current is not None:
-                current.update(end=at, end_event=event_id, end_reason="released")
-                out.append(current)
-                current = None
-        if current is not None:
-            if deleted and deleted >= current["start"]:
-                current.update(end=deleted, end_reason="pod_deleted")
-            out.append(current)
-    return out
-
-
-def _interval_at(links: dict, at: str) -> dict | None:
-    """The allocation that held a node/GPU at time ``at`` (latest start wins)."""
-    best = None
-    for src, link in sorted(links.items()):
-        for iv in link.get("intervals", []):
-            if iv["start"] <= at and (iv["end"] is None or at < iv["end"]):
-                if best is None or iv["start"] > best["start"]:
-                    best = iv
-    return best
-
-
-def resolve_row(state: dict, record: dict, directory, entity_res) -> tuple[dict, str, str | None, list[str]]:
-    """(identity, attribution, release_id, interests) for one attached row."""
-    kind = kind_of(state["key"])
-    own = record["identity"]
-    at = record["starts_at"] or record["at"]
-    if record["type"].startswith("release."):
-        return {}, "release_event", own.get("release_id"), [f"rid:{own.get('release_id')}"]
-    if own.get("release_id"):
-        return {}, "release_label", own["release_id"], [f"rid:{own['release_id']}"]
-    if kind in ("pod", "wl"):
-        return entity_res
-    if kind == "gpu":
-        iv = _interval_at(state["links"], at)
-        if iv is None:
-            return {}, "unattributed", None, []
-        ident = dict(iv["identity"])
-        rid = ident.get("release_id")
-        return ident, ("gpu_assignment" if rid else "unattributed"), rid, ([f"rid:{rid}"] if rid else [])
-    if kind == "model":
-        name, version = own.get("model_name"), own.get("model_version")
-        rid = directory.by_model_version(name, version, own.get("environment"))
-        interests = [f"model:{name}:{version}" if version else f"modelname:{name}"] + ([f"rid:{rid}"] if rid else [])
-        return {}, ("model_version_match" if rid else "unattributed"), rid, interests
-    return {}, "unattributed", None, []
-
-
-def render_row(record: dict, directory, resolution) -> dict:
-    ident, how, rid, _ = resolution
-    manifest = directory.manifest(rid) if rid else {}
-    identity = {**manifest, **{k: v for k, v in ident.items() if k in Identity.model_fields}, **record["identity"]}
-    if rid:
-        identity["release_id"] = rid
-    return {
-        "correlation_id": record["id"], "event_type": record["type"], "occurred_at": record["at"], "attribution": how,
-        "identity": identity, "release_state": directory.state_as_of(rid, record["at"]) if rid else None,
-        "summary": record["summary"], "source_topic": record["topic"], "source_partition": record["partition"],
-        "source_offset": record["offset"], "payload_json": record["payload"],
-    }
-
-
-# --- the step ---------------------------------------------------------------------------
-
-def refresh(state: dict, directory, park: bool = True, resend: bool = False) -> Outcome:
-    """Re-derive every output of an entity and return what changed.
-
-    ``resend=True`` (after a restart) re-emits every current row and link even if
-    unchanged: the entity's state may have reached the changelog while the outputs it
-    had sent were lost in the crash. Re-sends carry the same version and content, so
-    the idempotent tables collapse them.
-    """
-    out = Outcome()
-    if resend:
-        state["fwd"] = {}
-        for record in state["rows"].values():
-            record["digest"] = ""
-            record["version"] = max(record["version"] - 1, -1)
-        for seen in state["allocs"].values():
-            seen["digest"] = ""
-            seen["version"] = max(seen["version"] - 1, -1)
-    kind = kind_of(state["key"])
-    entity_res = resolve_entity(state, directory) if kind in ("pod", "wl") else ({}, "unattributed", None, [])
-    interests = set(entity_res[3])
-    for record in state["rows"].values():
-        res = resolve_row(state, record, directory, entity_res)
-        interests.update(res[3])
-        # Unresolved = no release, or a release named (label) that no release event has
-        # described yet: wait for the manifest rather than emit a half-filled row.
-        unresolved = (res[1] == "unattributed" or (res[2] is not None and not directory.known(res[2]))) \
-            and not record["type"].startswith(("release.", "gpu.allocatable"))
-        if park and unresolved and not record["expired"]:
-            if not record["parked"]:
-                record["parked"] = True
-                out.parked.append((record["starts_at"] or record["at"], record["id"]))
-            continue
-        record["parked"] = False
-        content = render_row(record, directory, res)
-        d = digest(content)
-        if d == record["digest"]:
-            continue
-        record["digest"] = d
-        record["version"] += 1
-        out.correlated.append(CorrelatedEvent(version=record["version"], **{**content, "identity": Identity(**content["identity"])}))
-    state["interests"] = sorted(interests)
-    if kind == "pod":
-        _refresh_pod(state, directory, entity_res, out)
-    elif kind == "wl":
-        _refresh_workload(state, directory, out)
-    return out
-
-
-def _refresh_pod(state: dict, directory, entity_res, out: Outcome) -> None:
-    ident, how, rid, _ = entity_res
-    manifest = directory.manifest(rid) if rid else {}
-    identity = {**manifest, **{k: v for k, v in ident.items() if k in Identity.model_fields}}
-    if rid:
-        identity["release_id"] = rid
-    ns, _, pod = state["key"][4:].partition("/")
-    per_gpu: dict[str, list] = {}
-    for iv in intervals(state):
-        alloc_id = hashlib.sha256(f"{iv['node']}|{iv['device']}|{ns}/{pod}|{iv['container']}|{iv['start_event']}".encode()).hexdigest()[:32]
-        ident_iv = {**identity, "node": iv["node"], "gpu_id": iv["device"], "namespace": ns, "pod": pod}
-        row = {"allocation_id": alloc_id, "node": iv["node"], "gpu_id": iv["device"], "gpu": iv["gpu"], "mig_instance": iv["mig"],
-               "resource_name": iv["resource"], "namespace": ns, "pod": pod, "container": iv["container"], "identity": ident_iv,
-               "attribution": how, "started_at": iv["start"], "ended_at": iv["end"], "end_reason": iv["end_reason"],
-               "start_event_id": iv["start_event"], "end_event_id": iv["end_event"]}
-        d = digest(row)
-        seen = state["allocs"].setdefault(alloc_id, {"version": -1, "digest": ""})
-        if seen["digest"] != d:
-            seen["digest"] = d
-            seen["version"] += 1
-            out.allocations.append(GpuAllocation(version=seen["version"], **{**row, "identity": Identity(**ident_iv)}))
-        per_gpu.setdefault(f"gpu:{iv['node']}/{iv['device']}", []).append(
-            {"id": alloc_id, "start": iv["start"], "end": iv["end"], "identity": ident_iv, "attribution": how})
-    for target, ivs in per_gpu.items():
-        _forward(state, target, {"intervals": ivs}, out)
-    f = facts(state)
-    if f.get("workload_id"):
-        rel, rel_how = own_release(state, directory)
-        _forward(state, f"wl:{f['workload_id']}", {"release_id": rel, "attribution": rel_how, "from": "pod"}, out)
-
-
-def _refresh_workload(state: dict, directory, out: Outcome) -> None:
-    f = facts(state)
-    if not f.get("release_id"):
-        return
-    for src in sorted(state["links"]):
-        if src.startswith("pod:"):
-            _forward(state, src, {"release_id": f["release_id"], "attribution": "workload_release", "from": "wl"}, out)
-
-
-def _forward(state: dict, target: str, link: dict, out: Outcome) -> None:
-    d = digest(link)
-    if state["fwd"].get(target) != d:
-        state["fwd"][target] = d
-        out.forwards.append((target, link))
+    return True
 
 
 def expire(state: dict, row_ids: list[str]) -> bool:
@@ -338,3 +149,269 @@ def expire(state: dict, row_ids: list[str]) -> bool:
             rec["expired"] = True
             changed = True
     return changed
+
+
+# --- derived facts ----------------------------------------------------------------------
+
+def facts_of(state: dict) -> tuple[dict, int]:
+    """(facts, version component): per field the latest event's value, and the number of
+    runs of equal values per field summed."""
+    per: dict[str, list] = defaultdict(list)
+    for rec in state["rows"].values():
+        for name, value in rec["facts"].items():
+            per[name].append([rec["key"], value])
+    facts, version = {}, 0
+    for name, entries in per.items():
+        version += segments(entries)
+        facts[name] = entries[-1][1]
+    return facts, version
+
+
+def links_version(links: dict) -> int:
+    return sum(link.get("v", 0) for link in links.values())
+
+
+@dataclass
+class Resolution:
+    """How an entity (or one row) resolves its release, and what that depends on."""
+
+    identity: dict
+    attribution: str
+    release_id: str | None
+    interests: list[str]
+    named: tuple[str, ...] = ()        # releases named directly (label, link): version_at counts
+    candidates: tuple[str, ...] = ()   # look-up interests consulted: candidates' counts
+    base: int = 0                      # facts + links components
+
+    def version(self, directory, at_iso: str | None) -> int:
+        return (self.base + sum(directory.version_at(r, at_iso) for r in self.named)
+                + directory.candidates_version(self.candidates))
+
+
+UNATTRIBUTED = Resolution({}, "unattributed", None, [])
+
+
+def resolve_entity(state: dict, directory) -> Resolution:
+    """Resolution of a pod or workload entity from its facts and links."""
+    f, fv = facts_of(state)
+    env = f.get("environment")
+    lookups = interests_for(f.get("image_digest"), f.get("model_name"), f.get("model_version"))
+    linked = sorted((src, link["release_id"]) for src, link in state["links"].items() if link.get("release_id"))
+    named = tuple(sorted(({f["release_id"]} if f.get("release_id") else set()) | {rid for _, rid in linked}))
+    rid, how = None, "unattributed"
+    if f.get("release_id"):
+        rid, how = f["release_id"], "release_label"
+    elif linked:
+        rid, how = linked[0][1], "workload_release"
+    elif (match := directory.by_image_digest(f.get("image_digest"), env)):
+        rid, how = match, "image_digest_match"
+    elif f.get("model_name") and (match := directory.by_model_version(f["model_name"], f.get("model_version"), env)):
+        rid, how = match, "model_version_match"
+    interests = lookups + [f"rid:{r}" for r in named] + ([f"rid:{rid}"] if rid and rid not in named else [])
+    return Resolution(f, how, rid, interests, named, tuple(lookups), fv + links_version(state["links"]))
+
+
+def own_release(state: dict, directory, facts: dict) -> tuple[str | None, str]:
+    """A pod's release from its own facts only (never from links): what it forwards."""
+    if facts.get("release_id"):
+        return facts["release_id"], "release_label"
+    if (match := directory.by_image_digest(facts.get("image_digest"), facts.get("environment"))):
+        return match, "image_digest_match"
+    if facts.get("model_name") and (match := directory.by_model_version(facts["model_name"], facts.get("model_version"), facts.get("environment"))):
+        return match, "model_version_match"
+    return None, "unattributed"
+
+
+def intervals(state: dict) -> list[dict]:
+    """Allocation intervals derived from a pod's gpu rows (order-independent), each with
+    the number of gpu events and deletions it was derived from."""
+    per: dict[str, list] = defaultdict(list)
+    deletions = sorted(r["at"] for r in state["rows"].values() if r["type"] == "scheduler.deleted")
+    deleted = deletions[-1] if deletions else None
+    for rec in state["rows"].values():
+        if rec["gpu"]:
+            per[rec["gpu"][0]].append((rec["key"], rec))
+    out = []
+    for akey, events in sorted(per.items()):
+        events.sort(key=lambda e: e[0])
+        node, device, container, resource = akey.split("|", 3)
+        base = len(events) + len(deletions)
+        current = None
+        for _key, rec in events:
+            _akey, op, gpu, mig = rec["gpu"]
+            if op == "a" and current is None:
+                current = {"node": node, "device": device, "container": container or None, "resource": resource, "gpu": gpu,
+                           "mig": mig, "start": rec["at"], "start_event": rec["id"], "end": None, "end_event": None, "end_reason": None,
+                           "v": base}
+            elif op == "r" and current is not None:
+                current.update(end=rec["at"], end_event=rec["id"], end_reason="released")
+                out.append(current)
+                current = None
+        if current is not None:
+            if deleted and deleted >= current["start"]:
+                current.update(end=deleted, end_reason="pod_deleted")
+            out.append(current)
+    return out
+
+
+def _covering(links: dict, at: str) -> tuple[dict | None, int, tuple[str, ...]]:
+    """The allocation that held a node/GPU at time ``at`` (latest start wins), the
+    versions of every link that could have held it then, and their releases."""
+    best, version, rids = None, 0, set()
+    for _src, link in sorted(links.items()):
+        early = [iv for iv in link.get("intervals", []) if iv["start"] <= at]
+        if not early:
+            continue
+        version += link.get("v", 0)
+        rids.update(iv["identity"].get("release_id") for iv in early if iv["identity"].get("release_id"))
+        for iv in early:
+            if (iv["end"] is None or at < iv["end"]) and (best is None or iv["start"] > best["start"]):
+                best = iv
+    return best, version, tuple(sorted(rids))
+
+
+def resolve_row(state: dict, record: dict, directory, entity_res: Resolution) -> Resolution:
+    """How one attached row resolves its release."""
+    kind = kind_of(state["key"])
+    own = record["identity"]
+    at = record["starts_at"] or record["at"]
+    if record["type"].startswith("release."):
+        rid = own.get("release_id")
+        return Resolution({}, "release_event", rid, [f"rid:{rid}"], (rid,) if rid else ())
+    if own.get("release_id"):
+        rid = own["release_id"]
+        return Resolution({}, "release_label", rid, [f"rid:{rid}"], (rid,))
+    if kind in ("pod", "wl"):
+        return entity_res
+    if kind == "gpu":
+        iv, version, rids = _covering(state["links"], at)
+        interests = [f"rid:{r}" for r in rids]
+        if iv is None:
+            return Resolution({}, "unattributed", None, interests, rids, (), version)
+        ident = dict(iv["identity"])
+        rid = ident.get("release_id")
+        return Resolution(ident, "gpu_assignment" if rid else "unattributed", rid, interests, rids, (), version)
+    if kind == "model":
+        name, version = own.get("model_name"), own.get("model_version")
+        rid = directory.by_model_version(name, version, own.get("environment"))
+        lookups = interests_for(model_name=name, model_version=version)
+        lookups = lookups[-1:] if version else lookups
+        return Resolution({}, "model_version_match" if rid else "unattributed", rid,
+                          lookups + ([f"rid:{rid}"] if rid else []), (), tuple(lookups))
+    return UNATTRIBUTED
+
+
+def render_row(record: dict, directory, res: Resolution, version: int) -> dict:
+    rid = res.release_id
+    manifest = directory.manifest(rid) if rid else {}
+    identity = {**manifest, **{k: v for k, v in res.identity.items() if k in IDENTITY_FIELDS}, **record["identity"]}
+    if rid:
+        identity["release_id"] = rid
+    return {
+        "correlation_id": record["id"], "version": version, "event_type": record["type"], "occurred_at": record["at"],
+        "attribution": res.attribution, "identity": identity,
+        "release_state": directory.state_as_of(rid, record["at"]) if rid else None,
+        "summary": record["summary"], "source_topic": record["topic"], "source_partition": record["partition"],
+        "source_offset": record["offset"], "payload_json": record["payload"],
+    }
+
+
+def _emit(sent: dict, key: str, version: int, content: dict, out: Outcome) -> int | None:
+    """The version to emit ``content`` at, or None when nothing changed."""
+    d = digest({k: v for k, v in content.items() if k != "version"})
+    last = sent.get(key)
+    if last is not None:
+        if version <= last[0]:
+            if d == last[1]:
+                return None
+            out.conflicts += 1
+            version = last[0] + 1
+    sent[key] = [version, d]
+    return version
+
+
+# --- the step ---------------------------------------------------------------------------
+
+def refresh(state: dict, directory, park: bool = True) -> Outcome:
+    """Re-derive every output of an entity and return what changed (see the module
+    docstring for the versions)."""
+    out = Outcome()
+    kind = kind_of(state["key"])
+    entity_res = resolve_entity(state, directory) if kind in ("pod", "wl") else UNATTRIBUTED
+    interests = set(entity_res.interests)
+    for record in state["rows"].values():
+        res = resolve_row(state, record, directory, entity_res)
+        interests.update(res.interests)
+        # Unresolved = no release, or a release named (label) that no release event has
+        # described yet: wait for the manifest rather than emit a half-filled row.
+        unresolved = (res.attribution == "unattributed" or (res.release_id is not None and not directory.known(res.release_id))) \
+            and not record["type"].startswith(("release.", "gpu.allocatable"))
+        if park and unresolved and not record["expired"]:
+            if not record["parked"]:
+                record["parked"] = True
+                out.parked.append((record["starts_at"] or record["at"], record["id"]))
+            continue
+        record["parked"] = False
+        version = 1 + res.version(directory, record["at"])
+        content = render_row(record, directory, res, version)
+        emitted = _emit(state["sent"], record["id"], version, content, out)
+        if emitted is not None:
+            content["version"] = emitted
+            out.correlated.append(content)
+    state["interests"] = sorted(interests)
+    if kind == "pod":
+        _refresh_pod(state, directory, entity_res, out)
+    elif kind == "wl":
+        _refresh_workload(state, entity_res, out)
+    return out
+
+
+def _refresh_pod(state: dict, directory, res: Resolution, out: Outcome) -> None:
+    rid = res.release_id
+    manifest = directory.manifest(rid) if rid else {}
+    identity = {**manifest, **{k: v for k, v in res.identity.items() if k in IDENTITY_FIELDS}}
+    if rid:
+        identity["release_id"] = rid
+    ns, _, pod = state["key"][4:].partition("/")
+    identity_version = res.version(directory, None)
+    per_gpu: dict[str, list] = {}
+    gpu_version: dict[str, dict] = defaultdict(dict)  # target -> {allocation key: its event count}
+    for iv in intervals(state):
+        alloc_id = hashlib.sha256(f"{iv['node']}|{iv['device']}|{ns}/{pod}|{iv['container']}|{iv['start_event']}".encode()).hexdigest()[:32]
+        ident_iv = {**identity, "node": iv["node"], "gpu_id": iv["device"], "namespace": ns, "pod": pod}
+        row = {"allocation_id": alloc_id, "node": iv["node"], "gpu_id": iv["device"], "gpu": iv["gpu"], "mig_instance": iv["mig"],
+               "resource_name": iv["resource"], "namespace": ns, "pod": pod, "container": iv["container"], "identity": ident_iv,
+               "attribution": res.attribution, "started_at": iv["start"], "ended_at": iv["end"], "end_reason": iv["end_reason"],
+               "start_event_id": iv["start_event"], "end_event_id": iv["end_event"]}
+        version = _emit(state["allocs"], alloc_id, iv["v"] + identity_version, row, out)
+        if version is not None:
+            out.allocations.append({**row, "version": version})
+        target = f"gpu:{iv['node']}/{iv['device']}"
+        per_gpu.setdefault(target, []).append(
+            {"id": alloc_id, "start": iv["start"], "end": iv["end"], "identity": ident_iv, "attribution": res.attribution})
+        gpu_version[target][(iv["container"], iv["resource"])] = iv["v"]
+    for target, ivs in per_gpu.items():
+        _forward(state, target, sum(gpu_version[target].values()) + identity_version, {"intervals": ivs}, out)
+    f = res.identity
+    if f.get("workload_id"):
+        rel, rel_how = own_release(state, directory, f)
+        _, fv = facts_of(state)
+        lookups = interests_for(f.get("image_digest"), f.get("model_name"), f.get("model_version"))
+        _forward(state, f"wl:{f['workload_id']}", fv + directory.candidates_version(lookups),
+                 {"release_id": rel, "attribution": rel_how, "from": "pod"}, out)
+
+
+def _refresh_workload(state: dict, res: Resolution, out: Outcome) -> None:
+    f = res.identity
+    if not f.get("release_id"):
+        return
+    _, fv = facts_of(state)
+    for src in sorted(state["links"]):
+        if src.startswith("pod:"):
+            _forward(state, src, fv, {"release_id": f["release_id"], "attribution": "workload_release", "from": "wl"}, out)
+
+
+def _forward(state: dict, target: str, version: int, link: dict, out: Outcome) -> None:
+    emitted = _emit(state["fwd"], target, version, link, out)
+    if emitted is not None:
+        out.forwards.append((target, {**link, "v": emitted}))

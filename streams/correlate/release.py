@@ -15,18 +15,19 @@ MANIFEST_FIELDS = ("model_name", "model_version", "artifact_digest", "image_dige
                    "dataset_ref", "environment", "owner", "data_class")
 
 
-def summarize(event) -> str:
-    p = event.payload
-    et = event.event_type
+def summarize(event_type: str, payload: dict) -> str:
+    """One line for a human, from an event's type and payload (as JSON)."""
+    p, et = payload, event_type
+    what = et.split(".", 1)[1]
     if et.startswith("alert."):
-        return f"{p.alertname} ({p.severity or 'no severity'}) {et.split('.', 1)[1]}"
+        return f"{p.get('alertname')} ({p.get('severity') or 'no severity'}) {what}"
     if et.startswith("release."):
-        who = f" by {p.actor}" if p.actor else ""
-        env = f" to {p.to_environment}" if p.to_environment else ""
-        return f"{et.split('.', 1)[1]}{env}{who}"
+        who = f" by {p['actor']}" if p.get("actor") else ""
+        env = f" to {p['to_environment']}" if p.get("to_environment") else ""
+        return f"{what}{env}{who}"
     if et.startswith("gpu."):
-        return f"{et.split('.', 1)[1]} {p.device_id or ''} on {p.node}".strip()
-    return f"{et.split('.', 1)[1]} {p.reason or ''}".strip()
+        return f"{what} {p.get('device_id') or ''} on {p.get('node')}".strip()
+    return f"{what} {p.get('reason') or ''}".strip()
 
 
 def _sort_key(event) -> str:
@@ -34,7 +35,7 @@ def _sort_key(event) -> str:
 
 
 def new_state(release_id: str) -> dict:
-    return {"release_id": release_id, "manifest": {}, "history": [], "rows": {}}
+    return {"release_id": release_id, "manifest": {}, "history": [], "rows": {}, "fields": {}, "events": 0, "dropped": 0}
 
 
 def apply_release_event(state: dict, event) -> None:
@@ -45,11 +46,34 @@ def apply_release_event(state: dict, event) -> None:
             current = state["manifest"].get(field)
             if current is None or key >= current[1]:
                 state["manifest"][field] = [value, key]
+        if field in MANIFEST_FIELDS:
+            state["fields"].setdefault(field, []).append([key, value])
     entry = [key, event.event_type, event.event_id, event.payload.to_environment or event.identity.environment, event.payload.actor]
     if entry not in state["history"]:
+        state["events"] += 1
         state["history"].append(entry)
         state["history"].sort()
-        del state["history"][:-MAX_HISTORY]
+        excess = len(state["history"]) - MAX_HISTORY
+        if excess > 0:
+            state["dropped"] += excess
+            del state["history"][:excess]
+    state["manifest_version"] = manifest_version(state)
+
+
+def segments(entries: list) -> int:
+    """How many runs of equal values a field's (sort key, value) list has in sort order.
+
+    The number only grows as entries are added, whatever their order, and it grows
+    whenever the latest value changes — while a later entry repeating the current
+    value leaves it as it is. That makes it a version component that moves exactly
+    when the latest-wins value can have moved (see ``streams.correlate.entities``).
+    """
+    entries.sort()
+    return 1 + sum(1 for a, b in zip(entries, entries[1:]) if a[1] != b[1]) if entries else 0
+
+
+def manifest_version(state: dict) -> int:
+    return sum(segments(entries) for entries in state["fields"].values())
 
 
 def state_as_of(state: dict, at_iso: str) -> str | None:

@@ -20,6 +20,8 @@ routing agent re-keys each event to its entity key on the internal route topic:
 
 from __future__ import annotations
 
+import orjson
+
 
 def entity_key(event) -> str:
     ident = event.identity
@@ -46,3 +48,13 @@ def entity_key(event) -> str:
     if ident.model_name:
         return f"model:{ident.model_name}:{ident.model_version or ''}"
     return f"fp:{ident.alert_fingerprint}"
+
+
+def routed_form(event) -> dict:
+    """A validated event as the JSON-ready dict the correlation stage folds.
+
+    Times come out as ``isoformat()`` strings with an offset (``+00:00``), the format
+    every sort key in streams uses — ``Z``-suffixed times would sort wrongly against
+    them — and values stay plain JSON types.
+    """
+    return orjson.loads(orjson.dumps(event.model_dump()))

@@ -8,14 +8,16 @@ from __future__ import annotations
 import random
 from datetime import datetime, timedelta, timezone
 
-from schemas import AlertEvent, GpuEvent, Identity, ReleaseEvent, SchedulerEvent, Source, make_event_id
+import orjson
+
+from schemas import AlertEvent, CorrelatedEvent, GpuAllocation, GpuEvent, Identity, ReleaseEvent, SchedulerEvent, Source, encode_event, make_event_id
 from schemas.alert import AlertPayload
 from schemas.gpu import GpuPayload
 from schemas.release import ReleasePayload
 from schemas.scheduler import SchedulerPayload
 from streams.correlate.directory import ReleaseDirectory
 from streams.correlate.entities import expire, fold_event, fold_link, new_entity, refresh
-from streams.correlate.routing import entity_key
+from streams.correlate.routing import entity_key, routed_form
 
 T0 = datetime(2026, 11, 1, 8, tzinfo=timezone.utc)
 SRC = Source(collector="test")
@@ -64,6 +66,7 @@ class Driver:
         self.rng = random.Random(seed) if seed is not None else None
         self.park = park
         self.offset = 0
+        self.conflicts = 0
 
     def _state(self, key):
         return self.entities.setdefault(key, new_entity(key))
@@ -71,17 +74,22 @@ class Driver:
     def _apply(self, key: str, msg: dict) -> None:
         state = self._state(key)
         if msg["k"] == "event":
-            fold_event(state, msg["event"], ("raw", 0, msg["offset"]))
+            fold_event(state, routed_form(msg["event"]), ("raw", 0, msg["offset"]))
         elif msg["k"] == "link":
             fold_link(state, msg["from"], msg["link"])
         elif msg["k"] == "expire":
             expire(state, msg["rows"])
         out = refresh(state, self.directory, park=self.park)
-        for row in out.correlated:
+        self.conflicts += out.conflicts
+        for content in out.correlated:
+            row = CorrelatedEvent.model_validate(content)
             prev = self.rows.get(row.correlation_id)
             assert prev is None or row.version > prev.version
             self.rows[row.correlation_id] = row
-        for alloc in out.allocations:
+        for content in out.allocations:
+            alloc = GpuAllocation.model_validate(content)
+            prev = self.allocations.get(alloc.allocation_id)
+            assert prev is None or alloc.version > prev.version
             self.allocations[alloc.allocation_id] = alloc
         for target, link in out.forwards:
             self.queue.append((target, {"k": "link", "from": key, "link": link}))
@@ -120,8 +128,8 @@ class Driver:
         self._drain()
         return self
 
-    def latest(self) -> dict[str, dict]:
-        return {cid: r.model_dump(exclude={"version", "source_offset"}) for cid, r in self.rows.items()}
+    def latest(self, versions: bool = False) -> dict[str, dict]:
+        return {cid: r.model_dump(exclude={"source_offset"} if versions else {"version", "source_offset"}) for cid, r in self.rows.items()}
 
-    def latest_allocations(self) -> dict[str, dict]:
-        return {aid: a.model_dump(exclude={"version"}) for aid, a in self.allocations.items()}
+    def latest_allocations(self, versions: bool = False) -> dict[str, dict]:
+        return {aid: a.model_dump(exclude=set() if versions else {"version"}) for aid, a in self.allocations.items()}

@@ -88,7 +88,7 @@ def test_two_workers_in_one_group_produce_what_one_produces(kafka_bootstrap, cat
     latest: dict[str, CorrelatedEvent] = {}
     while time.monotonic() < deadline:
         latest = {}
-        for msg in read_topic(kafka_bootstrap, catalogue.correlated, min_count=len(want), timeout=10, settle=1.5):
+        for msg in read_topic(kafka_bootstrap, catalogue.run(app_id).correlated, min_count=len(want), timeout=10, settle=1.5):
             row = CorrelatedEvent.model_validate_json(msg.value())
             if row.correlation_id not in latest or row.version > latest[row.correlation_id].version:
                 latest[row.correlation_id] = row

@@ -45,7 +45,7 @@ def publish(bootstrap, cat, events):
 
 def latest(bootstrap, cat) -> dict[str, Violation]:
     out: dict[str, Violation] = {}
-    for msg in read_topic(bootstrap, cat.violations, min_count=1, timeout=5, settle=1.0):
+    for msg in read_topic(bootstrap, cat.run(f"{cat.prefix}-app").violations, min_count=1, timeout=5, settle=1.0):
         v = Violation.model_validate_json(msg.value())
         if v.violation_id not in out or v.version > out[v.violation_id].version:
             out[v.violation_id] = v
@@ -99,18 +99,18 @@ def test_violations_open_close_and_replay_to_the_same_latest_state(kafka_bootstr
     assert retired.identity.release_id == "r-ret" and retired.opened_at == at(90) and retired.closed_at is None
     assert "GPU n1/GPU-RET" in retired.detail
 
-    # A fresh consumer group replays the topics from offset zero and ends with the same
-    # latest violations (read from what the replaying worker appended).
+    # A replay (a fresh app id: its own output topics) reads the raw topics from offset
+    # zero and ends with the same latest violations — versions included.
     live.service.stop(grace=10)
-    want = {vid: v.model_dump(exclude={"version"}) for vid, v in got.items() if not is_withdrawn(v)}
+    want = {vid: v.model_dump() for vid, v in got.items() if not is_withdrawn(v)}
     assert {v["control_id"] for v in want.values()} == {1, 2, 7, 8}
-    mark = end_offsets(kafka_bootstrap, catalogue.violations)
-    worker_factory(catalogue, app_id=f"{catalogue.prefix}-replay", extra_env=FAST)
+    replay_id = f"{catalogue.prefix}-replay"
+    worker_factory(catalogue, app_id=replay_id, extra_env=FAST)
     deadline = time.monotonic() + 90
     replayed: dict[str, dict] = {}
     while time.monotonic() < deadline and replayed != want:
         time.sleep(1)
-        replayed = {vid: v.model_dump(exclude={"version"}) for vid, v in read_from(kafka_bootstrap, catalogue.violations, mark).items()
+        replayed = {vid: v.model_dump() for vid, v in read_from(kafka_bootstrap, catalogue.run(replay_id).violations, dict.fromkeys(range(catalogue.raw_partitions), 0)).items()
                     if not is_withdrawn(v)}
     assert replayed == want
 

@@ -1,0 +1,293 @@
+"""The correlation agents: route raw events to their entities, fold and join them.
+
+Input: the four raw topics (co-partitioned, keyed by the shared correlation key) and
+the run's internal route topic. Output: correlated rows (``<run>.correlated``),
+enriched alerts, GPU allocation intervals, the control inputs (packed on
+``<run>.controls``), links and expiries to other entities (packed on
+``<run>.route``), and dead letters with reason and source offset.
+
+Topology:
+  - ``route_events`` validates each raw record once (pydantic; poison → dead letter),
+    re-keys it to its entity (``routing.entity_key``) and packs it on the route topic,
+    addressed to the entity's partition.
+  - ``correlate_entities`` unpacks routed messages, folds them into the entities of a
+    ``PartitionStore`` (recovered from the run's entity changelog on assignment),
+    re-derives each touched entity once per batch (``entities.refresh``), produces
+    what changed, waits for the acks, then writes the changed states' changelog
+    (``streams/store.py``: state never ahead of outputs).
+  - ``follow_releases`` keeps the ReleaseDirectory (every release, on every worker);
+    ``correlation_housekeeping`` re-attributes the dependents of a changed release and
+    flushes parked rows on an idle source.
+
+Guarantees: at-least-once processing into outputs whose versions are functions of the
+history (``entities``), so re-processing after a crash re-emits identical records.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from collections import defaultdict
+from datetime import datetime, timedelta
+
+import orjson
+
+from schemas import EventDecodeError, decode_event, encode_event
+from schemas.outputs import dead_letter
+from streams.controls.rules import allocation_key, compact_allocation, compact_row, row_key
+from streams.correlate.directory import ReleaseDirectory, follow_release_topic
+from streams.correlate.entities import expire, fold_event, fold_link, new_entity, refresh
+from streams.correlate.routing import entity_key, routed_form
+from streams.packing import Packer, unpack
+from streams.runner import run_batches
+from streams.store import PartitionStore
+
+log = logging.getLogger(__name__)
+
+HOUSEKEEPING_S = 0.5
+
+
+class Runtime:
+    """Per-worker, in-memory indexes over the entity store (rebuilt when a partition loads).
+
+    - ``dependents``: interest key (rid:/digest:/model:...) -> entity keys, so a release
+      change re-attributes exactly the entities that depend on it;
+    - the parking heap: (deadline, entity, row) ordered by event time; rows are expired
+      when the event-time watermark passes their deadline, or all at once when no input
+      arrived for ``idle_flush_s`` (an idle source must not hold rows back forever).
+    """
+
+    def __init__(self, park_ttl: timedelta, idle_flush_s: float) -> None:
+        self.park_ttl = park_ttl
+        self.idle_flush_s = idle_flush_s
+        self.dependents: dict[str, set[str]] = defaultdict(set)
+        self.pending_refresh: set[str] = set()
+        self.watermark: str = ""
+        self.last_input = time.monotonic()
+        self._heap: list[tuple[str, str, str]] = []
+        self._parked: set[tuple[str, str]] = set()
+
+    def index(self, key: str, interests) -> None:
+        for interest in interests:
+            self.dependents[interest].add(key)
+
+    def load(self, _partition: int, states: dict) -> None:
+        for key, state in states.items():
+            self.index(key, state.get("interests", []))
+            for rec in state.get("rows", {}).values():
+                if rec.get("parked"):
+                    self.park(rec["starts_at"] or rec["at"], key, rec["id"])
+
+    def park(self, at_iso: str, key: str, row_id: str) -> None:
+        if (key, row_id) in self._parked:
+            return
+        deadline = (datetime.fromisoformat(at_iso) + self.park_ttl).isoformat()
+        heapq.heappush(self._heap, (deadline, key, row_id))
+        self._parked.add((key, row_id))
+
+    def advance(self, watermark: str) -> None:
+        if watermark > self.watermark:
+            self.watermark = watermark
+
+    def idle(self) -> bool:
+        return bool(self._heap) and time.monotonic() - self.last_input >= self.idle_flush_s
+
+    def due(self, flush_all: bool = False) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = defaultdict(list)
+        while self._heap and (flush_all or self._heap[0][0] <= self.watermark):
+            _deadline, key, row_id = heapq.heappop(self._heap)
+            self._parked.discard((key, row_id))
+            out[key].append(row_id)
+        return dict(out)
+
+    def parked_count(self) -> int:
+        return len(self._heap)
+
+
+class Correlator:
+    """The batch logic of both correlation agents, driven by Faust or by a test."""
+
+    def __init__(self, ctx) -> None:
+        self.ctx = ctx
+        run = ctx.run
+        self.directory: ReleaseDirectory = ctx.directory
+        self.runtime = Runtime(timedelta(seconds=ctx.settings.streams.park_ttl_s), ctx.settings.streams.park_idle_flush_s)
+        self.store = PartitionStore("entities", run.entities_changelog, ctx.consumer_config, on_load=self.runtime.load)
+        self.route = Packer(run.route, run.partitions)
+        self.controls = Packer(run.controls, run.partitions)
+        self.counters = ctx.counters("streams.correlate")
+        self.stats = ctx.stats
+        for name in ("routed", "correlated_in", "correlated_out", "conflicts", "parked", "entities"):
+            self.stats.setdefault(name, 0)
+
+    # --- route ------------------------------------------------------------------------
+    async def route_batch(self, events: list) -> None:
+        out, run = self.ctx.output, self.ctx.run
+        self.counters.add_received(len(events))
+        for ev in events:
+            msg = ev.message
+            try:
+                event = decode_event(msg.value)
+                key = entity_key(event)
+            except EventDecodeError as exc:
+                self._dead(exc.reason, str(exc), "streams.route_events", msg)
+                continue
+            src = [msg.topic, msg.partition, msg.offset]
+            self.route.add(key, {"k": "event", "src": src, "event": routed_form(event)}, source=tuple(src))
+        self.route.drain_into(out)
+        await out.flush()
+        self.stats["routed"] += len(events)
+        self.runtime.last_input = time.monotonic()
+
+    # --- correlate ----------------------------------------------------------------------
+    async def correlate_batch(self, events: list) -> None:
+        out = self.ctx.output
+        messages = []
+        for ev in events:
+            msg = ev.message
+            for key, body in unpack(msg.value):
+                messages.append((msg.partition, key, body))
+        await self.store.ensure({p for p, _, _ in messages})
+        touched: dict[str, tuple[int, dict]] = {}
+        watermark = None
+        n_in = 0
+        for p, key, body in messages:
+            kind = body["k"]
+            state = touched[key][1] if key in touched else self.store.get(p, key)
+            if state is None:
+                if kind in ("refresh", "expire"):
+                    continue
+                state = new_entity(key)
+            if kind == "event":
+                n_in += 1
+                if fold_event(state, body["event"], tuple(body["src"])):
+                    at = body["event"]["occurred_at"]
+                    watermark = at if watermark is None or at > watermark else watermark
+            elif kind == "link":
+                fold_link(state, body["from"], body["link"])
+            elif kind == "expire":
+                expire(state, body["rows"])
+            # "refresh": nothing to fold; the entity is re-derived below
+            touched[key] = (p, state)
+        n_out = 0
+        for key, (p, state) in touched.items():
+            outcome = refresh(state, self.directory)
+            self.store.put(p, key, state)
+            self.runtime.index(key, state["interests"])
+            for at_iso, row_id in outcome.parked:
+                self.runtime.park(at_iso, key, row_id)
+            self._emit(key, outcome)
+            n_out += len(outcome.correlated)
+            self.stats["conflicts"] += outcome.conflicts
+        if watermark is not None:
+            self.runtime.advance(watermark)
+        for target, rows in self.runtime.due().items():
+            self.route.add(target, {"k": "expire", "rows": rows})
+        self.route.drain_into(out)
+        self.controls.drain_into(out)
+        await out.flush()
+        self.store.write_changes(out)
+        await out.flush()
+        self.stats["correlated_in"] += n_in
+        self.stats["correlated_out"] += n_out
+        self.stats["parked"] = self.runtime.parked_count()
+        self.stats["entities"] = len(self.store)
+        self.counters.add_sent(n_out)
+        if touched:
+            log.info("correlated %d message(s) for %d entit(ies) into %d row(s)", len(messages), len(touched), n_out)
+
+    def _emit(self, key: str, outcome) -> None:
+        out, run = self.ctx.output, self.ctx.run
+        for row in outcome.correlated:
+            src = (row["source_topic"], row["source_partition"], row["source_offset"])
+            value = orjson.dumps(row)
+            ident = row["identity"]
+            out.produce(run.correlated, (ident.get("release_id") or row["correlation_id"]).encode(), value, source=src)
+            if row["event_type"].startswith("alert."):
+                out.produce(run.enriched_alerts, (ident.get("alert_fingerprint") or row["correlation_id"]).encode(), value, source=src)
+            compact = compact_row(row)
+            if compact is not None:
+                self.controls.add(row_key(compact), {"k": "row", "row": compact}, source=src)
+        for alloc in outcome.allocations:
+            out.produce(run.allocations, f"{alloc['node']}/{alloc['gpu_id']}".encode(), orjson.dumps(alloc))
+            compact = compact_allocation(alloc)
+            self.controls.add(allocation_key(compact), {"k": "row", "row": compact})
+        for target, link in outcome.forwards:
+            self.route.add(target, {"k": "link", "from": key, "link": link})
+
+    # --- failure handling ---------------------------------------------------------------
+    async def reset(self, events: list) -> None:
+        """Forget the in-memory state of the batch's partitions: reload it from the
+        changelog (what is durable is consistent with what was acknowledged)."""
+        self.route.drain_into(_Discard())
+        self.controls.drain_into(_Discard())
+        parts = {ev.message.partition for ev in events if ev.message.topic == self.ctx.run.route}
+        self.store.drop(parts)
+
+    async def dead(self, event, exc: BaseException) -> None:
+        self._dead("processing_error", f"{type(exc).__name__}: {exc}", f"streams.{'correlate_entities' if event.message.topic == self.ctx.run.route else 'route_events'}",
+                   event.message)
+        await self.ctx.output.flush()
+
+    def _dead(self, reason: str, error: str, stage: str, msg) -> None:
+        letter = dead_letter(reason, error, stage, msg.topic, msg.partition, msg.offset, msg.key, msg.value)
+        self.ctx.output.produce(self.ctx.run.deadletter, msg.key, encode_event(letter))
+        self.counters.add_rejected(reason)
+        self.stats["dead_letters"] = self.stats.get("dead_letters", 0) + 1
+
+    # --- housekeeping -------------------------------------------------------------------
+    async def housekeeping(self) -> None:
+        """Re-attribute dependents of changed releases; idle flush of parked rows."""
+        if not self.directory.ready.is_set():
+            return
+        # Dependents are indexed as partitions load: load every assigned one before a
+        # release change is matched against them (else the change would find nobody).
+        await self.store.ensure(self.ctx.assigned(self.ctx.run.route))
+        targets: set[str] = set()
+        if self.runtime.pending_refresh:
+            changed, self.runtime.pending_refresh = self.runtime.pending_refresh, set()
+            for interest in changed:
+                targets.update(self.runtime.dependents.get(interest, ()))
+        for key in sorted(targets):
+            self.route.add(key, {"k": "refresh"})
+        if self.runtime.idle():
+            for target, rows in self.runtime.due(flush_all=True).items():
+                self.route.add(target, {"k": "expire", "rows": rows})
+        if self.route.pending():
+            self.route.drain_into(self.ctx.output)
+            await self.ctx.output.flush()
+
+
+class _Discard:
+    def produce(self, *args, **kwargs) -> None:
+        pass
+
+
+def install_correlate_agents(app, ctx, raw_topic, route_topic) -> Correlator:
+    corr = Correlator(ctx)
+    ctx.correlator = corr
+
+    @app.agent(raw_topic, name="route_events")
+    async def route_events(stream):
+        """Decode raw events, dead-letter poison, re-key each event to its entity."""
+        await run_batches(stream, "route_events", corr.route_batch, corr.reset, corr.dead)
+
+    @app.agent(route_topic, name="correlate_entities")
+    async def correlate_entities(stream):
+        """Fold routed messages into entity state; emit rows, allocations, links, control inputs."""
+        await corr.directory.ready.wait()
+        await run_batches(stream, "correlate_entities", corr.correlate_batch, corr.reset, corr.dead)
+
+    @app.task
+    async def follow_releases():
+        await follow_release_topic(ctx.bootstrap, ctx.catalogue.release, corr.directory, lambda keys: corr.runtime.pending_refresh.update(keys),
+                                   client_config=ctx.settings.kafka.aiokafka_config())
+
+    @app.timer(interval=HOUSEKEEPING_S)
+    async def correlation_housekeeping():
+        if app.rebalancing:
+            return
+        await corr.housekeeping()
+
+    return corr

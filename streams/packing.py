@@ -1,0 +1,78 @@
+"""Packed messages on the internal topics: many (key, body) messages per Kafka record.
+
+Input: ``Packer.add(key, body, source)`` during a batch. Output: at most a few records
+per partition per batch on an internal topic (route or controls), each a JSON list
+of ``[key, body]`` pairs addressed to the partition that owns ``key``.
+
+Why: every input event used to cost a Kafka record per hop (route, links, control
+rows); one worker's profile was dominated by per-record produce and consume work.
+A packed record is decoded once and its messages are processed in order, so the
+per-key order of messages is the order they were added in, as with one record each.
+
+Partitioning: ``partition_for`` is Kafka's default partitioner (murmur2 of the key,
+positive, modulo the partition count — aiokafka's implementation), so a key's state
+lives on the same partition number on every internal topic and changelog.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import orjson
+from aiokafka.partitioner import murmur2
+
+MAX_PACK_BYTES = 256 * 1024
+
+
+def partition_for(key: str, partitions: int) -> int:
+    return (murmur2(key.encode()) & 0x7FFFFFFF) % partitions
+
+
+class Packer:
+    def __init__(self, topic: str, partitions: int, max_bytes: int = MAX_PACK_BYTES) -> None:
+        self.topic = topic
+        self.partitions = partitions
+        self.max_bytes = max_bytes
+        self._parts: dict[int, list[bytes]] = defaultdict(list)
+        self._sizes: dict[int, int] = defaultdict(int)
+        self._sources: dict[int, tuple | None] = {}
+        self.messages = 0
+
+    def add(self, key: str, body: dict, source: tuple | None = None) -> int:
+        """Queue one message for ``key``; return its partition."""
+        p = partition_for(key, self.partitions)
+        item = orjson.dumps([key, body])
+        self._parts[p].append(item)
+        self._sizes[p] += len(item) + 1
+        self._sources.setdefault(p, source)
+        self.messages += 1
+        return p
+
+    def pending(self) -> int:
+        return sum(len(v) for v in self._parts.values())
+
+    def drain_into(self, output) -> int:
+        """Produce the queued messages as packed records; return how many records."""
+        n = 0
+        for p, items in sorted(self._parts.items()):
+            chunk: list[bytes] = []
+            size = 0
+            for item in items:
+                if chunk and size + len(item) > self.max_bytes:
+                    output.produce(self.topic, None, b"[" + b",".join(chunk) + b"]", partition=p, source=self._sources.get(p))
+                    n += 1
+                    chunk, size = [], 0
+                chunk.append(item)
+                size += len(item) + 1
+            if chunk:
+                output.produce(self.topic, None, b"[" + b",".join(chunk) + b"]", partition=p, source=self._sources.get(p))
+                n += 1
+        self._parts.clear()
+        self._sizes.clear()
+        self._sources.clear()
+        return n
+
+
+def unpack(value: bytes) -> list[tuple[str, dict]]:
+    """The (key, body) messages of one packed record, in order."""
+    return [(key, body) for key, body in orjson.loads(value)]
