@@ -58,6 +58,19 @@ class WorkerContext:
         self.correlator = None
         self.controller = None
         self.app = None
+        spec = settings.streams.fault
+        self._fault = [*spec.split(":")[:2], int(spec.split(":")[2])] if spec else None
+
+    def fault(self, stage: str, point: str) -> None:
+        """Fault injection (``GPULEDGER_STREAMS_FAULT``): end the process at once, as a
+        kill -9 would, the Nth time ``stage`` reaches ``point``."""
+        if self._fault is None or tuple(self._fault[:2]) != (stage, point):
+            return
+        self._fault[2] -= 1
+        if self._fault[2] == 0:
+            log.critical("fault injection: exiting at %s:%s", stage, point)
+            logging.shutdown()
+            os._exit(137)
 
     def assigned(self, topic: str) -> set[int]:
         """The partitions of ``topic`` assigned to this worker right now."""

@@ -178,10 +178,13 @@ class Controller:
             n_out += len(outcome.violations)
         for key in self.runtime.due():
             self.packer.add(key, {"k": "tick"})
+        self.ctx.fault("controls", "before_outputs")
         self.packer.drain_into(out)
         await out.flush()
+        self.ctx.fault("controls", "after_outputs")
         self.store.write_changes(out)
         await out.flush()
+        self.ctx.fault("controls", "after_changelog")
         self.stats["controls_in"] += len(messages)
         self.stats["violations_out"] += n_out
         self.stats["controls_keys"] = len(self.store)

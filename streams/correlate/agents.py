@@ -184,11 +184,14 @@ class Correlator:
             self.runtime.advance(watermark)
         for target, rows in self.runtime.due().items():
             self.route.add(target, {"k": "expire", "rows": rows})
+        self.ctx.fault("correlate", "before_outputs")
         self.route.drain_into(out)
         self.controls.drain_into(out)
         await out.flush()
+        self.ctx.fault("correlate", "after_outputs")
         self.store.write_changes(out)
         await out.flush()
+        self.ctx.fault("correlate", "after_changelog")
         self.stats["correlated_in"] += n_in
         self.stats["correlated_out"] += n_out
         self.stats["parked"] = self.runtime.parked_count()

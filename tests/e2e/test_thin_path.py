@@ -74,7 +74,7 @@ def test_release_and_alert_are_joined_and_stored(kafka_bootstrap, catalogue, wor
     assert cli["release"]["model_version"] == "7" and cli["release"]["artifact_digest"] == MANIFEST.artifact_digest
 
     # Enriched alerts reach alert-routing consumers with the release manifest.
-    enriched = read_topic(kafka_bootstrap, catalogue.enriched_alerts, min_count=1)
+    enriched = read_topic(kafka_bootstrap, catalogue.run(f"{catalogue.prefix}-app").enriched_alerts, min_count=1)
     latest = json.loads(enriched[-1].value())
     assert latest["identity"]["owner"] == MANIFEST.owner and latest["identity"]["release_id"] == RELEASE_ID
 
@@ -110,7 +110,7 @@ def test_poison_records_go_to_dead_letters_and_the_worker_keeps_going(kafka_boot
     # The good events after the poison were still correlated.
     wait_rows(worker.reader, "SELECT correlation_id FROM gpuledger.correlated_events FINAL WHERE release_id = {rid:String}",
               {"rid": RELEASE_ID}, lambda rows: len(rows) == 4)
-    dl_topic = read_topic(kafka_bootstrap, catalogue.deadletter, min_count=4)
+    dl_topic = read_topic(kafka_bootstrap, catalogue.run(f"{catalogue.prefix}-app").deadletter, min_count=4)
     assert len(dl_topic) == 4
     assert worker.service.alive()
 

@@ -67,11 +67,11 @@ def test_sink_agents_store_every_output_once_through_a_real_worker(kafka_bootstr
     correlated, allocations, raw = inc.correlated_rows(), inc.allocation_rows(), _raw_events()
     for _round in range(2):  # the second round is a re-delivery of the same records
         for row in correlated:
-            pub.publish_raw(catalogue.correlated, (row.identity.release_id or row.correlation_id).encode(), encode_event(row))
+            pub.publish_raw(catalogue.run(f"{catalogue.prefix}-app").correlated, (row.identity.release_id or row.correlation_id).encode(), encode_event(row))
         for alloc in allocations:
-            pub.publish_raw(catalogue.allocations, f"{alloc.node}/{alloc.gpu_id}".encode(), encode_event(alloc))
+            pub.publish_raw(catalogue.run(f"{catalogue.prefix}-app").allocations, f"{alloc.node}/{alloc.gpu_id}".encode(), encode_event(alloc))
         pub.publish_batch(raw)
-    pub.publish_raw(catalogue.correlated, b"k", b'{"not": "a correlated event"}')
+    pub.publish_raw(catalogue.run(f"{catalogue.prefix}-app").correlated, b"k", b'{"not": "a correlated event"}')
     pub.publish_raw(catalogue.release, b"k", b"not json either")
 
     # What the sink must hold: exactly what writing the incident directly holds.
