@@ -9,16 +9,25 @@ Batches close at ``GPULEDGER_CLICKHOUSE_BATCH_ROWS`` records or after
 ``GPULEDGER_CLICKHOUSE_BATCH_SECONDS``, whichever comes first.
 
 Guarantees: ``take_events`` acks a batch's offsets only after the body returned, and
-the body returns only after every insert of the batch succeeded (``TableWriter.write``
-retries with back-off, reconnecting through one shared ``StoreConnection``) — so while
-ClickHouse is down the agents stop consuming, and a crash re-delivers into idempotent
-tables. The batch logic lives in ``SinkWriters`` (plain async methods) so it can be
-driven without Faust.
+the body returns only after every row of the batch was stored or rejected
+(``TableWriter.write`` retries retriable failures with back-off, reconnecting through
+one shared ``StoreConnection``) — so while ClickHouse is down the agents stop
+consuming, and a crash re-delivers into idempotent tables. A row ClickHouse rejects
+for its content does not stall its table: it is handed to ``on_rejected`` as a
+``RejectedRow`` naming the Kafka record it came from, and the agents send it to the
+dead-letter topic (reason ``store_rejected``, stage ``sinks.<table>``, the error and
+a hint). Rejected rows of ``dead_letters`` itself are logged at ERROR and dropped: a
+dead letter about a dead letter would come back to the same table. The batch logic
+lives in ``SinkWriters`` (plain async methods) so it can be driven without Faust.
+
+Limits: the dead letters of rejected rows are sent with the agent's ``send_dead``
+(Faust's producer), which the batch's ack does not wait for.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable, Sequence
 
 from gpuledger.telemetry import ComponentCounters
 from schemas import CorrelatedEvent, DeadLetter, GpuAllocation, Violation
@@ -30,12 +39,12 @@ from sinks.correlated import (
     ENRICHED_ALERT_COLUMNS,
     RELEASE_HISTORY_COLUMNS,
     WORKLOAD_TIMELINE_COLUMNS,
-    TableWriter,
     dead_letter_rows,
     family_rows,
 )
 from sinks.migrations import table_name
 from sinks.raw import RAW_EVENT_COLUMNS, NotAnEnvelope, raw_event_row
+from sinks.writer import RecordSource, RejectedRow, TableWriter
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +58,26 @@ CORRELATED_FAMILY = {
 }
 
 
+#: What SinkWriters does with a row the store rejected (e.g. send its dead letter).
+OnRejected = Callable[[RejectedRow], Awaitable[None]]
+Sources = Sequence[RecordSource | None] | None
+
+
 class SinkWriters:
-    """One TableWriter per table over one shared (lazy) store connection."""
+    """One TableWriter per table over one shared (lazy) store connection.
+
+    Each ``store_*`` method takes a batch and, optionally, ``sources``: the Kafka record
+    of each batch item (same length), so a rejected row's dead letter names its topic,
+    partition and offset. It returns the rows the store rejected, after awaiting
+    ``on_rejected`` for each (not for ``dead_letters`` rows: those are logged, see the
+    module header).
+    """
 
     def __init__(self, store, database: str, cluster: str | None = None, max_backoff_s: float = 10.0,
-                 initial_backoff_s: float = 0.2) -> None:
+                 initial_backoff_s: float = 0.2, on_rejected: OnRejected | None = None) -> None:
         self.store = StoreConnection.of(store)
         self.counters = ComponentCounters("sinks")
+        self.on_rejected = on_rejected
         insert_settings = {"insert_distributed_sync": 1} if cluster else None
 
         def writer(table: str, columns) -> TableWriter:
@@ -68,39 +90,61 @@ class SinkWriters:
         self.writers["dead_letters"] = writer("dead_letters", DEAD_LETTER_COLUMNS)
         self.writers["violations"] = writer("violations", VIOLATION_COLUMNS)
 
-    async def store_correlated(self, batch: list[CorrelatedEvent]) -> None:
-        rows = family_rows(batch, self.counters)
+    async def _write(self, table: str, rows: list[list], sources: Sources) -> list[RejectedRow]:
+        rejected = await self.writers[table].write(rows, sources)
+        if rejected and table == "dead_letters":
+            log.error("%d dead letter(s) rejected by %s and dropped (first: %s[%s]@%s: %s)", len(rejected),
+                      self.writers[table].table, *_coordinates(rejected[0]), rejected[0].error)
+        elif self.on_rejected is not None:
+            for row in rejected:
+                await self.on_rejected(row)
+        return rejected
+
+    async def store_correlated(self, batch: list[CorrelatedEvent], sources: Sources = None) -> list[RejectedRow]:
+        """Source of truth first, then the derived tables (see CORRELATED_FAMILY)."""
+        routed, rejected = family_rows(batch, self.counters), []
         for table in CORRELATED_FAMILY:
-            await self.writers[table].write(rows[table])
+            rows, index = routed[table]
+            rejected += await self._write(table, rows, None if sources is None else [sources[i] for i in index])
+        return rejected
 
-    async def store_allocations(self, batch: list[GpuAllocation]) -> None:
-        await self.writers["gpu_allocations"].write(allocation_rows(batch))
+    async def store_allocations(self, batch: list[GpuAllocation], sources: Sources = None) -> list[RejectedRow]:
+        return await self._write("gpu_allocations", allocation_rows(batch), sources)
 
-    async def store_violations(self, batch: list[Violation]) -> None:
-        await self.writers["violations"].write(violation_rows(batch))
+    async def store_violations(self, batch: list[Violation], sources: Sources = None) -> list[RejectedRow]:
+        return await self._write("violations", violation_rows(batch), sources)
 
-    async def store_dead_letters(self, batch: list[DeadLetter]) -> None:
-        await self.writers["dead_letters"].write(dead_letter_rows(batch))
+    async def store_dead_letters(self, batch: list[DeadLetter], sources: Sources = None) -> list[RejectedRow]:
+        return await self._write("dead_letters", dead_letter_rows(batch), sources)
 
     async def store_raw(self, records: list[tuple[bytes, str, int, int]]) -> int:
-        """Insert raw records (value, topic, partition, offset); return how many were skipped."""
-        rows, skipped = [], 0
+        """Insert raw records (value, topic, partition, offset); return how many were skipped
+        (not envelopes). Rows the store rejects go to ``on_rejected`` like any other."""
+        rows, sources, skipped = [], [], 0
         for value, topic, partition, offset in records:
             try:
                 rows.append(raw_event_row(value, topic, partition, offset))
+                sources.append(RecordSource(topic, partition, offset, None, value if isinstance(value, bytes) else value.encode()))
             except NotAnEnvelope:
                 skipped += 1  # already dead-lettered by the correlate stage, with the reason
         if skipped:
             self.counters.add_rejected("not_an_envelope", skipped)
-        await self.writers["raw_events"].write(rows)
+        await self._write("raw_events", rows, sources)
         return skipped
+
+
+def _coordinates(row: RejectedRow) -> tuple:
+    return (row.source.topic, row.source.partition, row.source.offset) if row.source else ("?", "?", "?")
 
 
 def install_sink_agents(app, settings, client, topics: dict, ctx) -> SinkWriters:
     """Register the sink agents on ``app``. ``topics`` maps role -> faust topic
     (correlated, deadletter, allocations, raw; violations when present). ``client`` is
-    an open client or a ``StoreConnection``; ``ctx`` the worker's context (its one
-    producer writes the dead letters, its stats count what was stored)."""
+    an open client or a ``StoreConnection`` — for a worker that must start while
+    ClickHouse is down, ``sinks.clickhouse.migrated_store(...)`` (lazy; migrates and
+    applies the TTL on connect). ``ctx`` is the worker's context: its one producer
+    writes the dead letters (acknowledged before the batch is acked; rows the store
+    rejects go there too), its stats count what was stored."""
     from schemas import encode_event
     from schemas.outputs import dead_letter
     from sinks.migrations import apply_ttl
@@ -115,47 +159,55 @@ def install_sink_agents(app, settings, client, topics: dict, ctx) -> SinkWriters
     store = StoreConnection.of(client)
     if store.connected:
         # Retention is configuration: keep it in step at every start (a no-op when unchanged).
+        # A lazy store does this in its on_connect (migrated_store).
         apply_ttl(store.get(), db, conf.ttl_days, conf.cluster)
-    sinks = SinkWriters(store, db, conf.cluster)
-    ctx.sinks = sinks
     stats = ctx.stats
-    for key in ("stored", "allocations_stored", "raw_stored", "raw_skipped", "violations_stored"):
+    for key in ("stored", "allocations_stored", "raw_stored", "raw_skipped", "violations_stored", "store_rejected"):
         stats.setdefault(key, 0)
 
-    async def decode_all(events, model, stage: str) -> list:
-        batch = []
+    async def dead_letter_rejected(row: RejectedRow) -> None:
+        stats["store_rejected"] += 1
+        await send_dead(row.dead_letter(), row.source.key if row.source else None)
+
+    sinks = SinkWriters(store, db, conf.cluster, on_rejected=dead_letter_rejected)
+    ctx.sinks = sinks
+
+    async def decode_all(events, model, stage: str) -> tuple[list, list[RecordSource]]:
+        batch, sources = [], []
         for ev in events:
             try:
                 batch.append(model.model_validate_json(ev.message.value))
+                sources.append(RecordSource.of(ev.message))
             except Exception as exc:  # noqa: BLE001 - keep the sink going; the record is dead-lettered
                 msg = ev.message
                 await send_dead(dead_letter("validation", str(exc), stage, msg.topic, msg.partition, msg.offset, msg.key, msg.value), msg.key)
-        return batch
+        return batch, sources
 
     @app.agent(topics["correlated"], name="store_correlated")
     async def store_correlated(stream):
         async for events in stream.take_events(rows_max, within=within):
-            batch = await decode_all(events, CorrelatedEvent, "sinks.store_correlated")
-            await sinks.store_correlated(batch)
+            batch, sources = await decode_all(events, CorrelatedEvent, "sinks.store_correlated")
+            await sinks.store_correlated(batch, sources)
             stats["stored"] += len(batch)
 
     @app.agent(topics["deadletter"], name="store_dead_letters")
     async def store_dead_letters(stream):
         async for events in stream.take_events(rows_max, within=within):
-            batch = []
+            batch, sources = [], []
             for ev in events:
                 try:
                     batch.append(DeadLetter.model_validate_json(ev.message.value))
+                    sources.append(RecordSource.of(ev.message))
                 except Exception:  # noqa: BLE001 - a dead letter about a dead letter would loop
                     log.error("unreadable dead letter at %s[%d]@%d skipped", ev.message.topic, ev.message.partition, ev.message.offset)
-            await sinks.store_dead_letters(batch)
+            await sinks.store_dead_letters(batch, sources)
 
     if "allocations" in topics:
         @app.agent(topics["allocations"], name="store_allocations")
         async def store_allocations(stream):
             async for events in stream.take_events(rows_max, within=within):
-                batch = await decode_all(events, GpuAllocation, "sinks.store_allocations")
-                await sinks.store_allocations(batch)
+                batch, sources = await decode_all(events, GpuAllocation, "sinks.store_allocations")
+                await sinks.store_allocations(batch, sources)
                 stats["allocations_stored"] += len(batch)
 
     if "raw" in topics:
@@ -171,8 +223,8 @@ def install_sink_agents(app, settings, client, topics: dict, ctx) -> SinkWriters
         @app.agent(topics["violations"], name="store_violations")
         async def store_violations(stream):
             async for events in stream.take_events(rows_max, within=within):
-                batch = await decode_all(events, Violation, "sinks.store_violations")
-                await sinks.store_violations(batch)
+                batch, sources = await decode_all(events, Violation, "sinks.store_violations")
+                await sinks.store_violations(batch, sources)
                 stats["violations_stored"] += len(batch)
 
     return sinks

@@ -10,7 +10,16 @@ and everyone else reads through the owner's loopback query endpoint (see
 ``StoreConnection`` is the lazy form the sink writers use: it connects on first use
 and, while the store cannot be reached (server down, chDB directory locked by another
 process), raises ``StoreUnavailable``/``StoreLocked`` so the writer backs off and asks
-again — the same on both kinds of DSN.
+again — the same on both kinds of DSN. Connect failures are logged per state change
+(``sinks/retry.py``: one WARNING, a summary a minute, one INFO on recovery).
+``migrated_store`` is the worker's form: lazy, migrating each new client before use, so
+a worker starts while ClickHouse is down and catches up when it returns.
+
+The drivers log every failed attempt themselves (urllib3's "Retrying ...",
+clickhouse-connect's "Unexpected Http Driver Exception", and an ERROR with a traceback
+for a value it cannot serialize). Inside a sink call (``driver_call``) those records are
+demoted to DEBUG — the sink reports the failure itself, once per state change — and a
+serialization failure is remembered so the writer can name the column.
 """
 
 from __future__ import annotations
@@ -19,7 +28,10 @@ import errno
 import fcntl
 import logging
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -27,8 +39,61 @@ import clickhouse_connect
 from clickhouse_connect.driver.client import Client
 
 from sinks.errors import StoreLocked, StoreUnavailable
+from sinks.migrations import migrate
+from sinks.retry import OutageLog
 
 log = logging.getLogger(__name__)
+
+#: Driver loggers that report each failed attempt (see the module header).
+DRIVER_LOGGERS = ("urllib3.connectionpool", "clickhouse_connect.driver._backend.http_sync",
+                  "clickhouse_connect.driver.httpclient", "clickhouse_connect.driver.transform")
+
+
+@dataclass
+class DriverReport:
+    """What the driver said during one sink call: the column it could not serialize."""
+
+    serialization_failed: bool = False
+    column: str = ""
+
+
+class _SinkCallFilter(logging.Filter):
+    """Demote driver records to DEBUG while the current thread is inside ``driver_call``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.local = threading.local()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        report: DriverReport | None = getattr(self.local, "report", None)
+        if report is None:
+            return True
+        if record.name.endswith(".transform") and str(record.msg).startswith("Error serializing column"):
+            report.serialization_failed = True
+            args = record.args if isinstance(record.args, tuple) else ()
+            report.column = f"column `{args[0]}` of type {args[1]}" if len(args) >= 2 else ""
+        if record.levelno > logging.DEBUG:
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            record.exc_info = record.exc_text = None  # the traceback is the sink's to report
+        return True
+
+
+_FILTER = _SinkCallFilter()
+for _name in DRIVER_LOGGERS:
+    logging.getLogger(_name).addFilter(_FILTER)
+
+
+@contextmanager
+def driver_call() -> Iterator[DriverReport]:
+    """Run driver calls of a sink in this block (one thread): their per-attempt log records
+    are demoted to DEBUG, and a serialization failure is reported back."""
+    outer = getattr(_FILTER.local, "report", None)
+    report = DriverReport()
+    _FILTER.local.report = report
+    try:
+        yield report
+    finally:
+        _FILTER.local.report = outer
 
 
 def is_embedded(dsn: str) -> bool:
@@ -102,13 +167,15 @@ class StoreConnection:
     """
 
     def __init__(self, factory: Callable[[], Client], on_connect: Callable[[Client], None] | None = None,
-                 description: str = "ClickHouse") -> None:
+                 description: str = "ClickHouse", summary_every_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._factory = factory
         self._on_connect = on_connect
         self._client: Client | None = None
         self._lock = threading.Lock()
         self.description = description
         self.connect_attempts = 0
+        self.outage = OutageLog(log, f"connecting to {description}", summary_every_s, clock)
 
     @classmethod
     def from_dsn(cls, dsn: str, database: str, on_connect: Callable[[Client], None] | None = None) -> StoreConnection:
@@ -133,13 +200,30 @@ class StoreConnection:
                 return self._client
             self.connect_attempts += 1
             try:
-                client = self._factory()
-                if self._on_connect is not None:
-                    self._on_connect(client)
-            except (StoreUnavailable, StoreLocked):
+                with driver_call():
+                    client = self._factory()
+                    if self._on_connect is not None:
+                        self._on_connect(client)
+            except StoreUnavailable as exc:  # StoreLocked too
+                self.outage.failed(exc)
                 raise
             except Exception as exc:  # noqa: BLE001 - a factory may raise driver errors directly
+                self.outage.failed(exc)
                 raise StoreUnavailable(f"cannot connect to {self.description}: {exc}") from exc
             self._client = client
-            log.info("connected to %s", self.description)
+            if not self.outage.succeeded():
+                log.info("connected to %s", self.description)
             return client
+
+
+def migrated_store(dsn: str, database: str, cluster: str | None = None, ttl_days: int | None = None) -> StoreConnection:
+    """The worker's store: a lazy ``StoreConnection`` on ``dsn`` that runs the migrations
+    and applies the retention TTL on every new client before anyone uses it.
+
+    Nothing is opened here, so a worker can start while ClickHouse is down (or the chDB
+    directory is held): the first write connects, migrates, and the writers catch up.
+    """
+    def on_connect(client: Client) -> None:
+        migrate(client, database, cluster, ttl_days)  # also applies (or removes) the TTL
+
+    return StoreConnection.from_dsn(dsn, database, on_connect=on_connect)

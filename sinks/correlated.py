@@ -5,23 +5,16 @@ Output: one columnar insert per table per batch into ``correlated_events`` (ever
 row: the source of truth) and, by event family, ``release_history`` (release.*),
 ``workload_timeline`` (scheduler.* rows whose workload is known) and
 ``enriched_alerts`` (alert.*), with the payload's fields as typed columns.
-Guarantees: ``TableWriter.write`` retries with capped back-off until the insert
-succeeds, so the caller (a Faust agent using ``take_events``) acks the batch's
-offsets only after the rows are stored — at-least-once into ReplacingMergeTree tables
-keyed by row identity is effectively once. While ClickHouse is down (or the chDB
-directory is locked by another process) the caller is blocked here, so consumption
-stops and nothing is lost; the writer reconnects through its ``StoreConnection``.
+The rows are inserted by ``sinks/writer.py`` (``TableWriter``: held while the store is
+unavailable, rejected rows split off and dead-lettered), driven by ``sinks/agents.py``.
+Guarantees: rows are pure functions of their event, so a re-delivered event yields the
+same rows, which the ReplacingMergeTree keys collapse.
 Limits: a payload that is not the JSON its family expects still yields its rows, with
-the typed columns empty (counted as ``payload_unparsed``). A batch ClickHouse rejects
-for its content (not for being unreachable) is retried forever too — no row is ever
-dropped by the sink; the ERROR log names the table and the error.
+the typed columns empty (counted as ``payload_unparsed``).
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
 
@@ -29,10 +22,6 @@ import orjson
 
 from gpuledger.telemetry import ComponentCounters
 from schemas.outputs import CorrelatedEvent, DeadLetter
-from sinks.clickhouse import StoreConnection
-from sinks.errors import SinkError, StoreUnavailable
-
-log = logging.getLogger(__name__)
 
 IDENTITY_FIELDS = (
     "release_id", "model_name", "model_version", "artifact_digest", "image_digest", "config_digest", "dataset_ref",
@@ -173,78 +162,31 @@ def enriched_alert_row(ev: CorrelatedEvent, counters: ComponentCounters | None =
     ]
 
 
-def family_rows(batch: Sequence[CorrelatedEvent], counters: ComponentCounters | None = None) -> dict[str, list[list]]:
-    """Split a correlated batch into the rows of every table it feeds.
+def family_rows(batch: Sequence[CorrelatedEvent],
+                counters: ComponentCounters | None = None) -> dict[str, tuple[list[list], list[int]]]:
+    """Split a correlated batch into the rows of every table it feeds: per table, the
+    rows and, for each row, the index of its event in ``batch`` (so the writer can name
+    the record a rejected row came from).
 
     Scheduler rows go to ``workload_timeline`` only once their workload is known: the
     table is keyed by workload_id, and a row that later gains one would otherwise stay
     behind under the empty key (see sinks/migrations.py).
     """
-    out: dict[str, list[list]] = {"correlated_events": correlated_rows(batch), "release_history": [], "workload_timeline": [],
-                                  "enriched_alerts": []}
-    for ev in batch:
+    out: dict[str, tuple[list[list], list[int]]] = {
+        "correlated_events": (correlated_rows(batch), list(range(len(batch)))),
+        "release_history": ([], []), "workload_timeline": ([], []), "enriched_alerts": ([], []),
+    }
+
+    def add(table: str, row: list, index: int) -> None:
+        out[table][0].append(row)
+        out[table][1].append(index)
+
+    for i, ev in enumerate(batch):
         family = ev.event_type.split(".", 1)[0]
         if family == "release" and ev.identity.release_id:
-            out["release_history"].append(release_history_row(ev, counters))
+            add("release_history", release_history_row(ev, counters), i)
         elif family == "scheduler" and ev.identity.workload_id:
-            out["workload_timeline"].append(workload_timeline_row(ev, counters))
+            add("workload_timeline", workload_timeline_row(ev, counters), i)
         elif family == "alert" and ev.identity.alert_fingerprint:
-            out["enriched_alerts"].append(enriched_alert_row(ev, counters))
+            add("enriched_alerts", enriched_alert_row(ev, counters), i)
     return out
-
-
-class TableWriter:
-    """Columnar batch insert into one table, retried with back-off until it succeeds.
-
-    ``store`` is an open client or a ``StoreConnection`` (lazy; reconnects while the
-    store is unreachable). ``insert_settings`` go with every insert (on a cluster:
-    wait for the Distributed insert to reach the shards before acking).
-    """
-
-    def __init__(self, store, database: str, table: str, columns: Sequence[str], component: str,
-                 max_backoff_s: float = 10.0, initial_backoff_s: float = 0.2, insert_settings: dict | None = None) -> None:
-        self.store = StoreConnection.of(store)
-        self.table = f"{database}.{table}"
-        self.columns = list(columns)
-        self.counters = ComponentCounters(component)
-        self.max_backoff_s = max_backoff_s
-        self.initial_backoff_s = initial_backoff_s
-        self.insert_settings = insert_settings or {}
-        self.attempts = 0
-        self.failures = 0
-        self.rows_written = 0
-
-    @property
-    def client(self):
-        """The open client (connects if needed)."""
-        return self.store.get()
-
-    def insert_once(self, rows: list[list]) -> None:
-        client = self.store.get()  # raises StoreUnavailable / StoreLocked while unreachable
-        try:
-            client.insert(self.table, rows, column_names=self.columns, settings=self.insert_settings or None)
-        except Exception as exc:  # noqa: BLE001 - driver errors vary by backend
-            raise StoreUnavailable(f"insert of {len(rows)} row(s) into {self.table} failed: {exc}") from exc
-
-    async def write(self, rows: list[list]) -> None:
-        """Insert the batch, retrying forever with capped exponential back-off."""
-        if not rows:
-            return
-        backoff = self.initial_backoff_s
-        started = time.monotonic()
-        while True:
-            self.attempts += 1
-            try:
-                # The insert is blocking I/O (HTTP or in-process engine): keep the
-                # event loop (and Faust's heartbeats) alive while it runs.
-                await asyncio.to_thread(self.insert_once, rows)
-                break
-            except SinkError as exc:
-                self.failures += 1
-                self.counters.add_rejected("store_unavailable", 0)
-                log.log(logging.ERROR if self.failures % 10 == 0 else logging.WARNING, "%s; retrying in %.1fs", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.max_backoff_s)
-        self.rows_written += len(rows)
-        self.counters.add_sent(len(rows))
-        log.info("inserted %d row(s) into %s in %.0f ms", len(rows), self.table, (time.monotonic() - started) * 1000)

@@ -25,7 +25,7 @@ from datetime import date, datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sinks.clickhouse import chdb_path, connect, is_embedded
+from sinks.clickhouse import StoreConnection, chdb_path, connect, is_embedded
 from sinks.errors import SinkError, StoreUnavailable
 
 
@@ -64,6 +64,9 @@ def jsonable(value: Any) -> Any:
 
 
 def run_readonly(client, sql: str, parameters: dict | None = None) -> QueryResult:
+    """Run a reader's query. ``client`` is an open client or a ``StoreConnection`` (the
+    worker's lazy store: raises ``StoreUnavailable`` while it cannot connect)."""
+    client = StoreConnection.of(client).get()
     try:
         result = client.query(readonly_sql(sql), parameters=parameters or {})
     except Exception as exc:  # noqa: BLE001 - driver errors vary by backend

@@ -2,7 +2,9 @@
 
 The incident's CorrelatedEvent / GpuAllocation records go straight onto the output
 topics (as the streams stage would produce them), twice — the second round is a
-re-delivery — and a few raw envelopes go onto the raw topics. Assertions read the
+re-delivery — and a few raw envelopes go onto the raw topics. One correlated record
+is valid but holds a value its release_history column cannot take: the store rejects
+that row, and the worker dead-letters it instead of stalling. Assertions read the
 worker's store through its read-only endpoint and through `gpuledger trace`.
 """
 
@@ -56,6 +58,8 @@ def _counts(reader, ids: list[str]) -> dict[str, int]:
         "gpu_allocations": "SELECT count() AS n FROM gpuledger.gpu_allocations FINAL",
         "raw_events": "SELECT count() AS n FROM gpuledger.raw_events FINAL",
         "sink_dead_letters": "SELECT count() AS n FROM gpuledger.dead_letters FINAL WHERE stage = 'sinks.store_correlated'",
+        "store_rejected": "SELECT count() AS n FROM gpuledger.dead_letters FINAL WHERE stage = 'sinks.release_history' "
+                          "AND reason = 'store_rejected' AND position(value, 'poison-release') > 0",
     }
     return {name: reader.query(sql, {"ids": ids}).dicts()[0]["n"] for name, sql in q.items()}
 
@@ -71,7 +75,11 @@ def test_sink_agents_store_every_output_once_through_a_real_worker(kafka_bootstr
         for alloc in allocations:
             pub.publish_raw(catalogue.run(f"{catalogue.prefix}-app").allocations, f"{alloc.node}/{alloc.gpu_id}".encode(), encode_event(alloc))
         pub.publish_batch(raw)
-    pub.publish_raw(catalogue.run(f"{catalogue.prefix}-app").correlated, b"k", b'{"not": "a correlated event"}')
+    run = catalogue.run(f"{catalogue.prefix}-app")
+    pub.publish_raw(run.correlated, b"k", b'{"not": "a correlated event"}')
+    poison = correlated[0].model_copy(update={"correlation_id": "poison-release", "identity": Identity(release_id="poison-release"),
+                                              "payload_json": '{"reservation": {"gpus": -5}}'})
+    pub.publish_raw(run.correlated, b"poison", encode_event(poison))  # reservation_gpus is Nullable(UInt32)
     pub.publish_raw(catalogue.release, b"k", b"not json either")
 
     # What the sink must hold: exactly what writing the incident directly holds.
@@ -88,6 +96,7 @@ def test_sink_agents_store_every_output_once_through_a_real_worker(kafka_bootstr
                                        {"db": clickhouse_db, "ids": ids}).dicts()[0]["n"]
     expected["raw_events"] = len(raw)
     expected["sink_dead_letters"] = 1
+    expected["store_rejected"] = 1
 
     deadline = time.monotonic() + 60
     while True:
@@ -99,6 +108,11 @@ def test_sink_agents_store_every_output_once_through_a_real_worker(kafka_bootstr
         assert time.monotonic() < deadline, f"stats {stats}\ncounts {counts}\nexpected {expected}\n{worker.service.log_tail()}"
         time.sleep(0.3)
     assert stats["raw_skipped"] == 1  # the record that is not an envelope: skipped, counted (and dead-lettered upstream)
+    assert stats["store_rejected"] == 1
+    letter = worker.reader.query(
+        "SELECT source_topic, key, error FROM gpuledger.dead_letters FINAL WHERE reason = 'store_rejected'", {}).dicts()
+    assert [(d["source_topic"], d["key"]) for d in letter] == [(catalogue.correlated, "poison")]
+    assert "reservation_gpus" in letter[0]["error"] and "Hint:" in letter[0]["error"]
 
     # The chain read through the worker's endpoint equals the one read from the direct write.
     through_worker = trace(worker.reader, "gpuledger", "alert", inc.FP, at=AT)

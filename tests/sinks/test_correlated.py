@@ -15,8 +15,8 @@ from pathlib import Path
 from gpuledger.localkafka import free_port
 from sinks.agents import SinkWriters
 from sinks.clickhouse import StoreConnection, connect
-from sinks.errors import StoreLocked, StoreUnavailable
-from sinks.migrations import migrate
+from sinks.errors import StoreUnavailable
+from sinks.migrations import MIGRATIONS, migrate
 from tests.sinks import incident as inc
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,35 +136,35 @@ _HOLDER = textwrap.dedent("""
 """)
 
 _WRITER = textwrap.dedent("""
-    import asyncio, json, sys
+    import asyncio, json, logging, sys
     from sinks.agents import SinkWriters
-    from sinks.clickhouse import StoreConnection
-    from sinks.errors import StoreLocked
-    from sinks.migrations import migrate
+    from sinks.clickhouse import migrated_store
     from tests.sinks import incident as inc
     dsn, db = sys.argv[1], "gpuledger"
-    seen = []
-    store = StoreConnection.from_dsn(dsn, db, on_connect=lambda c: migrate(c, db))
-    get = store._factory
-    def factory():
-        try:
-            return get()
-        except Exception as exc:
-            seen.append(type(exc).__name__)
-            print("refused", type(exc).__name__, flush=True)
-            raise
-    store._factory = factory
+    lines = []
+
+    class Lines(logging.Handler):
+        def emit(self, record):
+            lines.append([record.levelname, record.getMessage()])
+            if record.levelno == logging.WARNING and len(lines) == 1:
+                print("refused", flush=True)  # the test releases the directory now
+
+    logging.getLogger("sinks.clickhouse").addHandler(Lines())
+    logging.getLogger("sinks.clickhouse").setLevel(logging.INFO)
+    store = migrated_store(dsn, db)  # as a worker starting while another process holds the store
     writers = SinkWriters(store, db, initial_backoff_s=0.1, max_backoff_s=0.2)
     asyncio.run(writers.store_correlated(inc.correlated_rows()))
     client = store.get()
     count = client.query(f"SELECT count() FROM {db}.correlated_events FINAL").result_rows[0][0]
-    print(json.dumps({"seen": seen, "count": count}), flush=True)
+    versions = [v for (v,) in client.query(f"SELECT version FROM {db}.schema_migrations FINAL").result_rows]
+    print(json.dumps({"lines": lines, "count": count, "attempts": store.connect_attempts, "versions": versions}), flush=True)
 """)
 
 
 def test_writer_waits_while_another_process_owns_the_chdb_directory(tmp_path):
-    """The honest embedded case: another process holds the chDB directory (StoreLocked);
-    the writer retries, and writes everything once the owner lets go."""
+    """The honest embedded case: another process holds the chDB directory (StoreLocked)
+    when the worker's lazy store first connects; the writer retries, logging one line
+    for the whole wait, then migrates and writes everything once the owner lets go."""
     dsn = f"chdb://{tmp_path / 'store'}"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER, dsn], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -172,15 +172,18 @@ def test_writer_waits_while_another_process_owns_the_chdb_directory(tmp_path):
         assert holder.stdout.readline().strip() == "held"
         writer = subprocess.Popen([sys.executable, "-c", _WRITER, dsn], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         first = writer.stdout.readline().split()
-        assert first[:1] == ["refused"], (first, writer.stderr.read() if writer.poll() is not None else "")
-        assert first[1] == StoreLocked.__name__
+        assert first == ["refused"], (first, writer.stderr.read() if writer.poll() is not None else "")
         holder.stdin.close()  # the owner exits and releases the directory
         holder.wait(timeout=30)
         out, err = writer.communicate(timeout=60)
         assert writer.returncode == 0, err[-3000:]
         result = json.loads(out.strip().splitlines()[-1])
         assert result["count"] == len(inc.latest(inc.correlated_rows()))
-        assert set(result["seen"]) == {StoreLocked.__name__}
+        assert sorted(result["versions"]) == [m.version for m in MIGRATIONS]  # migrated on the first successful connect
+        levels = [level for level, _ in result["lines"]]
+        assert levels == ["WARNING", "INFO"], result["lines"]  # however many attempts the wait took
+        assert "owned by another process" in result["lines"][0][1]  # StoreLocked
+        assert f"after {result['attempts']} attempts" in result["lines"][1][1] and result["attempts"] >= 2
     finally:
         if holder.poll() is None:
             holder.kill()
