@@ -121,8 +121,9 @@ class StreamsSettings(BaseSettings):
     web_port: int = Field(default=0, ge=0, le=65535, description="Worker's loopback web port (health, read-only queries); 0 picks a free port.")
     park_ttl_s: float = Field(default=300.0, gt=0, description="Event-time seconds an event waits for its identity before it is emitted unattributed.")
     park_idle_flush_s: float = Field(default=10.0, gt=0, description="Wall-clock seconds without input after which every parked event is emitted (an idle source must not hold rows back).")
-    fault: str | None = Field(default=None, pattern=r"^(correlate|controls):(before_outputs|after_outputs|after_changelog):[1-9][0-9]*$",
-                              description="Fault injection for the crash tests: 'STAGE:POINT:N' ends the process at once (as kill -9 would) the Nth time STAGE (correlate, controls) reaches POINT (before_outputs, after_outputs, after_changelog) in a batch.")
+    batch_max: int = Field(default=2000, ge=1, description="Most records an agent takes per batch (a batch closes earlier after 0.1 s without input).")
+    fault: str | None = Field(default=None, pattern=r"^(correlate|controls):(before_outputs|during_outputs|after_outputs|after_changelog):[1-9][0-9]*$",
+                              description="Fault injection for the crash tests: 'STAGE:POINT:N' ends the process at once (as kill -9 would) the Nth time STAGE (correlate, controls) reaches POINT in a batch: before_outputs (state folded, nothing produced), during_outputs (produced, not acknowledged), after_outputs (acknowledged, state not written), after_changelog (state written, batch not acked).")
 
 
 class TelemetrySettings(BaseSettings):

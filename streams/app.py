@@ -221,13 +221,12 @@ def run_worker(settings, loglevel: str = "info") -> None:
     The store is connected lazily: the worker starts while ClickHouse is down, and the
     sinks hold their offsets until it is back (migrations run on the first connect).
     """
-    from sinks.clickhouse import StoreConnection, is_embedded
-    from sinks.migrations import migrate
+    from sinks.clickhouse import is_embedded, migrated_store
     from sinks.query import clear_owner, write_owner
 
     dsn = settings.clickhouse_dsn
-    db, cluster = settings.clickhouse.database, settings.clickhouse.cluster
-    store = StoreConnection.from_dsn(dsn, db, on_connect=lambda client: migrate(client, db, cluster))
+    conf = settings.clickhouse
+    store = migrated_store(dsn, conf.database, conf.cluster, conf.ttl_days)
     if is_embedded(dsn):
         store.get()  # the embedded store is this process's own: open it now (fails fast if another process holds it)
     ensure_run_topics(settings)

@@ -33,43 +33,51 @@ class Packer:
         self.topic = topic
         self.partitions = partitions
         self.max_bytes = max_bytes
-        self._parts: dict[int, list[bytes]] = defaultdict(list)
-        self._sizes: dict[int, int] = defaultdict(int)
-        self._sources: dict[int, tuple | None] = {}
+        self._parts: dict[int, list[tuple[bytes, tuple | None]]] = defaultdict(list)
         self.messages = 0
 
     def add(self, key: str, body: dict, source: tuple | None = None) -> int:
-        """Queue one message for ``key``; return its partition."""
+        """Queue one message for ``key``; return its partition. ``source`` (topic,
+        partition, offset of the input it derives from) names it in a dead letter."""
         p = partition_for(key, self.partitions)
-        item = orjson.dumps([key, body])
-        self._parts[p].append(item)
-        self._sizes[p] += len(item) + 1
-        self._sources.setdefault(p, source)
+        self._parts[p].append((orjson.dumps([key, body]), source))
         self.messages += 1
         return p
 
     def pending(self) -> int:
         return sum(len(v) for v in self._parts.values())
 
+    def discard(self) -> None:
+        """Forget what is queued (a failed batch is handled again from its input)."""
+        self._parts.clear()
+
     def drain_into(self, output) -> int:
-        """Produce the queued messages as packed records; return how many records."""
+        """Produce the queued messages as packed records; return how many records.
+
+        A message larger than ``max_bytes`` travels alone, so if Kafka refuses it the
+        dead letter names that message's source and no other message shares its fate.
+        """
         n = 0
         for p, items in sorted(self._parts.items()):
             chunk: list[bytes] = []
+            source = None
             size = 0
-            for item in items:
+            for item, src in items:
+                if len(item) > self.max_bytes:
+                    output.produce(self.topic, None, b"[" + item + b"]", partition=p, source=src)
+                    n += 1
+                    continue
                 if chunk and size + len(item) > self.max_bytes:
-                    output.produce(self.topic, None, b"[" + b",".join(chunk) + b"]", partition=p, source=self._sources.get(p))
+                    output.produce(self.topic, None, b"[" + b",".join(chunk) + b"]", partition=p, source=source)
                     n += 1
                     chunk, size = [], 0
+                source = source if chunk else src
                 chunk.append(item)
                 size += len(item) + 1
             if chunk:
-                output.produce(self.topic, None, b"[" + b",".join(chunk) + b"]", partition=p, source=self._sources.get(p))
+                output.produce(self.topic, None, b"[" + b",".join(chunk) + b"]", partition=p, source=source)
                 n += 1
         self._parts.clear()
-        self._sizes.clear()
-        self._sources.clear()
         return n
 
 

@@ -162,6 +162,7 @@ class Controller:
                 touched[key] = (p, state)
         ctx = Context(self.directory, self.policy, self.runtime.watermark)
         n_out = 0
+        self.ctx.fault("controls", "before_outputs")
         for key, (p, state) in touched.items():
             outcome = step(state, ctx)
             state["interests"] = outcome.interests
@@ -178,8 +179,8 @@ class Controller:
             n_out += len(outcome.violations)
         for key in self.runtime.due():
             self.packer.add(key, {"k": "tick"})
-        self.ctx.fault("controls", "before_outputs")
         self.packer.drain_into(out)
+        self.ctx.fault("controls", "during_outputs")
         await out.flush()
         self.ctx.fault("controls", "after_outputs")
         self.store.write_changes(out)
@@ -192,7 +193,7 @@ class Controller:
             log.info("controls evaluated %d message(s) for %d key(s) into %d violation record(s)", len(messages), len(touched), n_out)
 
     async def reset(self, events: list) -> None:
-        self.packer.drain_into(_Discard())
+        self.packer.discard()
         self.store.drop({ev.message.partition for ev in events})
 
     async def dead(self, event, exc: BaseException) -> None:
@@ -223,11 +224,6 @@ class Controller:
             await self.ctx.output.flush()
 
 
-class _Discard:
-    def produce(self, *args, **kwargs) -> None:
-        pass
-
-
 def install_control_agents(app, ctx, controls_topic) -> Controller:
     """Register the controls agent and its housekeeping timer on ``app``."""
     controller = Controller(ctx)
@@ -238,7 +234,8 @@ def install_control_agents(app, ctx, controls_topic) -> Controller:
     async def evaluate_controls(stream):
         """Fold control inputs into state; emit changed violations; forward links."""
         await controller.directory.ready.wait()
-        await run_batches(stream, "evaluate_controls", controller.evaluate_batch, controller.reset, controller.dead)
+        await run_batches(stream, "evaluate_controls", controller.evaluate_batch, controller.reset, controller.dead,
+                          batch=ctx.settings.streams.batch_max)
 
     @app.timer(interval=HOUSEKEEPING_S)
     async def control_housekeeping():

@@ -171,6 +171,7 @@ class Correlator:
             # "refresh": nothing to fold; the entity is re-derived below
             touched[key] = (p, state)
         n_out = 0
+        self.ctx.fault("correlate", "before_outputs")
         for key, (p, state) in touched.items():
             outcome = refresh(state, self.directory)
             self.store.put(p, key, state)
@@ -184,9 +185,9 @@ class Correlator:
             self.runtime.advance(watermark)
         for target, rows in self.runtime.due().items():
             self.route.add(target, {"k": "expire", "rows": rows})
-        self.ctx.fault("correlate", "before_outputs")
         self.route.drain_into(out)
         self.controls.drain_into(out)
+        self.ctx.fault("correlate", "during_outputs")
         await out.flush()
         self.ctx.fault("correlate", "after_outputs")
         self.store.write_changes(out)
@@ -223,8 +224,8 @@ class Correlator:
     async def reset(self, events: list) -> None:
         """Forget the in-memory state of the batch's partitions: reload it from the
         changelog (what is durable is consistent with what was acknowledged)."""
-        self.route.drain_into(_Discard())
-        self.controls.drain_into(_Discard())
+        self.route.discard()
+        self.controls.discard()
         parts = {ev.message.partition for ev in events if ev.message.topic == self.ctx.run.route}
         self.store.drop(parts)
 
@@ -262,11 +263,6 @@ class Correlator:
             await self.ctx.output.flush()
 
 
-class _Discard:
-    def produce(self, *args, **kwargs) -> None:
-        pass
-
-
 def install_correlate_agents(app, ctx, raw_topic, route_topic) -> Correlator:
     corr = Correlator(ctx)
     ctx.correlator = corr
@@ -274,13 +270,13 @@ def install_correlate_agents(app, ctx, raw_topic, route_topic) -> Correlator:
     @app.agent(raw_topic, name="route_events")
     async def route_events(stream):
         """Decode raw events, dead-letter poison, re-key each event to its entity."""
-        await run_batches(stream, "route_events", corr.route_batch, corr.reset, corr.dead)
+        await run_batches(stream, "route_events", corr.route_batch, corr.reset, corr.dead, batch=ctx.settings.streams.batch_max)
 
     @app.agent(route_topic, name="correlate_entities")
     async def correlate_entities(stream):
         """Fold routed messages into entity state; emit rows, allocations, links, control inputs."""
         await corr.directory.ready.wait()
-        await run_batches(stream, "correlate_entities", corr.correlate_batch, corr.reset, corr.dead)
+        await run_batches(stream, "correlate_entities", corr.correlate_batch, corr.reset, corr.dead, batch=ctx.settings.streams.batch_max)
 
     @app.task
     async def follow_releases():

@@ -50,7 +50,9 @@ from streams.correlate.directory import interests_for
 from streams.correlate.release import segments, summarize
 
 MAX_ROWS = 2000
+MAX_LINKS = 256
 MAX_STATE_BYTES = 600_000
+MAX_ROW_PAYLOAD = 32 * 1024
 FACT_FIELDS = ("pod_uid", "workload_id", "namespace", "pod", "node", "image_digest", "release_id", "model_name", "model_version",
                "environment", "owner", "data_class")
 # Fields an event's own identity sets on the entity it belongs to.
@@ -104,11 +106,23 @@ def fold_event(state: dict, event: dict, src: tuple[str, int, int]) -> bool:
     state["rows"][eid] = {
         "id": eid, "type": etype, "at": at, "key": f"{at}|{eid}", "identity": ident, "facts": facts, "gpu": gpu,
         "summary": summarize(etype, payload), "topic": src[0], "partition": src[1], "offset": src[2],
-        "payload": orjson.dumps(payload).decode(), "starts_at": payload.get("starts_at") if etype.startswith("alert.") else None,
+        "payload": bounded_payload(payload), "starts_at": payload.get("starts_at") if etype.startswith("alert.") else None,
         "expired": False, "parked": False,
     }
     _bound(state)
     return True
+
+
+def bounded_payload(payload: dict) -> str:
+    """The payload as JSON, at most MAX_ROW_PAYLOAD bytes: a larger one keeps its short
+    top-level fields and says how much was left out (the raw event log keeps it whole)."""
+    text = orjson.dumps(payload).decode()
+    if len(text) <= MAX_ROW_PAYLOAD:
+        return text
+    kept = {k: v for k, v in payload.items() if len(orjson.dumps(v)) <= 1024}
+    kept["_truncated_bytes"] = len(text)
+    small = orjson.dumps(kept).decode()
+    return small if len(small) <= MAX_ROW_PAYLOAD else orjson.dumps({"_truncated_bytes": len(text)}).decode()
 
 
 def _bound(state: dict) -> None:
@@ -137,7 +151,15 @@ def fold_link(state: dict, source: str, link: dict) -> bool:
         if link.get("v", 0) == current.get("v", 0) and digest(link) <= digest(current):
             return False  # same version: keep one deterministically
     state["links"][source] = link
-    return True
+    if len(state["links"]) > MAX_LINKS:
+        # The links that can matter least: those whose latest interval started earliest
+        # (a function of the link set, so the survivors do not depend on arrival order).
+        def newest(item):
+            return max((iv["start"] for iv in item[1].get("intervals", [])), default=""), item[0]
+        for src, _link in sorted(state["links"].items(), key=newest)[: len(state["links"]) - MAX_LINKS]:
+            del state["links"][src]
+            state["detached"] += 1
+    return source in state["links"]
 
 
 def expire(state: dict, row_ids: list[str]) -> bool:

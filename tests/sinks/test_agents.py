@@ -111,7 +111,7 @@ def test_sink_agents_store_every_output_once_through_a_real_worker(kafka_bootstr
     assert stats["store_rejected"] == 1
     letter = worker.reader.query(
         "SELECT source_topic, key, error FROM gpuledger.dead_letters FINAL WHERE reason = 'store_rejected'", {}).dicts()
-    assert [(d["source_topic"], d["key"]) for d in letter] == [(catalogue.correlated, "poison")]
+    assert [(d["source_topic"], d["key"]) for d in letter] == [(run.correlated, "poison")]
     assert "reservation_gpus" in letter[0]["error"] and "Hint:" in letter[0]["error"]
 
     # The chain read through the worker's endpoint equals the one read from the direct write.

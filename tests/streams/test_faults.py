@@ -1,0 +1,196 @@
+"""The fault tier: crashes at every point of a batch heal to the tables of an
+uninterrupted run, and replays rebuild them identically — on the real broker, the
+real worker and the real embedded ClickHouse.
+
+One history (a GPU fleet's releases, pods, allocations and alerts, plus the control
+scenario of test_controls.py) is published once per test. A reference worker runs it
+without interruption; then workers are killed (``GPULEDGER_STREAMS_FAULT``: the
+process ends at once, as kill -9 would) at a chosen point of a chosen batch — before
+the batch produced anything, while its outputs are in flight, after they were
+acknowledged but before the state was written, after the state was written but
+before the batch was acked — and restarted on the same data dir and consumer group.
+Every table, compared by checksum over FINAL (``sinks.checksum``), must end identical
+to the reference's, versions included.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from confluent_kafka import Consumer, TopicPartition
+
+from gpuledger.process import ServiceProcess, wait_for_worker
+from producers._kafka import EventPublisher
+from schemas import AlertEvent, GpuEvent, Identity, ReleaseEvent, SchedulerEvent, Source, make_event_id
+from schemas.alert import AlertPayload
+from schemas.gpu import GpuPayload
+from schemas.release import ReleasePayload
+from schemas.scheduler import SchedulerPayload
+from sinks.query import RemoteReader, owner_file
+from tests.streams.test_controls import FIRST, SECOND
+
+pytestmark = pytest.mark.timeout(900)
+
+SRC = Source(collector="fault-test")
+T0 = datetime(2026, 11, 1, 6, tzinfo=timezone.utc)
+ENV = {"GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "1", "GPULEDGER_STREAMS_BATCH_MAX": "150", "GPULEDGER_CLICKHOUSE_BATCH_SECONDS": "0.2"}
+
+
+def fleet(pods: int = 220) -> list:
+    """Releases, then pods that are scheduled, get a GPU, raise alerts, and some release
+    their GPU to the next pod; alerts on GPUs join by time (as-of)."""
+    out = []
+    for r in range(6):
+        at = T0 + timedelta(seconds=r)
+        ident = Identity(release_id=f"fr-{r}", model_name=f"fm{r % 3}", model_version=str(r), image_digest=f"sha256:{r:064x}",
+                         owner=f"team-{r % 2}", environment="prod")
+        for i, etype in enumerate(("release.registered", "release.approved", "release.promoted")):
+            out.append(ReleaseEvent(event_id=make_event_id("f", (r, etype)), event_type=etype, occurred_at=at + timedelta(minutes=i),
+                                    observed_at=at, source=SRC, identity=ident,
+                                    payload=ReleasePayload(actor="alice", to_environment="prod" if etype == "release.promoted" else None)))
+    for p in range(pods):
+        ns, pod, node, gpu = "fleet", f"fp-{p}", f"fn{p % 8}", f"GPU-F{p % 40:04d}"
+        at = T0 + timedelta(minutes=10, seconds=7 * p)
+        labelled = f"fr-{p % 6}" if p % 3 else None
+        out.append(SchedulerEvent(event_id=make_event_id("f", (p, "sched")), event_type="scheduler.scheduled", occurred_at=at, observed_at=at,
+                                  source=SRC, identity=Identity(namespace=ns, pod=pod, workload_id=f"fleet/Job/j{p // 4}", node=node,
+                                                                release_id=labelled),
+                                  payload=SchedulerPayload(object_kind="Pod", image_digests=(f"sha256:{p % 6:064x}",))))
+        out.append(GpuEvent(event_id=make_event_id("f", (p, "gpu")), event_type="gpu.assigned", occurred_at=at + timedelta(seconds=1),
+                            observed_at=at, source=SRC, identity=Identity(namespace=ns, pod=pod, node=node, gpu_id=gpu),
+                            payload=GpuPayload(node=node, namespace=ns, pod=pod, container="main", device_id=gpu, gpu=gpu)))
+        out.append(AlertEvent(event_id=make_event_id("f", (p, "q")), event_type="alert.firing", occurred_at=at + timedelta(seconds=2),
+                              observed_at=at, source=SRC, identity=Identity(alert_fingerprint=f"fq{p}", namespace=ns, pod=pod),
+                              payload=AlertPayload(alertname="Quality", starts_at=at + timedelta(seconds=2))))
+        out.append(AlertEvent(event_id=make_event_id("f", (p, "x")), event_type="alert.firing", occurred_at=at + timedelta(seconds=3),
+                              observed_at=at, source=SRC, identity=Identity(alert_fingerprint=f"fx{p}", node=node, gpu_id=gpu),
+                              payload=AlertPayload(alertname="XID", starts_at=at + timedelta(seconds=3))))
+        if p % 2:
+            out.append(GpuEvent(event_id=make_event_id("f", (p, "rel")), event_type="gpu.released", occurred_at=at + timedelta(seconds=5),
+                                observed_at=at, source=SRC, identity=Identity(namespace=ns, pod=pod, node=node, gpu_id=gpu),
+                                payload=GpuPayload(node=node, namespace=ns, pod=pod, container="main", device_id=gpu, gpu=gpu)))
+    return out + FIRST + SECOND
+
+
+def lag(bootstrap: str, group: str, topics: list[str]) -> int:
+    """Records of ``topics`` the consumer group has not committed yet."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
+    try:
+        meta = consumer.list_topics(timeout=10).topics
+        parts = [TopicPartition(t, p) for t in topics if t in meta for p in meta[t].partitions]
+        committed = {(tp.topic, tp.partition): tp.offset for tp in consumer.committed(parts, timeout=10)}
+        total = 0
+        for tp in parts:
+            high = consumer.get_watermark_offsets(tp, timeout=10)[1]
+            total += high - max(committed[(tp.topic, tp.partition)], 0)
+        return total
+    finally:
+        consumer.close()
+
+
+class Run:
+    """A worker run (app id, data dir): start, wait until the history is fully
+    processed, stop, and read every table's checksum."""
+
+    def __init__(self, bootstrap, catalogue, tmp_path, app_id: str) -> None:
+        self.bootstrap, self.cat, self.app_id = bootstrap, catalogue, app_id
+        self.data = tmp_path / app_id
+        self.dsn = f"chdb://{self.data / 'clickhouse'}"
+        self.service: ServiceProcess | None = None
+
+    def start(self, fault: str | None = None) -> Run:
+        env = {"GPULEDGER_KAFKA_BOOTSTRAP": self.bootstrap, "GPULEDGER_KAFKA_TOPIC_PREFIX": self.cat.prefix,
+               "GPULEDGER_KAFKA_RAW_PARTITIONS": str(self.cat.raw_partitions), "GPULEDGER_DATA_DIR": str(self.data),
+               "GPULEDGER_CLICKHOUSE_DSN": self.dsn, "GPULEDGER_STREAMS_APP_ID": self.app_id, **ENV}
+        if fault:
+            env["GPULEDGER_STREAMS_FAULT"] = fault
+        self.service = ServiceProcess(["worker"], env, self.data / "worker.log").start()
+        return self
+
+    def wait_crashed(self, timeout: float = 180) -> int:
+        deadline = time.monotonic() + timeout
+        while self.service.alive():
+            assert time.monotonic() < deadline, f"the fault never fired:\n{self.service.log_tail()}"
+            time.sleep(0.2)
+        return self.service.proc.returncode
+
+    def health(self) -> dict:
+        with urllib.request.urlopen(f"{self.url()}/gpuledger/health/", timeout=5) as resp:
+            return json.loads(resp.read())
+
+    def url(self) -> str:
+        return wait_for_worker(self.service, owner_file(self.dsn), timeout=120)
+
+    def stored(self) -> int:
+        return RemoteReader(self.url()).query("SELECT count() AS n FROM gpuledger.correlated_events FINAL").dicts()[0]["n"]
+
+    def wait_done(self, expected_rows: int, timeout: float = 240) -> dict:
+        """Until every record of every topic the group reads is committed, nothing is
+        parked, and every input is stored — twice in a row, a second apart."""
+        run = self.cat.run(self.app_id)
+        topics = [*self.cat.raw_topics, self.cat.deadletter, *run.outputs, run.route, run.controls]
+        deadline, calm = time.monotonic() + timeout, 0
+        health: dict = {}
+        while calm < 2:
+            assert time.monotonic() < deadline, f"never caught up: {health}\n{self.service.log_tail()}"
+            health = self.health()
+            stats = health["stats"]
+            done = (stats.get("parked", 1) == 0 and lag(self.bootstrap, self.app_id, topics) == 0 and self.stored() >= expected_rows)
+            calm = calm + 1 if done else 0
+            time.sleep(1.0)
+        return health
+
+    def stop_and_checksum(self) -> dict:
+        assert self.service.stop(grace=30) == 0, self.service.log_tail()
+        out = subprocess.run([sys.executable, "-m", "sinks.checksum", self.dsn], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def history(kafka_bootstrap):
+    from schemas.topics import TopicCatalogue
+    from producers._kafka import ensure_topics
+
+    cat = TopicCatalogue(prefix=f"fault{uuid.uuid4().hex[:6]}", raw_partitions=4)
+    ensure_topics({"bootstrap.servers": kafka_bootstrap}, cat)
+    events = fleet()
+    EventPublisher({"bootstrap.servers": kafka_bootstrap}, cat, "test").publish_batch(events)
+    return cat, len(events)
+
+
+@pytest.fixture(scope="module")
+def reference(kafka_bootstrap, history, tmp_path_factory):
+    cat, n = history
+    run = Run(kafka_bootstrap, cat, tmp_path_factory.mktemp("reference"), f"{cat.prefix}-reference").start()
+    health = run.wait_done(n)
+    assert health["status"] == "ok", health
+    assert health["stats"]["conflicts"] == 0 and health["stats"]["control_conflicts"] == 0
+    sums = run.stop_and_checksum()
+    assert sums["correlated_events"][0] == n and sums["violations"][0] >= 4 and sums["gpu_allocations"][0] > 100
+    return sums
+
+
+def test_a_replay_rebuilds_every_table_identically(kafka_bootstrap, history, reference, tmp_path):
+    cat, n = history
+    replay = Run(kafka_bootstrap, cat, tmp_path, f"{cat.prefix}-replay").start()
+    replay.wait_done(n)
+    assert replay.stop_and_checksum() == reference
+
+
+@pytest.mark.parametrize("fault", ["correlate:before_outputs:3", "correlate:during_outputs:4", "correlate:after_outputs:3",
+                                   "correlate:after_changelog:5", "controls:during_outputs:2", "controls:after_outputs:3"])
+def test_a_crash_at_any_point_of_a_batch_heals_to_the_uninterrupted_tables(kafka_bootstrap, history, reference, tmp_path, fault):
+    cat, n = history
+    run = Run(kafka_bootstrap, cat, tmp_path, f"{cat.prefix}-{fault.replace(':', '-').replace('_', '-')}")
+    assert run.start(fault).wait_crashed() == 137
+    run.start()  # same data dir, same consumer group: state from the changelogs
+    run.wait_done(n)
+    assert run.stop_and_checksum() == reference
