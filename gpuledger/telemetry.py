@@ -65,9 +65,10 @@ class ComponentCounters:
         self.sent = m.create_counter("gpuledger.events.sent", description="Events sent downstream")
         self.rejected = m.create_counter("gpuledger.events.rejected", description="Events rejected, by reason")
         self.bytes_sent = m.create_counter("gpuledger.bytes.sent", unit="By", description="Bytes sent downstream")
+        self.truncated = m.create_counter("gpuledger.fields.truncated", description="Free-text fields cut to their size cap")
         self._attrs = {"component": component}
         # Local mirror for health endpoints and tests that read counters back.
-        self.totals: dict[str, int] = {"received": 0, "sent": 0, "rejected": 0, "bytes_sent": 0}
+        self.totals: dict[str, int] = {"received": 0, "sent": 0, "rejected": 0, "bytes_sent": 0, "truncated": 0}
 
     def add_received(self, n: int = 1) -> None:
         self.received.add(n, self._attrs)
@@ -79,6 +80,11 @@ class ComponentCounters:
         if nbytes:
             self.bytes_sent.add(nbytes, self._attrs)
             self.totals["bytes_sent"] += nbytes
+
+    def add_truncated(self, n: int = 1) -> None:
+        """``n`` free-text fields were cut to fit (the event itself was kept)."""
+        self.truncated.add(n, self._attrs)
+        self.totals["truncated"] += n
 
     def add_rejected(self, reason: str, n: int = 1) -> None:
         self.rejected.add(n, {**self._attrs, "reason": reason})

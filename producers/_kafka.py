@@ -1,30 +1,58 @@
-"""The one Kafka producer wrapper, and idempotent topic creation.
+"""The one Kafka producer wrapper, the record size limit, and idempotent topic creation.
 
 Input: contract events (schemas). Output: records on the catalogue's raw topics,
-keyed by the shared correlation key, with W3C trace context in headers.
+keyed by the shared correlation key, with W3C trace context in headers; dead letters
+(``DeadLetter``, reason ``event_too_large``) on the dead-letter topic for collectors'
+events too large to travel.
 Guarantees: idempotent producer, acks=all; ``publish_batch`` returns only when every
 record of the batch is acknowledged by the broker and raises ``PublishError`` if any
 was not, so a caller that answers "accepted" after it has the acks never lies.
+Size: the raw topics' ``max.message.bytes`` is read once per publisher (falling back to
+the broker's ``message.max.bytes``, then Kafka's default 1,048,588) and gives one limit
+for an encoded event, ``max_event_bytes`` (``producers._limits.max_event_bytes_for``).
+``publish_batch`` refuses a batch holding an event over it with ``EventTooLarge`` before
+producing any of its records; ``publish_fitting`` (collectors) dead-letters such events
+and publishes the rest. librdkafka batches are kept to half the record limit, so a batch
+of small events is never refused as a whole.
 Limits: a failed batch may be partly written; re-sending it is harmless because
-event ids are deterministic and every table downstream is idempotent.
+event ids are deterministic and every table downstream is idempotent. A topic limit
+lowered while the publisher runs is noticed when Kafka refuses a record for its size
+(``EventTooLarge``); the limit is then read again for the next batch.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import NamedTuple
 
 from confluent_kafka import KafkaError, KafkaException, Producer
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
 
 from gpuledger.telemetry import ComponentCounters, inject_headers, tracer
+from producers._limits import DEFAULT_RECORD_LIMIT, max_event_bytes_for
 from schemas import encode_event
+from schemas.outputs import DEAD_LETTER_VALUE_BYTES, DeadLetter
 from schemas.topics import TopicCatalogue
 
 log = logging.getLogger(__name__)
+
+#: Errors that mean "Kafka did not answer", not "Kafka said no".
+_UNREACHABLE = frozenset({
+    KafkaError._TRANSPORT, KafkaError._TIMED_OUT, KafkaError._ALL_BROKERS_DOWN, KafkaError._RESOLVE,
+    KafkaError.REQUEST_TIMED_OUT, KafkaError.NETWORK_EXCEPTION, KafkaError.BROKER_NOT_AVAILABLE,
+})
+#: librdkafka's own batches stay this far under the record limit, and under its default.
+_MAX_BATCH_BYTES = 1_000_000
+#: A limit that is a fallback (a topic not yet visible, no DescribeConfigs right) is read
+#: again after this long: a topic created a moment ago may have its own max.message.bytes.
+_FALLBACK_RECHECK_S = 60.0
 
 
 class ProducerError(RuntimeError):
@@ -41,6 +69,120 @@ class PublishError(ProducerError):
 
 class KafkaNotConfigured(ProducerError):
     """No bootstrap servers given and no local broker running."""
+
+
+class Oversize(NamedTuple):
+    """One event of a batch that cannot travel: its place in the batch, what it is, its size."""
+
+    index: int
+    event_id: str
+    event_type: str
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class RecordLimit:
+    """The largest record Kafka takes on the raw topics, and where that number came from."""
+
+    bytes: int
+    source: str
+    #: False when some raw topic's config could not be read (a fallback, read again later).
+    confirmed: bool = True
+
+    @property
+    def max_event_bytes(self) -> int:
+        return max_event_bytes_for(self.bytes)
+
+
+class EventTooLarge(ProducerError):
+    """An event too large to travel: encoded over ``max_event_bytes``, or refused by Kafka for its size.
+
+    Not retriable as is (the same bytes are refused again). ``oversize`` lists every
+    offender of the batch; ``event_id``, ``event_type``, ``size_bytes`` and ``index``
+    describe the first, ``limit_bytes`` is the limit it broke.
+    """
+
+    retriable = False
+
+    def __init__(self, oversize: Sequence[Oversize], limit: RecordLimit, refused_by_kafka: str | None = None) -> None:
+        self.oversize = list(oversize)
+        first = self.oversize[0]
+        self.index, self.event_id, self.event_type, self.size_bytes = first.index, first.event_id, first.event_type, first.size_bytes
+        self.record_limit = limit
+        if refused_by_kafka:
+            self.limit_bytes = limit.bytes
+            text = (f"Kafka refused {first.event_type} event {first.event_id} ({first.size_bytes} bytes encoded) as too large: "
+                    f"{refused_by_kafka} (hint: the topic's max.message.bytes is lower than the {limit.bytes} bytes read from "
+                    f"{limit.source}; it is read again for the next batch)")
+        else:
+            self.limit_bytes = limit.max_event_bytes
+            text = (f"{first.event_type} event {first.event_id} is {first.size_bytes} bytes encoded, over the "
+                    f"{self.limit_bytes}-byte limit for one event (a quarter of {limit.source}, {limit.bytes} bytes, "
+                    f"at most 256 KiB: downstream re-encodes events into bigger records)")
+        if len(self.oversize) > 1:
+            text += f"; {len(self.oversize) - 1} more event(s) of the batch too"
+        super().__init__(text)
+
+
+def _kafka_error(exc: BaseException) -> KafkaError | None:
+    arg = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
+    return arg if isinstance(arg, KafkaError) else None
+
+
+def _unreachable(exc: BaseException) -> bool:
+    err = _kafka_error(exc)
+    return isinstance(exc, concurrent.futures.TimeoutError) or (err is not None and err.code() in _UNREACHABLE)
+
+
+def read_record_limit(config: dict, topics: Sequence[str], timeout: float = 10.0) -> RecordLimit:
+    """The smallest ``max.message.bytes`` of ``topics``; else the broker's ``message.max.bytes``; else Kafka's default.
+
+    A topic whose config cannot be read (missing, no DescribeConfigs right) counts with
+    the broker's value, which is what it gets when created. Raises ``PublishError``
+    when Kafka does not answer at all (retriable: nothing is cached).
+    """
+    admin = AdminClient({**config, "logger": logging.getLogger("librdkafka")})
+    found: dict[str, int] = {}
+    problems: list[str] = []
+    try:
+        futures = admin.describe_configs([ConfigResource(ResourceType.TOPIC, t) for t in topics], request_timeout=timeout)
+        for resource, future in futures.items():
+            try:
+                found[resource.name] = int(future.result(timeout=timeout + 5)["max.message.bytes"].value)
+            except (KafkaException, KeyError, ValueError) as exc:
+                if _unreachable(exc):
+                    raise
+                problems.append(f"{resource.name}: {exc}")
+        if found and not problems:
+            topic = min(found, key=found.__getitem__)
+            return RecordLimit(found[topic], f"max.message.bytes of {topic}")
+        candidates = [RecordLimit(v, f"max.message.bytes of {t}", confirmed=False) for t, v in found.items()]
+        try:
+            md = admin.list_topics(timeout=timeout)
+            broker = md.controller_id if md.controller_id in md.brokers else min(md.brokers)
+            resource = ConfigResource(ResourceType.BROKER, str(broker))
+            future = admin.describe_configs([resource], request_timeout=timeout)[resource]
+            value = int(future.result(timeout=timeout + 5)["message.max.bytes"].value)
+            candidates.append(RecordLimit(value, f"message.max.bytes of broker {broker}", confirmed=False))
+        except (KafkaException, KeyError, ValueError) as exc:
+            if _unreachable(exc):
+                raise
+            problems.append(f"broker: {exc}")
+    except (KafkaException, concurrent.futures.TimeoutError) as exc:
+        raise PublishError(f"cannot read max.message.bytes of {', '.join(topics)}: Kafka did not answer: {exc or 'timeout'}") from exc
+    limit = (min(candidates, key=lambda c: c.bytes) if candidates
+             else RecordLimit(DEFAULT_RECORD_LIMIT, "Kafka's default record limit", confirmed=False))
+    log.warning("record size limit: some configs could not be read (%s); using %d bytes from %s",
+                "; ".join(problems), limit.bytes, limit.source)
+    return limit
+
+
+class _Record(NamedTuple):
+    topic: str
+    key: bytes | None
+    value: bytes
+    event_id: str
+    event_type: str
 
 
 def resolve_bootstrap(settings) -> str:
@@ -60,13 +202,22 @@ def client_config(settings) -> dict:
 
 
 class EventPublisher:
-    """Publishes contract events to their raw topics; thread-safe (librdkafka is)."""
+    """Publishes contract events to their raw topics; thread-safe (librdkafka is).
 
-    def __init__(self, config: dict, catalogue: TopicCatalogue, component: str, delivery_timeout_s: float = 30.0) -> None:
+    The librdkafka producer is built on first use, once the raw topics' record limit is
+    known (its batch size follows the limit); ``record_limit`` and ``max_event_bytes``
+    read it then (and raise ``PublishError`` while Kafka does not answer).
+    """
+
+    def __init__(self, config: dict, catalogue: TopicCatalogue, component: str, delivery_timeout_s: float = 30.0,
+                 limit_lookup_timeout_s: float = 10.0) -> None:
         self.catalogue = catalogue
+        self.component = component
         self.counters = ComponentCounters(component)
+        self.limit_lookup_timeout_s = limit_lookup_timeout_s
         self._tracer = tracer(component)
-        self._producer = Producer({
+        self._config = dict(config)
+        self._producer_config = {
             **config,
             "enable.idempotence": True,
             "acks": "all",
@@ -80,7 +231,12 @@ class EventPublisher:
             "partitioner": "murmur2_random",
             # librdkafka logs through Python logging instead of raw stderr lines.
             "logger": logging.getLogger("librdkafka"),
-        })
+        }
+        self._producer: Producer | None = None
+        self._retired: list[Producer] = []  # built for an older limit; flushed on close
+        self._limit: RecordLimit | None = None
+        self._limit_stale = False
+        self._limit_read_at = 0.0
         self._last_error: str | None = None
         self._lock = threading.Lock()
 
@@ -92,68 +248,177 @@ class EventPublisher:
         self._last_error = str(err)
         log.warning("kafka producer: %s", err)
 
+    # --- the record limit ------------------------------------------------------------
+
+    def _ready(self, timeout: float | None = None) -> tuple[Producer, RecordLimit]:
+        """The producer and the limit it was built for; learns the limit first if needed."""
+        with self._lock:
+            limit = self._limit
+            if self._producer is not None and limit is not None and not self._limit_stale and (
+                    limit.confirmed or time.monotonic() - self._limit_read_at < _FALLBACK_RECHECK_S):
+                return self._producer, limit
+            wait = min(self.limit_lookup_timeout_s, timeout) if timeout is not None else self.limit_lookup_timeout_s
+            limit = read_record_limit(self._config, self.catalogue.raw_topics, wait)
+            if self._producer is None or self._limit is None or limit.bytes != self._limit.bytes:
+                if self._producer is not None:
+                    self._retired.append(self._producer)
+                # A librdkafka batch is one record for the broker: at most batch.size plus its
+                # first message (<= max_event_bytes), so half the limit leaves room for framing.
+                batch_size = max(1, min(_MAX_BATCH_BYTES, limit.bytes // 2))
+                self._producer = Producer({**self._producer_config, "batch.size": batch_size})
+                log.info("%s: raw topics take records up to %d bytes (%s): events up to %d bytes, batches up to %d",
+                         self.component, limit.bytes, limit.source, limit.max_event_bytes, batch_size)
+            self._limit, self._limit_stale, self._limit_read_at = limit, False, time.monotonic()
+            return self._producer, limit
+
+    @property
+    def record_limit(self) -> RecordLimit:
+        """The largest record the raw topics take (read from Kafka once, then cached)."""
+        return self._ready()[1]
+
+    @property
+    def max_event_bytes(self) -> int:
+        """The largest encoded event this publisher sends (see ``max_event_bytes_for``)."""
+        return self.record_limit.max_event_bytes
+
+    # --- producing --------------------------------------------------------------------
+
     def connected(self, timeout: float = 2.0) -> bool:
         """True when the broker answers a metadata request (for readiness probes)."""
         try:
-            md = self._producer.list_topics(timeout=timeout)
+            producer, _ = self._ready(timeout)
+            md = producer.list_topics(timeout=timeout)
             return bool(md.brokers)
-        except KafkaException:
+        except (KafkaException, PublishError):
             return False
 
-    def _produce(self, topic: str, key: str, value: bytes, pending: list) -> None:
-        def on_delivery(err, msg, _pending=pending):
-            _pending.append(err)
+    def _records(self, events: Sequence, topic: str | None = None) -> list[_Record]:
+        return [_Record(topic or self.catalogue.for_family(e.event_type), e.correlation_key().encode(), encode_event(e), e.event_id, e.event_type)
+                for e in events]
 
-        while True:
-            try:
-                self._producer.produce(topic, key=key.encode(), value=value, headers=inject_headers(), on_delivery=on_delivery)
-                return
-            except BufferError:
-                # Local queue full: serve delivery reports to make room, then retry.
-                self._producer.poll(0.1)
+    @staticmethod
+    def _oversize(records: Sequence[_Record], limit: RecordLimit) -> list[Oversize]:
+        most = limit.max_event_bytes
+        return [Oversize(i, r.event_id, r.event_type, len(r.value)) for i, r in enumerate(records) if len(r.value) > most]
+
+    def _send(self, producer: Producer, records: Sequence[_Record], limit: RecordLimit, timeout: float | None,
+              headers: list | None = None) -> None:
+        """Produce ``records`` and wait for each one's delivery report; raise on any failure."""
+        results: list[tuple[int, KafkaError | None]] = []
+        headers = headers or inject_headers()
+        for i, record in enumerate(records):
+            while True:
+                try:
+                    producer.produce(record.topic, key=record.key, value=record.value, headers=headers,
+                                     on_delivery=lambda err, msg, _i=i: results.append((_i, err)))
+                    break
+                except BufferError:
+                    # Local queue full: serve delivery reports to make room, then retry.
+                    producer.poll(0.1)
+                except KafkaException as exc:
+                    err = _kafka_error(exc)
+                    if err is not None and err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
+                        raise EventTooLarge([Oversize(i, record.event_id, record.event_type, len(record.value))], limit, str(err)) from exc
+                    raise PublishError(f"producing to {record.topic} failed: {exc}") from exc
+        # Wait for this batch's own delivery reports, not for everything queued on the
+        # shared producer: concurrent callers (receiver requests) must not wait on each
+        # other's records. poll() serves whichever callbacks are due.
+        deadline = time.monotonic() + (timeout if timeout is not None else 60)
+        while len(results) < len(records) and time.monotonic() < deadline:
+            producer.poll(0.05)
+        failures = [(i, err) for i, err in list(results) if err is not None]
+        too_large = [(i, err) for i, err in failures if err.code() == KafkaError.MSG_SIZE_TOO_LARGE]
+        if too_large:
+            # The pre-check passed them, so the topic takes less than we read: read it again.
+            self._limit_stale = True
+            oversize = [Oversize(i, records[i].event_id, records[i].event_type, len(records[i].value)) for i, _ in sorted(too_large)]
+            raise EventTooLarge(oversize, limit, str(too_large[0][1]))
+        remaining = len(records) - len(results)
+        if remaining or failures:
+            reason = str(failures[0][1]) if failures else (self._last_error or f"{remaining} record(s) not acknowledged in time")
+            self.counters.add_rejected("kafka_unavailable", len(records))
+            raise PublishError(f"{len(failures) + remaining} of {len(records)} record(s) not delivered to Kafka: {reason}")
 
     def publish_batch(self, events: Sequence, timeout: float | None = None, topic: str | None = None) -> int:
-        """Publish events and wait for every ack; raises PublishError on any failure."""
+        """Publish events and wait for every ack.
+
+        Raises ``EventTooLarge`` before producing anything when an event is over
+        ``max_event_bytes`` (the caller owns that rejection and counts it), and
+        ``PublishError`` when Kafka does not acknowledge every record.
+        """
         if not events:
             return 0
-        results: list = []
-        nbytes = 0
+        producer, limit = self._ready(timeout)
+        records = self._records(events, topic)
+        oversize = self._oversize(records, limit)
+        if oversize:
+            raise EventTooLarge(oversize, limit)
+        nbytes = sum(len(r.value) for r in records)
         with self._tracer.start_as_current_span("publish_batch") as span:
             span.set_attribute("messaging.batch.message_count", len(events))
-            for event in events:
-                value = encode_event(event)
-                nbytes += len(value)
-                self._produce(topic or self.catalogue.for_family(event.event_type), event.correlation_key(), value, results)
-            # Wait for this batch's own delivery reports, not for everything queued on
-            # the shared producer: concurrent callers (receiver requests) must not wait
-            # on each other's records. poll() serves whichever callbacks are due.
-            deadline = time.monotonic() + (timeout if timeout is not None else 60)
-            while len(results) < len(events) and time.monotonic() < deadline:
-                self._producer.poll(0.05)
-            remaining = len(events) - len(results)
-        failures = [r for r in results if r is not None]
-        if remaining or failures or len(results) < len(events):
-            reason = str(failures[0]) if failures else (self._last_error or f"{remaining} record(s) not acknowledged in time")
-            self.counters.add_rejected("kafka_unavailable", len(events))
-            raise PublishError(f"{len(failures) + remaining or len(events)} of {len(events)} record(s) not delivered to Kafka: {reason}")
+            self._send(producer, records, limit, timeout)
         self.counters.add_sent(len(events), nbytes)
         log.info("published %d event(s), %d bytes", len(events), nbytes)
         return len(events)
+
+    def publish_fitting(self, events: Sequence, stage: str, timeout: float | None = None) -> int:
+        """The collectors' publish: what fits as ``publish_batch``, the rest dead-lettered.
+
+        Each event over ``max_event_bytes`` becomes a ``DeadLetter`` (reason
+        ``event_too_large``, its size and the limit in ``error``, the start of its value)
+        on the dead-letter topic, acknowledged with the batch, and is counted rejected.
+        Returns how many events went to their raw topics. Raises ``PublishError`` as
+        ``publish_batch`` does (nothing is counted then; re-send the whole batch).
+        """
+        if not events:
+            return 0
+        producer, limit = self._ready(timeout)
+        records = self._records(events)
+        oversize = self._oversize(records, limit)
+        skip = {o.index for o in oversize}
+        fitting = [r for i, r in enumerate(records) if i not in skip]
+        letters = [self._dead_letter(records[o.index], o, limit, stage) for o in oversize]
+        nbytes = sum(len(r.value) for r in fitting)
+        with self._tracer.start_as_current_span("publish_batch") as span:
+            span.set_attribute("messaging.batch.message_count", len(events))
+            self._send(producer, fitting + letters, limit, timeout)
+        self.counters.add_sent(len(fitting), nbytes)
+        if oversize:
+            self.counters.add_rejected("event_too_large", len(oversize))
+            shown = "; ".join(f"{o.event_type} {o.event_id} ({o.size_bytes} bytes)" for o in oversize[:3])
+            log.warning("%s: %d event(s) over the %d-byte event limit dead-lettered to %s: %s%s", stage, len(oversize),
+                        limit.max_event_bytes, self.catalogue.deadletter, shown, f" (+{len(oversize) - 3} more)" if len(oversize) > 3 else "")
+        log.info("published %d event(s), %d bytes%s", len(fitting), nbytes, f"; {len(oversize)} dead-lettered" if oversize else "")
+        return len(fitting)
+
+    def _dead_letter(self, record: _Record, oversize: Oversize, limit: RecordLimit, stage: str) -> _Record:
+        # The dead letter itself must travel: keep at most an event's worth of the value.
+        keep = min(DEAD_LETTER_VALUE_BYTES, limit.max_event_bytes // 2)
+        letter = DeadLetter(
+            reason="event_too_large",
+            error=f"{EventTooLarge([oversize], limit)} [size_bytes={oversize.size_bytes} limit_bytes={limit.max_event_bytes}]",
+            stage=stage,
+            source_topic=record.topic,
+            key=record.key.decode("utf-8", "replace") if record.key else None,
+            value=record.value[:keep].decode("utf-8", "replace"),
+            failed_at=datetime.now(timezone.utc),
+        )
+        return _Record(self.catalogue.deadletter, record.key, encode_event(letter), record.event_id, "deadletter")
 
     def publish(self, event, timeout: float | None = None) -> None:
         self.publish_batch([event], timeout=timeout)
 
     def publish_raw(self, topic: str, key: bytes | None, value: bytes, headers: list | None = None) -> None:
-        """Send pre-encoded bytes (dead letters, tests); waits for the ack."""
-        results: list = []
-        self._producer.produce(topic, key=key, value=value, headers=headers or inject_headers(),
-                               on_delivery=lambda err, msg: results.append(err))
-        self._producer.flush(30)
-        if not results or results[0] is not None:
-            raise PublishError(f"record not delivered to {topic}: {results[0] if results else 'timeout'}")
+        """Send pre-encoded bytes (dead letters, tests); waits for the ack. No size check."""
+        producer, limit = self._ready(30)
+        self._send(producer, [_Record(topic, key, value, "-", "raw")], limit, 30, headers)
 
     def close(self, timeout: float = 30.0) -> None:
-        self._producer.flush(timeout)
+        with self._lock:
+            producers = [*self._retired, self._producer]
+        for producer in producers:
+            if producer is not None:
+                producer.flush(timeout)
 
 
 def ensure_topics(config: dict, catalogue: TopicCatalogue, timeout: float = 30.0) -> list[str]:

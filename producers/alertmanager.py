@@ -19,6 +19,12 @@ Guarantees:
 - ``endsAt`` of ``0001-01-01T00:00:00Z`` (Go's zero time, what Alertmanager sends for
   firing alerts) maps to ``None``; ``occurred_at`` is ``startsAt`` for firing alerts and
   ``endsAt`` for resolved ones.
+- Size: free text — every annotation value and ``generatorURL`` — is cut to
+  ``FREE_TEXT_BYTES`` (8 KiB) per field with a visible ``…[truncated N bytes]`` marker;
+  the ``TextTrimmer`` passed in records what was cut. Labels and the fingerprint identify
+  the alert and are never cut: a value over ``IDENTITY_TEXT_BYTES`` (4 KiB) is a problem
+  like any other (``alerts[2].labels.description: 9000 bytes, over …``). Whether a whole
+  event fits is the publisher's check (``max_event_bytes``), not this module's.
 Limits: alerts Alertmanager dropped because of ``max_alerts`` are only visible as the
 ``truncatedAlerts`` count (returned by ``truncated_alerts``); the GPU ``gpu_id`` is taken
 from the device UUID label only, never from dcgm-exporter's ``gpu`` index (an index is
@@ -34,6 +40,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from producers._kafka import ProducerError
+from producers._limits import IDENTITY_TEXT_BYTES, TextTrimmer
 from schemas.alert import AlertEvent, AlertPayload
 from schemas.envelope import Identity, Source, TraceContext, make_event_id
 
@@ -44,14 +51,17 @@ class PayloadError(ProducerError):
     """Input rejected at the edge (HTTP body, webhook payload); never retriable as is.
 
     ``field`` names the offending field (``alerts[2].startsAt``), ``reason`` is a short
-    machine-readable code for metrics, ``status`` the HTTP status the receiver answers.
+    machine-readable code for metrics, ``status`` the HTTP status the receiver answers,
+    ``details`` extra members of the JSON answer (``limit_bytes``, ``size_bytes``).
     """
 
-    def __init__(self, message: str, field: str | None = None, reason: str = "validation", status: int = 422) -> None:
+    def __init__(self, message: str, field: str | None = None, reason: str = "validation", status: int = 422,
+                 details: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.field = field
         self.reason = reason
         self.status = status
+        self.details = details or {}
 
 
 class AlertIdentityLabels(BaseModel):
@@ -146,17 +156,32 @@ def truncated_alerts(payload: dict) -> int:
     return value if isinstance(value, int) and value > 0 else 0
 
 
+def _identity_text(value: str, where: str, problems: list[tuple[str, str]], sizes: dict[str, int]) -> None:
+    size = len(value.encode("utf-8"))
+    if size > IDENTITY_TEXT_BYTES:
+        problems.append((where, f"{size} bytes, over the {IDENTITY_TEXT_BYTES}-byte limit for an identifying value (labels and "
+                                "fingerprints identify the alert and are not cut; put long text in annotations)"))
+        sizes[where] = size
+
+
 def alert_events(
     payload: Any,
     labels: AlertIdentityLabels | None = None,
     observed_at: datetime | None = None,
     host: str = "",
     trace: TraceContext | None = None,
+    trimmer: TextTrimmer | None = None,
 ) -> list[AlertEvent]:
-    """Turn one webhook v4 body into its alert events, or raise ``PayloadError``."""
+    """Turn one webhook v4 body into its alert events, or raise ``PayloadError``.
+
+    Free text is cut by ``trimmer`` (a fresh ``TextTrimmer`` when None); pass one to
+    learn which fields were cut.
+    """
     names = labels or AlertIdentityLabels()
     observed = observed_at or datetime.now(timezone.utc)
+    trim = trimmer if trimmer is not None else TextTrimmer()
     problems: list[tuple[str, str]] = []
+    sizes: dict[str, int] = {}  # fields refused for their size -> size in bytes
 
     if not isinstance(payload, dict):
         raise PayloadError(f"<body>: must be a JSON object, got {type(payload).__name__}", field=None)
@@ -183,7 +208,11 @@ def alert_events(
         fingerprint = alert.get("fingerprint")
         if not isinstance(fingerprint, str) or not fingerprint.strip():
             problems.append((f"{where}.fingerprint", "field required (a non-empty string)"))
+        else:
+            _identity_text(fingerprint, f"{where}.fingerprint", problems, sizes)
         alert_labels = _string_map(alert.get("labels"), f"{where}.labels", problems)
+        for key, value in alert_labels.items():
+            _identity_text(value, f"{where}.labels.{key}", problems, sizes)
         annotations = _string_map(alert.get("annotations"), f"{where}.annotations", problems)
         if "alertname" not in alert_labels and f"{where}.labels.alertname" not in {p for p, _ in problems}:
             problems.append((f"{where}.labels.alertname", "label required"))
@@ -206,15 +235,20 @@ def alert_events(
         generator_url = alert.get("generatorURL")
         if generator_url is not None and not isinstance(generator_url, str):
             problems.append((f"{where}.generatorURL", "must be a string"))
-        drafts.append((status, fingerprint, alert_labels, annotations, starts_at, ends_at, generator_url or None))
+        drafts.append((where, status, fingerprint, alert_labels, annotations, starts_at, ends_at, generator_url or None))
 
     if problems:
-        raise PayloadError("; ".join(f"{f}: {m}" for f, m in problems), field=problems[0][0])
+        first = problems[0][0]
+        details = {"limit_bytes": IDENTITY_TEXT_BYTES, "size_bytes": sizes[first]} if first in sizes else None
+        raise PayloadError("; ".join(f"{f}: {m}" for f, m in problems), field=first,
+                           reason="field_too_large" if details else "validation", details=details)
 
     source = Source(collector=COLLECTOR, host=host)
     events = []
-    for status, fingerprint, alert_labels, annotations, starts_at, ends_at, generator_url in drafts:
+    for where, status, fingerprint, alert_labels, annotations, starts_at, ends_at, generator_url in drafts:
         fingerprint = fingerprint.strip()
+        annotations = trim.mapping(f"{where}.annotations", annotations)
+        generator_url = trim(f"{where}.generatorURL", generator_url)
         events.append(AlertEvent(
             event_id=make_event_id(COLLECTOR, (fingerprint, status, starts_at.isoformat())),
             event_type=f"alert.{status}",

@@ -8,6 +8,9 @@ Guarantees: no I/O, no clock reads except where a caller passes ``now``; the sam
 object always yields the same facts with the same event ids, so a re-list, a restart
 or an HA pair re-derives identical events (``make_event_id("kubernetes", (uid,
 transition, reason), <transition time | message digest>)``).
+Size: the one free-text field, ``payload.message`` (condition and Event messages), is
+cut to ``FREE_TEXT_BYTES`` (8 KiB) with a ``…[truncated N bytes]`` marker by ``to_event``;
+the event id is derived from the full message, so it does not change.
 Limits: a transition that left no trace in the object (a pod that was Running and is
 now gone, seen only as DELETED) cannot be re-derived; what the object still shows is.
 
@@ -38,6 +41,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from producers._limits import TextTrimmer
 from schemas.envelope import Identity, Source, make_event_id
 from schemas.scheduler import ObjectRef, SchedulerEvent, SchedulerPayload
 
@@ -684,11 +688,15 @@ def event_fact(ev: EventView, reasons: Mapping[str, str],
 
 
 def to_event(uid: str, fact: Fact, identity: Identity, payload: Mapping[str, Any], source: Source,
-             observed_at: datetime) -> SchedulerEvent:
-    """The SchedulerEvent for one fact of object ``uid`` (deterministic event id)."""
+             observed_at: datetime, trimmer: TextTrimmer | None = None) -> SchedulerEvent:
+    """The SchedulerEvent for one fact of object ``uid`` (deterministic event id).
+
+    ``message`` is cut by ``trimmer`` (a fresh ``TextTrimmer`` when None).
+    """
     if fact.node and identity.node != fact.node:
         identity = identity.model_copy(update={"node": fact.node})
-    body = {**payload, "reason": fact.reason, "message": fact.message, "preemptor": fact.preemptor, "victim": fact.victim}
+    message = (trimmer if trimmer is not None else TextTrimmer())("payload.message", fact.message)
+    body = {**payload, "reason": fact.reason, "message": message, "preemptor": fact.preemptor, "victim": fact.victim}
     return SchedulerEvent(
         event_id=make_event_id(SOURCE, (uid, fact.transition, fact.reason), fact.version),
         event_type=fact.event_type,

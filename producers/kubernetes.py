@@ -27,6 +27,11 @@ Guarantees:
   the state before ``run`` returns.
 - Malformed objects (no uid, unparsable timestamps, ...) are skipped with a logged
   reason and counted as rejected ``malformed``; the rest of the batch is published.
+- Nothing too large to travel is sent or silently dropped: messages are cut to 8 KiB
+  with a marker (counted ``gpuledger.fields.truncated``); an event still over the
+  publisher's ``max_event_bytes`` (a huge identity annotation, say) goes to the
+  dead-letter topic with reason ``event_too_large``, its size and the limit, is counted
+  rejected ``event_too_large`` and committed like a published one (not retried).
 
 Limits:
 - A transition the object no longer shows (a pod created and deleted between two
@@ -68,7 +73,8 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from gpuledger.settings import SettingsError, _lines
-from producers._kafka import EventPublisher, ProducerError, PublishError
+from producers._kafka import EventPublisher, EventTooLarge, ProducerError, PublishError
+from producers._limits import TextTrimmer
 from producers.kube_mapping import (
     DEFAULT_EVENT_REASONS,
     SOURCE,
@@ -507,8 +513,11 @@ class SchedulerCollector:
         now = datetime.now(timezone.utc)
         new = [f for f in facts if f.key not in done]
         for fact in new:
-            batch.events.append(to_event(uid, fact, identity, payload, self.source, now))
+            trimmer = TextTrimmer()
+            batch.events.append(to_event(uid, fact, identity, payload, self.source, now, trimmer))
             batch.counts[fact.event_type] = batch.counts.get(fact.event_type, 0) + 1
+            if trimmer.cut:
+                self.counters.add_truncated(len(trimmer.cut))
         if new or gone:
             upd = batch.updates.setdefault(uid, {"keys": set()})
             upd["keys"] |= {f.key for f in new}
@@ -632,15 +641,19 @@ class SchedulerCollector:
             self.counters.add_rejected("malformed")
 
     def _flush(self, batch: _Batch, stop: threading.Event) -> int:
-        """Publish until acknowledged (retrying with back-off), then commit state."""
+        """Publish until acknowledged (retrying with back-off), then commit state; returns how many went to the topic."""
         if not batch:
             return 0
         backoff = Backoff(self.settings.backoff_initial_s, self.settings.backoff_max_s)
+        sent = 0
         while batch.events:
             try:
-                self.publisher.publish_batch(batch.events)
+                # Events too large to travel are dead-lettered by the publisher, not sent.
+                sent = self.publisher.publish_fitting(batch.events, COMPONENT)
                 break
-            except PublishError as exc:
+            except (PublishError, EventTooLarge) as exc:
+                # EventTooLarge here: Kafka refused a record the size check passed (the topic
+                # limit was lowered); the publisher re-reads it, so the retry dead-letters it.
                 if stop.is_set():
                     raise _Stopping() from exc
                 delay = backoff.next_delay()
@@ -648,7 +661,7 @@ class SchedulerCollector:
                 if stop.wait(delay):
                     raise _Stopping() from exc
         self.state.commit(batch.updates, batch.drops)
-        return len(batch.events)
+        return sent
 
     def sync(self, res: _Resource, stop: threading.Event | None = None) -> int:
         """List ``res``, publish what is new, publish ``deleted`` for what vanished."""

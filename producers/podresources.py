@@ -35,6 +35,11 @@ Guarantees:
   every failed poll, and logs once per change of failure state.
 - Malformed entries (empty pod/container/resource name, empty or whitespace device
   id) are skipped with a logged reason and counted once each; the rest is published.
+- An event too large to travel (over the publisher's ``max_event_bytes``; in practice
+  only a ``gpu.allocatable`` listing thousands of devices) is not sent and not dropped:
+  it goes to the dead-letter topic with reason ``event_too_large``, its size and the
+  limit, is counted rejected, and its change is committed like a published one. These
+  events carry no free text, so nothing is cut.
 
 Limits:
 - The API names pods by namespace/name only (no UID): a pod deleted and re-created
@@ -75,7 +80,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from gpuledger.settings import SettingsError, _lines
 from gpuledger.telemetry import meter
-from producers._kafka import EventPublisher, ProducerError, PublishError
+from producers._kafka import EventPublisher, EventTooLarge, ProducerError, PublishError
 from producers.proto import podresources_v1_pb2 as pb
 from producers.proto import podresources_v1_pb2_grpc as pb_grpc
 from schemas.envelope import Identity, Source, make_event_id
@@ -749,7 +754,7 @@ class PodResourcesCollector:
         return len(new)
 
     def poll_once(self) -> PollResult:
-        """Ask the kubelet, diff, publish, commit. Raises KubeletUnavailable, PublishError, StateFileError."""
+        """Ask the kubelet, diff, publish, commit. Raises KubeletUnavailable, PublishError, EventTooLarge, StateFileError."""
         observed = datetime.now(timezone.utc)
         obs = self._observe()
         rejected = self._account_rejects(obs.rejects)
@@ -769,7 +774,8 @@ class PodResourcesCollector:
         if plan.in_flight != self.state:
             self._store.save(plan.in_flight)
             self.state = plan.in_flight
-        result.published = self.publisher.publish_batch(events)
+        # Events too large to travel are dead-lettered by the publisher, not sent.
+        result.published = self.publisher.publish_fitting(events, COLLECTOR)
         self.state = plan.after
         try:
             self._store.save(plan.after)
@@ -812,6 +818,10 @@ class PodResourcesCollector:
                     self._failed(exc.kind, exc)
                 except PublishError as exc:
                     self._failed("kafka_unavailable", exc)
+                except EventTooLarge as exc:
+                    # Kafka refused a record the size check passed (topic limit lowered): the
+                    # publisher re-reads the limit, so the retry dead-letters what no longer fits.
+                    self._failed("event_too_large", exc)
                 except StateFileError as exc:
                     self._failed("state_file", exc)
                 else:

@@ -14,6 +14,17 @@ Guarantees:
 - Bad input never reaches a topic: 400 (not JSON), 401 (auth configured and missing or
   wrong), 413 (body over ``max_body_bytes``), 415 (not ``application/json``), 422
   (fails validation; ``field`` names the culprit). A request is all-or-nothing.
+- Nothing that cannot travel is accepted. The body is bounded by ``max_body_bytes``
+  (413, ``limit_bytes`` in the answer). Each event must encode within the publisher's
+  ``max_event_bytes`` (a quarter of the raw topics' ``max.message.bytes``, at most
+  256 KiB: the stream worker re-encodes events into bigger records); an event over it
+  gets 422 with ``field`` (``alerts[3]``, ``[2]`` for a list of release events),
+  ``limit_bytes``, ``size_bytes`` and ``event_id``. Alertmanager free text (annotation
+  values, ``generatorURL``) is cut to 8 KiB per field with a ``…[truncated N bytes]``
+  marker — the answer's ``truncated_fields`` names each cut field, and they are counted
+  (``gpuledger.fields.truncated``); labels and fingerprints are identity and are never
+  cut: a value over 4 KiB gets 422 naming it. Release and MLflow events are not cut
+  (their sender chose every byte), only refused when over the event limit.
 - The event loop never blocks on Kafka: publishing and readiness checks run in threads.
 Limits: MLflow delivery de-duplication is in memory (per process, bounded LRU); a
 restarted or second replica relies on the deterministic event ids instead. One INFO
@@ -40,7 +51,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gpuledger.settings import SettingsError
 from gpuledger.telemetry import ComponentCounters
-from producers._kafka import EventPublisher, ProducerError, PublishError
+from producers._kafka import EventPublisher, EventTooLarge, ProducerError, PublishError
+from producers._limits import TextTrimmer
 from producers.alertmanager import AlertIdentityLabels, PayloadError, alert_events, truncated_alerts
 from producers.mlflow import DELIVERY_ID_HEADER, DeliveryLog, MlflowReleaseMapping, release_events, verify_signature
 from schemas.envelope import TraceContext
@@ -151,7 +163,7 @@ class LifecycleReceiver:
             if counters:
                 counters.add_rejected(exc.reason)
             log.debug("%s: rejected (%s) %s", route, exc.reason, exc)
-            return _error(exc.status, str(exc), exc.field)
+            return _error(exc.status, str(exc), exc.field, **exc.details)
         except PublishError as exc:
             # The publisher has already counted the events as rejected(kafka_unavailable).
             log.warning("%s: answering 503, Kafka did not acknowledge: %s", route, exc)
@@ -178,11 +190,13 @@ class LifecycleReceiver:
                                field="Content-Type", reason="unsupported_media_type", status=415)
         limit = self.config.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
-            raise PayloadError(f"<body>: {request.content_length} bytes is over the {limit}-byte limit", reason="too_large", status=413)
+            raise PayloadError(f"<body>: {request.content_length} bytes is over the {limit}-byte limit (max_body_bytes)", reason="too_large",
+                               status=413, details={"limit_bytes": limit, "size_bytes": request.content_length})
         try:
             return await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
-            raise PayloadError(f"<body>: over the {limit}-byte limit", reason="too_large", status=413) from exc
+            raise PayloadError(f"<body>: over the {limit}-byte limit (max_body_bytes)", reason="too_large", status=413,
+                               details={"limit_bytes": limit}) from exc
 
     @staticmethod
     def _parse_json(body: bytes) -> Any:
@@ -191,9 +205,16 @@ class LifecycleReceiver:
         except orjson.JSONDecodeError as exc:
             raise PayloadError(f"<body>: not JSON: {exc}", reason="not_json", status=400) from exc
 
-    async def _publish(self, events: list) -> None:
-        if events:
+    async def _publish(self, events: list, field_of: Callable[[int], str | None] = lambda i: None) -> None:
+        """Publish the request's events; one over the event limit → 422 naming it (``field_of(index)``)."""
+        if not events:
+            return
+        try:
             await asyncio.to_thread(self.publisher.publish_batch, events, self.publish_timeout_s)
+        except EventTooLarge as exc:
+            field = field_of(exc.index)
+            raise PayloadError(f"{field}: {exc}" if field else str(exc), field=field, reason="event_too_large",
+                               details={"limit_bytes": exc.limit_bytes, "size_bytes": exc.size_bytes, "event_id": exc.event_id}) from exc
 
     @staticmethod
     def _accepted(events: list, **extra: Any) -> web.Response:
@@ -204,13 +225,18 @@ class LifecycleReceiver:
     async def alertmanager(self, request: web.Request) -> web.Response:
         self._check_bearer(request, self.config.alertmanager_bearer_token)
         data = self._parse_json(await self._read_body(request))
-        events = alert_events(data, self.config.alert_labels, datetime.now(timezone.utc), self.host, _trace(request))
-        self.counters["alertmanager"].add_received(len(events))
-        await self._publish(events)
+        trimmer = TextTrimmer()
+        events = alert_events(data, self.config.alert_labels, datetime.now(timezone.utc), self.host, _trace(request), trimmer)
+        counters = self.counters["alertmanager"]
+        counters.add_received(len(events))
+        await self._publish(events, lambda i: f"alerts[{i}]")
+        if trimmer.cut:
+            counters.add_truncated(len(trimmer.cut))
         truncated = truncated_alerts(data)
-        log.info("alertmanager: accepted %d alert event(s) from receiver %r%s", len(events), data.get("receiver"),
-                 f", {truncated} more truncated by Alertmanager (max_alerts)" if truncated else "")
-        return self._accepted(events, truncated_alerts=truncated)
+        log.info("alertmanager: accepted %d alert event(s) from receiver %r%s%s", len(events), data.get("receiver"),
+                 f", {truncated} more truncated by Alertmanager (max_alerts)" if truncated else "",
+                 f", {len(trimmer.cut)} free-text field(s) cut to {trimmer.cap_bytes} bytes" if trimmer.cut else "")
+        return self._accepted(events, truncated_alerts=truncated, truncated_fields=trimmer.cut)
 
     async def releases(self, request: web.Request) -> web.Response:
         self._check_bearer(request, self.config.releases_bearer_token)
@@ -240,7 +266,7 @@ class LifecycleReceiver:
         if problems:
             raise PayloadError("; ".join(m for _, m, _ in problems), field=problems[0][0], reason=problems[0][2])
         self.counters["releases"].add_received(len(events))
-        await self._publish(events)
+        await self._publish(events, (lambda i: f"[{i}]") if isinstance(data, list) else (lambda i: None))
         log.info("releases: accepted %d release event(s)", len(events))
         return self._accepted(events)
 

@@ -84,6 +84,10 @@ class Violation(Frozen):
     detail: str = Field(default="", description="Human explanation.")
 
 
+#: How much of a rejected record's value a dead letter keeps.
+DEAD_LETTER_VALUE_BYTES = 64 * 1024
+
+
 class DeadLetter(Frozen):
     """A record that was accepted somewhere but could not be processed, with why."""
 

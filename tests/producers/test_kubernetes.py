@@ -35,7 +35,7 @@ from producers.kube_mapping import (
 )
 from producers.kubernetes import COMPONENT, SchedulerCollector, SchedulerCollectorSettings
 from gpuledger.settings import SettingsError
-from schemas import decode_event
+from schemas import DeadLetter, decode_event
 from tests.fixtures.kafka import read_topic
 from tests.fixtures.kube_api import (
     CORE_EVENTS,
@@ -518,6 +518,35 @@ def test_malformed_objects_are_skipped_counted_and_the_rest_published(api, make_
     assert collector.counters.totals["rejected.malformed"] == 4
     events = published(kafka_bootstrap, catalogue.scheduler, 4)
     assert Counter(e.identity.pod or e.identity.workload_id for e in events) == {"good": 3, "ml/fine": 1}
+
+
+def test_oversize_events_are_cut_or_dead_lettered_never_dropped(api, make_collector, kafka_bootstrap, catalogue):
+    # A scheduler message far over its 8 KiB cap: cut with a marker, the event published.
+    message = "0/64 nodes are available: " + "64 Insufficient nvidia.com/gpu. " * 10_000
+    api.create(PODS, make_pod("ml", "wordy", created=T0, conditions=[
+        pod_condition("PodScheduled", "False", "Unschedulable", message=message, at=T0)]))
+    # An identity annotation no event can carry (identity is never cut): dead-lettered.
+    api.create(PODS, make_pod("ml", "heavy", node="gpu-1", created=T0, annotations={"gpuledger.io/owner": "o" * 300_000}))
+
+    collector = make_collector(api)
+    published_count = collector.run_once()
+    dead = [DeadLetter.model_validate_json(m.value()) for m in read_topic(kafka_bootstrap, catalogue.deadletter, min_count=1, timeout=20)]
+    limit = collector.publisher.max_event_bytes
+    assert dead and {d.reason for d in dead} == {"event_too_large"} and {d.stage for d in dead} == {COMPONENT}
+    assert all(f"limit_bytes={limit}" in d.error and "size_bytes=" in d.error for d in dead)
+    assert {d.source_topic for d in dead} == {catalogue.scheduler} and {d.key for d in dead} == {"ml/Pod/heavy"}
+    assert collector.counters.totals["rejected.event_too_large"] == len(dead)
+
+    events = published(kafka_bootstrap, catalogue.scheduler, published_count)
+    assert len(events) == published_count and not of(events, pod="heavy")
+    failed = [e for e in of(events, pod="wordy") if e.event_type == "scheduler.failed_scheduling"]
+    assert len(failed) == 1 and len(failed[0].payload.message.encode()) <= 8 * 1024
+    assert failed[0].payload.message.startswith("0/64 nodes are available: 64 Insufficient")
+    assert "…[truncated " in failed[0].payload.message and collector.counters.totals["truncated"] >= 1
+
+    # Dead-lettered events are settled like published ones: a re-list sends nothing again.
+    assert make_collector(api).run_once() == 0
+    assert len(read_topic(kafka_bootstrap, catalogue.deadletter, min_count=len(dead), timeout=20)) == len(dead)
 
 
 def test_cli_once_and_sigterm_stop(api, kafka_bootstrap, catalogue, tmp_path):

@@ -42,7 +42,7 @@ from producers.podresources import (
     parse_device_id,
     plan_changes,
 )
-from schemas import decode_event
+from schemas import DeadLetter, decode_event
 from schemas.envelope import make_event_id
 from tests.fixtures.kafka import read_topic
 from tests.fixtures.kubelet import FakeKubelet, container, devices, pod
@@ -320,8 +320,8 @@ class _AckedThenLost:
     def __init__(self, inner: EventPublisher, mode: str) -> None:
         self.inner, self.mode, self.counters = inner, mode, inner.counters
 
-    def publish_batch(self, events, timeout=None):
-        self.inner.publish_batch(events, timeout)
+    def publish_fitting(self, events, stage, timeout=None):
+        self.inner.publish_fitting(events, stage, timeout)
         if self.mode == "crash":
             raise _Crash()
         raise PublishError("1 of 1 record(s) not delivered to Kafka: (simulated lost ack)")
@@ -392,6 +392,24 @@ def test_allocatable_published_once_and_again_only_on_change(kubelet, make_colle
     assert [e.payload.devices for e in gpu_sets] == [tuple(sorted((GPU_A, GPU_B))), (GPU_A,), tuple(sorted((GPU_A, GPU_B)))]
     assert len({e.event_id for e in gpu_sets}) == 3
     assert gpu_sets[0].payload.numa_nodes == (0,) and gpu_sets[0].identity.node == NODE
+
+
+def test_allocatable_too_large_to_travel_is_dead_lettered_and_settled(kubelet, make_collector, kafka_bootstrap, catalogue):
+    # Thousands of time-sliced replicas: one gpu.allocatable event over the 256 KiB event limit.
+    replicas = [f"{GPU_A}::{i}" for i in range(8_000)]
+    kubelet.set_allocatable([devices("nvidia.com/gpu", replicas, numa=[0]), devices("nvidia.com/mig-1g.10gb", [MIG_A], numa=[1])])
+    kubelet.set_pods([trainer(ids=[GPU_B])])
+    collector = make_collector()
+    result = collector.poll_once()
+    assert (result.allocatable, result.assigned, result.published) == (2, 1, 2)  # the big set was not sent
+    dead = [DeadLetter.model_validate_json(m.value()) for m in read_topic(kafka_bootstrap, catalogue.deadletter, min_count=1, timeout=20)]
+    assert len(dead) == 1 and (dead[0].reason, dead[0].stage, dead[0].source_topic) == ("event_too_large", "podresources", catalogue.gpu)
+    assert f"limit_bytes={collector.publisher.max_event_bytes}" in dead[0].error and "gpu.allocatable" in dead[0].error
+    assert collector.counters.totals["rejected.event_too_large"] == 1
+    on_topic = [e for _, e in gpu_events(kafka_bootstrap, catalogue, 2)]
+    assert {(e.event_type, e.payload.resource_name) for e in on_topic} == {("gpu.allocatable", "nvidia.com/mig-1g.10gb"),
+                                                                          ("gpu.assigned", "nvidia.com/gpu")}
+    assert collector.poll_once().published == 0  # settled: not dead-lettered again every poll
 
 
 def test_rate_limited_kubelet_is_backed_off_then_published(kubelet, make_collector, kafka_bootstrap, catalogue):

@@ -275,6 +275,67 @@ def test_bad_input_is_rejected_and_nothing_is_published(receiver, catalogue, kaf
     assert counters["releases"]["rejected.unknown_event_type"] == 2
 
 
+# --- what cannot travel: 413 / 422 naming the limit, free text cut -----------------------
+
+def test_body_over_max_body_bytes_is_413_naming_the_limit(receiver, catalogue, kafka_bootstrap):
+    rx = receiver(max_body_bytes=4096)
+    body = json.dumps({**json.loads(sample("alertmanager", "quality_firing.json")), "pad": "x" * 5000})
+    status, answer = rx.post("/v1/alertmanager", body)
+    assert status == 413, answer
+    assert (answer["limit_bytes"], answer["size_bytes"], answer["field"]) == (4096, len(body), None)
+    assert "4096-byte limit" in answer["error"]
+    assert events_on(kafka_bootstrap, catalogue.alert, 0, timeout=3) == []
+
+
+def test_event_over_the_event_limit_is_422_naming_it_and_nothing_is_published(receiver, catalogue, kafka_bootstrap):
+    rx = receiver()
+    limit = rx.publisher.max_event_bytes
+    assert limit == 256 * 1024  # the test topics take Kafka's default 1,048,588-byte records
+    # Every annotation within its 8 KiB cap, but 40 of them: the event is over the limit.
+    alerts = json.loads(sample("alertmanager", "quality_firing.json"))
+    alerts["alerts"][1]["annotations"].update({f"note_{i}": "n" * 8000 for i in range(40)})
+    status, answer = rx.post("/v1/alertmanager", alerts)
+    assert (status, answer["field"], answer["limit_bytes"]) == (422, "alerts[1]", limit), answer
+    assert answer["size_bytes"] > limit and answer["event_id"]
+    assert answer["error"].startswith("alerts[1]: ") and str(limit) in answer["error"]
+
+    releases = [release_event(), release_event(payload={"reason": "r" * 300_000})]
+    status, answer = rx.post("/v1/releases", releases)
+    assert (status, answer["field"], answer["limit_bytes"], answer["event_id"]) == (422, "[1]", limit, releases[1]["event_id"]), answer
+
+    # Labels identify the alert: one over 4 KiB is refused, not cut.
+    long_label = json.loads(sample("alertmanager", "quality_firing.json"))
+    long_label["alerts"][0]["labels"]["team"] = "t" * 5000
+    status, answer = rx.post("/v1/alertmanager", long_label)
+    assert (status, answer["field"], answer["limit_bytes"], answer["size_bytes"]) == (422, "alerts[0].labels.team", 4096, 5000), answer
+
+    assert events_on(kafka_bootstrap, catalogue.alert, 0, timeout=3) == []
+    assert events_on(kafka_bootstrap, catalogue.release, 0, timeout=3) == []
+    counters = rx.request("GET", "/healthz")[1]["counters"]
+    assert counters["alertmanager"]["rejected.event_too_large"] == 1 and counters["alertmanager"]["rejected.field_too_large"] == 1
+    assert counters["releases"]["rejected.event_too_large"] == 1
+
+
+def test_huge_annotation_is_cut_with_a_marker_and_the_alert_accepted(receiver, catalogue, kafka_bootstrap):
+    rx = receiver()
+    body = json.loads(sample("alertmanager", "quality_firing.json"))
+    body["alerts"][0]["annotations"]["description"] = "stack trace: " + "d" * 300_000
+    body["alerts"][0]["generatorURL"] = "http://prometheus:9090/graph?g0.expr=" + "q" * 20_000
+    status, answer = rx.post("/v1/alertmanager", body)
+    assert status == 200 and answer["accepted"] == 2, answer
+    cut = answer["truncated_fields"]
+    assert set(cut) == {"alerts[0].annotations.description", "alerts[0].generatorURL"}
+    by_id = {e.event_id: e for _, e in events_on(kafka_bootstrap, catalogue.alert, 2)}
+    alert = by_id[answer["event_ids"][0]].payload
+    description = alert.annotations["description"]
+    assert description.startswith("stack trace: ddd") and len(description.encode()) <= 8 * 1024
+    assert description.endswith(f"…[truncated {cut['alerts[0].annotations.description']} bytes]")
+    assert alert.generator_url.endswith(f"…[truncated {cut['alerts[0].generatorURL']} bytes]")
+    assert alert.annotations["summary"] == "Online accuracy of fraud-detector:7 fell below 0.92"  # short text untouched
+    assert by_id[answer["event_ids"][1]].payload.annotations == body["alerts"][1]["annotations"]
+    assert rx.request("GET", "/healthz")[1]["counters"]["alertmanager"]["truncated"] == 2
+
+
 def test_auth_per_source(receiver, catalogue, kafka_bootstrap):
     rx = receiver(alertmanager_bearer_token="am-token", releases_bearer_token="ci-token", mlflow_secret="whsec-1")
     alerts = sample("alertmanager", "quality_resolved.json")

@@ -1,0 +1,135 @@
+"""producers/_kafka.py against the real broker: the record limit and events that cannot travel.
+
+Topics whose ``max.message.bytes`` is set small are created by the tests themselves;
+what a test asserts is what Kafka holds afterwards (records on the topics) and what the
+publisher raised.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from datetime import datetime, timezone
+
+import pytest
+from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic, ResourceType
+
+from producers._kafka import EventPublisher, EventTooLarge, PublishError, ensure_topics, read_record_limit
+from schemas import decode_event
+from schemas.envelope import Identity, Source, make_event_id
+from schemas.release import ReleaseEvent, ReleasePayload
+from schemas.topics import TopicCatalogue
+from tests.fixtures.kafka import read_topic
+
+NOW = datetime.now(timezone.utc).replace(microsecond=0)
+
+
+def release(n: int, reason_bytes: int = 0) -> ReleaseEvent:
+    """A release event; ``reason_bytes`` of random hex (incompressible for lz4) make it big."""
+    return ReleaseEvent(
+        event_id=make_event_id("test", (n, uuid.uuid4().hex)),
+        event_type="release.approved",
+        occurred_at=NOW, observed_at=NOW,
+        source=Source(collector="test"),
+        identity=Identity(release_id=f"model:{n % 5}"),
+        payload=ReleasePayload(actor="ci", reason=os.urandom(reason_bytes // 2 + 1).hex()[:reason_bytes] if reason_bytes else None),
+    )
+
+
+def catalogue_with_small_release_topic(bootstrap: str, record_limit: int) -> TopicCatalogue:
+    """A fresh catalogue whose release topic takes records up to ``record_limit`` bytes."""
+    cat = TopicCatalogue(prefix=f"t{uuid.uuid4().hex[:10]}", raw_partitions=2)
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for future in admin.create_topics([NewTopic(cat.release, 2, 1, config={"max.message.bytes": str(record_limit)})]).values():
+        future.result()
+    ensure_topics({"bootstrap.servers": bootstrap}, cat)  # the rest, with the broker's default
+    wait_describable(bootstrap, cat.raw_topics)
+    return cat
+
+
+def wait_describable(bootstrap: str, topics, timeout: float = 30.0) -> None:
+    """Until the broker serves the topics' configs (a just-created topic is briefly unknown)."""
+    deadline = time.monotonic() + timeout
+    while not read_record_limit({"bootstrap.servers": bootstrap}, topics).confirmed:
+        assert time.monotonic() < deadline, f"{topics} not describable after {timeout}s"
+        time.sleep(0.1)
+
+
+def ids_on(bootstrap: str, topic: str, min_count: int) -> list[str]:
+    return [decode_event(m.value()).event_id for m in read_topic(bootstrap, topic, min_count, timeout=30)]
+
+
+def test_the_limit_follows_the_smallest_raw_topic_and_defaults_to_the_broker(kafka_bootstrap, catalogue):
+    small = catalogue_with_small_release_topic(kafka_bootstrap, 200_000)
+    publisher = EventPublisher({"bootstrap.servers": kafka_bootstrap}, small, "test")
+    try:
+        assert publisher.record_limit.bytes == 200_000 and small.release in publisher.record_limit.source
+        assert publisher.max_event_bytes == 50_000
+    finally:
+        publisher.close(5)
+    # Topics created with the broker's defaults: 1,048,588 bytes, so the 256 KiB cap holds.
+    wait_describable(kafka_bootstrap, catalogue.raw_topics)
+    default = read_record_limit({"bootstrap.servers": kafka_bootstrap}, catalogue.raw_topics)
+    assert (default.bytes, default.max_event_bytes, default.confirmed) == (1_048_588, 256 * 1024, True)
+    # A raw topic that does not exist yet counts with the broker's value, and is read again later.
+    missing = read_record_limit({"bootstrap.servers": kafka_bootstrap}, [*catalogue.raw_topics, f"{catalogue.prefix}.missing.v1"])
+    assert (missing.bytes, missing.confirmed) == (1_048_588, False)
+
+
+def test_many_small_events_reach_a_small_limit_topic(kafka_bootstrap):
+    """librdkafka batches are one record for the broker: they must stay under the topic's limit."""
+    small = catalogue_with_small_release_topic(kafka_bootstrap, 200_000)
+    publisher = EventPublisher({"bootstrap.servers": kafka_bootstrap}, small, "test")
+    events = [release(i, reason_bytes=2_000) for i in range(400)]  # ~1 MB, far over one 200 KB record
+    try:
+        assert publisher.publish_batch(events) == 400
+    finally:
+        publisher.close(5)
+    assert sorted(ids_on(kafka_bootstrap, small.release, 400)) == sorted(e.event_id for e in events)
+
+
+def test_an_oversize_event_refuses_its_whole_batch_before_anything_is_written(kafka_bootstrap, catalogue):
+    publisher = EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, "test")
+    big = release(1, reason_bytes=300_000)
+    try:
+        with pytest.raises(EventTooLarge) as info:
+            publisher.publish_batch([release(0), big, release(2)])
+        exc = info.value
+        assert (exc.index, exc.event_id, exc.event_type, exc.limit_bytes) == (1, big.event_id, "release.approved", 256 * 1024)
+        assert exc.size_bytes > 300_000 and exc.retriable is False and not isinstance(exc, PublishError)
+        for part in (big.event_id, "release.approved", str(exc.size_bytes), str(256 * 1024)):
+            assert part in str(exc)
+        after = release(3)
+        publisher.publish_batch([after])
+    finally:
+        publisher.close(5)
+    # Only the batch sent afterwards is on the topic: nothing of the refused one.
+    assert ids_on(kafka_bootstrap, catalogue.release, 1) == [after.event_id]
+
+
+def test_kafka_refusing_a_record_for_its_size_is_too_large_not_retriable(kafka_bootstrap):
+    cat = catalogue_with_small_release_topic(kafka_bootstrap, 1_048_588)
+    config = {"bootstrap.servers": kafka_bootstrap}
+    publisher = EventPublisher(config, cat, "test")
+    try:
+        assert publisher.max_event_bytes == 256 * 1024  # learned before the topic shrinks
+        resource = ConfigResource(ResourceType.TOPIC, cat.release,
+                                  incremental_configs=[ConfigEntry("max.message.bytes", "20000", incremental_operation=AlterConfigOpType.SET)])
+        admin = AdminClient(config)
+        admin.incremental_alter_configs([resource])[resource].result()
+        deadline = time.monotonic() + 30
+        while read_record_limit(config, [cat.release]).bytes != 20_000:
+            assert time.monotonic() < deadline, "the broker never applied max.message.bytes=20000"
+            time.sleep(0.1)
+        event = release(1, reason_bytes=60_000)  # under the learned limit, over the topic's new one
+        with pytest.raises(EventTooLarge) as info:
+            publisher.publish_batch([event])
+        assert info.value.retriable is False and "Kafka refused" in str(info.value) and info.value.event_id == event.event_id
+        # The limit is read again: the same event is now refused before it is produced.
+        assert publisher.record_limit.bytes == 20_000
+        with pytest.raises(EventTooLarge) as again:
+            publisher.publish_batch([event])
+        assert again.value.limit_bytes == 5_000 and "Kafka refused" not in str(again.value)
+    finally:
+        publisher.close(5)
