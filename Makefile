@@ -1,10 +1,10 @@
-# The two commands: `make demo` and `make test`. Both set everything up themselves.
+# The commands: `make demo`, `make test` and `make bench`. Each sets everything up itself.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test jars clean
+.PHONY: setup demo test bench jars clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,12 @@ demo: setup
 
 test: setup
 	$(BIN)/pytest -q -ra
+
+# Throughput, latency and replay of one worker against its baselines (benchmarks/bench.py);
+# e.g. make bench BENCH_ARGS="--events 5000 --latency-seconds 15 --json bench.json"
+BENCH_ARGS ?=
+bench: setup
+	$(BIN)/python benchmarks/bench.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,8 +1,9 @@
 """Run a gpuledger service (`gpuledger worker`, ...) as a child process.
 
-Used by the demo, the exercises and the tests: the child gets its configuration
-through GPULEDGER_* environment variables, logs to a file, and is stopped with
-SIGTERM, then SIGKILL if it does not exit within the grace period.
+Used by the demo, the exercises, the tests and the benchmark: the child gets its
+configuration through GPULEDGER_* environment variables, logs to a file, and is stopped
+with SIGTERM, then SIGKILL if it does not exit within the grace period. ``program``
+runs something other than the CLI the same way (the benchmark's Faust baseline).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -22,8 +24,10 @@ class ServiceError(RuntimeError):
 
 
 class ServiceProcess:
-    def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, args: list[str], env: dict[str, str], log_path: Path,
+                 program: Sequence[str] = (sys.executable, "-m", "gpuledger.cli")) -> None:
         self.args = args
+        self.program = list(program)
         self.env = {**os.environ, **env}
         self.log_path = Path(log_path)
         self.proc: subprocess.Popen | None = None
@@ -31,7 +35,7 @@ class ServiceProcess:
     def start(self) -> ServiceProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
-            self.proc = subprocess.Popen([sys.executable, "-m", "gpuledger.cli", *self.args], env=self.env, stdout=logf,
+            self.proc = subprocess.Popen([*self.program, *self.args], env=self.env, stdout=logf,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         return self
 

@@ -1,0 +1,572 @@
+"""`make bench`: one run, one process tree, the same input for every phase.
+
+    .venv/bin/python benchmarks/bench.py [--events 50000] [--latency-seconds 60] [--json out.json]
+
+Publishes the event mix (benchmarks/mix.py) ONCE to fresh raw topics on a local broker
+(or ``--bootstrap``), then runs, one after the other over those topics:
+
+1. **bare loop** — a confluent-kafka consumer (own group) → ``orjson.loads`` → a
+   clickhouse-connect insert of 10,000-row batches into a plain MergeTree table in its own
+   chDB directory (in this process). What Python + Kafka + chDB can do at all.
+2. **Faust pass-through** — benchmarks/passthrough.py as a child process: one Faust agent,
+   ``take_events(1000, within=0.2)``, decode, produce through librdkafka, flush per batch.
+   Faust's own ceiling; measured from its first processed batch to its last.
+3. **worker** — ``gpuledger worker`` (fresh app id, own chDB store): correlated events/s
+   from its health stats (``correlated_in``, first correlated batch → all inputs), and the
+   time until ≥ 99 % of the inputs are queryable. Then, once the store is settled, the
+   records it wrote to Kafka: every topic named ``<prefix>…`` except the raw inputs
+   (outputs, route hops, changelogs — whatever the worker creates), per input event.
+4. **latency** — a fresh prefix and app id; the worker starts first, then the mix is
+   published live (``occurred_at = observed_at = now``) at 80 % of phase 3's throughput
+   for ``--latency-seconds``; p50/p99 of ``stored_at − observed_at`` over the stored
+   correlated rows (the first version of each row to be stored).
+5. **replay** — phase 3's raw topics again, new app id, new store: events/s, and per-table
+   checksums (sinks/checksum.py) compared with phase 3's store.
+
+Prints one table plus ratios against the targets, and ``--json`` writes every number.
+Every wait has a timeout (``--timeout``) and says what it waited for; every broker and
+process started here is stopped on the way out. Not a test: numbers depend on the
+machine (run it on the 2-core target, with nothing else running).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import orjson  # noqa: E402
+from confluent_kafka import Consumer, TopicPartition  # noqa: E402
+from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
+
+from benchmarks.mix import RELEASES, events  # noqa: E402
+from gpuledger.localkafka import LocalKafka, LocalKafkaError  # noqa: E402
+from gpuledger.process import ServiceError, ServiceProcess, wait_for_worker  # noqa: E402
+from gpuledger.settings import default_cache_dir  # noqa: E402
+from producers._kafka import EventPublisher, ProducerError, ensure_topics  # noqa: E402
+from schemas.topics import TopicCatalogue  # noqa: E402
+from sinks.checksum import differing  # noqa: E402
+from sinks.clickhouse import connect  # noqa: E402
+from sinks.errors import SinkError  # noqa: E402
+from sinks.query import RemoteReader, owner_file  # noqa: E402
+
+DB = "gpuledger"
+PUBLISH_BATCH = 5000
+BARE_BATCH = 10_000
+POLL_S = 0.1
+TARGETS = {"worker_vs_passthrough_pct": 75.0, "outputs_per_input": 3.0, "latency_p99_s": 2.0}
+_QUIET = logging.getLogger("librdkafka.bench")
+
+
+class BenchError(RuntimeError):
+    """A phase could not complete (a wait timed out, a child died); the message says which."""
+
+
+def wait_until(what: str, timeout: float, probe: Callable[[], object], poll: float = POLL_S,
+               alive: ServiceProcess | None = None) -> object:
+    """Poll ``probe`` until it returns something truthy; BenchError naming ``what`` if not."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if alive is not None and not alive.alive():
+            raise BenchError(f"{what}: the process exited with {alive.proc.returncode}:\n{alive.log_tail()}")
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            tail = f"\n--- log tail ({alive.log_path}) ---\n{alive.log_tail()}" if alive is not None else ""
+            raise BenchError(f"timed out after {timeout:.0f}s waiting for {what}{tail}")
+        time.sleep(poll)
+
+
+# --- Kafka -----------------------------------------------------------------------
+
+def publish(publisher: EventPublisher, stream) -> int:
+    batch, n = [], 0
+    for ev in stream:
+        batch.append(ev)
+        if len(batch) == PUBLISH_BATCH:
+            n += publisher.publish_batch(batch)
+            batch = []
+    return n + publisher.publish_batch(batch)
+
+
+def end_offsets(bootstrap: str, topics: list[str]) -> dict[str, int]:
+    """Sum of the high watermarks of every partition, per topic (= records written)."""
+    if not topics:
+        return {}
+    md = AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=30)
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "bench-watermarks", "enable.auto.commit": False,
+                         "logger": _QUIET})
+    try:
+        return {t: sum(consumer.get_watermark_offsets(TopicPartition(t, p), timeout=30)[1] for p in md.topics[t].partitions)
+                for t in topics if t in md.topics}
+    finally:
+        consumer.close()
+
+
+def derived_records(bootstrap: str, catalogue: TopicCatalogue) -> dict[str, int]:
+    """Records in every topic named after the prefix, except the raw inputs."""
+    names = AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=30).topics
+    raw = set(catalogue.raw_topics)
+    return end_offsets(bootstrap, sorted(t for t in names if t.startswith(catalogue.prefix) and t not in raw))
+
+
+# --- the worker ------------------------------------------------------------------
+
+@dataclass
+class WorkerRun:
+    events: int
+    events_per_s: float | None
+    correlated_s: float
+    queryable_s: float | None
+    settled: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+def worker_env(bootstrap: str, prefix: str, app_id: str, data_dir: Path) -> dict[str, str]:
+    return {"GPULEDGER_KAFKA_BOOTSTRAP": bootstrap, "GPULEDGER_KAFKA_TOPIC_PREFIX": prefix, "GPULEDGER_DATA_DIR": str(data_dir),
+            "GPULEDGER_CLICKHOUSE_DSN": store_dsn(data_dir), "GPULEDGER_CLICKHOUSE_DATABASE": DB,
+            "GPULEDGER_STREAMS_APP_ID": app_id, "GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "3"}
+
+
+def store_dsn(data_dir: Path) -> str:
+    return f"chdb://{data_dir / 'clickhouse'}"
+
+
+def health(url: str) -> dict:
+    try:
+        with urllib.request.urlopen(f"{url}/gpuledger/health/", timeout=5) as resp:
+            return json.loads(resp.read())["stats"]
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def stored_rows(reader: RemoteReader) -> int:
+    """Inputs with a queryable row; -1 while the worker's query endpoint does not answer."""
+    try:
+        return int(reader.query(f"SELECT count() AS n FROM {DB}.correlated_events FINAL").rows[0][0])
+    except SinkError:
+        return -1
+
+
+def follow_worker(service: ServiceProcess, url: str, expected: int, timeout: float) -> WorkerRun:
+    """Correlated events/s (first correlated batch → every input correlated), then the
+    time from that first batch until ≥ 99 % of the inputs are queryable."""
+    first: list[float] = []
+    n_first = [0]
+
+    def correlated():
+        n = health(url).get("correlated_in", 0)
+        if n and not first:
+            first.append(time.monotonic())
+            n_first[0] = n
+        return n >= expected
+
+    wait_until(f"the worker to correlate {expected} events (health stats correlated_in)", timeout, correlated, alive=service)
+    done = time.monotonic()
+    rate = (expected - n_first[0]) / (done - first[0]) if done > first[0] and expected > n_first[0] else None
+    reader = RemoteReader(url)
+    queryable = None
+    try:
+        wait_until(f"≥ 99% of {expected} rows to be queryable in {DB}.correlated_events", timeout,
+                   lambda: stored_rows(reader) >= expected * 0.99, poll=0.2, alive=service)
+        queryable = time.monotonic() - first[0]
+    except BenchError as exc:
+        print(f"  ! {exc}", flush=True)
+    run = WorkerRun(events=expected, events_per_s=rate, correlated_s=done - first[0], queryable_s=queryable)
+    if rate is None:
+        run.notes.append("every input arrived in the first correlated batch: too few events to measure a rate")
+    return run
+
+
+def settle(service: ServiceProcess, url: str, expected: int, timeout: float, quiet_s: float = 3.0) -> bool:
+    """Wait until every input has its row and no table grew for ``quiet_s`` (parked rows
+    flushed, derived tables and allocations written) — so stores can be compared."""
+    reader = RemoteReader(url)
+    tables = [r[0] for r in reader.query("SELECT name FROM system.tables WHERE database = {db:String}", {"db": DB}).rows]
+    count_sql = " + ".join(f"(SELECT count() FROM {DB}.`{t}`)" for t in tables) or "0"
+    last: list = [None, time.monotonic()]
+
+    def quiet():
+        try:
+            total = int(reader.query(f"SELECT {count_sql} AS n").rows[0][0])
+        except SinkError:
+            return False
+        if total != last[0]:
+            last[:] = [total, time.monotonic()]
+            return False
+        return time.monotonic() - last[1] >= quiet_s and stored_rows(reader) >= expected and not health(url).get("parked", 0)
+
+    try:
+        wait_until(f"the store to settle (all {expected} rows, no table growing for {quiet_s:.0f}s, nothing parked)",
+                   timeout, quiet, poll=0.5, alive=service)
+        return True
+    except BenchError as exc:
+        print(f"  ! {exc}", flush=True)
+        return False
+
+
+# --- the phases ------------------------------------------------------------------
+
+class Bench:
+    def __init__(self, args, work: Path, bootstrap: str) -> None:
+        self.args = args
+        self.work = work
+        self.bootstrap = bootstrap
+        self.run_id = uuid.uuid4().hex[:6]
+        self.catalogue = TopicCatalogue(prefix=f"bench-{self.run_id}", raw_partitions=4)
+        self.children: list[ServiceProcess] = []
+        self.results: dict = {"config": {"events": args.events, "latency_seconds": args.latency_seconds, "prefix": self.catalogue.prefix,
+                                         "work_dir": str(work), "bootstrap": bootstrap}}
+
+    def start(self, service: ServiceProcess) -> ServiceProcess:
+        self.children.append(service)
+        return service.start()
+
+    def stop(self, service: ServiceProcess, grace: float = 30.0) -> None:
+        service.stop(grace=grace)
+        self.children.remove(service)
+
+    def stop_all(self) -> None:
+        for service in reversed(self.children):
+            service.stop(grace=15)
+        self.children.clear()
+
+    def publish_input(self) -> int:
+        ensure_topics({"bootstrap.servers": self.bootstrap}, self.catalogue)
+        pub = EventPublisher({"bootstrap.servers": self.bootstrap}, self.catalogue, "bench")
+        t = time.monotonic()
+        n = publish(pub, events(self.args.events))
+        pub.close()
+        on_topics = sum(end_offsets(self.bootstrap, list(self.catalogue.raw_topics)).values())
+        if on_topics != n:
+            raise BenchError(f"published {n} events but the raw topics hold {on_topics} records (topics not fresh?)")
+        print(f"published {n:,} events to {self.catalogue.prefix}.* in {time.monotonic() - t:.1f}s", flush=True)
+        self.results["published"] = n
+        return n
+
+    def bare_loop(self, expected: int) -> float:
+        print("1/5 bare loop: confluent-kafka → orjson → chDB (10k-row inserts)", flush=True)
+        client = connect(store_dsn(self.work / "bare"), "bench")
+        client.command("CREATE TABLE IF NOT EXISTS bench.bare_events (topic LowCardinality(String), partition UInt32, offset UInt64, "
+                       "event_id String, event_type LowCardinality(String), occurred_at DateTime64(3, 'UTC'), value String) "
+                       "ENGINE = MergeTree ORDER BY (event_type, occurred_at, event_id)")
+        columns = ["topic", "partition", "offset", "event_id", "event_type", "occurred_at", "value"]
+        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": f"bench-bare-{self.run_id}", "auto.offset.reset": "earliest",
+                             "enable.auto.commit": False, "logger": _QUIET})
+        consumer.subscribe(list(self.catalogue.raw_topics))
+        rows: list[list] = []
+        stored, first = 0, None
+        deadline = time.monotonic() + self.args.timeout
+        try:
+            while stored < expected:
+                if time.monotonic() > deadline:
+                    raise BenchError(f"bare loop: {stored + len(rows)} of {expected} events read after {self.args.timeout:.0f}s")
+                for msg in consumer.consume(num_messages=BARE_BATCH, timeout=0.5):
+                    if msg.error():
+                        raise BenchError(f"bare loop: consumer error {msg.error()}")
+                    if first is None:
+                        first = time.monotonic()
+                    value = msg.value()
+                    ev = orjson.loads(value)
+                    rows.append([msg.topic(), msg.partition(), msg.offset(), ev["event_id"], ev["event_type"],
+                                 datetime.fromisoformat(ev["occurred_at"]), value.decode()])
+                while len(rows) >= BARE_BATCH or (rows and stored + len(rows) >= expected):
+                    batch, rows = rows[:BARE_BATCH], rows[BARE_BATCH:]
+                    client.insert("bench.bare_events", batch, column_names=columns)
+                    stored += len(batch)
+            elapsed = time.monotonic() - first
+            in_table = client.query("SELECT count() FROM bench.bare_events").result_rows[0][0]
+            if in_table != expected:
+                raise BenchError(f"bare loop: {in_table} rows in the table, expected {expected}")
+        finally:
+            consumer.close()
+            client.close()
+        rate = expected / elapsed
+        print(f"    {rate:,.0f} events/s ({expected:,} in {elapsed:.1f}s)", flush=True)
+        self.results["bare_loop"] = {"events_per_s": rate, "seconds": elapsed}
+        return rate
+
+    def passthrough(self, expected: int) -> float | None:
+        print("2/5 Faust pass-through: one agent, take_events(1000, 0.2), librdkafka out, flush per batch", flush=True)
+        output, app_id = f"passthrough-{self.run_id}.out", f"passthrough-{self.run_id}"
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        for fut in admin.create_topics([NewTopic(output, num_partitions=self.catalogue.raw_partitions, replication_factor=1)],
+                                       request_timeout=30).values():
+            fut.result()
+        progress = self.work / "passthrough" / "progress.json"
+        progress.parent.mkdir(parents=True, exist_ok=True)
+        child = self.start(ServiceProcess(
+            ["--bootstrap", self.bootstrap, "--topics", ",".join(self.catalogue.raw_topics), "--output", output, "--app-id", app_id,
+             "--datadir", str(progress.parent), "--progress", str(progress), "--partitions", str(self.catalogue.raw_partitions)],
+            {}, self.work / "passthrough" / "passthrough.log", program=(sys.executable, str(REPO / "benchmarks" / "passthrough.py"))))
+
+        def state():
+            try:
+                s = json.loads(progress.read_text())
+            except (OSError, ValueError):
+                return None
+            return s if s["events"] >= expected else None
+
+        try:
+            s = wait_until(f"the Faust pass-through to process {expected} events", self.args.timeout, state, poll=0.2, alive=child)
+        finally:
+            self.stop(child)
+        written = end_offsets(self.bootstrap, [output]).get(output, 0)
+        if written < expected:
+            raise BenchError(f"pass-through reported {s['events']} events but {output} holds {written} records")
+        span = s["last_batch_done"] - s["first_batch_done"]
+        rate = (s["events"] - s["first_batch_events"]) / span if span > 0 else None
+        print(f"    {fmt_rate(rate)} events/s ({s['events']:,} in {s['batches']} batches, {span:.1f}s after the first)", flush=True)
+        self.results["passthrough"] = {"events_per_s": rate, "seconds": span, "batches": s["batches"]}
+        return rate
+
+    def worker(self, name: str, app_id: str, data_dir: Path, expected: int, extra_env: dict | None = None,
+               after: Callable[[ServiceProcess, str], None] | None = None) -> WorkerRun:
+        env = {**worker_env(self.bootstrap, self.catalogue.prefix, app_id, data_dir), **(extra_env or {})}
+        service = self.start(ServiceProcess(["worker"], env, data_dir / "worker.log"))
+        try:
+            url = wait_for_worker(service, owner_file(store_dsn(data_dir)), timeout=120)
+            run = follow_worker(service, url, expected, self.args.timeout)
+            # Settling takes seconds once 99 % is queryable; do not spend the whole --timeout on it.
+            run.settled = settle(service, url, expected, min(self.args.timeout, 180))
+            if not run.settled:
+                run.notes.append("store did not settle before the timeout; checksums may differ for that reason")
+            if after:
+                after(service, url)
+        finally:
+            self.stop(service)
+        print(f"    {fmt_rate(run.events_per_s)} events/s correlated ({expected:,} in {run.correlated_s:.1f}s), "
+              f"≥99% queryable {fmt_s(run.queryable_s)} after the first batch", flush=True)
+        self.results[name] = asdict(run)
+        return run
+
+    def outputs(self, _service, _url) -> None:
+        per_topic = derived_records(self.bootstrap, self.catalogue)
+        total = sum(per_topic.values())
+        self.results["outputs"] = {"records": total, "per_input": total / self.results["published"], "per_topic": per_topic}
+        print(f"    {total:,} records in {len(per_topic)} derived topic(s): {total / self.results['published']:.2f} per input event", flush=True)
+
+    def latency(self, rate: float) -> dict:
+        seconds = self.args.latency_seconds
+        print(f"4/5 latency: live publishing at {rate:,.0f} events/s for {seconds:.0f}s to a worker already running", flush=True)
+        cat = TopicCatalogue(prefix=f"benchlat-{self.run_id}", raw_partitions=self.catalogue.raw_partitions)
+        ensure_topics({"bootstrap.servers": self.bootstrap}, cat)
+        data_dir = self.work / "latency"
+        service = self.start(ServiceProcess(["worker"], worker_env(self.bootstrap, cat.prefix, f"{cat.prefix}-app", data_dir),
+                                            data_dir / "worker.log"))
+        pub = EventPublisher({"bootstrap.servers": self.bootstrap}, cat, "bench")
+        try:
+            url = wait_for_worker(service, owner_file(store_dsn(data_dir)), timeout=120)
+            live = events(clock=lambda: datetime.now(timezone.utc))
+            # The releases first, as a warm-up: the clock starts once the worker has its
+            # partitions and correlates, not while it is still joining the group.
+            pub.publish_batch([next(live) for _ in range(RELEASES)])
+            wait_until("the latency worker to correlate the warm-up releases", 120,
+                       lambda: health(url).get("correlated_in", 0) >= RELEASES, alive=service)
+            since_ms = int(time.time() * 1000)
+            start, cpu, sent = time.monotonic(), time.process_time(), 0
+            while (elapsed := time.monotonic() - start) < seconds:
+                due = int(rate * elapsed) - sent
+                if due > 0:
+                    sent += pub.publish_batch([next(live) for _ in range(min(due, PUBLISH_BATCH))])
+                if not service.alive():
+                    raise BenchError(f"latency worker exited with {service.proc.returncode}:\n{service.log_tail()}")
+                time.sleep(0.005)
+            wall = time.monotonic() - start
+            achieved, publisher_cpu = sent / wall, (time.process_time() - cpu) / wall
+            total = RELEASES + sent
+            reader = RemoteReader(url)
+            complete = True
+            try:
+                wait_until(f"all {total} latency rows to be stored (a worker that fell behind catches up here)", self.args.timeout,
+                           lambda: stored_rows(reader) >= total, poll=0.5, alive=service)
+            except BenchError as exc:
+                complete = False
+                print(f"  ! {exc} — reporting over the rows stored", flush=True)
+            # First time each input became queryable: min(stored_at) over its versions
+            # (no FINAL); a merge that already dropped the first version makes it later,
+            # never earlier. occurred_at == observed_at in this run (correlated_events
+            # carries occurred_at).
+            row = reader.query(
+                "SELECT quantileExact(0.5)(lag) AS p50, quantileExact(0.99)(lag) AS p99, max(lag) AS max, count() AS n FROM ("
+                f" SELECT toUnixTimestamp64Milli(min(stored_at)) - toUnixTimestamp64Milli(any(occurred_at)) AS lag"
+                f" FROM {DB}.correlated_events WHERE toUnixTimestamp64Milli(occurred_at) >= {{since:Int64}} GROUP BY correlation_id)",
+                {"since": since_ms}).dicts()[0]
+        finally:
+            pub.close(5)
+            self.stop(service)
+        if not row["n"]:
+            raise BenchError("latency run: no correlated row was stored")
+        out = {"target_rate": rate, "achieved_rate": achieved, "seconds": seconds, "published": sent, "rows": int(row["n"]),
+               "complete": complete, "p50_s": row["p50"] / 1000, "p99_s": row["p99"] / 1000, "max_s": row["max"] / 1000,
+               "publisher_cpu_cores": publisher_cpu}
+        print(f"    p50 {out['p50_s']:.2f}s, p99 {out['p99_s']:.2f}s, max {out['max_s']:.2f}s over {out['rows']:,} rows "
+              f"({achieved:,.0f} events/s achieved; the publisher used {publisher_cpu:.2f} of a core)", flush=True)
+        self.results["latency"] = out
+        return out
+
+    def checksums(self, *data_dirs: Path, exclude: tuple[str, ...] = ()) -> list[dict]:
+        """Per-table checksums of stopped workers' stores, each read by a child process
+        (this process already holds the bare loop's chDB directory; one per process)."""
+        out = []
+        for data_dir in data_dirs:
+            extra = [arg for column in exclude for arg in ("--exclude", column)]
+            proc = subprocess.run([sys.executable, "-m", "sinks.checksum", store_dsn(data_dir), "--database", DB, *extra], cwd=REPO,
+                                  capture_output=True, text=True, timeout=self.args.timeout)
+            if proc.returncode != 0:
+                raise BenchError(f"checksums of {data_dir}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
+            out.append({t: tuple(v) for t, v in json.loads(proc.stdout).items()})
+        return out
+
+    def run(self) -> dict:
+        n = self.publish_input()
+        self.bare_loop(n)
+        self.passthrough(n)
+        print("3/5 worker: gpuledger worker over the same topics", flush=True)
+        env = {"GPULEDGER_PROFILE": str(Path(self.args.profile).resolve())} if self.args.profile else None
+        worker = self.worker("worker", f"{self.catalogue.prefix}-app", self.work / "worker", n, env, after=self.outputs)
+        if self.args.latency_seconds > 0:
+            rate = self.args.latency_rate or (0.8 * worker.events_per_s if worker.events_per_s else None)
+            if rate:
+                self.latency(rate)
+            else:
+                print("4/5 latency: skipped (no worker throughput to take 80% of; pass --latency-rate)", flush=True)
+        print("5/5 replay: the same raw topics, new app id, new store", flush=True)
+        replay_id = f"{self.catalogue.prefix}-replay"
+        before = derived_records(self.bootstrap, self.catalogue)
+        self.worker("replay", replay_id, self.work / "replay", n)
+        after = derived_records(self.bootstrap, self.catalogue)
+        # Topics phase 3 wrote that the replay wrote to as well: outputs not namespaced by
+        # app id, so the replay's sinks also read phase 3's records from them.
+        shared = sorted(t for t, records in after.items() if before.get(t) and records > before[t] and replay_id not in t)
+        self.results["replay"]["shared_output_topics"] = shared
+        if shared:
+            print(f"    ! the replay wrote to {len(shared)} topic(s) phase 3 wrote to (its sinks read both runs' records): "
+                  + ", ".join(shared), flush=True)
+        original, replay = self.checksums(self.work / "worker", self.work / "replay")
+        diff = differing(original, replay)
+        content_diff = differing(*self.checksums(self.work / "worker", self.work / "replay", exclude=("version",))) if diff else []
+        self.results["checksums"] = {"identical": not diff, "differing": diff, "differing_ignoring_version": content_diff,
+                                     "worker": original, "replay": replay}
+        return self.results
+
+
+# --- the report ------------------------------------------------------------------
+
+def fmt_rate(rate: float | None) -> str:
+    return "n/a" if rate is None or math.isnan(rate) else f"{rate:,.0f}"
+
+
+def fmt_s(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds:.1f}s"
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def _rate(r: dict, phase: str) -> float | None:
+    return (r.get(phase) or {}).get("events_per_s")
+
+
+def ratios(r: dict) -> dict:
+    wp = _ratio(_rate(r, "worker"), _rate(r, "passthrough"))
+    return {"worker_vs_passthrough_pct": wp * 100 if wp else None, "replay_vs_worker": _ratio(_rate(r, "replay"), _rate(r, "worker"))}
+
+
+def report(r: dict) -> str:
+    def rate(phase: str) -> float | None:
+        return _rate(r, phase)
+
+    rows = [("bare loop", rate("bare_loop"), "confluent-kafka → orjson → chDB, 10k-row inserts"),
+            ("Faust pass-through", rate("passthrough"), "1 agent, take_events(1000, 0.2), librdkafka out"),
+            ("worker (correlated)", rate("worker"), f"≥99% queryable {fmt_s((r.get('worker') or {}).get('queryable_s'))} after the first batch"),
+            ("replay", rate("replay"), "new app id + store, same raw topics")]
+    lines = [f"{r['published']:,} input events, one run (prefix {r['config']['prefix']})", "",
+             f"{'phase':<22}{'events/s':>10}   notes", "-" * 78]
+    lines += [f"{name:<22}{fmt_rate(value):>10}   {note}" for name, value, note in rows]
+    lines.append("")
+    wp, rw = r["ratios"]["worker_vs_passthrough_pct"], r["ratios"]["replay_vs_worker"]
+    lines.append(f"worker / pass-through = {wp:.0f} %  (target ≥ {TARGETS['worker_vs_passthrough_pct']:.0f} %)" if wp
+                 else "worker / pass-through = n/a")
+    lines.append(f"replay / worker = {rw:.2f}" if rw else "replay / worker = n/a")
+    if "outputs" in r:
+        lines.append(f"outputs per input event = {r['outputs']['per_input']:.2f}  (target ≤ {TARGETS['outputs_per_input']:.0f})")
+    if "latency" in r:
+        lat = r["latency"]
+        lines.append(f"event → queryable p50 = {lat['p50_s']:.2f} s, p99 = {lat['p99_s']:.2f} s at {lat['achieved_rate']:,.0f} events/s"
+                     f"  (target p99 < {TARGETS['latency_p99_s']:.0f} s)" + ("" if lat["complete"] else "  [not every row was stored]"))
+    else:
+        lines.append("event → queryable: not measured")
+    if "checksums" in r:
+        c = r["checksums"]
+        lines.append("replay checksums identical: " + ("yes" if c["identical"] else
+                     f"no (tables differing: {', '.join(c['differing'])}; ignoring version: {', '.join(c['differing_ignoring_version']) or 'none'})"))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--events", type=int, default=50_000, help="input events published once (default 50,000)")
+    ap.add_argument("--latency-seconds", type=float, default=60.0, help="duration of the live latency run; 0 skips it (default 60)")
+    ap.add_argument("--latency-rate", type=float, default=None, help="events/s of the latency run (default: 80%% of phase 3's throughput)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="limit of every wait for processing, in seconds (default 600)")
+    ap.add_argument("--bootstrap", help="use this broker instead of starting a local one")
+    ap.add_argument("--json", help="write every result to this file")
+    ap.add_argument("--profile", help="write a cProfile of the phase-3 worker here")
+    ap.add_argument("--keep", action="store_true", help="keep the work dir (broker data, stores, logs); kept anyway on failure")
+    args = ap.parse_args()
+    if args.events <= RELEASES:
+        ap.error(f"--events must be more than {RELEASES} (the mix starts with {RELEASES} releases)")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("librdkafka.bench").setLevel(logging.CRITICAL)
+    work = Path(tempfile.mkdtemp(prefix="gpuledger-bench-"))
+    broker = None
+    bench = None
+    ok = False
+    try:
+        if not args.bootstrap:
+            broker = LocalKafka(work / "kafka", default_cache_dir(), log_level="WARN").start()
+        bench = Bench(args, work, args.bootstrap or broker.bootstrap)
+        results = bench.run()
+        results["ratios"] = ratios(results)
+        print("\n" + report(results))
+        ok = True
+        return 0
+    except (BenchError, ServiceError, ProducerError, LocalKafkaError, SinkError) as exc:
+        print(f"\nbench failed: {exc}", file=sys.stderr)
+        if bench is not None:
+            bench.results["error"] = str(exc)
+        return 1
+    finally:
+        if args.json and bench is not None:
+            Path(args.json).write_text(json.dumps(bench.results, indent=2, default=str))
+            print(f"\nresults{'' if ok else ' so far'} written to {args.json}")
+        if bench is not None:
+            bench.stop_all()
+        if broker is not None:
+            broker.stop()
+        if ok and not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"work dir kept: {work}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Per-table content checksums of a correlation store, to compare two stores.
+
+Input: a ClickHouse client and the database holding gpuledger's tables. Output: for
+every table the migrations create (``sinks.migrations.table_names``; not the
+``schema_migrations`` bookkeeping), ``(row count, order-independent hash)`` of the rows
+readers see — ``FINAL`` on ReplacingMergeTree tables, so superseded versions and
+re-delivered duplicates do not count — over every column except the volatile ones
+(``VOLATILE_COLUMNS``: wall-clock times that differ between two builds of the same
+content).
+Guarantees: the result depends only on the set of latest rows, not on insert order,
+batching or merges, so a replay of the same topics into a fresh store (new app id,
+same raw topics) should give identical checksums (``make bench`` checks this).
+Limits: a hash, not a diff — it says *which* tables differ, not which rows. It reads
+every row of every table once (a full scan per table). On a cluster, pass ``cluster``
+to read the ``_dist`` tables.
+
+Also a command, for stores another process must open (one chDB directory per
+process): ``python -m sinks.checksum chdb:///path [--database gpuledger] [--exclude COL]``
+prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterable
+
+from sinks.migrations import table_names
+from sinks.migrations import table_name as dist_table_name
+
+#: Columns that hold wall-clock values, not event facts: excluded from every checksum.
+#: ``inserted_at``/``stored_at`` (every table / correlated_events) are ``now64()`` at
+#: insert; dead letters' ``failed_at`` is the worker's clock when it rejected the record.
+#: Everything else is a function of the input topics: event times, ids, the Kafka
+#: topic/partition/offset of the *raw* input, attribution, payloads.
+VOLATILE_COLUMNS: dict[str, frozenset[str]] = {
+    "*": frozenset({"inserted_at", "stored_at"}),
+    "dead_letters": frozenset({"failed_at"}),
+}
+
+
+def volatile_columns(table: str) -> frozenset[str]:
+    return VOLATILE_COLUMNS["*"] | VOLATILE_COLUMNS.get(table, frozenset())
+
+
+def checksum_sql(database: str, table: str, columns: list[str], final: bool) -> str:
+    """``count()`` and the wrapping sum of one 64-bit hash per row.
+
+    ``tuple(...)`` because ``cityHash64`` of a NULL argument is NULL (a Nullable column
+    would blank the row's hash); a wrapping sum rather than ``groupBitXor`` so that two
+    identical rows (possible in a non-replacing table) add up instead of cancelling.
+    """
+    cols = ", ".join(f"`{c}`" for c in columns)
+    return (f"SELECT count(), sumWithOverflow(cityHash64(tuple({cols}))) "
+            f"FROM `{database}`.`{table}`{' FINAL' if final else ''}")
+
+
+def table_checksums(client, database: str, cluster: str | None = None, exclude: Iterable[str] = ()) -> dict[str, tuple[int, int]]:
+    """``{table: (rows, hash)}`` for every gpuledger table present in ``database``.
+
+    ``exclude`` leaves further columns out of every hash — to tell *what* differs, e.g.
+    ``("version",)``: the same content reached through a different number of versions."""
+    exclude = frozenset(exclude)
+    tables = list(table_names())
+    engines = dict(client.query(
+        "SELECT name, engine FROM system.tables WHERE database = {db:String} AND name IN {names:Array(String)}",
+        parameters={"db": database, "names": tables}).result_rows)
+    columns: dict[str, list[str]] = {}
+    for table, column in client.query(
+            "SELECT table, name FROM system.columns WHERE database = {db:String} AND table IN {names:Array(String)} "
+            "AND default_kind NOT IN ('ALIAS', 'MATERIALIZED', 'EPHEMERAL') ORDER BY table, position",
+            parameters={"db": database, "names": tables}).result_rows:
+        if column not in volatile_columns(table) and column not in exclude:
+            columns.setdefault(table, []).append(column)
+    out: dict[str, tuple[int, int]] = {}
+    for table in tables:
+        if table not in engines:
+            continue
+        final = "ReplacingMergeTree" in engines[table]
+        rows, digest = client.query(checksum_sql(database, dist_table_name(table, cluster), columns[table], final)).result_rows[0]
+        out[table] = (int(rows), int(digest))
+    return out
+
+
+def differing(a: dict[str, tuple[int, int]], b: dict[str, tuple[int, int]]) -> list[str]:
+    """Tables whose checksums differ (or that only one side has)."""
+    return sorted(t for t in set(a) | set(b) if a.get(t) != b.get(t))
+
+
+def main(argv: list[str] | None = None) -> None:
+    from sinks.clickhouse import connect
+
+    parser = argparse.ArgumentParser(prog="python -m sinks.checksum", description=__doc__.split("\n\n")[0])
+    parser.add_argument("dsn", help="chdb:///path or http(s)://... of the store")
+    parser.add_argument("--database", default="gpuledger")
+    parser.add_argument("--cluster", default=None)
+    parser.add_argument("--exclude", action="append", default=[], help="a further column to leave out (repeatable)")
+    args = parser.parse_args(argv)
+    client = connect(args.dsn, args.database, create=False)
+    try:
+        print(json.dumps(table_checksums(client, args.database, args.cluster, args.exclude)))
+    finally:
+        client.close()
+
+
+if __name__ == "__main__":
+    main()
