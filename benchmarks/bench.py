@@ -18,7 +18,7 @@ Publishes the event mix (benchmarks/mix.py) ONCE to fresh raw topics on a local 
    (outputs, route hops, changelogs — whatever the worker creates), per input event.
 4. **latency** — a fresh prefix and app id; the worker starts first, then the mix is
    published live (``occurred_at = observed_at = now``) at 80 % of phase 3's throughput
-   for ``--latency-seconds``; p50/p99 of ``stored_at − observed_at`` over the stored
+   for ``--latency-seconds``; p50/p99 of ``inserted_at − observed_at`` over the stored
    correlated rows (the first version of each row to be stored).
 5. **replay** — phase 3's raw topics again, new app id, new store: events/s, and per-table
    checksums (sinks/checksum.py) compared with phase 3's store.
@@ -399,13 +399,13 @@ class Bench:
             except BenchError as exc:
                 complete = False
                 print(f"  ! {exc} — reporting over the rows stored", flush=True)
-            # First time each input became queryable: min(stored_at) over its versions
+            # First time each input became queryable: min(inserted_at) over its versions
             # (no FINAL); a merge that already dropped the first version makes it later,
             # never earlier. occurred_at == observed_at in this run (correlated_events
             # carries occurred_at).
             row = reader.query(
                 "SELECT quantileExact(0.5)(lag) AS p50, quantileExact(0.99)(lag) AS p99, max(lag) AS max, count() AS n FROM ("
-                f" SELECT toUnixTimestamp64Milli(min(stored_at)) - toUnixTimestamp64Milli(any(occurred_at)) AS lag"
+                f" SELECT toUnixTimestamp64Milli(min(inserted_at)) - toUnixTimestamp64Milli(any(occurred_at)) AS lag"
                 f" FROM {DB}.correlated_events WHERE toUnixTimestamp64Milli(occurred_at) >= {{since:Int64}} GROUP BY correlation_id)",
                 {"since": since_ms}).dicts()[0]
         finally:

@@ -98,10 +98,6 @@ TTL_COLUMNS: dict[str, str] = {
 }
 
 
-#: Wall-clock time the row was stored (server time at insert), not a fact of the event.
-STORED_AT_COLUMN = "stored_at DateTime64(3, 'UTC') DEFAULT now64(3)"
-
-
 def _distributed(table: str) -> str:
     return ("{cluster_only}CREATE TABLE IF NOT EXISTS {db}.%s_dist {on_cluster} AS {db}.%s "
             "ENGINE = Distributed({cluster_name}, {db_name}, '%s', %s)") % (table, table, table, SHARD_KEYS[table])
@@ -331,14 +327,6 @@ ORDER BY violation_id""",
         # workload or allocation names yet).
         "ALTER TABLE {db}.correlated_events {on_cluster} ADD INDEX IF NOT EXISTS idx_pod pod TYPE bloom_filter GRANULARITY 4",
         *(_distributed(t) for t in SHARD_KEYS),
-    )),
-    # When a row became queryable, for event -> queryable latency (`make bench`:
-    # stored_at - observed_at). A DEFAULT column: writers never send it, and adding it is
-    # a metadata-only change. On a cluster the Distributed table gets it too, or readers
-    # of correlated_events_dist would not see it.
-    Migration(3, "correlated_events.stored_at", (
-        "ALTER TABLE {db}.correlated_events {on_cluster} ADD COLUMN IF NOT EXISTS " + STORED_AT_COLUMN,
-        "{cluster_only}ALTER TABLE {db}.correlated_events_dist {on_cluster} ADD COLUMN IF NOT EXISTS " + STORED_AT_COLUMN,
     )),
 )
 

@@ -117,13 +117,3 @@ def test_cli_db_migrate_and_status(clickhouse_dsn, clickhouse_db, tmp_path):
     assert status.exit_code == 0, status.output
     assert all(f"migration {m.version}\tapplied" in status.stdout for m in MIGRATIONS)
     assert f"{clickhouse_db}.release_history\t0 rows" in status.stdout
-
-
-def test_stored_at_is_set_by_the_store_on_both_renderings(clickhouse_client, clickhouse_db):
-    migrate(clickhouse_client, clickhouse_db)
-    clickhouse_client.command(f"INSERT INTO `{clickhouse_db}`.correlated_events (correlation_id, version) VALUES ('c1', 0)")
-    lag = clickhouse_client.query(f"SELECT now64(3) - stored_at FROM `{clickhouse_db}`.correlated_events").result_rows[0][0]
-    assert 0 <= float(lag) < 60
-    cluster = [sql for version, sql in rendered("gl", "prod") if version == 3]
-    assert any(".correlated_events ON CLUSTER `prod` ADD COLUMN IF NOT EXISTS stored_at" in s for s in cluster)
-    assert any(".correlated_events_dist ON CLUSTER `prod` ADD COLUMN IF NOT EXISTS stored_at" in s for s in cluster)
