@@ -96,8 +96,8 @@ class ClickHouseSettings(BaseSettings):
 
     dsn: str | None = Field(default=None, description="chdb:///path (embedded, default under the data dir) or http(s)://user:pass@host:8123/db.")
     database: str = Field(default="gpuledger", description="Database holding gpuledger's tables.")
-    batch_rows: int = Field(default=5000, ge=1, description="Sink flushes a batch at this many rows...")
-    batch_seconds: float = Field(default=1.0, gt=0, description="...or after this many seconds, whichever comes first.")
+    batch_rows: int = Field(default=10_000, ge=1, description="Sink flushes a batch at this many rows...")
+    batch_seconds: float = Field(default=0.3, gt=0, description="...or after this many seconds, whichever comes first.")
     cluster: str | None = Field(default=None, description="ClickHouse cluster name for ON CLUSTER / Replicated tables.")
     ttl_days: int | None = Field(default=None, ge=1, description="Retention of the event tables (raw_events, correlated_events, workload_timeline, enriched_alerts, dead_letters) in days of event time; unset keeps rows forever. Applied by `db migrate` and at worker start.")
 

@@ -1,4 +1,4 @@
-"""Sink agents: Faust agents that insert output and raw topics into ClickHouse in batches.
+"""The sink: insert the raw and output topics into ClickHouse in batches.
 
 Input: the correlated, allocations, dead-letter and raw topics (and violations, when
 the app passes that topic). Output: one columnar insert per table per batch —
@@ -8,20 +8,18 @@ correlated → ``correlated_events`` + ``release_history`` / ``workload_timeline
 Batches close at ``GPULEDGER_CLICKHOUSE_BATCH_ROWS`` records or after
 ``GPULEDGER_CLICKHOUSE_BATCH_SECONDS``, whichever comes first.
 
-Guarantees: ``take_events`` acks a batch's offsets only after the body returned, and
-the body returns only after every row of the batch was stored or rejected
+Guarantees: the sink consumer (``SinkLoop``, its own consumer group) commits a batch's
+offsets only after every row of the batch was stored or rejected
 (``TableWriter.write`` retries retriable failures with back-off, reconnecting through
-one shared ``StoreConnection``) — so while ClickHouse is down the agents stop
+one shared ``StoreConnection``) — so while ClickHouse is down the sink stops
 consuming, and a crash re-delivers into idempotent tables. A row ClickHouse rejects
 for its content does not stall its table: it is handed to ``on_rejected`` as a
 ``RejectedRow`` naming the Kafka record it came from, and the agents send it to the
 dead-letter topic (reason ``store_rejected``, stage ``sinks.<table>``, the error and
-a hint). Rejected rows of ``dead_letters`` itself are logged at ERROR and dropped: a
-dead letter about a dead letter would come back to the same table. The batch logic
-lives in ``SinkWriters`` (plain async methods) so it can be driven without Faust.
-
-Limits: the dead letters of rejected rows are sent with the agent's ``send_dead``
-(Faust's producer), which the batch's ack does not wait for.
+a hint), acknowledged before the batch's offsets are committed. Rejected rows of
+``dead_letters`` itself are logged at ERROR and dropped: a dead letter about a dead
+letter would come back to the same table. The batch logic lives in ``SinkWriters``
+(plain async methods) so it can be driven without Kafka.
 """
 
 from __future__ import annotations
@@ -137,94 +135,136 @@ def _coordinates(row: RejectedRow) -> tuple:
     return (row.source.topic, row.source.partition, row.source.offset) if row.source else ("?", "?", "?")
 
 
-def install_sink_agents(app, settings, client, topics: dict, ctx) -> SinkWriters:
-    """Register the sink agents on ``app``. ``topics`` maps role -> faust topic
-    (correlated, deadletter, allocations, raw; violations when present). ``client`` is
-    an open client or a ``StoreConnection`` — for a worker that must start while
-    ClickHouse is down, ``sinks.clickhouse.migrated_store(...)`` (lazy; migrates and
-    applies the TTL on connect). ``ctx`` is the worker's context: its one producer
-    writes the dead letters (acknowledged before the batch is acked; rows the store
-    rejects go there too), its stats count what was stored."""
+class _Record:
+    """A confluent-kafka message seen through the attribute names RecordSource reads."""
+
+    __slots__ = ("topic", "partition", "offset", "key", "value")
+
+    def __init__(self, msg) -> None:
+        self.topic, self.partition, self.offset = msg.topic(), msg.partition(), msg.offset()
+        self.key, self.value = msg.key(), msg.value() or b""
+
+
+class SinkLoop:
+    """The sink consumer: one confluent-kafka consumer (its own group, ``<app id>.sinks``)
+    over every topic the store is built from, one insert per table per batch, offsets
+    committed only after the batch is stored (or its rejected rows dead-lettered).
+
+    Why not Faust agents: a Faust agent costs about as much per record as the whole
+    correlation does, and the sinks read every input twice (raw and correlated); a plain
+    consumer reads a batch in one call (``make bench``'s bare loop is this shape).
+    """
+
+    def __init__(self, settings, ctx, sinks: SinkWriters, topics: dict[str, list[str]]) -> None:
+        from confluent_kafka import Consumer
+
+        conf = settings.clickhouse
+        self.ctx, self.sinks, self.topics = ctx, sinks, topics
+        self.kind = {name: kind for kind, names in topics.items() for name in names}
+        self.rows_max, self.within = conf.batch_rows, conf.batch_seconds
+        self.consumer = Consumer({**ctx.consumer_config, "group.id": f"{settings.streams.app_id}.sinks", "enable.auto.commit": False,
+                                  "auto.offset.reset": "earliest", "enable.partition.eof": False,
+                                  "max.poll.interval.ms": 600_000, "logger": logging.getLogger("librdkafka")})
+        self.consumer.subscribe(sorted(self.kind))
+
+    async def run(self) -> None:
+        import asyncio
+
+        try:
+            while True:
+                messages = await asyncio.to_thread(self.consumer.consume, self.rows_max, self.within)
+                records = [_Record(m) for m in messages if not m.error()]
+                for m in messages:
+                    if m.error():
+                        log.warning("sink consumer: %s", m.error())
+                if records:
+                    await self.store(records)
+                    await asyncio.to_thread(self.consumer.commit, asynchronous=False)
+        finally:
+            self.consumer.close()  # leave the group now (also when cancelled at shutdown)
+
+    async def store(self, records: list[_Record]) -> None:
+        from schemas import CorrelatedEvent, DeadLetter, GpuAllocation, Violation
+
+        by_kind: dict[str, list[_Record]] = {}
+        for rec in records:
+            by_kind.setdefault(self.kind[rec.topic], []).append(rec)
+        stats = self.ctx.stats
+        if "raw" in by_kind:
+            raw = by_kind["raw"]
+            skipped = await self.sinks.store_raw([(r.value, r.topic, r.partition, r.offset) for r in raw])
+            stats["raw_stored"] += len(raw) - skipped
+            stats["raw_skipped"] += skipped
+        if "correlated" in by_kind:
+            batch, sources = await self._decode(by_kind["correlated"], CorrelatedEvent, "sinks.store_correlated")
+            await self.sinks.store_correlated(batch, sources)
+            stats["stored"] += len(batch)
+        if "allocations" in by_kind:
+            batch, sources = await self._decode(by_kind["allocations"], GpuAllocation, "sinks.store_allocations")
+            await self.sinks.store_allocations(batch, sources)
+            stats["allocations_stored"] += len(batch)
+        if "violations" in by_kind:
+            batch, sources = await self._decode(by_kind["violations"], Violation, "sinks.store_violations")
+            await self.sinks.store_violations(batch, sources)
+            stats["violations_stored"] += len(batch)
+        if "deadletter" in by_kind:
+            batch, sources = [], []
+            for rec in by_kind["deadletter"]:
+                try:
+                    batch.append(DeadLetter.model_validate_json(rec.value))
+                    sources.append(RecordSource.of(rec))
+                except Exception:  # noqa: BLE001 - a dead letter about a dead letter would loop
+                    log.error("unreadable dead letter at %s[%d]@%d skipped", rec.topic, rec.partition, rec.offset)
+            await self.sinks.store_dead_letters(batch, sources)
+        await self.ctx.output.flush()  # the dead letters of rejected rows, before the offsets are committed
+
+    async def _decode(self, records: list[_Record], model, stage: str) -> tuple[list, list[RecordSource]]:
+        from schemas import encode_event
+        from schemas.outputs import dead_letter
+
+        batch, sources = [], []
+        for rec in records:
+            try:
+                batch.append(model.model_validate_json(rec.value))
+                sources.append(RecordSource.of(rec))
+            except Exception as exc:  # noqa: BLE001 - keep the sink going; the record is dead-lettered
+                letter = dead_letter("validation", str(exc), stage, rec.topic, rec.partition, rec.offset, rec.key, rec.value)
+                self.ctx.output.produce(self.ctx.run.deadletter, rec.key, encode_event(letter))
+        return batch, sources
+
+
+def install_sink_agents(app, settings, client, topics: dict[str, list[str]], ctx) -> SinkWriters:
+    """Register the sink loop on ``app``. ``topics`` maps kind -> topic names (raw,
+    correlated, allocations, violations, deadletter). ``client`` is an open client or a
+    ``StoreConnection`` — for a worker that must start while ClickHouse is down,
+    ``sinks.clickhouse.migrated_store(...)`` (lazy; migrates and applies the TTL on
+    connect). ``ctx`` is the worker's context: its one producer writes the dead letters
+    (acknowledged before the batch's offsets are committed; rows the store rejects go
+    there too), its stats count what was stored."""
     from schemas import encode_event
-    from schemas.outputs import dead_letter
     from sinks.migrations import apply_ttl
 
-    async def send_dead(letter: DeadLetter, key) -> None:
-        ctx.output.produce(ctx.run.deadletter, key, encode_event(letter))
-        await ctx.output.flush()
-
     conf = settings.clickhouse
-    db = conf.database
-    rows_max, within = conf.batch_rows, conf.batch_seconds
     store = StoreConnection.of(client)
     if store.connected:
         # Retention is configuration: keep it in step at every start (a no-op when unchanged).
         # A lazy store does this in its on_connect (migrated_store).
-        apply_ttl(store.get(), db, conf.ttl_days, conf.cluster)
+        apply_ttl(store.get(), conf.database, conf.ttl_days, conf.cluster)
     stats = ctx.stats
     for key in ("stored", "allocations_stored", "raw_stored", "raw_skipped", "violations_stored", "store_rejected"):
         stats.setdefault(key, 0)
 
     async def dead_letter_rejected(row: RejectedRow) -> None:
         stats["store_rejected"] += 1
-        await send_dead(row.dead_letter(), row.source.key if row.source else None)
+        ctx.output.produce(ctx.run.deadletter, row.source.key if row.source else None, encode_event(row.dead_letter()))
 
-    sinks = SinkWriters(store, db, conf.cluster, on_rejected=dead_letter_rejected)
+    sinks = SinkWriters(store, conf.database, conf.cluster, on_rejected=dead_letter_rejected)
     ctx.sinks = sinks
+    loop = SinkLoop(settings, ctx, sinks, topics)
 
-    async def decode_all(events, model, stage: str) -> tuple[list, list[RecordSource]]:
-        batch, sources = [], []
-        for ev in events:
-            try:
-                batch.append(model.model_validate_json(ev.message.value))
-                sources.append(RecordSource.of(ev.message))
-            except Exception as exc:  # noqa: BLE001 - keep the sink going; the record is dead-lettered
-                msg = ev.message
-                await send_dead(dead_letter("validation", str(exc), stage, msg.topic, msg.partition, msg.offset, msg.key, msg.value), msg.key)
-        return batch, sources
-
-    @app.agent(topics["correlated"], name="store_correlated")
-    async def store_correlated(stream):
-        async for events in stream.take_events(rows_max, within=within):
-            batch, sources = await decode_all(events, CorrelatedEvent, "sinks.store_correlated")
-            await sinks.store_correlated(batch, sources)
-            stats["stored"] += len(batch)
-
-    @app.agent(topics["deadletter"], name="store_dead_letters")
-    async def store_dead_letters(stream):
-        async for events in stream.take_events(rows_max, within=within):
-            batch, sources = [], []
-            for ev in events:
-                try:
-                    batch.append(DeadLetter.model_validate_json(ev.message.value))
-                    sources.append(RecordSource.of(ev.message))
-                except Exception:  # noqa: BLE001 - a dead letter about a dead letter would loop
-                    log.error("unreadable dead letter at %s[%d]@%d skipped", ev.message.topic, ev.message.partition, ev.message.offset)
-            await sinks.store_dead_letters(batch, sources)
-
-    if "allocations" in topics:
-        @app.agent(topics["allocations"], name="store_allocations")
-        async def store_allocations(stream):
-            async for events in stream.take_events(rows_max, within=within):
-                batch, sources = await decode_all(events, GpuAllocation, "sinks.store_allocations")
-                await sinks.store_allocations(batch, sources)
-                stats["allocations_stored"] += len(batch)
-
-    if "raw" in topics:
-        @app.agent(topics["raw"], name="store_raw_events")
-        async def store_raw_events(stream):
-            async for events in stream.take_events(rows_max, within=within):
-                records = [(ev.message.value, ev.message.topic, ev.message.partition, ev.message.offset) for ev in events]
-                skipped = await sinks.store_raw(records)
-                stats["raw_stored"] += len(records) - skipped
-                stats["raw_skipped"] += skipped
-
-    if "violations" in topics:
-        @app.agent(topics["violations"], name="store_violations")
-        async def store_violations(stream):
-            async for events in stream.take_events(rows_max, within=within):
-                batch, sources = await decode_all(events, Violation, "sinks.store_violations")
-                await sinks.store_violations(batch, sources)
-                stats["violations_stored"] += len(batch)
+    @app.task
+    async def store_outputs():
+        """Insert the raw and output topics into ClickHouse, in batches."""
+        await loop.run()
 
     return sinks

@@ -111,7 +111,7 @@ class Run:
                "GPULEDGER_CLICKHOUSE_DSN": self.dsn, "GPULEDGER_STREAMS_APP_ID": self.app_id, **ENV}
         if fault:
             env["GPULEDGER_STREAMS_FAULT"] = fault
-        self.service = ServiceProcess(["worker"], env, self.data / "worker.log").start()
+        self.service = ServiceProcess(["-v", "worker"], env, self.data / "worker.log").start()
         return self
 
     def wait_crashed(self, timeout: float = 180) -> int:
@@ -135,14 +135,16 @@ class Run:
         """Until every record of every topic the group reads is committed, nothing is
         parked, and every input is stored — twice in a row, a second apart."""
         run = self.cat.run(self.app_id)
-        topics = [*self.cat.raw_topics, self.cat.deadletter, *run.outputs, run.route, run.controls]
+        streams = [*self.cat.raw_topics, run.route, run.controls]  # what the Faust group reads
+        sinks = [*self.cat.raw_topics, self.cat.deadletter, run.correlated, run.allocations, run.violations, run.deadletter]
         deadline, calm = time.monotonic() + timeout, 0
         health: dict = {}
         while calm < 2:
             assert time.monotonic() < deadline, f"never caught up: {health}\n{self.service.log_tail()}"
             health = self.health()
             stats = health["stats"]
-            done = (stats.get("parked", 1) == 0 and lag(self.bootstrap, self.app_id, topics) == 0 and self.stored() >= expected_rows)
+            done = (stats.get("parked", 1) == 0 and lag(self.bootstrap, self.app_id, streams) == 0
+                    and lag(self.bootstrap, f"{self.app_id}.sinks", sinks) == 0 and self.stored() >= expected_rows)
             calm = calm + 1 if done else 0
             time.sleep(1.0)
         return health
