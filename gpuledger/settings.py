@@ -184,3 +184,13 @@ def _lines(exc: ValidationError, env_prefix: str) -> list[str]:
         env = f"{env_prefix}{loc.upper()}" if env_prefix and loc else loc
         out.append(f"{env}: {err['msg']}")
     return out
+
+
+def worker_instance_id(settings) -> str:
+    """A stable consumer-group instance id for one worker (static membership): the
+    app id, then a hash of host + data dir — the same across restarts of that worker."""
+    import hashlib
+    import socket
+
+    where = f"{socket.gethostname()}:{Path(settings.data_dir).resolve()}"
+    return f"{settings.streams.app_id}-{hashlib.sha256(where.encode()).hexdigest()[:12]}"

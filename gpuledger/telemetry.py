@@ -107,3 +107,51 @@ def context_from_headers(headers: Iterable[tuple[str, bytes]] | Mapping[str, byt
     items = headers.items() if isinstance(headers, Mapping) else headers
     carrier = {k: (v.decode() if isinstance(v, (bytes, bytearray)) else str(v)) for k, v in items if v is not None}
     return extract(carrier)
+
+
+class RepeatFilter(logging.Filter):
+    """Let a repeated log line (same logger, level and message template) through once,
+    then at most once per ``every_s`` with how many were held back in between.
+
+    Why: during a broker outage the Kafka clients log every reconnect attempt (measured:
+    thousands of ERROR lines a second); one line per state change and a count is what an
+    operator can read. Only WARNING and above are filtered; the first line always passes.
+    """
+
+    def __init__(self, every_s: float = 60.0, clock=None) -> None:
+        super().__init__()
+        import time
+
+        self.every_s = every_s
+        self._clock = clock or time.monotonic
+        self._seen: dict[tuple, list] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        key = (record.name, record.levelno, str(record.msg))
+        now = self._clock()
+        seen = self._seen.get(key)
+        if seen is None or now - seen[0] >= self.every_s:
+            held = seen[1] if seen else 0
+            self._seen[key] = [now, 0]
+            if held:
+                record.msg = f"{record.msg} [repeated {held} more time(s) in the last {self.every_s:.0f}s]"
+            if len(self._seen) > 10_000:
+                self._seen.clear()
+            return True
+        seen[1] += 1
+        return False
+
+
+def calm_logging(every_s: float = 60.0) -> RepeatFilter:
+    """Install ``RepeatFilter`` on every handler of the root logger (idempotent)."""
+    root = logging.getLogger()
+    for handler in root.handlers:
+        for existing in handler.filters:
+            if isinstance(existing, RepeatFilter):
+                return existing
+    flt = RepeatFilter(every_s)
+    for handler in root.handlers:
+        handler.addFilter(flt)
+    return flt

@@ -162,7 +162,10 @@ class SinkLoop:
         self.ctx, self.sinks, self.topics = ctx, sinks, topics
         self.kind = {name: kind for kind, names in topics.items() for name in names}
         self.rows_max, self.within = conf.batch_rows, conf.batch_seconds
+        from gpuledger.settings import worker_instance_id
+
         self.consumer = Consumer({**ctx.consumer_config, "group.id": f"{settings.streams.app_id}.sinks", "enable.auto.commit": False,
+                                  "group.instance.id": f"{worker_instance_id(settings)}.sinks", "session.timeout.ms": 20_000,
                                   "auto.offset.reset": "earliest", "enable.partition.eof": False,
                                   "max.poll.interval.ms": 600_000, "logger": logging.getLogger("librdkafka")})
         self.consumer.subscribe(sorted(self.kind))

@@ -37,7 +37,7 @@ from schemas import EventDecodeError, decode_event, encode_event
 from schemas.outputs import dead_letter
 from streams.controls.rules import allocation_key, compact_allocation, compact_row, row_key
 from streams.correlate.directory import ReleaseDirectory, follow_release_topic
-from streams.correlate.entities import expire, fold_event, fold_link, new_entity, refresh
+from streams.correlate.entities import expire, fold_event, fold_link, iso, new_entity, refresh
 from streams.correlate.routing import entity_key, routed_form
 from streams.packing import Packer, unpack
 from streams.runner import run_batches
@@ -162,7 +162,7 @@ class Correlator:
             if kind == "event":
                 n_in += 1
                 if fold_event(state, body["event"], tuple(body["src"])):
-                    at = body["event"]["occurred_at"]
+                    at = iso(body["event"]["occurred_at"])
                     watermark = at if watermark is None or at > watermark else watermark
             elif kind == "link":
                 fold_link(state, body["from"], body["link"])

@@ -42,6 +42,7 @@ from __future__ import annotations
 import hashlib
 from collections import defaultdict
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 
 import orjson
 
@@ -83,6 +84,12 @@ def kind_of(key: str) -> str:
 
 # --- folding inputs into state ---------------------------------------------------------
 
+def iso(value: str | None) -> str | None:
+    """A JSON time as the one format every sort key in streams uses (``isoformat()``,
+    ``+00:00``): ``Z``-suffixed times would sort wrongly against it."""
+    return datetime.fromisoformat(value).astimezone(timezone.utc).isoformat() if value else None
+
+
 def fold_event(state: dict, event: dict, src: tuple[str, int, int]) -> bool:
     """Fold one event (its JSON envelope as a dict) into ``state``; False when it was
     already folded (re-delivery)."""
@@ -90,7 +97,7 @@ def fold_event(state: dict, event: dict, src: tuple[str, int, int]) -> bool:
     if eid in state["rows"]:
         return False
     etype = event["event_type"]
-    at = event["occurred_at"]
+    at = iso(event["occurred_at"])
     ident = {k: v for k, v in (event.get("identity") or {}).items() if v not in (None, "")}
     payload = event.get("payload") or {}
     kind = kind_of(state["key"])
@@ -106,7 +113,7 @@ def fold_event(state: dict, event: dict, src: tuple[str, int, int]) -> bool:
     state["rows"][eid] = {
         "id": eid, "type": etype, "at": at, "key": f"{at}|{eid}", "identity": ident, "facts": facts, "gpu": gpu,
         "summary": summarize(etype, payload), "topic": src[0], "partition": src[1], "offset": src[2],
-        "payload": bounded_payload(payload), "starts_at": payload.get("starts_at") if etype.startswith("alert.") else None,
+        "payload": bounded_payload(payload), "starts_at": iso(payload.get("starts_at")) if etype.startswith("alert.") else None,
         "expired": False, "parked": False,
     }
     _bound(state)

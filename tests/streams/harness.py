@@ -74,7 +74,7 @@ class Driver:
     def _apply(self, key: str, msg: dict) -> None:
         state = self._state(key)
         if msg["k"] == "event":
-            fold_event(state, routed_form(msg["event"]), ("raw", 0, msg["offset"]))
+            fold_event(state, orjson.loads(orjson.dumps(routed_form(msg["event"]))), ("raw", 0, msg["offset"]))
         elif msg["k"] == "link":
             fold_link(state, msg["from"], msg["link"])
         elif msg["k"] == "expire":
