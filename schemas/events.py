@@ -51,6 +51,11 @@ def _describe(exc: ValidationError, skip_tag: bool = False) -> str:
 
 def decode_event(data: bytes | str | dict):
     """Parse one raw event (JSON bytes or a dict) into its family model."""
+    if isinstance(data, (bytes, bytearray, str)):
+        try:
+            return _ANY_EVENT.validate_json(data)  # the fast path: one pass in pydantic-core
+        except ValidationError:
+            pass  # say exactly what is wrong, below
     if isinstance(data, (bytes, bytearray, memoryview, str)):
         try:
             obj = orjson.loads(data)

@@ -31,7 +31,6 @@ import threading
 import faust
 
 from gpuledger.localkafka import free_port
-from gpuledger.settings import worker_instance_id
 from gpuledger.telemetry import ComponentCounters
 from producers._kafka import client_config, ensure_specs, resolve_bootstrap
 from sinks.query import QueryError, run_readonly
@@ -125,15 +124,14 @@ def create_app(settings, store=None) -> faust.App:
         consumer_auto_offset_reset="earliest",
         producer_acks=-1,
         broker_commit_every=10_000,
-        # A crashed worker's partitions move after this long (Kafka's default, 45 s,
-        # holds a restarted worker's input back for most of a minute; much shorter and a
-        # busy worker on a loaded machine misses heartbeats and rebalances needlessly).
-        broker_session_timeout=20.0,
-        broker_heartbeat_interval=3.0,
+        # A crashed worker's partitions move after this long (Kafka's default, 45 s, held a
+        # restarted worker's input back for most of a minute). Faust heartbeats from its
+        # consumer thread, so a long batch does not miss them. Static membership would
+        # be faster still, but Faust's assignor asserts that a member's web URL is the one
+        # it had when the assignment was made — a restarted worker gets a new port.
+        broker_session_timeout=10.0,
+        broker_heartbeat_interval=1.0,
         broker_commit_interval=1.0,
-        # Static membership: a worker restarted on the same data dir takes its partitions
-        # back at once instead of waiting out the session timeout (a kill cost ~22 s).
-        consumer_group_instance_id=worker_instance_id(settings),
         key_serializer="raw",
         value_serializer="raw",
     )

@@ -15,10 +15,12 @@ from schemas.alert import AlertPayload
 from schemas.gpu import GpuPayload
 from schemas.release import ReleasePayload
 from schemas.scheduler import SchedulerPayload
+import streams.correlate.entities
 from streams.correlate.directory import ReleaseDirectory
 from streams.correlate.entities import expire, fold_event, fold_link, new_entity, refresh
 from streams.correlate.routing import entity_key, routed_form
 
+streams.correlate.entities.VERIFY_UNCHANGED = True  # the tests catch a content change without a version change
 T0 = datetime(2026, 11, 1, 8, tzinfo=timezone.utc)
 SRC = Source(collector="test")
 
