@@ -122,6 +122,7 @@ class StreamsSettings(BaseSettings):
     park_ttl_s: float = Field(default=300.0, gt=0, description="Event-time seconds an event waits for its identity before it is emitted unattributed.")
     park_idle_flush_s: float = Field(default=10.0, gt=0, description="Wall-clock seconds without input after which every parked event is emitted (an idle source must not hold rows back).")
     batch_max: int = Field(default=2000, ge=1, description="Most records an agent takes per batch (a batch closes earlier after 0.1 s without input).")
+    pack_max: int = Field(default=1000, ge=1, description="Most messages packed into one record on the internal route and controls topics.")
     fault: str | None = Field(default=None, pattern=r"^(correlate|controls):(before_outputs|during_outputs|after_outputs|after_changelog):[1-9][0-9]*$",
                               description="Fault injection for the crash tests: 'STAGE:POINT:N' ends the process at once (as kill -9 would) the Nth time STAGE (correlate, controls) reaches POINT in a batch: before_outputs (state folded, nothing produced), during_outputs (produced, not acknowledged), after_outputs (acknowledged, state not written), after_changelog (state written, batch not acked).")
 

@@ -29,10 +29,11 @@ def partition_for(key: str, partitions: int) -> int:
 
 
 class Packer:
-    def __init__(self, topic: str, partitions: int, max_bytes: int = MAX_PACK_BYTES) -> None:
+    def __init__(self, topic: str, partitions: int, max_bytes: int = MAX_PACK_BYTES, max_messages: int = 1000) -> None:
         self.topic = topic
         self.partitions = partitions
         self.max_bytes = max_bytes
+        self.max_messages = max_messages
         self._parts: dict[int, list[tuple[bytes, tuple | None]]] = defaultdict(list)
         self.messages = 0
 
@@ -67,7 +68,7 @@ class Packer:
                     output.produce(self.topic, None, b"[" + item + b"]", partition=p, source=src)
                     n += 1
                     continue
-                if chunk and size + len(item) > self.max_bytes:
+                if chunk and (size + len(item) > self.max_bytes or len(chunk) >= self.max_messages):
                     output.produce(self.topic, None, b"[" + b",".join(chunk) + b"]", partition=p, source=source)
                     n += 1
                     chunk, size = [], 0

@@ -125,7 +125,7 @@ class Controller:
         self.policy = PolicySettings().load()  # a bad policy stops the worker before it consumes anything
         self.runtime = ControlRuntime()
         self.store = PartitionStore("controls", ctx.run.controls_changelog, ctx.consumer_config, on_load=self._loaded)
-        self.packer = Packer(ctx.run.controls, ctx.run.partitions)
+        self.packer = Packer(ctx.run.controls, ctx.run.partitions, max_messages=ctx.settings.streams.pack_max)
         self.counters = ctx.counters("streams.controls")
         self.stats = ctx.stats
         for name in ("controls_in", "controls_keys", "violations_out", "control_conflicts"):

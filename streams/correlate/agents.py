@@ -114,8 +114,9 @@ class Correlator:
         self.directory: ReleaseDirectory = ctx.directory
         self.runtime = Runtime(timedelta(seconds=ctx.settings.streams.park_ttl_s), ctx.settings.streams.park_idle_flush_s)
         self.store = PartitionStore("entities", run.entities_changelog, ctx.consumer_config, on_load=self.runtime.load)
-        self.route = Packer(run.route, run.partitions)
-        self.controls = Packer(run.controls, run.partitions)
+        pack_max = ctx.settings.streams.pack_max
+        self.route = Packer(run.route, run.partitions, max_messages=pack_max)
+        self.controls = Packer(run.controls, run.partitions, max_messages=pack_max)
         self.counters = ctx.counters("streams.correlate")
         self.stats = ctx.stats
         for name in ("routed", "correlated_in", "correlated_out", "conflicts", "parked", "entities"):

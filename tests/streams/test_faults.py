@@ -40,7 +40,10 @@ pytestmark = pytest.mark.timeout(900)
 
 SRC = Source(collector="fault-test")
 T0 = datetime(2026, 11, 1, 6, tzinfo=timezone.utc)
-ENV = {"GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "1", "GPULEDGER_STREAMS_BATCH_MAX": "150", "GPULEDGER_CLICKHOUSE_BATCH_SECONDS": "0.2"}
+# Small batches and packs: the ~1,000 events make many batches, so a fault at the Nth
+# batch falls in the middle of the run, with state already durable before it.
+ENV = {"GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "1", "GPULEDGER_STREAMS_BATCH_MAX": "10", "GPULEDGER_STREAMS_PACK_MAX": "10",
+       "GPULEDGER_CLICKHOUSE_BATCH_SECONDS": "0.2"}
 
 
 def fleet(pods: int = 220) -> list:
