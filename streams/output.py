@@ -36,10 +36,12 @@ from schemas import DeadLetter, encode_event
 
 log = logging.getLogger(__name__)
 
-#: librdkafka errors that say "this record can never be written", not "not now".
+#: librdkafka errors that say "this record can never be written", not "not now". A
+#: missing topic or a missing ACL is an operator's problem, not the record's: those hold
+#: the batch (and say so in the log) until fixed.
 REFUSED = frozenset({
     KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.INVALID_RECORD, KafkaError.RECORD_LIST_TOO_LARGE,
-    KafkaError.INVALID_MSG_SIZE, KafkaError.INVALID_MSG, KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.UNKNOWN_TOPIC_OR_PART,
+    KafkaError.INVALID_MSG_SIZE, KafkaError.INVALID_MSG,
 })
 MAX_DEAD_VALUE = 64 * 1024
 REPORT_EVERY_S = 60.0

@@ -70,7 +70,6 @@ class ControlRuntime:
         self.scheduled: dict[str, datetime] = {}
         self._heap: list[tuple[datetime, str]] = []
         self.watermark: datetime | None = None
-        self.reconciled = False
         self._directory_seen = -1
         self._release_marks: dict[str, str] = {}
 

@@ -124,7 +124,7 @@ class Correlator:
 
     # --- route ------------------------------------------------------------------------
     async def route_batch(self, events: list) -> None:
-        out, run = self.ctx.output, self.ctx.run
+        out = self.ctx.output
         self.counters.add_received(len(events))
         for ev in events:
             msg = ev.message
