@@ -13,6 +13,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.tree import Tree
 
 from gpuledger.settings import Settings, SettingsError
@@ -32,7 +33,7 @@ err = Console(stderr=True)
 
 
 def fail(message: str, code: int = 1) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -386,6 +387,7 @@ COMPONENT_COMMANDS: tuple[str, ...] = (
     "producers.kubernetes",
     "gpuledger.exercise",
     "gpuledger.audit",
+    "gpuledger.replay",
 )
 
 

@@ -9,6 +9,7 @@ problem at once.
 from __future__ import annotations
 
 import os
+from datetime import datetime, timezone
 from pathlib import Path
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
@@ -125,6 +126,23 @@ class StreamsSettings(BaseSettings):
     pack_max: int = Field(default=1000, ge=1, description="Most messages packed into one record on the internal route and controls topics.")
     fault: str | None = Field(default=None, pattern=r"^(correlate|controls):(before_outputs|during_outputs|after_outputs|after_changelog):[1-9][0-9]*$",
                               description="Fault injection for the crash tests: 'STAGE:POINT:N' ends the process at once (as kill -9 would) the Nth time STAGE (correlate, controls) reaches POINT in a batch: before_outputs (state folded, nothing produced), during_outputs (produced, not acknowledged), after_outputs (acknowledged, state not written), after_changelog (state written, batch not acked).")
+    replay_from: datetime | None = Field(default=None, description="Start of the event-time range (occurred_at, inclusive; no zone means UTC) this run processes: the route stage and the raw sink skip earlier events (`gpuledger replay --from`). The release directory reads every release regardless. Unset: no lower bound.")
+    replay_to: datetime | None = Field(default=None, description="End of that range (exclusive): later events are skipped (`gpuledger replay --to`). Unset: no upper bound.")
+
+    @field_validator("replay_from", "replay_to")
+    @classmethod
+    def _utc(cls, value: datetime | None) -> datetime | None:
+        return value.replace(tzinfo=timezone.utc) if value is not None and value.tzinfo is None else value
+
+    @model_validator(mode="after")
+    def _range_ordered(self) -> StreamsSettings:
+        if self.replay_from and self.replay_to and self.replay_from >= self.replay_to:
+            raise ValueError(f"GPULEDGER_STREAMS_REPLAY_FROM {self.replay_from.isoformat()} is not before GPULEDGER_STREAMS_REPLAY_TO {self.replay_to.isoformat()}")
+        return self
+
+    def in_range(self, occurred_at: datetime) -> bool:
+        """Whether an event time lies in [replay_from, replay_to) (always true without a range)."""
+        return (self.replay_from is None or occurred_at >= self.replay_from) and (self.replay_to is None or occurred_at < self.replay_to)
 
 
 class TelemetrySettings(BaseSettings):
@@ -183,7 +201,7 @@ def _lines(exc: ValidationError, env_prefix: str) -> list[str]:
     for err in exc.errors(include_url=False):
         loc = ".".join(str(p) for p in err["loc"])
         env = f"{env_prefix}{loc.upper()}" if env_prefix and loc else loc
-        out.append(f"{env}: {err['msg']}")
+        out.append(f"{env}: {err['msg']}" if env else err["msg"])  # a cross-field check names its fields itself
     return out
 
 

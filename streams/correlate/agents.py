@@ -119,12 +119,14 @@ class Correlator:
         self.controls = Packer(run.controls, run.partitions, max_messages=pack_max)
         self.counters = ctx.counters("streams.correlate")
         self.stats = ctx.stats
-        for name in ("routed", "correlated_in", "correlated_out", "conflicts", "parked", "entities"):
+        for name in ("routed", "out_of_range", "correlated_in", "correlated_out", "conflicts", "parked", "entities"):
             self.stats.setdefault(name, 0)
 
     # --- route ------------------------------------------------------------------------
     async def route_batch(self, events: list) -> None:
         out = self.ctx.output
+        in_range = self.ctx.settings.streams.in_range  # a replay's event-time range (`gpuledger replay --from/--to`)
+        skipped = 0
         self.counters.add_received(len(events))
         for ev in events:
             msg = ev.message
@@ -134,11 +136,15 @@ class Correlator:
             except EventDecodeError as exc:
                 self._dead(exc.reason, str(exc), "streams.route_events", msg)
                 continue
+            if not in_range(event.occurred_at):
+                skipped += 1
+                continue
             src = [msg.topic, msg.partition, msg.offset]
             self.route.add(key, {"k": "event", "src": src, "event": routed_form(event)}, source=tuple(src))
         self.route.drain_into(out)
         await out.flush()
-        self.stats["routed"] += len(events)
+        self.stats["routed"] += len(events) - skipped
+        self.stats["out_of_range"] += skipped
         self.runtime.last_input = time.monotonic()
 
     # --- correlate ----------------------------------------------------------------------

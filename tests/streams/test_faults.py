@@ -24,7 +24,6 @@ import uuid
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from confluent_kafka import Consumer, TopicPartition
 
 from gpuledger.process import ServiceProcess, wait_for_worker
 from producers._kafka import EventPublisher
@@ -34,6 +33,7 @@ from schemas.gpu import GpuPayload
 from schemas.release import ReleasePayload
 from schemas.scheduler import SchedulerPayload
 from sinks.query import RemoteReader, owner_file
+from streams.progress import RunProgress, wait_caught_up, worker_health
 from tests.streams.test_controls import FIRST, SECOND
 
 pytestmark = pytest.mark.timeout(900)
@@ -82,22 +82,6 @@ def fleet(pods: int = 220) -> list:
     return out + FIRST + SECOND
 
 
-def lag(bootstrap: str, group: str, topics: list[str]) -> int:
-    """Records of ``topics`` the consumer group has not committed yet."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
-    try:
-        meta = consumer.list_topics(timeout=10).topics
-        parts = [TopicPartition(t, p) for t in topics if t in meta for p in meta[t].partitions]
-        committed = {(tp.topic, tp.partition): tp.offset for tp in consumer.committed(parts, timeout=10)}
-        total = 0
-        for tp in parts:
-            high = consumer.get_watermark_offsets(tp, timeout=10)[1]
-            total += high - max(committed[(tp.topic, tp.partition)], 0)
-        return total
-    finally:
-        consumer.close()
-
-
 class Run:
     """A worker run (app id, data dir): start, wait until the history is fully
     processed, stop, and read every table's checksum."""
@@ -135,22 +119,16 @@ class Run:
         return RemoteReader(self.url()).query("SELECT count() AS n FROM gpuledger.correlated_events FINAL").dicts()[0]["n"]
 
     def wait_done(self, expected_rows: int, timeout: float = 240) -> dict:
-        """Until every record of every topic the group reads is committed, nothing is
-        parked, and every input is stored — twice in a row, a second apart."""
-        run = self.cat.run(self.app_id)
-        streams = [*self.cat.raw_topics, run.route, run.controls]  # what the Faust group reads
-        sinks = [*self.cat.raw_topics, self.cat.deadletter, run.correlated, run.allocations, run.violations, run.deadletter]
-        deadline, calm = time.monotonic() + timeout, 0
-        health: dict = {}
-        while calm < 2:
-            assert time.monotonic() < deadline, f"never caught up: {health}\n{self.service.log_tail()}"
-            health = self.health()
-            stats = health["stats"]
-            done = (stats.get("parked", 1) == 0 and lag(self.bootstrap, self.app_id, streams) == 0
-                    and lag(self.bootstrap, f"{self.app_id}.sinks", sinks) == 0 and self.stored() >= expected_rows)
-            calm = calm + 1 if done else 0
-            time.sleep(1.0)
-        return health
+        """Until the run has caught up (``streams.progress.wait_caught_up``: both of its
+        groups committed everything they read, nothing parked, twice in a row a second
+        apart) and every input is stored."""
+        with RunProgress({"bootstrap.servers": self.bootstrap}, self.cat, self.app_id) as progress:
+            try:
+                wait_caught_up(progress, lambda: worker_health(self.url()), timeout=timeout)
+            except TimeoutError as exc:
+                pytest.fail(f"{exc}\n{self.service.log_tail()}")
+        assert self.stored() >= expected_rows
+        return self.health()
 
     def stop_and_checksum(self) -> dict:
         assert self.service.stop(grace=30) == 0, self.service.log_tail()
