@@ -148,6 +148,50 @@ def _coordinates(row: RejectedRow) -> tuple:
     return (row.source.topic, row.source.partition, row.source.offset) if row.source else ("?", "?", "?")
 
 
+class Loose:
+    """A JSON object the worker produced, read with attribute access by the row builders.
+
+    Why not the pydantic model: validating every correlated row cost more than the rest
+    of the sink together (measured), and the rows come from gpuledger's own worker.
+    What is checked here is what the builders need — an object with the model's required
+    fields present; a value ClickHouse cannot store is still refused by ClickHouse itself
+    and dead-lettered (``TableWriter``).
+    """
+
+    __slots__ = ("_data", "_defaults")
+
+    def __init__(self, data: dict, defaults: dict) -> None:
+        self._data, self._defaults = data, defaults
+
+    def __getattr__(self, name: str):
+        value = self._data.get(name)
+        if value is None:
+            value = self._defaults.get(name)
+        return Loose(value, {}) if type(value) is dict and name == "identity" else value
+
+
+def _required(model) -> tuple[tuple[str, ...], dict]:
+    fields = model.model_fields
+    return (tuple(n for n, f in fields.items() if f.is_required()),
+            {n: f.default for n, f in fields.items() if not f.is_required() and f.default is not None})
+
+
+def decode_loose(value: bytes, model, shape: tuple[tuple[str, ...], dict]) -> Loose:
+    """``value`` as a ``Loose`` row of ``model``; ValueError naming what is missing."""
+    import orjson
+
+    obj = orjson.loads(value)
+    if not isinstance(obj, dict):
+        raise ValueError(f"not a {model.__name__}: a JSON {type(obj).__name__}")
+    required, defaults = shape
+    missing = [name for name in required if obj.get(name) is None]
+    if missing:
+        raise ValueError(f"not a {model.__name__}: missing {', '.join(missing)}")
+    if not isinstance(obj.get("identity", {}), dict):
+        raise ValueError(f"not a {model.__name__}: identity must be an object")
+    return Loose(obj, defaults)
+
+
 class _Record:
     """A confluent-kafka message seen through the attribute names RecordSource reads."""
 
@@ -183,6 +227,7 @@ class SinkLoop:
                                   "auto.offset.reset": "earliest", "enable.partition.eof": False,
                                   "max.poll.interval.ms": 600_000, "logger": logging.getLogger("librdkafka")})
         self.consumer.subscribe(sorted(self.kind))
+        self._shapes: dict = {}
 
     async def run(self) -> None:
         import asyncio
@@ -243,9 +288,10 @@ class SinkLoop:
         from schemas.outputs import dead_letter
 
         batch, sources = [], []
+        shape = self._shapes.get(model) or self._shapes.setdefault(model, _required(model))
         for rec in records:
             try:
-                batch.append(model.model_validate_json(rec.value))
+                batch.append(decode_loose(rec.value, model, shape))
                 sources.append(RecordSource.of(rec))
             except Exception as exc:  # noqa: BLE001 - keep the sink going; the record is dead-lettered
                 letter = dead_letter("validation", str(exc), stage, rec.topic, rec.partition, rec.offset, rec.key, rec.value)
