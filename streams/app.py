@@ -74,6 +74,11 @@ class WorkerContext:
             logging.shutdown()
             os._exit(137)
 
+    def packed_batch(self) -> int:
+        """Records per batch for an agent reading packed records (~batch_max messages)."""
+        conf = self.settings.streams
+        return max(1, conf.batch_max // conf.pack_max)
+
     def assigned(self, topic: str) -> set[int]:
         """The partitions of ``topic`` assigned to this worker right now."""
         if self.app is None or self.app.rebalancing:

@@ -234,7 +234,7 @@ def install_control_agents(app, ctx, controls_topic) -> Controller:
         """Fold control inputs into state; emit changed violations; forward links."""
         await controller.directory.ready.wait()
         await run_batches(stream, "evaluate_controls", controller.evaluate_batch, controller.reset, controller.dead,
-                          batch=ctx.settings.streams.batch_max)
+                          batch=ctx.packed_batch())
 
     @app.timer(interval=HOUSEKEEPING_S)
     async def control_housekeeping():

@@ -283,7 +283,7 @@ def install_correlate_agents(app, ctx, raw_topic, route_topic) -> Correlator:
     async def correlate_entities(stream):
         """Fold routed messages into entity state; emit rows, allocations, links, control inputs."""
         await corr.directory.ready.wait()
-        await run_batches(stream, "correlate_entities", corr.correlate_batch, corr.reset, corr.dead, batch=ctx.settings.streams.batch_max)
+        await run_batches(stream, "correlate_entities", corr.correlate_batch, corr.reset, corr.dead, batch=ctx.packed_batch())
 
     @app.task
     async def follow_releases():
