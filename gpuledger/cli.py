@@ -141,7 +141,7 @@ def db_status(dsn: Optional[str] = DsnOpt) -> None:
     """Applied migrations and the row count of every table (through the store's owner when it has one)."""
     from sinks.errors import SinkError
     from sinks.migrations import MIGRATIONS
-    from sinks.query import open_reader
+    from sinks.read.query import open_reader
 
     settings = load_settings(dsn=dsn)
     db = settings.clickhouse.database
@@ -196,7 +196,7 @@ def sql(query: str = typer.Argument(..., help="A SELECT query; read-only is enfo
     from rich.table import Table
 
     from sinks.errors import SinkError
-    from sinks.query import open_reader
+    from sinks.read.query import open_reader
 
     settings = load_settings(dsn=dsn)
     try:
@@ -227,9 +227,9 @@ def trace(alert: Optional[str] = typer.Option(None, "--alert", help="Alert finge
           dsn: Optional[str] = DsnOpt) -> None:
     """The responder's chain: alert → release manifest → workloads → pods → nodes/GPUs → scheduler events and alerts."""
     from sinks.errors import SinkError
-    from sinks.query import open_reader
-    from sinks.trace import TraceError, found, parse_time, parse_window
-    from sinks.trace import trace as run_trace
+    from sinks.read.query import open_reader
+    from sinks.read.trace import TraceError, found, parse_time, parse_window
+    from sinks.read.trace import trace as run_trace
 
     entries = [(k, v) for k, v in (("alert", alert), ("release", release), ("workload", workload), ("pod", pod), ("gpu", gpu),
                                    ("model", model)) if v]
@@ -255,7 +255,7 @@ def trace(alert: Optional[str] = typer.Option(None, "--alert", help="Alert finge
     if fmt == "json":
         print(json.dumps(result, indent=2, default=str))
     elif fmt == "html":
-        from sinks.report import trace_report
+        from sinks.read.report import trace_report
 
         try:
             page = trace_report(reader, settings.clickhouse.database, result, chain_text=render_tree(result), until=at_time,
@@ -385,7 +385,7 @@ COMPONENT_COMMANDS: tuple[str, ...] = (
     "producers.podresources",
     "producers.kubernetes",
     "gpuledger.exercise",
-    "gpuledger.audit",
+    "sinks.read.audit",
 )
 
 

@@ -5,7 +5,7 @@ engine through clickhouse-connect's chDB backend; ``http(s)://user:pass@host:por
 talks to a server. Only one process may open a chDB directory at a time (a second
 gets "Cannot lock file .../status"): the process that writes — the worker — owns it,
 and everyone else reads through the owner's loopback query endpoint (see
-``sinks/query.py``) or opens it directly when nobody owns it.
+``sinks/read/query.py``) or opens it directly when nobody owns it.
 
 ``StoreConnection`` is the lazy form the sink writers use: it connects on first use
 and, while the store cannot be reached (server down, chDB directory locked by another

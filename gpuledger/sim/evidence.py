@@ -4,7 +4,7 @@ Input: one ``Expectation`` (``gpuledger.sim.scenario``), the ``SimCluster`` that
 the timeline (to turn the scenario's names — alert ids, workload names, ``n3/0`` —
 into the identifiers the cluster actually used), and a read-only store reader.
 Output: a ``CheckResult`` (PASS / FAIL / PENDING with a one-line detail).
-How: every check reads back through ``sinks.trace.trace`` — the responder's own
+How: every check reads back through ``sinks.read.trace.trace`` — the responder's own
 path (``gpuledger trace``) — from the expectation's entry point, optionally as of
 a step's time; only ``violation`` queries the violations table directly.
 Guarantees: no check raises; a store or trace error is a FAIL that says why.
@@ -243,7 +243,7 @@ def count_violations(reader, database: str, control: int, release_id: str | None
 
 def evaluate(exp: Expectation, sim, reader, database: str, to_wall, cluster: str | None = None) -> tuple[CheckResult, dict | None]:
     """Run one expectation against the store: (result, the trace it read or None)."""
-    from sinks.trace import trace
+    from sinks.read.trace import trace
 
     label = "violations table" if exp.entry is None else f"--{exp.entry[0]} {exp.entry[1]}"
     result: dict | None = None

@@ -16,8 +16,8 @@ from datetime import datetime, timezone
 
 from gpuledger.demo import FINGERPRINT, MANIFEST, RELEASE_ID, sample_events
 from producers._kafka import EventPublisher
-from sinks.query import QueryError
-from sinks.trace import trace_alert
+from sinks.read.query import QueryError
+from sinks.read.trace import trace_alert
 from tests.fixtures.kafka import read_topic
 
 import pytest

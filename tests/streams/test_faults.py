@@ -33,7 +33,7 @@ from schemas.alert import AlertPayload
 from schemas.gpu import GpuPayload
 from schemas.release import ReleasePayload
 from schemas.scheduler import SchedulerPayload
-from sinks.query import RemoteReader, owner_file
+from sinks.read.query import RemoteReader, owner_file
 from tests.streams.test_controls import FIRST, SECOND
 
 pytestmark = pytest.mark.timeout(900)

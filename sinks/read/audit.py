@@ -1,6 +1,6 @@
 """`gpuledger audit`: the evidence report of the eight controls for a time range.
 
-Input: the store (read-only, through ``sinks.query.open_reader`` — the worker's loopback
+Input: the store (read-only, through ``sinks.read.query.open_reader`` — the worker's loopback
 endpoint when it owns the embedded store), a time range and a policy. Output: per
 control PASS/FAIL with counts and the violations in the range, plus the evidence each
 control asks for (DESIGN.md "Controls"; docs/controls.md), as a table, JSON or one
@@ -85,7 +85,7 @@ def load_history(reader, database: str, start: datetime, end: datetime, lookback
     """Latest versions of the correlated rows and allocations the audit needs, and the
     violations the worker recorded over the range."""
     from sinks.migrations import table_name
-    from sinks.trace import Store, _ch_time
+    from sinks.read.trace import Store, _ch_time
 
     store = Store(reader, database, cluster)
     params = {"to": _ch_time(end), "since": _ch_time(start - lookback), "from": _ch_time(start)}
@@ -553,7 +553,7 @@ def register(app: typer.Typer) -> None:
         from gpuledger.cli import console, fail, load_settings
         from gpuledger.policy import PolicySettings
         from sinks.errors import SinkError
-        from sinks.query import open_reader
+        from sinks.read.query import open_reader
 
         if fmt not in ("table", "json", "html"):
             fail(f"--format must be table, json or html, got {fmt!r}", 2)

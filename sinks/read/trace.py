@@ -1,6 +1,6 @@
 """The responder's trace: from any identifier to the whole chain of an incident.
 
-Input: a read-only reader (``sinks/query.py``), an entry point — alert fingerprint,
+Input: a read-only reader (``sinks/read/query.py``), an entry point — alert fingerprint,
 release, workload, pod, GPU or model — and optionally ``at`` (state as of that time)
 and ``window`` (how far back to look for other alerts and scheduler events).
 Output: a plain dict, the same for every entry point that leads to the same

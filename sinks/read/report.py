@@ -1,6 +1,6 @@
 """The incident timeline report: one self-contained HTML file.
 
-Input: a trace (the dict ``sinks.trace.trace`` returns) and the rows around it that
+Input: a trace (the dict ``sinks.read.trace.trace`` returns) and the rows around it that
 ``collect_report_data`` reads from the store — GPU allocation intervals on the
 chain's nodes, scheduler preemptions/evictions, alerts and the lifecycle events of
 the releases involved, over the chain's time range.
@@ -26,7 +26,7 @@ import io
 from datetime import datetime, timedelta, timezone
 from typing import Any, Iterable
 
-from sinks.trace import ALERT_COLS, ALLOC_COLS, RELEASE_COLS, WORKLOAD_COLS, Store
+from sinks.read.trace import ALERT_COLS, ALLOC_COLS, RELEASE_COLS, WORKLOAD_COLS, Store
 
 MARKER_EVENT_TYPES = ("scheduler.preempted", "scheduler.evicted")
 #: Release events worth a labelled marker (the rest get a small one).
