@@ -59,7 +59,7 @@ def sample_events(now: datetime) -> list:
 
 
 def run_demo(settings, console: Console) -> int:
-    from gpuledger.cli import render_tree
+    from sinks.read.tree import render_tree
 
     base = Path(settings.data_dir) / "demo"
     shutil.rmtree(base, ignore_errors=True)

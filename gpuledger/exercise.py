@@ -370,10 +370,10 @@ class ExerciseRunner:
         self.say("result", f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['PENDING']} pending")
 
     def _report(self, sim: SimCluster, reader, run: ExerciseRun) -> dict | None:
-        from gpuledger.cli import render_tree
         from gpuledger.sim.evidence import resolve_ref
-        from sinks.read.report import collect_report_data, render_html, tree_text
+        from sinks.read.report import collect_report_data, render_html
         from sinks.read.trace import trace
+        from sinks.read.tree import render_tree, tree_text
 
         entry = resolve_ref(*self.scenario.report_entry(), sim)
         db = self.settings.clickhouse.database
