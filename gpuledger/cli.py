@@ -285,10 +285,10 @@ def audit(start: Optional[str] = typer.Option(None, "--from", help="Start of the
     """Evidence report of the eight controls: PASS/FAIL per control; exit 1 when one fails."""
     from gpuledger.policy import PolicyError, PolicySettings, load_policy
     from sinks.errors import SinkError
-    from sinks.read.audit import AuditError, audit_range, build_report, load_history, write_report
+    from sinks.read.audit import FORMATS, AuditError, audit_range, build_report, load_history, write_report
     from sinks.read.query import open_reader
 
-    if fmt not in ("table", "json", "html"):
+    if fmt not in FORMATS:
         fail(f"--format must be table, json or html, got {fmt!r}", 2)
     try:
         from_time, to_time, span = audit_range(start, end, lookback)
