@@ -14,7 +14,6 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.tree import Tree
 
 from gpuledger.settings import Settings, SettingsError
 
@@ -142,7 +141,7 @@ def db_status(dsn: Optional[str] = DsnOpt) -> None:
     """Applied migrations and the row count of every table (through the store's owner when it has one)."""
     from sinks.errors import SinkError
     from sinks.migrations import MIGRATIONS
-    from sinks.query import open_reader
+    from sinks.read.query import open_reader
 
     settings = load_settings(dsn=dsn)
     db = settings.clickhouse.database
@@ -191,13 +190,14 @@ def worker(bootstrap: Optional[str] = BootstrapOpt, dsn: Optional[str] = DsnOpt,
 
 
 @app.command("sql")
-def sql(query: str = typer.Argument(..., help="A SELECT query; read-only is enforced by ClickHouse."), dsn: Optional[str] = DsnOpt,
-        fmt: str = typer.Option("table", "--format", help="table or json")) -> None:
-    """Run a read-only SQL query against the store (through its owner when it has one)."""
+def sql(query: str = typer.Argument(..., help="A SELECT, WITH, SHOW, DESCRIBE, EXPLAIN or EXISTS statement; read-only is enforced by ClickHouse."),
+        dsn: Optional[str] = DsnOpt, fmt: str = typer.Option("table", "--format", help="table or json")) -> None:
+    """Run a read-only SQL statement against the store (through its owner when it has one)."""
     from rich.table import Table
 
     from sinks.errors import SinkError
-    from sinks.query import open_reader
+    from sinks.read.query import open_reader
+    from sinks.read.text import markup
 
     settings = load_settings(dsn=dsn)
     try:
@@ -208,9 +208,9 @@ def sql(query: str = typer.Argument(..., help="A SELECT query; read-only is enfo
     if fmt == "json":
         print(json.dumps(result.dicts(), indent=2, default=str))
         return
-    table = Table(*result.columns)
+    table = Table(*[markup(c) for c in result.columns])
     for row in result.rows:
-        table.add_row(*[str(v) for v in row])
+        table.add_row(*[markup(str(v)) for v in row])
     console.print(table)
 
 
@@ -228,9 +228,10 @@ def trace(alert: Optional[str] = typer.Option(None, "--alert", help="Alert finge
           dsn: Optional[str] = DsnOpt) -> None:
     """The responder's chain: alert → release manifest → workloads → pods → nodes/GPUs → scheduler events and alerts."""
     from sinks.errors import SinkError
-    from sinks.query import open_reader
-    from sinks.trace import TraceError, found, parse_time, parse_window
-    from sinks.trace import trace as run_trace
+    from sinks.read.query import open_reader
+    from sinks.read.trace import TraceError, found, parse_time, parse_window
+    from sinks.read.trace import trace as run_trace
+    from sinks.read.tree import render_tree
 
     entries = [(k, v) for k, v in (("alert", alert), ("release", release), ("workload", workload), ("pod", pod), ("gpu", gpu),
                                    ("model", model)) if v]
@@ -256,7 +257,7 @@ def trace(alert: Optional[str] = typer.Option(None, "--alert", help="Alert finge
     if fmt == "json":
         print(json.dumps(result, indent=2, default=str))
     elif fmt == "html":
-        from sinks.report import trace_report
+        from sinks.read.report import trace_report
 
         try:
             page = trace_report(reader, settings.clickhouse.database, result, chain_text=render_tree(result), until=at_time,
@@ -274,98 +275,38 @@ def trace(alert: Optional[str] = typer.Option(None, "--alert", help="Alert finge
         raise typer.Exit(4)
 
 
-def _span(start: Optional[str], end: Optional[str], reason: Optional[str] = None) -> str:
-    return f"{start} → {end or 'held'}" + (f" ({reason})" if reason and end else "")
+@app.command("audit")
+def audit(start: Optional[str] = typer.Option(None, "--from", help="Start of the range (ISO 8601; no zone means UTC). Default: 24h before --to."),
+          end: Optional[str] = typer.Option(None, "--to", help="End of the range, and the time the controls are evaluated as of. Default: now."),
+          fmt: str = typer.Option("table", "--format", help="table, json or html."),
+          policy_file: Optional[str] = typer.Option(None, "--policy", help="Policy YAML (default: GPULEDGER_POLICY_FILE, else the built-in default)."),
+          lookback: str = typer.Option("30d", "--lookback", help="How much history before --from to read (workloads admitted earlier, reservations made earlier)."),
+          output: Optional[str] = typer.Option(None, "--output", "-o", help="Write the report to this file instead of stdout."),
+          dsn: Optional[str] = DsnOpt) -> None:
+    """Evidence report of the eight controls: PASS/FAIL per control; exit 1 when one fails."""
+    from gpuledger.policy import PolicyError, PolicySettings, load_policy
+    from sinks.errors import SinkError
+    from sinks.read.audit import FORMATS, AuditError, audit_range, build_report, load_history, write_report
+    from sinks.read.query import open_reader
 
-
-def render_tree(result: dict) -> Tree:
-    """The trace as a rich tree; missing links in red."""
-    gap = "[red]<gap>[/]"
-    entry = result.get("entry") or {}
-    focal = [a for a in result.get("alerts", []) if entry.get("kind") == "alert" and a.get("alert_fingerprint") == entry.get("value")]
-    if focal:
-        a = focal[-1]
-        title = (f"[bold]alert[/] {a.get('alertname', '?')} ({a.get('severity') or 'no severity'}) {a['status']} "
-                 f"at {a.get('starts_at') or a['occurred_at']} (fingerprint {a['alert_fingerprint']})")
-    else:
-        title = f"[bold]trace[/] --{entry.get('kind')} {entry.get('value')}"
-    root_info = entry.get("root")
-    title += f"  [dim]as of {entry['at']}[/]" if entry.get("at") else ""
-    root = Tree(title + ("" if root_info else "  [red]matches nothing[/]"))
-    rel = result.get("release")
-    if rel:
-        node = root.add(f"[bold]release[/] {rel['release_id']}  state={rel.get('state') or gap}" +
-                        (f" since {rel['state_since']}" if rel.get("state_since") else ""))
-        for field in ("model_name", "model_version", "artifact_digest", "image_digest", "config_digest", "dataset_ref", "owner", "environment"):
-            node.add(f"{field}: {rel.get(field) or gap}")
-        approvals = node.add("approvals" if rel.get("approvals") else f"approvals: {gap}")
-        for ap in rel.get("approvals", []):
-            approvals.add(f"{ap['occurred_at']}  {ap.get('actor', '?')}  {ap.get('approval_id', '')}")
-        if rel.get("promotions"):
-            promos = node.add("promotions")
-            for pr in rel["promotions"]:
-                promos.add(f"{pr['occurred_at']}  → {pr.get('to_environment', '?')} by {pr.get('actor', '?')} {pr.get('approval_id', '')}")
-        life = node.add("lifecycle")
-        for ev in rel.get("lifecycle", []):
-            life.add(f"{ev['occurred_at']}  {ev['event_type']}  {ev.get('summary', '')}")
-    elif entry.get("kind") in ("alert", "release", "model") or root_info:
-        root.add(f"release: {gap}")
-    pods = {f"{p['namespace']}/{p['pod']}": p for p in result.get("pods", [])}
-
-    def add_pod(parent, key: str) -> None:
-        p = pods[key]
-        pnode = parent.add(f"pod {key}" + (f"  uid={p['pod_uid']}" if p.get("pod_uid") else "") +
-                           (f"  nodes={','.join(p['nodes'])}" if p.get("nodes") else ""))
-        for a in p.get("allocations", []):
-            pnode.add(f"GPU {a['node']}/{a['gpu_id']}  {_span(a['started_at'], a.get('ended_at'), a.get('end_reason'))}")
-        if not p.get("allocations"):
-            pnode.add(f"GPU: {gap}")
-
-    for wl in result.get("workloads", []):
-        prio = f"{wl.get('priority_class') or '?'} ({wl['priority']})" if wl.get("priority") is not None else (wl.get("priority_class") or gap)
-        wnode = root.add(f"[bold]workload[/] {wl['workload_id']}  queue={wl.get('queue') or gap} "
-                         f"cluster_queue={wl.get('cluster_queue') or gap} priority={prio}")
-        wnode.add(f"admitted {wl['admitted_at']}" + (f" ({len(wl['admissions'])} admissions)" if len(wl["admissions"]) > 1 else "")
-                  if wl.get("admitted_at") else f"admission: {gap}")
-        for ev in wl.get("preemptions", []) + wl.get("evictions", []):
-            by = f" by {ev['preemptor']}" if ev.get("preemptor") else ""
-            wnode.add(f"[yellow]{ev['event_type'].split('.', 1)[1]}[/] {ev['occurred_at']}{by}" + (f"  {ev['reason']}" if ev.get("reason") else ""))
-        for key in wl.get("pods", []):
-            if key in pods:
-                add_pod(wnode, key)
-    loose = [k for k, p in pods.items() if not any(k in wl.get("pods", []) for wl in result.get("workloads", []))]
-    if loose:
-        lnode = root.add("pods without a known workload")
-        for key in loose:
-            add_pod(lnode, key)
-    if result.get("gpus"):
-        gnode = root.add("[bold]GPUs[/]")
-        for g in result["gpus"]:
-            gg = gnode.add(f"{g['node']}/{g['gpu_id']}")
-            for a in g["allocations"]:
-                gg.add(f"{a['namespace']}/{a['pod']}  {_span(a['started_at'], a.get('ended_at'), a.get('end_reason'))}")
-            for a in g.get("others_in_window", []):
-                gg.add(f"[yellow]also[/] {a['namespace']}/{a['pod']}  {_span(a['started_at'], a.get('ended_at'), a.get('end_reason'))}"
-                       + (f"  workload={a['workload_id']}" if a.get("workload_id") else ""))
-    win = result.get("window") or {}
-    if result.get("scheduler_events"):
-        snode = root.add(f"[bold]scheduler events[/]  (other workloads on these nodes: {win.get('from')} → {win.get('to')})")
-        for ev in result["scheduler_events"]:
-            who = ev.get("workload_id") or (f"{ev.get('namespace')}/{ev.get('pod')}" if ev.get("pod") else "?")
-            line = f"{ev['occurred_at']}  {ev['event_type']}  {who}" + (f" on {ev['node']}" if ev.get("node") else "")
-            line += (f" by {ev['preemptor']}" if ev.get("preemptor") else "") + (f"  {ev['reason']}" if ev.get("reason") else "")
-            snode.add(line + ("" if ev["in_chain"] else "  [dim](other workload)[/]"))
-    if result.get("alerts"):
-        anode = root.add("[bold]alerts[/]")
-        for a in result["alerts"]:
-            mark = "" if a["in_chain"] else "  [dim](other alert in the window)[/]"
-            where = f" on {a['node']}" if a.get("node") else ""
-            anode.add(f"{a['occurred_at']}  {a.get('alertname', '?')} ({a.get('severity') or '-'}) {a['status']}{where}{mark}")
-    if result.get("gaps"):
-        gaps = root.add("[red]gaps[/]")
-        for g in result["gaps"]:
-            gaps.add(f"[red]{g}[/]")
-    return root
+    if fmt not in FORMATS:
+        fail(f"--format must be table, json or html, got {fmt!r}", 2)
+    try:
+        from_time, to_time, span = audit_range(start, end, lookback)
+        path = policy_file or PolicySettings().file
+        policy = load_policy(path)
+    except (AuditError, PolicyError) as exc:
+        fail(str(exc), 2)
+    settings = load_settings(dsn=dsn)
+    try:
+        reader = open_reader(settings)
+        history = load_history(reader, settings.clickhouse.database, from_time, to_time, span, settings.clickhouse.cluster)
+    except SinkError as exc:
+        fail(str(exc), 3)
+    report = build_report(history, policy, from_time, to_time, str(path) if path else "built-in default")
+    write_report(report, fmt, output, console)
+    if not report["passed"]:
+        raise typer.Exit(1)
 
 
 @app.command("demo")
@@ -386,7 +327,6 @@ COMPONENT_COMMANDS: tuple[str, ...] = (
     "producers.podresources",
     "producers.kubernetes",
     "gpuledger.exercise",
-    "gpuledger.audit",
     "gpuledger.replay",
 )
 

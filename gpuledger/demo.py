@@ -22,8 +22,8 @@ from producers._kafka import EventPublisher, ensure_topics
 from schemas import AlertEvent, Identity, ReleaseEvent, Source, make_event_id
 from schemas.alert import AlertPayload
 from schemas.release import ReleasePayload
-from sinks.query import RemoteReader, owner_file
-from sinks.trace import trace_alert
+from sinks.read.query import RemoteReader, owner_file
+from sinks.read.trace import trace_alert
 
 RELEASE_ID = "fraud-scorer-v7-prod"
 FINGERPRINT = "7d1f2a9c3b4e5f60"
@@ -59,7 +59,7 @@ def sample_events(now: datetime) -> list:
 
 
 def run_demo(settings, console: Console) -> int:
-    from gpuledger.cli import render_tree
+    from sinks.read.tree import render_tree
 
     base = Path(settings.data_dir) / "demo"
     shutil.rmtree(base, ignore_errors=True)

@@ -43,7 +43,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.text import Text
 
-from gpuledger.audit import AuditError, parse_time
+from sinks.read.trace import TraceError as AuditError, parse_time
 from gpuledger.policy import parse_duration
 from sinks.clickhouse import chdb_path, is_embedded, redact
 
@@ -158,7 +158,7 @@ def sandbox_in_use(dsn: str, database: str) -> str | None:
     opening it (this process must not hold the lock the worker needs): it must not
     exist yet or be empty. A server database must hold no rows."""
     from sinks.clickhouse import connect
-    from sinks.query import current_owner
+    from sinks.read.query import current_owner
 
     if is_embedded(dsn):
         path = Path(chdb_path(dsn))

@@ -17,7 +17,7 @@ from schemas import encode_event
 from sinks.agents import SinkWriters
 from sinks.clickhouse import StoreConnection, connect, migrated_store
 from sinks.migrations import MIGRATIONS, migrate
-from sinks.query import run_readonly
+from sinks.read.query import run_readonly
 from sinks.writer import RecordSource, RejectedRow, TableWriter
 from tests.sinks import incident as inc
 

@@ -32,7 +32,7 @@ from schemas.alert import AlertPayload
 from schemas.gpu import GpuPayload
 from schemas.release import ReleasePayload
 from schemas.scheduler import SchedulerPayload
-from sinks.query import RemoteReader, owner_file
+from sinks.read.query import RemoteReader, owner_file
 from streams.progress import RunProgress, wait_caught_up, worker_health
 from tests.streams.test_controls import FIRST, SECOND
 
