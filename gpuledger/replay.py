@@ -43,7 +43,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.text import Text
 
-from sinks.read.trace import TraceError as AuditError, parse_time
+from sinks.read.trace import TraceError, parse_time
 from gpuledger.policy import parse_duration
 from sinks.clickhouse import chdb_path, is_embedded, redact
 
@@ -66,7 +66,7 @@ def parse_instant(text: str, option: str, now: datetime) -> datetime:
         pass
     try:
         return parse_time(text, option)
-    except AuditError:
+    except TraceError:
         raise ReplayRefused(f"{option} {text!r}: neither an ISO 8601 time (2026-11-30T13:40:00Z) nor a duration before now (2h, 30m, 1d)") from None
 
 
