@@ -75,9 +75,9 @@ class WorkerContext:
             os._exit(137)
 
     def packed_batch(self) -> int:
-        """Records per batch for an agent reading packed records (~batch_max messages)."""
+        """Records per batch for an agent reading packed records."""
         conf = self.settings.streams
-        return max(1, conf.batch_max // conf.pack_max)
+        return max(1, conf.packed_batch_messages // conf.pack_max)
 
     def assigned(self, topic: str) -> set[int]:
         """The partitions of ``topic`` assigned to this worker right now."""

@@ -43,6 +43,7 @@ T0 = datetime(2026, 11, 1, 6, tzinfo=timezone.utc)
 # Small batches and packs: the ~1,000 events make many batches, so a fault at the Nth
 # batch falls in the middle of the run, with state already durable before it.
 ENV = {"GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "1", "GPULEDGER_STREAMS_BATCH_MAX": "10", "GPULEDGER_STREAMS_PACK_MAX": "10",
+       "GPULEDGER_STREAMS_PACKED_BATCH_MESSAGES": "10",
        "GPULEDGER_CLICKHOUSE_BATCH_SECONDS": "0.2"}
 
 
