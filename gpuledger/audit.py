@@ -30,7 +30,8 @@ from typing import Optional
 
 import typer
 
-from gpuledger.policy import ACTION_OF_EVENT, CONTROL_NAMES, CONTROL_TITLES, Policy, PolicyError, load_policy, parse_duration
+from gpuledger.policy import ACTION_OF_EVENT, CONTROL_NAMES, CONTROL_TITLES, Policy, PolicyError, load_policy
+from gpuledger.timefmt import parse_duration
 from streams.controls.rules import (
     PREEMPTION_CLUSTER,
     START,

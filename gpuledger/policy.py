@@ -10,20 +10,21 @@ once, each with its dotted field path and the file's line number; cross-referenc
 The built-in default and ``deploy/policy/default.yaml`` are the same policy (a test
 keeps them equal), so an installed package without the deploy/ directory still runs.
 
-Durations are written ``90s``, ``30m``, ``2h``, ``1d`` or combined (``1h30m``); a bare
-number is seconds.
+Durations are written in the one grammar of ``gpuledger.timefmt``: ``90s``, ``30m``, ``2h``,
+``1d`` or combined (``1h30m``); a bare number is seconds.
 """
 
 from __future__ import annotations
 
-import re
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from gpuledger.timefmt import parse_duration
 
 #: Every decision a role can be given. Release lifecycle events and admin actions map
 #: onto them (``ACTION_OF_EVENT``).
@@ -52,38 +53,6 @@ CONTROL_TITLES: dict[int, str] = {
     1: "Admission", 2: "Promotion", 3: "Artifact identity", 4: "Priority and preemption",
     5: "Capacity reservation", 6: "Telemetry correlation", 7: "Incident authority", 8: "Retirement",
 }
-
-_DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)d)?(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?$")
-
-
-def parse_duration(value: Any) -> Any:
-    """'90s', '30m', '2h', '1d', '1h30m', or a number of seconds -> timedelta."""
-    if isinstance(value, timedelta):
-        return value
-    if isinstance(value, bool):
-        raise ValueError("a duration is a number of seconds or text like 90s, 30m, 2h, 1d")
-    if isinstance(value, (int, float)):
-        return timedelta(seconds=value)
-    if isinstance(value, str):
-        text = value.strip().replace(" ", "")
-        match = _DURATION.match(text)
-        if text and match and any(match.groups()):
-            d, h, m, s = (float(g) if g else 0.0 for g in match.groups())
-            return timedelta(days=d, hours=h, minutes=m, seconds=s)
-    raise ValueError(f"{value!r} is not a duration: use 90s, 30m, 2h, 1d or 1h30m")
-
-
-def format_duration(value: timedelta) -> str:
-    seconds = int(value.total_seconds())
-    if seconds == 0:
-        return "0s"
-    out = ""
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
-        if seconds >= size:
-            out += f"{seconds // size}{unit}"
-            seconds %= size
-    return out
-
 
 Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
 

@@ -33,12 +33,12 @@ not a device id and would mis-join).
 
 from __future__ import annotations
 
-import re
 from datetime import datetime, timezone
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gpuledger.timefmt import parse_timestamp
 from producers._kafka import ProducerError
 from producers._limits import IDENTITY_TEXT_BYTES, TextTrimmer
 from schemas.alert import AlertEvent, AlertPayload
@@ -88,31 +88,7 @@ class AlertIdentityLabels(BaseModel):
     owner: list[str] = Field(default=["owner", "team"], description="Labels naming the accountable team.")
 
 
-_TIMESTAMP = re.compile(r"^(\d{4}-\d{2}-\d{2})[Tt](\d{2}:\d{2}:\d{2})(?:\.(\d+))?([Zz]|[+-]\d{2}:\d{2})$")
 _GO_ZERO_YEAR = 1
-
-
-def parse_timestamp(value: Any) -> datetime:
-    """RFC 3339 with any number of fractional digits (Go's RFC3339Nano) → aware UTC.
-
-    Raises ValueError("not a timestamp") for anything else, including naive times:
-    guessing a zone silently shifts timelines.
-    """
-    if not isinstance(value, str):
-        raise ValueError("not a timestamp (expected an RFC 3339 string)")
-    match = _TIMESTAMP.match(value.strip())
-    if not match:
-        raise ValueError(f"not a timestamp: {value!r}")
-    date, time_, frac, zone = match.groups()
-    # Python keeps microseconds; Go sends up to nanoseconds. Truncate, never round,
-    # so the same input always maps to the same instant (event ids depend on it).
-    micro = (frac or "")[:6].ljust(6, "0")
-    zone = "+00:00" if zone in ("Z", "z") else zone
-    try:
-        parsed = datetime.fromisoformat(f"{date}T{time_}.{micro}{zone}")
-    except ValueError as exc:
-        raise ValueError(f"not a timestamp: {value!r}") from exc
-    return parsed.astimezone(timezone.utc)
 
 
 def _is_go_zero(value: datetime) -> bool:

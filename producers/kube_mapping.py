@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from gpuledger.timefmt import TimeFormatError, iso_z, parse_timestamp
 from producers._limits import TextTrimmer
 from schemas.envelope import Identity, Source, make_event_id
 from schemas.scheduler import ObjectRef, SchedulerEvent, SchedulerPayload
@@ -102,16 +103,13 @@ class MalformedObject(ValueError):
 
 
 def parse_time(value: Any, what: str) -> datetime:
-    """metav1.Time / MicroTime (RFC 3339) -> aware UTC datetime; MalformedObject otherwise."""
+    """metav1.Time / MicroTime (RFC 3339, ``gpuledger.timefmt``) -> aware UTC datetime; MalformedObject otherwise."""
     if not isinstance(value, str) or not value:
         raise MalformedObject(f"{what}: missing timestamp")
     try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00").replace("z", "+00:00"))
-    except ValueError:
-        raise MalformedObject(f"{what}: bad timestamp {value[:40]!r}") from None
-    if parsed.tzinfo is None:
-        raise MalformedObject(f"{what}: timestamp {value[:40]!r} has no zone")
-    return parsed.astimezone(timezone.utc)
+        return parse_timestamp(value)
+    except TimeFormatError:
+        raise MalformedObject(f"{what}: bad timestamp {value[:40]!r} (RFC 3339 with seconds and a zone)") from None
 
 
 def optional_time(value: Any, what: str) -> datetime | None:
@@ -119,8 +117,8 @@ def optional_time(value: Any, what: str) -> datetime | None:
 
 
 def iso(t: datetime) -> str:
-    """The canonical text of a transition time inside an event id."""
-    return t.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    """The canonical text of a transition time inside an event id (microseconds, ``Z``)."""
+    return iso_z(t, 6)
 
 
 def image_digest(image_id: Any) -> str | None:

@@ -49,7 +49,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from producers.alertmanager import PayloadError, parse_timestamp
+from gpuledger.timefmt import parse_timestamp
+from producers.alertmanager import PayloadError
 from schemas.envelope import Identity, Source, TraceContext, make_event_id
 from schemas.release import ReleaseEvent, ReleaseEventType, ReleasePayload
 

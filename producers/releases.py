@@ -27,6 +27,7 @@ from typing import Optional
 
 import typer
 
+from gpuledger.timefmt import TimeFormatError, parse_time
 from producers._kafka import ProducerError
 from schemas.envelope import Identity, Source, make_event_id
 from schemas.release import ReleaseEvent, ReleasePayload, Reservation
@@ -86,16 +87,12 @@ class ReleaseInputError(ProducerError):
 
 
 def _time(flag: str, value: str | None, problems: list[str]) -> datetime | None:
-    from producers.alertmanager import parse_timestamp
-
     if value is None:
         return None
-    if value.strip().lower() == "now":
-        return datetime.now(timezone.utc)
     try:
-        return parse_timestamp(value)
-    except ValueError:
-        problems.append(f"{flag}: not an RFC 3339 time with a zone, e.g. 2026-05-01T12:00:00Z (got {value!r})")
+        return parse_time(value, flag)
+    except TimeFormatError as exc:
+        problems.append(str(exc))
         return None
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from producers.alertmanager import AlertIdentityLabels, PayloadError, alert_events, parse_timestamp, truncated_alerts
+from producers.alertmanager import AlertIdentityLabels, PayloadError, alert_events, truncated_alerts
 from schemas import decode_event, encode_event
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "alertmanager"
@@ -150,19 +150,3 @@ def test_every_problem_is_reported_at_once_and_nothing_is_built():
 def test_non_object_body_is_rejected():
     with pytest.raises(PayloadError, match="must be a JSON object"):
         alert_events([{"alerts": []}])
-
-
-@pytest.mark.parametrize(("text", "expected"), [
-    ("2026-05-04T09:12:31Z", datetime(2026, 5, 4, 9, 12, 31, tzinfo=timezone.utc)),
-    ("2026-05-04T09:12:31.123456789Z", datetime(2026, 5, 4, 9, 12, 31, 123456, tzinfo=timezone.utc)),
-    ("2026-05-04T11:12:31.5+02:00", datetime(2026, 5, 4, 9, 12, 31, 500000, tzinfo=timezone.utc)),
-    ("0001-01-01T00:00:00Z", datetime(1, 1, 1, tzinfo=timezone.utc)),
-])
-def test_parse_timestamp_reads_go_rfc3339nano(text, expected):
-    assert parse_timestamp(text) == expected
-
-
-@pytest.mark.parametrize("text", ["2026-05-04", "2026-05-04T09:12:31", "1714814000", "2026-13-04T09:12:31Z", None, 5])
-def test_parse_timestamp_rejects_what_is_not_an_aware_rfc3339_time(text):
-    with pytest.raises(ValueError, match="not a timestamp"):
-        parse_timestamp(text)
