@@ -26,12 +26,8 @@ import html
 import json
 from collections import defaultdict
 from datetime import datetime, timedelta, timezone
-from typing import Optional
 
-import typer
-
-from gpuledger.policy import ACTION_OF_EVENT, CONTROL_NAMES, CONTROL_TITLES, Policy, PolicyError, load_policy
-from gpuledger.timefmt import parse_duration
+from streams.controls.policy import ACTION_OF_EVENT, CONTROL_NAMES, CONTROL_TITLES, Policy
 from streams.controls.rules import (
     PREEMPTION_CLUSTER,
     START,
@@ -533,70 +529,3 @@ def render_html(report: dict) -> str:
              ".pass{color:#176f2c;font-weight:bold}.fail{color:#b00020;font-weight:bold}.off{color:#888}.meta{color:#555}")
     return (f"<!doctype html><html><head><meta charset=utf-8><title>gpuledger audit {e(report['range']['from'])} – {e(report['range']['to'])}</title>"
             f"<style>{style}</style></head><body>{''.join(parts)}</body></html>")
-
-
-# --- the command ---------------------------------------------------------------------------
-
-def register(app: typer.Typer) -> None:
-    """Add ``gpuledger audit``."""
-
-    @app.command("audit")
-    def audit(
-        start: Optional[str] = typer.Option(None, "--from", help="Start of the range (ISO 8601; no zone means UTC). Default: 24h before --to."),
-        end: Optional[str] = typer.Option(None, "--to", help="End of the range, and the time the controls are evaluated as of. Default: now."),
-        fmt: str = typer.Option("table", "--format", help="table, json or html."),
-        policy_file: Optional[str] = typer.Option(None, "--policy", help="Policy YAML (default: GPULEDGER_POLICY_FILE, else the built-in default)."),
-        lookback: str = typer.Option("30d", "--lookback", help="How much history before --from to read (workloads admitted earlier, reservations made earlier)."),
-        output: Optional[str] = typer.Option(None, "--output", "-o", help="Write the report to this file instead of stdout."),
-        dsn: Optional[str] = typer.Option(None, "--dsn", help="ClickHouse DSN (default: GPULEDGER_CLICKHOUSE_DSN, else chdb under the data dir)."),
-    ) -> None:
-        """Evidence report of the eight controls: PASS/FAIL per control; exit 1 when one fails."""
-        from gpuledger.cli import console, fail, load_settings
-        from gpuledger.policy import PolicySettings
-        from sinks.errors import SinkError
-        from sinks.query import open_reader
-
-        if fmt not in ("table", "json", "html"):
-            fail(f"--format must be table, json or html, got {fmt!r}", 2)
-        try:
-            to_time = parse_time(end, "--to") if end else datetime.now(timezone.utc)
-            from_time = parse_time(start, "--from") if start else to_time - timedelta(hours=24)
-            span = parse_duration(lookback)
-        except (AuditError, ValueError) as exc:
-            fail(str(exc), 2)
-        if from_time > to_time:
-            fail(f"--from {_z(from_time)} is after --to {_z(to_time)}", 2)
-        try:
-            path = policy_file or PolicySettings().file
-            policy = load_policy(path)
-        except PolicyError as exc:
-            fail(str(exc), 2)
-        settings = load_settings(dsn=dsn)
-        try:
-            reader = open_reader(settings)
-            history = load_history(reader, settings.clickhouse.database, from_time, to_time, span, settings.clickhouse.cluster)
-        except SinkError as exc:
-            fail(str(exc), 3)
-        report = build_report(history, policy, from_time, to_time, str(path) if path else "built-in default")
-        if fmt == "json":
-            text = json.dumps(report, indent=2, default=str)
-        elif fmt == "html":
-            text = render_html(report)
-        else:
-            text = None
-        if output:
-            if text is None:
-                from rich.console import Console
-
-                with open(output, "w") as handle:
-                    render_table(report, Console(file=handle, width=200))
-            else:
-                with open(output, "w") as handle:
-                    handle.write(text)
-        elif text is None:
-            render_table(report, console)
-        else:
-            print(text)
-        if not report["passed"]:
-            raise typer.Exit(1)
-

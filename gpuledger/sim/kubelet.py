@@ -47,8 +47,8 @@ from typing import Iterable, Mapping, Sequence, Union
 
 import grpc
 
-from producers.proto import podresources_v1_pb2 as pb
-from producers.proto import podresources_v1_pb2_grpc as pb_grpc
+from producers.podresources.proto import podresources_v1_pb2 as pb
+from producers.podresources.proto import podresources_v1_pb2_grpc as pb_grpc
 
 # Same messages the kubelet (and grpc-go) use, so client error handling can
 # match on them. Sources: pkg/kubelet/apis/podresources/grpc/ratelimit.go and

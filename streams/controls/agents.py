@@ -39,7 +39,7 @@ import logging
 from collections import defaultdict
 from datetime import datetime
 
-from gpuledger.policy import PolicySettings
+from streams.controls.policy import PolicySettings
 from schemas import encode_event
 from streams.controls.rules import Context, digest, fold_link, fold_row, max_time, new_state, step
 from streams.packing import Packer, unpack

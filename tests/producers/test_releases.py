@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gpuledger.cli import app
-from gpuledger.localkafka import free_port
+from gpuledger.dev.process import free_port
 from producers.releases import COMMANDS, build_event
 from schemas import decode_event
 from tests.fixtures.kafka import read_topic
