@@ -1,4 +1,4 @@
-"""Tests for producers/podresources.py.
+"""Tests for producers/podresources/ (collector.py, snapshot.py, config.py).
 
 Pure parts (device-id parsing, resource matching, back-off, the snapshot diff, the
 state file) are tested directly. The collector itself is the real one, talking gRPC

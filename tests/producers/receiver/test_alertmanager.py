@@ -1,4 +1,4 @@
-"""producers/alertmanager.py: webhook v4 bodies (tests/data/alertmanager/) → alert events.
+"""producers/receiver/alertmanager.py: webhook v4 bodies (tests/data/alertmanager/) → alert events.
 
 Pure functions, no broker: the HTTP path and the topics are covered in test_receiver.py.
 """

@@ -1,4 +1,4 @@
-"""producers/mlflow.py: MLflow registry deliveries (tests/data/mlflow/) → release events.
+"""producers/receiver/mlflow.py: MLflow registry deliveries (tests/data/mlflow/) → release events.
 
 Pure functions, no broker: signature checks, de-dup log, the alias/tag mapping. The
 HTTP path (401s, duplicate deliveries, topics) is covered in test_receiver.py.

@@ -1,4 +1,4 @@
-"""producers/receiver.py against a real broker: every endpoint, read back from the topics.
+"""producers/receiver/server.py against a real broker: every endpoint, read back from the topics.
 
 The receiver runs in-process (``serve`` on a free 127.0.0.1 port in a background
 thread with its own event loop); requests go over real HTTP. Payloads are the
