@@ -50,18 +50,6 @@ CONTAINMENT = ("release.queue_paused", "release.node_isolated", "release.priorit
                "release.retired")
 
 
-class AuditError(ValueError):
-    """Options the audit cannot use."""
-
-
-def parse_time(text: str, option: str) -> datetime:
-    try:
-        value = datetime.fromisoformat(text.strip().replace("Z", "+00:00").replace(" ", "T", 1))
-    except ValueError as exc:
-        raise AuditError(f"{option} {text!r}: not an ISO 8601 time (e.g. 2026-11-30T13:40:00Z)") from exc
-    return value.astimezone(timezone.utc) if value.tzinfo else value.replace(tzinfo=timezone.utc)
-
-
 def _t(value) -> datetime | None:
     if value in (None, ""):
         return None
