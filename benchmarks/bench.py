@@ -64,7 +64,7 @@ from schemas.topics import TopicCatalogue  # noqa: E402
 from sinks.checksum import differing  # noqa: E402
 from sinks.clickhouse import connect  # noqa: E402
 from sinks.errors import SinkError  # noqa: E402
-from sinks.query import RemoteReader, owner_file  # noqa: E402
+from sinks.read.query import RemoteReader, owner_file  # noqa: E402
 
 DB = "gpuledger"
 PUBLISH_BATCH = 5000

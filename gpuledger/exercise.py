@@ -13,8 +13,8 @@ podresources`` per simulated node — each a child process (``ServiceProcess``) 
 (``gpuledger.sim.cluster``) is the only source: API server, kubelet sockets and
 webhooks into the receiver.
 Output: progress on the console, the pass/fail table of the scenario's expected
-evidence (read back through ``sinks.trace`` from the worker's store), the incident
-trace, an HTML report (``sinks.report``), and exit code 0 only if no check failed.
+evidence (read back through ``sinks.read.trace`` from the worker's store), the incident
+trace, an HTML report (``sinks.read.report``), and exit code 0 only if no check failed.
 Guarantees: everything it started is stopped on the way out, success or not
 (Ctrl-C included); the data dir is kept so the store can be queried afterwards.
 On a broker it did not start, topics get a prefix unique to the run, so runs never
@@ -250,7 +250,7 @@ class ExerciseRunner:
 
             # Drain, check, report.
             run.drained_s = self._drain(worker_url, client, catalogue)
-            from sinks.query import DirectReader, RemoteReader
+            from sinks.read.query import DirectReader, RemoteReader
 
             if dsn.startswith("chdb:"):
                 reader = RemoteReader(worker_url)
@@ -367,9 +367,9 @@ class ExerciseRunner:
 
     def _report(self, sim: SimCluster, reader, run: ExerciseRun) -> dict | None:
         from gpuledger.sim.evidence import resolve_ref
-        from sinks.report import collect_report_data, render_html, tree_text
-        from sinks.trace import trace
-        from sinks.trace_tree import render_tree
+        from sinks.read.report import collect_report_data, render_html
+        from sinks.read.trace import trace
+        from sinks.read.tree import render_tree, tree_text
 
         entry = resolve_ref(*self.scenario.report_entry(), sim)
         db = self.settings.clickhouse.database

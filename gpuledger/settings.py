@@ -20,12 +20,14 @@ from __future__ import annotations
 import difflib
 import os
 from collections.abc import Iterator, Mapping
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from gpuledger.timefmt import parse_time
 from producers.kubernetes.config import SchedulerCollectorSettings
 from producers.podresources.config import PodResourcesSettings
 from producers.receiver.config import ReceiverSettings
@@ -135,13 +137,33 @@ class StreamsSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="GPULEDGER_STREAMS_", extra="ignore")
 
-    app_id: str = Field(default="gpuledger", description="Faust app id = consumer group; change it to replay into a fresh group.")
+    app_id: str = Field(default="gpuledger", description="Faust app id = consumer group, and the run's topic namespace (`<prefix>.<app id>.*`); a new one is a replay.")
     web_port: int = Field(default=0, ge=0, le=65535, description="Worker's loopback web port (health, read-only queries); 0 picks a free port.")
     park_ttl_s: float = Field(default=300.0, gt=0, description="Event-time seconds an event waits for its identity before it is emitted unattributed.")
     park_idle_flush_s: float = Field(default=10.0, gt=0, description="Wall-clock seconds without input after which every parked event is emitted (an idle source must not hold rows back).")
     batch_max: int = Field(default=2000, ge=1, description="Most records an agent takes per batch (a batch closes earlier after 0.1 s without input).")
+    pack_max: int = Field(default=1000, ge=1, description="Most messages packed into one record on the internal route and controls topics.")
+    packed_batch_messages: int = Field(default=50_000, ge=1, description="About how many packed messages the correlation and controls agents take per batch (packed_batch_messages // pack_max records): larger batches write each touched entity's state once for more input; a batch holds the event loop, and every other agent with it, while it runs.")
     fault: str | None = Field(default=None, pattern=r"^(correlate|controls):(before_outputs|during_outputs|after_outputs|after_changelog):[1-9][0-9]*$",
                               description="Fault injection for the crash tests: 'STAGE:POINT:N' ends the process at once (as kill -9 would) the Nth time STAGE (correlate, controls) reaches POINT in a batch: before_outputs (state folded, nothing produced), during_outputs (produced, not acknowledged), after_outputs (acknowledged, state not written), after_changelog (state written, batch not acked).")
+    replay_from: datetime | None = Field(default=None, description="Start of the event-time range (occurred_at, inclusive; no zone means UTC) this run processes: the route stage and the raw sink skip earlier events (`gpuledger replay --from`). The release directory reads every release regardless. Unset: no lower bound.")
+    replay_to: datetime | None = Field(default=None, description="End of that range (exclusive): later events are skipped (`gpuledger replay --to`). Unset: no upper bound.")
+
+    @field_validator("replay_from", "replay_to", mode="before")
+    @classmethod
+    def _time(cls, value: Any) -> datetime | None:
+        """Read as ``gpuledger.timefmt.parse_time`` reads people's times (no zone means UTC)."""
+        return None if value in (None, "") else parse_time(value)
+
+    @model_validator(mode="after")
+    def _range_ordered(self) -> StreamsSettings:
+        if self.replay_from and self.replay_to and self.replay_from >= self.replay_to:
+            raise ValueError(f"GPULEDGER_STREAMS_REPLAY_FROM {self.replay_from.isoformat()} is not before GPULEDGER_STREAMS_REPLAY_TO {self.replay_to.isoformat()}")
+        return self
+
+    def in_range(self, occurred_at: datetime) -> bool:
+        """Whether an event time lies in [replay_from, replay_to) (always true without a range)."""
+        return (self.replay_from is None or occurred_at >= self.replay_from) and (self.replay_to is None or occurred_at < self.replay_to)
 
 
 class TelemetrySettings(BaseSettings):
@@ -296,8 +318,8 @@ def error_lines(exc: ValidationError, klass: type[BaseModel]) -> list[str]:
     out = []
     for err in exc.errors(include_url=False):
         loc = delimiter.join(str(p) for p in err["loc"]).upper()
-        where = f"{prefix}{loc}" if loc else f"{prefix}*"
-        out.append(f"{where}: {err['msg'].removeprefix('Value error, ')}")
+        msg = err["msg"].removeprefix("Value error, ")
+        out.append(f"{prefix}{loc}: {msg}" if loc else msg)  # a cross-field check names its variables itself
     return out
 
 

@@ -4,7 +4,9 @@ Input: the correlated, allocations, dead-letter and raw topics (and violations, 
 the app passes that topic). Output: one columnar insert per table per batch —
 correlated → ``correlated_events`` + ``release_history`` / ``workload_timeline`` /
 ``enriched_alerts`` by family; allocations → ``gpu_allocations``; raw →
-``raw_events``; dead letters → ``dead_letters``; violations → ``violations``.
+``raw_events`` (only the events of the run's replay range, when it has one:
+``GPULEDGER_STREAMS_REPLAY_FROM/TO``); dead letters → ``dead_letters``; violations →
+``violations``.
 Batches close at ``GPULEDGER_CLICKHOUSE_BATCH_ROWS`` records or after
 ``GPULEDGER_CLICKHOUSE_BATCH_SECONDS``, whichever comes first.
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from datetime import datetime
 
 from gpuledger.telemetry import ComponentCounters
 from schemas import CorrelatedEvent, DeadLetter, GpuAllocation, Violation
@@ -45,6 +48,8 @@ from sinks.raw import RAW_EVENT_COLUMNS, NotAnEnvelope, raw_event_row
 from sinks.writer import RecordSource, RejectedRow, TableWriter
 
 log = logging.getLogger(__name__)
+
+RAW_OCCURRED_AT = RAW_EVENT_COLUMNS.index("occurred_at")
 
 #: table -> insert columns. Order of the correlated family matters: the source of
 #: truth first, so a crash between inserts leaves the derived tables behind, never ahead.
@@ -87,6 +92,7 @@ class SinkWriters:
         self.writers["raw_events"] = writer("raw_events", RAW_EVENT_COLUMNS)
         self.writers["dead_letters"] = writer("dead_letters", DEAD_LETTER_COLUMNS)
         self.writers["violations"] = writer("violations", VIOLATION_COLUMNS)
+        self.raw_out_of_range = 0
 
     async def _write(self, table: str, rows: list[list], sources: Sources) -> list[RejectedRow]:
         rejected = await self.writers[table].write(rows, sources)
@@ -115,16 +121,23 @@ class SinkWriters:
     async def store_dead_letters(self, batch: list[DeadLetter], sources: Sources = None) -> list[RejectedRow]:
         return await self._write("dead_letters", dead_letter_rows(batch), sources)
 
-    async def store_raw(self, records: list[tuple[bytes, str, int, int]]) -> int:
+    async def store_raw(self, records: list[tuple[bytes, str, int, int]], keep: Callable[[datetime], bool] | None = None) -> int:
         """Insert raw records (value, topic, partition, offset); return how many were skipped
-        (not envelopes). Rows the store rejects go to ``on_rejected`` like any other."""
+        (not envelopes). Rows the store rejects go to ``on_rejected`` like any other.
+        ``keep`` (the replay range, ``StreamsSettings.in_range``) tests each envelope's
+        ``occurred_at``: the others are not stored, and counted in ``raw_out_of_range``."""
         rows, sources, skipped = [], [], 0
         for value, topic, partition, offset in records:
             try:
-                rows.append(raw_event_row(value, topic, partition, offset))
-                sources.append(RecordSource(topic, partition, offset, None, value if isinstance(value, bytes) else value.encode()))
+                row = raw_event_row(value, topic, partition, offset)
             except NotAnEnvelope:
                 skipped += 1  # already dead-lettered by the correlate stage, with the reason
+                continue
+            if keep is not None and not keep(row[RAW_OCCURRED_AT]):
+                self.raw_out_of_range += 1
+                continue
+            rows.append(row)
+            sources.append(RecordSource(topic, partition, offset, None, value if isinstance(value, bytes) else value.encode()))
         if skipped:
             self.counters.add_rejected("not_an_envelope", skipped)
         await self._write("raw_events", rows, sources)
@@ -133,6 +146,50 @@ class SinkWriters:
 
 def _coordinates(row: RejectedRow) -> tuple:
     return (row.source.topic, row.source.partition, row.source.offset) if row.source else ("?", "?", "?")
+
+
+class Loose:
+    """A JSON object the worker produced, read with attribute access by the row builders.
+
+    Why not the pydantic model: validating every correlated row cost more than the rest
+    of the sink together (measured), and the rows come from gpuledger's own worker.
+    What is checked here is what the builders need — an object with the model's required
+    fields present; a value ClickHouse cannot store is still refused by ClickHouse itself
+    and dead-lettered (``TableWriter``).
+    """
+
+    __slots__ = ("_data", "_defaults")
+
+    def __init__(self, data: dict, defaults: dict) -> None:
+        self._data, self._defaults = data, defaults
+
+    def __getattr__(self, name: str):
+        value = self._data.get(name)
+        if value is None:
+            value = self._defaults.get(name)
+        return Loose(value, {}) if type(value) is dict and name == "identity" else value
+
+
+def _required(model) -> tuple[tuple[str, ...], dict]:
+    fields = model.model_fields
+    return (tuple(n for n, f in fields.items() if f.is_required()),
+            {n: f.default for n, f in fields.items() if not f.is_required() and f.default is not None})
+
+
+def decode_loose(value: bytes, model, shape: tuple[tuple[str, ...], dict]) -> Loose:
+    """``value`` as a ``Loose`` row of ``model``; ValueError naming what is missing."""
+    import orjson
+
+    obj = orjson.loads(value)
+    if not isinstance(obj, dict):
+        raise ValueError(f"not a {model.__name__}: a JSON {type(obj).__name__}")
+    required, defaults = shape
+    missing = [name for name in required if obj.get(name) is None]
+    if missing:
+        raise ValueError(f"not a {model.__name__}: missing {', '.join(missing)}")
+    if not isinstance(obj.get("identity", {}), dict):
+        raise ValueError(f"not a {model.__name__}: identity must be an object")
+    return Loose(obj, defaults)
 
 
 class _Record:
@@ -162,6 +219,7 @@ class SinkLoop:
         self.ctx, self.sinks, self.topics = ctx, sinks, topics
         self.kind = {name: kind for kind, names in topics.items() for name in names}
         self.rows_max, self.within = conf.batch_rows, conf.batch_seconds
+        self.in_range = settings.streams.in_range  # a replay's event-time range (`gpuledger replay --from/--to`)
         from gpuledger.settings import worker_instance_id
 
         self.consumer = Consumer({**ctx.consumer_config, "group.id": f"{settings.streams.app_id}.sinks", "enable.auto.commit": False,
@@ -169,6 +227,7 @@ class SinkLoop:
                                   "auto.offset.reset": "earliest", "enable.partition.eof": False,
                                   "max.poll.interval.ms": 600_000, "logger": logging.getLogger("librdkafka")})
         self.consumer.subscribe(sorted(self.kind))
+        self._shapes: dict = {}
 
     async def run(self) -> None:
         import asyncio
@@ -195,9 +254,12 @@ class SinkLoop:
         stats = self.ctx.stats
         if "raw" in by_kind:
             raw = by_kind["raw"]
-            skipped = await self.sinks.store_raw([(r.value, r.topic, r.partition, r.offset) for r in raw])
-            stats["raw_stored"] += len(raw) - skipped
+            outside = self.sinks.raw_out_of_range
+            skipped = await self.sinks.store_raw([(r.value, r.topic, r.partition, r.offset) for r in raw], keep=self.in_range)
+            outside = self.sinks.raw_out_of_range - outside
+            stats["raw_stored"] += len(raw) - skipped - outside
             stats["raw_skipped"] += skipped
+            stats["raw_out_of_range"] += outside
         if "correlated" in by_kind:
             batch, sources = await self._decode(by_kind["correlated"], CorrelatedEvent, "sinks.store_correlated")
             await self.sinks.store_correlated(batch, sources)
@@ -226,9 +288,10 @@ class SinkLoop:
         from schemas.outputs import dead_letter
 
         batch, sources = [], []
+        shape = self._shapes.get(model) or self._shapes.setdefault(model, _required(model))
         for rec in records:
             try:
-                batch.append(model.model_validate_json(rec.value))
+                batch.append(decode_loose(rec.value, model, shape))
                 sources.append(RecordSource.of(rec))
             except Exception as exc:  # noqa: BLE001 - keep the sink going; the record is dead-lettered
                 letter = dead_letter("validation", str(exc), stage, rec.topic, rec.partition, rec.offset, rec.key, rec.value)
@@ -254,7 +317,7 @@ def install_sink_agents(app, settings, client, topics: dict[str, list[str]], ctx
         # A lazy store does this in its on_connect (migrated_store).
         apply_ttl(store.get(), conf.database, conf.ttl_days, conf.cluster)
     stats = ctx.stats
-    for key in ("stored", "allocations_stored", "raw_stored", "raw_skipped", "violations_stored", "store_rejected"):
+    for key in ("stored", "allocations_stored", "raw_stored", "raw_skipped", "raw_out_of_range", "violations_stored", "store_rejected"):
         stats.setdefault(key, 0)
 
     async def dead_letter_rejected(row: RejectedRow) -> None:

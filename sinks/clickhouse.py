@@ -5,7 +5,7 @@ engine through clickhouse-connect's chDB backend; ``http(s)://user:pass@host:por
 talks to a server. Only one process may open a chDB directory at a time (a second
 gets "Cannot lock file .../status"): the process that writes — the worker — owns it,
 and everyone else reads through the owner's loopback query endpoint (see
-``sinks/query.py``) or opens it directly when nobody owns it.
+``sinks/read/query.py``) or opens it directly when nobody owns it.
 
 ``StoreConnection`` is the lazy form the sink writers use: it connects on first use
 and, while the store cannot be reached (server down, chDB directory locked by another
@@ -129,8 +129,10 @@ def _locked_by_another_process(path: str) -> bool:
 def connect(dsn: str, database: str, create: bool = True) -> Client:
     """Open a client on ``dsn`` and make sure ``database`` exists.
 
-    gpuledger always qualifies table names with the database, so the client's own
-    default database does not matter (chDB's backend has no per-client default).
+    gpuledger's own queries always qualify table names with the database; ``database``
+    is also made the client's default so that a statement a person types unqualified
+    (``gpuledger sql "SHOW TABLES"``, ``DESCRIBE correlated_events``) reads gpuledger's
+    tables — on the worker's client too, which serves the loopback query endpoint.
     """
     try:
         if is_embedded(dsn):
@@ -144,6 +146,7 @@ def connect(dsn: str, database: str, create: bool = True) -> Client:
         raise StoreUnavailable(f"cannot connect to ClickHouse at {redact(dsn)}: {text}. Check GPULEDGER_CLICKHOUSE_DSN.") from exc
     if create:
         client.command(f"CREATE DATABASE IF NOT EXISTS `{database}`")
+    client.database = database
     return client
 
 

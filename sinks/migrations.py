@@ -21,7 +21,7 @@ a lookup column the row's own input fixes (a release event's release_id, an aler
 fingerprint, an allocation's node and device). ``workload_timeline`` is the one keyed
 by an attributed column (workload_id): rows enter it only once their workload is
 known, and readers drop a row whose correlation_id has a newer version elsewhere
-(``sinks/trace.py``).
+(``sinks/read/trace.py``).
 
 TTL (``GPULEDGER_CLICKHOUSE_TTL_DAYS``) is configuration, not a migration: ``apply_ttl``
 sets or removes it on the event tables when it differs from what the table has.
@@ -271,7 +271,7 @@ SETTINGS index_granularity = 1024""",
     INDEX idx_node node TYPE bloom_filter GRANULARITY 4,
     -- Candidate finders for readers that do not start from a workload. They hold every
     -- version (projections are not read with FINAL): readers take candidates from them
-    -- and the truth from the table (sinks/trace.py).
+    -- and the truth from the table (sinks/read/trace.py).
     PROJECTION p_release (SELECT release_id, workload_id, occurred_at ORDER BY release_id),
     PROJECTION p_time (SELECT occurred_at, correlation_id, version, workload_id, node ORDER BY (occurred_at, correlation_id))
 ) ENGINE = {engine_replacing_version}

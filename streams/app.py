@@ -33,7 +33,7 @@ import faust
 from gpuledger.dev.process import free_port
 from gpuledger.telemetry import ComponentCounters
 from producers._kafka import client_config, ensure_specs, resolve_bootstrap
-from sinks.query import QueryError, run_readonly
+from sinks.read.query import QueryError, run_readonly
 from streams.controls.agents import install_control_agents
 from streams.correlate.agents import install_correlate_agents
 from streams.correlate.directory import ReleaseDirectory
@@ -73,6 +73,11 @@ class WorkerContext:
             log.critical("fault injection: exiting at %s:%s", stage, point)
             logging.shutdown()
             os._exit(137)
+
+    def packed_batch(self) -> int:
+        """Records per batch for an agent reading packed records."""
+        conf = self.settings.streams
+        return max(1, conf.packed_batch_messages // conf.pack_max)
 
     def assigned(self, topic: str) -> set[int]:
         """The partitions of ``topic`` assigned to this worker right now."""
@@ -255,7 +260,7 @@ def run_worker(settings, loglevel: str = "info") -> None:
     """
     from gpuledger.telemetry import calm_logging
     from sinks.clickhouse import is_embedded, migrated_store
-    from sinks.query import clear_owner, write_owner
+    from sinks.read.query import clear_owner, write_owner
 
     calm_logging()
     dsn = settings.clickhouse_dsn

@@ -9,8 +9,8 @@ Why not Faust's ``topic.send()``: the profile of one worker was dominated by Fau
 and aiokafka's per-message produce path (coroutines, futures, tiny requests); each
 input writes several records. librdkafka batches and compresses in its own thread.
 
-Guarantees: ``flush()`` returns only when every record produced so far is
-acknowledged (acks=all, idempotent producer). A retriable failure (broker away,
+Guarantees: ``flush()`` returns only when every record produced before it was called
+is acknowledged (acks=all, idempotent producer). A retriable failure (broker away,
 timeout) is produced again until it is acknowledged — the batch waits, the offsets
 are not acked. A record Kafka refuses for what it is (too large, invalid) is never
 retried and never dropped: it becomes a dead letter on the run's dead-letter topic
@@ -36,10 +36,12 @@ from schemas import DeadLetter, encode_event
 
 log = logging.getLogger(__name__)
 
-#: librdkafka errors that say "this record can never be written", not "not now".
+#: librdkafka errors that say "this record can never be written", not "not now". A
+#: missing topic or a missing ACL is an operator's problem, not the record's: those hold
+#: the batch (and say so in the log) until fixed.
 REFUSED = frozenset({
     KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.INVALID_RECORD, KafkaError.RECORD_LIST_TOO_LARGE,
-    KafkaError.INVALID_MSG_SIZE, KafkaError.INVALID_MSG, KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.UNKNOWN_TOPIC_OR_PART,
+    KafkaError.INVALID_MSG_SIZE, KafkaError.INVALID_MSG,
 })
 MAX_DEAD_VALUE = 64 * 1024
 REPORT_EVERY_S = 60.0
@@ -60,7 +62,9 @@ class BatchOutput:
             "logger": logging.getLogger("librdkafka"),
         })
         self.deadletter_topic = deadletter_topic
-        self._failed: list[tuple[tuple, KafkaError]] = []
+        self._failed: list[tuple[int, tuple, KafkaError]] = []
+        self._seq = 0
+        self._inflight: set[int] = set()
         self.produced: Counter[str] = Counter()
         self.dead_letters = 0
         self._trouble_since: float | None = None
@@ -69,14 +73,21 @@ class BatchOutput:
 
     # --- producing ------------------------------------------------------------------
     def produce(self, topic: str, key: bytes | None, value: bytes, partition: int | None = None, source: tuple | None = None) -> None:
-        self._produce((topic, key, value, partition, source))
+        seq = self._seq
+        self._seq += 1
+        self._inflight.add(seq)
+        self._send(seq, (topic, key, value, partition, source))
 
-    def _produce(self, record: tuple) -> None:
+    def _send(self, seq: int, record: tuple) -> None:
+        """Hand one record to librdkafka; ``seq`` stays in flight until it (or the dead
+        letter that replaces it) is acknowledged."""
         topic, key, value, partition, _source = record
 
-        def on_delivery(err, _msg, record=record):
-            if err is not None:
-                self._failed.append((record, err))
+        def on_delivery(err, _msg, seq=seq, record=record):
+            if err is None:
+                self._inflight.discard(seq)
+            else:
+                self._failed.append((seq, record, err))
 
         while True:
             try:
@@ -89,10 +100,10 @@ class BatchOutput:
             except BufferError:
                 self._producer.poll(0.05)
             except KafkaException as exc:  # refused before it left: too large for message.max.bytes
-                self._dead(record, exc.args[0])
+                self._dead(seq, record, exc.args[0])
                 return
 
-    def _dead(self, record: tuple, err: KafkaError) -> None:
+    def _dead(self, seq: int, record: tuple, err: KafkaError) -> None:
         topic, key, value, _partition, source = record
         src_topic, src_partition, src_offset = source if source else (None, None, None)
         letter = DeadLetter(
@@ -104,28 +115,33 @@ class BatchOutput:
         )
         self.dead_letters += 1
         log.error("dead-lettered an output record for %s (%s, %d bytes) derived from %s", topic, err.name(), len(value), source)
-        self._produce((self.deadletter_topic, key, encode_event(letter), None, None))
+        self._send(seq, (self.deadletter_topic, key, encode_event(letter), None, None))
 
     # --- waiting for acks ---------------------------------------------------------------
     async def flush(self) -> None:
-        """Wait until every record produced so far is acknowledged (retrying what can be)."""
+        """Wait until every record produced *before this call* is acknowledged (retrying
+        what can be retried). Records other agents produce meanwhile are not waited for:
+        with several agents producing all the time, "until the queue is empty" could
+        wait for ever (measured: correlation batches stalled for seconds)."""
+        mine = set(self._inflight)
+        waited = 0.0
         while True:
-            remaining = await asyncio.to_thread(self._producer.flush, 5)
             if self._failed:
                 failed, self._failed = self._failed, []
-                retry = [(r, e) for r, e in failed if e.code() not in REFUSED or r[0] == self.deadletter_topic]
-                for record, err in failed:
-                    if (record, err) not in retry:
-                        self._dead(record, err)
-                if retry:
-                    self._trouble(len(retry), retry[0][1])
-                    for record, _err in retry:
-                        self._produce(record)
-                continue
-            if remaining == 0:
+                for seq, record, err in failed:
+                    if err.code() in REFUSED and record[0] != self.deadletter_topic:
+                        self._dead(seq, record, err)
+                    else:
+                        self._trouble(1, err)
+                        self._send(seq, record)
+            if mine.isdisjoint(self._inflight):
                 self._recovered()
                 return
-            self._trouble(remaining, None)
+            await asyncio.to_thread(self._producer.poll, 0.05)
+            waited += 0.05
+            if waited >= 5.0:
+                waited = 0.0
+                self._trouble(len(mine & self._inflight), None)
 
     def _trouble(self, n: int, err: KafkaError | None) -> None:
         now = time.monotonic()

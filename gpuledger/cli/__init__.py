@@ -2,7 +2,7 @@
 
 One module per command group (``kafka``, ``topics``, ``db``, ``schemas``, ``worker``,
 ``read`` — sql and trace —, ``audit``, ``collect``, ``receive``, ``release``,
-``exercise``); each imports its component inside the command, so ``gpuledger X --help``
+``exercise``, ``replay``); each imports its component inside the command, so ``gpuledger X --help``
 loads typer and little else. Only this package catches errors and turns them into exits
 (``_common.fail``); nothing outside it imports it.
 """

@@ -12,6 +12,7 @@ from typing import NoReturn, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 console = Console()
 err = Console(stderr=True)
@@ -22,7 +23,7 @@ DsnOpt = typer.Option(None, "--dsn", help="ClickHouse DSN (default: GPULEDGER_CL
 
 def fail(message: str, code: int = 1) -> NoReturn:
     """Print ``error: message`` on stderr and exit with ``code``."""
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
-from datetime import timedelta
 from enum import Enum
 from typing import Optional
 
 import typer
 
-from gpuledger.cli._common import DsnOpt, console, fail, failing_on, load_settings
+from gpuledger.cli._common import DsnOpt, console, failing_on, load_settings
 
 
+# The values of sinks.read.audit.FORMATS (tests/gpuledger/cli checks they agree).
 class AuditFormat(str, Enum):
     table = "table"
     json = "json"
@@ -28,18 +27,13 @@ def audit(
     dsn: Optional[str] = DsnOpt,
 ) -> None:
     """Evidence report of the eight controls: PASS/FAIL per control; exit 1 when one fails."""
-    from gpuledger.audit import build_report, load_history, render_html, render_table
-    from gpuledger.timefmt import TimeFormatError, iso_z, parse_duration, parse_time
     from sinks.errors import SinkError
-    from sinks.query import open_reader
+    from sinks.read.audit import AuditError, audit_range, build_report, load_history, write_report
+    from sinks.read.query import open_reader
     from streams.controls.policy import PolicyError, load_policy
 
-    with failing_on(TimeFormatError, code=2):
-        to_time = parse_time(end or "now", "--to")
-        from_time = parse_time(start, "--from") if start else to_time - timedelta(hours=24)
-        span = parse_duration(lookback, "--lookback")
-    if from_time > to_time:
-        fail(f"--from {iso_z(from_time)} is after --to {iso_z(to_time)}", 2)
+    with failing_on(AuditError, code=2):
+        from_time, to_time, span = audit_range(start, end, lookback)
     settings = load_settings(dsn=dsn)
     path = policy_file or settings.policy.file
     with failing_on(PolicyError, code=2):
@@ -48,21 +42,7 @@ def audit(
         reader = open_reader(settings)
         history = load_history(reader, settings.clickhouse.database, from_time, to_time, span, settings.clickhouse.cluster)
     report = build_report(history, policy, from_time, to_time, str(path) if path else "built-in default")
-    if fmt is AuditFormat.table:
-        if output:
-            from rich.console import Console
-
-            with open(output, "w") as handle:
-                render_table(report, Console(file=handle, width=200))
-        else:
-            render_table(report, console)
-    else:
-        text = json.dumps(report, indent=2, default=str) if fmt is AuditFormat.json else render_html(report)
-        if output:
-            with open(output, "w") as handle:
-                handle.write(text)
-        else:
-            print(text)
+    write_report(report, fmt.value, output, console)
     if not report["passed"]:
         raise typer.Exit(1)
 

@@ -39,7 +39,7 @@ def db_status(dsn: Optional[str] = DsnOpt) -> None:
     """Applied migrations and the row count of every table (through the store's owner when it has one)."""
     from sinks.errors import SinkError
     from sinks.migrations import MIGRATIONS
-    from sinks.query import open_reader
+    from sinks.read.query import open_reader
 
     settings = load_settings(dsn=dsn)
     db = settings.clickhouse.database

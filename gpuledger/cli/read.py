@@ -23,13 +23,15 @@ class TraceFormat(str, Enum):
     html = "html"
 
 
-def sql(query: str = typer.Argument(..., help="A SELECT query; read-only is enforced by ClickHouse."), dsn: Optional[str] = DsnOpt,
+def sql(query: str = typer.Argument(..., help="A SELECT, WITH, SHOW, DESCRIBE, EXPLAIN or EXISTS statement; read-only is enforced by ClickHouse."),
+        dsn: Optional[str] = DsnOpt,
         fmt: SqlFormat = typer.Option(SqlFormat.table, "--format", help="table (for people) or json (for tools).")) -> None:
-    """Run a read-only SQL query against the store (through its owner when it has one)."""
+    """Run a read-only SQL statement against the store (through its owner when it has one)."""
     from rich.table import Table
 
     from sinks.errors import SinkError
-    from sinks.query import open_reader
+    from sinks.read.query import open_reader
+    from sinks.read.text import markup
 
     settings = load_settings(dsn=dsn)
     with failing_on(SinkError):
@@ -38,9 +40,9 @@ def sql(query: str = typer.Argument(..., help="A SELECT query; read-only is enfo
     if fmt is SqlFormat.json:
         print(json.dumps(result.dicts(), indent=2, default=str))
         return
-    table = Table(*result.columns)
+    table = Table(*[markup(c) for c in result.columns])
     for row in result.rows:
-        table.add_row(*[str(v) for v in row])
+        table.add_row(*[markup(str(v)) for v in row])
     console.print(table)
 
 
@@ -58,10 +60,10 @@ def trace(alert: Optional[str] = typer.Option(None, "--alert", help="Alert finge
     """The responder's chain: alert → release manifest → workloads → pods → nodes/GPUs → scheduler events and alerts."""
     from gpuledger.timefmt import TimeFormatError, parse_duration, parse_time
     from sinks.errors import SinkError
-    from sinks.query import open_reader
-    from sinks.trace import TraceError, found
-    from sinks.trace import trace as run_trace
-    from sinks.trace_tree import render_tree
+    from sinks.read.query import open_reader
+    from sinks.read.trace import TraceError, found
+    from sinks.read.trace import trace as run_trace
+    from sinks.read.tree import render_tree
 
     entries = [(k, v) for k, v in (("alert", alert), ("release", release), ("workload", workload), ("pod", pod), ("gpu", gpu),
                                    ("model", model)) if v]
@@ -79,7 +81,7 @@ def trace(alert: Optional[str] = typer.Option(None, "--alert", help="Alert finge
     if fmt is TraceFormat.json:
         print(json.dumps(result, indent=2, default=str))
     elif fmt is TraceFormat.html:
-        from sinks.report import trace_report
+        from sinks.read.report import trace_report
 
         with failing_on(SinkError):
             page = trace_report(reader, settings.clickhouse.database, result, chain_text=render_tree(result), until=at_time,

@@ -6,7 +6,7 @@ import logging
 
 import typer
 
-from gpuledger.cli import audit, collect, db, exercise, kafka, read, receive, release, schemas, topics, worker
+from gpuledger.cli import audit, collect, db, exercise, kafka, read, receive, release, replay, schemas, topics, worker
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="gpuledger: one event-sourced history for GPU scheduling and model lifecycle.")
 
@@ -17,5 +17,5 @@ def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at IN
 
 
 # One line per command module; the order is the order of `gpuledger --help`.
-for _group in (kafka, topics, db, schemas, worker, read, audit, collect, receive, release, exercise):
+for _group in (kafka, topics, db, schemas, worker, read, audit, collect, receive, release, exercise, replay):
     _group.register(app)

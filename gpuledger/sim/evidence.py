@@ -4,7 +4,7 @@ Input: one ``Expectation`` (``gpuledger.sim.scenario``), the ``SimCluster`` that
 the timeline (to turn the scenario's names — alert ids, workload names, ``n3/0`` —
 into the identifiers the cluster actually used), and a read-only store reader.
 Output: a ``CheckResult`` (PASS / FAIL / PENDING with a one-line detail).
-How: every check reads back through ``sinks.trace.trace`` — the responder's own
+How: every check reads back through ``sinks.read.trace.trace`` — the responder's own
 path (``gpuledger trace``) — from the expectation's entry point, optionally as of
 a step's time; only ``violation`` queries the violations table directly.
 Guarantees: no check raises; a store or trace error is a FAIL that says why.
@@ -80,155 +80,181 @@ def _short(device: str) -> str:
     return device if len(device) <= 14 else device[:12] + "…"
 
 
-def check(exp: Expectation, sim, result: dict, entry: tuple[str, str], at: datetime | None) -> tuple[list[str], list[str]]:
-    """(problems, facts) of one expectation against one trace result."""
-    problems: list[str] = []
-    facts: list[str] = []
-    kind, value = entry
-    rel = result.get("release") or {}
-    workloads = {w["workload_id"]: w for w in result.get("workloads", [])}
-    focal = None
-    if kind == "alert":
-        # The alert as it fired (a later "resolved" row carries the release's state at resolution).
-        rows = [a for a in result.get("alerts", []) if a.get("alert_fingerprint") == value]
-        firing = [a for a in rows if a.get("status") == "firing"]
-        focal = (firing or rows or [None])[0]
-        if focal is None:
-            problems.append(f"alert {exp.alert} ({value}) is not in the store")
-    if result.get("entry", {}).get("root") is None and kind != "alert":
-        problems.append(f"--{kind} {value} matches nothing in the store")
+class _Check:
+    """One expectation against one trace result: each ``_…`` method checks one field of
+    the expectation and records a problem (it does not hold) or a fact (it does)."""
 
-    t = exp.traces_to
-    if t:
+    def __init__(self, exp: Expectation, sim, result: dict, entry: tuple[str, str], at: datetime | None) -> None:
+        self.exp, self.sim, self.result, self.at = exp, sim, result, at
+        self.kind, self.value = entry
+        self.rel = result.get("release") or {}
+        self.workloads = {w["workload_id"]: w for w in result.get("workloads", [])}
+        self.problems: list[str] = []
+        self.facts: list[str] = []
+        self.focal: dict | None = None
+
+    def expect(self, ok: bool, fact: str, problem: str) -> None:
+        (self.facts if ok else self.problems).append(fact if ok else problem)
+
+    def run(self) -> tuple[list[str], list[str]]:
+        exp = self.exp
+        self._entry()
+        if exp.traces_to:
+            self._traces_to(exp.traces_to)
+        if exp.release_state is not None:
+            self._release_state()
+        if exp.lifecycle:
+            self._lifecycle()
+        if exp.preempted_by is not None:
+            self._preempted_by()
+        if exp.evicted is not None:
+            self._evicted()
+        if exp.admitted_before_approval is not None:
+            self._admitted_before_approval()
+        if exp.unattributed is not None:
+            self._unattributed()
+        if exp.open_allocations is not None:
+            self._open_allocations()
+        if exp.reservations_held is not None:
+            self._reservations_held()
+        return self.problems, self.facts
+
+    @property
+    def target_workloads(self) -> list[dict]:
+        """The entry's workload when the entry is one, else every workload of the chain."""
+        if self.kind == "workload" and self.value in self.workloads:
+            return [self.workloads[self.value]]
+        return list(self.workloads.values())
+
+    def _entry(self) -> None:
+        if self.kind == "alert":
+            # The alert as it fired (a later "resolved" row carries the release's state at resolution).
+            rows = [a for a in self.result.get("alerts", []) if a.get("alert_fingerprint") == self.value]
+            firing = [a for a in rows if a.get("status") == "firing"]
+            self.focal = (firing or rows or [None])[0]
+            if self.focal is None:
+                self.problems.append(f"alert {self.exp.alert} ({self.value}) is not in the store")
+        if self.result.get("entry", {}).get("root") is None and self.kind != "alert":
+            self.problems.append(f"--{self.kind} {self.value} matches nothing in the store")
+
+    # --- traces_to ------------------------------------------------------------------------------
+
+    def _traces_to(self, t) -> None:
+        focal = self.focal
         if t.release_id is not None:
-            got = (focal or {}).get("release_id") if focal else rel.get("release_id")
-            if got != t.release_id:
-                problems.append(f"release is {got or 'none'}, expected {t.release_id}")
-            else:
-                facts.append(f"release {got}")
+            got = (focal or {}).get("release_id") if focal else self.rel.get("release_id")
+            self.expect(got == t.release_id, f"release {got}", f"release is {got or 'none'}, expected {t.release_id}")
         if t.workload is not None:
-            wid = sim.workload_id(t.workload)
-            got_wl = (focal or {}).get("workload_id") if focal else None
-            if focal is not None and got_wl != wid:
-                problems.append(f"alert's workload is {got_wl or 'none'}, expected {wid}")
-            elif focal is None and wid not in workloads:
-                problems.append(f"workload {wid} not in the chain (chain has {', '.join(workloads) or 'none'})")
-            else:
-                facts.append(f"workload {wid}")
+            self._traced_workload(self.sim.workload_id(t.workload))
         if t.node is not None:
-            if focal is not None:
-                got_node = focal.get("node")
-                ok = got_node == t.node
-            else:
-                nodes = {n for p in result.get("pods", []) for n in p.get("nodes", [])} | {g["node"] for g in result.get("gpus", [])}
-                got_node = ", ".join(sorted(nodes)) or "none"
-                ok = t.node in nodes
-            if not ok:
-                problems.append(f"node is {got_node or 'none'}, expected {t.node}")
-            else:
-                facts.append(f"node {t.node}")
+            self._traced_node(t.node)
         if t.gpu is not None:
-            node, device = sim.device_id(t.gpu)
-            if focal is not None:
-                ok = focal.get("node") == node and focal.get("gpu_id") == device
-                got = f"{focal.get('node')}/{focal.get('gpu_id')}"
-            else:
-                held = {(g["node"], g["gpu_id"]) for g in result.get("gpus", [])}
-                ok = (node, device) in held
-                got = ", ".join(f"{n}/{_short(g)}" for n, g in sorted(held)) or "none"
-            if not ok:
-                problems.append(f"GPU is {got}, expected {t.gpu} ({node}/{device})")
-            else:
-                facts.append(f"GPU {t.gpu} = {_short(device)}")
+            self._traced_gpu(t.gpu)
         if t.attribution is not None:
             got = (focal or {}).get("attribution")
-            if got != t.attribution:
-                problems.append(f"attributed by {got or 'nothing'}, expected {t.attribution}")
-            else:
-                facts.append(f"by {got}")
+            self.expect(got == t.attribution, f"by {got}", f"attributed by {got or 'nothing'}, expected {t.attribution}")
         if t.release_state is not None:
             got = (focal or {}).get("release_state")
-            if got != t.release_state:
-                problems.append(f"release state at correlation {got or 'none'}, expected {t.release_state}")
-            else:
-                facts.append(f"while {got}")
+            self.expect(got == t.release_state, f"while {got}", f"release state at correlation {got or 'none'}, expected {t.release_state}")
 
-    if exp.release_state is not None:
-        got = lifecycle_state(rel)
-        if got != exp.release_state:
-            problems.append(f"release state {got or 'none'}, expected {exp.release_state}")
+    def _traced_workload(self, wid: str) -> None:
+        if self.focal is not None:
+            got = self.focal.get("workload_id")
+            self.expect(got == wid, f"workload {wid}", f"alert's workload is {got or 'none'}, expected {wid}")
         else:
-            facts.append(f"state {got}")
+            self.expect(wid in self.workloads, f"workload {wid}",
+                        f"workload {wid} not in the chain (chain has {', '.join(self.workloads) or 'none'})")
 
-    if exp.lifecycle:
-        seen = [ev["event_type"] for ev in rel.get("lifecycle", [])]
+    def _traced_node(self, node: str) -> None:
+        if self.focal is not None:
+            got = self.focal.get("node")
+            ok = got == node
+        else:
+            nodes = {n for p in self.result.get("pods", []) for n in p.get("nodes", [])} | {g["node"] for g in self.result.get("gpus", [])}
+            got = ", ".join(sorted(nodes)) or "none"
+            ok = node in nodes
+        self.expect(ok, f"node {node}", f"node is {got or 'none'}, expected {node}")
+
+    def _traced_gpu(self, gpu: str) -> None:
+        node, device = self.sim.device_id(gpu)
+        if self.focal is not None:
+            ok = self.focal.get("node") == node and self.focal.get("gpu_id") == device
+            got = f"{self.focal.get('node')}/{self.focal.get('gpu_id')}"
+        else:
+            held = {(g["node"], g["gpu_id"]) for g in self.result.get("gpus", [])}
+            ok = (node, device) in held
+            got = ", ".join(f"{n}/{_short(g)}" for n, g in sorted(held)) or "none"
+        self.expect(ok, f"GPU {gpu} = {_short(device)}", f"GPU is {got}, expected {gpu} ({node}/{device})")
+
+    # --- the release ----------------------------------------------------------------------------
+
+    def _release_state(self) -> None:
+        got = lifecycle_state(self.rel)
+        self.expect(got == self.exp.release_state, f"state {got}", f"release state {got or 'none'}, expected {self.exp.release_state}")
+
+    def _lifecycle(self) -> None:
+        seen = [ev["event_type"] for ev in self.rel.get("lifecycle", [])]
         pos = 0
-        for want in exp.lifecycle:
+        for want in self.exp.lifecycle:
             try:
                 pos = seen.index(want, pos) + 1
             except ValueError:
-                problems.append(f"lifecycle lacks {want} (in order); it has {', '.join(s.split('.', 1)[1] for s in seen) or 'nothing'}")
-                break
-        else:
-            facts.append("lifecycle " + " → ".join(s.split(".", 1)[1] for s in exp.lifecycle))
+                self.problems.append(f"lifecycle lacks {want} (in order); it has {', '.join(s.split('.', 1)[1] for s in seen) or 'nothing'}")
+                return
+        self.facts.append("lifecycle " + " → ".join(s.split(".", 1)[1] for s in self.exp.lifecycle))
 
-    target_wls = [workloads[value]] if kind == "workload" and value in workloads else list(workloads.values())
-    if exp.preempted_by is not None:
-        by = sim.workloads[exp.preempted_by.split("/")[-1]]
+    def _unattributed(self) -> None:
+        got = not self.rel.get("release_id")
+        if got != self.exp.unattributed:
+            self.problems.append(f"chain resolves to release {self.rel.get('release_id')}" if not got else "chain resolves to no release")
+        else:
+            self.facts.append("no release (unattributed)" if got else f"release {self.rel['release_id']}")
+
+    def _reservations_held(self) -> None:
+        types = [ev["event_type"] for ev in self.rel.get("lifecycle", [])]
+        held = types.count("release.reservation_created") - types.count("release.reservation_released")
+        self.expect(held == self.exp.reservations_held, f"{held} reservation(s) held", f"{held} reservation(s) held, expected {self.exp.reservations_held}")
+
+    # --- the workloads --------------------------------------------------------------------------
+
+    def _preempted_by(self) -> None:
+        by = self.sim.workloads[self.exp.preempted_by.split("/")[-1]]
         names = {by.kueue_name, *(p.name for p in by.all_pods)}
-        hits = [ev for w in target_wls for ev in w.get("preemptions", [])
-                if ev.get("preemptor") and ev["preemptor"].rsplit("/", 1)[-1] in names]
-        if not hits:
-            got = sorted({ev.get("preemptor") or "unknown" for w in target_wls for ev in w.get("preemptions", [])})
-            problems.append(f"no preemption by {by.workload_id}" + (f" (preempted by {', '.join(got)})" if got else " (no preemption recorded)"))
-        else:
-            facts.append(f"preempted by {hits[0]['preemptor']} at {hits[0]['occurred_at']}")
+        preemptions = [ev for w in self.target_workloads for ev in w.get("preemptions", [])]
+        hits = [ev for ev in preemptions if ev.get("preemptor") and ev["preemptor"].rsplit("/", 1)[-1] in names]
+        if hits:
+            self.facts.append(f"preempted by {hits[0]['preemptor']} at {hits[0]['occurred_at']}")
+            return
+        got = sorted({ev.get("preemptor") or "unknown" for ev in preemptions})
+        self.problems.append(f"no preemption by {by.workload_id}" + (f" (preempted by {', '.join(got)})" if got else " (no preemption recorded)"))
 
-    if exp.evicted is not None:
-        got = any(w.get("evictions") for w in target_wls)
-        if got != exp.evicted:
-            problems.append("an eviction is recorded" if got else "no eviction recorded")
-        else:
-            facts.append("evicted" if got else "not evicted")
+    def _evicted(self) -> None:
+        got = any(w.get("evictions") for w in self.target_workloads)
+        self.expect(got == self.exp.evicted, "evicted" if got else "not evicted", "an eviction is recorded" if got else "no eviction recorded")
 
-    if exp.admitted_before_approval is not None:
-        wl = target_wls[0] if target_wls else None
-        approvals = sorted(a["occurred_at"] for a in rel.get("approvals", []))
+    def _admitted_before_approval(self) -> None:
+        wl = self.target_workloads[0] if self.target_workloads else None
+        approvals = sorted(a["occurred_at"] for a in self.rel.get("approvals", []))
         if wl is None or not wl.get("admitted_at"):
-            problems.append("no admission recorded")
-        else:
-            early = not approvals or wl["admitted_at"] < approvals[0]
-            if early != exp.admitted_before_approval:
-                problems.append(f"admitted {wl['admitted_at']}, first approval {approvals[0] if approvals else 'never'}")
-            else:
-                facts.append(f"admitted {wl['admitted_at']}, approved {approvals[0] if approvals else 'never'}")
+            self.problems.append("no admission recorded")
+            return
+        early = not approvals or wl["admitted_at"] < approvals[0]
+        first = approvals[0] if approvals else "never"
+        self.expect(early == self.exp.admitted_before_approval, f"admitted {wl['admitted_at']}, approved {first}",
+                    f"admitted {wl['admitted_at']}, first approval {first}")
 
-    if exp.unattributed is not None:
-        got = not rel.get("release_id")
-        if got != exp.unattributed:
-            problems.append(f"chain resolves to release {rel.get('release_id')}" if not got else "chain resolves to no release")
-        else:
-            facts.append("no release (unattributed)" if got else f"release {rel['release_id']}")
-
-    if exp.open_allocations is not None:
-        at_s = iso_z(at) if at else None
-        allocs = {a["allocation_id"]: a for g in result.get("gpus", []) for a in g.get("allocations", [])}
+    def _open_allocations(self) -> None:
+        at_s = iso_z(self.at) if self.at else None
+        allocs = {a["allocation_id"]: a for g in self.result.get("gpus", []) for a in g.get("allocations", [])}
         held = [a for a in allocs.values() if (at_s is None and a.get("ended_at") is None)
                 or (at_s is not None and a["started_at"] <= at_s and (a.get("ended_at") is None or a["ended_at"] > at_s))]
-        if len(held) < exp.open_allocations:
-            problems.append(f"{len(held)} GPU allocation(s) held, expected at least {exp.open_allocations}")
-        else:
-            facts.append(f"{len(held)} GPU allocation(s) held")
+        self.expect(len(held) >= self.exp.open_allocations, f"{len(held)} GPU allocation(s) held",
+                    f"{len(held)} GPU allocation(s) held, expected at least {self.exp.open_allocations}")
 
-    if exp.reservations_held is not None:
-        types = [ev["event_type"] for ev in rel.get("lifecycle", [])]
-        held = types.count("release.reservation_created") - types.count("release.reservation_released")
-        if held != exp.reservations_held:
-            problems.append(f"{held} reservation(s) held, expected {exp.reservations_held}")
-        else:
-            facts.append(f"{held} reservation(s) held")
 
-    return problems, facts
+def check(exp: Expectation, sim, result: dict, entry: tuple[str, str], at: datetime | None) -> tuple[list[str], list[str]]:
+    """(problems, facts) of one expectation against one trace result."""
+    return _Check(exp, sim, result, entry, at).run()
 
 
 def count_violations(reader, database: str, control: int, release_id: str | None) -> int:
@@ -240,7 +266,7 @@ def count_violations(reader, database: str, control: int, release_id: str | None
 
 def evaluate(exp: Expectation, sim, reader, database: str, to_wall, cluster: str | None = None) -> tuple[CheckResult, dict | None]:
     """Run one expectation against the store: (result, the trace it read or None)."""
-    from sinks.trace import trace
+    from sinks.read.trace import trace
 
     label = "violations table" if exp.entry is None else f"--{exp.entry[0]} {exp.entry[1]}"
     result: dict | None = None

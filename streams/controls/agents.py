@@ -3,7 +3,7 @@
 Input: the ``correlated`` topic (one row per input event, superseded by higher
 versions) and the ``allocations`` topic (GPU allocation intervals), the worker's
 ``ReleaseDirectory`` and the policy (``GPULEDGER_POLICY_FILE``, see
-``gpuledger/policy.py``). Output: ``Violation`` records on the ``violations`` topic,
+``streams/controls/policy.py``). Output: ``Violation`` records on the ``violations`` topic,
 keyed by violation_id — opened, then the same id with ``closed_at`` and
 ``version + 1`` when it ends (or withdrawn when later history no longer supports it).
 
@@ -70,7 +70,6 @@ class ControlRuntime:
         self.scheduled: dict[str, datetime] = {}
         self._heap: list[tuple[datetime, str]] = []
         self.watermark: datetime | None = None
-        self.reconciled = False
         self._directory_seen = -1
         self._release_marks: dict[str, str] = {}
 
@@ -125,7 +124,7 @@ class Controller:
         self.policy = PolicySettings().load()  # a bad policy stops the worker before it consumes anything
         self.runtime = ControlRuntime()
         self.store = PartitionStore("controls", ctx.run.controls_changelog, ctx.consumer_config, on_load=self._loaded)
-        self.packer = Packer(ctx.run.controls, ctx.run.partitions)
+        self.packer = Packer(ctx.run.controls, ctx.run.partitions, max_messages=ctx.settings.streams.pack_max)
         self.counters = ctx.counters("streams.controls")
         self.stats = ctx.stats
         for name in ("controls_in", "controls_keys", "violations_out", "control_conflicts"):
@@ -235,7 +234,7 @@ def install_control_agents(app, ctx, controls_topic) -> Controller:
         """Fold control inputs into state; emit changed violations; forward links."""
         await controller.directory.ready.wait()
         await run_batches(stream, "evaluate_controls", controller.evaluate_batch, controller.reset, controller.dead,
-                          batch=ctx.settings.streams.batch_max)
+                          batch=ctx.packed_batch())
 
     @app.timer(interval=HOUSEKEEPING_S)
     async def control_housekeeping():

@@ -114,16 +114,19 @@ class Correlator:
         self.directory: ReleaseDirectory = ctx.directory
         self.runtime = Runtime(timedelta(seconds=ctx.settings.streams.park_ttl_s), ctx.settings.streams.park_idle_flush_s)
         self.store = PartitionStore("entities", run.entities_changelog, ctx.consumer_config, on_load=self.runtime.load)
-        self.route = Packer(run.route, run.partitions)
-        self.controls = Packer(run.controls, run.partitions)
+        pack_max = ctx.settings.streams.pack_max
+        self.route = Packer(run.route, run.partitions, max_messages=pack_max)
+        self.controls = Packer(run.controls, run.partitions, max_messages=pack_max)
         self.counters = ctx.counters("streams.correlate")
         self.stats = ctx.stats
-        for name in ("routed", "correlated_in", "correlated_out", "conflicts", "parked", "entities"):
+        for name in ("routed", "out_of_range", "correlated_in", "correlated_out", "conflicts", "parked", "entities"):
             self.stats.setdefault(name, 0)
 
     # --- route ------------------------------------------------------------------------
     async def route_batch(self, events: list) -> None:
-        out, run = self.ctx.output, self.ctx.run
+        out = self.ctx.output
+        in_range = self.ctx.settings.streams.in_range  # a replay's event-time range (`gpuledger replay --from/--to`)
+        skipped = 0
         self.counters.add_received(len(events))
         for ev in events:
             msg = ev.message
@@ -133,11 +136,15 @@ class Correlator:
             except EventDecodeError as exc:
                 self._dead(exc.reason, str(exc), "streams.route_events", msg)
                 continue
+            if not in_range(event.occurred_at):
+                skipped += 1
+                continue
             src = [msg.topic, msg.partition, msg.offset]
             self.route.add(key, {"k": "event", "src": src, "event": routed_form(event)}, source=tuple(src))
         self.route.drain_into(out)
         await out.flush()
-        self.stats["routed"] += len(events)
+        self.stats["routed"] += len(events) - skipped
+        self.stats["out_of_range"] += skipped
         self.runtime.last_input = time.monotonic()
 
     # --- correlate ----------------------------------------------------------------------
@@ -276,7 +283,7 @@ def install_correlate_agents(app, ctx, raw_topic, route_topic) -> Correlator:
     async def correlate_entities(stream):
         """Fold routed messages into entity state; emit rows, allocations, links, control inputs."""
         await corr.directory.ready.wait()
-        await run_batches(stream, "correlate_entities", corr.correlate_batch, corr.reset, corr.dead, batch=ctx.settings.streams.batch_max)
+        await run_batches(stream, "correlate_entities", corr.correlate_batch, corr.reset, corr.dead, batch=ctx.packed_batch())
 
     @app.task
     async def follow_releases():

@@ -222,6 +222,7 @@ class Resolution:
     named: tuple[str, ...] = ()        # releases named directly (label, link): version_at counts
     candidates: tuple[str, ...] = ()   # look-up interests consulted: candidates' counts
     base: int = 0                      # facts + links components
+    facts_version: int = 0
 
     def version(self, directory, at_iso: str | None) -> int:
         return (self.base + sum(directory.version_at(r, at_iso) for r in self.named)
@@ -248,7 +249,7 @@ def resolve_entity(state: dict, directory) -> Resolution:
     elif f.get("model_name") and (match := directory.by_model_version(f["model_name"], f.get("model_version"), env)):
         rid, how = match, "model_version_match"
     interests = lookups + [f"rid:{r}" for r in named] + ([f"rid:{rid}"] if rid and rid not in named else [])
-    return Resolution(f, how, rid, interests, named, tuple(lookups), fv + links_version(state["links"]))
+    return Resolution(f, how, rid, interests, named, tuple(lookups), fv + links_version(state["links"]), fv)
 
 
 def own_release(state: dict, directory, facts: dict) -> tuple[str | None, str]:
@@ -438,9 +439,8 @@ def _refresh_pod(state: dict, directory, res: Resolution, out: Outcome) -> None:
     f = res.identity
     if f.get("workload_id"):
         rel, rel_how = own_release(state, directory, f)
-        _, fv = facts_of(state)
         lookups = interests_for(f.get("image_digest"), f.get("model_name"), f.get("model_version"))
-        _forward(state, f"wl:{f['workload_id']}", fv + directory.candidates_version(lookups),
+        _forward(state, f"wl:{f['workload_id']}", res.facts_version + directory.candidates_version(lookups),
                  {"release_id": rel, "attribution": rel_how, "from": "pod"}, out)
 
 
@@ -448,10 +448,9 @@ def _refresh_workload(state: dict, res: Resolution, out: Outcome) -> None:
     f = res.identity
     if not f.get("release_id"):
         return
-    _, fv = facts_of(state)
     for src in sorted(state["links"]):
         if src.startswith("pod:"):
-            _forward(state, src, fv, {"release_id": f["release_id"], "attribution": "workload_release", "from": "wl"}, out)
+            _forward(state, src, res.facts_version, {"release_id": f["release_id"], "attribution": "workload_release", "from": "wl"}, out)
 
 
 def _forward(state: dict, target: str, version: int, link: dict, out: Outcome) -> None:

@@ -22,7 +22,7 @@ from schemas import Identity
 from schemas.outputs import Violation
 from sinks.agents import SinkWriters
 from sinks.migrations import migrate
-from sinks.query import run_readonly
+from sinks.read.query import run_readonly
 from tests.sinks import incident as inc
 
 ROOT = Path(__file__).resolve().parents[2]

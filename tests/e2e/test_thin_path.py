@@ -16,8 +16,8 @@ from datetime import datetime, timezone
 
 from tests.fixtures.sample_events import FINGERPRINT, MANIFEST, RELEASE_ID, sample_events
 from producers._kafka import EventPublisher
-from sinks.query import QueryError
-from sinks.trace import trace_alert
+from sinks.read.query import QueryError
+from sinks.read.trace import trace_alert
 from tests.fixtures.kafka import read_topic
 
 import pytest
@@ -121,5 +121,10 @@ def test_read_only_is_enforced_by_clickhouse(catalogue, worker_factory):
         worker.reader.query("INSERT INTO gpuledger.dead_letters (reason) VALUES ('x')")
     with pytest.raises(QueryError, match="(?i)readonly"):
         worker.reader.query("SELECT * FROM url('http://127.0.0.1:9/x', CSV, 'a String')")
+    with pytest.raises(QueryError, match="one statement at a time"):
+        worker.reader.query("SELECT 1); INSERT INTO gpuledger.dead_letters (reason) VALUES ('x'); SELECT (1")
     rows = worker.reader.query("SELECT count() AS n FROM gpuledger.dead_letters").dicts()
     assert rows == [{"n": 0}]
+    # A person's statements through the worker's endpoint, unqualified: the worker's database is the default.
+    assert "dead_letters" in {r["name"] for r in worker.reader.query("SHOW TABLES").dicts()}
+    assert "reason" in {r["name"] for r in worker.reader.query("DESCRIBE dead_letters").dicts()}

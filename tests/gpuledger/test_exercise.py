@@ -4,7 +4,7 @@ what a bad scenario file gets told.
 The end-to-end tests run the real services (worker with its own chDB store, receiver,
 scheduler collector, one pod-resources collector per simulated node) as child
 processes against the shared test broker; the expectations are read back from the
-worker's store through ``sinks.trace`` (what ``gpuledger trace`` does).
+worker's store through ``sinks.read.trace`` (what ``gpuledger trace`` does).
 """
 
 from __future__ import annotations

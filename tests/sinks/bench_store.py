@@ -23,8 +23,8 @@ import time
 import clickhouse_connect
 
 from sinks.migrations import migrate
-from sinks.query import DirectReader
-from sinks.trace import chain_of, trace
+from sinks.read.query import DirectReader
+from sinks.read.trace import chain_of, trace
 
 BASE = "toDateTime64('2026-01-01 00:00:00', 3, 'UTC')"
 
@@ -158,7 +158,7 @@ def main() -> None:
         "gpu_allocations by release_id (bloom)": ("gpu_allocations", "1", "release_id = {r:String}", ("release_id",), {"r": "rel-7"}),
         "correlated_events by release_id (bloom)": ("correlated_events", "1", "release_id = {r:String}", ("release_id",), {"r": "rel-7"}),
     }
-    from sinks.trace import KEYS, Store
+    from sinks.read.trace import KEYS, Store
 
     print(f"\n{'single lookup':42s} {'FINAL median/p90 ms':>22s} {'argMax median/p90 ms':>22s}  rows")
     for name, (table, where, after, after_cols, params) in single.items():

@@ -25,8 +25,8 @@ from schemas.alert import AlertPayload
 from schemas.release import ReleasePayload
 from sinks.agents import SinkWriters
 from sinks.migrations import migrate
-from sinks.query import DirectReader
-from sinks.trace import chain_of, trace
+from sinks.read.query import DirectReader
+from sinks.read.trace import chain_of, trace
 from tests.sinks import incident as inc
 
 AT = inc.T0 + timedelta(minutes=70)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.sample_events import sample_events
-from sinks.query import DirectReader
+from sinks.read.query import DirectReader
 from tests.sinks import incident as inc
 
 QUERIES = Path(__file__).resolve().parents[2] / "deploy" / "clickhouse" / "queries"

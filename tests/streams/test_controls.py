@@ -7,7 +7,9 @@ ends with the same latest violations."""
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
 import uuid
 
 from confluent_kafka import Consumer, TopicPartition
@@ -85,6 +87,12 @@ def test_violations_open_close_and_replay_to_the_same_latest_state(kafka_bootstr
     assert "mallory" in c[7][0].detail and c[7][0].evidence
     assert not any(v.identity.release_id == "r-ok" and v.control_id in (1, 2, 3) for v in got.values())
     open_id = c[1][0].violation_id
+    # A fresh app id: the worker created its internal topics before joining, so every
+    # agent — the controls' included — got its partitions, and health says so.
+    with urllib.request.urlopen(f"{live.url}/gpuledger/health/", timeout=5) as resp:
+        health = json.loads(resp.read())
+    assert health["status"] == "ok" and health["subscriptions"] == {"ok": True, "problems": [], "partitions": [0, 1, 2, 3]}
+    assert health["stats"]["controls_in"] > 0 and health["stats"]["violations_out"] >= 3
 
     publish(kafka_bootstrap, catalogue, SECOND)
 

@@ -24,7 +24,6 @@ import uuid
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from confluent_kafka import Consumer, TopicPartition
 
 from gpuledger.dev.process import ServiceProcess, wait_for_worker
 from producers._kafka import EventPublisher
@@ -33,14 +32,19 @@ from schemas.alert import AlertPayload
 from schemas.gpu import GpuPayload
 from schemas.release import ReleasePayload
 from schemas.scheduler import SchedulerPayload
-from sinks.query import RemoteReader, owner_file
+from sinks.read.query import RemoteReader, owner_file
+from streams.progress import RunProgress, wait_caught_up, worker_health
 from tests.streams.test_controls import FIRST, SECOND
 
 pytestmark = pytest.mark.timeout(900)
 
 SRC = Source(collector="fault-test")
 T0 = datetime(2026, 11, 1, 6, tzinfo=timezone.utc)
-ENV = {"GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "1", "GPULEDGER_STREAMS_BATCH_MAX": "150", "GPULEDGER_CLICKHOUSE_BATCH_SECONDS": "0.2"}
+# Small batches and packs: the ~1,000 events make many batches, so a fault at the Nth
+# batch falls in the middle of the run, with state already durable before it.
+ENV = {"GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "1", "GPULEDGER_STREAMS_BATCH_MAX": "10", "GPULEDGER_STREAMS_PACK_MAX": "10",
+       "GPULEDGER_STREAMS_PACKED_BATCH_MESSAGES": "10",
+       "GPULEDGER_CLICKHOUSE_BATCH_SECONDS": "0.2"}
 
 
 def fleet(pods: int = 220) -> list:
@@ -77,22 +81,6 @@ def fleet(pods: int = 220) -> list:
                                 observed_at=at, source=SRC, identity=Identity(namespace=ns, pod=pod, node=node, gpu_id=gpu),
                                 payload=GpuPayload(node=node, namespace=ns, pod=pod, container="main", device_id=gpu, gpu=gpu)))
     return out + FIRST + SECOND
-
-
-def lag(bootstrap: str, group: str, topics: list[str]) -> int:
-    """Records of ``topics`` the consumer group has not committed yet."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
-    try:
-        meta = consumer.list_topics(timeout=10).topics
-        parts = [TopicPartition(t, p) for t in topics if t in meta for p in meta[t].partitions]
-        committed = {(tp.topic, tp.partition): tp.offset for tp in consumer.committed(parts, timeout=10)}
-        total = 0
-        for tp in parts:
-            high = consumer.get_watermark_offsets(tp, timeout=10)[1]
-            total += high - max(committed[(tp.topic, tp.partition)], 0)
-        return total
-    finally:
-        consumer.close()
 
 
 class Run:
@@ -132,22 +120,16 @@ class Run:
         return RemoteReader(self.url()).query("SELECT count() AS n FROM gpuledger.correlated_events FINAL").dicts()[0]["n"]
 
     def wait_done(self, expected_rows: int, timeout: float = 240) -> dict:
-        """Until every record of every topic the group reads is committed, nothing is
-        parked, and every input is stored — twice in a row, a second apart."""
-        run = self.cat.run(self.app_id)
-        streams = [*self.cat.raw_topics, run.route, run.controls]  # what the Faust group reads
-        sinks = [*self.cat.raw_topics, self.cat.deadletter, run.correlated, run.allocations, run.violations, run.deadletter]
-        deadline, calm = time.monotonic() + timeout, 0
-        health: dict = {}
-        while calm < 2:
-            assert time.monotonic() < deadline, f"never caught up: {health}\n{self.service.log_tail()}"
-            health = self.health()
-            stats = health["stats"]
-            done = (stats.get("parked", 1) == 0 and lag(self.bootstrap, self.app_id, streams) == 0
-                    and lag(self.bootstrap, f"{self.app_id}.sinks", sinks) == 0 and self.stored() >= expected_rows)
-            calm = calm + 1 if done else 0
-            time.sleep(1.0)
-        return health
+        """Until the run has caught up (``streams.progress.wait_caught_up``: both of its
+        groups committed everything they read, nothing parked, twice in a row a second
+        apart) and every input is stored."""
+        with RunProgress({"bootstrap.servers": self.bootstrap}, self.cat, self.app_id) as progress:
+            try:
+                wait_caught_up(progress, lambda: worker_health(self.url()), timeout=timeout)
+            except TimeoutError as exc:
+                pytest.fail(f"{exc}\n{self.service.log_tail()}")
+        assert self.stored() >= expected_rows
+        return self.health()
 
     def stop_and_checksum(self) -> dict:
         assert self.service.stop(grace=30) == 0, self.service.log_tail()

@@ -1,4 +1,4 @@
-"""sinks/trace.py and `gpuledger trace` against real ClickHouse holding one incident
+"""sinks/read/trace.py and `gpuledger trace` against real ClickHouse holding one incident
 (tests/sinks/incident.py), written by the real sink writers."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from gpuledger.cli import app as cli_app
-from sinks.query import DirectReader
-from sinks.trace import TraceError, chain_of, parse_time, parse_window, trace
+from sinks.read.query import DirectReader
+from sinks.read.trace import TraceError, chain_of, parse_time, parse_window, trace
 from tests.sinks import incident as inc
 
 AT = inc.T0 + timedelta(minutes=70)  # after the alert, before the rollback

@@ -1,6 +1,6 @@
 """The responder's trace: from any identifier to the whole chain of an incident.
 
-Input: a read-only reader (``sinks/query.py``), an entry point — alert fingerprint,
+Input: a read-only reader (``sinks/read/query.py``), an entry point — alert fingerprint,
 release, workload, pod, GPU or model — and optionally ``at`` (state as of that time)
 and ``window`` (how far back to look for other alerts and scheduler events).
 Output: a plain dict, the same for every entry point that leads to the same
@@ -76,13 +76,25 @@ class TraceError(ValueError):
 
 # --- parsing the CLI's options ------------------------------------------------------------
 
-def parse_time(text: str) -> datetime:
+def parse_instant(value) -> datetime | None:
+    """A stored or ISO 8601 time (string or datetime) as an aware UTC datetime; no zone
+    means UTC; ``None`` for an empty value. The read side's one time parser."""
+    if value in (None, ""):
+        return None
+    if not isinstance(value, datetime):
+        value = datetime.fromisoformat(str(value).strip().replace("Z", "+00:00").replace(" ", "T", 1))
+    return value.astimezone(timezone.utc) if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+
+def parse_time(text: str, option: str = "--at") -> datetime:
     """RFC 3339 / ISO 8601; a time without zone is taken as UTC."""
     try:
-        value = datetime.fromisoformat(text.strip().replace("Z", "+00:00").replace(" ", "T", 1))
-    except ValueError as exc:
-        raise TraceError(f"--at {text!r}: not an ISO 8601 time (e.g. 2026-11-30T13:40:00Z)") from exc
-    return value.astimezone(timezone.utc) if value.tzinfo else value.replace(tzinfo=timezone.utc)
+        value = parse_instant(text)
+    except ValueError:
+        value = None
+    if value is None:
+        raise TraceError(f"{option} {text!r}: not an ISO 8601 time (e.g. 2026-11-30T13:40:00Z)")
+    return value
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)\s*$")
@@ -105,20 +117,16 @@ def format_window(value: timedelta) -> str:
     return f"{seconds}s"
 
 
-def _ch_time(value: datetime) -> str:
+def ch_time(value: datetime) -> str:
     """A DateTime64(3, 'UTC') parameter value (ClickHouse does not parse 'T…Z' here)."""
     return value.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S.") + f"{value.microsecond // 1000:03d}"
 
 
-def _norm_time(value) -> str | None:
+def norm_time(value) -> str | None:
     """Every time in the output as 'YYYY-MM-DDTHH:MM:SS.fffZ', so strings sort as times."""
-    if value in (None, ""):
+    value = parse_instant(value)
+    if value is None:
         return None
-    if isinstance(value, str):
-        value = datetime.fromisoformat(value.replace("Z", "+00:00").replace(" ", "T", 1))
-    if value.tzinfo is None:
-        value = value.replace(tzinfo=timezone.utc)
-    value = value.astimezone(timezone.utc)
     return value.strftime("%Y-%m-%dT%H:%M:%S.") + f"{value.microsecond // 1000:03d}Z"
 
 
@@ -188,7 +196,7 @@ class Store:
             self.truncated.add(table)
         for row in rows:
             for col in TIME_COLUMNS.intersection(row):
-                row[col] = _norm_time(row[col])
+                row[col] = norm_time(row[col])
         return rows
 
     def candidates(self, table: str, column: str, where: str, params: dict) -> list[str]:
@@ -220,7 +228,7 @@ def _at_cond(column: str, at: datetime | None) -> str:
 
 
 def _at_params(at: datetime | None) -> dict:
-    return {"at": _ch_time(at)} if at else {}
+    return {"at": ch_time(at)} if at else {}
 
 
 # --- resolving an entry to a root ------------------------------------------------------------
@@ -258,7 +266,7 @@ class _Resolver:
     def __init__(self, store: Store, at: datetime | None) -> None:
         self.store = store
         self.at = at
-        self.at_s = _norm_time(at) if at else None
+        self.at_s = norm_time(at) if at else None
         self.notes: list[str] = []
 
     def workload(self, workload_id: str) -> tuple[str, str] | None:
@@ -429,152 +437,216 @@ def _workload_section(workload_id: str, rows: list[dict], pods: list[dict], gaps
     }
 
 
-def _expand(store: Store, root: tuple[str, str] | None, at: datetime | None, window: timedelta, focal_alerts: list[dict]) -> dict:
-    gaps: list[str] = []
-    at_p = _at_params(at)
-    out: dict[str, Any] = {"release": None, "workloads": [], "pods": [], "gpus": [], "scheduler_events": [], "alerts": [], "gaps": gaps}
-    if root is None:
-        gaps.append("the entry point matches nothing in the store" + (" as of --at" if at else ""))
-        return out
-    kind, value = root
-    release_id = value if kind == "release" else None
-    workload_ids: set[str] = {value} if kind == "workload" else set()
-    pod_keys: set[tuple[str, str]] = {tuple(value.split("/", 1))} if kind == "pod" else set()  # type: ignore[arg-type]
+def _sorted_allocs(allocs) -> list[dict]:
+    return sorted(allocs, key=lambda a: (a["started_at"], a["allocation_id"]))
 
-    release_rows: list[dict] = []
-    release_allocs: list[dict] = []
-    release_candidates: set[str] = set()
-    if release_id:
-        release_rows = store.latest("release_history", RELEASE_COLS, f"release_id = {{r:String}} AND {_at_cond('occurred_at', at)}",
-                                    {"r": release_id, **at_p}, order="occurred_at, correlation_id")
-        out["release"] = _release_section(release_rows, release_id, gaps)
+
+class _Chain:
+    """The chain of one root, gathered in the steps ``_expand`` runs in order: the
+    release, its workloads, their pods and allocations, the alerts attributed to any of
+    them, and what else happened on their nodes in the window. Each step only widens
+    the sets the next one reads (``workload_ids``, ``pods``, ``allocs``)."""
+
+    def __init__(self, store: Store, root: tuple[str, str], at: datetime | None, window: timedelta) -> None:
+        self.store, self.at, self.window = store, at, window
+        self.at_p = _at_params(at)
+        self.gaps: list[str] = []
+        self.kind, self.value = root
+        self.release_id = self.value if self.kind == "release" else None
+        self.release: dict | None = None
+        self.workload_ids: set[str] = {self.value} if self.kind == "workload" else set()
+        self.pod_keys: set[tuple[str, str]] = {tuple(self.value.split("/", 1))} if self.kind == "pod" else set()  # type: ignore[arg-type]
+        self.release_rows: list[dict] = []
+        self.release_allocs: list[dict] = []
+        self.release_candidates: set[str] = set()
+        self.wl_rows: list[dict] = []
+        self.pods: dict[tuple[str, str], dict] = {}
+        self.allocs: dict[str, dict] = {}
+        self.alert_rows: dict[str, dict] = {}
+        self.anchor_s: str | None = None
+        self.others_alerts: list[dict] = []
+        self.neighbours: list[dict] = []
+        self.other_allocs: list[dict] = []
+
+    def _pod(self, namespace: str, pod: str, workload_id: str | None = None, nodes: list[str] | None = None) -> dict:
+        return self.pods.setdefault((namespace, pod), {"namespace": namespace, "pod": pod, "pod_uid": None, "workload_id": workload_id,
+                                                        "nodes": nodes if nodes is not None else []})
+
+    # --- the steps -------------------------------------------------------------------------------
+
+    def read_release(self) -> None:
+        """The release's lifecycle, the workloads its rows may name, its allocations."""
+        rid, at, at_p = self.release_id, self.at, self.at_p
+        if not rid:
+            self.gaps.append(f"{self.kind} {self.value}: no release attributed (unattributed)" if self.kind in ("workload", "pod")
+                             else "alert carries no release, workload, pod or GPU identity (unattributed)")
+            return
+        self.release_rows = self.store.latest("release_history", RELEASE_COLS, f"release_id = {{r:String}} AND {_at_cond('occurred_at', at)}",
+                                              {"r": rid, **at_p}, order="occurred_at, correlation_id")
+        self.release = _release_section(self.release_rows, rid, self.gaps)
         # Candidates from the release_id projection; kept below only where a latest row names the release.
-        release_candidates = set(store.candidates("workload_timeline", "workload_id",
-                                                  f"release_id = {{r:String}} AND {_at_cond('occurred_at', at)}", {"r": release_id, **at_p}))
-        release_allocs = store.latest("gpu_allocations", ALLOC_COLS, _at_cond("started_at", at), {"r": release_id, **at_p},
-                                      after="release_id = {r:String}", after_columns=("release_id",), order="started_at, allocation_id")
-        workload_ids.update(a["workload_id"] for a in release_allocs if a["workload_id"])
-        pod_keys.update((a["namespace"], a["pod"]) for a in release_allocs)
-    elif kind in ("workload", "pod"):
-        gaps.append(f"{kind} {value}: no release attributed (unattributed)")
-    else:
-        gaps.append("alert carries no release, workload, pod or GPU identity (unattributed)")
+        self.release_candidates = set(self.store.candidates("workload_timeline", "workload_id",
+                                                            f"release_id = {{r:String}} AND {_at_cond('occurred_at', at)}", {"r": rid, **at_p}))
+        self.release_allocs = self.store.latest("gpu_allocations", ALLOC_COLS, _at_cond("started_at", at), {"r": rid, **at_p},
+                                                after="release_id = {r:String}", after_columns=("release_id",), order="started_at, allocation_id")
+        self.workload_ids.update(a["workload_id"] for a in self.release_allocs if a["workload_id"])
+        self.pod_keys.update((a["namespace"], a["pod"]) for a in self.release_allocs)
 
-    wl_rows: list[dict] = []
-    if workload_ids or release_candidates:
-        wl_rows = store.latest(
-            "workload_timeline", WORKLOAD_COLS, f"workload_id IN {{ws:Array(String)}} AND {_at_cond('occurred_at', at)}",
-            {"ws": sorted(workload_ids | release_candidates), **at_p}, order="workload_id, occurred_at, correlation_id")
-        workload_ids.update(r["workload_id"] for r in wl_rows if r["workload_id"] in release_candidates and r["release_id"] == release_id)
-        wl_rows = [r for r in wl_rows if r["workload_id"] in workload_ids]
-    pods: dict[tuple[str, str], dict] = {}
-    for r in wl_rows:
-        if r["namespace"] and r["pod"]:
-            p = pods.setdefault((r["namespace"], r["pod"]), {"namespace": r["namespace"], "pod": r["pod"], "pod_uid": None,
-                                                               "workload_id": r["workload_id"], "nodes": []})
-            p["pod_uid"] = r["pod_uid"] or p["pod_uid"]
-            if r["node"] and r["node"] not in p["nodes"]:
-                p["nodes"].append(r["node"])
-    for ns, name in pod_keys:
-        pods.setdefault((ns, name), {"namespace": ns, "pod": name, "pod_uid": None, "workload_id": None, "nodes": []})
+    def read_workloads(self) -> None:
+        """The workloads' rows (a candidate counts only if its latest row names the
+        release), and the pods and nodes those rows name."""
+        if self.workload_ids or self.release_candidates:
+            rows = self.store.latest(
+                "workload_timeline", WORKLOAD_COLS, f"workload_id IN {{ws:Array(String)}} AND {_at_cond('occurred_at', self.at)}",
+                {"ws": sorted(self.workload_ids | self.release_candidates), **self.at_p}, order="workload_id, occurred_at, correlation_id")
+            self.workload_ids.update(r["workload_id"] for r in rows
+                                     if r["workload_id"] in self.release_candidates and r["release_id"] == self.release_id)
+            self.wl_rows = [r for r in rows if r["workload_id"] in self.workload_ids]
+        for r in self.wl_rows:
+            if r["namespace"] and r["pod"]:
+                p = self._pod(r["namespace"], r["pod"], r["workload_id"])
+                p["pod_uid"] = r["pod_uid"] or p["pod_uid"]
+                if r["node"] and r["node"] not in p["nodes"]:
+                    p["nodes"].append(r["node"])
+        for ns, name in self.pod_keys:
+            self._pod(ns, name)
 
-    allocs: dict[str, dict] = {a["allocation_id"]: a for a in release_allocs}
-    if pods:
-        for a in store.latest("gpu_allocations", ALLOC_COLS,
-                              f"{POD_IN} AND {_at_cond('started_at', at)}", {**_pod_params(pods), **at_p},
-                              order="started_at, allocation_id"):
-            allocs[a["allocation_id"]] = a
-    for a in allocs.values():
-        p = pods.setdefault((a["namespace"], a["pod"]), {"namespace": a["namespace"], "pod": a["pod"], "pod_uid": None,
-                                                          "workload_id": a["workload_id"] or None, "nodes": []})
-        p["pod_uid"] = p["pod_uid"] or a["pod_uid"] or None
-        p["workload_id"] = p["workload_id"] or a["workload_id"] or None
-        if a["node"] not in p["nodes"]:
-            p["nodes"].append(a["node"])
+    def read_allocations(self) -> None:
+        """Every allocation of the chain's pods (and the release's), and the pods and nodes they add."""
+        self.allocs = {a["allocation_id"]: a for a in self.release_allocs}
+        if self.pods:
+            for a in self.store.latest("gpu_allocations", ALLOC_COLS, f"{POD_IN} AND {_at_cond('started_at', self.at)}",
+                                       {**_pod_params(self.pods), **self.at_p}, order="started_at, allocation_id"):
+                self.allocs[a["allocation_id"]] = a
+        for a in self.allocs.values():
+            p = self._pod(a["namespace"], a["pod"], a["workload_id"] or None)
+            p["pod_uid"] = p["pod_uid"] or a["pod_uid"] or None
+            p["workload_id"] = p["workload_id"] or a["workload_id"] or None
+            if a["node"] not in p["nodes"]:
+                p["nodes"].append(a["node"])
 
-    # Chain alerts: everything attributed to the release, its workloads or pods (as of at).
-    conds = []
-    params: dict[str, Any] = {**at_p}
-    if release_id:
-        conds.append("release_id = {r:String}")
-        params["r"] = release_id
-    if workload_ids:
-        conds.append("workload_id IN {ws:Array(String)}")
-        params["ws"] = sorted(workload_ids)
-    if pods:
-        conds.append(POD_IN)
-        params.update(_pod_params(pods))
-    chain_alerts = store.latest("enriched_alerts", ALERT_COLS, _at_cond("occurred_at", at), params,
-                                after=" OR ".join(f"({c})" for c in conds), after_columns=("release_id", "workload_id", "namespace", "pod"),
-                                order="occurred_at, correlation_id") if conds else []
-    alert_rows = {r["correlation_id"]: r for r in [*chain_alerts, *focal_alerts]}
-    for r in alert_rows.values():
-        if r.get("namespace") and r.get("pod") and (r["namespace"], r["pod"]) not in pods:
-            pods[(r["namespace"], r["pod"])] = {"namespace": r["namespace"], "pod": r["pod"], "pod_uid": None,
-                                                 "workload_id": r.get("workload_id") or None, "nodes": [r["node"]] if r.get("node") else []}
+    def read_alerts(self, focal_alerts: list[dict]) -> None:
+        """Alerts attributed to the release, its workloads or pods (as of at), with the
+        entry's own alert; an alert's pod joins the chain."""
+        conds = []
+        params: dict[str, Any] = {**self.at_p}
+        if self.release_id:
+            conds.append("release_id = {r:String}")
+            params["r"] = self.release_id
+        if self.workload_ids:
+            conds.append("workload_id IN {ws:Array(String)}")
+            params["ws"] = sorted(self.workload_ids)
+        if self.pods:
+            conds.append(POD_IN)
+            params.update(_pod_params(self.pods))
+        chain_alerts = self.store.latest(
+            "enriched_alerts", ALERT_COLS, _at_cond("occurred_at", self.at), params, after=" OR ".join(f"({c})" for c in conds),
+            after_columns=("release_id", "workload_id", "namespace", "pod"), order="occurred_at, correlation_id") if conds else []
+        self.alert_rows = {r["correlation_id"]: r for r in [*chain_alerts, *focal_alerts]}
+        for r in self.alert_rows.values():
+            if r.get("namespace") and r.get("pod") and (r["namespace"], r["pod"]) not in self.pods:
+                self._pod(r["namespace"], r["pod"], r.get("workload_id") or None, [r["node"]] if r.get("node") else [])
 
-    # The window: ends at --at, else at the chain's latest event.
-    times = [r["occurred_at"] for r in (*release_rows, *wl_rows, *alert_rows.values())]
-    times += [t for a in allocs.values() for t in (a["started_at"], a["ended_at"]) if t]
-    anchor_s = _norm_time(at) if at else (max(times) if times else None)
-    nodes = sorted({n for p in pods.values() for n in p["nodes"]} | {a["node"] for a in allocs.values()}
-                   | {r["node"] for r in alert_rows.values() if r.get("node")})
-    others_alerts: list[dict] = []
-    neighbours: list[dict] = []
-    other_allocs: list[dict] = []
-    if anchor_s and nodes:
-        anchor = datetime.fromisoformat(anchor_s.replace("Z", "+00:00"))
-        wparams = {"from": _ch_time(anchor - window), "to": _ch_time(anchor), "nodes": nodes}
+    def _anchor(self) -> str | None:
+        """The window's end: --at, else the chain's latest event."""
+        if self.at:
+            return norm_time(self.at)
+        times = [r["occurred_at"] for r in (*self.release_rows, *self.wl_rows, *self.alert_rows.values())]
+        times += [t for a in self.allocs.values() for t in (a["started_at"], a["ended_at"]) if t]
+        return max(times) if times else None
+
+    def _nodes(self) -> list[str]:
+        return sorted({n for p in self.pods.values() for n in p["nodes"]} | {a["node"] for a in self.allocs.values()}
+                      | {r["node"] for r in self.alert_rows.values() if r.get("node")})
+
+    def read_window(self) -> None:
+        """Other alerts and other workloads' scheduler events on the chain's nodes in the
+        window, and who else held the chain's GPUs then."""
+        self.anchor_s = self._anchor()
+        nodes = self._nodes()
+        if not (self.anchor_s and nodes):
+            return
+        anchor = datetime.fromisoformat(self.anchor_s.replace("Z", "+00:00"))
+        wparams = {"from": ch_time(anchor - self.window), "to": ch_time(anchor), "nodes": nodes}
         in_window = "occurred_at >= {from:DateTime64(3, 'UTC')} AND occurred_at <= {to:DateTime64(3, 'UTC')}"
-        others_alerts = [r for r in store.latest("enriched_alerts", ALERT_COLS, in_window, wparams, after="node IN {nodes:Array(String)}",
-                                                 after_columns=("node",), order="occurred_at, correlation_id")
-                         if r["correlation_id"] not in alert_rows]
-        others = [w for w in store.candidates("workload_timeline", "workload_id", f"{in_window} AND node IN {{nodes:Array(String)}}", wparams)
-                  if w not in workload_ids]
-        neighbours = store.latest(
+        self.others_alerts = [r for r in self.store.latest("enriched_alerts", ALERT_COLS, in_window, wparams, after="node IN {nodes:Array(String)}",
+                                                           after_columns=("node",), order="occurred_at, correlation_id")
+                              if r["correlation_id"] not in self.alert_rows]
+        others = [w for w in self.store.candidates("workload_timeline", "workload_id", f"{in_window} AND node IN {{nodes:Array(String)}}", wparams)
+                  if w not in self.workload_ids]
+        self.neighbours = self.store.latest(
             "workload_timeline", WORKLOAD_COLS, f"workload_id IN {{ws:Array(String)}} AND {in_window}",
             {**wparams, "ws": others}, after="node IN {nodes:Array(String)}", after_columns=("node",),
             order="occurred_at, correlation_id") if others else []
-        gpus = sorted({(a["node"], a["gpu_id"]) for a in allocs.values()})
-        if gpus:
-            other_allocs = [a for a in store.latest(
-                "gpu_allocations", ALLOC_COLS,
-                "node IN {gpu_nodes:Array(String)} AND concat(node, '/', gpu_id) IN {gpus:Array(String)} "
-                "AND started_at <= {to:DateTime64(3, 'UTC')}",
-                {**wparams, "gpu_nodes": sorted({n for n, _ in gpus}), "gpus": [f"{n}/{g}" for n, g in gpus]},
-                after="ended_at IS NULL OR ended_at >= {from:DateTime64(3, 'UTC')}", after_columns=("ended_at",),
-                order="started_at, allocation_id") if a["allocation_id"] not in allocs]
+        self.other_allocs = self._other_holders(wparams)
 
-    # Assemble.
-    if release_id and not workload_ids:
-        gaps.append(f"release {release_id}: no workload attributed to it" + (" as of --at" if at else ""))
-    for wid in sorted(workload_ids):
-        out["workloads"].append(_workload_section(wid, [r for r in wl_rows if r["workload_id"] == wid], list(pods.values()), gaps))
-    for key in sorted(pods):
-        p = pods[key]
-        p["nodes"] = sorted(p["nodes"])
-        p["allocations"] = [_brief_alloc(a) for a in sorted(allocs.values(), key=lambda a: (a["started_at"], a["allocation_id"]))
-                            if (a["namespace"], a["pod"]) == key]
-        if not p["allocations"]:
-            gaps.append(f"pod {key[0]}/{key[1]}: no GPU allocation seen")
-        out["pods"].append(p)
-    by_gpu: dict[tuple[str, str], dict] = {}
-    for a in sorted(allocs.values(), key=lambda a: (a["started_at"], a["allocation_id"])):
-        g = by_gpu.setdefault((a["node"], a["gpu_id"]), {"node": a["node"], "gpu_id": a["gpu_id"], "allocations": [], "others_in_window": []})
-        g["allocations"].append(_brief_alloc(a))
-    for a in other_allocs:
-        by_gpu[(a["node"], a["gpu_id"])]["others_in_window"].append(_brief_alloc(a))
-    out["gpus"] = [by_gpu[k] for k in sorted(by_gpu)]
-    chain_incidents = [r for r in wl_rows if r["event_type"] in SCHEDULER_INCIDENT_TYPES]
-    events = {r["correlation_id"]: {**_brief_scheduler(r), "in_chain": True} for r in chain_incidents}
-    for r in neighbours:
-        events.setdefault(r["correlation_id"], {**_brief_scheduler(r), "in_chain": False})
-    out["scheduler_events"] = sorted(events.values(), key=lambda e: (e["occurred_at"], e["correlation_id"]))
-    alerts = [_brief_alert(r, True) for r in alert_rows.values()] + [_brief_alert(r, False) for r in others_alerts]
-    out["alerts"] = sorted(alerts, key=lambda a: (a["occurred_at"], a["correlation_id"]))
-    out["window"] = {"from": _norm_time(datetime.fromisoformat(anchor_s.replace("Z", "+00:00")) - window) if anchor_s else None,
-                     "to": anchor_s, "length": format_window(window)}
-    return out
+    def _other_holders(self, wparams: dict) -> list[dict]:
+        gpus = sorted({(a["node"], a["gpu_id"]) for a in self.allocs.values()})
+        if not gpus:
+            return []
+        return [a for a in self.store.latest(
+            "gpu_allocations", ALLOC_COLS,
+            "node IN {gpu_nodes:Array(String)} AND concat(node, '/', gpu_id) IN {gpus:Array(String)} "
+            "AND started_at <= {to:DateTime64(3, 'UTC')}",
+            {**wparams, "gpu_nodes": sorted({n for n, _ in gpus}), "gpus": [f"{n}/{g}" for n, g in gpus]},
+            after="ended_at IS NULL OR ended_at >= {from:DateTime64(3, 'UTC')}", after_columns=("ended_at",),
+            order="started_at, allocation_id") if a["allocation_id"] not in self.allocs]
+
+    # --- the result ------------------------------------------------------------------------------
+
+    def _pod_sections(self) -> list[dict]:
+        out = []
+        for key in sorted(self.pods):
+            p = self.pods[key]
+            p["nodes"] = sorted(p["nodes"])
+            p["allocations"] = [_brief_alloc(a) for a in _sorted_allocs(self.allocs.values()) if (a["namespace"], a["pod"]) == key]
+            if not p["allocations"]:
+                self.gaps.append(f"pod {key[0]}/{key[1]}: no GPU allocation seen")
+            out.append(p)
+        return out
+
+    def _gpu_sections(self) -> list[dict]:
+        by_gpu: dict[tuple[str, str], dict] = {}
+        for a in _sorted_allocs(self.allocs.values()):
+            g = by_gpu.setdefault((a["node"], a["gpu_id"]), {"node": a["node"], "gpu_id": a["gpu_id"], "allocations": [], "others_in_window": []})
+            g["allocations"].append(_brief_alloc(a))
+        for a in self.other_allocs:
+            by_gpu[(a["node"], a["gpu_id"])]["others_in_window"].append(_brief_alloc(a))
+        return [by_gpu[k] for k in sorted(by_gpu)]
+
+    def _scheduler_events(self) -> list[dict]:
+        events = {r["correlation_id"]: {**_brief_scheduler(r), "in_chain": True} for r in self.wl_rows if r["event_type"] in SCHEDULER_INCIDENT_TYPES}
+        for r in self.neighbours:
+            events.setdefault(r["correlation_id"], {**_brief_scheduler(r), "in_chain": False})
+        return sorted(events.values(), key=lambda e: (e["occurred_at"], e["correlation_id"]))
+
+    def _alerts(self) -> list[dict]:
+        alerts = [_brief_alert(r, True) for r in self.alert_rows.values()] + [_brief_alert(r, False) for r in self.others_alerts]
+        return sorted(alerts, key=lambda a: (a["occurred_at"], a["correlation_id"]))
+
+    def result(self) -> dict:
+        if self.release_id and not self.workload_ids:
+            self.gaps.append(f"release {self.release_id}: no workload attributed to it" + (" as of --at" if self.at else ""))
+        workloads = [_workload_section(wid, [r for r in self.wl_rows if r["workload_id"] == wid], list(self.pods.values()), self.gaps)
+                     for wid in sorted(self.workload_ids)]
+        start = norm_time(datetime.fromisoformat(self.anchor_s.replace("Z", "+00:00")) - self.window) if self.anchor_s else None
+        return {"release": self.release, "workloads": workloads, "pods": self._pod_sections(), "gpus": self._gpu_sections(),
+                "scheduler_events": self._scheduler_events(), "alerts": self._alerts(), "gaps": self.gaps,
+                "window": {"from": start, "to": self.anchor_s, "length": format_window(self.window)}}
+
+
+def _expand(store: Store, root: tuple[str, str] | None, at: datetime | None, window: timedelta, focal_alerts: list[dict]) -> dict:
+    """The chain of ``root`` (module docstring), in the steps of ``_Chain``."""
+    if root is None:
+        return {"release": None, "workloads": [], "pods": [], "gpus": [], "scheduler_events": [], "alerts": [],
+                "gaps": ["the entry point matches nothing in the store" + (" as of --at" if at else "")]}
+    chain = _Chain(store, root, at, window)
+    chain.read_release()
+    chain.read_workloads()
+    chain.read_allocations()
+    chain.read_alerts(focal_alerts)
+    chain.read_window()
+    return chain.result()
 
 
 def trace(reader, database: str, kind: str, value: str, at: datetime | None = None, window: timedelta | None = None,
@@ -608,7 +680,7 @@ def trace(reader, database: str, kind: str, value: str, at: datetime | None = No
     chain["gaps"][:0] = resolver.notes
     chain["gaps"].extend(f"{t}: more than {ROW_LIMIT} rows matched; the chain shows the first {ROW_LIMIT} (narrow it with --at)"
                          for t in sorted(store.truncated))
-    entry = {"kind": kind, "value": value, "at": _norm_time(at) if at else None, "window": format_window(window),
+    entry = {"kind": kind, "value": value, "at": norm_time(at) if at else None, "window": format_window(window),
              "root": {"kind": root[0], "id": root[1]} if root else None, "queries": store.queries}
     if alternatives:
         entry["other_releases"] = alternatives

@@ -1,4 +1,4 @@
-"""sinks/report.py in a real browser: headless Chromium loads the incident report
+"""sinks/read/report.py in a real browser: headless Chromium loads the incident report
 (file://, no network) and the test checks the DOM it rendered — device lanes,
 allocation bars coloured by release, markers for preemption, eviction, release
 lifecycle events and alerts — and saves a screenshot under test-artifacts/.
@@ -19,12 +19,12 @@ import pytest
 from typer.testing import CliRunner
 
 from gpuledger.cli import app as cli_app
-from sinks.query import DirectReader
-from sinks.report import collect_report_data, render_html
-from sinks.trace import trace
+from sinks.read.query import DirectReader
+from sinks.read.report import collect_report_data, render_html
+from sinks.read.trace import trace
 from tests.sinks import incident as inc
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ARTIFACTS = ROOT / "test-artifacts"
 
 

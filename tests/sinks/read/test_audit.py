@@ -81,8 +81,11 @@ def test_table_and_html_formats(store, tmp_path):
     html = audit(store, *RANGE, "--format", "html", "--output", str(out))
     assert html.exit_code == 1
     page = out.read_text()
-    assert page.startswith("<!doctype html>") and "AT LEAST ONE CONTROL FAILS" in page and "Containment and rollback actions" in page
-    assert "<script" not in page and "src=" not in page and "http" not in page.split("<body>", 1)[0]  # self-contained
+    # The layout of the incident report (one base template): its doctype, its no-fetch CSP.
+    assert page.lower().startswith("<!doctype html>") and "AT LEAST ONE CONTROL FAILS" in page and "Containment and rollback actions" in page
+    head = page.split("<body>", 1)[0]
+    assert "<script" not in page and "src=" not in page and "http://" not in head and "https://" not in head  # self-contained
+    assert "default-src 'none'" in head
 
 
 def test_a_quiet_range_passes_with_exit_code_zero(store):

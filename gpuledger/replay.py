@@ -1,0 +1,314 @@
+"""`gpuledger replay`: the postmortem replay — rebuild the projections of a time range
+from the raw topics into a sandbox store.
+
+Input: the raw topics (the system of record), read from their first offset; a sandbox
+DSN (``chdb:///path`` or ``http(s)://…``); optionally an event-time range. Output: the
+sandbox store, holding what the worker builds from that history — then ``gpuledger
+trace`` / ``audit`` run on it with ``GPULEDGER_CLICKHOUSE_DSN`` pointed there.
+
+How: the real worker runs as a child process (``gpuledger.dev.process.ServiceProcess``)
+under the replay's own app id — its own consumer group and run topics, so it reads
+no other run's outputs (DESIGN.md: a replay is its own world) — with the sandbox as
+its store, the replay's directory as its data dir (Faust state, ``worker.log``) and
+the range as ``GPULEDGER_STREAMS_REPLAY_FROM/TO`` (the route stage and the raw sink
+skip events outside it; the release directory reads every release regardless).
+Every other setting is inherited. Progress: raw records committed by the replay's
+group of the end offsets at start; done when caught up (``streams.progress``), then
+the worker gets SIGTERM and a summary is printed.
+
+Guarantees: a replay starts from zero — an app id whose group has committed offsets
+is refused unless ``--resume``, and so are the live worker's app id, the live store
+and a sandbox that already holds rows. Exit codes: 0 caught up; 1 the worker died,
+Kafka or the store failed, or ``--timeout`` passed; 2 bad options or a refusal;
+130 interrupted (the worker is stopped; ``--resume`` continues).
+
+The command itself (options, exit codes) is ``gpuledger/cli/replay.py``; this module
+holds no CLI code.
+
+Limits: entity state from before ``--from`` (pods scheduled earlier, GPUs assigned
+earlier) is not known to the replay — only releases are; start earlier for that.
+Records published after the replay started are processed but not waited for.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from confluent_kafka import KafkaException
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
+from rich.text import Text
+
+from gpuledger.timefmt import TIME_EXAMPLE, TimeFormatError, parse_duration, parse_time
+from sinks.clickhouse import chdb_path, is_embedded, redact
+
+
+class ReplayError(RuntimeError):
+    """A replay that cannot start or did not finish; the message says why (exit 1)."""
+
+
+class ReplayRefused(ReplayError):
+    """Options a replay must not run with (exit 2)."""
+
+
+# --- options --------------------------------------------------------------------------------
+
+def parse_instant(text: str, option: str, now: datetime) -> datetime:
+    """An RFC 3339 time (no zone means UTC) or a duration before ``now`` ('2h', '30m', '1d', '1h30m'),
+    both in the grammar of ``gpuledger.timefmt``."""
+    try:
+        return now - parse_duration(text)
+    except TimeFormatError:
+        pass
+    try:
+        return parse_time(text, option)
+    except TimeFormatError:
+        raise ReplayRefused(f"{option} {text!r}: neither an RFC 3339 time ({TIME_EXAMPLE}) nor a duration before now (2h, 30m, 1d, 1h30m)") from None
+
+
+def default_app_id(now: datetime) -> str:
+    return f"replay-{now.astimezone(timezone.utc):%Y%m%dT%H%M%SZ}"
+
+
+def same_store(dsn_a: str, db_a: str, dsn_b: str, db_b: str) -> bool:
+    """Whether two (DSN, database) pairs name the same store: the same chDB directory, or
+    the same server (scheme, host, port; credentials and URL path do not matter) and database."""
+    if is_embedded(dsn_a) != is_embedded(dsn_b):
+        return False
+    if is_embedded(dsn_a):
+        return Path(chdb_path(dsn_a)).resolve() == Path(chdb_path(dsn_b)).resolve()
+    a, b = urlsplit(dsn_a), urlsplit(dsn_b)
+    default = {"http": 8123, "https": 8443}
+    return (a.scheme, a.hostname, a.port or default.get(a.scheme)) == (b.scheme, b.hostname, b.port or default.get(b.scheme)) and db_a == db_b
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    """What one replay does, decided before any I/O."""
+
+    app_id: str
+    into: str
+    database: str
+    work_dir: Path
+    since: datetime | None
+    until: datetime | None
+    resume: bool
+
+    @property
+    def log_path(self) -> Path:
+        return self.work_dir / "worker.log"
+
+    def save(self) -> Path:
+        """Record the plan beside the log (``replay.json``), so ``--resume`` replays the same range."""
+        path = self.work_dir / "replay.json"
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"app_id": self.app_id, "into": redact(self.into), "database": self.database,
+                                    "from": _iso(self.since) if self.since else None, "to": _iso(self.until) if self.until else None}, indent=2))
+        return path
+
+    @staticmethod
+    def recorded(work_dir: Path) -> dict | None:
+        """The plan a previous run of this replay recorded (None: none)."""
+        try:
+            return json.loads((work_dir / "replay.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def range_text(self) -> str:
+        if not (self.since or self.until):
+            return "every event"
+        return f"events with occurred_at in [{_iso(self.since) if self.since else '-∞'}, {_iso(self.until) if self.until else '+∞'})"
+
+
+def _iso(value: datetime) -> str:
+    return value.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def refusals(plan: ReplayPlan, settings) -> list[str]:
+    """What forbids this plan, from the settings and the replay's own record (no Kafka, no store)."""
+    problems = []
+    before = ReplayPlan.recorded(plan.work_dir) if plan.resume else None
+    if before:
+        now = {"into": redact(plan.into), "database": plan.database, "from": _iso(plan.since) if plan.since else None,
+               "to": _iso(plan.until) if plan.until else None}
+        for key, value in now.items():
+            if before.get(key) != value:
+                problems.append(f"--resume: {key} is {value}, but replay {plan.app_id} ran with {before.get(key)} "
+                                f"({plan.work_dir / 'replay.json'})")
+    if same_store(plan.into, plan.database, settings.clickhouse_dsn, settings.clickhouse.database):
+        problems.append(f"--into {redact(plan.into)} is the live store (GPULEDGER_CLICKHOUSE_DSN, database {settings.clickhouse.database}): "
+                        "a replay writes into a sandbox — give another chdb:///path or server database")
+    if plan.app_id == settings.streams.app_id:
+        problems.append(f"--app-id {plan.app_id} is the live worker's app id (GPULEDGER_STREAMS_APP_ID): its worker would join the live consumer group")
+    if plan.since and plan.until and plan.since >= plan.until:
+        problems.append(f"--from {_iso(plan.since)} is not before --to {_iso(plan.until)}")
+    try:
+        settings.kafka.catalogue().run(plan.app_id)
+    except ValueError:
+        problems.append(f"--app-id {plan.app_id!r}: use letters, digits, '.', '_' and '-' (it names topics)")
+    return problems
+
+
+def sandbox_in_use(dsn: str, database: str) -> str | None:
+    """Why the sandbox is not empty (None: it is). A chDB directory is judged without
+    opening it (this process must not hold the lock the worker needs): it must not
+    exist yet or be empty. A server database must hold no rows."""
+    from sinks.clickhouse import connect
+    from sinks.read.query import current_owner
+
+    if is_embedded(dsn):
+        path = Path(chdb_path(dsn))
+        owner = current_owner(dsn)
+        if owner:
+            return f"the embedded store {path} is open in process {owner['pid']}"
+        return f"the directory {path} is not empty" if path.is_dir() and any(path.iterdir()) else None
+    client = connect(dsn, database, create=False)
+    try:
+        rows = client.query("SELECT sum(total_rows) FROM system.tables WHERE database = {db:String}", parameters={"db": database}).result_rows
+        held = int(rows[0][0] or 0)
+        return f"database {database} holds {held} row(s)" if held else None
+    finally:
+        client.close()
+
+
+def table_rows(dsn: str, database: str, cluster: str | None = None) -> dict[str, int]:
+    """Rows per gpuledger table as readers see them (FINAL on the replacing tables)."""
+    from sinks.clickhouse import connect
+    from sinks.migrations import table_name, table_names
+
+    client = connect(dsn, database, create=False)
+    try:
+        engines = dict(client.query("SELECT name, engine FROM system.tables WHERE database = {db:String}", parameters={"db": database}).result_rows)
+        out = {}
+        for table in table_names():
+            if table in engines:
+                final = " FINAL" if "ReplacingMergeTree" in engines[table] else ""
+                out[table] = int(client.query(f"SELECT count() FROM `{database}`.`{table_name(table, cluster)}`{final}").result_rows[0][0])
+        return out
+    finally:
+        client.close()
+
+
+# --- the run --------------------------------------------------------------------------------
+
+class RateColumn(ProgressColumn):
+    """Raw events per second, as rich estimates it over the last samples."""
+
+    def render(self, task) -> Text:
+        return Text(f"{task.speed:,.0f} events/s" if task.speed else "- events/s", style="progress.data.speed")
+
+
+@dataclass
+class ReplayResult:
+    events: int
+    events_now: int  # replayed by this invocation (less than ``events`` when resumed)
+    health: dict
+    rows: dict[str, int]
+    elapsed_s: float
+    worker_exit: int | None
+
+
+def run_replay(plan: ReplayPlan, settings, console: Console, timeout: float | None = None) -> ReplayResult:
+    """Start the worker on the plan, show progress until caught up, stop it, count the rows."""
+    from producers._kafka import client_config, resolve_bootstrap
+    from streams.progress import RunProgress
+
+    try:
+        with RunProgress(client_config(settings), settings.kafka.catalogue(), plan.app_id) as progress:
+            return _replay_with(progress, plan, settings, console, timeout)
+    except LookupError as exc:
+        raise ReplayError(str(exc)) from exc
+    except KafkaException as exc:
+        raise ReplayError(f"Kafka at {resolve_bootstrap(settings)}: {exc.args[0].str()}") from exc
+
+
+def _replay_with(progress, plan: ReplayPlan, settings, console: Console, timeout: float | None) -> ReplayResult:
+    from gpuledger.dev.process import ServiceProcess, free_port
+    from producers._kafka import resolve_bootstrap
+    from streams.progress import wait_caught_up, worker_health
+
+    committed = {group: offsets for group, offsets in progress.committed().items() if offsets}
+    if committed and not plan.resume:
+        raise ReplayRefused(f"app id {plan.app_id} already has committed offsets (consumer group(s) {', '.join(committed)}; a replay starts "
+                            "from zero): pass --resume to continue that replay, or choose another --app-id")
+    if not plan.resume:
+        in_use = sandbox_in_use(plan.into, plan.database)
+        if in_use:
+            raise ReplayRefused(f"the sandbox {redact(plan.into)} is not empty ({in_use}): replay into an empty one "
+                                "(or pass --resume with the --app-id of the replay that filled it)")
+    plan.save()
+    port = free_port()
+    env = {
+        "GPULEDGER_KAFKA_BOOTSTRAP": resolve_bootstrap(settings),  # the child's data dir has no record of the local broker
+        "GPULEDGER_DATA_DIR": str(plan.work_dir),
+        "GPULEDGER_CACHE_DIR": str(settings.cache_dir),
+        "GPULEDGER_CLICKHOUSE_DSN": plan.into,
+        "GPULEDGER_CLICKHOUSE_DATABASE": plan.database,
+        "GPULEDGER_STREAMS_APP_ID": plan.app_id,
+        "GPULEDGER_STREAMS_WEB_PORT": str(port),
+    }
+    env.update({f"GPULEDGER_STREAMS_REPLAY_{name}": _iso(value) for name, value in (("FROM", plan.since), ("TO", plan.until)) if value})
+    service = ServiceProcess(["-v", "worker"], env, plan.log_path)
+    for name, value in (("FROM", plan.since), ("TO", plan.until)):
+        if value is None:
+            service.env.pop(f"GPULEDGER_STREAMS_REPLAY_{name}", None)  # an inherited range is not this replay's
+    url = f"http://127.0.0.1:{port}"
+    last: dict = {}
+
+    def health() -> dict | None:
+        if not service.alive():
+            raise ReplayError(f"the replay worker exited with {service.proc.returncode} (log {plan.log_path}):\n{service.log_tail()}")
+        answer = worker_health(url)
+        last.update(answer or {})
+        return answer
+
+    console.print(f"replay [bold]{plan.app_id}[/]: {progress.total} events on the raw topics ({escape(plan.range_text())}) "
+                  f"→ {redact(plan.into)} (database {plan.database})", highlight=False, soft_wrap=True)
+    console.print(f"worker log: {plan.log_path}", highlight=False, soft_wrap=True)
+    bar = Progress(TextColumn("{task.description}"), BarColumn(bar_width=24), MofNCompleteColumn(), TextColumn("events"), RateColumn(),
+                   TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[state]}"), console=console)
+    task = bar.add_task("replay", total=progress.total, state="starting")
+    first_done: list[int] = []
+
+    def show(look) -> None:
+        first_done[:] = first_done or [look.done]
+        state = ("worker starting" if look.status is None else
+                 f"settling ({look.run_lag} queued, {look.parked} parked)" if look.inputs_left == 0 else "")
+        bar.update(task, completed=look.done, state=state)
+
+    started = time.monotonic()
+    service.start()
+    try:
+        with bar:
+            look = wait_caught_up(progress, health, timeout=timeout, on_look=show)
+    except TimeoutError as exc:
+        service.stop(grace=30)
+        raise ReplayError(f"{exc} (log {plan.log_path})") from exc
+    except BaseException:
+        service.stop(grace=30)
+        raise
+    elapsed = time.monotonic() - started
+    code = service.stop(grace=60)
+    rows = table_rows(plan.into, plan.database, settings.clickhouse.cluster)
+    return ReplayResult(look.done, look.done - first_done[0], last, rows, elapsed, code)
+
+
+def print_summary(plan: ReplayPlan, result: ReplayResult) -> None:
+    """The result on stdout: what was replayed, how fast, the rows per table, where to look next."""
+    stats = result.health.get("stats", {})
+    rate = result.events_now / result.elapsed_s if result.elapsed_s > 0 else 0.0
+    print(f"replayed {result.events} events in {result.elapsed_s:.1f}s ({rate:,.0f} events/s): {stats.get('routed', 0)} in range, "
+          f"{stats.get('out_of_range', 0)} out of range, {stats.get('dead_letters', 0)} dead-lettered")
+    for table, n in result.rows.items():
+        print(f"  {plan.database}.{table}\t{n} rows")
+    if result.worker_exit not in (0, None):
+        print(f"warning: the worker exited with {result.worker_exit} after catching up (log {plan.log_path})")
+    print(f"worker log: {plan.log_path}")
+    print(f"query it: GPULEDGER_CLICKHOUSE_DSN={redact(plan.into)} GPULEDGER_CLICKHOUSE_DATABASE={plan.database} "
+          "gpuledger trace --alert FP --at T  (or: gpuledger audit --from T --to T)")

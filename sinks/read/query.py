@@ -1,0 +1,260 @@
+"""Read-only access to the correlation store, whoever owns it.
+
+- Server DSN: query the server directly.
+- Embedded chDB, owned by a running worker: the worker serves read-only queries on
+  a loopback port recorded in ``<chdb dir>.owner.json``; ``open_reader`` finds it and
+  POSTs there.
+- Embedded chDB, not owned: open it directly (this process becomes the owner for
+  the duration).
+
+Read-only is enforced by ClickHouse: every statement a reader sends carries
+``readonly=1`` as its own query-level ``SETTINGS`` clause (``readonly_statement``):
+- ``SELECT``/``WITH`` run as ``SELECT * FROM (<query>) SETTINGS readonly=1``;
+- ``SHOW``, ``DESCRIBE``/``DESC``, ``EXPLAIN`` and ``EXISTS`` — which cannot be a
+  subquery — run as ``<statement> SETTINGS readonly=1``, after ClickHouse's own parser
+  (``EXPLAIN AST``) has confirmed the statement is one of those;
+- anything else is refused before it is sent.
+ClickHouse then refuses writes, DDL and table functions (``url()``, ``file()``, ``s3()``).
+Three holes in that are closed here, each found on chDB 4.4 (tests/sinks/read/test_query.py):
+chDB runs *every* statement of a ``;``-separated text, the later ones outside the
+``SETTINGS`` clause — so a text with a ``;`` is sent only after ClickHouse's parser
+(``formatQuery``) has confirmed it is one statement; ``DESCRIBE url(...)``/``file(...)``
+infers the schema by fetching the source even with ``readonly=1`` — so DESCRIBE of a
+table function is refused; and ``INTO OUTFILE`` writes a file even with ``readonly=1`` —
+so it is refused.
+(The per-call ``settings={'readonly': 1}`` of clickhouse-connect's chDB backend is not
+usable: for some statements it is applied with SET, and a read-only session cannot
+reset it — the worker's shared client would stay read-only.)
+Parameters are always bound server-side (``{name:Type}``), never formatted into SQL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from datetime import date, datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from sinks.clickhouse import StoreConnection, chdb_path, connect, is_embedded
+from sinks.errors import SinkError, StoreUnavailable
+
+
+@dataclass
+class QueryResult:
+    columns: list[str]
+    rows: list[list[Any]]
+
+    def dicts(self) -> list[dict[str, Any]]:
+        return [dict(zip(self.columns, row)) for row in self.rows]
+
+
+class QueryError(SinkError):
+    """The store rejected a query (syntax, read-only violation, unknown column)."""
+
+
+#: Statements run as a subquery of a read-only SELECT.
+SELECT_KEYWORDS = ("SELECT", "WITH")
+#: Statements run as they are with ``SETTINGS readonly=1``: the first word, and the prefix
+#: of the root node ClickHouse's parser must give them (``EXPLAIN AST``).
+STATEMENT_KEYWORDS = {"SHOW": "Show", "DESCRIBE": "Describe", "DESC": "Describe", "EXPLAIN": "Explain", "EXISTS": "Exists"}
+READ_STATEMENTS = "SELECT, WITH, SHOW, DESCRIBE, EXPLAIN or EXISTS"
+
+
+def readonly_sql(sql: str) -> str:
+    """A SELECT/WITH query as the subquery of a read-only SELECT."""
+    body = sql.strip().rstrip(";").strip()
+    return f"SELECT * FROM (\n{body}\n) SETTINGS readonly=1"
+
+
+def _skip_comments(sql: str) -> int:
+    """Where the first token starts: past whitespace, ``--`` and ``# `` line comments and
+    ``/* */`` block comments (nested, as ClickHouse nests them)."""
+    i, n = 0, len(sql)
+    while i < n:
+        if sql[i].isspace():
+            i += 1
+        elif sql.startswith("--", i) or sql.startswith("# ", i):
+            end = sql.find("\n", i)
+            i = n if end < 0 else end + 1
+        elif sql.startswith("/*", i):
+            depth, i = 1, i + 2
+            while i < n and depth:
+                step = sql[i:i + 2]
+                depth += 1 if step == "/*" else -1 if step == "*/" else 0
+                i += 2 if step in ("/*", "*/") else 1
+        else:
+            break
+    return i
+
+
+def _first_word(sql: str) -> tuple[str, int]:
+    start = _skip_comments(sql)
+    word = re.match(r"[A-Za-z]+", sql[start:])
+    return (word.group().upper() if word else sql[start:start + 1]), start
+
+
+def _query_error(exc: Exception) -> QueryError:
+    return QueryError(str(exc).splitlines()[0] if str(exc) else repr(exc))
+
+
+def _one_statement(client, text: str) -> None:
+    """Refuse ``text`` unless ClickHouse's parser sees exactly one statement in it (a
+    ``;`` inside a string or comment is fine; chDB would run a second statement)."""
+    if ";" not in text:
+        return
+    try:
+        client.query(readonly_sql("SELECT formatQuery({q:String})"), parameters={"q": text})
+    except Exception as exc:  # noqa: BLE001 - driver errors vary by backend
+        raise QueryError(f"one statement at a time: {_query_error(exc)}") from exc
+
+
+def _check_statement(client, statement: str, keyword: str, parameters: dict) -> None:
+    """What ClickHouse's parser makes of a SHOW/DESCRIBE/EXPLAIN/EXISTS statement: it must
+    be that kind of statement, not describe a table function, not write a file."""
+    if "OUTFILE" in statement.upper():
+        raise QueryError("INTO OUTFILE is refused: a reader does not write files (use --format json and redirect)")
+    try:
+        ast = [row[0] for row in client.query(f"EXPLAIN AST {statement}\nSETTINGS readonly=1", parameters=parameters).result_rows]
+    except Exception as exc:  # noqa: BLE001 - driver errors vary by backend
+        raise _query_error(exc) from exc
+    root = ast[0].split()[0] if ast else ""
+    if not root.startswith(STATEMENT_KEYWORDS[keyword]):
+        raise QueryError(f"read-only statements only ({READ_STATEMENTS}); ClickHouse parses this one as {root or 'nothing'}")
+    function = next((line.split()[1] for line in ast if line.startswith("  Function ")), None)
+    if root.startswith("Describe") and function:
+        # ClickHouse infers a table function's schema by reading the source, readonly or not.
+        raise QueryError(f"DESCRIBE of a table function ({function}) is refused: it reads the source even in read-only mode")
+
+
+def readonly_statement(client, sql: str, parameters: dict | None = None) -> str:
+    """The text to send for one reader statement (module docstring); raises ``QueryError``
+    for a statement a reader does not run."""
+    body = sql.strip().rstrip(";").strip()
+    keyword, start = _first_word(body)
+    if keyword in SELECT_KEYWORDS or keyword == "(":
+        _one_statement(client, body)
+        return readonly_sql(body)
+    if keyword not in STATEMENT_KEYWORDS:
+        raise QueryError(f"read-only statements only ({READ_STATEMENTS}); this one starts with {keyword or 'nothing'!r}")
+    statement = body[start:]
+    _one_statement(client, statement)
+    _check_statement(client, statement, keyword, parameters or {})
+    return f"{statement}\nSETTINGS readonly=1"
+
+
+def jsonable(value: Any) -> Any:
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=timezone.utc)
+        return value.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")
+    if isinstance(value, date):
+        return value.isoformat()
+    if isinstance(value, (bytes, bytearray)):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
+
+
+def run_readonly(client, sql: str, parameters: dict | None = None) -> QueryResult:
+    """Run a reader's query. ``client`` is an open client or a ``StoreConnection`` (the
+    worker's lazy store: raises ``StoreUnavailable`` while it cannot connect)."""
+    client = StoreConnection.of(client).get()
+    statement = readonly_statement(client, sql, parameters)
+    try:
+        result = client.query(statement, parameters=parameters or {})
+    except Exception as exc:  # noqa: BLE001 - driver errors vary by backend
+        raise _query_error(exc) from exc
+    return QueryResult(list(result.column_names), [[jsonable(v) for v in row] for row in result.result_rows])
+
+
+def owner_file(dsn: str) -> Path:
+    path = Path(chdb_path(dsn).rstrip("/"))
+    return path.with_name(path.name + ".owner.json")
+
+
+def write_owner(dsn: str, url: str) -> Path:
+    path = owner_file(dsn)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"pid": os.getpid(), "url": url}))
+    return path
+
+
+def clear_owner(dsn: str) -> None:
+    path = owner_file(dsn)
+    try:
+        if json.loads(path.read_text()).get("pid") == os.getpid():
+            path.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def current_owner(dsn: str) -> dict | None:
+    try:
+        state = json.loads(owner_file(dsn).read_text())
+        os.kill(int(state["pid"]), 0)
+        return state
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+class DirectReader:
+    def __init__(self, client) -> None:
+        self.client = client
+
+    def query(self, sql: str, parameters: dict | None = None) -> QueryResult:
+        return run_readonly(self.client, sql, parameters)
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except Exception:  # noqa: BLE001 - closing is best effort
+            pass
+
+
+class RemoteReader:
+    """Reads through the owning worker's loopback query endpoint."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/") + "/gpuledger/query/"
+
+    def query(self, sql: str, parameters: dict | None = None) -> QueryResult:
+        body = json.dumps({"sql": sql, "parameters": jsonable(parameters or {})}).encode()
+        req = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"}, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                data = json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            try:
+                detail = json.loads(exc.read()).get("error", "")
+            except ValueError:
+                detail = ""
+            raise QueryError(detail or f"query endpoint answered {exc.code}") from exc
+        except OSError as exc:
+            raise StoreUnavailable(f"the worker that owns the store does not answer at {self.url}: {exc}") from exc
+        return QueryResult(data["columns"], data["rows"])
+
+    def close(self) -> None:
+        pass
+
+
+def open_reader(settings):
+    """A read-only reader for the configured store (see module docstring)."""
+    from sinks.migrations import migrate
+
+    dsn = settings.clickhouse_dsn
+    if is_embedded(dsn):
+        owner = current_owner(dsn)
+        if owner:
+            return RemoteReader(owner["url"])
+        client = connect(dsn, settings.clickhouse.database)
+        migrate(client, settings.clickhouse.database)
+        return DirectReader(client)
+    return DirectReader(connect(dsn, settings.clickhouse.database, create=False))

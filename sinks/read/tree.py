@@ -1,0 +1,153 @@
+"""The trace as a tree for people: what ``gpuledger trace`` prints in a terminal.
+
+Input: the dict ``sinks.read.trace.trace`` returns. Output: a rich ``Tree`` — the
+release with its manifest, approvals, promotions and lifecycle; workloads with their
+admissions, preemptions and pods; pods with their GPUs; GPUs with who else held them;
+scheduler events and alerts in the window; and the gaps — missing links in red.
+``tree_text`` turns it into plain text (the incident report shows it beside the timeline).
+Guarantees: every value read from the store is shown through ``sinks.read.text.markup``,
+so control and bidi characters are visible escapes and stored text cannot inject markup.
+"""
+
+from __future__ import annotations
+
+import io
+
+from rich.tree import Tree
+
+from sinks.read.text import markup as m
+
+GAP = "[red]<gap>[/]"
+RELEASE_FIELDS = ("model_name", "model_version", "artifact_digest", "image_digest", "config_digest", "dataset_ref", "owner", "environment")
+
+
+def _or_gap(value) -> str:
+    return m(value) if value else GAP
+
+
+def _span(start, end, reason=None) -> str:
+    return f"{m(start)} → {m(end) if end else 'held'}" + (f" ({m(reason)})" if reason and end else "")
+
+
+def render_tree(result: dict) -> Tree:
+    """The trace as a rich tree; missing links in red."""
+    entry = result.get("entry") or {}
+    root = Tree(_title(result, entry))
+    _add_release(root, result.get("release"), entry)
+    pods = {f"{p['namespace']}/{p['pod']}": p for p in result.get("pods", [])}
+    _add_workloads(root, result.get("workloads", []), pods)
+    _add_gpus(root, result.get("gpus", []))
+    _add_scheduler_events(root, result.get("scheduler_events", []), result.get("window") or {})
+    _add_alerts(root, result.get("alerts", []))
+    if result.get("gaps"):
+        gaps = root.add("[red]gaps[/]")
+        for g in result["gaps"]:
+            gaps.add(f"[red]{m(g)}[/]")
+    return root
+
+
+def _title(result: dict, entry: dict) -> str:
+    focal = [a for a in result.get("alerts", []) if entry.get("kind") == "alert" and a.get("alert_fingerprint") == entry.get("value")]
+    if focal:
+        a = focal[-1]
+        title = (f"[bold]alert[/] {m(a.get('alertname', '?'))} ({m(a.get('severity') or 'no severity')}) {m(a['status'])} "
+                 f"at {m(a.get('starts_at') or a['occurred_at'])} (fingerprint {m(a['alert_fingerprint'])})")
+    else:
+        title = f"[bold]trace[/] --{m(entry.get('kind'))} {m(entry.get('value'))}"
+    title += f"  [dim]as of {m(entry['at'])}[/]" if entry.get("at") else ""
+    return title + ("" if entry.get("root") else "  [red]matches nothing[/]")
+
+
+def _add_release(root: Tree, rel: dict | None, entry: dict) -> None:
+    if not rel:
+        if entry.get("kind") in ("alert", "release", "model") or entry.get("root"):
+            root.add(f"release: {GAP}")
+        return
+    node = root.add(f"[bold]release[/] {m(rel['release_id'])}  state={_or_gap(rel.get('state'))}" +
+                    (f" since {m(rel['state_since'])}" if rel.get("state_since") else ""))
+    for field in RELEASE_FIELDS:
+        node.add(f"{field}: {_or_gap(rel.get(field))}")
+    approvals = node.add("approvals" if rel.get("approvals") else f"approvals: {GAP}")
+    for ap in rel.get("approvals", []):
+        approvals.add(f"{m(ap['occurred_at'])}  {m(ap.get('actor', '?'))}  {m(ap.get('approval_id', ''))}")
+    if rel.get("promotions"):
+        promos = node.add("promotions")
+        for pr in rel["promotions"]:
+            promos.add(f"{m(pr['occurred_at'])}  → {m(pr.get('to_environment', '?'))} by {m(pr.get('actor', '?'))} {m(pr.get('approval_id', ''))}")
+    life = node.add("lifecycle")
+    for ev in rel.get("lifecycle", []):
+        life.add(f"{m(ev['occurred_at'])}  {m(ev['event_type'])}  {m(ev.get('summary', ''))}")
+
+
+def _add_pod(parent: Tree, key: str, p: dict) -> None:
+    pnode = parent.add(f"pod {m(key)}" + (f"  uid={m(p['pod_uid'])}" if p.get("pod_uid") else "") +
+                       (f"  nodes={m(','.join(p['nodes']))}" if p.get("nodes") else ""))
+    for a in p.get("allocations", []):
+        pnode.add(f"GPU {m(a['node'])}/{m(a['gpu_id'])}  {_span(a['started_at'], a.get('ended_at'), a.get('end_reason'))}")
+    if not p.get("allocations"):
+        pnode.add(f"GPU: {GAP}")
+
+
+def _add_workloads(root: Tree, workloads: list[dict], pods: dict[str, dict]) -> None:
+    for wl in workloads:
+        prio = (f"{m(wl.get('priority_class') or '?')} ({m(wl['priority'])})" if wl.get("priority") is not None
+                else _or_gap(wl.get("priority_class")))
+        wnode = root.add(f"[bold]workload[/] {m(wl['workload_id'])}  queue={_or_gap(wl.get('queue'))} "
+                         f"cluster_queue={_or_gap(wl.get('cluster_queue'))} priority={prio}")
+        wnode.add(f"admitted {m(wl['admitted_at'])}" + (f" ({len(wl['admissions'])} admissions)" if len(wl["admissions"]) > 1 else "")
+                  if wl.get("admitted_at") else f"admission: {GAP}")
+        for ev in wl.get("preemptions", []) + wl.get("evictions", []):
+            by = f" by {m(ev['preemptor'])}" if ev.get("preemptor") else ""
+            wnode.add(f"[yellow]{m(ev['event_type'].split('.', 1)[1])}[/] {m(ev['occurred_at'])}{by}"
+                      + (f"  {m(ev['reason'])}" if ev.get("reason") else ""))
+        for key in wl.get("pods", []):
+            if key in pods:
+                _add_pod(wnode, key, pods[key])
+    loose = [k for k in pods if not any(k in wl.get("pods", []) for wl in workloads)]
+    if loose:
+        lnode = root.add("pods without a known workload")
+        for key in loose:
+            _add_pod(lnode, key, pods[key])
+
+
+def _add_gpus(root: Tree, gpus: list[dict]) -> None:
+    if not gpus:
+        return
+    gnode = root.add("[bold]GPUs[/]")
+    for g in gpus:
+        gg = gnode.add(f"{m(g['node'])}/{m(g['gpu_id'])}")
+        for a in g["allocations"]:
+            gg.add(f"{m(a['namespace'])}/{m(a['pod'])}  {_span(a['started_at'], a.get('ended_at'), a.get('end_reason'))}")
+        for a in g.get("others_in_window", []):
+            gg.add(f"[yellow]also[/] {m(a['namespace'])}/{m(a['pod'])}  {_span(a['started_at'], a.get('ended_at'), a.get('end_reason'))}"
+                   + (f"  workload={m(a['workload_id'])}" if a.get("workload_id") else ""))
+
+
+def _add_scheduler_events(root: Tree, events: list[dict], win: dict) -> None:
+    if not events:
+        return
+    snode = root.add(f"[bold]scheduler events[/]  (other workloads on these nodes: {m(win.get('from'))} → {m(win.get('to'))})")
+    for ev in events:
+        who = ev.get("workload_id") or (f"{ev.get('namespace')}/{ev.get('pod')}" if ev.get("pod") else "?")
+        line = f"{m(ev['occurred_at'])}  {m(ev['event_type'])}  {m(who)}" + (f" on {m(ev['node'])}" if ev.get("node") else "")
+        line += (f" by {m(ev['preemptor'])}" if ev.get("preemptor") else "") + (f"  {m(ev['reason'])}" if ev.get("reason") else "")
+        snode.add(line + ("" if ev["in_chain"] else "  [dim](other workload)[/]"))
+
+
+def _add_alerts(root: Tree, alerts: list[dict]) -> None:
+    if not alerts:
+        return
+    anode = root.add("[bold]alerts[/]")
+    for a in alerts:
+        mark = "" if a["in_chain"] else "  [dim](other alert in the window)[/]"
+        where = f" on {m(a['node'])}" if a.get("node") else ""
+        anode.add(f"{m(a['occurred_at'])}  {m(a.get('alertname', '?'))} ({m(a.get('severity') or '-')}) {m(a['status'])}{where}{mark}")
+
+
+def tree_text(tree: Tree, width: int = 140) -> str:
+    """A rich Tree (the CLI's trace) as plain text."""
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=width, record=True, color_system=None, force_terminal=False)
+    console.print(tree)
+    return console.export_text()

@@ -1,0 +1,192 @@
+"""How far a worker run is through its input, and when it has caught up.
+
+Input: the broker — committed offsets of the run's consumer groups and the topics'
+offsets — and the worker's health page (``/gpuledger/health/``). Output:
+``RunProgress`` (done / total records of the raw topics) and ``wait_caught_up``, the
+one definition of "this run has processed everything published before we asked",
+used by ``gpuledger replay`` and the tests that compare whole runs.
+
+A worker run reads through two consumer groups (``worker_groups``): the Faust agents'
+(the app id: raw topics, the internal route and controls hops) and the sink loop's
+(``<app id>.sinks``: raw topics, dead letters and the run's outputs). Caught up, all of:
+  - on every catalogue topic a group reads (the raw topics, the edge dead-letter topic)
+    its committed offset reached the end offset captured when the ``RunProgress`` was
+    made;
+  - on every run topic a group reads it has no lag;
+  - the worker's health says ``status`` ok and ``stats.parked`` 0;
+and that twice in a row, a second apart: between two looks a housekeeping pass (idle
+flush of parked rows, a release change re-attributing its dependents) may put new
+messages on the internal topics. "Done" counts a raw record once both groups have it.
+
+Limits: records published after the snapshot are processed but not waited for. Which
+group reads what is written here, not derived from the code that subscribes
+(``streams/app.py:create_app``); ``tests/streams/test_progress.py`` checks the two
+agree. Retention-trimmed partitions count from their first retained offset.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient, OffsetSpec
+
+from schemas.topics import TopicCatalogue
+
+#: Seconds between two looks; two consecutive caught-up looks end the wait.
+LOOK_INTERVAL_S = 1.0
+
+#: Errors of a look that the next look may not meet (a new topic without a leader yet,
+#: a coordinator loading, a slow broker); librdkafka does not flag all of them retriable.
+TRANSIENT = frozenset({
+    KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, KafkaError.UNKNOWN_TOPIC_OR_PART,
+    KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.COORDINATOR_NOT_AVAILABLE, KafkaError.NOT_COORDINATOR,
+    KafkaError.REQUEST_TIMED_OUT, KafkaError._TIMED_OUT, KafkaError._TRANSPORT,
+})
+
+
+def worker_groups(catalogue: TopicCatalogue, app_id: str) -> dict[str, tuple[str, ...]]:
+    """Consumer group -> the topics it reads, for one worker run. Not the enriched alerts
+    (read by alert routers, not the worker) nor the changelogs (read by assignment when a
+    partition loads, never committed)."""
+    run = catalogue.run(app_id)
+    return {
+        app_id: (*catalogue.raw_topics, run.route, run.controls),
+        f"{app_id}.sinks": (*catalogue.raw_topics, catalogue.deadletter, run.correlated, run.allocations, run.violations, run.deadletter),
+    }
+
+
+@dataclass(frozen=True)
+class Look:
+    """One look at a run: raw records done of total, lag left anywhere, the health."""
+
+    done: int
+    total: int
+    inputs_left: int
+    run_lag: int
+    parked: int | None
+    status: str | None
+
+    @property
+    def caught_up(self) -> bool:
+        return self.inputs_left == 0 and self.run_lag == 0 and self.parked == 0 and self.status == "ok"
+
+    def describe(self) -> str:
+        return (f"{self.done}/{self.total} raw records committed, {self.inputs_left} input record(s) and {self.run_lag} run "
+                f"record(s) not committed, parked={self.parked}, health={self.status or 'not answering'}")
+
+
+class RunProgress:
+    """The committed offsets of one run's groups against its input as it stood at creation.
+
+    Committed offsets are read with one consumer per group that never subscribes (so it
+    never joins the group), not with ``AdminClient.list_consumer_group_offsets``: that
+    call crashes the process when the coordinator answers NOT_COORDINATOR
+    (librdkafka#5040, met here on fresh groups). Close it when done (or use ``with``).
+    """
+
+    def __init__(self, client_config: dict, catalogue: TopicCatalogue, app_id: str, timeout: float = 10.0) -> None:
+        self.app_id = app_id
+        self.timeout = timeout
+        self.admin = AdminClient(client_config)
+        self.groups = worker_groups(catalogue, app_id)
+        self.consumers = {group: Consumer({**client_config, "group.id": group, "enable.auto.commit": False}) for group in self.groups}
+        self.raw = set(catalogue.raw_topics)
+        self.inputs = {catalogue.deadletter, *catalogue.raw_topics}  # the shared topics: their end is fixed at start
+        partitions = self._partitions(self.inputs)
+        missing = self.raw - {tp.topic for tp in partitions}
+        if missing:
+            self.close()
+            raise LookupError(f"raw topic(s) {', '.join(sorted(missing))} do not exist (wrong GPULEDGER_KAFKA_TOPIC_PREFIX?)")
+        self.first = self._offsets(partitions, OffsetSpec.earliest())
+        self.targets = self._offsets(partitions, OffsetSpec.latest())
+        self.total = sum(end - self.first[tp] for tp, end in self.targets.items() if tp[0] in self.raw)
+
+    def _partitions(self, topics) -> list[TopicPartition]:
+        meta = self.admin.list_topics(timeout=self.timeout).topics
+        return [TopicPartition(t, p) for t in sorted(topics) if t in meta for p in sorted(meta[t].partitions)]
+
+    def _offsets(self, partitions: list[TopicPartition], spec) -> dict[tuple[str, int], int]:
+        if not partitions:
+            return {}
+        futures = self.admin.list_offsets({tp: spec for tp in partitions}, request_timeout=self.timeout)
+        return {(tp.topic, tp.partition): fut.result().offset for tp, fut in futures.items()}
+
+    def committed(self) -> dict[str, dict[tuple[str, int], int]]:
+        """Group -> its committed offsets on the topics it reads (empty for a new group)."""
+        meta = self.admin.list_topics(timeout=self.timeout).topics
+        out = {}
+        for group, topics in self.groups.items():
+            parts = [TopicPartition(t, p) for t in topics if t in meta for p in sorted(meta[t].partitions)]
+            got = self.consumers[group].committed(parts, timeout=self.timeout) if parts else []
+            out[group] = {(tp.topic, tp.partition): tp.offset for tp in got if tp.offset >= 0}
+        return out
+
+    def look(self, health: dict | None) -> Look:
+        committed = self.committed()
+        run_parts = self._partitions({t for topics in self.groups.values() for t in topics} - self.inputs)
+        first = {**self.first, **self._offsets(run_parts, OffsetSpec.earliest())}
+        ends = self._offsets(run_parts, OffsetSpec.latest())
+        done = left = lag = 0
+        for tp, end in self.targets.items():
+            readers = [offsets for group, offsets in committed.items() if tp[0] in self.groups[group]]
+            at = [max(offsets.get(tp, 0), first[tp]) for offsets in readers]
+            left += sum(max(end - a, 0) for a in at)
+            if tp[0] in self.raw:
+                done += min(min(at), end) - first[tp]
+        for tp, end in ends.items():
+            lag += sum(max(end - max(offsets.get(tp, 0), first[tp]), 0) for group, offsets in committed.items() if tp[0] in self.groups[group])
+        stats = (health or {}).get("stats", {})
+        return Look(done, self.total, left, lag, stats.get("parked"), (health or {}).get("status"))
+
+    def close(self) -> None:
+        for consumer in self.consumers.values():
+            consumer.close()
+
+    def __enter__(self) -> RunProgress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def worker_health(url: str, timeout: float = 5.0) -> dict | None:
+    """The worker's health page at ``url`` (its loopback web address), None while it does not answer."""
+    try:
+        with urllib.request.urlopen(f"{url}/gpuledger/health/", timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except (OSError, ValueError):
+        return None
+
+
+def wait_caught_up(progress: RunProgress, health: Callable[[], dict | None], timeout: float | None = None,
+                   on_look: Callable[[Look], None] | None = None, interval: float = LOOK_INTERVAL_S) -> Look:
+    """Look every ``interval`` seconds until two consecutive looks are caught up; return
+    the last. ``health()`` returns the worker's health page (None while it does not
+    answer; it may raise to abort, e.g. when the worker died). ``on_look`` sees every
+    look (a progress bar). Raises ``TimeoutError`` naming what was left after ``timeout``."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    calm, look = 0, None
+    while True:
+        try:
+            look, problem = progress.look(health()), None
+        except KafkaException as exc:
+            # Topics the worker just created have no leader for a moment: such a look is
+            # not caught up, the next one may be. What retrying cannot fix ends the wait.
+            error = exc.args[0]
+            if not (error.retriable() or error.code() in TRANSIENT):
+                raise
+            problem = error.str()
+        if problem is None and on_look is not None:
+            on_look(look)
+        calm = calm + 1 if problem is None and look.caught_up else 0
+        if calm >= 2:
+            return look
+        if deadline is not None and time.monotonic() >= deadline:
+            left = problem or look.describe()
+            raise TimeoutError(f"run {progress.app_id} not caught up after {timeout:.0f}s: {left}")
+        time.sleep(interval)

@@ -1,0 +1,177 @@
+"""`gpuledger replay` end to end: the real broker, the real worker (a child of the
+replay command), real embedded ClickHouse.
+
+One recorded history (a small GPU fleet plus the control scenario, as in
+tests/streams/test_faults.py) is published once. A live worker processes it until
+caught up (``Run.wait_done``: ``streams.progress.wait_caught_up``, the definition the
+replay uses) and its tables are checksummed. Then `gpuledger replay` runs as a subprocess: a full
+replay must rebuild every table identically; a ``--from/--to`` replay must hold only
+the range's events while attributing them to releases registered before the range;
+the refusals must refuse; and `gpuledger trace` must read the sandbox.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from producers._kafka import EventPublisher, ensure_topics
+from schemas.topics import TopicCatalogue
+from tests.streams.test_faults import T0, Run, fleet
+
+pytestmark = pytest.mark.timeout(900)
+
+PODS = 48
+#: The replay's worker settings: quick idle flush and sink batches — and other batch
+#: sizes than the live run's (test_faults.ENV), which must not change a single row.
+ENV = {"GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "1", "GPULEDGER_CLICKHOUSE_BATCH_SECONDS": "0.2"}
+#: The range of the range replay: pods 10..29 of the fleet are scheduled in it (pod p at
+#: T0 + 10 min + 7p s, its other events up to 5 s later); every release event is before it.
+FROM = T0 + timedelta(minutes=10, seconds=7 * 10)
+TO = T0 + timedelta(minutes=10, seconds=7 * 30)
+
+
+def iso(value: datetime) -> str:
+    return value.isoformat().replace("+00:00", "Z")
+
+
+@pytest.fixture(scope="module")
+def history(kafka_bootstrap):
+    cat = TopicCatalogue(prefix=f"replay{uuid.uuid4().hex[:6]}", raw_partitions=4)
+    ensure_topics({"bootstrap.servers": kafka_bootstrap}, cat)
+    events = fleet(PODS)
+    EventPublisher({"bootstrap.servers": kafka_bootstrap}, cat, "test").publish_batch(events)
+    return cat, events
+
+
+@pytest.fixture(scope="module")
+def live(kafka_bootstrap, history, tmp_path_factory):
+    """The live run: its app id, store DSN and checksums."""
+    cat, events = history
+    run = Run(kafka_bootstrap, cat, tmp_path_factory.mktemp("live"), f"{cat.prefix}-live").start()
+    run.wait_done(len(events))  # streams.progress.wait_caught_up, the replay's definition of done
+    return run, run.stop_and_checksum()
+
+
+def gpuledger(kafka_bootstrap, cat, tmp_path, *args, live_dsn: str = "chdb:///nonexistent/live", timeout: float = 420):
+    """Run the CLI with the test's broker and topics; the live store is ``live_dsn``."""
+    env = {**os.environ, "GPULEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap, "GPULEDGER_KAFKA_TOPIC_PREFIX": cat.prefix,
+           "GPULEDGER_KAFKA_RAW_PARTITIONS": str(cat.raw_partitions), "GPULEDGER_DATA_DIR": str(tmp_path / "data"),
+           "GPULEDGER_CLICKHOUSE_DSN": live_dsn, **ENV}
+    return subprocess.run([sys.executable, "-m", "gpuledger.cli", *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def checksum(dsn: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "sinks.checksum", dsn], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def sql(kafka_bootstrap, cat, tmp_path, dsn: str, query: str) -> list[dict]:
+    out = gpuledger(kafka_bootstrap, cat, tmp_path, "sql", query, "--dsn", dsn, "--format", "json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def full_replay(kafka_bootstrap, history, live, tmp_path_factory):
+    cat, _events = history
+    tmp = tmp_path_factory.mktemp("full")
+    sandbox = f"chdb://{tmp / 'sandbox'}"
+    out = gpuledger(kafka_bootstrap, cat, tmp, "replay", "--into", sandbox, "--app-id", f"{cat.prefix}-full", "--timeout", "300",
+                    live_dsn=live[0].dsn)
+    return out, sandbox, tmp
+
+
+def test_a_full_replay_rebuilds_the_live_tables_identically(history, live, full_replay):
+    cat, events = history
+    out, sandbox, tmp = full_replay
+    assert out.returncode == 0, out.stderr + out.stdout
+    assert f"{len(events)} events on the raw topics" in out.stderr
+    assert f"worker log: {tmp / 'data' / 'replays' / (cat.prefix + '-full') / 'worker.log'}" in out.stderr
+    assert f"replayed {len(events)} events" in out.stdout
+    assert f"gpuledger.correlated_events\t{len(events)} rows" in out.stdout
+    assert checksum(sandbox) == live[1]
+
+
+def test_trace_reads_the_sandbox(kafka_bootstrap, history, full_replay, tmp_path):
+    cat, _ = history
+    _, sandbox, _ = full_replay
+    pod_at = T0 + timedelta(minutes=10, seconds=7 * 5 + 3)  # pod fp-5 holds its GPU
+    out = gpuledger(kafka_bootstrap, cat, tmp_path, "trace", "--pod", "fleet/fp-5", "--at", iso(pod_at), "--dsn", sandbox)
+    assert out.returncode == 0, out.stderr + out.stdout
+    assert "release fr-5" in out.stdout and "pod fleet/fp-5" in out.stdout
+
+
+def test_a_range_replay_holds_only_the_range_and_attributes_to_earlier_releases(kafka_bootstrap, history, live, tmp_path):
+    cat, events = history
+    sandbox = f"chdb://{tmp_path / 'sandbox'}"
+    out = gpuledger(kafka_bootstrap, cat, tmp_path, "replay", "--into", sandbox, "--app-id", f"{cat.prefix}-range",
+                    "--from", iso(FROM), "--to", iso(TO), "--timeout", "300", live_dsn=live[0].dsn)
+    assert out.returncode == 0, out.stderr + out.stdout
+    in_range = [e for e in events if FROM <= e.occurred_at < TO]
+    assert in_range and not any(e.event_type.startswith("release.") for e in in_range)
+    assert f"{len(in_range)} in range, {len(events) - len(in_range)} out of range" in out.stdout
+    span = ("SELECT count() AS n, countIf(occurred_at >= toDateTime64('{f}', 3, 'UTC') AND occurred_at < toDateTime64('{t}', 3, 'UTC')) AS inside "
+            "FROM gpuledger.{table} FINAL")
+    for table in ("correlated_events", "raw_events"):
+        rows = sql(kafka_bootstrap, cat, tmp_path, sandbox, span.format(table=table, f=FROM.strftime("%F %T"), t=TO.strftime("%F %T")))
+        assert rows == [{"n": len(in_range), "inside": len(in_range)}], table
+    # No release event is in the range, yet the range's pods are attributed to their releases
+    # (label or image digest): the release directory read the whole release topic.
+    scheduled = sql(kafka_bootstrap, cat, tmp_path, sandbox,
+                    "SELECT pod, release_id FROM gpuledger.correlated_events FINAL WHERE event_type = 'scheduler.scheduled'")
+    assert len(scheduled) == 20
+    assert all(r["release_id"] == f"fr-{int(r['pod'].split('-')[1]) % 6}" for r in scheduled), scheduled
+    assert sql(kafka_bootstrap, cat, tmp_path, sandbox, "SELECT count() AS n FROM gpuledger.release_history FINAL") == [{"n": 0}]
+
+
+def test_an_app_id_with_committed_offsets_is_refused_without_resume(kafka_bootstrap, history, live, tmp_path):
+    cat, _ = history
+    run, _ = live
+    out = gpuledger(kafka_bootstrap, cat, tmp_path, "replay", "--into", f"chdb://{tmp_path / 'sandbox'}", "--app-id", run.app_id, live_dsn=run.dsn)
+    assert out.returncode == 2, out.stderr
+    assert f"app id {run.app_id} already has committed offsets" in out.stderr and "--resume" in out.stderr
+    assert not (tmp_path / "sandbox").exists()
+
+
+def test_the_live_store_and_a_used_sandbox_are_refused(kafka_bootstrap, history, live, full_replay, tmp_path):
+    cat, _ = history
+    run, _ = live
+    out = gpuledger(kafka_bootstrap, cat, tmp_path, "replay", "--into", run.dsn, live_dsn=run.dsn)
+    assert out.returncode == 2 and "is the live store" in out.stderr, out.stderr
+    _, sandbox, _ = full_replay
+    out = gpuledger(kafka_bootstrap, cat, tmp_path, "replay", "--into", sandbox, "--app-id", f"{cat.prefix}-again", live_dsn=run.dsn)
+    assert out.returncode == 2 and "is not empty" in out.stderr, out.stderr
+    out = gpuledger(kafka_bootstrap, cat, tmp_path, "replay", "--into", f"chdb://{tmp_path / 'x'}", "--from", "1h", "--to", "2h")
+    assert out.returncode == 2 and "is not before --to" in out.stderr, out.stderr
+
+
+# --- the options, without a broker ------------------------------------------------------------
+
+def test_times_and_durations_before_now():
+    from gpuledger.replay import ReplayRefused, parse_instant
+
+    now = datetime(2026, 11, 30, 14, tzinfo=timezone.utc)
+    assert parse_instant("2h", "--from", now) == datetime(2026, 11, 30, 12, tzinfo=timezone.utc)
+    assert parse_instant("1h30m", "--from", now) == datetime(2026, 11, 30, 12, 30, tzinfo=timezone.utc)
+    assert parse_instant("2026-11-30T13:00:00", "--to", now) == datetime(2026, 11, 30, 13, tzinfo=timezone.utc)
+    assert parse_instant("2026-11-30T15:00:00+02:00", "--to", now) == datetime(2026, 11, 30, 13, tzinfo=timezone.utc)
+    with pytest.raises(ReplayRefused, match="--from 'yesterday'"):
+        parse_instant("yesterday", "--from", now)
+
+
+def test_the_same_store_is_recognised_however_it_is_spelled(tmp_path):
+    from gpuledger.replay import same_store
+
+    assert same_store(f"chdb://{tmp_path}/a/../live", "gpuledger", f"chdb://{tmp_path}/live", "gpuledger")
+    assert not same_store(f"chdb://{tmp_path}/sandbox", "gpuledger", f"chdb://{tmp_path}/live", "gpuledger")
+    assert same_store("http://u:secret@ch:8123/x", "gpuledger", "http://ch", "gpuledger")
+    assert not same_store("http://ch:8123", "postmortem", "http://ch:8123", "gpuledger")
+    assert not same_store("https://ch", "gpuledger", "http://ch", "gpuledger")
