@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 
 # Kafka's jars from Maven Central, cached under ~/.cache/gpuledger (once).
 jars: $(STAMP)
-	$(BIN)/python -c "from gpuledger.localkafka import ensure_jars; from gpuledger.settings import default_cache_dir; print('Kafka jars in', ensure_jars(default_cache_dir()))"
+	$(BIN)/python -c "from gpuledger.dev.localkafka import ensure_jars; from gpuledger.settings import default_cache_dir; print('Kafka jars in', ensure_jars(default_cache_dir()))"
 
 setup: $(STAMP) jars
 

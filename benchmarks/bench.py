@@ -55,10 +55,11 @@ from confluent_kafka import Consumer, TopicPartition  # noqa: E402
 from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
 
 from benchmarks.mix import RELEASES, events  # noqa: E402
-from gpuledger.localkafka import LocalKafka, LocalKafkaError  # noqa: E402
-from gpuledger.process import ServiceError, ServiceProcess, wait_for_worker  # noqa: E402
+from gpuledger.dev.localkafka import LocalKafka, LocalKafkaError  # noqa: E402
+from gpuledger.dev.process import ServiceError, ServiceProcess, wait_for_worker  # noqa: E402
 from gpuledger.settings import default_cache_dir  # noqa: E402
-from producers._kafka import EventPublisher, ProducerError, ensure_topics  # noqa: E402
+from producers._errors import ProducerError  # noqa: E402
+from producers._kafka import EventPublisher, ensure_topics  # noqa: E402
 from schemas.topics import TopicCatalogue  # noqa: E402
 from sinks.checksum import differing  # noqa: E402
 from sinks.clickhouse import connect  # noqa: E402

@@ -1,4 +1,4 @@
-"""`gpuledger exercise SCENARIO`: a scripted exercise through the real pipeline.
+"""A scripted exercise through the real pipeline (``gpuledger exercise SCENARIO``, ``gpuledger demo``).
 
 Input: a scenario (``deploy/exercises/<name>.yaml`` or a path; format in
 docs/exercises.md), ``--speed`` (timeline compression) and ``--seed`` (names and UUIDs).
@@ -35,16 +35,14 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Optional
 
-import typer
 from rich.console import Console
 from rich.table import Table
 
-from gpuledger.process import ServiceError, ServiceProcess
+from gpuledger.dev.process import ServiceError, ServiceProcess, free_port
 from gpuledger.sim.cluster import SimCluster, SimulationError, StepRecord, Surfaces, dry_run
 from gpuledger.sim.evidence import CheckResult, evaluate, summary
-from gpuledger.sim.scenario import Scenario, ScenarioError, load_scenario, shipped_scenarios
+from gpuledger.sim.scenario import Scenario, ScenarioError, load_scenario
 
 #: Seconds between two kubelet polls of the simulated nodes' collectors.
 POLL_INTERVAL_S = 0.3
@@ -116,9 +114,9 @@ class ExerciseRunner:
     def _write_policy(self, sc: Scenario) -> Path:
         """The worker's policy: the configured file (or the default) with the scenario's
         overrides, every duration compressed by the speed like the timeline."""
-        from gpuledger.policy import Policy, PolicySettings, dump_policy, load_policy
+        from streams.controls.policy import Policy, dump_policy, load_policy
 
-        policy = load_policy(PolicySettings().file)
+        policy = load_policy(self.settings.policy.file)
         if sc.policy:
             policy = Policy.model_validate(_merge(policy.model_dump(), sc.policy))
         path = self.base / "policy.yaml"
@@ -183,7 +181,7 @@ class ExerciseRunner:
                 prefix = f"{kconf.topic_prefix}-ex-{sc.name}-{self.run_id}"
                 self.say("kafka", f"using {bootstrap} (topics {prefix}.*)")
             else:
-                from gpuledger.localkafka import LocalKafka
+                from gpuledger.dev.localkafka import LocalKafka
 
                 self.say("kafka", "starting the local broker (the first run downloads Kafka's jars with Maven)...")
                 broker = LocalKafka(self.base / "kafka", self.settings.cache_dir).start()
@@ -208,8 +206,6 @@ class ExerciseRunner:
             self.say("cluster", f"{sim.describe()}; API server {surfaces.api.url}, kubelet sockets in {socket_dir}")
 
             # The real services.
-            from gpuledger.localkafka import free_port
-
             web_port = free_port()
             env = {
                 "GPULEDGER_KAFKA_BOOTSTRAP": bootstrap, "GPULEDGER_KAFKA_TOPIC_PREFIX": prefix,
@@ -436,44 +432,3 @@ def run_exercise(settings, scenario: str | Path | Scenario, console: Console, *,
     """Load (unless given) and run one scenario; see ``ExerciseRunner``. Raises ScenarioError for a bad file."""
     sc = scenario if isinstance(scenario, Scenario) else load_scenario(scenario)
     return ExerciseRunner(settings, sc, console, speed=speed, seed=seed, report_path=report_path, data_dir=data_dir).run()
-
-
-# --- CLI ---------------------------------------------------------------------------------------------
-
-def exercise(
-    scenario: Optional[str] = typer.Argument(None, help="A shipped scenario (incident-rollback, retirement, unapproved-admission) or a path to a YAML file."),
-    speed: Optional[float] = typer.Option(None, "--speed", help="Compress the timeline this many times (default: the scenario's speed)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for names, UIDs and GPU UUIDs (default: the scenario's)."),
-    report: Optional[Path] = typer.Option(None, "--report", help="Where to write the HTML report (default <data dir>/exercises/<scenario>/<scenario>.html)."),
-    list_: bool = typer.Option(False, "--list", help="List the shipped scenarios and exit."),
-    check: bool = typer.Option(False, "--check", help="Only validate the scenario file (and its capacity), then exit."),
-) -> None:
-    """Run a scripted exercise against a simulated GPU cluster through the real collectors, pipeline and store."""
-    from gpuledger.cli import console, fail, load_settings
-
-    if list_:
-        for name in shipped_scenarios():
-            sc = load_scenario(name)
-            console.print(f"[bold]{name}[/]  {sc.description.strip()}", highlight=False)
-        return
-    if not scenario:
-        fail("give a scenario: " + ", ".join(shipped_scenarios()) + " (or a path to a YAML file)", 2)
-    if speed is not None and speed <= 0:
-        fail("--speed must be greater than 0", 2)
-    try:
-        sc = load_scenario(scenario)
-        if check:
-            dry_run(sc, sc.seed if seed is None else seed)
-    except (ScenarioError, SimulationError) as exc:
-        fail(str(exc), 2)
-    if check:
-        console.print(f"{sc.name}: valid ({len(sc.timeline)} steps, {len(sc.expect)} expectations)", highlight=False)
-        return
-    settings = load_settings()
-    result = run_exercise(settings, sc, console, speed=speed, seed=seed, report_path=report)
-    raise typer.Exit(result.exit_code)
-
-
-def register(app: typer.Typer) -> None:
-    """Add ``gpuledger exercise``."""
-    app.command("exercise")(exercise)

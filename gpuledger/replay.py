@@ -6,7 +6,7 @@ DSN (``chdb:///path`` or ``http(s)://…``); optionally an event-time range. Out
 sandbox store, holding what the worker builds from that history — then ``gpuledger
 trace`` / ``audit`` run on it with ``GPULEDGER_CLICKHOUSE_DSN`` pointed there.
 
-How: the real worker runs as a child process (``gpuledger.process.ServiceProcess``)
+How: the real worker runs as a child process (``gpuledger.dev.process.ServiceProcess``)
 under the replay's own app id — its own consumer group and run topics, so it reads
 no other run's outputs (DESIGN.md: a replay is its own world) — with the sandbox as
 its store, the replay's directory as its data dir (Faust state, ``worker.log``) and
@@ -22,6 +22,9 @@ and a sandbox that already holds rows. Exit codes: 0 caught up; 1 the worker die
 Kafka or the store failed, or ``--timeout`` passed; 2 bad options or a refusal;
 130 interrupted (the worker is stopped; ``--resume`` continues).
 
+The command itself (options, exit codes) is ``gpuledger/cli/replay.py``; this module
+holds no CLI code.
+
 Limits: entity state from before ``--from`` (pods scheduled earlier, GPUs assigned
 earlier) is not known to the replay — only releases are; start earlier for that.
 Records published after the replay started are processed but not waited for.
@@ -36,15 +39,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import typer
 from confluent_kafka import KafkaException
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
-from sinks.read.trace import TraceError, parse_time
-from gpuledger.policy import parse_duration
+from gpuledger.timefmt import TIME_EXAMPLE, TimeFormatError, parse_duration, parse_time
 from sinks.clickhouse import chdb_path, is_embedded, redact
 
 
@@ -59,15 +60,16 @@ class ReplayRefused(ReplayError):
 # --- options --------------------------------------------------------------------------------
 
 def parse_instant(text: str, option: str, now: datetime) -> datetime:
-    """An ISO 8601 time (no zone means UTC) or a duration before ``now`` ('2h', '30m', '1d', '1h30m')."""
+    """An RFC 3339 time (no zone means UTC) or a duration before ``now`` ('2h', '30m', '1d', '1h30m'),
+    both in the grammar of ``gpuledger.timefmt``."""
     try:
         return now - parse_duration(text)
-    except ValueError:
+    except TimeFormatError:
         pass
     try:
         return parse_time(text, option)
-    except TraceError:
-        raise ReplayRefused(f"{option} {text!r}: neither an ISO 8601 time (2026-11-30T13:40:00Z) nor a duration before now (2h, 30m, 1d)") from None
+    except TimeFormatError:
+        raise ReplayRefused(f"{option} {text!r}: neither an RFC 3339 time ({TIME_EXAMPLE}) nor a duration before now (2h, 30m, 1d, 1h30m)") from None
 
 
 def default_app_id(now: datetime) -> str:
@@ -227,8 +229,7 @@ def run_replay(plan: ReplayPlan, settings, console: Console, timeout: float | No
 
 
 def _replay_with(progress, plan: ReplayPlan, settings, console: Console, timeout: float | None) -> ReplayResult:
-    from gpuledger.localkafka import free_port
-    from gpuledger.process import ServiceProcess
+    from gpuledger.dev.process import ServiceProcess, free_port
     from producers._kafka import resolve_bootstrap
     from streams.progress import wait_caught_up, worker_health
 
@@ -311,58 +312,3 @@ def print_summary(plan: ReplayPlan, result: ReplayResult) -> None:
     print(f"worker log: {plan.log_path}")
     print(f"query it: GPULEDGER_CLICKHOUSE_DSN={redact(plan.into)} GPULEDGER_CLICKHOUSE_DATABASE={plan.database} "
           "gpuledger trace --alert FP --at T  (or: gpuledger audit --from T --to T)")
-
-
-# --- the command ----------------------------------------------------------------------------
-
-def register(app: typer.Typer) -> None:
-    """Add ``gpuledger replay``."""
-
-    @app.command("replay")
-    def replay(
-        into: str = typer.Option(..., "--into", help="The sandbox store: chdb:///path or http(s)://… (never the live store)."),
-        start: str | None = typer.Option(None, "--from", help="Replay events that occurred at or after this time: ISO 8601 (no zone means UTC) or a duration before now (2h, 30m, 1d)."),
-        end: str | None = typer.Option(None, "--to", help="...and before this time (same forms)."),
-        app_id: str | None = typer.Option(None, "--app-id", help="The replay's app id = consumer group and run topics. Default: replay-<UTC timestamp>."),
-        resume: bool = typer.Option(False, "--resume", help="Continue the replay of --app-id (its group has committed offsets; its range is reused) instead of refusing."),
-        database: str | None = typer.Option(None, "--database", help="Database in the sandbox (default: GPULEDGER_CLICKHOUSE_DATABASE)."),
-        work_dir: Path | None = typer.Option(None, "--work-dir", help="The worker's data dir (Faust state, worker.log, replay.json). Default: $GPULEDGER_DATA_DIR/replays/<app id>."),
-        timeout: float | None = typer.Option(None, "--timeout", help="Give up (exit 1) after this many seconds without catching up. Default: wait."),
-        bootstrap: str | None = typer.Option(None, "--bootstrap", help="Kafka bootstrap servers (default: GPULEDGER_KAFKA_BOOTSTRAP, else the local broker)."),
-    ) -> None:
-        """Postmortem replay: rebuild a time range's tables from the raw topics into a sandbox store."""
-        from gpuledger.cli import err, fail, load_settings
-        from producers._kafka import ProducerError
-        from sinks.errors import SinkError
-
-        settings = load_settings(bootstrap)
-        now = datetime.now(timezone.utc)
-        if resume and not app_id:
-            fail("--resume needs the --app-id of the replay to continue", 2)
-        if not into.startswith(("chdb://", "http://", "https://")):
-            fail(f"--into must be chdb:///path or http(s)://…, got {into!r}", 2)
-        app_id = app_id or default_app_id(now)
-        work_dir = work_dir or settings.data_dir / "replays" / app_id
-        before = ReplayPlan.recorded(work_dir) if resume else None
-        try:
-            since = parse_instant(start, "--from", now) if start else settings.streams.replay_from
-            until = parse_instant(end, "--to", now) if end else settings.streams.replay_to
-        except ReplayRefused as exc:
-            fail(str(exc), 2)
-        if before and not (start or end):  # resuming: the range the replay started with ("2h" meant then, not now)
-            since, until = (datetime.fromisoformat(before[k]) if before.get(k) else None for k in ("from", "to"))
-        plan = ReplayPlan(app_id, into, database or settings.clickhouse.database, work_dir, since, until, resume)
-        problems = refusals(plan, settings)
-        if problems:
-            fail("refusing to replay:\n  " + "\n  ".join(problems), 2)
-        try:
-            result = run_replay(plan, settings, err, timeout)
-        except ReplayRefused as exc:
-            fail(str(exc), 2)
-        except KeyboardInterrupt:
-            err.print(f"interrupted; the worker is stopped. Continue with: gpuledger replay --resume --app-id {plan.app_id} --into {redact(plan.into)}",
-                      highlight=False, soft_wrap=True)
-            raise typer.Exit(130)
-        except (ReplayError, ProducerError, SinkError) as exc:
-            fail(str(exc))
-        print_summary(plan, result)

@@ -1,21 +1,38 @@
-"""The one settings loader: pydantic-settings models, one per area.
+"""The one settings root: every component's pydantic-settings model under one ``Settings``.
 
-Every field reads ``GPULEDGER_<AREA>_<FIELD>`` from the environment (e.g.
-``GPULEDGER_KAFKA_BOOTSTRAP``, ``GPULEDGER_CLICKHOUSE_DSN``) and can be overridden by
-CLI flags. ``Settings.load()`` validates everything before any I/O and reports every
-problem at once.
+Input: the environment (``GPULEDGER_<AREA>_<FIELD>``, e.g. ``GPULEDGER_KAFKA_BOOTSTRAP``,
+``GPULEDGER_SCHEDULER_NAMESPACE``) and CLI flags (overrides). Output: one validated
+``Settings`` with a section per component — ``kafka``, ``clickhouse``, ``streams``,
+``telemetry``, ``receiver``, ``collectors.scheduler``, ``collectors.podresources``,
+``policy``. Each section's model lives with its component (``producers/*/config.py``,
+``streams/controls/policy.py``); the ones without a component of their own live here.
+Guarantees: ``Settings.load()`` validates everything before any I/O and reports every
+problem at once, each named by its environment variable; a ``GPULEDGER_*`` variable that
+is no setting (a typo, a setting that was renamed) stops start-up with the list of valid
+ones (``GPULEDGER_TEST_*`` is left to the test suite). ``env_vars()`` lists every variable
+with its description: docs/operations.md is generated from it (``gpuledger.dev.settings_doc``).
+Limits: the local Kafka broker of ``gpuledger kafka up`` is not looked up here but by the
+CLI (``gpuledger.cli._common.load_settings``), the only place that may start dev tooling.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
-from datetime import datetime, timezone
+from collections.abc import Iterator, Mapping
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from gpuledger.timefmt import parse_time
+from producers.kubernetes.config import SchedulerCollectorSettings
+from producers.podresources.config import PodResourcesSettings
+from producers.receiver.config import ReceiverSettings
 from schemas.topics import TopicCatalogue
+from streams.controls.policy import PolicySettings
 
 
 def default_data_dir() -> Path:
@@ -31,11 +48,12 @@ class SettingsError(ValueError):
 
 
 class KafkaSettings(BaseSettings):
-    """Where Kafka is and how gpuledger's topics are laid out."""
+    """Where Kafka is and how gpuledger's topics are laid out (every component)."""
 
     model_config = SettingsConfigDict(env_prefix="GPULEDGER_KAFKA_", extra="ignore")
 
-    bootstrap: str | None = Field(default=None, description="Bootstrap servers, host:port[,host:port]. Unset: the local broker started by `gpuledger kafka up`.")
+    bootstrap: str | None = Field(default=None, description="Bootstrap servers, host:port[,host:port]. Unset: the local broker started by `gpuledger kafka up`.",
+                                  json_schema_extra={"doc_default": "the local broker of `kafka up`"})
     topic_prefix: str = Field(default="gpuledger", description="Prefix of every topic name.")
     raw_partitions: int = Field(default=4, ge=1, description="Partitions of each raw topic (all co-partitioned).")
     replication_factor: int = Field(default=1, ge=1, description="Replication factor of created topics.")
@@ -95,7 +113,8 @@ class ClickHouseSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="GPULEDGER_CLICKHOUSE_", extra="ignore")
 
-    dsn: str | None = Field(default=None, description="chdb:///path (embedded, default under the data dir) or http(s)://user:pass@host:8123/db.")
+    dsn: str | None = Field(default=None, description="chdb:///path (embedded, default under the data dir) or http(s)://user:pass@host:8123/db.",
+                            json_schema_extra={"doc_default": "chdb://$GPULEDGER_DATA_DIR/clickhouse"})
     database: str = Field(default="gpuledger", description="Database holding gpuledger's tables.")
     batch_rows: int = Field(default=10_000, ge=1, description="Sink flushes a batch at this many rows...")
     batch_seconds: float = Field(default=0.3, gt=0, description="...or after this many seconds, whichever comes first.")
@@ -118,7 +137,7 @@ class StreamsSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="GPULEDGER_STREAMS_", extra="ignore")
 
-    app_id: str = Field(default="gpuledger", description="Faust app id = consumer group; change it to replay into a fresh group.")
+    app_id: str = Field(default="gpuledger", description="Faust app id = consumer group, and the run's topic namespace (`<prefix>.<app id>.*`); a new one is a replay.")
     web_port: int = Field(default=0, ge=0, le=65535, description="Worker's loopback web port (health, read-only queries); 0 picks a free port.")
     park_ttl_s: float = Field(default=300.0, gt=0, description="Event-time seconds an event waits for its identity before it is emitted unattributed.")
     park_idle_flush_s: float = Field(default=10.0, gt=0, description="Wall-clock seconds without input after which every parked event is emitted (an idle source must not hold rows back).")
@@ -130,10 +149,11 @@ class StreamsSettings(BaseSettings):
     replay_from: datetime | None = Field(default=None, description="Start of the event-time range (occurred_at, inclusive; no zone means UTC) this run processes: the route stage and the raw sink skip earlier events (`gpuledger replay --from`). The release directory reads every release regardless. Unset: no lower bound.")
     replay_to: datetime | None = Field(default=None, description="End of that range (exclusive): later events are skipped (`gpuledger replay --to`). Unset: no upper bound.")
 
-    @field_validator("replay_from", "replay_to")
+    @field_validator("replay_from", "replay_to", mode="before")
     @classmethod
-    def _utc(cls, value: datetime | None) -> datetime | None:
-        return value.replace(tzinfo=timezone.utc) if value is not None and value.tzinfo is None else value
+    def _time(cls, value: Any) -> datetime | None:
+        """Read as ``gpuledger.timefmt.parse_time`` reads people's times (no zone means UTC)."""
+        return None if value in (None, "") else parse_time(value)
 
     @model_validator(mode="after")
     def _range_ordered(self) -> StreamsSettings:
@@ -163,46 +183,143 @@ class TelemetrySettings(BaseSettings):
         return value
 
 
+class CollectorsSettings(BaseModel):
+    """The collectors that read an external system (each with its own environment prefix)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    scheduler: SchedulerCollectorSettings = Field(default_factory=SchedulerCollectorSettings, description="`gpuledger collect scheduler`.")
+    podresources: PodResourcesSettings = Field(default_factory=PodResourcesSettings, description="`gpuledger collect podresources`.")
+
+
 class Settings(BaseSettings):
-    """Root settings: data locations plus one block per area."""
+    """Root settings: data locations plus one section per component."""
 
     model_config = SettingsConfigDict(env_prefix="GPULEDGER_", extra="ignore")
 
-    data_dir: Path = Field(default_factory=default_data_dir, description="Where local state lives (broker data, embedded ClickHouse).")
-    cache_dir: Path = Field(default_factory=default_cache_dir, description="Where downloaded Kafka jars are cached.")
+    data_dir: Path = Field(default_factory=default_data_dir, description="Where local state lives (broker data, embedded ClickHouse).",
+                           json_schema_extra={"doc_default": "~/.local/share/gpuledger"})
+    cache_dir: Path = Field(default_factory=default_cache_dir, description="Where downloaded Kafka jars are cached.",
+                            json_schema_extra={"doc_default": "~/.cache/gpuledger"})
+    profile: Path | None = Field(default=None, description="Write a cProfile of the worker to this file when it stops (`benchmarks/bench.py --profile`).")
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     clickhouse: ClickHouseSettings = Field(default_factory=ClickHouseSettings)
     streams: StreamsSettings = Field(default_factory=StreamsSettings)
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
+    receiver: ReceiverSettings = Field(default_factory=ReceiverSettings)
+    collectors: CollectorsSettings = Field(default_factory=CollectorsSettings)
+    policy: PolicySettings = Field(default_factory=PolicySettings)
 
     @classmethod
-    def load(cls, **overrides) -> Settings:
-        """Build settings from env + overrides; every problem is reported at once."""
-        problems: list[str] = []
-        blocks = {}
-        for name, klass in (("kafka", KafkaSettings), ("clickhouse", ClickHouseSettings), ("streams", StreamsSettings), ("telemetry", TelemetrySettings)):
+    def load(cls, run: str | None = None, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Build settings from the environment + overrides (None means "not given"); every problem at once.
+
+        ``overrides`` take one mapping per section (``kafka={"bootstrap": ...}``,
+        ``collectors={"scheduler": {...}}``) and the root fields; ``environ`` is where
+        unknown ``GPULEDGER_*`` variables are looked for (default ``os.environ``). ``run``
+        names the section of the component about to run (``"collectors.podresources"``):
+        it is validated as its model's ``to_run()`` says, so what the component needs and
+        was not given is one more problem. Raises ``SettingsError``.
+        """
+        problems = unknown_env_problems(os.environ if environ is None else environ)
+        built: dict[str, Any] = {}
+        for path, klass in sections():
+            group, _, name = path.rpartition(".")
+            given = overrides.get(group, {}).get(name, {}) if group else overrides.get(name, {})
+            if path == run and hasattr(klass, "to_run"):
+                klass = klass.to_run()
             try:
-                blocks[name] = klass(**{k: v for k, v in overrides.pop(name, {}).items() if v is not None})
+                built[path] = klass(**_given(given))
             except ValidationError as exc:
-                problems.extend(_lines(exc, klass.model_config['env_prefix']))
+                problems.extend(error_lines(exc, klass))
         if problems:
             raise SettingsError("invalid settings:\n  " + "\n  ".join(problems))
+        collectors = CollectorsSettings(**{p.split(".", 1)[1]: v for p, v in built.items() if p.startswith("collectors.")})
+        root = {k: v for k, v in overrides.items() if not _is_section(k)}
         try:
-            return cls(**blocks, **{k: v for k, v in overrides.items() if v is not None})
+            return cls(**{p: v for p, v in built.items() if "." not in p}, collectors=collectors, **_given(root))
         except ValidationError as exc:
-            raise SettingsError("invalid settings:\n  " + "\n  ".join(_lines(exc, ""))) from exc
+            raise SettingsError("invalid settings:\n  " + "\n  ".join(error_lines(exc, cls))) from exc
 
     @property
     def clickhouse_dsn(self) -> str:
         return self.clickhouse.resolved_dsn(self.data_dir)
 
 
-def _lines(exc: ValidationError, env_prefix: str) -> list[str]:
+_SECTIONS: tuple[tuple[str, type[BaseSettings]], ...] = (
+    ("kafka", KafkaSettings), ("clickhouse", ClickHouseSettings), ("streams", StreamsSettings), ("telemetry", TelemetrySettings),
+    ("receiver", ReceiverSettings), ("collectors.scheduler", SchedulerCollectorSettings),
+    ("collectors.podresources", PodResourcesSettings), ("policy", PolicySettings),
+)
+
+#: Variables under the GPULEDGER_ prefix that are no settings: the test suite's own switches.
+NOT_SETTINGS_PREFIXES = ("GPULEDGER_TEST_",)
+
+
+def sections() -> tuple[tuple[str, type[BaseSettings]], ...]:
+    """(path in ``Settings``, model) of every section with its own environment prefix."""
+    return _SECTIONS
+
+
+def _is_section(name: str) -> bool:
+    return any(path.split(".", 1)[0] == name for path, _ in _SECTIONS)
+
+
+def _given(values: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _env_fields(klass: type[BaseModel], prefix: str, delimiter: str | None) -> Iterator[tuple[str, Any]]:
+    for name, info in klass.model_fields.items():
+        var = f"{prefix}{name.upper()}"
+        yield var, info
+        nested = info.annotation
+        if delimiter and isinstance(nested, type) and issubclass(nested, BaseModel):
+            for sub, sub_info in nested.model_fields.items():
+                yield f"{var}{delimiter}{sub.upper()}", sub_info
+
+
+def env_vars() -> dict[str, tuple[str, Any, Any]]:
+    """Every variable the settings read: name -> (section path, model class, field info), in section order."""
+    out: dict[str, tuple[str, Any, Any]] = {}
+    for name, info in Settings.model_fields.items():
+        if not _is_section(name):
+            out[f"GPULEDGER_{name.upper()}"] = ("", Settings, info)
+    for path, klass in _SECTIONS:
+        config = klass.model_config
+        for var, info in _env_fields(klass, config["env_prefix"], config.get("env_nested_delimiter")):
+            out[var] = (path, klass, info)
+    return out
+
+
+def unknown_env_problems(environ: Mapping[str, str]) -> list[str]:
+    """One problem per ``GPULEDGER_*`` variable that no setting reads, with a guess and the list of valid ones."""
+    known = env_vars()
+    unknown = sorted(k for k in environ if k.upper().startswith("GPULEDGER_") and k.upper() not in known
+                     and not k.upper().startswith(NOT_SETTINGS_PREFIXES))
+    if not unknown:
+        return []
+    problems = []
+    for name in unknown:
+        guess = difflib.get_close_matches(name.upper(), known, n=1)
+        problems.append(f"{name}: not a setting" + (f" (did you mean {guess[0]}?)" if guess else ""))
+    by_section: dict[str, list[str]] = {}
+    for var, (path, _, _) in known.items():
+        by_section.setdefault(path or "root", []).append(var)
+    problems.append("valid variables:" + "".join(f"\n    {path}: {', '.join(names)}" for path, names in by_section.items()))
+    return problems
+
+
+def error_lines(exc: ValidationError, klass: type[BaseModel]) -> list[str]:
+    """A pydantic error as one line per problem, each named by its environment variable."""
+    config = getattr(klass, "model_config", {})
+    prefix = config.get("env_prefix", "")
+    delimiter = config.get("env_nested_delimiter") or "."
     out = []
     for err in exc.errors(include_url=False):
-        loc = ".".join(str(p) for p in err["loc"])
-        env = f"{env_prefix}{loc.upper()}" if env_prefix and loc else loc
-        out.append(f"{env}: {err['msg']}" if env else err["msg"])  # a cross-field check names its fields itself
+        loc = delimiter.join(str(p) for p in err["loc"]).upper()
+        msg = err["msg"].removeprefix("Value error, ")
+        out.append(f"{prefix}{loc}: {msg}" if loc else msg)  # a cross-field check names its variables itself
     return out
 
 

@@ -27,16 +27,15 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import NamedTuple
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
 
 from gpuledger.telemetry import ComponentCounters, inject_headers, tracer
-from producers._limits import DEFAULT_RECORD_LIMIT, max_event_bytes_for
+from producers._errors import EventTooLarge, KafkaNotConfigured, ProducerError, PublishError
+from producers._limits import DEFAULT_RECORD_LIMIT, Oversize, RecordLimit
 from schemas import encode_event
 from schemas.outputs import DEAD_LETTER_VALUE_BYTES, DeadLetter
 from schemas.topics import TopicCatalogue
@@ -53,75 +52,6 @@ _MAX_BATCH_BYTES = 1_000_000
 #: A limit that is a fallback (a topic not yet visible, no DescribeConfigs right) is read
 #: again after this long: a topic created a moment ago may have its own max.message.bytes.
 _FALLBACK_RECHECK_S = 60.0
-
-
-class ProducerError(RuntimeError):
-    """Base error of the producers package."""
-
-    retriable = False
-
-
-class PublishError(ProducerError):
-    """Some records of a batch were not acknowledged by Kafka (broker down, timeout)."""
-
-    retriable = True
-
-
-class KafkaNotConfigured(ProducerError):
-    """No bootstrap servers given and no local broker running."""
-
-
-class Oversize(NamedTuple):
-    """One event of a batch that cannot travel: its place in the batch, what it is, its size."""
-
-    index: int
-    event_id: str
-    event_type: str
-    size_bytes: int
-
-
-@dataclass(frozen=True)
-class RecordLimit:
-    """The largest record Kafka takes on the raw topics, and where that number came from."""
-
-    bytes: int
-    source: str
-    #: False when some raw topic's config could not be read (a fallback, read again later).
-    confirmed: bool = True
-
-    @property
-    def max_event_bytes(self) -> int:
-        return max_event_bytes_for(self.bytes)
-
-
-class EventTooLarge(ProducerError):
-    """An event too large to travel: encoded over ``max_event_bytes``, or refused by Kafka for its size.
-
-    Not retriable as is (the same bytes are refused again). ``oversize`` lists every
-    offender of the batch; ``event_id``, ``event_type``, ``size_bytes`` and ``index``
-    describe the first, ``limit_bytes`` is the limit it broke.
-    """
-
-    retriable = False
-
-    def __init__(self, oversize: Sequence[Oversize], limit: RecordLimit, refused_by_kafka: str | None = None) -> None:
-        self.oversize = list(oversize)
-        first = self.oversize[0]
-        self.index, self.event_id, self.event_type, self.size_bytes = first.index, first.event_id, first.event_type, first.size_bytes
-        self.record_limit = limit
-        if refused_by_kafka:
-            self.limit_bytes = limit.bytes
-            text = (f"Kafka refused {first.event_type} event {first.event_id} ({first.size_bytes} bytes encoded) as too large: "
-                    f"{refused_by_kafka} (hint: the topic's max.message.bytes is lower than the {limit.bytes} bytes read from "
-                    f"{limit.source}; it is read again for the next batch)")
-        else:
-            self.limit_bytes = limit.max_event_bytes
-            text = (f"{first.event_type} event {first.event_id} is {first.size_bytes} bytes encoded, over the "
-                    f"{self.limit_bytes}-byte limit for one event (a quarter of {limit.source}, {limit.bytes} bytes, "
-                    f"at most 256 KiB: downstream re-encodes events into bigger records)")
-        if len(self.oversize) > 1:
-            text += f"; {len(self.oversize) - 1} more event(s) of the batch too"
-        super().__init__(text)
 
 
 def _kafka_error(exc: BaseException) -> KafkaError | None:
@@ -186,14 +116,9 @@ class _Record(NamedTuple):
 
 
 def resolve_bootstrap(settings) -> str:
-    """GPULEDGER_KAFKA_BOOTSTRAP if set, else the local broker of `gpuledger kafka up`."""
+    """The configured bootstrap servers (the CLI fills in the local broker of `gpuledger kafka up`)."""
     if settings.kafka.bootstrap:
         return settings.kafka.bootstrap
-    from gpuledger.localkafka import running_broker
-
-    state = running_broker(Path(settings.data_dir))
-    if state:
-        return state["bootstrap"]
     raise KafkaNotConfigured("no Kafka to talk to: set GPULEDGER_KAFKA_BOOTSTRAP=host:port or start one with `gpuledger kafka up`")
 
 

@@ -3,7 +3,8 @@
 Input: the largest record the raw topics take (``max.message.bytes``, learned by
 ``EventPublisher``), free-text values of source objects (alert annotations, Kubernetes
 condition and Event messages).
-Output: ``max_event_bytes_for`` — the one per-event limit every producer enforces;
+Output: ``max_event_bytes_for`` — the one per-event limit every producer enforces
+(``RecordLimit.max_event_bytes``; ``Oversize`` names an event over it);
 ``truncate_text`` / ``TextTrimmer`` — free text cut to a per-field cap with a visible
 marker, remembering what was cut so callers can count and report it.
 Guarantees: a cut value is at most its cap in UTF-8 bytes, marker included, never splits
@@ -18,6 +19,7 @@ refused (receiver, 422) or dead-lettered (collectors) by the caller.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 #: Kafka's default ``message.max.bytes`` (broker) / ``max.message.bytes`` (topic), used
 #: when neither can be read (no DescribeConfigs right).
@@ -33,6 +35,29 @@ FREE_TEXT_BYTES = 8 * 1024
 IDENTITY_TEXT_BYTES = 4 * 1024
 
 TRUNCATION_MARKER = "…[truncated {n} bytes]"
+
+
+class Oversize(NamedTuple):
+    """One event of a batch that cannot travel: its place in the batch, what it is, its size."""
+
+    index: int
+    event_id: str
+    event_type: str
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class RecordLimit:
+    """The largest record Kafka takes on the raw topics, and where that number came from."""
+
+    bytes: int
+    source: str
+    #: False when some raw topic's config could not be read (a fallback, read again later).
+    confirmed: bool = True
+
+    @property
+    def max_event_bytes(self) -> int:
+        return max_event_bytes_for(self.bytes)
 
 
 def max_event_bytes_for(record_limit: int) -> int:

@@ -1,4 +1,4 @@
-"""`gpuledger release …`: release lifecycle events from CI/CD pipelines, straight to Kafka.
+"""Release lifecycle events from CI/CD pipelines (``gpuledger release …``): flags → one event.
 
 Input: command-line flags — every shared identifier (``--release-id``, ``--model``,
 ``--version``, ``--artifact-digest``, ``--image-digest``, ``--config-digest``,
@@ -6,8 +6,9 @@ Input: command-line flags — every shared identifier (``--release-id``, ``--mod
 ``--approval-id``, ``--reason``, ``--tag k=v``), reservations (``--reservation-id``,
 ``--gpus``, ``--pool``, ``--window-start``, ``--window-end``), admin actions
 (``--target``, ``--expires-at``) and the event time ``--at`` (default: now).
-Output: one ``ReleaseEvent`` on the release topic, keyed by release_id, published
-through the one ``EventPublisher``; its event id is printed on stdout.
+Output: one ``ReleaseEvent`` (``build_event``), which the command
+(``gpuledger.cli.release``) publishes on the release topic, keyed by release_id, through
+the one ``EventPublisher``, and whose event id it prints on stdout.
 Guarantees: the command exits 0 only once Kafka acknowledged the event (acks=all);
 missing identifiers exit 2 naming every missing flag, before any I/O; ``event_id =
 make_event_id("cli", (release_id, event_type, approval_id, env, target,
@@ -23,11 +24,9 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Optional
 
-import typer
-
-from producers._kafka import ProducerError
+from gpuledger.timefmt import TimeFormatError, parse_time
+from producers._errors import ProducerError
 from schemas.envelope import Identity, Source, make_event_id
 from schemas.release import ReleaseEvent, ReleasePayload, Reservation
 
@@ -86,16 +85,12 @@ class ReleaseInputError(ProducerError):
 
 
 def _time(flag: str, value: str | None, problems: list[str]) -> datetime | None:
-    from producers.alertmanager import parse_timestamp
-
     if value is None:
         return None
-    if value.strip().lower() == "now":
-        return datetime.now(timezone.utc)
     try:
-        return parse_timestamp(value)
-    except ValueError:
-        problems.append(f"{flag}: not an RFC 3339 time with a zone, e.g. 2026-05-01T12:00:00Z (got {value!r})")
+        return parse_time(value, flag)
+    except TimeFormatError as exc:
+        problems.append(str(exc))
         return None
 
 
@@ -157,60 +152,3 @@ def build_event(command: ReleaseCommand, options: dict, observed_at: datetime | 
         identity=identity,
         payload=payload,
     )
-
-
-def _make_command(command: ReleaseCommand):
-    def run(
-        release_id: Optional[str] = typer.Option(None, "--release-id", help="Release id (required by every command)."),
-        model: Optional[str] = typer.Option(None, "--model", help="Model name as the registry names it."),
-        version: Optional[str] = typer.Option(None, "--version", help="Model version as the registry names it."),
-        artifact_digest: Optional[str] = typer.Option(None, "--artifact-digest", help="sha256 of the model artifact."),
-        image_digest: Optional[str] = typer.Option(None, "--image-digest", help="Serving/training image digest, sha256:…"),
-        config_digest: Optional[str] = typer.Option(None, "--config-digest", help="Serving/training config hash."),
-        dataset: Optional[str] = typer.Option(None, "--dataset", help="Dataset reference."),
-        env: Optional[str] = typer.Option(None, "--env", help="Environment (dev / eval / staging / prod); the target of promote/rollback."),
-        owner: Optional[str] = typer.Option(None, "--owner", help="Accountable team."),
-        data_class: Optional[str] = typer.Option(None, "--data-class", help="Data classification."),
-        actor: Optional[str] = typer.Option(None, "--actor", help="Who did it (user, service account, CI job)."),
-        approval_id: Optional[str] = typer.Option(None, "--approval-id", help="Change/approval ticket id."),
-        reason: Optional[str] = typer.Option(None, "--reason", help="Why."),
-        superseded: Optional[str] = typer.Option(None, "--superseded", help="promote/rollback: the release this one replaced (or that replaced it)."),
-        tag: Optional[list[str]] = typer.Option(None, "--tag", help="Extra KEY=VALUE carried in the payload (repeatable)."),
-        reservation_id: Optional[str] = typer.Option(None, "--reservation-id", help="reserve/unreserve: reservation id."),
-        gpus: Optional[int] = typer.Option(None, "--gpus", help="reserve/unreserve: number of GPUs."),
-        pool: Optional[str] = typer.Option(None, "--pool", help="reserve/unreserve: node pool / ClusterQueue / flavor."),
-        window_start: Optional[str] = typer.Option(None, "--window-start", help="reserve: window start (RFC 3339)."),
-        window_end: Optional[str] = typer.Option(None, "--window-end", help="reserve: window end (RFC 3339)."),
-        target: Optional[str] = typer.Option(None, "--target", help="Admin actions: the queue, node or workload acted on."),
-        expires_at: Optional[str] = typer.Option(None, "--expires-at", help="Admin actions: when the override expires (RFC 3339)."),
-        at: Optional[str] = typer.Option(None, "--at", help="Event time (RFC 3339, default now); pass the pipeline's timestamp so retries keep one id."),
-        bootstrap: Optional[str] = typer.Option(None, "--bootstrap", help="Kafka bootstrap servers (default: GPULEDGER_KAFKA_BOOTSTRAP, else the local broker)."),
-    ) -> None:
-        options = {name: value for name, value in locals().items() if name in FLAGS}
-        from gpuledger.cli import err, fail, load_settings
-        from producers._kafka import EventPublisher
-
-        try:
-            event = build_event(command, options)
-        except ReleaseInputError as exc:
-            fail(str(exc), 2)
-        settings = load_settings(bootstrap)
-        try:
-            publisher = EventPublisher.from_settings(settings, "releases")
-            publisher.publish_batch([event])
-            publisher.close(5)
-        except ProducerError as exc:
-            fail(f"release {command.name} for {event.identity.release_id} not published: {exc}")
-        err.print(f"published {event.event_type} for {event.identity.release_id}", highlight=False)
-        print(event.event_id)
-
-    run.__doc__ = command.help
-    return run
-
-
-def register(app: typer.Typer) -> None:
-    """Add ``gpuledger release <command>``."""
-    release_app = typer.Typer(no_args_is_help=True, help="Publish release lifecycle events (for CI/CD pipelines).")
-    for command in COMMANDS:
-        release_app.command(command.name, help=command.help)(_make_command(command))
-    app.add_typer(release_app, name="release")

@@ -30,7 +30,7 @@ import signal
 import threading
 import faust
 
-from gpuledger.localkafka import free_port
+from gpuledger.dev.process import free_port
 from gpuledger.telemetry import ComponentCounters
 from producers._kafka import client_config, ensure_specs, resolve_bootstrap
 from sinks.read.query import QueryError, run_readonly

@@ -87,6 +87,7 @@ from gpuledger.sim.scenario import (
     SubmitAction,
     UnreserveAction,
 )
+from gpuledger.timefmt import iso_z
 
 log = logging.getLogger(__name__)
 
@@ -283,10 +284,6 @@ def alert_fingerprint(labels: dict[str, str]) -> str:
                 h ^= byte
                 h = (h * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
     return f"{h:016x}"
-
-
-def _iso_ms(t: datetime) -> str:
-    return t.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.") + f"{t.microsecond // 1000:03d}Z"
 
 
 # --- the cluster --------------------------------------------------------------------------------------
@@ -658,7 +655,7 @@ class SimCluster:
             "commonAnnotations": dict(alert.annotations),
             "alerts": [{
                 "status": status, "labels": dict(alert.labels), "annotations": dict(alert.annotations),
-                "startsAt": _iso_ms(alert.starts_at), "endsAt": _iso_ms(alert.ends_at) if alert.ends_at else "0001-01-01T00:00:00Z",
+                "startsAt": iso_z(alert.starts_at), "endsAt": iso_z(alert.ends_at) if alert.ends_at else "0001-01-01T00:00:00Z",
                 "generatorURL": f"http://prometheus.sim:9090/graph?g0.expr={alert.labels['alertname']}", "fingerprint": alert.fingerprint,
             }],
         }

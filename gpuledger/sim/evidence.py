@@ -20,6 +20,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from gpuledger.sim.scenario import Expectation, parse_duration
+from gpuledger.timefmt import iso_z
 
 #: Lifecycle events that change what a release *is* (admin actions and reservations do not).
 LIFECYCLE_STATES = ("release.registered", "release.evaluated", "release.approved", "release.promoted", "release.rolled_back",
@@ -77,10 +78,6 @@ def resolve_at(exp: Expectation, sim, to_wall) -> datetime | None:
 
 def _short(device: str) -> str:
     return device if len(device) <= 14 else device[:12] + "…"
-
-
-def _iso(t: datetime) -> str:
-    return t.strftime("%Y-%m-%dT%H:%M:%S.") + f"{t.microsecond // 1000:03d}Z"
 
 
 class _Check:
@@ -247,7 +244,7 @@ class _Check:
                     f"admitted {wl['admitted_at']}, first approval {first}")
 
     def _open_allocations(self) -> None:
-        at_s = _iso(self.at) if self.at else None
+        at_s = iso_z(self.at) if self.at else None
         allocs = {a["allocation_id"]: a for g in self.result.get("gpus", []) for a in g.get("allocations", [])}
         held = [a for a in allocs.values() if (at_s is None and a.get("ended_at") is None)
                 or (at_s is not None and a["started_at"] <= at_s and (a.get("ended_at") is None or a["ended_at"] > at_s))]

@@ -79,6 +79,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Mapping, Sequence
 from urllib.parse import parse_qs, urlsplit
 
+from gpuledger.timefmt import iso_z, parse_time
+
 
 # --------------------------------------------------------------------------
 # Resource registry
@@ -189,23 +191,21 @@ def rfc3339(t: datetime | str | None = None) -> str:
     """metav1.Time wire format: second precision, UTC, 'Z' suffix."""
     if isinstance(t, str):
         return t
-    t = t or datetime.now(timezone.utc)
-    return t.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return iso_z(t or datetime.now(timezone.utc), 0)
 
 
 def rfc3339_micro(t: datetime | str | None = None) -> str:
     """metav1.MicroTime wire format (events.k8s.io eventTime): 6 fractional digits."""
     if isinstance(t, str):
         return t
-    t = t or datetime.now(timezone.utc)
-    return t.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return iso_z(t or datetime.now(timezone.utc), 6)
 
 
 def _as_datetime(t: datetime | str | None) -> datetime:
     if t is None:
         return datetime.now(timezone.utc)
     if isinstance(t, str):
-        return datetime.fromisoformat(t.replace("Z", "+00:00"))
+        return parse_time(t)
     return t
 
 

@@ -4,7 +4,7 @@ Used by the cluster simulator (``gpuledger.sim.cluster`` serves one per simulate
 node, and the real ``gpuledger collect podresources`` polls it) and by the tests
 (``tests/fixtures/kubelet.py`` re-exports it). It serves the real
 ``v1.PodResourcesLister`` service (stubs generated from
-producers/proto/podresources_v1.proto) on a unix socket, just as the kubelet
+producers/podresources/proto/podresources_v1.proto) on a unix socket, just as the kubelet
 serves /var/lib/kubelet/pod-resources/kubelet.sock, so client code talks to it
 over a genuine gRPC channel.
 
@@ -47,8 +47,8 @@ from typing import Iterable, Mapping, Sequence, Union
 
 import grpc
 
-from producers.proto import podresources_v1_pb2 as pb
-from producers.proto import podresources_v1_pb2_grpc as pb_grpc
+from producers.podresources.proto import podresources_v1_pb2 as pb
+from producers.podresources.proto import podresources_v1_pb2_grpc as pb_grpc
 
 # Same messages the kubelet (and grpc-go) use, so client error handling can
 # match on them. Sources: pkg/kubelet/apis/podresources/grpc/ratelimit.go and

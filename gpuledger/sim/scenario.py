@@ -23,10 +23,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gpuledger import timefmt
+
 #: Where the shipped scenarios live (the repository's deploy/exercises/).
 EXERCISES_DIR = Path(__file__).resolve().parents[2] / "deploy" / "exercises"
 
-_DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?$")
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?$")
 
 
@@ -35,19 +36,8 @@ class ScenarioError(ValueError):
 
 
 def parse_duration(value: Any) -> float:
-    """Seconds from a number or '90s', '2m', '1m30s', '1h'."""
-    if isinstance(value, bool):
-        raise ValueError("expected a duration such as 90s, 2m, 1m30s or a number of seconds")
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError("a duration cannot be negative")
-        return float(value)
-    text = str(value).strip().replace(" ", "")
-    match = _DURATION.match(text)
-    if not text or not match or not any(match.groups()):
-        raise ValueError(f"not a duration: {value!r} (use 90s, 2m, 1m30s, 1h or a number of seconds)")
-    h, m, s = (float(g) if g else 0.0 for g in match.groups())
-    return h * 3600 + m * 60 + s
+    """Seconds of a duration in the one grammar (``gpuledger.timefmt``): ``90s``, ``2m``, ``1m30s``, ``1h`` or a number."""
+    return timefmt.parse_duration(value).total_seconds()
 
 
 class Strict(BaseModel):

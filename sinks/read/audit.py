@@ -5,7 +5,7 @@ endpoint when it owns the embedded store), a time range and a policy. Output: pe
 control PASS/FAIL with counts and the violations in the range, plus the evidence each
 control asks for (DESIGN.md "Controls"; docs/controls.md), as a table, JSON or one
 self-contained HTML file (``templates/audit.html.j2``, the layout and stylesheet of the
-incident report). The command (``gpuledger/cli.py``) exits 0 when every control passes,
+incident report). The command (``gpuledger/cli/audit.py``) exits 0 when every control passes,
 1 when one fails (so it can gate a pipeline), 2 for bad options or policy, 3 when the
 store cannot be read.
 
@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 
-from gpuledger.policy import ACTION_OF_EVENT, CONTROL_NAMES, CONTROL_TITLES, Policy, parse_duration
+from gpuledger.timefmt import TimeFormatError, parse_duration, parse_time
 from sinks.migrations import table_name
 from sinks.read.pages import render_page
 from sinks.read.text import markup
-from sinks.read.trace import Store, TraceError, ch_time, parse_instant, parse_time
+from sinks.read.trace import Store, ch_time, parse_instant
+from streams.controls.policy import ACTION_OF_EVENT, CONTROL_NAMES, CONTROL_TITLES, Policy
 from streams.controls.rules import (
     PREEMPTION_CLUSTER,
     START,
@@ -61,13 +62,14 @@ class AuditError(ValueError):
 
 
 def audit_range(start: str | None, end: str | None, lookback: str) -> tuple[datetime, datetime, timedelta]:
-    """``--from``, ``--to`` and ``--lookback`` as (from, to, lookback): --to defaults to
+    """``--from``, ``--to`` and ``--lookback`` as (from, to, lookback), in the grammar of
+    ``gpuledger.timefmt`` (no zone means UTC; 90s, 15m, 2h, 1d, 1h30m): --to defaults to
     now, --from to 24 h before --to."""
     try:
-        to_time = parse_time(end, "--to") if end else datetime.now(timezone.utc)
+        to_time = parse_time(end or "now", "--to")
         from_time = parse_time(start, "--from") if start else to_time - timedelta(hours=24)
-        span = parse_duration(lookback)
-    except (TraceError, ValueError) as exc:
+        span = parse_duration(lookback, "--lookback")
+    except TimeFormatError as exc:
         raise AuditError(str(exc)) from exc
     if from_time > to_time:
         raise AuditError(f"--from {_z(from_time)} is after --to {_z(to_time)}")

@@ -3,7 +3,7 @@
 Input: the ``correlated`` topic (one row per input event, superseded by higher
 versions) and the ``allocations`` topic (GPU allocation intervals), the worker's
 ``ReleaseDirectory`` and the policy (``GPULEDGER_POLICY_FILE``, see
-``gpuledger/policy.py``). Output: ``Violation`` records on the ``violations`` topic,
+``streams/controls/policy.py``). Output: ``Violation`` records on the ``violations`` topic,
 keyed by violation_id — opened, then the same id with ``closed_at`` and
 ``version + 1`` when it ends (or withdrawn when later history no longer supports it).
 
@@ -39,7 +39,7 @@ import logging
 from collections import defaultdict
 from datetime import datetime
 
-from gpuledger.policy import PolicySettings
+from streams.controls.policy import PolicySettings
 from schemas import encode_event
 from streams.controls.rules import Context, digest, fold_link, fold_row, max_time, new_state, step
 from streams.packing import Packer, unpack

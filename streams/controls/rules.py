@@ -46,7 +46,8 @@ from datetime import datetime, timedelta, timezone
 
 import orjson
 
-from gpuledger.policy import ACTION_OF_EVENT, CONTROL_TITLES, Policy, format_duration
+from streams.controls.policy import ACTION_OF_EVENT, CONTROL_TITLES, Policy
+from gpuledger.timefmt import format_duration
 from schemas import Identity
 from schemas.outputs import Violation
 

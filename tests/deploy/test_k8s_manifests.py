@@ -22,7 +22,7 @@ from kubernetes.client import ApiClient
 from kubernetes.client import models as k8s_models
 from typer.testing import CliRunner
 
-from producers.podresources import PodResourcesSettings
+from producers.podresources.config import PodResourcesSettings
 
 K8S_DIR = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 

@@ -14,7 +14,7 @@ import sys
 import time
 from datetime import datetime, timezone
 
-from gpuledger.demo import FINGERPRINT, MANIFEST, RELEASE_ID, sample_events
+from tests.fixtures.sample_events import FINGERPRINT, MANIFEST, RELEASE_ID, sample_events
 from producers._kafka import EventPublisher
 from sinks.read.query import QueryError
 from sinks.read.trace import trace_alert

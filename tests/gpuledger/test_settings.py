@@ -36,3 +36,31 @@ def test_all_problems_listed_at_once(monkeypatch):
     assert "GPULEDGER_CLICKHOUSE_DSN" in text and "chdb://" in text
     assert "GPULEDGER_OTEL_EXPORTER" in text
     assert "sasl_mechanism" in text
+
+
+def test_unknown_gpuledger_variables_stop_start_up_with_the_valid_ones(monkeypatch):
+    monkeypatch.setenv("GPULEDGER_KAFKA_BOOTSTAP", "10.0.0.1:9092")
+    monkeypatch.setenv("GPULEDGER_TEST_SOMETHING", "1")  # the test suite's own switches are not settings
+    with pytest.raises(SettingsError) as info:
+        Settings.load()
+    text = str(info.value)
+    assert "GPULEDGER_KAFKA_BOOTSTAP: not a setting (did you mean GPULEDGER_KAFKA_BOOTSTRAP?)" in text
+    assert "GPULEDGER_TEST_SOMETHING" not in text
+    for valid in ("GPULEDGER_KAFKA_BOOTSTRAP", "GPULEDGER_RECEIVER_ALERT_LABELS__NODE", "GPULEDGER_SCHEDULER_NAMESPACE",
+                  "GPULEDGER_PODRESOURCES_NODE", "GPULEDGER_POLICY_FILE", "GPULEDGER_OTEL_EXPORTER", "GPULEDGER_DATA_DIR"):
+        assert valid in text
+
+
+def test_one_root_holds_every_component_section(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPULEDGER_SCHEDULER_NAMESPACE", "ml")
+    monkeypatch.setenv("GPULEDGER_PODRESOURCES_NODE", "gpu-node-1")
+    monkeypatch.setenv("GPULEDGER_RECEIVER_PORT", "9999")
+    monkeypatch.setenv("GPULEDGER_POLICY_FILE", str(tmp_path / "policy.yaml"))
+    s = Settings.load(collectors={"scheduler": {"page_size": 7}})
+    assert s.collectors.scheduler.namespace == "ml" and s.collectors.scheduler.page_size == 7
+    assert s.collectors.podresources.node == "gpu-node-1" and s.receiver.port == 9999
+    assert s.policy.file == tmp_path / "policy.yaml"
+    monkeypatch.delenv("GPULEDGER_PODRESOURCES_NODE")
+    assert Settings.load().collectors.podresources.node is None  # only required to run that collector
+    with pytest.raises(SettingsError, match="GPULEDGER_PODRESOURCES_NODE: Field required"):
+        Settings.load(run="collectors.podresources")

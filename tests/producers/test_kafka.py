@@ -15,7 +15,8 @@ from datetime import datetime, timezone
 import pytest
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic, ResourceType
 
-from producers._kafka import EventPublisher, EventTooLarge, PublishError, ensure_topics, read_record_limit
+from producers._errors import EventTooLarge, PublishError
+from producers._kafka import EventPublisher, ensure_topics, read_record_limit
 from schemas import decode_event
 from schemas.envelope import Identity, Source, make_event_id
 from schemas.release import ReleaseEvent, ReleasePayload

@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gpuledger.cli import app
-from gpuledger.localkafka import free_port
+from gpuledger.dev.process import free_port
 from producers.releases import COMMANDS, build_event
 from schemas import decode_event
 from tests.fixtures.kafka import read_topic
@@ -113,6 +113,9 @@ def test_retry_with_the_same_time_keeps_one_event_id(cli):
     approve = next(c for c in COMMANDS if c.name == "approve")
     assert build_event(approve, {**options, "at": AT}).event_id == first.stdout.strip()
     assert build_event(approve, {**options, "at": "2026-05-04T09:00:01Z"}).event_id != first.stdout.strip()
+    # The one time grammar of every flag (gpuledger.timefmt): no zone means UTC, so the same instant keeps the id.
+    naive = AT.removesuffix("Z").replace("T", " ")
+    assert build_event(approve, {**options, "at": naive}).event_id == first.stdout.strip()
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -125,7 +128,7 @@ def test_retry_with_the_same_time_keeps_one_event_id(cli):
     (["revoke", "--release-id", "r:1"], "release revoke needs --reason"),
     (["retire", "--release-id", "r:1", "--gpus", "4"], "--gpus do(es) not apply to release retire"),
     (["retire", "--release-id", "r:1", "--at", "yesterday"], "--at: not an RFC 3339 time"),
-    (["retire", "--release-id", "r:1", "--at", "2026-05-04T09:00:00"], "--at: not an RFC 3339 time"),
+    (["retire", "--release-id", "r:1", "--at", "2026-05-04T09:00:00 CET"], "--at: not an RFC 3339 time"),
     (["retire", "--release-id", "r:1", "--tag", "novalue"], "--tag: expected KEY=VALUE"),
     (["reserve", "--release-id", "r:1", "--reservation-id", "x", "--gpus", "2", "--window-start", AT, "--window-end", AT],
      "--window-end must be after --window-start"),

@@ -12,7 +12,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from gpuledger.localkafka import free_port
+from gpuledger.dev.process import free_port
 from sinks.agents import SinkWriters
 from sinks.clickhouse import StoreConnection, connect
 from sinks.errors import StoreUnavailable

@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 import clickhouse_connect
 import pytest
 
-from gpuledger.localkafka import free_port
+from gpuledger.dev.process import free_port
 from sinks.errors import (
     BATCH_REJECTED_CODES,
     RETRIABLE_CODES,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuledger.demo import sample_events
+from tests.fixtures.sample_events import sample_events
 from sinks.read.query import DirectReader
 from tests.sinks import incident as inc
 

@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from gpuledger.demo import sample_events
+from tests.fixtures.sample_events import sample_events
 from sinks.agents import SinkWriters
 from sinks.migrations import migrate
 from sinks.raw import NotAnEnvelope, raw_event_row

@@ -12,7 +12,7 @@ import uuid
 import orjson
 import pytest
 
-from gpuledger.localkafka import free_port
+from gpuledger.dev.process import free_port
 from schemas import encode_event
 from sinks.agents import SinkWriters
 from sinks.clickhouse import StoreConnection, connect, migrated_store

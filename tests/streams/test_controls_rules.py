@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import pytest
 
-from gpuledger.policy import Policy
+from streams.controls.policy import Policy
 from schemas import AlertEvent, Identity, SchedulerEvent, make_event_id
 from schemas.alert import AlertPayload
 from schemas.scheduler import ObjectRef, SchedulerPayload

@@ -25,7 +25,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from gpuledger.process import ServiceProcess, wait_for_worker
+from gpuledger.dev.process import ServiceProcess, wait_for_worker
 from producers._kafka import EventPublisher
 from schemas import AlertEvent, GpuEvent, Identity, ReleaseEvent, SchedulerEvent, Source, make_event_id
 from schemas.alert import AlertPayload

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuledger.demo import FINGERPRINT, MANIFEST, RELEASE_ID, sample_events
-from gpuledger.localkafka import LocalKafka
+from tests.fixtures.sample_events import FINGERPRINT, MANIFEST, RELEASE_ID, sample_events
+from gpuledger.dev.localkafka import LocalKafka
 from gpuledger.settings import default_cache_dir
 from producers._kafka import EventPublisher, ensure_topics
 from schemas.topics import TopicCatalogue

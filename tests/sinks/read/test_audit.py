@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gpuledger.cli import app as cli_app
-from gpuledger.policy import Policy
+from streams.controls.policy import Policy
 from sinks.agents import SinkWriters
 from sinks.migrations import migrate
 from streams.controls.rules import ControlEngine, directory_from_rows

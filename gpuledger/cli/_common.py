@@ -1,0 +1,72 @@
+"""What every command shares: the consoles, the one error → exit mapping, settings loading, common options.
+
+Exit codes: 0 done, 1 the component failed (Kafka, the store, a collector's source), 2 bad
+flags, settings or policy, 3 the store cannot be read (``audit``), 4 nothing found (``trace``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import NoReturn, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+console = Console()
+err = Console(stderr=True)
+
+BootstrapOpt = typer.Option(None, "--bootstrap", help="Kafka bootstrap servers (default: GPULEDGER_KAFKA_BOOTSTRAP, else the local broker).")
+DsnOpt = typer.Option(None, "--dsn", help="ClickHouse DSN (default: GPULEDGER_CLICKHOUSE_DSN, else chdb under the data dir).")
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """Print ``error: message`` on stderr and exit with ``code``."""
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+@contextmanager
+def failing_on(*errors: type[BaseException], code: int = 1, prefix: str = "") -> Iterator[None]:
+    """Turn ``errors`` raised inside the block into ``fail(prefix + str(exc), code)``."""
+    try:
+        yield
+    except errors as exc:
+        fail(f"{prefix}{exc}", code)
+
+
+def load_settings(bootstrap: Optional[str] = None, dsn: Optional[str] = None, *, run: str | None = None,
+                  local_broker: bool = True, **sections):
+    """The root settings from env + flags (exit 2 listing every problem), telemetry set up.
+
+    ``run`` names the section of the component about to run (its required fields are
+    checked too). With ``local_broker`` and no bootstrap configured, the broker of
+    ``gpuledger kafka up`` is used when one runs: that dev-only lookup lives here, not
+    in the producers.
+    """
+    from gpuledger.settings import Settings, SettingsError
+    from gpuledger.telemetry import setup_telemetry
+
+    try:
+        settings = Settings.load(run=run, kafka={"bootstrap": bootstrap, **sections.pop("kafka", {})},
+                                 clickhouse={"dsn": dsn, **sections.pop("clickhouse", {})}, **sections)
+    except SettingsError as exc:
+        fail(str(exc), 2)
+    if local_broker and not settings.kafka.bootstrap:
+        from gpuledger.dev.localkafka import running_broker
+
+        state = running_broker(settings.data_dir)
+        if state:
+            settings = settings.model_copy(update={"kafka": settings.kafka.model_copy(update={"bootstrap": state["bootstrap"]})})
+    setup_telemetry(settings.telemetry)
+    return settings
+
+
+def run_component(component, what: str) -> None:
+    """The lifecycle contract (``producers._runtime``): run until SIGTERM/SIGINT, flush, exit 0; errors exit 1."""
+    from producers._errors import ProducerError
+    from producers._runtime import run_until_signalled
+
+    with failing_on(ProducerError, prefix=f"{what}: "):
+        run_until_signalled(component)

@@ -1,0 +1,75 @@
+"""`gpuledger release <command>`: publish one release lifecycle event (for CI/CD pipelines).
+
+One subcommand per ``producers.releases.COMMANDS`` entry; each builds its event
+(``producers.releases.build_event``: exit 2 naming every bad flag, before any I/O),
+publishes it, waits for Kafka's ack and prints the event id.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from gpuledger.cli._common import BootstrapOpt, err, fail, load_settings
+from producers.releases import COMMANDS, FLAGS, ReleaseCommand
+
+app = typer.Typer(no_args_is_help=True, help="Publish release lifecycle events (for CI/CD pipelines).")
+
+
+def _make_command(command: ReleaseCommand):
+    def run(
+        release_id: Optional[str] = typer.Option(None, "--release-id", help="Release id (required by every command)."),
+        model: Optional[str] = typer.Option(None, "--model", help="Model name as the registry names it."),
+        version: Optional[str] = typer.Option(None, "--version", help="Model version as the registry names it."),
+        artifact_digest: Optional[str] = typer.Option(None, "--artifact-digest", help="sha256 of the model artifact."),
+        image_digest: Optional[str] = typer.Option(None, "--image-digest", help="Serving/training image digest, sha256:…"),
+        config_digest: Optional[str] = typer.Option(None, "--config-digest", help="Serving/training config hash."),
+        dataset: Optional[str] = typer.Option(None, "--dataset", help="Dataset reference."),
+        env: Optional[str] = typer.Option(None, "--env", help="Environment (dev / eval / staging / prod); the target of promote/rollback."),
+        owner: Optional[str] = typer.Option(None, "--owner", help="Accountable team."),
+        data_class: Optional[str] = typer.Option(None, "--data-class", help="Data classification."),
+        actor: Optional[str] = typer.Option(None, "--actor", help="Who did it (user, service account, CI job)."),
+        approval_id: Optional[str] = typer.Option(None, "--approval-id", help="Change/approval ticket id."),
+        reason: Optional[str] = typer.Option(None, "--reason", help="Why."),
+        superseded: Optional[str] = typer.Option(None, "--superseded", help="promote/rollback: the release this one replaced (or that replaced it)."),
+        tag: Optional[list[str]] = typer.Option(None, "--tag", help="Extra KEY=VALUE carried in the payload (repeatable)."),
+        reservation_id: Optional[str] = typer.Option(None, "--reservation-id", help="reserve/unreserve: reservation id."),
+        gpus: Optional[int] = typer.Option(None, "--gpus", help="reserve/unreserve: number of GPUs."),
+        pool: Optional[str] = typer.Option(None, "--pool", help="reserve/unreserve: node pool / ClusterQueue / flavor."),
+        window_start: Optional[str] = typer.Option(None, "--window-start", help="reserve: window start (RFC 3339; no zone means UTC)."),
+        window_end: Optional[str] = typer.Option(None, "--window-end", help="reserve: window end (RFC 3339; no zone means UTC)."),
+        target: Optional[str] = typer.Option(None, "--target", help="Admin actions: the queue, node or workload acted on."),
+        expires_at: Optional[str] = typer.Option(None, "--expires-at", help="Admin actions: when the override expires (RFC 3339; no zone means UTC)."),
+        at: Optional[str] = typer.Option(None, "--at", help="Event time (RFC 3339, no zone means UTC; default now); pass the pipeline's timestamp so retries keep one id."),
+        bootstrap: Optional[str] = BootstrapOpt,
+    ) -> None:
+        options = {name: value for name, value in locals().items() if name in FLAGS}
+        from producers._errors import ProducerError
+        from producers._kafka import EventPublisher
+        from producers.releases import ReleaseInputError, build_event
+
+        try:
+            event = build_event(command, options)
+        except ReleaseInputError as exc:
+            fail(str(exc), 2)
+        settings = load_settings(bootstrap)
+        try:
+            publisher = EventPublisher.from_settings(settings, "releases")
+            publisher.publish_batch([event])
+            publisher.close(5)
+        except ProducerError as exc:
+            fail(f"release {command.name} for {event.identity.release_id} not published: {exc}")
+        err.print(f"published {event.event_type} for {event.identity.release_id}", highlight=False)
+        print(event.event_id)
+
+    run.__doc__ = command.help
+    return run
+
+
+for _command in COMMANDS:
+    app.command(_command.name, help=_command.help)(_make_command(_command))
+
+
+def register(root: typer.Typer) -> None:
+    root.add_typer(app, name="release")

@@ -1,0 +1,72 @@
+"""`gpuledger replay`: the postmortem replay of a time range into a sandbox store (gpuledger/replay.py).
+
+Exit codes: 0 caught up; 1 the worker died, Kafka or the store failed, or ``--timeout``
+passed; 2 bad options or a refusal; 130 interrupted (the worker is stopped; ``--resume``
+continues).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from gpuledger.cli._common import BootstrapOpt, err, fail, load_settings
+
+
+def replay(
+    into: str = typer.Option(..., "--into", help="The sandbox store: chdb:///path or http(s)://… (never the live store)."),
+    start: Optional[str] = typer.Option(None, "--from", help="Replay events that occurred at or after this time: RFC 3339 (no zone means UTC) or a duration before now (2h, 30m, 1d, 1h30m)."),
+    end: Optional[str] = typer.Option(None, "--to", help="...and before this time (same forms)."),
+    app_id: Optional[str] = typer.Option(None, "--app-id", help="The replay's app id = consumer group and run topics. Default: replay-<UTC timestamp>."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the replay of --app-id (its group has committed offsets; its range is reused) instead of refusing."),
+    database: Optional[str] = typer.Option(None, "--database", help="Database in the sandbox (default: GPULEDGER_CLICKHOUSE_DATABASE)."),
+    work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="The worker's data dir (Faust state, worker.log, replay.json). Default: $GPULEDGER_DATA_DIR/replays/<app id>."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", help="Give up (exit 1) after this many seconds without catching up. Default: wait."),
+    bootstrap: Optional[str] = BootstrapOpt,
+) -> None:
+    """Postmortem replay: rebuild a time range's tables from the raw topics into a sandbox store."""
+    from gpuledger.replay import (ReplayError, ReplayPlan, ReplayRefused, default_app_id, parse_instant, print_summary, refusals,
+                                  run_replay)
+    from gpuledger.timefmt import parse_time
+    from producers._errors import ProducerError
+    from sinks.clickhouse import redact
+    from sinks.errors import SinkError
+
+    settings = load_settings(bootstrap)
+    now = datetime.now(timezone.utc)
+    if resume and not app_id:
+        fail("--resume needs the --app-id of the replay to continue", 2)
+    if not into.startswith(("chdb://", "http://", "https://")):
+        fail(f"--into must be chdb:///path or http(s)://…, got {into!r}", 2)
+    app_id = app_id or default_app_id(now)
+    work_dir = work_dir or settings.data_dir / "replays" / app_id
+    before = ReplayPlan.recorded(work_dir) if resume else None
+    try:
+        since = parse_instant(start, "--from", now) if start else settings.streams.replay_from
+        until = parse_instant(end, "--to", now) if end else settings.streams.replay_to
+    except ReplayRefused as exc:
+        fail(str(exc), 2)
+    if before and not (start or end):  # resuming: the range the replay started with ("2h" meant then, not now)
+        since, until = (parse_time(before[k], f"{work_dir / 'replay.json'}: {k}") if before.get(k) else None for k in ("from", "to"))
+    plan = ReplayPlan(app_id, into, database or settings.clickhouse.database, work_dir, since, until, resume)
+    problems = refusals(plan, settings)
+    if problems:
+        fail("refusing to replay:\n  " + "\n  ".join(problems), 2)
+    try:
+        result = run_replay(plan, settings, err, timeout)
+    except ReplayRefused as exc:
+        fail(str(exc), 2)
+    except KeyboardInterrupt:
+        err.print(f"interrupted; the worker is stopped. Continue with: gpuledger replay --resume --app-id {plan.app_id} --into {redact(plan.into)}",
+                  highlight=False, soft_wrap=True)
+        raise typer.Exit(130)
+    except (ReplayError, ProducerError, SinkError) as exc:
+        fail(str(exc))
+    print_summary(plan, result)
+
+
+def register(root: typer.Typer) -> None:
+    root.command("replay")(replay)

@@ -1,0 +1,101 @@
+"""Run a gpuledger service (`gpuledger worker`, ...) as a child process; find a free port for it.
+
+Used by the demo, the exercises, the tests and the benchmark: the child gets its
+configuration through GPULEDGER_* environment variables, logs to a file, and is stopped
+with SIGTERM, then SIGKILL if it does not exit within the grace period. ``program``
+runs something other than the CLI the same way (the benchmark's Faust baseline).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a child service to listen on)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServiceError(RuntimeError):
+    """A child service failed to start or died."""
+
+
+class ServiceProcess:
+    def __init__(self, args: list[str], env: dict[str, str], log_path: Path,
+                 program: Sequence[str] = (sys.executable, "-m", "gpuledger.cli")) -> None:
+        self.args = args
+        self.program = list(program)
+        self.env = {**os.environ, **env}
+        self.log_path = Path(log_path)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> ServiceProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as logf:
+            self.proc = subprocess.Popen([*self.program, *self.args], env=self.env, stdout=logf,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, grace: float = 15.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, for restart tests."""
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def __enter__(self) -> ServiceProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def wait_for_worker(service: ServiceProcess, owner_file: Path, timeout: float = 90.0) -> str:
+    """Wait until the worker recorded its query endpoint and answers health; return its URL."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not service.alive():
+            raise ServiceError(f"worker exited with {service.proc.returncode}:\n{service.log_tail()}")
+        try:
+            url = json.loads(owner_file.read_text())["url"]
+            with urllib.request.urlopen(f"{url}/gpuledger/health/", timeout=2) as resp:
+                if resp.status == 200:
+                    return url
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.3)
+    raise ServiceError(f"worker not ready within {timeout:.0f}s:\n{service.log_tail()}")

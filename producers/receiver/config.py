@@ -1,0 +1,45 @@
+"""Settings of the HTTP receiver (``gpuledger receive``): env ``GPULEDGER_RECEIVER_<FIELD>``.
+
+Input: the environment and the command's flags; nested blocks as JSON or one field at a
+time with ``__``. Output: where to listen, the body limit, the auth of each endpoint and
+how alert labels and MLflow registry events map to gpuledger's identifiers; every
+problem is reported at once by the root loader (``gpuledger.settings.Settings.load``).
+Secrets are ``SecretStr`` and never printed.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from producers.receiver.alertmanager import AlertIdentityLabels
+from producers.receiver.mlflow import MlflowReleaseMapping
+
+
+class ReceiverSettings(BaseSettings):
+    """The receiver service (``gpuledger receive``); env ``GPULEDGER_RECEIVER_<FIELD>``.
+
+    Nested blocks take JSON (``GPULEDGER_RECEIVER_MLFLOW='{"alias_environments": {...}}'``)
+    or one field at a time with ``__`` (``GPULEDGER_RECEIVER_ALERT_LABELS__NODE='["node"]'``).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="GPULEDGER_RECEIVER_", env_nested_delimiter="__", extra="ignore")
+
+    host: str = Field(default="127.0.0.1", description="Address to listen on; 0.0.0.0 to accept from other hosts.")
+    port: int = Field(default=9095, ge=0, le=65535, description="TCP port to listen on; 0 picks a free one (printed at start).")
+    max_body_bytes: int = Field(default=1024 * 1024, ge=1024, description="Largest request body accepted; larger ones get 413.")
+    alertmanager_bearer_token: SecretStr | None = Field(default=None, description="If set, /v1/alertmanager requires 'Authorization: Bearer <token>'.")
+    releases_bearer_token: SecretStr | None = Field(default=None, description="If set, /v1/releases requires 'Authorization: Bearer <token>'.")
+    mlflow_secret: SecretStr | None = Field(default=None, description="If set, /v1/mlflow requires a valid X-MLflow-Signature made with this webhook secret.")
+    mlflow_signature_tolerance_s: float = Field(default=300.0, ge=0, description="Reject signed MLflow deliveries whose X-MLflow-Timestamp is further than this from now (0 = no check).")
+    mlflow_dedup_size: int = Field(default=10_000, ge=0, description="How many published MLflow delivery ids are remembered to drop re-deliveries (0 = off).")
+    publish_timeout_s: float | None = Field(default=None, gt=0, description="How long a request waits for Kafka acks before answering 503; default: the Kafka delivery timeout + 5 s.")
+    alert_labels: AlertIdentityLabels = Field(default_factory=AlertIdentityLabels, description="Alert labels that carry the shared identifiers.")
+    mlflow: MlflowReleaseMapping = Field(default_factory=MlflowReleaseMapping, description="How MLflow registry deliveries map to release events.")
+
+    @field_validator("alertmanager_bearer_token", "releases_bearer_token", "mlflow_secret")
+    @classmethod
+    def _not_blank(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value().strip():
+            raise ValueError("must not be blank (unset it to turn auth off)")
+        return value

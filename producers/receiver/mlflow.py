@@ -1,0 +1,319 @@
+"""MLflow Model Registry webhooks → release events: signature check, de-dup, mapping.
+
+Input: one delivery of an MLflow (OSS, 3.3+) registry webhook — the raw body
+``{"entity", "action", "timestamp", "data"}`` (plus ``workspace`` when MLflow runs with
+workspaces) and its headers ``X-MLflow-Delivery-Id``, ``X-MLflow-Timestamp`` (unix
+seconds) and, when the webhook has a secret, ``X-MLflow-Signature: v1,<base64>`` =
+HMAC-SHA256(secret, ``"{delivery_id}.{timestamp}.{body}"``).
+Output: zero or one ``ReleaseEvent`` per delivery, derived through
+``MlflowReleaseMapping`` (MLflow has no approve/promote/retire events; stages are
+deprecated, so lifecycle facts are read from aliases and tags):
+
+============================================  =============================================
+MLflow delivery                               gpuledger release event (defaults)
+============================================  =============================================
+``model_version.created``                     ``release.registered`` (identity from tags)
+``model_version_alias.created`` alias→env     ``release.promoted`` to that environment
+``model_version_tag.set`` approved=true       ``release.approved``
+``model_version_tag.set`` evaluated=true      ``release.evaluated``
+``model_version_tag.set`` retired=true        ``release.retired``
+``model_version_tag.set`` revoked=true        ``release.revoked``
+``registered_model.created``                  nothing (no version, so no release)
+``model_version_alias.deleted``               nothing (MLflow does not say which version)
+``model_version_tag.deleted``                 nothing
+alias not in ``alias_environments``           nothing
+============================================  =============================================
+
+Guarantees: ``release_id`` = ``release_id_template`` (default ``{model}:{version}``);
+``event_id = make_event_id("mlflow", (entity, action, release_id, alias|tag key, tag
+value), envelope timestamp)`` — MLflow's own retries resend the same body, so they get
+the same id; the receiver also drops a delivery id it already published
+(``DeliveryLog``, bounded LRU). A rollback in MLflow is moving an alias back to an
+earlier version: it arrives as ``release.promoted`` of that version, and the streams'
+release-state table sees the environment's holder go back.
+Limits: the previous holder of an alias is not in MLflow's payload, so
+``superseded_release_id`` is left empty (the streams stage derives it); the MLflow user
+who acted is not in the payload either, so ``actor`` is empty.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import threading
+import time
+from collections import OrderedDict
+from datetime import datetime, timezone
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from gpuledger.timefmt import parse_timestamp
+from producers._errors import PayloadError
+from schemas.envelope import Identity, Source, TraceContext, make_event_id
+from schemas.release import ReleaseEvent, ReleaseEventType, ReleasePayload
+
+COLLECTOR = "mlflow"
+SIGNATURE_HEADER = "X-MLflow-Signature"
+TIMESTAMP_HEADER = "X-MLflow-Timestamp"
+DELIVERY_ID_HEADER = "X-MLflow-Delivery-Id"
+
+#: Every (entity, action) MLflow's model registry sends, with the data fields each needs.
+REGISTRY_EVENTS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("registered_model", "created"): ("name",),
+    ("model_version", "created"): ("name", "version"),
+    ("model_version_tag", "set"): ("name", "version", "key", "value"),
+    ("model_version_tag", "deleted"): ("name", "version", "key"),
+    ("model_version_alias", "created"): ("name", "alias", "version"),
+    ("model_version_alias", "deleted"): ("name", "alias"),
+}
+
+
+class SignatureError(PayloadError):
+    """A delivery whose HMAC signature is missing, stale or wrong (HTTP 401)."""
+
+    def __init__(self, message: str, field: str = SIGNATURE_HEADER) -> None:
+        super().__init__(message, field=field, reason="bad_signature", status=401)
+
+
+class TagRule(BaseModel):
+    """``model_version_tag.set`` with this key and value becomes ``event_type``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    key: str = Field(min_length=1, description="Model version tag key, e.g. 'approved'.")
+    value: str = Field(default="true", description="Tag value that triggers the rule (compared case-insensitively).")
+    event_type: ReleaseEventType = Field(description="Release event emitted when the tag is set to that value.")
+
+
+class MlflowReleaseMapping(BaseModel):
+    """How MLflow registry deliveries become gpuledger release events."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    release_id_template: str = Field(default="{model}:{version}", description="release_id of an MLflow model version; placeholders {model}, {version}, {workspace}.")
+    version_created_event: ReleaseEventType | None = Field(default="release.registered", description="Event for model_version.created; null ignores it.")
+    alias_created_event: ReleaseEventType = Field(default="release.promoted", description="Event for an alias (listed in alias_environments) set on a version.")
+    alias_environments: dict[str, str] = Field(
+        default={"prod": "prod", "production": "prod", "champion": "prod", "staging": "staging", "challenger": "staging", "eval": "eval", "dev": "dev"},
+        description="Alias → environment it deploys to; aliases not listed are ignored.")
+    tag_rules: list[TagRule] = Field(
+        default=[
+            TagRule(key="approved", event_type="release.approved"),
+            TagRule(key="evaluated", event_type="release.evaluated"),
+            TagRule(key="retired", event_type="release.retired"),
+            TagRule(key="revoked", event_type="release.revoked"),
+        ],
+        description="Tag rules for model_version_tag.set; tags matching no rule are ignored.")
+    identity_tags: dict[str, str] = Field(
+        default={"artifact_digest": "artifact_digest", "image_digest": "image_digest", "config_digest": "config_digest",
+                 "dataset_ref": "dataset_ref", "owner": "owner", "data_class": "data_class"},
+        description="Identity field → model version tag carrying it (read from model_version.created tags).")
+
+    @field_validator("release_id_template")
+    @classmethod
+    def _template(cls, value: str) -> str:
+        try:
+            value.format(model="m", version="1", workspace="w")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"unknown placeholder or bad format ({exc}); use {{model}}, {{version}}, {{workspace}}") from exc
+        if "{model}" not in value or "{version}" not in value:
+            raise ValueError("must contain {model} and {version}, or two versions would share a release_id")
+        return value
+
+    @field_validator("identity_tags")
+    @classmethod
+    def _identity_fields(cls, value: dict[str, str]) -> dict[str, str]:
+        unknown = sorted(set(value) - set(Identity.model_fields))
+        if unknown:
+            raise ValueError(f"not identity fields: {', '.join(unknown)}")
+        return value
+
+    @model_validator(mode="after")
+    def _unambiguous_rules(self) -> MlflowReleaseMapping:
+        seen: set[tuple[str, str]] = set()
+        dupes = []
+        for rule in self.tag_rules:
+            key = (rule.key, rule.value.lower())
+            if key in seen:
+                dupes.append(f"{rule.key}={rule.value}")
+            seen.add(key)
+        if dupes:
+            raise ValueError(f"tag_rules: more than one rule for {', '.join(dupes)}")
+        return self
+
+    def release_id(self, model: str, version: str, workspace: str | None) -> str:
+        return self.release_id_template.format(model=model, version=version, workspace=workspace or "")
+
+    def tag_event(self, key: str, value: str) -> ReleaseEventType | None:
+        for rule in self.tag_rules:
+            if rule.key == key and rule.value.lower() == value.strip().lower():
+                return rule.event_type
+        return None
+
+
+def sign(secret: str, delivery_id: str, timestamp: str, body: bytes) -> str:
+    """The ``X-MLflow-Signature`` value MLflow sends (used by tests and by verify)."""
+    content = delivery_id.encode() + b"." + timestamp.encode() + b"." + body
+    digest = hmac.new(secret.encode(), content, hashlib.sha256).digest()
+    return "v1," + base64.b64encode(digest).decode()
+
+
+def verify_signature(secret: str, headers: Any, body: bytes, tolerance_s: float = 300.0, now: float | None = None) -> None:
+    """Raise ``SignatureError`` unless the delivery is signed with ``secret``.
+
+    ``headers`` is any case-insensitive mapping. The timestamp check rejects replays
+    older (or newer) than ``tolerance_s`` seconds; 0 turns it off. MLflow retries a
+    failed delivery with the original headers and backs off up to a minute, so keep the
+    tolerance above its retry window.
+    """
+    signature = headers.get(SIGNATURE_HEADER)
+    delivery_id = headers.get(DELIVERY_ID_HEADER)
+    timestamp = headers.get(TIMESTAMP_HEADER)
+    if not signature:
+        raise SignatureError(f"{SIGNATURE_HEADER}: header required (this endpoint has a webhook secret)")
+    if not delivery_id:
+        raise SignatureError(f"{DELIVERY_ID_HEADER}: header required for a signed delivery", field=DELIVERY_ID_HEADER)
+    if not timestamp:
+        raise SignatureError(f"{TIMESTAMP_HEADER}: header required for a signed delivery", field=TIMESTAMP_HEADER)
+    if tolerance_s:
+        try:
+            age = (time.time() if now is None else now) - int(timestamp)
+        except ValueError as exc:
+            raise SignatureError(f"{TIMESTAMP_HEADER}: not unix seconds: {timestamp!r}", field=TIMESTAMP_HEADER) from exc
+        if abs(age) > tolerance_s:
+            raise SignatureError(f"{TIMESTAMP_HEADER}: delivery is {age:.0f}s old, outside the {tolerance_s:.0f}s window", field=TIMESTAMP_HEADER)
+    expected = sign(secret, delivery_id, timestamp, body)
+    # Accept a space-separated list ("v1,a v1,b"), as Standard Webhooks senders do while
+    # rotating secrets; compare in constant time.
+    if not any(hmac.compare_digest(candidate.strip(), expected) for candidate in signature.split(" ") if candidate.strip()):
+        raise SignatureError(f"{SIGNATURE_HEADER}: signature does not match the body")
+
+
+class DeliveryLog:
+    """Bounded LRU of MLflow delivery ids already published (thread-safe).
+
+    Only remembered after Kafka acknowledged the events, so a delivery that failed
+    with 503 is processed again when MLflow retries it.
+    """
+
+    def __init__(self, size: int = 10_000) -> None:
+        self.size = size
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def seen(self, delivery_id: str | None) -> bool:
+        if not delivery_id:
+            return False
+        with self._lock:
+            if delivery_id in self._ids:
+                self._ids.move_to_end(delivery_id)
+                return True
+            return False
+
+    def remember(self, delivery_id: str | None) -> None:
+        if not delivery_id or self.size <= 0:
+            return
+        with self._lock:
+            self._ids[delivery_id] = None
+            self._ids.move_to_end(delivery_id)
+            while len(self._ids) > self.size:
+                self._ids.popitem(last=False)
+
+
+def _envelope(body: Any) -> tuple[str, str, datetime, dict, str | None]:
+    if not isinstance(body, dict):
+        raise PayloadError(f"<body>: must be a JSON object, got {type(body).__name__}")
+    problems: list[tuple[str, str]] = []
+    for name in ("entity", "action", "timestamp"):
+        if not isinstance(body.get(name), str) or not body[name]:
+            problems.append((name, "field required (a non-empty string)"))
+    if not isinstance(body.get("data"), dict):
+        problems.append(("data", "field required (an object)"))
+    if problems:
+        raise PayloadError("; ".join(f"{f}: {m}" for f, m in problems), field=problems[0][0])
+    entity, action = body["entity"], body["action"]
+    if (entity, action) not in REGISTRY_EVENTS:
+        supported = ", ".join(f"{e}.{a}" for e, a in REGISTRY_EVENTS)
+        raise PayloadError(f"action: {entity}.{action} is not an MLflow model registry event gpuledger knows (supported: {supported})",
+                           field="action", reason="unknown_event_type")
+    try:
+        occurred = parse_timestamp(body["timestamp"])
+    except ValueError as exc:
+        raise PayloadError(f"timestamp: {exc}", field="timestamp") from exc
+    data = body["data"]
+    missing = []
+    for name in REGISTRY_EVENTS[(entity, action)]:
+        value = data.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and name == "version":
+            data = {**data, name: str(value)}
+        elif not isinstance(value, str) or not value.strip():
+            missing.append(f"data.{name}")
+    if missing:
+        raise PayloadError("; ".join(f"{m}: field required (a non-empty string)" for m in missing), field=missing[0])
+    workspace = body.get("workspace") if isinstance(body.get("workspace"), str) else None
+    return entity, action, occurred, data, workspace
+
+
+def release_events(
+    body: Any,
+    mapping: MlflowReleaseMapping | None = None,
+    observed_at: datetime | None = None,
+    host: str = "",
+    trace: TraceContext | None = None,
+) -> list[ReleaseEvent]:
+    """Map one MLflow delivery body to release events (possibly none), or raise ``PayloadError``."""
+    mapping = mapping or MlflowReleaseMapping()
+    entity, action, occurred, data, workspace = _envelope(body)
+    if (entity, action) not in {("model_version", "created"), ("model_version_alias", "created"), ("model_version_tag", "set")}:
+        return []
+    model, version = data["name"].strip(), str(data["version"]).strip()
+    release_id = mapping.release_id(model, version, workspace)
+    identity: dict[str, str] = {"release_id": release_id, "model_name": model, "model_version": version}
+    tags: dict[str, str] = {"mlflow.workspace": workspace} if workspace else {}
+    discriminator: tuple[str, ...] = ()
+
+    if (entity, action) == ("model_version", "created"):
+        event_type = mapping.version_created_event
+        if event_type is None:
+            return []
+        version_tags = data.get("tags") if isinstance(data.get("tags"), dict) else {}
+        version_tags = {str(k): str(v) for k, v in version_tags.items() if v is not None}
+        for field, tag in mapping.identity_tags.items():
+            if version_tags.get(tag):
+                identity[field] = version_tags[tag]
+        tags.update(version_tags)
+        for name in ("source", "run_id"):
+            if isinstance(data.get(name), str) and data[name]:
+                tags[f"mlflow.{name}"] = data[name]
+        description = data.get("description")
+        payload = ReleasePayload(reason=description if isinstance(description, str) and description else None, tags=tags)
+    elif entity == "model_version_alias":
+        alias = data["alias"].strip()
+        environment = mapping.alias_environments.get(alias)
+        if environment is None:
+            return []
+        event_type = mapping.alias_created_event
+        identity["environment"] = environment
+        discriminator = (alias,)
+        payload = ReleasePayload(to_environment=environment, reason=f"MLflow alias '{alias}' set on version {version}",
+                                 tags={**tags, "mlflow.alias": alias})
+    else:
+        key, value = data["key"], data["value"]
+        event_type = mapping.tag_event(key, value)
+        if event_type is None:
+            return []
+        discriminator = (key, value)
+        payload = ReleasePayload(reason=f"MLflow tag {key}={value} set on version {version}", tags={**tags, key: value})
+
+    return [ReleaseEvent(
+        event_id=make_event_id(COLLECTOR, (entity, action, release_id, *discriminator), occurred.isoformat()),
+        event_type=event_type,
+        occurred_at=occurred,
+        observed_at=observed_at or datetime.now(timezone.utc),
+        source=Source(collector=COLLECTOR, host=host),
+        identity=Identity(**identity),
+        trace=trace or TraceContext(),
+        payload=payload,
+    )]

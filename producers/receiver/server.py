@@ -1,0 +1,322 @@
+"""The lifecycle-plane HTTP receiver: Alertmanager, MLflow and release events → Kafka.
+
+Input: HTTP POSTs — ``/v1/alertmanager`` (Alertmanager webhook v4), ``/v1/releases``
+(gpuledger ``ReleaseEvent`` JSON, one object or a list) and ``/v1/mlflow`` (MLflow
+Model Registry webhooks); ``GET /healthz`` (process up) and ``GET /readyz`` (Kafka
+reachable).
+Output: alert events on the alert topic, release events on the release topic, keyed
+by the shared correlation key, through the one ``EventPublisher``.
+Guarantees:
+- A 2xx answer is sent only after ``publish_batch`` returned, i.e. every event of the
+  request is acknowledged by Kafka (acks=all, idempotent producer). Broker trouble →
+  503 with a JSON error; the sender retries, and because event ids are deterministic a
+  partly written batch re-sent is collapsed downstream.
+- Bad input never reaches a topic: 400 (not JSON), 401 (auth configured and missing or
+  wrong), 413 (body over ``max_body_bytes``), 415 (not ``application/json``), 422
+  (fails validation; ``field`` names the culprit). A request is all-or-nothing.
+- Nothing that cannot travel is accepted. The body is bounded by ``max_body_bytes``
+  (413, ``limit_bytes`` in the answer). Each event must encode within the publisher's
+  ``max_event_bytes`` (a quarter of the raw topics' ``max.message.bytes``, at most
+  256 KiB: the stream worker re-encodes events into bigger records); an event over it
+  gets 422 with ``field`` (``alerts[3]``, ``[2]`` for a list of release events),
+  ``limit_bytes``, ``size_bytes`` and ``event_id``. Alertmanager free text (annotation
+  values, ``generatorURL``) is cut to 8 KiB per field with a ``…[truncated N bytes]``
+  marker — the answer's ``truncated_fields`` names each cut field, and they are counted
+  (``gpuledger.fields.truncated``); labels and fingerprints are identity and are never
+  cut: a value over 4 KiB gets 422 naming it. Release and MLflow events are not cut
+  (their sender chose every byte), only refused when over the event limit.
+- The event loop never blocks on Kafka: publishing and readiness checks run in threads.
+Limits: MLflow delivery de-duplication is in memory (per process, bounded LRU); a
+restarted or second replica relies on the deterministic event ids instead. One INFO
+log line per accepted request (a request is a batch); bodies are never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import re
+import socket
+import threading
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any
+
+import orjson
+from aiohttp import web
+from pydantic import SecretStr
+
+from gpuledger.telemetry import ComponentCounters
+from producers._errors import EventTooLarge, PayloadError, ProducerError, PublishError
+from producers._kafka import EventPublisher
+from producers._limits import TextTrimmer
+from producers.receiver.alertmanager import alert_events, truncated_alerts
+from producers.receiver.config import ReceiverSettings
+from producers.receiver.mlflow import DELIVERY_ID_HEADER, DeliveryLog, release_events, verify_signature
+from schemas.envelope import TraceContext
+from schemas.events import EVENT_TYPES, EventDecodeError, decode_event
+from schemas.release import ReleaseEvent
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("alertmanager", "releases", "mlflow")
+
+
+def _error(status: int, message: str, field: str | None = None, **extra: Any) -> web.Response:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return web.json_response({"error": message, "field": field, **extra}, status=status, headers=headers)
+
+
+def _decode_error_field(exc: EventDecodeError) -> str | None:
+    """The field an ``EventDecodeError`` names first ("occurred_at: ..." → occurred_at)."""
+    if exc.reason in ("not_json", "not_object"):
+        return None
+    first = str(exc).split(";")[0]
+    field = first.split(":", 1)[0].strip() if ":" in first else None
+    if field in (None, "<root>"):
+        # Model-level checks ("identity.release_id is required ...") carry the field in the text.
+        match = re.search(r"([a-z_]+(?:\.[a-z_]+)+) is required", first)
+        return match.group(1) if match else None
+    return field
+
+
+def _trace(request: web.Request) -> TraceContext | None:
+    parent = request.headers.get("traceparent")
+    return TraceContext(traceparent=parent, tracestate=request.headers.get("tracestate")) if parent else None
+
+
+class LifecycleReceiver:
+    """The aiohttp application behind ``gpuledger receive``.
+
+    ``publisher`` is owned by the caller (closed by whoever created it).
+    """
+
+    def __init__(self, config: ReceiverSettings, publisher: EventPublisher, publish_timeout_s: float = 35.0, host: str | None = None) -> None:
+        self.config = config
+        self.publisher = publisher
+        self.publish_timeout_s = config.publish_timeout_s or publish_timeout_s
+        self.host = host if host is not None else socket.gethostname()
+        self.counters = {source: ComponentCounters(f"receiver.{source}") for source in SOURCES}
+        self.deliveries = DeliveryLog(config.mlflow_dedup_size)
+
+    def build_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._errors])
+        app.add_routes([
+            web.post("/v1/alertmanager", self.alertmanager, name="alertmanager"),
+            web.post("/v1/releases", self.releases, name="releases"),
+            web.post("/v1/mlflow", self.mlflow, name="mlflow"),
+            web.get("/healthz", self.healthz, name="healthz"),
+            web.get("/readyz", self.readyz, name="readyz"),
+        ])
+        return app
+
+    # --- plumbing -----------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        """Every failure becomes a JSON answer, counted as rejected with its reason."""
+        route = request.match_info.route.name if request.match_info.route else None
+        counters = self.counters.get(route or "")
+        try:
+            return await handler(request)
+        except PayloadError as exc:
+            if counters:
+                counters.add_rejected(exc.reason)
+            log.debug("%s: rejected (%s) %s", route, exc.reason, exc)
+            return _error(exc.status, str(exc), exc.field, **exc.details)
+        except PublishError as exc:
+            # The publisher has already counted the events as rejected(kafka_unavailable).
+            log.warning("%s: answering 503, Kafka did not acknowledge: %s", route, exc)
+            return _error(503, f"Kafka unavailable, retry later: {exc}", None, retriable=True)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return _error(exc.status, exc.reason, None)
+        except Exception as exc:  # noqa: BLE001 - a bug must still answer JSON, and be logged
+            log.exception("%s: internal error", route)
+            return _error(500, f"internal error: {type(exc).__name__}", None)
+
+    @staticmethod
+    def _check_bearer(request: web.Request, token: SecretStr | None) -> None:
+        if token is None:
+            return
+        scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(credentials.strip().encode(), token.get_secret_value().encode()):
+            raise PayloadError("Authorization: missing or wrong bearer token", field="Authorization", reason="unauthorized", status=401)
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        if request.content_type != "application/json":
+            raise PayloadError(f"Content-Type: must be application/json, got {request.content_type!r}",
+                               field="Content-Type", reason="unsupported_media_type", status=415)
+        limit = self.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise PayloadError(f"<body>: {request.content_length} bytes is over the {limit}-byte limit (max_body_bytes)", reason="too_large",
+                               status=413, details={"limit_bytes": limit, "size_bytes": request.content_length})
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise PayloadError(f"<body>: over the {limit}-byte limit (max_body_bytes)", reason="too_large", status=413,
+                               details={"limit_bytes": limit}) from exc
+
+    @staticmethod
+    def _parse_json(body: bytes) -> Any:
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise PayloadError(f"<body>: not JSON: {exc}", reason="not_json", status=400) from exc
+
+    async def _publish(self, events: list, field_of: Callable[[int], str | None] = lambda i: None) -> None:
+        """Publish the request's events; one over the event limit → 422 naming it (``field_of(index)``)."""
+        if not events:
+            return
+        try:
+            await asyncio.to_thread(self.publisher.publish_batch, events, self.publish_timeout_s)
+        except EventTooLarge as exc:
+            field = field_of(exc.index)
+            raise PayloadError(f"{field}: {exc}" if field else str(exc), field=field, reason="event_too_large",
+                               details={"limit_bytes": exc.limit_bytes, "size_bytes": exc.size_bytes, "event_id": exc.event_id}) from exc
+
+    @staticmethod
+    def _accepted(events: list, **extra: Any) -> web.Response:
+        return web.json_response({"accepted": len(events), "event_ids": [e.event_id for e in events], **extra})
+
+    # --- endpoints ----------------------------------------------------------------
+
+    async def alertmanager(self, request: web.Request) -> web.Response:
+        self._check_bearer(request, self.config.alertmanager_bearer_token)
+        data = self._parse_json(await self._read_body(request))
+        trimmer = TextTrimmer()
+        events = alert_events(data, self.config.alert_labels, datetime.now(timezone.utc), self.host, _trace(request), trimmer)
+        counters = self.counters["alertmanager"]
+        counters.add_received(len(events))
+        await self._publish(events, lambda i: f"alerts[{i}]")
+        if trimmer.cut:
+            counters.add_truncated(len(trimmer.cut))
+        truncated = truncated_alerts(data)
+        log.info("alertmanager: accepted %d alert event(s) from receiver %r%s%s", len(events), data.get("receiver"),
+                 f", {truncated} more truncated by Alertmanager (max_alerts)" if truncated else "",
+                 f", {len(trimmer.cut)} free-text field(s) cut to {trimmer.cap_bytes} bytes" if trimmer.cut else "")
+        return self._accepted(events, truncated_alerts=truncated, truncated_fields=trimmer.cut)
+
+    async def releases(self, request: web.Request) -> web.Response:
+        self._check_bearer(request, self.config.releases_bearer_token)
+        data = self._parse_json(await self._read_body(request))
+        items, prefix = (data, "[{}].") if isinstance(data, list) else ([data], "")
+        events: list[ReleaseEvent] = []
+        problems: list[tuple[str, str, str]] = []
+        for i, item in enumerate(items):
+            where = prefix.format(i)
+            if not isinstance(item, dict):
+                problems.append((where.rstrip(".") or None, f"{where.rstrip('.') or '<body>'}: must be a JSON object (a release event), got {type(item).__name__}", "not_object"))
+                continue
+            event_type = item.get("event_type")
+            if isinstance(event_type, str) and event_type in EVENT_TYPES and not event_type.startswith("release."):
+                problems.append((f"{where}event_type", f"{where}event_type: {event_type!r} is not a release event (this endpoint takes release.* only)",
+                                 "unknown_event_type"))
+                continue
+            try:
+                events.append(decode_event(item))
+            except EventDecodeError as exc:
+                field = _decode_error_field(exc)
+                text = str(exc)
+                if field and text.startswith("<root>: "):
+                    text = f"{field}: " + text.removeprefix("<root>: ").removeprefix("Value error, ")
+                message = text if not where else "; ".join(f"{where}{part.strip()}" for part in text.split(";"))
+                problems.append((f"{where}{field}" if field else (where.rstrip(".") or None), message, exc.reason))
+        if problems:
+            raise PayloadError("; ".join(m for _, m, _ in problems), field=problems[0][0], reason=problems[0][2])
+        self.counters["releases"].add_received(len(events))
+        await self._publish(events, (lambda i: f"[{i}]") if isinstance(data, list) else (lambda i: None))
+        log.info("releases: accepted %d release event(s)", len(events))
+        return self._accepted(events)
+
+    async def mlflow(self, request: web.Request) -> web.Response:
+        body = await self._read_body(request)
+        if self.config.mlflow_secret is not None:
+            verify_signature(self.config.mlflow_secret.get_secret_value(), request.headers, body, self.config.mlflow_signature_tolerance_s)
+        delivery_id = request.headers.get(DELIVERY_ID_HEADER)
+        if self.deliveries.seen(delivery_id):
+            return self._accepted([], duplicate_delivery=True)
+        data = self._parse_json(body)
+        events = release_events(data, self.config.mlflow, datetime.now(timezone.utc), self.host, _trace(request))
+        self.counters["mlflow"].add_received(len(events))
+        await self._publish(events)
+        self.deliveries.remember(delivery_id)
+        what = f"{data.get('entity')}.{data.get('action')}"
+        log.info("mlflow: delivery %s (%s) → %d release event(s)", delivery_id, what, len(events))
+        if not events:
+            return self._accepted(events, ignored=f"{what} maps to no release event (see docs/receiver.md)")
+        return self._accepted(events)
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "counters": {s: c.totals for s, c in self.counters.items()}})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        if await asyncio.to_thread(self.publisher.connected):
+            return web.json_response({"ready": True})
+        return web.json_response({"ready": False, "error": "Kafka is not reachable"}, status=503)
+
+
+async def serve(config: ReceiverSettings, publisher: EventPublisher, stop: asyncio.Event | None = None,
+                on_listening: Callable[[str, int], None] | None = None, publish_timeout_s: float = 35.0) -> None:
+    """Listen until ``stop`` is set (forever if None); calls ``on_listening(host, port)``."""
+    app = LifecycleReceiver(config, publisher, publish_timeout_s).build_app()
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        if on_listening:
+            on_listening(host, port)
+        await (stop or asyncio.Event()).wait()
+    finally:
+        await runner.cleanup()
+
+
+class ReceiverError(ProducerError):
+    """The receiver cannot serve (its address cannot be bound)."""
+
+
+class ReceiverService:
+    """``gpuledger receive`` as a long-running component (``producers._runtime.LongRunning``).
+
+    ``run()`` serves until ``stop()`` (safe from any thread), then closes the publisher,
+    which it owns: every accepted request was acknowledged by Kafka before its answer,
+    so there is nothing left to flush but librdkafka's own queue.
+    """
+
+    def __init__(self, config: ReceiverSettings, publisher: EventPublisher, publish_timeout_s: float = 35.0,
+                 on_listening: Callable[[str, int], None] | None = None) -> None:
+        self.config = config
+        self.publisher = publisher
+        self.publish_timeout_s = publish_timeout_s
+        self.on_listening = on_listening
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._stop_requested = threading.Event()
+
+    async def _serve(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        if self._stop_requested.is_set():
+            self._stop.set()
+        await serve(self.config, self.publisher, self._stop, self.on_listening, self.publish_timeout_s)
+
+    def run(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except OSError as exc:
+            raise ReceiverError(f"cannot listen on {self.config.host}:{self.config.port}: {exc}") from exc
+        finally:
+            self.publisher.close(10)
+            log.info("receiver stopped, producer flushed")
+
+    def stop(self) -> None:
+        self._stop_requested.set()
+        loop, event = self._loop, self._stop
+        if loop is not None and event is not None:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:
+                pass  # the loop already ended: nothing left to stop

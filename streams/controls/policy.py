@@ -1,0 +1,387 @@
+"""The decision-rights and control policy: who may do what, and the thresholds of the eight controls.
+
+Input: a YAML file (``GPULEDGER_POLICY_FILE``; unset means the built-in default, which
+``deploy/policy/default.yaml`` documents line by line). Output: a frozen ``Policy``
+the control agents (``streams/controls/agents.py``, rules in ``streams/controls/rules.py``) and
+``gpuledger audit`` evaluate against.
+
+Guarantees: unknown keys and wrong types are rejected; every problem is reported at
+once, each with its dotted field path and the file's line number; cross-references
+(a control's accountable role, a role's actions) are checked before the worker starts.
+The built-in default and ``deploy/policy/default.yaml`` are the same policy (a test
+keeps them equal), so an installed package without the deploy/ directory still runs.
+
+Durations are written in the one grammar of ``gpuledger.timefmt``: ``90s``, ``30m``, ``2h``,
+``1d`` or combined (``1h30m``); a bare number is seconds.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from gpuledger.timefmt import parse_duration
+
+#: Every decision a role can be given. Release lifecycle events and admin actions map
+#: onto them (``ACTION_OF_EVENT``).
+Action = Literal["approve", "promote", "rollback", "revoke", "retire", "reserve", "pause_queue", "isolate_node", "override_priority"]
+Severity = Literal["info", "warning", "critical"]
+
+ACTION_OF_EVENT: dict[str, str] = {
+    "release.approved": "approve",
+    "release.promoted": "promote",
+    "release.rolled_back": "rollback",
+    "release.revoked": "revoke",
+    "release.retired": "retire",
+    "release.reservation_created": "reserve",
+    "release.reservation_released": "reserve",
+    "release.queue_paused": "pause_queue",
+    "release.node_isolated": "isolate_node",
+    "release.priority_overridden": "override_priority",
+}
+
+#: Control number -> field of ``Controls`` (and its title, DESIGN.md "Controls").
+CONTROL_NAMES: dict[int, str] = {
+    1: "admission", 2: "promotion", 3: "artifact_identity", 4: "priority_preemption",
+    5: "capacity_reservation", 6: "telemetry_correlation", 7: "incident_authority", 8: "retirement",
+}
+CONTROL_TITLES: dict[int, str] = {
+    1: "Admission", 2: "Promotion", 3: "Artifact identity", 4: "Priority and preemption",
+    5: "Capacity reservation", 6: "Telemetry correlation", 7: "Incident authority", 8: "Retirement",
+}
+
+Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
+
+
+class PolicyError(ValueError):
+    """A policy file that cannot be used; the message lists every problem with its line."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Environment(_Model):
+    """One environment, in promotion order (the list order of ``environments``)."""
+
+    name: str = Field(min_length=1, description="Environment name as workloads and releases carry it (dev, eval, staging, prod).")
+    requires_approval: bool = Field(default=True, description="Control 1: a workload admitted here needs a release approved (and not revoked) before admission.")
+    requires_promotion: bool = Field(default=True, description="Control 2: a workload running here needs its release promoted here (and not rolled back).")
+    observation_window: Duration = Field(default=timedelta(0), description="Control 4: how long after a promotion to this environment the release's workloads must not be preempted.")
+
+
+class Role(_Model):
+    """A named role: its members hold its decision rights; its owner is accountable."""
+
+    owner: str = Field(min_length=1, description="Accountable team for the role (named as owner on the violations of the controls it is accountable for).")
+    members: tuple[str, ...] = Field(default=(), description="Actors (users, service accounts, CI jobs) holding the role, as release events name them in `actor`.")
+    actions: tuple[Action, ...] = Field(default=(), description="Decisions the members may take.")
+
+
+class ControlPolicy(_Model):
+    """How one control reports."""
+
+    enabled: bool = Field(default=True, description="Evaluate this control.")
+    accountable: str = Field(description="Role whose owner is accountable for this control's violations.")
+    severity: Severity = Field(default="critical", description="Severity of its violations (info does not fail `gpuledger audit`).")
+
+
+class Controls(_Model):
+    """One block per control (DESIGN.md, Controls)."""
+
+    admission: ControlPolicy = Field(default=ControlPolicy(accountable="platform-sre", severity="critical"), description="1. Admission.")
+    promotion: ControlPolicy = Field(default=ControlPolicy(accountable="release-managers", severity="critical"), description="2. Promotion.")
+    artifact_identity: ControlPolicy = Field(default=ControlPolicy(accountable="release-managers", severity="critical"), description="3. Artifact identity.")
+    priority_preemption: ControlPolicy = Field(default=ControlPolicy(accountable="platform-sre", severity="warning"), description="4. Priority and preemption.")
+    capacity_reservation: ControlPolicy = Field(default=ControlPolicy(accountable="capacity-planners", severity="warning"), description="5. Capacity reservation.")
+    telemetry_correlation: ControlPolicy = Field(default=ControlPolicy(accountable="platform-sre", severity="warning"), description="6. Telemetry correlation.")
+    incident_authority: ControlPolicy = Field(default=ControlPolicy(accountable="release-managers", severity="critical"), description="7. Incident authority.")
+    retirement: ControlPolicy = Field(default=ControlPolicy(accountable="capacity-planners", severity="critical"), description="8. Retirement.")
+
+
+class Reservations(_Model):
+    """Control 5 thresholds."""
+
+    grace: Duration = Field(default=timedelta(hours=1), description="A reservation with no GPU allocated this long after its window starts is unused; one still held this long after its window ends is held past launch.")
+    min_utilisation: float = Field(default=0.5, ge=0, le=1, description="Peak allocated / reserved GPUs below this over the window is reported (severity info); 0 disables.")
+
+
+class Retirement(_Model):
+    """Control 8 threshold."""
+
+    grace: Duration = Field(default=timedelta(hours=1), description="How long after retirement/revocation a release may still hold GPUs, reservations or running workloads.")
+
+
+class EmergencyOverrides(_Model):
+    """Control 7: admin actions that are emergency overrides and must expire."""
+
+    actions: tuple[Action, ...] = Field(default=("override_priority", "pause_queue"), description="Actions that are emergency overrides (need expires_at).")
+    max_duration: Duration = Field(default=timedelta(hours=4), description="Longest an override may last (expires_at - occurred_at).")
+
+
+class AlertMatcher(_Model):
+    """Which alerts are quality alerts: a listed name, or all listed labels equal."""
+
+    names: tuple[str, ...] = Field(default=("ModelQualityDegraded",), description="Alert names (alertname) that are quality alerts.")
+    labels: dict[str, str] = Field(default_factory=lambda: {"category": "quality"}, description="Label values that make an alert a quality alert (all must match).")
+
+    def matches(self, alertname: str | None, labels: dict[str, str] | None) -> bool:
+        labels = labels or {}
+        if alertname and alertname in self.names:
+            return True
+        return bool(self.labels) and all(labels.get(k) == v for k, v in self.labels.items())
+
+
+class Telemetry(_Model):
+    """Control 6 scope."""
+
+    quality_alerts: AlertMatcher = Field(default_factory=AlertMatcher, description="Which alerts are quality alerts (their violations are critical).")
+    scope: Literal["all", "quality"] = Field(default="all", description="Alerts that must be attributable to a release: all, or only quality alerts.")
+
+
+class BusinessPriority(_Model):
+    """Control 4: business priority of a workload, first match wins: release, owner, priority class."""
+
+    by_release: dict[str, int] = Field(default_factory=dict, description="release_id -> business priority.")
+    by_owner: dict[str, int] = Field(default_factory=dict, description="Owning team -> business priority.")
+    by_priority_class: dict[str, int] = Field(
+        default_factory=lambda: {"prod-critical": 100, "prod-high": 90, "prod": 80, "staging": 50, "batch": 40, "research-burst": 20,
+                                 "research": 10, "preemptible": 0},
+        description="Kubernetes priority class -> business priority.")
+
+    def of(self, release_id: str | None, owner: str | None, priority_class: str | None) -> int | None:
+        if release_id and release_id in self.by_release:
+            return self.by_release[release_id]
+        if owner and owner in self.by_owner:
+            return self.by_owner[owner]
+        if priority_class and priority_class in self.by_priority_class:
+            return self.by_priority_class[priority_class]
+        return None
+
+
+def _default_environments() -> tuple[Environment, ...]:
+    return (
+        Environment(name="dev", requires_approval=False, requires_promotion=False),
+        Environment(name="eval", requires_approval=False, requires_promotion=True, observation_window=timedelta(minutes=30)),
+        Environment(name="staging", requires_approval=True, requires_promotion=True, observation_window=timedelta(hours=1)),
+        Environment(name="prod", requires_approval=True, requires_promotion=True, observation_window=timedelta(hours=2)),
+    )
+
+
+def _default_roles() -> dict[str, Role]:
+    return {
+        "release-managers": Role(owner="team-mlops", members=("alice", "carol", "dana"),
+                                 actions=("approve", "promote", "rollback", "revoke", "retire", "reserve")),
+        "release-automation": Role(owner="team-mlops", members=("ml-platform-bot",), actions=("retire",)),
+        "platform-sre": Role(owner="team-platform", members=("bob", "oncall-bob", "oncall-sre"),
+                             actions=("rollback", "pause_queue", "isolate_node", "override_priority", "reserve")),
+        "capacity-planners": Role(owner="team-capacity", members=("erin",), actions=("reserve",)),
+    }
+
+
+class Policy(_Model):
+    """Decision rights and control thresholds (see deploy/policy/default.yaml)."""
+
+    version: Literal[1] = Field(default=1, description="Policy file format version.")
+    environments: tuple[Environment, ...] = Field(default_factory=_default_environments, description="Environments in promotion order.")
+    roles: dict[str, Role] = Field(default_factory=_default_roles, description="Role name -> role.")
+    controls: Controls = Field(default_factory=Controls, description="Per-control accountability and severity.")
+    reservations: Reservations = Field(default_factory=Reservations, description="Control 5.")
+    retirement: Retirement = Field(default_factory=Retirement, description="Control 8.")
+    emergency_overrides: EmergencyOverrides = Field(default_factory=EmergencyOverrides, description="Control 7.")
+    telemetry: Telemetry = Field(default_factory=Telemetry, description="Control 6.")
+    business_priority: BusinessPriority = Field(default_factory=BusinessPriority, description="Control 4.")
+
+    @model_validator(mode="after")
+    def _cross_references(self) -> Policy:
+        problems = reference_problems(self.model_dump(mode="json"))
+        if problems:
+            raise ValueError("; ".join(f"{'.'.join(map(str, path))}: {msg}" for path, msg in problems))
+        return self
+
+    def compressed(self, speed: float) -> Policy:
+        """This policy with every duration divided by ``speed``: for exercises whose
+        timeline runs ``speed`` times faster than real time (``gpuledger exercise --speed``)."""
+        if speed <= 0:
+            raise ValueError("speed must be positive")
+
+        def scale(model):
+            updates = {}
+            for name, value in model:
+                if isinstance(value, timedelta):
+                    updates[name] = value / speed
+                elif isinstance(value, BaseModel):
+                    updates[name] = scale(value)
+                elif isinstance(value, tuple) and value and isinstance(value[0], BaseModel):
+                    updates[name] = tuple(scale(v) for v in value)
+            return model.model_copy(update=updates)
+
+        return scale(self)
+
+    # --- questions the controls ask --------------------------------------------------
+    def environment(self, name: str | None) -> Environment | None:
+        return next((e for e in self.environments if e.name == name), None) if name else None
+
+    def environment_rank(self, name: str | None) -> int | None:
+        return next((i for i, e in enumerate(self.environments) if e.name == name), None) if name else None
+
+    def roles_of(self, actor: str | None) -> list[str]:
+        return sorted(name for name, role in self.roles.items() if actor and actor in role.members)
+
+    def allowed(self, actor: str | None, action: str) -> bool:
+        return bool(actor) and any(actor in role.members and action in role.actions for role in self.roles.values())
+
+    def control(self, control_id: int) -> ControlPolicy:
+        return getattr(self.controls, CONTROL_NAMES[control_id])
+
+    def owner_for(self, control_id: int) -> str:
+        return self.roles[self.control(control_id).accountable].owner
+
+
+class PolicySettings(BaseSettings):
+    """Where the policy comes from."""
+
+    model_config = SettingsConfigDict(env_prefix="GPULEDGER_POLICY_", extra="ignore")
+
+    file: Path | None = Field(default=None, description="Policy YAML file; unset uses the built-in default (documented in deploy/policy/default.yaml).")
+
+    def load(self) -> Policy:
+        return load_policy(self.file)
+
+
+def reference_problems(data: dict) -> list[tuple[tuple, str]]:
+    """Cross-field problems of raw policy data, as (path, message): duplicate or missing
+    environments, controls accountable to a role that does not exist. Works on the raw
+    mapping too, so they are reported together with field errors."""
+    problems: list[tuple[tuple, str]] = []
+    envs = data.get("environments", None)
+    if isinstance(envs, (list, tuple)):
+        if not envs:
+            problems.append((("environments",), "at least one environment is needed"))
+        names = [e.get("name") for e in envs if isinstance(e, dict)]
+        for i, name in enumerate(names):
+            if name is not None and names.index(name) != i:
+                problems.append((("environments", i, "name"), f"{name!r} is listed more than once"))
+    roles = data.get("roles", None)
+    role_names = set(roles) if isinstance(roles, dict) else set(_default_roles()) if roles is None else set()
+    controls = data.get("controls") or {}
+    if isinstance(controls, dict):
+        for field in CONTROL_NAMES.values():
+            block = controls.get(field)
+            given = isinstance(block, dict) and "accountable" in block
+            accountable = block["accountable"] if given else getattr(Controls(), field).accountable
+            if isinstance(accountable, str) and accountable not in role_names:
+                known = ", ".join(sorted(role_names)) or "none"
+                if given:
+                    problems.append((("controls", field, "accountable"), f"no role named {accountable!r} (roles: {known})"))
+                else:
+                    problems.append((("controls", field) if isinstance(block, dict) else ("roles",),
+                                     f"control {field} is accountable by default to {accountable!r}, which is not a role here "
+                                     f"(roles: {known}); add the role or set controls.{field}.accountable"))
+    return problems
+
+
+def _line_index(text: str) -> dict[tuple, int]:
+    """YAML path (keys and list indexes) -> 1-based line, for error messages."""
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return {}
+    lines: dict[tuple, int] = {}
+
+    def walk(node, path: tuple) -> None:
+        lines.setdefault(path, node.start_mark.line + 1)
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                child = path + (key.value,)
+                lines[child] = key.start_mark.line + 1
+                walk(value, child)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, value in enumerate(node.value):
+                walk(value, path + (i,))
+
+    if root is not None:
+        walk(root, ())
+    return lines
+
+
+def _describe(exc: ValidationError, where: str, lines: dict[tuple, int]) -> list[str]:
+    out = []
+    for err in exc.errors(include_url=False):
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        if not loc:
+            continue
+        line = None
+        for n in range(len(loc), -1, -1):
+            if loc[:n] in lines:
+                line = lines[loc[:n]]
+                break
+        path = ".".join(str(p) for p in loc) or "<root>"
+        msg = err["msg"].removeprefix("Value error, ")
+        out.append(f"{where}:{line}: {path}: {msg}" if line else f"{where}: {path}: {msg}")
+    return out
+
+
+def parse_policy(text: str, where: str = "<policy>") -> Policy:
+    """Validate policy YAML text; PolicyError lists every problem with its line."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f"{where}:{mark.line + 1}" if mark else where
+        raise PolicyError(f"{at}: not valid YAML: {getattr(exc, 'problem', None) or exc}") from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise PolicyError(f"{where}: a policy is a mapping of sections (environments, roles, controls, ...), got {type(data).__name__}")
+    try:
+        return Policy.model_validate(data)
+    except ValidationError as exc:
+        lines = _line_index(text)
+        # Root-level errors come from the cross-reference validator: re-derived below
+        # from the raw data, with their lines, together with the field errors.
+        problems = _describe(exc, where, lines)
+        for path, msg in reference_problems(data):
+            line = next((lines[path[:n]] for n in range(len(path), -1, -1) if path[:n] in lines), None)
+            text_path = ".".join(map(str, path))
+            problem = f"{where}:{line}: {text_path}: {msg}" if line else f"{where}: {text_path}: {msg}"
+            if problem not in problems:
+                problems.append(problem)
+        raise PolicyError("invalid policy:\n  " + "\n  ".join(problems)) from exc
+
+
+def dump_policy(policy: Policy) -> str:
+    """The policy as YAML that ``parse_policy`` reads back to an equal policy (durations
+    in seconds) — e.g. to hand a compressed policy to an exercise's worker through
+    GPULEDGER_POLICY_FILE."""
+
+    def plain(value):
+        if isinstance(value, timedelta):
+            seconds = value.total_seconds()
+            return int(seconds) if seconds == int(seconds) else seconds
+        if isinstance(value, BaseModel):
+            return {name: plain(v) for name, v in value}
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value
+
+    return yaml.safe_dump(plain(policy), sort_keys=False)
+
+
+def load_policy(path: str | Path | None = None) -> Policy:
+    """The policy in ``path``, or the built-in default when ``path`` is None."""
+    if path is None:
+        return Policy()
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise PolicyError(f"cannot read the policy file {path}: {exc.strerror or exc} (GPULEDGER_POLICY_FILE / --policy)") from exc
+    return parse_policy(text, str(path))

@@ -1,0 +1,63 @@
+"""The one time and duration grammar (gpuledger/timefmt.py): flags, policy fields, scenarios, source timestamps."""
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from gpuledger.timefmt import (
+    TimeFormatError,
+    as_utc,
+    clickhouse_time,
+    format_duration,
+    iso_z,
+    parse_duration,
+    parse_time,
+    parse_timestamp,
+)
+
+AT = datetime(2026, 11, 30, 13, 10, tzinfo=timezone.utc)
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("2026-05-04T09:12:31Z", datetime(2026, 5, 4, 9, 12, 31, tzinfo=timezone.utc)),
+    ("2026-05-04T09:12:31.123456789Z", datetime(2026, 5, 4, 9, 12, 31, 123456, tzinfo=timezone.utc)),
+    ("2026-05-04T11:12:31.5+02:00", datetime(2026, 5, 4, 9, 12, 31, 500000, tzinfo=timezone.utc)),
+    ("0001-01-01T00:00:00Z", datetime(1, 1, 1, tzinfo=timezone.utc)),
+])
+def test_parse_timestamp_reads_go_rfc3339nano(text, expected):
+    assert parse_timestamp(text) == expected
+
+
+@pytest.mark.parametrize("text", ["2026-05-04", "2026-05-04T09:12:31", "1714814000", "2026-13-04T09:12:31Z", None, 5])
+def test_parse_timestamp_rejects_what_is_not_an_aware_rfc3339_time(text):
+    with pytest.raises(ValueError, match="not a timestamp"):
+        parse_timestamp(text)
+
+
+def test_people_write_times_without_a_zone_meaning_utc():
+    assert parse_time("2026-11-30T13:10:00Z") == parse_time("2026-11-30 13:10:00") == parse_time("2026-11-30T13:10") == AT
+    assert parse_time("2026-11-30T14:10:00+01:00") == AT and parse_time("2026-11-30") == AT.replace(hour=0, minute=0)
+    assert abs(parse_time("now") - datetime.now(timezone.utc)) < timedelta(seconds=5)
+    for bad in ("yesterday", "", "2026-11-30T25:00:00Z", "2026-11-30T13:10:00 CET"):
+        with pytest.raises(TimeFormatError, match="--at: not an RFC 3339 time"):
+            parse_time(bad, "--at")
+
+
+def test_one_duration_grammar_for_every_flag_and_field():
+    assert parse_duration("90s") == timedelta(seconds=90) and parse_duration("1h30m") == timedelta(minutes=90)
+    assert parse_duration(3600) == timedelta(hours=1) and parse_duration("2d") == timedelta(days=2)
+    assert parse_duration("1.5h") == parse_duration("1h 30m") == parse_duration("5400") == timedelta(minutes=90)
+    for bad in ("soon", "", "h", "2x", "-5", -1, True, "inf"):
+        with pytest.raises(ValueError):
+            parse_duration(bad)
+    with pytest.raises(ValueError, match="--window: not a duration: 'soon'"):
+        parse_duration("soon", "--window")
+    assert [format_duration(parse_duration(t)) for t in ("90s", "1h30m", "1d12h", "0")] == ["1m30s", "1h30m", "1d12h", "0s"]
+
+
+def test_canonical_texts():
+    t = datetime(2026, 11, 30, 13, 10, 0, 123456, tzinfo=timezone.utc)
+    assert iso_z(t) == "2026-11-30T13:10:00.123Z" and iso_z(t, 6) == "2026-11-30T13:10:00.123456Z"
+    assert iso_z(t, 0) == "2026-11-30T13:10:00Z" and iso_z("2026-11-30 14:10:00.123456+01:00") == "2026-11-30T13:10:00.123Z"
+    assert iso_z(None) is None and as_utc(datetime(2026, 11, 30, 13, 10)) == AT
+    assert clickhouse_time(t) == "2026-11-30 13:10:00.123"

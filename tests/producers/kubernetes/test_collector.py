@@ -1,0 +1,717 @@
+"""The scheduler collector against FakeKubeApi (real HTTP) and the real broker.
+
+Every collector test drives the real ``SchedulerCollector`` — in a thread through
+``run(stop)`` or once through ``run_once()`` — with the official client pointed at
+the API double, and reads the scheduler topic back. Pure mapping rules (workload_id,
+message parsing) are tested without I/O at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import Counter
+from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from producers._kafka import EventPublisher
+from producers.kubernetes.mapping import (
+    KueueIndex,
+    derive_workload_id,
+    event_fact,
+    event_view,
+    gpus_requested,
+    image_digest,
+    kueue_preemptor,
+    pod_facts,
+    workload_facts,
+    workload_info,
+)
+from producers.kubernetes.collector import COMPONENT, SchedulerCollector
+from producers.kubernetes.config import SchedulerCollectorSettings
+from gpuledger.settings import Settings, SettingsError
+from schemas import DeadLetter, decode_event
+from tests.fixtures.kafka import read_topic
+from tests.fixtures.kube_api import (
+    CORE_EVENTS,
+    EVENTS,
+    EVENTS_GROUP,
+    PODS,
+    WORKLOADS_V1BETA1,
+    WORKLOADS_V1BETA2,
+    DEFAULT_IMAGE,
+    FakeKubeApi,
+    disruption_target,
+    make_core_event,
+    make_event_v1,
+    make_pod,
+    make_pod_set,
+    make_workload,
+    pod_condition,
+    pod_set_assignment,
+    workload_condition,
+)
+
+T0 = datetime(2026, 11, 30, 10, 0, 0, tzinfo=timezone.utc)
+DIGEST = "sha256:" + DEFAULT_IMAGE.rsplit("sha256:", 1)[1]
+FAST = {"backoff_initial_s": 0.05, "backoff_max_s": 0.3, "watch_timeout_s": 20, "request_timeout_s": 5,
+        "state_flush_interval_s": 0, "discovery_interval_s": 0.5, "host": "test-host"}
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+# ------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture
+def api():
+    with FakeKubeApi() as server:
+        yield server
+
+
+@pytest.fixture
+def make_collector(kafka_bootstrap, catalogue, tmp_path):
+    """``build(api, state_dir=None, **settings)`` -> a SchedulerCollector on the test topics."""
+    made: list[SchedulerCollector] = []
+
+    def build(server: FakeKubeApi, state_dir: Path | None = None, **overrides) -> SchedulerCollector:
+        settings = SchedulerCollectorSettings(**{**FAST, **overrides})
+        publisher = EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, COMPONENT)
+        collector = SchedulerCollector(settings, publisher, server.api_client(), state_dir or tmp_path / "state")
+        made.append(collector)
+        return collector
+
+    yield build
+    for c in made:
+        c.stop()
+        c.close()
+
+
+@contextmanager
+def running(collector: SchedulerCollector):
+    stop = threading.Event()
+    thread = threading.Thread(target=collector.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield collector
+    finally:
+        stop.set()
+        thread.join(15)
+        assert not thread.is_alive(), "collector did not stop"
+
+
+def wait_until(predicate, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def wait_sent(collector: SchedulerCollector, n: int, timeout: float = 20.0) -> None:
+    wait_until(lambda: collector.counters.totals["sent"] >= n, timeout,
+               f"{n} sent (have {collector.counters.totals['sent']})")
+
+
+def wait_watching(server: FakeKubeApi, *resources: str) -> None:
+    for res in resources or (PODS,):
+        server.wait_for_watches(1, res, timeout=10)
+
+
+def published(bootstrap: str, topic: str, n: int) -> list:
+    """What is on the topic once ``n`` records arrived and nothing more came for 1 s."""
+    records = sorted(read_topic(bootstrap, topic, min_count=n, timeout=20, settle=1.0), key=lambda m: (m.partition(), m.offset()))
+    events = [decode_event(m.value()) for m in records]
+    ids = Counter(e.event_id for e in events)
+    assert not [i for i, c in ids.items() if c > 1], "duplicate event ids on the topic"
+    return events  # publish order per key (one key -> one partition)
+
+
+def of(events, **match) -> list:
+    out = []
+    for e in events:
+        if all((getattr(e.identity, k, None) if k in ("pod", "workload_id", "pod_uid") else getattr(e.payload, k, None)) == v
+               for k, v in match.items()):
+            out.append(e)
+    return out
+
+
+def types(events) -> list[str]:
+    return [e.event_type.split(".", 1)[1] for e in events]
+
+
+# ------------------------------------------------------------------------------- pods
+
+
+def test_pod_lifecycle_is_published_once_per_transition(api, make_collector, kafka_bootstrap, catalogue):
+    labels = {"gpuledger.io/release-id": "rel-42", "gpuledger.io/model": "llama", "gpuledger.io/environment": "prod",
+              "app.kubernetes.io/name": "serve", "pod-template-hash": "7d9f8c6b5", "team": "ignored"}
+    owner = ("ReplicaSet", "serve-7d9f8c6b5")
+    pod = api.create(PODS, make_pod("ml", "serve-7d9f8c6b5-x2x4z", gpus=2, labels=labels, owner=owner, created=T0,
+                                    priority_class="prod-high", priority=1000))
+    uid = pod["metadata"]["uid"]
+    api.create(PODS, make_pod("ml", "cpu-only", gpus=0, node="cpu-1", created=T0))  # never published
+
+    def update(**kw):
+        api.update(PODS, make_pod("ml", "serve-7d9f8c6b5-x2x4z", gpus=2, labels=labels, owner=owner, uid=uid, created=T0,
+                                  priority_class="prod-high", priority=1000, **kw))
+
+    collector = make_collector(api)
+    with running(collector):
+        wait_sent(collector, 2)  # submitted + failed_scheduling (PodScheduled=False/Unschedulable)
+        wait_watching(api, PODS)
+        update(node="gpu-1", phase="Running", conditions=[
+            pod_condition("PodScheduled", at=at(5)), pod_condition("Ready", at=at(9))])
+        wait_sent(collector, 4)
+        update(node="gpu-1", phase="Running", conditions=[pod_condition("PodScheduled", at=at(5))])  # no new transition
+        update(node="gpu-1", phase="Running", conditions=[
+            pod_condition("PodScheduled", at=at(5)), disruption_target("PreemptionByScheduler", at=at(60))])
+        wait_sent(collector, 5)
+        update(node="gpu-1", phase="Failed", conditions=[
+            pod_condition("PodScheduled", at=at(5)), disruption_target("PreemptionByScheduler", at=at(60))])
+        wait_sent(collector, 6)
+        api.delete(PODS, "ml", "serve-7d9f8c6b5-x2x4z")
+        wait_sent(collector, 7)
+
+    events = published(kafka_bootstrap, catalogue.scheduler, 7)
+    assert types(events) == ["submitted", "failed_scheduling", "scheduled", "running", "preempted", "finished", "deleted"]
+    assert all(e.identity.pod_uid == uid for e in events)
+    first = events[0]
+    assert first.identity.workload_id == "ml/Deployment/serve"
+    assert (first.identity.release_id, first.identity.model_name, first.identity.environment) == ("rel-42", "llama", "prod")
+    assert first.correlation_key() == "rel-42"
+    assert first.source.collector == "kubernetes" and first.source.host == "test-host"
+    assert first.payload.labels == {k: v for k, v in labels.items() if k.startswith(("gpuledger.io/", "app.kubernetes.io/"))}
+    assert (first.payload.gpus_requested, first.payload.priority_class, first.payload.priority) == (2, "prod-high", 1000)
+    scheduled, running_ev, preempted = events[2], events[3], events[4]
+    assert scheduled.identity.node == "gpu-1" and scheduled.occurred_at == at(5)
+    assert running_ev.payload.image_digests == (DIGEST,) and running_ev.identity.image_digest == DIGEST
+    assert preempted.payload.reason == "PreemptionByScheduler" and preempted.occurred_at == at(60)
+    assert preempted.payload.victim.uid == uid
+    assert events[5].payload.reason == "Failed"
+    assert collector.counters.totals["rejected"] == 0
+
+
+# ------------------------------------------------------------------------------- Kueue
+
+
+def test_kueue_workload_transitions_with_preemptor(api, make_collector, kafka_bootstrap, catalogue):
+    adm = {"clusterQueue": "gpu-cq", "podSetAssignments": [pod_set_assignment("main", {"nvidia.com/gpu": "a100"}, count=1)]}
+    urgent = api.create(WORKLOADS_V1BETA2, make_workload(
+        "ml", "job-urgent-1a2b3", "team-q", "urgent", 10000, owner=("Job", "urgent", "job-uid-urgent"), admission=adm,
+        conditions=[workload_condition("QuotaReserved", at=at(1)), workload_condition("Admitted", at=at(1))], created=T0))
+    tmpl_labels = {"gpuledger.io/release-id": "rel-7"}
+    victim_spec = dict(queue_name="team-q", priority_class="low", priority=10, owner=("Job", "train", "job-uid-train"),
+                       pod_sets=[make_pod_set("main", count=1, labels=tmpl_labels)], created=T0)
+    wl = api.create(WORKLOADS_V1BETA2, make_workload("ml", "job-train-9z8y7", **victim_spec))
+    wl_uid = wl["metadata"]["uid"]
+
+    def set_status(conditions, admission=None):
+        api.update(WORKLOADS_V1BETA2, make_workload("ml", "job-train-9z8y7", **victim_spec, uid=wl_uid,
+                                                    conditions=conditions, admission=admission))
+
+    collector = make_collector(api)
+    with running(collector):
+        wait_sent(collector, 4)  # urgent: queued, quota_reserved, admitted; train: queued
+        wait_watching(api, PODS, WORKLOADS_V1BETA2, EVENTS)
+        reserved = [workload_condition("QuotaReserved", at=at(10)), workload_condition("Admitted", at=at(10))]
+        set_status(reserved, adm)
+        wait_sent(collector, 6)
+        # The Job's pod: owned by the Job whose uid the Workload carries in kueue.x-k8s.io/job-uid.
+        pod = api.create(PODS, make_pod("ml", "train-0-abcde", node="gpu-1", created=at(11),
+                                        labels={"kueue.x-k8s.io/queue-name": "team-q", "kueue.x-k8s.io/podset": "main"},
+                                        owner=("Job", "train", "job-uid-train")))
+        wait_sent(collector, 9)  # submitted, scheduled, running
+        set_status(reserved + [workload_condition("PodsReady", at=at(20))], adm)
+        wait_sent(collector, 10)
+        msg = (f"Preempted to accommodate a workload (UID: {urgent['metadata']['uid']}, JobUID: job-uid-urgent) due to "
+               "prioritization in the ClusterQueue; preemptor path: /gpu-cq; preemptee path: /gpu-cq")
+        evicted = [workload_condition("QuotaReserved", "False", "Pending", at=at(30)),
+                   workload_condition("Admitted", "False", "NoReservation", at=at(30)),
+                   workload_condition("PodsReady", "False", "PodsReady", at=at(30)),
+                   workload_condition("Evicted", reason="Preempted", message=msg, at=at(30)),
+                   workload_condition("Preempted", reason="InClusterQueue", message=msg, at=at(30))]
+        set_status(evicted)
+        wait_sent(collector, 12)
+        preemptor_pod = api.create(PODS, make_pod("ml", "urgent-0", node="gpu-1", created=at(29), priority=10000))
+        api.create(EVENTS, make_event_v1("ml", "train-0-abcde.1", pod, "Preempted",
+                                         f"Preempted by pod {preemptor_pod['metadata']['uid']} on node gpu-1",
+                                         related=preemptor_pod, event_time=at(30), action="Preempting"))
+        wait_sent(collector, 16)  # urgent-0: submitted, scheduled, running; the Preempted Event
+        set_status(evicted[:3] + [workload_condition("Evicted", "False", "Preempted", at=at(45)),
+                                  workload_condition("Requeued", reason="BackoffFinished", at=at(45))])
+        wait_sent(collector, 17)
+
+    events = published(kafka_bootstrap, catalogue.scheduler, 17)
+    train = [e for e in events if e.identity.workload_id == "ml/job-train-9z8y7"]
+    wl_events = [e for e in train if e.payload.object_kind == "Workload"]
+    assert types(wl_events) == ["queued", "quota_reserved", "admitted", "pods_ready", "evicted", "preempted", "requeued"]
+    assert all(e.identity.release_id == "rel-7" and e.correlation_key() == "rel-7" for e in wl_events)
+    admitted = wl_events[2]
+    assert (admitted.payload.queue, admitted.payload.cluster_queue) == ("team-q", "gpu-cq")
+    assert (admitted.payload.priority_class, admitted.payload.priority) == ("low", 10)
+    assert admitted.payload.flavors["nvidia.com/gpu"] == "a100" and admitted.payload.pod_sets == {"main": 1}
+    by_type = {e.event_type: e for e in wl_events}
+    for t, reason in (("scheduler.evicted", "Preempted"), ("scheduler.preempted", "InClusterQueue")):
+        ev = by_type[t]
+        assert ev.payload.reason == reason and ev.occurred_at == at(30)
+        assert ev.payload.preemptor.model_dump() == {"kind": "Workload", "namespace": "ml", "name": "job-urgent-1a2b3",
+                                                     "uid": urgent["metadata"]["uid"]}
+        assert ev.payload.victim.uid == wl_uid
+    assert by_type["scheduler.requeued"].payload.reason == "BackoffFinished"
+
+    # The pod belongs to the Workload and carries what the Workload knows.
+    pod_events = [e for e in train if e.payload.object_kind == "Pod"]
+    assert types(pod_events) == ["submitted", "scheduled", "running"]
+    assert pod_events[0].identity.release_id == "rel-7" and pod_events[0].payload.cluster_queue == "gpu-cq"
+    assert pod_events[0].payload.queue == "team-q"
+    (sched_preempted,) = [e for e in train if e.payload.object_kind == "Event"]
+    assert sched_preempted.event_type == "scheduler.preempted" and sched_preempted.identity.pod == "train-0-abcde"
+    assert sched_preempted.payload.preemptor.name == "urgent-0"
+    assert sched_preempted.payload.preemptor.uid == preemptor_pod["metadata"]["uid"]
+    assert sched_preempted.identity.node == "gpu-1"
+    urgent_events = [e for e in events if e.identity.workload_id == "ml/job-urgent-1a2b3"]
+    assert types(urgent_events) == ["queued", "quota_reserved", "admitted"]
+
+
+def test_v1beta1_only_cluster(make_collector, kafka_bootstrap, catalogue):
+    with FakeKubeApi(kueue_versions=("v1beta1",)) as server:
+        adm = {"clusterQueue": "cq-b", "podSetAssignments": [pod_set_assignment("main", {"nvidia.com/gpu": "h100"}, count=2)]}
+        server.create(WORKLOADS_V1BETA1, make_workload(
+            "research", "pod-group-7", "lq", "high", 500, version="v1beta1", admission=adm,
+            pod_sets=[make_pod_set("main", count=2)],
+            conditions=[workload_condition("QuotaReserved", at=at(3)), workload_condition("Admitted", at=at(4))], created=T0))
+        # A plain pod naming its Workload through the annotation Kueue sets on the pod template.
+        server.create(PODS, make_pod("research", "worker-0", node="gpu-9", created=at(5),
+                                     annotations={"kueue.x-k8s.io/workload": "pod-group-7"}))
+        collector = make_collector(server)
+        assert collector.run_once() == 6
+        assert collector.kueue_version == "v1beta1"
+        assert not [r for r in server.requests if "v1beta2" in r.path and r.path.endswith("workloads")]
+    events = published(kafka_bootstrap, catalogue.scheduler, 6)
+    assert {e.identity.workload_id for e in events} == {"research/pod-group-7"}
+    admitted = [e for e in events if e.event_type == "scheduler.admitted"][0]
+    assert (admitted.payload.priority_class, admitted.payload.priority, admitted.payload.cluster_queue) == ("high", 500, "cq-b")
+    assert admitted.payload.gpus_requested == 2 and admitted.payload.flavors == {"nvidia.com/gpu": "h100"}
+    pod_event = [e for e in events if e.payload.object_kind == "Pod"][0]
+    assert pod_event.payload.cluster_queue == "cq-b"
+
+
+def test_kueue_absent_pods_still_collected_and_kueue_found_later(make_collector, kafka_bootstrap, catalogue):
+    with FakeKubeApi(kueue_versions=()) as server:
+        server.create(PODS, make_pod("ml", "train-0", node="gpu-1", created=T0, owner=("Job", "train"),
+                                     labels={"kueue.x-k8s.io/queue-name": "q"}))
+        collector = make_collector(server)
+        with running(collector):
+            wait_sent(collector, 3)
+            assert collector.kueue_version is None
+            wait_watching(server, PODS, EVENTS)
+            server.set_kueue_versions(["v1beta2"])  # Kueue installed while we run
+            server.create(WORKLOADS_V1BETA2, make_workload("ml", "later", created=at(1)))
+            wait_sent(collector, 4)
+            assert collector.kueue_version == "v1beta2"
+        assert collector.counters.totals["rejected"] == 0
+    events = published(kafka_bootstrap, catalogue.scheduler, 4)
+    pods = [e for e in events if e.payload.object_kind == "Pod"]
+    assert types(pods) == ["submitted", "scheduled", "running"]
+    assert pods[0].identity.workload_id == "ml/Job/train"  # no Workload known: the owning controller
+    assert [e.identity.workload_id for e in events if e.payload.object_kind == "Workload"] == ["ml/later"]
+
+
+class CoreEventsOnlyApi(FakeKubeApi):
+    """A cluster that does not serve events.k8s.io (older or trimmed API server)."""
+
+    def _group_versions(self, group):
+        return () if group == EVENTS_GROUP else super()._group_versions(group)
+
+    def _served(self, rt):
+        return rt.group != EVENTS_GROUP and super()._served(rt)
+
+
+def test_core_v1_events_fallback(make_collector, kafka_bootstrap, catalogue):
+    with CoreEventsOnlyApi(kueue_versions=()) as server:
+        pod = server.create(PODS, make_pod("ml", "train-0", node="gpu-1", created=T0))
+        cpu = server.create(PODS, make_pod("ml", "web-0", gpus=0, node="cpu-1", created=T0))
+        server.create(CORE_EVENTS, make_core_event("ml", "train-0.1", pod, "Scheduled",
+                                                   "Successfully assigned ml/train-0 to gpu-1", first_timestamp=at(1)))
+        server.create(CORE_EVENTS, make_core_event("ml", "train-0.2", pod, "Preempted",
+                                                   "Preempted by ml/urgent-0 on node gpu-1", first_timestamp=at(2)))
+        server.create(CORE_EVENTS, make_core_event("ml", "train-0.3", pod, "Killing", "Stopping container main",
+                                                   source_component="kubelet", first_timestamp=at(3)))  # not mapped
+        server.create(CORE_EVENTS, make_core_event("ml", "web-0.1", cpu, "Scheduled",
+                                                   "Successfully assigned ml/web-0 to cpu-1", first_timestamp=at(1)))
+        collector = make_collector(server)
+        assert collector.run_once() == 5
+        assert collector.events_api == "v1"
+        assert server.requests_to("/api/v1/events") and not [r for r in server.requests if r.path.startswith("/apis/events.k8s.io/v1/")]
+        assert server.requests_to("/api/v1/events")[0].query["fieldSelector"] == "involvedObject.kind=Pod"
+    events = published(kafka_bootstrap, catalogue.scheduler, 5)
+    from_events = [e for e in events if e.payload.object_kind == "Event"]
+    assert types(from_events) == ["scheduled", "preempted"]
+    assert from_events[0].identity.node == "gpu-1" and from_events[0].occurred_at == at(1)
+    assert from_events[1].payload.preemptor.model_dump() == {"kind": "Pod", "namespace": "ml", "name": "urgent-0", "uid": None}
+    assert {e.identity.pod for e in events} == {"train-0"}
+
+
+# ------------------------------------------------------------------------------- resilience
+
+
+def test_410_relist_publishes_missed_changes_and_no_duplicates(api, make_collector, kafka_bootstrap, catalogue, caplog):
+    caplog.set_level(logging.DEBUG, logger="producers.kubernetes")  # repeats of a failure streak log at DEBUG
+    p1 = api.create(PODS, make_pod("ml", "p1", created=T0))  # pending
+    api.create(PODS, make_pod("ml", "p2", node="gpu-1", created=T0))
+    collector = make_collector(api, backoff_initial_s=0.2, backoff_max_s=0.4)
+    with running(collector):
+        wait_sent(collector, 2 + 3)
+        wait_watching(api, PODS)
+        # Keep the collector off the pods API for a while, cut its watch, change things
+        # behind its back and compact history past its resourceVersion.
+        api.fail_next(2, 503, path="/api/v1/pods")
+        api.drop_watches(PODS)
+        wait_until(lambda: api.open_watches(PODS) == 0, what="pod watch closed")
+        api.update(PODS, make_pod("ml", "p1", node="gpu-2", uid=p1["metadata"]["uid"], created=T0))
+        api.delete(PODS, "ml", "p2")
+        api.create(WORKLOADS_V1BETA2, make_workload("ml", "unrelated", pod_sets=[make_pod_set(gpus=0)]))
+        api.compact()
+        wait_sent(collector, 5 + 3)  # p1 scheduled + running, p2 deleted (seen by its absence)
+        wait_watching(api, PODS)
+        # A second 410 with nothing changed re-publishes nothing.
+        api.create(WORKLOADS_V1BETA2, make_workload("ml", "unrelated-2", pod_sets=[make_pod_set(gpus=0)]))
+        api.compact()
+        n_lists = len(api.requests_to("/api/v1/pods", watch=False))
+        api.drop_watches(PODS)
+        wait_until(lambda: len(api.requests_to("/api/v1/pods", watch=False)) > n_lists, what="re-list")
+        wait_watching(api, PODS)
+        time.sleep(0.3)
+    assert caplog.text.count("pods: watch expired") == 2
+    assert "HTTP 503 Service Unavailable; retrying" in caplog.text
+    watches = api.requests_to("/api/v1/pods", watch=True)
+    assert len(watches) >= 3 and all(w.query.get("allowWatchBookmarks") == "true" for w in watches)
+    assert collector.counters.totals["sent"] == 8
+    events = published(kafka_bootstrap, catalogue.scheduler, 8)
+    assert Counter((e.identity.pod, e.event_type.split(".")[1]) for e in events) == Counter({
+        ("p1", "submitted"): 1, ("p1", "failed_scheduling"): 1, ("p1", "scheduled"): 1, ("p1", "running"): 1,
+        ("p2", "submitted"): 1, ("p2", "scheduled"): 1, ("p2", "running"): 1, ("p2", "deleted"): 1})
+
+
+def test_api_errors_and_dropped_watch_back_off_and_resume(api, make_collector, kafka_bootstrap, catalogue, caplog):
+    caplog.set_level(logging.INFO, logger="producers.kubernetes")
+    api.fail_next(3, 500, path="/api/v1/pods")  # the first lists fail
+    api.create(PODS, make_pod("ml", "a", node="gpu-1", created=T0))
+    collector = make_collector(api)
+    with running(collector):
+        wait_sent(collector, 3)
+        wait_watching(api, PODS)
+        # A bookmark moves the resume point past unrelated changes ...
+        api.create(WORKLOADS_V1BETA2, make_workload("ml", "cpu", pod_sets=[make_pod_set(gpus=0)]))
+        api.send_bookmark(PODS)
+        wait_until(lambda: collector.pods.rv == api.resource_version, what="bookmark applied")
+        bookmark_rv = collector.pods.rv
+        api.compact()
+        lists_before = len(api.requests_to("/api/v1/pods", watch=False))
+        # ... so an abrupt disconnect (urllib3 ProtocolError) resumes without a re-list.
+        api.drop_watches(PODS)
+        wait_until(lambda: api.requests_to("/api/v1/pods", watch=True)[-1].query.get("resourceVersion") == bookmark_rv
+                   and api.open_watches(PODS) == 1, what="re-watch from the bookmark")
+        api.create(PODS, make_pod("ml", "b", created=at(1)))
+        wait_sent(collector, 5)
+        assert len(api.requests_to("/api/v1/pods", watch=False)) == lists_before
+        # Watch requests failing with 500 are retried too.
+        api.fail_next(2, 500, path="/api/v1/pods")
+        api.drop_watches(PODS, graceful=True)
+        api.create(PODS, make_pod("ml", "c", created=at(2)))
+        wait_sent(collector, 7)
+    assert len(api.requests_to("/api/v1/pods", watch=False)) == 4  # 3 failed + 1 initial list
+    assert "pods: initial list failed: HTTP 500" in caplog.text
+    assert "pods: ProtocolError" in caplog.text and "watch expired" not in caplog.text
+    events = published(kafka_bootstrap, catalogue.scheduler, 7)
+    assert Counter(e.identity.pod for e in events) == {"a": 3, "b": 2, "c": 2}
+
+
+def test_event_that_overtakes_its_pod_is_linked_by_reading_the_pod(api, make_collector, kafka_bootstrap, catalogue):
+    collector = make_collector(api, backoff_initial_s=0.5, backoff_max_s=1.0)
+    with running(collector):
+        wait_watching(api, PODS, EVENTS)
+        api.fail_next(3, 503, path="/api/v1/pods")  # the pod watch is down for a while ...
+        api.drop_watches(PODS)
+        wait_until(lambda: api.open_watches(PODS) == 0, what="pod watch closed")
+        pod = api.create(PODS, make_pod("ml", "fast", created=T0))
+        api.create(EVENTS, make_event_v1("ml", "fast.1", pod, "FailedScheduling", "0/8 nodes are available",
+                                         type="Warning", event_time=at(1)))
+        wait_sent(collector, 1)  # ... so the Event came first and its pod was read by name
+        assert api.requests_to("/api/v1/namespaces/ml/pods/fast")
+        wait_sent(collector, 3)
+    events = published(kafka_bootstrap, catalogue.scheduler, 3)
+    assert [(e.payload.object_kind, e.event_type) for e in events][0] == ("Event", "scheduler.failed_scheduling")
+    assert {e.identity.workload_id for e in events} == {"ml/Pod/fast"}
+
+
+def test_one_namespace_only(api, make_collector, kafka_bootstrap, catalogue):
+    api.create(PODS, make_pod("ml", "mine", node="gpu-1", created=T0))
+    api.create(PODS, make_pod("other", "theirs", node="gpu-1", created=T0))
+    api.create(WORKLOADS_V1BETA2, make_workload("other", "wl", created=T0))
+    collector = make_collector(api, namespace="ml")
+    assert collector.run_once() == 3
+    assert api.requests_to("/api/v1/namespaces/ml/pods") and not api.requests_to("/api/v1/pods")
+    assert api.requests_to("/apis/kueue.x-k8s.io/v1beta2/namespaces/ml/workloads")
+    assert {e.identity.pod for e in published(kafka_bootstrap, catalogue.scheduler, 3)} == {"mine"}
+
+
+def test_restart_publishes_changes_made_while_down_and_no_duplicates(api, make_collector, kafka_bootstrap, catalogue, tmp_path):
+    state_dir = tmp_path / "shared-state"
+    keep = api.create(PODS, make_pod("ml", "keep", node="gpu-1", created=T0))
+    api.create(PODS, make_pod("ml", "goes", node="gpu-2", created=T0))
+    pend = api.create(PODS, make_pod("ml", "pend", created=T0))
+    wl = api.create(WORKLOADS_V1BETA2, make_workload("ml", "wl", created=T0))
+    first = make_collector(api, state_dir)
+    with running(first):
+        wait_sent(first, 3 + 3 + 2 + 1)
+    assert json.loads((state_dir / "scheduler-state.json").read_text())["objects"][keep["metadata"]["uid"]]["keys"]
+
+    # While the collector is down: a pod finishes, one is deleted, one is scheduled,
+    # one is created, the Workload is admitted; history is compacted.
+    api.update(PODS, make_pod("ml", "keep", node="gpu-1", phase="Succeeded", uid=keep["metadata"]["uid"], created=T0))
+    api.delete(PODS, "ml", "goes")
+    api.update(PODS, make_pod("ml", "pend", node="gpu-3", uid=pend["metadata"]["uid"], created=T0))
+    api.create(PODS, make_pod("ml", "new", created=at(100)))
+    api.update(WORKLOADS_V1BETA2, make_workload("ml", "wl", uid=wl["metadata"]["uid"], created=T0,
+                                                conditions=[workload_condition("QuotaReserved", at=at(50))]))
+    api.compact()
+
+    second = make_collector(api, state_dir)
+    with running(second):
+        wait_sent(second, 1 + 1 + 2 + 2 + 1)
+        time.sleep(0.5)
+    assert second.counters.totals["sent"] == 7
+    events = published(kafka_bootstrap, catalogue.scheduler, 9 + 7)
+    got = Counter((e.identity.pod or e.identity.workload_id, e.event_type.split(".")[1]) for e in events)
+    assert set(got.values()) == {1}
+    assert {k for k in got if k[0] in ("keep", "goes", "pend", "new")} >= {
+        ("keep", "finished"), ("goes", "deleted"), ("pend", "scheduled"), ("pend", "running"),
+        ("new", "submitted"), ("new", "failed_scheduling")}
+    assert ("ml/wl", "quota_reserved") in got
+
+
+def test_malformed_objects_are_skipped_counted_and_the_rest_published(api, make_collector, kafka_bootstrap, catalogue):
+    no_uid = make_pod("ml", "no-uid", node="gpu-1")
+    no_uid["metadata"]["uid"] = ""
+    api.create(PODS, no_uid)
+    api.create(PODS, make_pod("ml", "bad-time", node="gpu-1", created="yesterday"))
+    api.create(WORKLOADS_V1BETA2, make_workload("ml", "bad-cond", conditions=[
+        workload_condition("Admitted", at="not-a-time")]))
+    good = api.create(PODS, make_pod("ml", "good", node="gpu-1", created=T0))
+    bad_event = make_event_v1("ml", "good.1", good, "Scheduled", "Successfully assigned ml/good to gpu-1", event_time=T0)
+    bad_event["eventTime"] = "31/12/2026"
+    api.create(EVENTS, bad_event)
+    api.create(WORKLOADS_V1BETA2, make_workload("ml", "fine", created=T0))
+
+    collector = make_collector(api)
+    assert collector.run_once() == 4
+    assert collector.counters.totals["rejected.malformed"] == 4
+    events = published(kafka_bootstrap, catalogue.scheduler, 4)
+    assert Counter(e.identity.pod or e.identity.workload_id for e in events) == {"good": 3, "ml/fine": 1}
+
+
+def test_oversize_events_are_cut_or_dead_lettered_never_dropped(api, make_collector, kafka_bootstrap, catalogue):
+    # A scheduler message far over its 8 KiB cap: cut with a marker, the event published.
+    message = "0/64 nodes are available: " + "64 Insufficient nvidia.com/gpu. " * 10_000
+    api.create(PODS, make_pod("ml", "wordy", created=T0, conditions=[
+        pod_condition("PodScheduled", "False", "Unschedulable", message=message, at=T0)]))
+    # An identity annotation no event can carry (identity is never cut): dead-lettered.
+    api.create(PODS, make_pod("ml", "heavy", node="gpu-1", created=T0, annotations={"gpuledger.io/owner": "o" * 300_000}))
+
+    collector = make_collector(api)
+    published_count = collector.run_once()
+    dead = [DeadLetter.model_validate_json(m.value()) for m in read_topic(kafka_bootstrap, catalogue.deadletter, min_count=1, timeout=20)]
+    limit = collector.publisher.max_event_bytes
+    assert dead and {d.reason for d in dead} == {"event_too_large"} and {d.stage for d in dead} == {COMPONENT}
+    assert all(f"limit_bytes={limit}" in d.error and "size_bytes=" in d.error for d in dead)
+    assert {d.source_topic for d in dead} == {catalogue.scheduler} and {d.key for d in dead} == {"ml/Pod/heavy"}
+    assert collector.counters.totals["rejected.event_too_large"] == len(dead)
+
+    events = published(kafka_bootstrap, catalogue.scheduler, published_count)
+    assert len(events) == published_count and not of(events, pod="heavy")
+    failed = [e for e in of(events, pod="wordy") if e.event_type == "scheduler.failed_scheduling"]
+    assert len(failed) == 1 and len(failed[0].payload.message.encode()) <= 8 * 1024
+    assert failed[0].payload.message.startswith("0/64 nodes are available: 64 Insufficient")
+    assert "…[truncated " in failed[0].payload.message and collector.counters.totals["truncated"] >= 1
+
+    # Dead-lettered events are settled like published ones: a re-list sends nothing again.
+    assert make_collector(api).run_once() == 0
+    assert len(read_topic(kafka_bootstrap, catalogue.deadletter, min_count=len(dead), timeout=20)) == len(dead)
+
+
+def test_cli_once_and_sigterm_stop(api, kafka_bootstrap, catalogue, tmp_path):
+    from gpuledger.cli import app
+    from gpuledger.dev.process import ServiceProcess
+
+    api.create(PODS, make_pod("ml", "train-0", node="gpu-1", created=T0))
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+        "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
+        "users": [{"name": "u", "user": {}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u"}}]}))
+    env = {"GPULEDGER_KAFKA_TOPIC_PREFIX": catalogue.prefix, "GPULEDGER_DATA_DIR": str(tmp_path / "data"),
+           "GPULEDGER_SCHEDULER_BACKOFF_INITIAL_S": "0.05", "GPULEDGER_SCHEDULER_HOST": "cli"}
+    state = tmp_path / "cli-state"
+    args = ["collect", "scheduler", "--kubeconfig", str(kubeconfig), "--state-dir", str(state), "--bootstrap", kafka_bootstrap]
+    result = CliRunner().invoke(app, [*args, "--once"], env=env)
+    assert result.exit_code == 0, result.output
+    assert "published 3 event(s)" in result.output
+
+    bad = CliRunner().invoke(app, [*args, "--once", "--in-cluster"], env={**env, "GPULEDGER_SCHEDULER_LABEL_PREFIX": "x"})
+    assert bad.exit_code == 2
+    assert "GPULEDGER_SCHEDULER_LABEL_PREFIX" in bad.output
+    both = CliRunner().invoke(app, [*args, "--once", "--in-cluster"], env=env)
+    assert both.exit_code == 2 and "exclude each other" in both.output
+
+    # The long-running form: a real process, stopped with SIGTERM after it published.
+    service = ServiceProcess([*args, "--gpu-resource", "nvidia.com/gpu"], env, tmp_path / "collector.log").start()
+    try:
+        api.wait_for_watches(1, PODS, timeout=20)
+        api.create(PODS, make_pod("ml", "train-1", created=at(1)))
+        wait_until(lambda: len(json.loads((state / "scheduler-state.json").read_text())["objects"]) == 2, 10, "state written")
+    finally:
+        code = service.stop(grace=10)
+    assert code == 0, service.log_tail()
+    events = published(kafka_bootstrap, catalogue.scheduler, 5)
+    assert Counter(e.identity.pod for e in events) == {"train-0": 3, "train-1": 2}
+
+
+def test_deployment_manifest_matches_the_collector():
+    import yaml
+
+    from gpuledger.cli import app
+
+    path = Path(__file__).resolve().parents[3] / "deploy" / "k8s" / "scheduler-collector.yaml"
+    docs = {d["kind"]: d for d in yaml.safe_load_all(path.read_text()) if d}
+    rules = sorted((tuple(r["apiGroups"]), tuple(sorted(r["resources"])), tuple(sorted(r["verbs"]))) for r in docs["ClusterRole"]["rules"])
+    read = ("get", "list", "watch")
+    assert rules == [(("",), ("events", "pods"), read), (("events.k8s.io",), ("events",), read), (("kueue.x-k8s.io",), ("workloads",), read)]
+    assert docs["ClusterRoleBinding"]["subjects"][0]["name"] == docs["ServiceAccount"]["metadata"]["name"]
+    spec = docs["Deployment"]["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    (container,) = spec["template"]["spec"]["containers"]
+    known = {f"GPULEDGER_SCHEDULER_{name.upper()}" for name in SchedulerCollectorSettings.model_fields}
+    env = {e["name"] for e in container["env"]}
+    assert not {n for n in env if n.startswith("GPULEDGER_SCHEDULER_")} - known
+    assert "GPULEDGER_SCHEDULER_STATE_DIR" in env
+    result = CliRunner().invoke(app, [*container["args"], "--help"])
+    assert result.exit_code == 0, result.output
+
+
+def test_settings_report_every_problem_at_once(monkeypatch):
+    monkeypatch.setenv("GPULEDGER_SCHEDULER_GPU_RESOURCES", "nvidia.com/gpu, amd.com/gpu")
+    assert SchedulerCollectorSettings().gpu_resources == ("nvidia.com/gpu", "amd.com/gpu")
+    monkeypatch.setenv("GPULEDGER_SCHEDULER_EVENT_REASONS", '{"Killing": "scheduler.killed"}')
+    with pytest.raises(SettingsError) as exc:
+        Settings.load(collectors={"scheduler": {"label_prefix": "acme.io", "page_size": 0}})
+    text = str(exc.value)
+    assert "GPULEDGER_SCHEDULER_EVENT_REASONS" in text and "GPULEDGER_SCHEDULER_LABEL_PREFIX" in text
+    assert "GPULEDGER_SCHEDULER_PAGE_SIZE" in text
+
+
+# ------------------------------------------------------------------------------- pure mapping
+
+
+def _pod(labels=None, annotations=None, owner=None, name="p-0", uid="pod-uid"):
+    return make_pod("ns", name, labels=labels, annotations=annotations, owner=owner, uid=uid, created=T0)
+
+
+def _index(*workloads) -> KueueIndex:
+    index = KueueIndex()
+    for wl in workloads:
+        index.add(workload_info(wl, ("nvidia.com/gpu",), "gpuledger.io/"))
+    return index
+
+
+WL_JOB = make_workload("ns", "job-train-abcde", owner=("Job", "train", "job-uid-1"), uid="wl-uid-1")
+WL_PODGROUP = make_workload("ns", "group-a", owner=("Pod", "p-0", "pod-uid"), uid="wl-uid-2")
+
+
+@pytest.mark.parametrize("pod, index, expected", [
+    # Kueue-managed: the annotation Kueue puts on the pod template names the Workload.
+    (_pod(annotations={"kueue.x-k8s.io/workload": "job-train-abcde"}), None, "ns/job-train-abcde"),
+    # Kueue-managed: the Workload whose job-uid / owner is the pod's controller.
+    (_pod(labels={"kueue.x-k8s.io/podset": "main"}, owner=("Job", "train", "job-uid-1")), _index(WL_JOB), "ns/job-train-abcde"),
+    (_pod(labels={"kueue.x-k8s.io/job-uid": "job-uid-1"}, owner=("Job", "train", "other")), _index(WL_JOB), "ns/job-train-abcde"),
+    # Plain pod groups: the Workload is owned by the pods themselves / named after the group.
+    (_pod(labels={"kueue.x-k8s.io/managed": "true"}), _index(WL_PODGROUP), "ns/group-a"),
+    (_pod(labels={"kueue.x-k8s.io/pod-group-name": "group-b"}, uid="x"), _index(), "ns/group-b"),
+    # Kueue labels but no Workload known: fall back to the controller.
+    (_pod(labels={"kueue.x-k8s.io/queue-name": "q"}, owner=("Job", "train", "job-uid-9")), _index(WL_JOB), "ns/Job/train"),
+    # Controllers.
+    (_pod(labels={"pod-template-hash": "5d8f7b9c4"}, owner=("ReplicaSet", "web-5d8f7b9c4")), None, "ns/Deployment/web"),
+    (_pod(owner=("ReplicaSet", "standalone-rs")), None, "ns/ReplicaSet/standalone-rs"),
+    (_pod(labels={"pod-template-hash": "abc"}, owner=("ReplicaSet", "web-5d8f7b9c4")), None, "ns/ReplicaSet/web-5d8f7b9c4"),
+    (_pod(owner=("StatefulSet", "db")), None, "ns/StatefulSet/db"),
+    (_pod(owner=("PyTorchJob", "bert")), None, "ns/PyTorchJob/bert"),
+    (_pod(labels={"jobset.sigs.k8s.io/jobset-name": "llm"}, owner=("Job", "llm-workers-0")), None, "ns/JobSet/llm"),
+    # Nothing owns it.
+    (_pod(), None, "ns/Pod/p-0"),
+])
+def test_workload_id_rule(pod, index, expected):
+    assert derive_workload_id(pod, index)[0] == expected
+
+
+def test_pure_helpers():
+    assert image_digest("docker.io/acme/x@sha256:" + "a" * 64) == "sha256:" + "a" * 64
+    assert image_digest("docker-pullable://acme/x@sha256:" + "b" * 64) == "sha256:" + "b" * 64
+    assert image_digest("sha256:" + "c" * 64) == "sha256:" + "c" * 64
+    assert image_digest("") is None and image_digest("sha256:short") is None
+    spec = {"containers": [{"resources": {"limits": {"nvidia.com/gpu": "2"}}}, {"resources": {"requests": {"amd.com/gpu": 1}}}],
+            "initContainers": [{"resources": {"limits": {"nvidia.com/gpu": "4"}}}]}
+    assert gpus_requested(spec, ["nvidia.com/gpu"]) == 4
+    assert gpus_requested(spec, ["nvidia.com/gpu", "amd.com/gpu"]) == 4
+    assert gpus_requested({"containers": [{}]}, ["nvidia.com/gpu"]) == 0
+
+
+def test_pod_facts_and_event_ids_are_deterministic():
+    pod = make_pod("ns", "p", node="n1", phase="Succeeded", created=T0, uid="u1", conditions=[
+        pod_condition("PodScheduled", at=at(1)), disruption_target("EvictionByEvictionAPI", at=at(7))])
+    facts = pod_facts(pod)
+    assert [f.transition for f in facts] == ["submitted", "scheduled", "running", "evicted", "finished"]
+    assert facts[3].reason == "EvictionByEvictionAPI"
+    kubelet_evicted = make_pod("ns", "q", node="n1", phase="Failed", created=T0)
+    kubelet_evicted["status"]["reason"] = "Evicted"
+    assert [f.event_type for f in pod_facts(kubelet_evicted)][-2:] == ["scheduler.evicted", "scheduler.finished"]
+    assert pod_facts(pod) == facts
+
+
+def test_kueue_and_scheduler_preemptor_parsing():
+    index = _index(WL_JOB)
+    old = kueue_preemptor("Preempted to accommodate a workload (UID: wl-uid-1) due to prioritization in the ClusterQueue", index)
+    assert (old.kind, old.name, old.namespace) == ("Workload", "job-train-abcde", "ns")
+    by_job = kueue_preemptor("Preempted to accommodate a workload (UID: zzz, JobUID: job-uid-1) due to x", index)
+    assert by_job.uid == "wl-uid-1"
+    unknown = kueue_preemptor("Preempted to accommodate a workload (UID: 1234, JobUID: UNKNOWN) due to x", index)
+    assert (unknown.uid, unknown.name) == ("1234", "")
+    assert kueue_preemptor("Previously: something else", index) is None
+
+    victim = make_pod("ns", "v", node="n1", uid="victim-uid")
+    ev = make_event_v1("ns", "v.1", victim, "Preempted", "Preempted by pod 6f1e2d3c-aaaa-bbbb-cccc-000000000001 on node n1",
+                       event_time=T0)
+    fact = event_fact(event_view(ev), {"Preempted": "scheduler.preempted"}, lambda uid: ("ns", "urgent"))
+    assert fact.preemptor.model_dump() == {"kind": "Pod", "namespace": "ns", "name": "urgent",
+                                           "uid": "6f1e2d3c-aaaa-bbbb-cccc-000000000001"}
+    assert fact.victim.uid == "victim-uid" and fact.node == "n1"
+    assert event_fact(event_view(ev), {}) is None
+
+
+def test_workload_facts_v1beta2_and_v1beta1_priority_class():
+    for version in ("v1beta2", "v1beta1"):
+        wl = make_workload("ns", "w", "q", "gold", 77, version=version, conditions=[
+            workload_condition("Admitted", at=at(2)), workload_condition("PodsReady", "False", at=at(3))], created=T0)
+        info = workload_info(wl, ("nvidia.com/gpu",), "gpuledger.io/")
+        assert (info.priority_class, info.priority, info.queue) == ("gold", 77, "q")
+        assert [f.transition for f in workload_facts(wl)] == ["queued", "admitted"]

@@ -1,0 +1,80 @@
+"""streams/controls/policy.py: the decision-rights policy file."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from streams.controls.policy import Policy, PolicyError, PolicySettings, dump_policy, load_policy, parse_policy
+
+DEFAULT = Path(__file__).resolve().parents[3] / "deploy" / "policy" / "default.yaml"
+
+
+def test_the_documented_default_file_is_the_built_in_default():
+    assert load_policy(DEFAULT) == Policy() == load_policy(None)
+
+
+def test_default_policy_answers_the_demo_questions():
+    p = Policy()
+    assert [e.name for e in p.environments] == ["dev", "eval", "staging", "prod"]
+    assert p.allowed("alice", "approve") and p.allowed("alice", "promote") and not p.allowed("ci-pipeline", "approve")
+    assert p.allowed("bob", "rollback") and not p.allowed("bob", "approve") and not p.allowed(None, "approve")
+    assert p.environment("prod").observation_window == timedelta(hours=2)
+    assert p.owner_for(1) == "team-platform" and p.owner_for(8) == "team-capacity"
+    assert p.business_priority.of(None, None, "prod-high") == 90 and p.business_priority.of(None, None, "nope") is None
+
+
+def test_every_problem_is_reported_with_its_line(tmp_path):
+    bad = tmp_path / "policy.yaml"
+    bad.write_text("""environments:
+  - name: prod
+    observation_window: soon
+  - name: prod
+roles:
+  sre:
+    owner: team-platform
+    actions: [fly]
+controls:
+  admission: {accountable: nobody}
+extra: 1
+""")
+    with pytest.raises(PolicyError) as exc:
+        load_policy(bad)
+    text = str(exc.value)
+    assert f"{bad}:3: environments.0.observation_window: not a duration: 'soon'" in text
+    assert f"{bad}:8: roles.sre.actions.0: Input should be 'approve'" in text
+    assert f"{bad}:4: environments.1.name: 'prod' is listed more than once" in text
+    assert f"{bad}:10: controls.admission.accountable: no role named 'nobody'" in text
+    assert f"{bad}:11: extra: Extra inputs are not permitted" in text
+    assert "control promotion is accountable by default to 'release-managers'" in text
+
+
+def test_unreadable_or_malformed_files_say_so(tmp_path):
+    with pytest.raises(PolicyError, match="cannot read the policy file"):
+        load_policy(tmp_path / "missing.yaml")
+    with pytest.raises(PolicyError, match=r"<policy>:1: not valid YAML"):
+        parse_policy("roles: [")
+    with pytest.raises(PolicyError, match="a policy is a mapping"):
+        parse_policy("- 1")
+
+
+def test_settings_read_the_file_from_the_environment(tmp_path, monkeypatch):
+    custom = tmp_path / "p.yaml"
+    custom.write_text(DEFAULT.read_text().replace("max_duration: 4h", "max_duration: 30m"))
+    monkeypatch.setenv("GPULEDGER_POLICY_FILE", str(custom))
+    assert PolicySettings().load().emergency_overrides.max_duration == timedelta(minutes=30)
+
+
+def test_compressed_policy_scales_every_duration_for_fast_exercises():
+    fast = Policy().compressed(30)
+    assert fast.retirement.grace == timedelta(minutes=2) and fast.reservations.grace == timedelta(minutes=2)
+    assert fast.environment("prod").observation_window == timedelta(minutes=4)
+    assert fast.emergency_overrides.max_duration == timedelta(minutes=8) and fast.roles == Policy().roles
+
+
+def test_dump_reads_back_to_the_same_policy():
+    fast = Policy().compressed(7)
+    assert parse_policy(dump_policy(fast)) == fast
+    assert parse_policy(dump_policy(Policy())) == Policy()

@@ -1,0 +1,186 @@
+"""The lifecycle contract every long-running component follows (producers/_runtime.py).
+
+Each component runs as the real `gpuledger` process: it starts, works until SIGTERM, then
+flushes its producer, saves its state and exits 0 — within 10 s. One parametrized test
+checks all of them against their sources: the scheduler collector against the API-server
+double, the pod-resources collector against the kubelet double, the receiver with a real
+webhook delivery and the worker with published events. What "saved and flushed" means is
+checked from outside: the state file holds what was published, the records are on the topic.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+from gpuledger.dev.process import ServiceProcess
+from producers._kafka import EventPublisher
+from schemas import decode_event
+from tests.fixtures.kafka import read_topic
+from tests.fixtures.kube_api import PODS, FakeKubeApi, make_pod
+from tests.fixtures.kubelet import FakeKubelet, container, devices, pod
+from tests.fixtures.sample_events import FINGERPRINT, sample_events
+
+STOP_WITHIN_S = 10.0
+NODE = "gpu-node-1"
+GPU_A = "GPU-8f1c2d3e-4a5b-6c7d-8e9f-0a1b2c3d4e5f"
+GPU_B = "GPU-1b2c3d4e-5f60-7182-93a4-b5c6d7e8f901"
+T0 = datetime(2026, 11, 30, 10, 0, 0, tzinfo=timezone.utc)
+ALERT = Path(__file__).resolve().parent / "data" / "alertmanager" / "quality_firing.json"
+
+
+@dataclass
+class Component:
+    """One long-running component: how it runs, when it is busy, and what must hold after SIGTERM."""
+
+    service: ServiceProcess
+    busy: Callable[[], None]
+    saved_and_flushed: Callable[[], None]
+
+
+def wait_until(predicate: Callable[[], object], what: str, service: ServiceProcess, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert service.alive(), f"{what}: the process died:\n{service.log_tail()}"
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"{what} not within {timeout:.0f}s:\n{service.log_tail()}")
+
+
+def events(bootstrap: str, topic: str, min_count: int) -> list:
+    return [decode_event(m.value()) for m in read_topic(bootstrap, topic, min_count=min_count, timeout=20, settle=0.5)]
+
+
+def base_env(kafka_bootstrap: str, catalogue, data: Path) -> dict[str, str]:
+    return {"GPULEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap, "GPULEDGER_KAFKA_TOPIC_PREFIX": catalogue.prefix,
+            "GPULEDGER_KAFKA_RAW_PARTITIONS": str(catalogue.raw_partitions), "GPULEDGER_DATA_DIR": str(data)}
+
+
+def scheduler_collector(stack: ExitStack, kafka_bootstrap: str, catalogue, tmp_path: Path) -> Component:
+    api = stack.enter_context(FakeKubeApi())
+    first = api.create(PODS, make_pod("ml", "train-0", node="gpu-1", created=T0))
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+        "clusters": [{"name": "fake", "cluster": {"server": api.url}}], "users": [{"name": "u", "user": {}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u"}}]}))
+    state = tmp_path / "scheduler-state"
+    # State writes held back for an hour: only the stop can have written the last batch.
+    env = {**base_env(kafka_bootstrap, catalogue, tmp_path / "data"), "GPULEDGER_SCHEDULER_BACKOFF_INITIAL_S": "0.05",
+           "GPULEDGER_SCHEDULER_STATE_FLUSH_INTERVAL_S": "3600"}
+    service = ServiceProcess(["-v", "collect", "scheduler", "--kubeconfig", str(kubeconfig), "--state-dir", str(state)], env,
+                             tmp_path / "scheduler.log")
+    uids = [first["metadata"]["uid"]]
+
+    def busy() -> None:
+        wait_until(lambda: api.open_watches(PODS) >= 1, "the pod watch", service)
+        uids.append(api.create(PODS, make_pod("ml", "train-1", created=T0))["metadata"]["uid"])
+        wait_until(lambda: {e.identity.pod for e in events(kafka_bootstrap, catalogue.scheduler, 2)} == {"train-0", "train-1"},
+                   "both pods' events on the topic", service)
+
+    def saved_and_flushed() -> None:
+        objects = json.loads((state / "scheduler-state.json").read_text())["objects"]
+        assert set(uids) <= set(objects), objects
+        assert {e.identity.pod for e in events(kafka_bootstrap, catalogue.scheduler, 2)} == {"train-0", "train-1"}
+
+    return Component(service, busy, saved_and_flushed)
+
+
+def podresources_collector(stack: ExitStack, kafka_bootstrap: str, catalogue, tmp_path: Path) -> Component:
+    sockets = Path(tempfile.mkdtemp(prefix="gllc-", dir="/tmp"))  # unix socket paths must stay short
+    stack.callback(shutil.rmtree, sockets, True)
+    kubelet = stack.enter_context(FakeKubelet(sockets / "kubelet.sock"))
+    kubelet.set_pods([pod("ml", "trainer-0", containers=[container("main", devices=[devices("nvidia.com/gpu", [GPU_A])])])])
+    state = tmp_path / "podresources-state"
+    service = ServiceProcess(["-v", "collect", "podresources", "--socket", str(sockets / "kubelet.sock"), "--node", NODE, "--interval", "0.1",
+                              "--state-dir", str(state)], base_env(kafka_bootstrap, catalogue, tmp_path / "data"), tmp_path / "podresources.log")
+
+    def assigned() -> set[str]:
+        return {e.payload.device_id for e in events(kafka_bootstrap, catalogue.gpu, 1) if e.event_type == "gpu.assigned"}
+
+    def busy() -> None:
+        wait_until(lambda: assigned() == {GPU_A}, "the first assignment on the topic", service)
+        kubelet.set_pods([pod("ml", "trainer-0", containers=[container("main", devices=[devices("nvidia.com/gpu", [GPU_A, GPU_B])])])])
+        wait_until(lambda: assigned() == {GPU_A, GPU_B}, "the second assignment on the topic", service)
+
+    def saved_and_flushed() -> None:
+        snapshot = json.loads((state / f"podresources-{NODE}.json").read_text())
+        assert sorted(a["device_id"] for a in snapshot["assignments"]) == sorted([GPU_A, GPU_B])
+        assert assigned() == {GPU_A, GPU_B}
+
+    return Component(service, busy, saved_and_flushed)
+
+
+def receiver(stack: ExitStack, kafka_bootstrap: str, catalogue, tmp_path: Path) -> Component:
+    service = ServiceProcess(["-v", "receive", "--port", "0"], base_env(kafka_bootstrap, catalogue, tmp_path / "data"), tmp_path / "receiver.log")
+
+    def busy() -> None:
+        url = wait_until(lambda: (m := re.search(r"listening on (http://\S+)", service.log_path.read_text(errors="replace"))) and m.group(1),
+                         "the receiver's address", service)
+        request = urllib.request.Request(f"{url}/v1/alertmanager", data=ALERT.read_bytes(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            assert resp.status == 200 and json.loads(resp.read())["accepted"] >= 1
+
+    def saved_and_flushed() -> None:
+        assert events(kafka_bootstrap, catalogue.alert, 1)  # acknowledged before the 200, still there
+
+    return Component(service, busy, saved_and_flushed)
+
+
+def worker(stack: ExitStack, kafka_bootstrap: str, catalogue, tmp_path: Path) -> Component:
+    data = tmp_path / "worker"
+    app_id = f"{catalogue.prefix}-lifecycle"
+    env = {**base_env(kafka_bootstrap, catalogue, data), "GPULEDGER_CLICKHOUSE_DSN": f"chdb://{data / 'clickhouse'}",
+           "GPULEDGER_CLICKHOUSE_BATCH_SECONDS": "0.3", "GPULEDGER_STREAMS_APP_ID": app_id}
+    service = ServiceProcess(["-v", "worker"], env, data / "worker.log")
+    correlated = catalogue.run(app_id).correlated
+
+    def busy() -> None:
+        from gpuledger.dev.process import wait_for_worker
+        from sinks.read.query import RemoteReader, owner_file
+
+        url = wait_for_worker(service, owner_file(env["GPULEDGER_CLICKHOUSE_DSN"]))
+        publisher = EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, "lifecycle-test")
+        publisher.publish_batch(sample_events(datetime.now(timezone.utc)))
+        publisher.close()
+        reader = RemoteReader(url)
+        wait_until(lambda: reader.query("SELECT count() AS n FROM gpuledger.correlated_events FINAL WHERE alert_fingerprint = {fp:String}",
+                                        {"fp": FINGERPRINT}).dicts()[0]["n"], "the alert's correlated row stored", service, 120)
+
+    def saved_and_flushed() -> None:
+        # Every output is acknowledged before its input batch is: the correlated rows are all there.
+        assert len(read_topic(kafka_bootstrap, correlated, min_count=4, timeout=20, settle=0.5)) >= 4
+
+    return Component(service, busy, saved_and_flushed)
+
+
+COMPONENTS = {"scheduler-collector": scheduler_collector, "podresources-collector": podresources_collector, "receiver": receiver,
+              "worker": worker}
+
+
+@pytest.mark.parametrize("name", list(COMPONENTS))
+def test_runs_until_sigterm_then_flushes_saves_and_exits_0(name, kafka_bootstrap, catalogue, tmp_path):
+    with ExitStack() as stack:
+        component = COMPONENTS[name](stack, kafka_bootstrap, catalogue, tmp_path)
+        service = component.service.start()
+        stack.callback(service.kill)  # whatever happens, nothing is left running
+        component.busy()
+        started = time.monotonic()
+        code = service.stop(grace=STOP_WITHIN_S)
+        took = time.monotonic() - started
+        assert code == 0, f"{name} exited {code} after SIGTERM ({took:.1f}s):\n{service.log_tail()}"
+        assert took < STOP_WITHIN_S
+        component.saved_and_flushed()
