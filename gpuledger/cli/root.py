@@ -6,7 +6,20 @@ import logging
 
 import typer
 
-from gpuledger.cli import audit, collect, db, exercise, kafka, read, receive, release, replay, schemas, topics, worker
+# Each command group by its module path (importing them through the package would make
+# gpuledger.cli and this module import each other).
+import gpuledger.cli.audit as audit
+import gpuledger.cli.collect as collect
+import gpuledger.cli.db as db
+import gpuledger.cli.exercise as exercise
+import gpuledger.cli.kafka as kafka
+import gpuledger.cli.read as read
+import gpuledger.cli.receive as receive
+import gpuledger.cli.release as release
+import gpuledger.cli.replay as replay
+import gpuledger.cli.schemas as schemas
+import gpuledger.cli.topics as topics
+import gpuledger.cli.worker as worker
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="gpuledger: one event-sourced history for GPU scheduling and model lifecycle.")
 
