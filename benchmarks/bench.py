@@ -165,7 +165,7 @@ def stored_rows(reader: RemoteReader) -> int:
         return -1
 
 
-def follow_worker(service: ServiceProcess, url: str, expected: int, timeout: float) -> WorkerRun:
+def follow_worker(service: ServiceProcess, url: str, reader: RemoteReader, expected: int, timeout: float) -> WorkerRun:
     """Correlated events/s (first correlated batch → every input correlated), then the
     time from that first batch until ≥ 99 % of the inputs are queryable."""
     first: list[float] = []
@@ -181,7 +181,6 @@ def follow_worker(service: ServiceProcess, url: str, expected: int, timeout: flo
     wait_until(f"the worker to correlate {expected} events (health stats correlated_in)", timeout, correlated, alive=service)
     done = time.monotonic()
     rate = (expected - n_first[0]) / (done - first[0]) if done > first[0] and expected > n_first[0] else None
-    reader = RemoteReader(url)
     queryable = None
     try:
         wait_until(f"≥ 99% of {expected} rows to be queryable in {DB}.correlated_events", timeout,
@@ -195,10 +194,9 @@ def follow_worker(service: ServiceProcess, url: str, expected: int, timeout: flo
     return run
 
 
-def settle(service: ServiceProcess, url: str, expected: int, timeout: float, quiet_s: float = 3.0) -> bool:
+def settle(service: ServiceProcess, url: str, reader: RemoteReader, expected: int, timeout: float, quiet_s: float = 3.0) -> bool:
     """Wait until every input has its row and no table grew for ``quiet_s`` (parked rows
     flushed, derived tables and allocations written) — so stores can be compared."""
-    reader = RemoteReader(url)
     tables = [r[0] for r in reader.query("SELECT name FROM system.tables WHERE database = {db:String}", {"db": DB}).rows]
     count_sql = " + ".join(f"(SELECT count() FROM {DB}.`{t}`)" for t in tables) or "0"
     last: list = [None, time.monotonic()]
@@ -343,9 +341,10 @@ class Bench:
         service = self.start(ServiceProcess(["worker"], env, data_dir / "worker.log"))
         try:
             url = wait_for_worker(service, owner_file(store_dsn(data_dir)), timeout=120)
-            run = follow_worker(service, url, expected, self.args.timeout)
+            reader = RemoteReader.from_owner(owner_file(store_dsn(data_dir)))
+            run = follow_worker(service, url, reader, expected, self.args.timeout)
             # Settling takes seconds once 99 % is queryable; do not spend the whole --timeout on it.
-            run.settled = settle(service, url, expected, min(self.args.timeout, 180))
+            run.settled = settle(service, url, reader, expected, min(self.args.timeout, 180))
             if not run.settled:
                 run.notes.append("store did not settle before the timeout; checksums may differ for that reason")
             if after:
@@ -392,7 +391,7 @@ class Bench:
             wall = time.monotonic() - start
             achieved, publisher_cpu = sent / wall, (time.process_time() - cpu) / wall
             total = RELEASES + sent
-            reader = RemoteReader(url)
+            reader = RemoteReader.from_owner(owner_file(store_dsn(data_dir)))
             complete = True
             try:
                 wait_until(f"all {total} latency rows to be stored (a worker that fell behind catches up here)", self.args.timeout,

@@ -220,7 +220,7 @@ class ExerciseRunner:
             worker = self._start("worker", ["-v", "worker"], env)
             worker_url = f"http://127.0.0.1:{web_port}"
             self._wait("the worker", lambda: _get_json(f"{worker_url}/gpuledger/health/").get("status") == "ok", 120, worker)
-            self.say("start", f"worker ready, health and read-only queries at {worker_url}")
+            self.say("start", f"worker ready, health at {worker_url}/gpuledger/health/")
 
             receiver = self._start("receiver", ["-v", "receive", "--port", "0"], env)
             url = self._wait("the receiver", lambda: (m := re.search(r"listening on (http://\S+)", receiver.log_path.read_text(errors="replace"))) and m.group(1),
@@ -250,10 +250,10 @@ class ExerciseRunner:
 
             # Drain, check, report.
             run.drained_s = self._drain(worker_url, client, catalogue)
-            from sinks.read.query import DirectReader, RemoteReader
+            from sinks.read.query import DirectReader, RemoteReader, owner_file
 
             if dsn.startswith("chdb:"):
-                reader = RemoteReader(worker_url)
+                reader = RemoteReader.from_owner(owner_file(dsn))
             else:
                 from sinks.clickhouse import connect
 

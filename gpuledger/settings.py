@@ -119,6 +119,12 @@ class ClickHouseSettings(BaseSettings):
     batch_rows: int = Field(default=10_000, ge=1, description="Sink flushes a batch at this many rows...")
     batch_seconds: float = Field(default=0.3, gt=0, description="...or after this many seconds, whichever comes first.")
     cluster: str | None = Field(default=None, description="ClickHouse cluster name for ON CLUSTER / Replicated tables.")
+    query_timeout_s: float = Field(default=30.0, gt=0, description="Readers' queries (`trace`, `sql`, `audit`, the query endpoint) stop with an error after this many seconds (ClickHouse max_execution_time).")
+    query_max_rows: int = Field(default=100_000, ge=1, description="A reader's query whose result has more rows fails with an error naming the limit (never a silently cut result).")
+    query_max_bytes: int = Field(default=64 << 20, ge=1, description="...and likewise for more bytes of result.")
+    query_max_threads: int = Field(default=1, ge=1, description="Threads one reader's query may use (the sink keeps the rest of the machine).")
+    query_concurrency: int = Field(default=2, ge=1, description="Queries the store owner's query endpoint runs at once.")
+    query_queue: int = Field(default=8, ge=0, description="Queries that may wait for one of those; more are answered 503 at once.")
     ttl_days: int | None = Field(default=None, ge=1, description="Retention of the event tables (raw_events, correlated_events, workload_timeline, enriched_alerts, dead_letters) in days of event time; unset keeps rows forever. Applied by `db migrate` and at worker start.")
 
     @field_validator("dsn")

@@ -1,4 +1,5 @@
-"""The sink: insert the raw and output topics into ClickHouse in batches.
+"""The sink: insert the raw and output topics into ClickHouse in batches (run by the
+sink process, ``sinks/service.py``).
 
 Input: the correlated, allocations, dead-letter and raw topics (and violations, when
 the app passes that topic). Output: one columnar insert per table per batch —
@@ -16,7 +17,7 @@ offsets only after every row of the batch was stored or rejected
 one shared ``StoreConnection``) — so while ClickHouse is down the sink stops
 consuming, and a crash re-delivers into idempotent tables. A row ClickHouse rejects
 for its content does not stall its table: it is handed to ``on_rejected`` as a
-``RejectedRow`` naming the Kafka record it came from, and the agents send it to the
+``RejectedRow`` naming the Kafka record it came from, and the sink service sends it to the
 dead-letter topic (reason ``store_rejected``, stage ``sinks.<table>``, the error and
 a hint), acknowledged before the batch's offsets are committed. Rejected rows of
 ``dead_letters`` itself are logged at ERROR and dropped: a dead letter about a dead
@@ -228,12 +229,14 @@ class SinkLoop:
                                   "max.poll.interval.ms": 600_000, "logger": logging.getLogger("librdkafka")})
         self.consumer.subscribe(sorted(self.kind))
         self._shapes: dict = {}
+        self._stopping = False
 
     async def run(self) -> None:
+        """Store batches until ``stop()``: the batch in hand is stored and committed first."""
         import asyncio
 
         try:
-            while True:
+            while not self._stopping:
                 messages = await asyncio.to_thread(self.consumer.consume, self.rows_max, self.within)
                 records = [_Record(m) for m in messages if not m.error()]
                 for m in messages:
@@ -244,6 +247,9 @@ class SinkLoop:
                     await asyncio.to_thread(self.consumer.commit, asynchronous=False)
         finally:
             self.consumer.close()  # leave the group now (also when cancelled at shutdown)
+
+    async def stop(self) -> None:
+        self._stopping = True
 
     async def store(self, records: list[_Record]) -> None:
         from schemas import CorrelatedEvent, DeadLetter, GpuAllocation, Violation
@@ -297,40 +303,3 @@ class SinkLoop:
                 letter = dead_letter("validation", str(exc), stage, rec.topic, rec.partition, rec.offset, rec.key, rec.value)
                 self.ctx.output.produce(self.ctx.run.deadletter, rec.key, encode_event(letter))
         return batch, sources
-
-
-def install_sink_agents(app, settings, client, topics: dict[str, list[str]], ctx) -> SinkWriters:
-    """Register the sink loop on ``app``. ``topics`` maps kind -> topic names (raw,
-    correlated, allocations, violations, deadletter). ``client`` is an open client or a
-    ``StoreConnection`` — for a worker that must start while ClickHouse is down,
-    ``sinks.clickhouse.migrated_store(...)`` (lazy; migrates and applies the TTL on
-    connect). ``ctx`` is the worker's context: its one producer writes the dead letters
-    (acknowledged before the batch's offsets are committed; rows the store rejects go
-    there too), its stats count what was stored."""
-    from schemas import encode_event
-    from sinks.migrations import apply_ttl
-
-    conf = settings.clickhouse
-    store = StoreConnection.of(client)
-    if store.connected:
-        # Retention is configuration: keep it in step at every start (a no-op when unchanged).
-        # A lazy store does this in its on_connect (migrated_store).
-        apply_ttl(store.get(), conf.database, conf.ttl_days, conf.cluster)
-    stats = ctx.stats
-    for key in ("stored", "allocations_stored", "raw_stored", "raw_skipped", "raw_out_of_range", "violations_stored", "store_rejected"):
-        stats.setdefault(key, 0)
-
-    async def dead_letter_rejected(row: RejectedRow) -> None:
-        stats["store_rejected"] += 1
-        ctx.output.produce(ctx.run.deadletter, row.source.key if row.source else None, encode_event(row.dead_letter()))
-
-    sinks = SinkWriters(store, conf.database, conf.cluster, on_rejected=dead_letter_rejected)
-    ctx.sinks = sinks
-    loop = SinkLoop(settings, ctx, sinks, topics)
-
-    @app.task
-    async def store_outputs():
-        """Insert the raw and output topics into ClickHouse, in batches."""
-        await loop.run()
-
-    return sinks

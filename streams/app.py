@@ -9,7 +9,8 @@ ClickHouse tables.
 Agents (each in the module that holds its logic):
   - ``route_events``, ``correlate_entities`` (``streams.correlate.agents``);
   - ``evaluate_controls`` (``streams.controls.agents``);
-  - the sink loop (``sinks.agents``: a plain consumer in its own group, ``<app id>.sinks``).
+  - the sink, in a process of its own that the worker starts and supervises
+    (``sinks.service``: a plain consumer in its own group, ``<app id>.sinks``).
 
 Before the worker joins its consumer group it creates every topic it reads or writes
 and waits until the broker's metadata shows them (a consumer that subscribes to a
@@ -17,8 +18,11 @@ topic the broker does not show yet ignores it for the life of the process). Afte
 every rebalance it checks that each agent got its partitions; ``/gpuledger/health/``
 says ``degraded`` (and names the topic) when one did not.
 
-The worker process owns the embedded store; it serves read-only queries for the CLI
-on its loopback web port (``/gpuledger/query/``), recorded beside the data dir.
+The worker's sink process owns the embedded store and serves the CLI's read-only
+queries (token-protected, recorded beside the data dir: ``sinks.service``). The
+worker's loopback web port serves ``/gpuledger/health/`` — the worker's and the sink's
+state in one page (``degraded`` while the sink does not answer); Faust's own pages
+(tables, router, graph, stats) are off.
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ import faust
 from gpuledger.dev.process import free_port
 from gpuledger.telemetry import ComponentCounters
 from producers._kafka import client_config, ensure_specs, resolve_bootstrap
-from sinks.read.query import QueryError, run_readonly
 from streams.controls.agents import install_control_agents
 from streams.correlate.agents import install_correlate_agents
 from streams.correlate.directory import ReleaseDirectory
@@ -60,6 +63,7 @@ class WorkerContext:
         self.correlator = None
         self.controller = None
         self.app = None
+        self.sink = None  # sinks.service.SinkProcess, when this worker runs one
         spec = settings.streams.fault
         self._fault = [*spec.split(":")[:2], int(spec.split(":")[2])] if spec else None
 
@@ -90,15 +94,39 @@ class WorkerContext:
             self._counters[component] = ComponentCounters(component)
         return self._counters[component]
 
-    def health(self) -> dict:
+    def health(self, sink: dict | None = None) -> dict:
+        """This worker's state, merged with its sink's health page (``sink``; None: the
+        sink did not answer, or this worker runs none)."""
         ok = self.subscriptions["ok"] and self.directory.ready.is_set()
-        return {
+        health = {
             "status": "ok" if ok else "degraded",
             "subscriptions": self.subscriptions,
             "release_directory": {"ready": self.directory.ready.is_set(), "releases": len(self.directory.releases)},
             "stats": {**self.stats, "outputs_produced": dict(self.output.produced), "output_dead_letters": self.output.dead_letters},
             "counters": {name: c.totals for name, c in self._counters.items()},
         }
+        if self.sink is not None:
+            health["sink"] = {"answering": sink is not None, "url": self.sink.url, "restarts": self.sink.restarts}
+            if sink is None:
+                health["status"] = "degraded"
+            else:
+                health["sink"]["store"] = sink.get("store")
+                health["stats"].update(sink.get("stats", {}))
+                health["counters"].update(sink.get("counters", {}))
+        return health
+
+    async def sink_health(self) -> dict | None:
+        """The sink process's health page, or None when it does not answer within 2 s."""
+        import aiohttp
+
+        if self.sink is None:
+            return None
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
+                async with session.get(f"{self.sink.url}/gpuledger/health/") as resp:
+                    return await resp.json() if resp.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
 
 
 def ensure_run_topics(settings) -> None:
@@ -107,9 +135,8 @@ def ensure_run_topics(settings) -> None:
     ensure_specs(client_config(settings), cat.specs() + cat.run(settings.streams.app_id).specs(), cat.replication_factor)
 
 
-def create_app(settings, store=None) -> faust.App:
-    """Build the Faust app from settings. ``store`` is the worker's ClickHouse client or
-    lazy ``StoreConnection`` (None: no sink agents)."""
+def create_app(settings) -> faust.App:
+    """Build the Faust app from settings (the sink runs beside it: ``run_worker``)."""
     ctx = WorkerContext(settings)
     cat, run = ctx.catalogue, ctx.run
     conf = settings.streams
@@ -124,6 +151,11 @@ def create_app(settings, store=None) -> faust.App:
         web_bind="127.0.0.1",
         web_host="127.0.0.1",
         web_port=web_port,
+        # Faust's own pages would show internal state to anyone on the host; ours need none of them.
+        web_tables_enabled=False,
+        web_router_enabled=False,
+        web_graph_enabled=False,
+        web_stats_enabled=False,
         topic_partitions=cat.raw_partitions,
         topic_replication_factor=cat.replication_factor,
         consumer_auto_offset_reset="earliest",
@@ -152,13 +184,6 @@ def create_app(settings, store=None) -> faust.App:
     install_correlate_agents(app, ctx, raw, route)
     install_control_agents(app, ctx, controls)
     expected = {t: cat.raw_partitions for t in (*cat.raw_topics, run.route, run.controls)}
-    if store is not None:
-        from sinks.agents import install_sink_agents
-
-        sink_topics = {"correlated": [run.correlated], "deadletter": [run.deadletter, cat.deadletter], "allocations": [run.allocations],
-                       "raw": list(cat.raw_topics), "violations": [run.violations]}
-        install_sink_agents(app, settings, store, sink_topics, ctx)
-        install_query_view(app, store)
 
     @app.on_rebalance_complete.connect
     async def _check_subscriptions(sender, **kwargs):
@@ -175,7 +200,12 @@ def create_app(settings, store=None) -> faust.App:
     @app.page("/gpuledger/health/")
     class HealthView(faust.web.View):
         async def get(self, request):
-            return self.json(ctx.health())
+            return self.json(ctx.health(await ctx.sink_health()))
+
+    @app.timer(1.0)
+    async def _supervise_sink():
+        if ctx.sink is not None:
+            ctx.sink.restart_if_dead()
 
     app.gpuledger_web_url = f"http://127.0.0.1:{web_port}"
     return app
@@ -199,42 +229,19 @@ def check_assignment(assignment, expected: dict[str, int]) -> dict:
     return {"ok": not problems, "problems": problems, "partitions": sorted(reference)}
 
 
-def install_query_view(app: faust.App, store) -> None:
-    """Serve read-only queries on the worker's loopback port (the owner of the store)."""
-    from sinks.clickhouse import StoreConnection
-
-    connection = StoreConnection.of(store)
-
-    @app.page("/gpuledger/query/")
-    class QueryView(faust.web.View):
-        async def post(self, request):
-            try:
-                body = await request.json()
-                sql, params = body["sql"], body.get("parameters") or {}
-            except (ValueError, KeyError, TypeError):
-                return self.json({"error": 'body must be JSON {"sql": ..., "parameters": {...}}'}, status=400)
-            try:
-                client = await asyncio.to_thread(connection.get)
-                result = await asyncio.to_thread(run_readonly, client, sql, params)
-            except QueryError as exc:
-                return self.json({"error": str(exc)}, status=400)
-            except Exception as exc:  # noqa: BLE001 - the store is unreachable: say so, do not crash the page
-                return self.json({"error": f"store unavailable: {exc}"}, status=503)
-            return self.json({"columns": result.columns, "rows": result.rows})
-
-
 STOP_WITHIN_S = 8.0
 
 
-def stop_within(app: faust.App, worker, cleanup) -> None:
-    """On SIGTERM, stop as Faust does — and if that has not finished within
-    ``STOP_WITHIN_S`` (a broker outage can hold Faust's shutdown for minutes), exit 0 at
-    once. That is safe at any instant: a batch is acked only after its outputs and state
-    are acknowledged, so an unfinished batch is simply processed again after a restart."""
+def stop_within(app: faust.App, worker, sink) -> None:
+    """On SIGTERM, tell the sink process to stop and stop as Faust does — and if that has
+    not finished within ``STOP_WITHIN_S`` (a broker outage can hold Faust's shutdown for
+    minutes), exit 0 at once. That is safe at any instant: a batch is acked only after its
+    outputs and state are acknowledged, so an unfinished batch is simply processed again
+    after a restart; the sink commits only what it stored."""
 
     def hard_stop() -> None:
         log.warning("stop did not finish within %.0fs; exiting now (unfinished batches were not acked)", STOP_WITHIN_S)
-        cleanup()
+        sink.stop(within_s=1.0)
         logging.shutdown()
         os._exit(0)
 
@@ -247,31 +254,27 @@ def stop_within(app: faust.App, worker, cleanup) -> None:
             timer = threading.Timer(STOP_WITHIN_S, hard_stop)
             timer.daemon = True
             timer.start()
+            sink.signal_stop()  # the sink stops (its batch stored and committed) while Faust does
             original()
 
         loop.add_signal_handler(signal.SIGTERM, on_sigterm)
 
 
 def run_worker(settings, loglevel: str = "info") -> None:
-    """Run the worker in this process until SIGTERM/SIGINT (owns the embedded store).
+    """Run the worker in this process, and its sink in a child process, until
+    SIGTERM/SIGINT.
 
-    The store is connected lazily: the worker starts while ClickHouse is down, and the
-    sinks hold their offsets until it is back (migrations run on the first connect).
+    The sink connects to the store lazily: the worker starts while ClickHouse is down,
+    and the sink holds its offsets until it is back (migrations run on the first connect).
     """
     from gpuledger.telemetry import calm_logging
-    from sinks.clickhouse import is_embedded, migrated_store
-    from sinks.read.query import clear_owner, write_owner
+    from sinks.service import SinkProcess
 
     calm_logging()
-    dsn = settings.clickhouse_dsn
-    conf = settings.clickhouse
-    store = migrated_store(dsn, conf.database, conf.cluster, conf.ttl_days)
-    if is_embedded(dsn):
-        store.get()  # the embedded store is this process's own: open it now (fails fast if another process holds it)
     ensure_run_topics(settings)
-    app = create_app(settings, store)
-    if is_embedded(dsn):
-        write_owner(dsn, app.gpuledger_web_url)
+    app = create_app(settings)
+    sink = app.gpuledger.sink = SinkProcess(settings, app.gpuledger_web_url, loglevel)
+    sink.start()
     profile = os.environ.get("GPULEDGER_PROFILE")  # benchmarks --profile
     profiler = None
     if profile:
@@ -281,7 +284,7 @@ def run_worker(settings, loglevel: str = "info") -> None:
         profiler.enable()
     try:
         worker = faust.Worker(app, loglevel=loglevel, quiet=True, redirect_stdouts=False, override_logging=False)
-        stop_within(app, worker, lambda: clear_owner(dsn) if is_embedded(dsn) else None)
+        stop_within(app, worker, sink)
         worker.execute_from_commandline()
     finally:
         if profiler:
@@ -290,6 +293,5 @@ def run_worker(settings, loglevel: str = "info") -> None:
         left = app.gpuledger.output.close()
         if left:
             log.warning("%d output record(s) were not acknowledged at exit (their batches were not acked either)", left)
-        if is_embedded(dsn):
-            clear_owner(dsn)
+        sink.stop()
 

@@ -156,7 +156,7 @@ def worker(stack: ExitStack, kafka_bootstrap: str, catalogue, tmp_path: Path) ->
         publisher = EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, "lifecycle-test")
         publisher.publish_batch(sample_events(datetime.now(timezone.utc)))
         publisher.close()
-        reader = RemoteReader(url)
+        reader = RemoteReader.from_owner(owner_file(env["GPULEDGER_CLICKHOUSE_DSN"]))
         wait_until(lambda: reader.query("SELECT count() AS n FROM gpuledger.correlated_events FINAL WHERE alert_fingerprint = {fp:String}",
                                         {"fp": FINGERPRINT}).dicts()[0]["n"], "the alert's correlated row stored", service, 120)
 

@@ -85,13 +85,14 @@ class ServiceProcess:
 
 
 def wait_for_worker(service: ServiceProcess, owner_file: Path, timeout: float = 90.0) -> str:
-    """Wait until the worker recorded its query endpoint and answers health; return its URL."""
+    """Wait until the worker's sink recorded the store's owner file and the worker's health
+    page answers; return the health page's URL (queries: ``RemoteReader.from_owner``)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not service.alive():
             raise ServiceError(f"worker exited with {service.proc.returncode}:\n{service.log_tail()}")
         try:
-            url = json.loads(owner_file.read_text())["url"]
+            url = json.loads(owner_file.read_text())["health"]
             with urllib.request.urlopen(f"{url}/gpuledger/health/", timeout=2) as resp:
                 if resp.status == 200:
                     return url

@@ -1,9 +1,10 @@
 """Read-only access to the correlation store, whoever owns it.
 
 - Server DSN: query the server directly.
-- Embedded chDB, owned by a running worker: the worker serves read-only queries on
-  a loopback port recorded in ``<chdb dir>.owner.json``; ``open_reader`` finds it and
-  POSTs there.
+- Embedded chDB, owned by a running worker: its sink process serves read-only queries
+  on a loopback port recorded, with the bearer token each query must carry, in
+  ``<chdb dir>.owner.json`` (mode 0600: whoever may read that file may query);
+  ``open_reader`` finds it and POSTs there (``sinks/service.py``).
 - Embedded chDB, not owned: open it directly (this process becomes the owner for
   the duration).
 
@@ -25,6 +26,11 @@ so it is refused.
 (The per-call ``settings={'readonly': 1}`` of clickhouse-connect's chDB backend is not
 usable: for some statements it is applied with SET, and a read-only session cannot
 reset it — the worker's shared client would stay read-only.)
+Every reader statement also carries the limits of ``QueryLimits`` (from
+``GPULEDGER_CLICKHOUSE_QUERY_*``): ``max_execution_time``, ``max_result_rows`` and
+``max_result_bytes`` (``result_overflow_mode='throw'``: a result is complete or an
+error, never silently cut) and ``max_threads`` — a responder's runaway query ends with
+an error that names the limit instead of holding the store.
 Parameters are always bound server-side (``{name:Type}``), never formatted into SQL.
 """
 
@@ -57,6 +63,27 @@ class QueryError(SinkError):
     """The store rejected a query (syntax, read-only violation, unknown column)."""
 
 
+@dataclass(frozen=True)
+class QueryLimits:
+    """Per-statement limits of a reader's query (module docstring)."""
+
+    max_seconds: float = 30.0
+    max_rows: int = 100_000
+    max_bytes: int = 64 << 20
+    max_threads: int = 1
+
+    @classmethod
+    def of(cls, conf) -> QueryLimits:
+        """From ``ClickHouseSettings``."""
+        return cls(conf.query_timeout_s, conf.query_max_rows, conf.query_max_bytes, conf.query_max_threads)
+
+    def clause(self) -> str:
+        """The SETTINGS items, before ``readonly=1`` (a read-only query may not change
+        settings after it)."""
+        return (f"max_execution_time={self.max_seconds:g}, max_result_rows={self.max_rows}, max_result_bytes={self.max_bytes}, "
+                f"result_overflow_mode='throw', max_threads={self.max_threads}, ")
+
+
 #: Statements run as a subquery of a read-only SELECT.
 SELECT_KEYWORDS = ("SELECT", "WITH")
 #: Statements run as they are with ``SETTINGS readonly=1``: the first word, and the prefix
@@ -65,10 +92,10 @@ STATEMENT_KEYWORDS = {"SHOW": "Show", "DESCRIBE": "Describe", "DESC": "Describe"
 READ_STATEMENTS = "SELECT, WITH, SHOW, DESCRIBE, EXPLAIN or EXISTS"
 
 
-def readonly_sql(sql: str) -> str:
+def readonly_sql(sql: str, limits: QueryLimits | None = None) -> str:
     """A SELECT/WITH query as the subquery of a read-only SELECT."""
     body = sql.strip().rstrip(";").strip()
-    return f"SELECT * FROM (\n{body}\n) SETTINGS readonly=1"
+    return f"SELECT * FROM (\n{body}\n) SETTINGS {limits.clause() if limits else ''}readonly=1"
 
 
 def _skip_comments(sql: str) -> int:
@@ -131,20 +158,20 @@ def _check_statement(client, statement: str, keyword: str, parameters: dict) -> 
         raise QueryError(f"DESCRIBE of a table function ({function}) is refused: it reads the source even in read-only mode")
 
 
-def readonly_statement(client, sql: str, parameters: dict | None = None) -> str:
+def readonly_statement(client, sql: str, parameters: dict | None = None, limits: QueryLimits | None = None) -> str:
     """The text to send for one reader statement (module docstring); raises ``QueryError``
     for a statement a reader does not run."""
     body = sql.strip().rstrip(";").strip()
     keyword, start = _first_word(body)
     if keyword in SELECT_KEYWORDS or keyword == "(":
         _one_statement(client, body)
-        return readonly_sql(body)
+        return readonly_sql(body, limits)
     if keyword not in STATEMENT_KEYWORDS:
         raise QueryError(f"read-only statements only ({READ_STATEMENTS}); this one starts with {keyword or 'nothing'!r}")
     statement = body[start:]
     _one_statement(client, statement)
     _check_statement(client, statement, keyword, parameters or {})
-    return f"{statement}\nSETTINGS readonly=1"
+    return f"{statement}\nSETTINGS {limits.clause() if limits else ''}readonly=1"
 
 
 def jsonable(value: Any) -> Any:
@@ -163,11 +190,12 @@ def jsonable(value: Any) -> Any:
     return value
 
 
-def run_readonly(client, sql: str, parameters: dict | None = None) -> QueryResult:
-    """Run a reader's query. ``client`` is an open client or a ``StoreConnection`` (the
-    worker's lazy store: raises ``StoreUnavailable`` while it cannot connect)."""
+def run_readonly(client, sql: str, parameters: dict | None = None, limits: QueryLimits | None = QueryLimits()) -> QueryResult:
+    """Run a reader's query within ``limits``. ``client`` is an open client or a
+    ``StoreConnection`` (the sink's lazy store: raises ``StoreUnavailable`` while it
+    cannot connect)."""
     client = StoreConnection.of(client).get()
-    statement = readonly_statement(client, sql, parameters)
+    statement = readonly_statement(client, sql, parameters, limits)
     try:
         result = client.query(statement, parameters=parameters or {})
     except Exception as exc:  # noqa: BLE001 - driver errors vary by backend
@@ -180,10 +208,16 @@ def owner_file(dsn: str) -> Path:
     return path.with_name(path.name + ".owner.json")
 
 
-def write_owner(dsn: str, url: str) -> Path:
+def write_owner(dsn: str, url: str, token: str, health: str) -> Path:
+    """Record this process as the store's owner: its query URL and bearer token, and the
+    worker's health page (``health``), in a file only its user may read (created 0600)."""
     path = owner_file(dsn)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"pid": os.getpid(), "url": url}))
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(json.dumps({"pid": os.getpid(), "url": url, "token": token, "health": health}))
+    os.replace(tmp, path)
     return path
 
 
@@ -206,11 +240,11 @@ def current_owner(dsn: str) -> dict | None:
 
 
 class DirectReader:
-    def __init__(self, client) -> None:
-        self.client = client
+    def __init__(self, client, limits: QueryLimits | None = QueryLimits()) -> None:
+        self.client, self.limits = client, limits
 
     def query(self, sql: str, parameters: dict | None = None) -> QueryResult:
-        return run_readonly(self.client, sql, parameters)
+        return run_readonly(self.client, sql, parameters, self.limits)
 
     def close(self) -> None:
         try:
@@ -220,16 +254,27 @@ class DirectReader:
 
 
 class RemoteReader:
-    """Reads through the owning worker's loopback query endpoint."""
+    """Reads through the owning sink's loopback query endpoint (bearer ``token``)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, token: str = "", timeout_s: float = 40.0) -> None:
         self.url = url.rstrip("/") + "/gpuledger/query/"
+        self.token, self.timeout_s = token, timeout_s
+
+    @classmethod
+    def from_owner(cls, path: Path, timeout_s: float = 40.0) -> RemoteReader:
+        """The reader of the store whose owner file is ``path`` (URL and token)."""
+        try:
+            owner = json.loads(path.read_text())
+            return cls(owner["url"], owner["token"], timeout_s)
+        except (OSError, ValueError, KeyError) as exc:
+            raise StoreUnavailable(f"no running worker owns the store (owner file {path}: {exc})") from exc
 
     def query(self, sql: str, parameters: dict | None = None) -> QueryResult:
         body = json.dumps({"sql": sql, "parameters": jsonable(parameters or {})}).encode()
-        req = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"}, method="POST")
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self.token}"}
+        req = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
         try:
-            with urllib.request.urlopen(req, timeout=30) as resp:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 data = json.loads(resp.read())
         except urllib.error.HTTPError as exc:
             try:
@@ -253,8 +298,8 @@ def open_reader(settings):
     if is_embedded(dsn):
         owner = current_owner(dsn)
         if owner:
-            return RemoteReader(owner["url"])
+            return RemoteReader(owner["url"], owner.get("token", ""), settings.clickhouse.query_timeout_s + 10)
         client = connect(dsn, settings.clickhouse.database)
         migrate(client, settings.clickhouse.database)
-        return DirectReader(client)
-    return DirectReader(connect(dsn, settings.clickhouse.database, create=False))
+        return DirectReader(client, QueryLimits.of(settings.clickhouse))
+    return DirectReader(connect(dsn, settings.clickhouse.database, create=False), QueryLimits.of(settings.clickhouse))

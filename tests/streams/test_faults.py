@@ -117,7 +117,7 @@ class Run:
         return wait_for_worker(self.service, owner_file(self.dsn), timeout=120)
 
     def stored(self) -> int:
-        return RemoteReader(self.url()).query("SELECT count() AS n FROM gpuledger.correlated_events FINAL").dicts()[0]["n"]
+        return RemoteReader.from_owner(owner_file(self.dsn)).query("SELECT count() AS n FROM gpuledger.correlated_events FINAL").dicts()[0]["n"]
 
     def wait_done(self, expected_rows: int, timeout: float = 240) -> dict:
         """Until the run has caught up (``streams.progress.wait_caught_up``: both of its

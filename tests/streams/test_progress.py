@@ -1,4 +1,4 @@
-"""streams.progress: the caught-up check reads exactly the groups and topics the worker reads."""
+"""streams.progress: the caught-up check reads exactly the groups and topics the worker and its sink read."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import confluent_kafka
 
 from gpuledger.settings import KafkaSettings, Settings
 from sinks.clickhouse import migrated_store
+from sinks.service import SinkContext, build_sink
 from streams.app import create_app
 from streams.progress import Look, worker_groups
 
@@ -26,7 +27,8 @@ class RecordingConsumer:
 def test_the_groups_and_topics_are_the_ones_the_worker_reads(tmp_path, monkeypatch):
     monkeypatch.setattr(confluent_kafka, "Consumer", RecordingConsumer)
     settings = Settings(data_dir=tmp_path, kafka=KafkaSettings(bootstrap="127.0.0.1:9", topic_prefix="p"))
-    app = create_app(settings, migrated_store(f"chdb://{tmp_path / 'ch'}", "gpuledger"))  # lazy: nothing is opened
+    app = create_app(settings)
+    build_sink(settings, SinkContext(settings), migrated_store(f"chdb://{tmp_path / 'ch'}", "gpuledger"))  # lazy: nothing is opened
     read = {settings.streams.app_id: {t for agent in app.agents.values() for t in agent.channel.topics}}
     read.update({c.group: set(c.topics) for c in RecordingConsumer.made})
     assert read == {group: set(topics) for group, topics in worker_groups(settings.kafka.catalogue(), settings.streams.app_id).items()}

@@ -1,0 +1,148 @@
+"""sinks/service.py: the sink process of a real worker (real broker, its own chDB).
+
+The store's query endpoint is a service, not a backdoor: it answers only with the
+owner file's token, the owner file is readable by its user alone, a runaway query ends
+at its limit while the sink keeps storing, and Faust's own pages are off.
+"""
+
+from __future__ import annotations
+
+import json
+import stat
+import threading
+import time
+import urllib.error
+import urllib.request
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from producers._kafka import EventPublisher
+from schemas import Identity, ReleaseEvent, Source, make_event_id
+from schemas.release import ReleasePayload
+from sinks.errors import SinkError
+from sinks.read.query import QueryError, RemoteReader, owner_file
+
+
+def _releases(tag: str, n: int) -> list[ReleaseEvent]:
+    at = datetime.now(timezone.utc) - timedelta(hours=1)
+    src = Source(collector="test", host="h")
+    return [ReleaseEvent(event_id=make_event_id("test", (tag, str(i))), event_type="release.registered", occurred_at=at, observed_at=at,
+                         source=src, identity=Identity(release_id=f"{tag}-{i}", model_name=tag), payload=ReleasePayload(actor="ci"))
+            for i in range(n)]
+
+
+def _post(url: str, body: dict, token: str | None) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token is not None else {})}
+    req = urllib.request.Request(f"{url}/gpuledger/query/", data=json.dumps(body).encode(), headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _raw_count(reader: RemoteReader, tag: str) -> int:
+    try:
+        return reader.query("SELECT count() AS n FROM gpuledger.raw_events FINAL WHERE release_id LIKE {p:String}",
+                            {"p": f"{tag}-%"}).dicts()[0]["n"]
+    except SinkError:
+        return -1
+
+
+def _until(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_queries_need_the_owner_files_token_which_only_its_user_can_read(kafka_bootstrap, catalogue, worker_factory):
+    worker = worker_factory(catalogue)
+    path = owner_file(worker.dsn)
+    owner = json.loads(path.read_text())
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    pub = EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, "test")
+    pub.publish_batch(_releases("tok", 3))
+    pub.close()
+    _until(lambda: _raw_count(worker.reader, "tok") == 3, "3 raw rows")
+
+    sql = {"sql": "SELECT count() AS n FROM gpuledger.raw_events WHERE release_id LIKE 'tok-%'"}
+    assert _post(owner["url"], sql, None)[0] == 401
+    status, body = _post(owner["url"], sql, "not-the-token")
+    assert status == 401 and "token" in body["error"]
+    assert _post(owner["url"], sql, owner["token"]) == (200, {"columns": ["n"], "rows": [[3]]})
+    # Faust's own pages (tables, router, graph) are not served by the worker.
+    for page in ("/table/", "/router/", "/graph/"):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"{worker.url}{page}", timeout=5)
+        assert err.value.code == 404, page
+
+
+def test_a_runaway_query_ends_at_its_limit_while_the_sink_keeps_storing(kafka_bootstrap, catalogue, worker_factory):
+    worker = worker_factory(catalogue, extra_env={"GPULEDGER_CLICKHOUSE_QUERY_TIMEOUT_S": "8"})
+    _until(lambda: _raw_count(worker.reader, "run") == 0, "the store to answer")
+    outcome: dict = {}
+
+    def runaway() -> None:
+        started = time.monotonic()
+        try:
+            worker.reader.query("SELECT count() FROM numbers(1000000000000)")
+        except QueryError as exc:
+            outcome["error"] = str(exc)
+        outcome["seconds"] = time.monotonic() - started
+
+    thread = threading.Thread(target=runaway)
+    thread.start()
+    pub = EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, "test")
+    pub.publish_batch(_releases("run", 200))
+    pub.close()
+    stored_during = None
+    while thread.is_alive():
+        if _raw_count(worker.reader, "run") == 200:
+            stored_during = True
+            break
+        time.sleep(0.2)
+    thread.join(60)
+    assert stored_during, f"the sink stored nothing new while the runaway query ran: {outcome}"
+    assert "TIMEOUT_EXCEEDED" in outcome["error"] or "Timeout exceeded" in outcome["error"], outcome
+    assert outcome["seconds"] < 30, outcome
+
+
+def _health(url: str) -> dict:
+    try:
+        with urllib.request.urlopen(f"{url}/gpuledger/health/", timeout=5) as resp:
+            return json.loads(resp.read())
+    except (OSError, ValueError):
+        return {}
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_killed_sink_is_restarted_and_a_killed_worker_takes_its_sink_along(kafka_bootstrap, catalogue, worker_factory):
+    import os
+    import signal
+
+    worker = worker_factory(catalogue)
+    first = json.loads(owner_file(worker.dsn).read_text())["pid"]
+    assert first != worker.service.proc.pid and _running(first)
+    os.kill(first, signal.SIGKILL)
+    _until(lambda: (h := _health(worker.url)).get("sink", {}).get("restarts") == 1 and h["sink"]["answering"], "the sink restarted", 90)
+    second = json.loads(owner_file(worker.dsn).read_text())["pid"]
+    assert second != first and _running(second)
+    pub = EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, "test")
+    pub.publish_batch(_releases("again", 5))
+    pub.close()
+    reader = RemoteReader.from_owner(owner_file(worker.dsn))
+    _until(lambda: _raw_count(reader, "again") == 5, "rows stored by the restarted sink", 90)
+
+    worker.service.proc.kill()  # kill -9 of the worker
+    worker.service.proc.wait(10)
+    _until(lambda: not _running(second), "the orphaned sink to exit", 30)
