@@ -236,6 +236,10 @@ class Context:
     watermark: datetime | None
     _releases: dict = field(default_factory=dict)
     accessed: set = field(default_factory=set)  # releases read by the current evaluation
+    policy_version: str = ""  # the policy's fingerprint, computed once per context
+
+    def __post_init__(self) -> None:
+        self.policy_version = self.policy.fingerprint
 
     def release(self, rid: str | None) -> Release:
         self.accessed.add(rid)
@@ -269,7 +273,7 @@ class Findings:
             "severity": severity or policy.control(control).severity,
             "identity": {k: v for k, v in identity.items() if v and k in Identity.model_fields},
             "evidence": seen[:MAX_EVIDENCE], "owner": policy.owner_for(control), "opened_at": iso(opened), "closed_at": iso(closed),
-            "detail": detail,
+            "detail": detail, "policy_version": self.ctx.policy_version,
         }
 
 
@@ -568,7 +572,9 @@ def _admission(key: str, start: datetime, end: datetime | None, srow: dict, erow
     elif cause:
         why = f"release {rid} was revoked or retired before admission"
     else:
-        why = f"release {rid} had no approval for {env or 'its environment'} by an actor with the approve right"
+        unentitled = [e for e in rel.history if e[1] == "release.approved" and e[0] <= start and _covers(ctx.policy, e[3], env)]
+        why = (f"release {rid} was approved for {env or 'its environment'} only by " + _actors(unentitled) + ", without the approve right"
+               if unentitled else f"release {rid} had no approval for {env or 'its environment'}")
     found.add(1, ("approval", key, srow["id"]), start, _min(ge, end), ev + [cause, closing], {**ident, "release_id": rid},
               f"{who} was admitted ({srow['type']}) at {iso(start)} but {why}")
 
@@ -599,10 +605,21 @@ def _promotion(key: str, start: datetime, end: datetime | None, srow: dict, erow
     if not (rid and rel.known and env and envp and envp.requires_promotion):
         return
     for gs, ge, cause, closing in gaps(promotion_changes(rel, ctx.policy, env), start, end):
-        why = "was rolled back from" if cause else "was never promoted to"
+        unentitled = [e for e in rel.history if e[1] == "release.promoted" and e[3] == env and e[0] <= gs]
+        if cause:
+            why = f"was rolled back from {env}"
+        elif unentitled:
+            why = f"was promoted to {env} only by {_actors(unentitled)}, without the promote right"
+        else:
+            why = f"was never promoted to {env}"
         found.add(2, ("promotion", key, rid, env, srow["id"], cause or ""), gs, _min(ge, end),
-                  [srow["id"], cause, closing, erow["id"] if erow else None],
-                  {**ident, "release_id": rid}, f"{_label(ident)} runs in {env} while release {rid} {why} {env}")
+                  [srow["id"], cause, closing, erow["id"] if erow else None] + [e[2] for e in unentitled],
+                  {**ident, "release_id": rid}, f"{_label(ident)} runs in {env} while release {rid} {why}")
+
+
+def _actors(events: list[tuple]) -> str:
+    """Who did these lifecycle events ("bob at T", "no recorded actor at T")."""
+    return ", ".join(f"{e[4] or 'no recorded actor'} at {iso(e[0])}" for e in events[-3:])
 
 
 def preemption_clusters(rows) -> list[list[dict]]:
