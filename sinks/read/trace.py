@@ -25,9 +25,13 @@ workload; GPU → the allocation holding it at ``at``; model → its most recent
 release), else the workload, else the pod, else the lone alert — and the chain is
 expanded from the root only. So every entry that reaches the same root yields the
 same chain. ``at`` hides rows that occurred after it and takes the release state as of
-it; rows keep their latest version (the best attribution known now). The window ends
-at ``at`` — or, without ``at``, at the chain's latest event — and lasts ``window``
-(default 2 h).
+it; rows keep their latest version (the best attribution known now). The chain's own
+rows are all shown (as of ``at``); the *window* — which other workloads' events, other
+alerts and other GPU holders on the chain's nodes are shown — lasts ``window`` (default
+2 h) and ends at ``at``, or without it at the entry point's own time: an alert's
+startsAt, a workload's or pod's latest event, else (release, model, GPU) the chain's
+latest event. ``window.anchor`` says which; so without ``at`` the window, unlike the
+rest of the chain, depends on the entry point.
 
 Every query is parameterised (``{name:Type}``; table names come from a fixed list).
 Latest versions are read with FINAL (default) or argMax (``mode="argmax"``): see
@@ -464,6 +468,8 @@ class _Chain:
         self.allocs: dict[str, dict] = {}
         self.alert_rows: dict[str, dict] = {}
         self.anchor_s: str | None = None
+        self.anchor_what = "nothing"
+        self.entry: tuple[str, str] = root  # the entry point (kind, value); set by _expand
         self.others_alerts: list[dict] = []
         self.neighbours: list[dict] = []
         self.other_allocs: list[dict] = []
@@ -547,13 +553,30 @@ class _Chain:
             if r.get("namespace") and r.get("pod") and (r["namespace"], r["pod"]) not in self.pods:
                 self._pod(r["namespace"], r["pod"], r.get("workload_id") or None, [r["node"]] if r.get("node") else [])
 
-    def _anchor(self) -> str | None:
-        """The window's end: --at, else the chain's latest event."""
+    def _anchor(self) -> tuple[str | None, str]:
+        """The window's end and what it is: --at; else the entry point's own time — an
+        alert's startsAt (its latest episode), a workload's or pod's latest event — else
+        (release, model, GPU) the chain's latest event."""
         if self.at:
-            return norm_time(self.at)
+            return norm_time(self.at), "--at"
+        kind, value = self.entry
+        if kind == "alert":
+            starts = [r.get("starts_at") or r["occurred_at"] for r in self.alert_rows.values() if r.get("alert_fingerprint") == value]
+            if starts:
+                return max(starts), "the alert's startsAt"
+        if kind == "workload":
+            times = [r["occurred_at"] for r in self.wl_rows if r["workload_id"] == value]
+            if times:
+                return max(times), "the workload's latest event"
+        if kind == "pod":
+            ns, _, name = value.partition("/")
+            times = [r["occurred_at"] for r in self.wl_rows if (r["namespace"], r["pod"]) == (ns, name)]
+            times += [t for a in self.allocs.values() if (a["namespace"], a["pod"]) == (ns, name) for t in (a["started_at"], a["ended_at"]) if t]
+            if times:
+                return max(times), "the pod's latest event"
         times = [r["occurred_at"] for r in (*self.release_rows, *self.wl_rows, *self.alert_rows.values())]
         times += [t for a in self.allocs.values() for t in (a["started_at"], a["ended_at"]) if t]
-        return max(times) if times else None
+        return (max(times), "the chain's latest event") if times else (None, "nothing")
 
     def _nodes(self) -> list[str]:
         return sorted({n for p in self.pods.values() for n in p["nodes"]} | {a["node"] for a in self.allocs.values()}
@@ -562,7 +585,7 @@ class _Chain:
     def read_window(self) -> None:
         """Other alerts and other workloads' scheduler events on the chain's nodes in the
         window, and who else held the chain's GPUs then."""
-        self.anchor_s = self._anchor()
+        self.anchor_s, self.anchor_what = self._anchor()
         nodes = self._nodes()
         if not (self.anchor_s and nodes):
             return
@@ -632,15 +655,18 @@ class _Chain:
         start = norm_time(datetime.fromisoformat(self.anchor_s.replace("Z", "+00:00")) - self.window) if self.anchor_s else None
         return {"release": self.release, "workloads": workloads, "pods": self._pod_sections(), "gpus": self._gpu_sections(),
                 "scheduler_events": self._scheduler_events(), "alerts": self._alerts(), "gaps": self.gaps,
-                "window": {"from": start, "to": self.anchor_s, "length": format_window(self.window)}}
+                "window": {"from": start, "to": self.anchor_s, "length": format_window(self.window), "anchor": self.anchor_what}}
 
 
-def _expand(store: Store, root: tuple[str, str] | None, at: datetime | None, window: timedelta, focal_alerts: list[dict]) -> dict:
-    """The chain of ``root`` (module docstring), in the steps of ``_Chain``."""
+def _expand(store: Store, root: tuple[str, str] | None, at: datetime | None, window: timedelta, focal_alerts: list[dict],
+            entry: tuple[str, str] | None = None) -> dict:
+    """The chain of ``root`` (module docstring), in the steps of ``_Chain``; the window is
+    anchored on ``entry``'s own time (``_Chain._anchor``)."""
     if root is None:
         return {"release": None, "workloads": [], "pods": [], "gpus": [], "scheduler_events": [], "alerts": [],
                 "gaps": ["the entry point matches nothing in the store" + (" as of --at" if at else "")]}
     chain = _Chain(store, root, at, window)
+    chain.entry = entry or root
     chain.read_release()
     chain.read_workloads()
     chain.read_allocations()
@@ -674,7 +700,7 @@ def trace(reader, database: str, kind: str, value: str, at: datetime | None = No
     else:
         name, _, version = value.partition(":")
         root, alternatives = resolver.model(name, version or None)
-    chain = _expand(store, root, at, window, focal)
+    chain = _expand(store, root, at, window, focal, (kind, value))
     if kind == "alert" and not focal:
         chain["gaps"].insert(0, f"no alert with fingerprint {value} in the store" + (" as of --at" if at else ""))
     chain["gaps"][:0] = resolver.notes

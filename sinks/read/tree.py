@@ -33,6 +33,10 @@ def render_tree(result: dict) -> Tree:
     """The trace as a rich tree; missing links in red."""
     entry = result.get("entry") or {}
     root = Tree(_title(result, entry))
+    win = result.get("window") or {}
+    if win.get("to"):
+        root.add(f"[dim]window {m(win.get('from'))} → {m(win.get('to'))} (anchored on {m(win.get('anchor'))}): other workloads, "
+                 "alerts and GPU holders on the chain's nodes; the chain's own rows: all" + (f" as of {m(entry['at'])}" if entry.get("at") else "") + "[/]")
     _add_release(root, result.get("release"), entry)
     pods = {f"{p['namespace']}/{p['pod']}": p for p in result.get("pods", [])}
     _add_workloads(root, result.get("workloads", []), pods)
