@@ -9,7 +9,9 @@ incident::
     entry            what was asked and what it resolved to (the only entry-specific part)
     release          manifest (model, version, digests, owner, ...), state as of ``at``,
                      approvals, promotions, lifecycle
-    workloads        queue, cluster queue, priority, admissions, preemptions/evictions, pods
+    workloads        queue, cluster queue, priority, admissions, preemptions (one per
+                     preemption, with the sources that reported it and the preemptor by
+                     name), evictions, pods
     pods             namespace/pod, uid, workload, nodes
     gpus             node/GPU with the chain's allocation intervals, and who else held it
                      in the window
@@ -61,8 +63,8 @@ KEYS = {
 RELEASE_COLS = ("release_id", "occurred_at", "correlation_id", "version", "event_type", *MANIFEST_FIELDS, "actor", "approval_id",
                 "reason", "to_environment", "superseded_release_id", "target", "expires_at", "release_state", "summary")
 WORKLOAD_COLS = ("workload_id", "occurred_at", "correlation_id", "version", "event_type", "release_id", "namespace", "pod", "pod_uid",
-                 "node", "queue", "cluster_queue", "priority_class", "priority", "reason", "message", "preemptor_kind",
-                 "preemptor_namespace", "preemptor_name", "victim_kind", "victim_namespace", "victim_name", "summary")
+                 "node", "queue", "cluster_queue", "priority_class", "priority", "reason", "message", "object_kind", "preemptor_kind",
+                 "preemptor_namespace", "preemptor_name", "preemptor_uid", "victim_kind", "victim_namespace", "victim_name", "summary")
 ALERT_COLS = ("alert_fingerprint", "occurred_at", "correlation_id", "version", "event_type", "attribution", "release_id",
               "model_name", "model_version", "workload_id", "namespace", "pod", "node", "gpu_id", "owner", "environment",
               "release_state", "alertname", "severity", "starts_at", "ends_at", "summary")
@@ -377,9 +379,43 @@ def _brief_scheduler(row: dict) -> dict:
             "priority_class", "priority", "release_id", "summary", "correlation_id")
     out = {k: row.get(k) for k in keep if row.get(k) not in (None, "")}
     if row.get("preemptor_name"):
-        out["preemptor"] = "/".join(p for p in (row.get("preemptor_kind"), row.get("preemptor_namespace"), row["preemptor_name"]) if p)
+        out["preemptor"] = _ref_text(row.get("preemptor_kind"), row.get("preemptor_namespace"), row["preemptor_name"])
+    elif row.get("preemptor_uid"):
+        out["preemptor_uid"] = row["preemptor_uid"]
     if row.get("victim_name"):
         out["victim"] = "/".join(p for p in (row.get("victim_kind"), row.get("victim_namespace"), row["victim_name"]) if p)
+    return out
+
+
+def _ref_text(kind: str | None, namespace: str | None, name: str) -> str:
+    return "/".join(p for p in (kind, namespace, name) if p)
+
+
+def _preemptions(rows: list[dict], names: dict[str, str]) -> list[dict]:
+    """One entry per preemption of a workload, however many sources reported it (the
+    pod's Preempted event, the Kueue Workload's Preempted/Evicted condition…): the
+    controls' clustering rule (``streams.controls.rules.preemption_clusters``), with
+    the preemptor by name — a uid-only reference (Kueue names the preemptor by
+    Workload uid) resolved through ``names`` (uid → Kind/namespace/name) when the
+    store knows it, else said as an unresolved uid."""
+    from streams.controls.rules import preemption_clusters
+
+    by_id = {r["correlation_id"]: r for r in rows}
+    compact = [{"id": r["correlation_id"], "type": r["event_type"], "at": r["occurred_at"], "p": {"reason": r.get("reason")}} for r in rows]
+    out = []
+    for cluster in preemption_clusters(compact):
+        members = [_brief_scheduler(by_id[c["id"]]) for c in cluster]
+        named = next((m["preemptor"] for m in members if m.get("preemptor")), None)
+        uid = next((m["preemptor_uid"] for m in members if m.get("preemptor_uid")), None)
+        entry = {"occurred_at": members[0]["occurred_at"], "event_type": "scheduler.preempted",
+                 "reason": next((m["reason"] for m in members if m.get("reason")), None),
+                 "sources": [f"{by_id[c['id']]['event_type']} ({by_id[c['id']].get('object_kind') or 'object'})" for c in cluster],
+                 "correlation_ids": [c["id"] for c in cluster]}
+        if named or (uid and uid in names):
+            entry["preemptor"] = named or names[uid]
+        elif uid:
+            entry["preemptor_uid"] = uid
+        out.append({k: v for k, v in entry.items() if v is not None})
     return out
 
 
@@ -413,7 +449,7 @@ def _release_section(rows: list[dict], release_id: str, gaps: list[str]) -> dict
     }
 
 
-def _workload_section(workload_id: str, rows: list[dict], pods: list[dict], gaps: list[str]) -> dict:
+def _workload_section(workload_id: str, rows: list[dict], pods: list[dict], gaps: list[str], names: dict[str, str] | None = None) -> dict:
     def latest(field):
         values = [r[field] for r in rows if r.get(field) not in (None, "")]
         return values[-1] if values else None
@@ -434,7 +470,7 @@ def _workload_section(workload_id: str, rows: list[dict], pods: list[dict], gaps
         "admissions": admissions,
         "state": rows[-1]["event_type"] if rows else None,
         "release_id": latest("release_id"),
-        "preemptions": [_brief_scheduler(r) for r in rows if r["event_type"] == "scheduler.preempted"],
+        "preemptions": _preemptions(rows, names or {}),
         "evictions": [_brief_scheduler(r) for r in rows if r["event_type"] == "scheduler.evicted"],
         "pods": my_pods,
         "events": [_brief_scheduler(r) for r in rows],
@@ -615,6 +651,22 @@ class _Chain:
             after="ended_at IS NULL OR ended_at >= {from:DateTime64(3, 'UTC')}", after_columns=("ended_at",),
             order="started_at, allocation_id") if a["allocation_id"] not in self.allocs]
 
+    def _preemptor_names(self) -> dict[str, str]:
+        """uid → Kind/namespace/name of preemptors the chain's rows name by uid only, from
+        other scheduler rows that named the same uid with its name (another victim's row,
+        written when the collector knew the Workload), within a day of the preemptions."""
+        unresolved = sorted({r["preemptor_uid"] for r in self.wl_rows if r.get("preemptor_uid") and not r.get("preemptor_name")})
+        if not unresolved:
+            return {}
+        times = [datetime.fromisoformat(r["occurred_at"].replace("Z", "+00:00")) for r in self.wl_rows if r.get("preemptor_uid") in unresolved]
+        params = {"uids": unresolved, "from": ch_time(min(times) - timedelta(days=1)), "to": ch_time(max(times) + timedelta(days=1))}
+        rows = self.store.latest("workload_timeline", ("workload_id", "occurred_at", "correlation_id", "version", "preemptor_kind",
+                                                       "preemptor_namespace", "preemptor_name", "preemptor_uid"),
+                                 "occurred_at >= {from:DateTime64(3, 'UTC')} AND occurred_at <= {to:DateTime64(3, 'UTC')}", params,
+                                 after="preemptor_uid IN {uids:Array(String)} AND preemptor_name != ''",
+                                 after_columns=("preemptor_uid", "preemptor_name"), order="occurred_at, correlation_id")
+        return {r["preemptor_uid"]: _ref_text(r.get("preemptor_kind"), r.get("preemptor_namespace"), r["preemptor_name"]) for r in rows}
+
     # --- the result ------------------------------------------------------------------------------
 
     def _pod_sections(self) -> list[dict]:
@@ -650,7 +702,8 @@ class _Chain:
     def result(self) -> dict:
         if self.release_id and not self.workload_ids:
             self.gaps.append(f"release {self.release_id}: no workload attributed to it" + (" as of --at" if self.at else ""))
-        workloads = [_workload_section(wid, [r for r in self.wl_rows if r["workload_id"] == wid], list(self.pods.values()), self.gaps)
+        names = self._preemptor_names()
+        workloads = [_workload_section(wid, [r for r in self.wl_rows if r["workload_id"] == wid], list(self.pods.values()), self.gaps, names)
                      for wid in sorted(self.workload_ids)]
         start = norm_time(datetime.fromisoformat(self.anchor_s.replace("Z", "+00:00")) - self.window) if self.anchor_s else None
         return {"release": self.release, "workloads": workloads, "pods": self._pod_sections(), "gpus": self._gpu_sections(),

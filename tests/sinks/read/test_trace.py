@@ -125,6 +125,51 @@ def test_the_window_header_says_what_it_is_anchored_on_and_its_rows_are_inside(s
         assert a["in_chain"] or win["from"] <= a["occurred_at"] <= win["to"], a
 
 
+def test_one_preemption_seen_by_two_sources_is_one_row_with_its_sources(store):
+    reader, db = store
+    [wl] = trace(reader, db, "workload", inc.W7, at=AT)["workloads"]
+    [preemption] = wl["preemptions"]
+    assert preemption["preemptor"] == "Workload/training/llm-finetune-3" and preemption["occurred_at"] == "2026-11-30T13:00:00.000Z"
+    assert preemption["sources"] == ["scheduler.preempted (Pod)", "scheduler.evicted (Workload)"]
+    from sinks.read.tree import render_tree, tree_text
+
+    lines = [line for line in tree_text(render_tree(trace(reader, db, "workload", inc.W7, at=AT)), width=250).splitlines()
+             if "preempted 2026" in line or "evicted 2026" in line]
+    assert len(lines) == 1 and "by Workload/training/llm-finetune-3" in lines[0] and "seen by scheduler.preempted (Pod), scheduler.evicted (Workload)" in lines[0]
+
+
+def test_a_preemptor_named_by_uid_is_resolved_to_its_name(clickhouse_client):
+    # Kueue names the preemptor by Workload uid; the collector resolves it only when it
+    # already knows the Workload. Another victim's row that named it resolves it here.
+    import asyncio
+
+    from sinks.agents import SinkWriters
+
+    db = inc.load_store(clickhouse_client)
+    m = lambda minutes: inc.T0 + timedelta(minutes=minutes)  # noqa: E731
+    message = "Preempted to accommodate a workload (UID: wl-uid-9, JobUID: job-9)"
+    rows = [
+        inc._sched("scheduler.admitted", m(20), "research/small", None, {"queue": "research"}, ns="research"),
+        inc._sched("scheduler.evicted", m(30), "research/small", None, {"reason": "Preempted", "message": message,
+                                                                         "preemptor": {"kind": "Workload", "name": "", "uid": "wl-uid-9"}},
+                   ns="research"),
+        inc._sched("scheduler.admitted", m(21), "research/other", None, {"queue": "research"}, ns="research"),
+        inc._sched("scheduler.evicted", m(31), "research/other", None, {"reason": "Preempted", "message": message,
+                                                                         "preemptor": {"kind": "Workload", "namespace": "research",
+                                                                                       "name": "big-job", "uid": "wl-uid-9"}},
+                   ns="research"),
+        inc._sched("scheduler.admitted", m(22), "research/lonely", None, {"queue": "research"}, ns="research"),
+        inc._sched("scheduler.evicted", m(32), "research/lonely", None, {"reason": "Preempted", "preemptor": {"kind": "Workload", "name": "", "uid": "wl-uid-unknown"}},
+                   ns="research"),
+    ]
+    asyncio.run(SinkWriters(clickhouse_client, db).store_correlated(rows))
+    reader = DirectReader(clickhouse_client)
+    [small] = trace(reader, db, "workload", "research/small")["workloads"]
+    assert [p["preemptor"] for p in small["preemptions"]] == ["Workload/research/big-job"]
+    [lonely] = trace(reader, db, "workload", "research/lonely")["workloads"]
+    assert [(p.get("preemptor"), p["preemptor_uid"]) for p in lonely["preemptions"]] == [(None, "wl-uid-unknown")]
+
+
 def test_at_before_the_rollback_shows_the_pre_rollback_state(store):
     reader, db = store
     before = trace(reader, db, "release", inc.R7, at=inc.ROLLBACK_AT - timedelta(minutes=1))
