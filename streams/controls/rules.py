@@ -791,12 +791,7 @@ def _capacity(rid: str, res_id: str, entry: dict, allocs: list[dict], base: dict
     grace = policy.reservations.grace
     unused_at = ws + grace
     if not (released_at and released_at <= unused_at) and clock.passed(unused_at):
-        if not [a for a in allocs if _t(a["start"]) <= unused_at and (a["end"] is None or _t(a["end"]) > ws)]:
-            later = [a for a in allocs if _t(a["start"]) > unused_at]
-            first_use = _t(later[0]["start"]) if later else None
-            found.add(5, ("unused", rid, res_id), unused_at, _min(first_use, released_at),
-                      [created["id"], released_id, later[0]["se"] if later else None], base,
-                      f"{plan} of release {rid}: no GPU allocated to the release by {iso(unused_at)} ({format_duration(grace)} after the window opened)")
+        _unused(rid, res_id, plan, ws, unused_at, released_at, [created["id"], released_id], allocs, base, found, grace)
     if we is None:
         return
     held_at = we + grace
@@ -810,6 +805,17 @@ def _capacity(rid: str, res_id: str, entry: dict, allocs: list[dict], base: dict
         found.add(5, ("underused", rid, res_id), ws, we, [created["id"]] + [a["se"] for a in in_window], base,
                   f"{plan} of release {rid}: peak {peak} of {gpus} reserved GPU(s) allocated ({peak / gpus:.0%}, "
                   f"plan asks at least {minimum:.0%})", severity="info")
+
+
+def _unused(rid: str, res_id: str, plan: str, ws: datetime, unused_at: datetime, released_at: datetime | None, evidence: list,
+            allocs: list[dict], base: dict, found: Findings, grace: timedelta) -> None:
+    """5: no GPU allocated to the release by window start + grace (closes at the first use or the release)."""
+    if [a for a in allocs if _t(a["start"]) <= unused_at and (a["end"] is None or _t(a["end"]) > ws)]:
+        return
+    later = [a for a in allocs if _t(a["start"]) > unused_at]
+    first_use = _t(later[0]["start"]) if later else None
+    found.add(5, ("unused", rid, res_id), unused_at, _min(first_use, released_at), [*evidence, later[0]["se"] if later else None], base,
+              f"{plan} of release {rid}: no GPU allocated to the release by {iso(unused_at)} ({format_duration(grace)} after the window opened)")
 
 
 def _holdings(deadline: datetime, reservations: dict, allocs: list[dict], running: list[dict]) -> list[tuple]:
