@@ -249,7 +249,7 @@ class ExerciseRunner:
             run.records = self._play(sim)
 
             # Drain, check, report.
-            run.drained_s = self._drain(worker_url, client, catalogue)
+            run.drained_s = self._drain(worker_url, client, catalogue, env["GPULEDGER_STREAMS_APP_ID"])
             from sinks.read.query import DirectReader, RemoteReader, owner_file
 
             if dsn.startswith("chdb:"):
@@ -298,18 +298,32 @@ class ExerciseRunner:
             self.console.print(f"  [cyan]{minutes:>3}m{seconds:02d}s[/] {record.summary}{note}", highlight=False)
         return sim.records
 
-    def _drain(self, worker_url: str, client: dict, catalogue) -> float:
-        """Wait until every raw event was routed and stored, and correlation and sinks are quiet."""
+    def _drain(self, worker_url: str, client: dict, catalogue, app_id: str) -> float:
+        """Wait until every raw event was routed and stored, correlation and sinks are quiet,
+        and the controls have evaluated everything and their violations are stored: the
+        worker's group has committed the whole controls topic (the hop every control input
+        and forward takes), so a violation check does not race the controls stage."""
         from confluent_kafka import Consumer, TopicPartition
 
         time.sleep(3 * POLL_INTERVAL_S + 0.5)  # the last kubelet change reaches its collector
         started = time.monotonic()
         consumer = Consumer({**client, "group.id": f"gpuledger-exercise-drain-{self.run_id}", "enable.auto.commit": False})
+        # Only asked for its committed offsets; never subscribes, so it does not join the worker's group.
+        worker_group = Consumer({**client, "group.id": app_id, "enable.auto.commit": False})
         try:
             parts = []
             for topic in catalogue.raw_topics:
                 md = consumer.list_topics(topic, timeout=10)
                 parts += [TopicPartition(topic, p) for p in md.topics[topic].partitions]
+            controls_topic = catalogue.run(app_id).controls
+            md = consumer.list_topics(controls_topic, timeout=10)
+            control_parts = [TopicPartition(controls_topic, p) for p in md.topics[controls_topic].partitions]
+
+            def controls_lag() -> int:
+                ends = [consumer.get_watermark_offsets(tp, timeout=5, cached=False)[1] for tp in control_parts]
+                done = [max(tp.offset, 0) for tp in worker_group.committed(control_parts, timeout=5)]
+                return sum(e - d for e, d in zip(ends, done))
+
             last_sig, stable_since, last_print = None, time.monotonic(), 0.0
             self.say("drain", "waiting for the pipeline to correlate and store everything...")
             while time.monotonic() - started < DRAIN_TIMEOUT_S:
@@ -317,20 +331,25 @@ class ExerciseRunner:
                 total = sum(consumer.get_watermark_offsets(tp, timeout=5, cached=False)[1] for tp in parts)
                 stats = _get_json(f"{worker_url}/gpuledger/health/")["stats"]
                 stored_raw = stats.get("raw_stored", 0) + stats.get("raw_skipped", 0)
+                lag = controls_lag()
                 sig = (total, stats.get("routed", 0), stored_raw, stats.get("correlated_in", 0), stats.get("correlated_out", 0),
-                       stats.get("stored", 0), stats.get("allocations_stored", 0), stats.get("parked", 0))
+                       stats.get("stored", 0), stats.get("allocations_stored", 0), stats.get("parked", 0), stats.get("controls_in", 0),
+                       stats.get("violations_out", 0), stats.get("violations_stored", 0), lag)
                 if sig != last_sig:
                     last_sig, stable_since = sig, time.monotonic()
                 # Every raw event routed, folded by the correlation agent (it waits for the
                 # release directory first), every correlated row stored, nothing parked.
                 caught_up = (stats.get("routed", 0) >= total and stored_raw >= total and stats.get("correlated_in", 0) >= total
-                             and stats.get("stored", 0) >= stats.get("correlated_out", 0) and stats.get("parked", 0) == 0)
+                             and stats.get("stored", 0) >= stats.get("correlated_out", 0) and stats.get("parked", 0) == 0
+                             and lag == 0 and stats.get("violations_stored", 0) >= stats.get("violations_out", 0))
                 now = time.monotonic()
                 if now - last_print >= 2.0:
                     last_print = now
                     self.console.print(f"           raw events {stats.get('routed', 0)}/{total} routed, {stored_raw} stored; "
                                        f"{stats.get('correlated_out', 0)} correlated rows, {stats.get('stored', 0)} stored, "
-                                       f"{stats.get('allocations_stored', 0)} allocation rows; {stats.get('parked', 0)} parked", highlight=False)
+                                       f"{stats.get('allocations_stored', 0)} allocation rows; {stats.get('parked', 0)} parked; "
+                                       f"controls {lag} behind, {stats.get('violations_out', 0)} violation records, "
+                                       f"{stats.get('violations_stored', 0)} stored", highlight=False)
                 if caught_up and now - stable_since >= SETTLE_S:
                     took = now - started
                     self.say("drain", f"done in {took:.1f}s: {total} raw events, {stats.get('stored', 0)} correlated rows stored, "
@@ -339,6 +358,7 @@ class ExerciseRunner:
                 time.sleep(0.3)
         finally:
             consumer.close()
+            worker_group.close()
         raise ExerciseError(f"the pipeline did not drain within {DRAIN_TIMEOUT_S:.0f}s (last stats {last_sig}); logs in {self.base / 'logs'}")
 
     def _check(self, sim: SimCluster, reader) -> list[CheckResult]:

@@ -82,6 +82,8 @@ class Violation(Frozen):
     opened_at: UtcDatetime = Field(description="When the violation began (event time).")
     closed_at: UtcDatetime | None = Field(default=None, description="When it ended, if it did.")
     detail: str = Field(default="", description="Human explanation.")
+    policy_version: str = Field(default="", description="Fingerprint of the policy the violation was judged under "
+                                "(`sha256:` + 16 hex digits, `Policy.fingerprint`); empty in records written before it was recorded.")
 
 
 #: How much of a rejected record's value a dead letter keeps.

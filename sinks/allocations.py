@@ -22,7 +22,7 @@ GPU_ALLOCATION_COLUMNS = (
 )
 VIOLATION_COLUMNS = (
     "violation_id", "version", "control_id", "title", "severity", *IDENTITY_FIELDS, "evidence", "accountable_owner",
-    "opened_at", "closed_at", "detail",
+    "opened_at", "closed_at", "detail", "policy_version",
 )
 
 
@@ -37,5 +37,5 @@ def allocation_rows(batch: Sequence[GpuAllocation]) -> list[list]:
 def violation_rows(batch: Sequence[Violation]) -> list[list]:
     return [[
         v.violation_id, v.version, v.control_id, v.title, v.severity, *[getattr(v.identity, f) or "" for f in IDENTITY_FIELDS],
-        list(v.evidence), v.owner or "", v.opened_at, v.closed_at, v.detail,
+        list(v.evidence), v.owner or "", v.opened_at, v.closed_at, v.detail, v.policy_version,
     ] for v in batch]

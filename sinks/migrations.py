@@ -328,6 +328,11 @@ ORDER BY violation_id""",
         "ALTER TABLE {db}.correlated_events {on_cluster} ADD INDEX IF NOT EXISTS idx_pod pod TYPE bloom_filter GRANULARITY 4",
         *(_distributed(t) for t in SHARD_KEYS),
     )),
+    Migration(3, "violations record the policy version they were judged under", (
+        "ALTER TABLE {db}.violations {on_cluster} ADD COLUMN IF NOT EXISTS policy_version LowCardinality(String) DEFAULT '' AFTER detail",
+        "{cluster_only}ALTER TABLE {db}.violations_dist {on_cluster} ADD COLUMN IF NOT EXISTS policy_version LowCardinality(String) "
+        "DEFAULT '' AFTER detail",
+    )),
 )
 
 _CREATE_RE = re.compile(r"^CREATE TABLE IF NOT EXISTS \{db\}\.(\w+) ")

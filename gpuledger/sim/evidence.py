@@ -258,7 +258,8 @@ def check(exp: Expectation, sim, result: dict, entry: tuple[str, str], at: datet
 
 
 def count_violations(reader, database: str, control: int, release_id: str | None) -> int:
-    sql = ("SELECT count() AS n FROM {db:Identifier}.violations FINAL WHERE control_id = {c:UInt8}"
+    # Withdrawn violations (later history no longer supports them) do not count.
+    sql = ("SELECT count() AS n FROM {db:Identifier}.violations FINAL WHERE control_id = {c:UInt8} AND NOT startsWith(detail, 'withdrawn:')"
            + (" AND release_id = {r:String}" if release_id else ""))
     rows = reader.query(sql, {"db": database, "c": control, "r": release_id or ""}).dicts()
     return int(rows[0]["n"]) if rows else 0

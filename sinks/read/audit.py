@@ -2,24 +2,32 @@
 
 Input: the store (read-only, through ``sinks.read.query.open_reader`` — the worker's loopback
 endpoint when it owns the embedded store), a time range and a policy. Output: per
-control PASS/FAIL with counts and the violations in the range, plus the evidence each
+control its status with counts and the violations in the range, plus the evidence each
 control asks for (DESIGN.md "Controls"; docs/controls.md), as a table, JSON or one
 self-contained HTML file (``templates/audit.html.j2``, the layout and stylesheet of the
-incident report). The command (``gpuledger/cli/audit.py``) exits 0 when every control passes,
-1 when one fails (so it can gate a pipeline), 2 for bad options or policy, 3 when the
-store cannot be read.
+incident report). The command (``gpuledger/cli/audit.py``) exits 0 when every exercised
+control passes, 1 when one fails (so it can gate a pipeline), 2 for bad options or policy,
+3 when the store cannot be read, 4 when there is nothing to audit (no control was
+exercised in the range: an empty store, a quiet range, the wrong database).
 
-How: the controls are *re-evaluated* over the stored history — the same rules the
-worker runs (``streams.controls.rules.ControlEngine``), fed with the latest version of
-every correlated row and allocation up to ``--to``, with the watermark at ``--to`` —
-so the report is "as of --to", works with any policy (``--policy``), and does not
-depend on the worker having run the controls. What the worker recorded in the
-``violations`` table over the same range is shown beside it (``recorded``).
+One source of truth: the verdicts are the violations the worker's controls *recorded*
+(the ``violations`` table, each with the policy version it was judged under); the
+audit does not judge again. Every evidence row is a fact read from the store (the
+workload, the approval events, the actions with their actors…) beside the recorded
+violations that cite it — "no violation recorded" where none does. A control is
+PASS only when it was exercised (something it checks happened in the range),
+NOT EXERCISED otherwise, NO EVENTS when the range holds no event at all.
+
+``--reevaluate`` is the other, labelled mode: the controls are re-run over the stored
+history with the given policy (``streams.controls.rules.ControlEngine``, watermark at
+``--to``) and those violations take the recorded ones' place — "what would this policy
+have said", never the record.
 
 Limits: history older than ``--lookback`` before ``--from`` is not read (release
 lifecycle is always read in full); at most ``MAX_ROWS`` rows per table (the report
-says when it was truncated). Rows keep their latest attribution, which may have been
-learned after ``--to``.
+says when it was truncated). Descriptive columns (business priorities, quality alerts,
+the last environment as "prod") use the given policy, not the one a violation was
+judged under.
 """
 
 from __future__ import annotations
@@ -29,32 +37,21 @@ from collections import defaultdict
 from datetime import datetime, timedelta
 
 from gpuledger.timefmt import TimeFormatError, parse_duration, parse_time
+from sinks.correlated import IDENTITY_FIELDS
 from sinks.migrations import table_name
 from sinks.read.pages import render_page
 from sinks.read.text import markup
 from sinks.read.trace import Store, ch_time, parse_instant
 from streams.controls.policy import ACTION_OF_EVENT, CONTROL_NAMES, CONTROL_TITLES, Policy
-from streams.controls.rules import (
-    PREEMPTION_CLUSTER,
-    START,
-    ControlEngine,
-    Release,
-    approval_changes,
-    compact_row,
-    directory_from_rows,
-    intervals,
-    is_withdrawn,
-    peak_concurrency,
-)
+from streams.controls.rules import START, ControlEngine, compact_row, directory_from_rows, is_withdrawn, peak_concurrency, preemption_clusters
 
 MAX_ROWS = 200_000
 LIST_LIMIT = 25
 QUEUE_ENTRY = ("scheduler.submitted", "scheduler.queued", "scheduler.quota_reserved", "scheduler.admitted", "scheduler.scheduled")
-IDENTITY_COLUMNS = ("release_id", "model_name", "model_version", "artifact_digest", "image_digest", "config_digest", "dataset_ref",
-                    "environment", "workload_id", "pod_uid", "namespace", "pod", "node", "gpu_id", "owner", "data_class", "alert_fingerprint")
-CONTAINMENT = ("release.queue_paused", "release.node_isolated", "release.priority_overridden", "release.rolled_back", "release.revoked",
-               "release.retired")
+IDENTITY_COLUMNS = tuple(IDENTITY_FIELDS)
 FORMATS = ("table", "json", "html")
+#: Exit codes of ``gpuledger audit`` (docs/operations.md).
+EXIT_PASS, EXIT_FAIL, EXIT_NOTHING = 0, 1, 4
 
 
 class AuditError(ValueError):
@@ -83,9 +80,13 @@ def _z(value) -> str | None:
 
 # --- reading the history --------------------------------------------------------------------
 
+VIOLATION_READ = ("violation_id", "version", "control_id", "title", "severity", *IDENTITY_COLUMNS, "evidence", "accountable_owner",
+                  "opened_at", "closed_at", "detail", "policy_version")
+
+
 def load_history(reader, database: str, start: datetime, end: datetime, lookback: timedelta, cluster: str | None = None) -> dict:
-    """Latest versions of the correlated rows and allocations the audit needs, and the
-    violations the worker recorded over the range."""
+    """Latest versions of the correlated rows and allocations the evidence needs, how many
+    events the range holds, and the violations the worker recorded over the range."""
     store = Store(reader, database, cluster)
     params = {"to": ch_time(end), "since": ch_time(start - lookback), "from": ch_time(start)}
     columns = ("correlation_id", "version", "event_type", "occurred_at", "attribution", *IDENTITY_COLUMNS, "release_state", "payload_json")
@@ -110,62 +111,102 @@ def load_history(reader, database: str, start: datetime, end: datetime, lookback
                             "identity": {k: a[k] for k in ("release_id", "workload_id") if a.get(k)},
                             "started_at": a["started_at"], "ended_at": None if held_at_end else a["ended_at"],
                             "start_event_id": a["start_event_id"], "end_event_id": None if held_at_end else (a.get("end_event_id") or None)})
-    recorded_sql = (f"SELECT violation_id, version, control_id, severity, opened_at, closed_at, detail FROM "
-                    f"{{db:Identifier}}.{table_name('violations', cluster)} FINAL WHERE opened_at <= {{to:DateTime64(3)}} "
-                    f"AND (closed_at IS NULL OR closed_at >= {{from:DateTime64(3)}}) LIMIT {MAX_ROWS}")
-    recorded = [r for r in reader.query(recorded_sql, {"db": database, **params}).dicts() if not is_withdrawn(r)]
-    return {"rows": rows, "allocations": allocations, "recorded": recorded, "truncated": sorted(store.truncated)}
+    count_sql = (f"SELECT count() AS n FROM {{db:Identifier}}.{table_name('correlated_events', cluster)} "
+                 f"WHERE occurred_at >= {{from:DateTime64(3)}} AND occurred_at <= {{to:DateTime64(3)}}")
+    events = int(reader.query(count_sql, {"db": database, **params}).dicts()[0]["n"])
+    recorded_sql = (f"SELECT {', '.join(VIOLATION_READ)} FROM {{db:Identifier}}.{table_name('violations', cluster)} FINAL "
+                    f"WHERE opened_at <= {{to:DateTime64(3)}} AND (closed_at IS NULL OR closed_at >= {{from:DateTime64(3)}}) "
+                    f"ORDER BY control_id, opened_at, violation_id LIMIT {MAX_ROWS}")
+    recorded = [_stored_violation(r) for r in reader.query(recorded_sql, {"db": database, **params}).dicts() if not is_withdrawn(r)]
+    return {"rows": rows, "allocations": allocations, "recorded": recorded, "events_in_range": events, "truncated": sorted(store.truncated)}
+
+
+def _stored_violation(r: dict) -> dict:
+    return {"violation_id": r["violation_id"], "version": int(r["version"]), "control_id": int(r["control_id"]), "title": r["title"],
+            "severity": r["severity"], "identity": {k: r[k] for k in IDENTITY_COLUMNS if r.get(k)}, "evidence": list(r["evidence"]),
+            "owner": r.get("accountable_owner") or None, "opened_at": parse_instant(r["opened_at"]),
+            "closed_at": parse_instant(r.get("closed_at")), "detail": r["detail"], "policy_version": r.get("policy_version") or ""}
+
+
+def _model_violation(v) -> dict:
+    d = v.model_dump()
+    return {**d, "identity": {k: val for k, val in d["identity"].items() if val}, "evidence": list(v.evidence)}
 
 
 # --- the report ------------------------------------------------------------------------------
 
-def build_report(history: dict, policy: Policy, start: datetime, end: datetime, policy_source: str = "built-in default") -> dict:
-    """Re-evaluate the controls over ``history`` as of ``end``; summarise ``[start, end]``."""
+def build_report(history: dict, policy: Policy, start: datetime, end: datetime, policy_source: str = "built-in default",
+                 reevaluate: bool = False) -> dict:
+    """The report over ``[start, end]``: the recorded violations (or, with ``reevaluate``,
+    the controls re-run under ``policy`` as of ``end``) beside each control's evidence."""
     rows = history["rows"]
     directory = directory_from_rows(rows)
-    engine = ControlEngine(directory, policy, watermark=end).feed(rows, history["allocations"])
-    engine.run()
-    in_range = [v for v in engine.current() if v.opened_at <= end and (v.closed_at is None or v.closed_at >= start)]
-    recorded = defaultdict(int)
-    for r in history.get("recorded", []):
-        recorded[int(r["control_id"])] += 1
-    controls = []
-    for cid in range(1, 9):
-        mine = [v for v in in_range if v.control_id == cid]
-        failing = [v for v in mine if v.severity != "info"]
-        conf = policy.control(cid)
-        controls.append({
-            "id": cid, "name": CONTROL_NAMES[cid], "title": CONTROL_TITLES[cid],
-            "status": "OFF" if not conf.enabled else ("FAIL" if failing else "PASS"),
-            "violations": len(mine), "open": sum(1 for v in mine if v.closed_at is None), "closed": sum(1 for v in mine if v.closed_at is not None),
-            "info": len(mine) - len(failing), "recorded": recorded.get(cid, 0), "owner": policy.owner_for(cid), "severity": conf.severity,
-        })
+    if reevaluate:
+        engine = ControlEngine(directory, policy, watermark=end).feed(rows, history["allocations"])
+        engine.run()
+        judged = [_model_violation(v) for v in engine.current()]
+    else:
+        judged = history.get("recorded", [])
+    in_range = sorted((v for v in judged if v["opened_at"] <= end and (v["closed_at"] is None or v["closed_at"] >= start)),
+                      key=lambda v: (v["control_id"], v["opened_at"], v["violation_id"]))
     ev = Evidence(history, directory, policy, start, end, in_range)
+    sections = [ev.admission(), ev.promotion(), ev.prod_run(), ev.preemption(), ev.reservations(), ev.telemetry(), ev.authority(),
+                ev.retirement()]
+    events = history.get("events_in_range", 0)
+    controls = [_control_row(cid, in_range, sections[cid - 1], policy, events, start, end) for cid in range(1, 9)]
+    failed = any(c["status"] == "FAIL" for c in controls)
+    exercised = any(c["status"] in ("PASS", "FAIL") for c in controls)
+    versions = sorted({v.get("policy_version") or "unrecorded" for v in in_range})
     return {
         "range": {"from": _z(start), "to": _z(end)},
+        "mode": "re-evaluation" if reevaluate else "recorded",
+        "verdicts": (f"RE-EVALUATION under {policy_source} ({policy.fingerprint}) — not the recorded verdicts" if reevaluate
+                     else "recorded by the worker's controls" + (f", judged under policy {', '.join(versions)}" if versions else "")),
         "policy": policy_source,
-        "passed": all(c["status"] != "FAIL" for c in controls),
+        "policy_version": policy.fingerprint,
+        "judged_under": versions,
+        "events_in_range": events,
+        "passed": not failed,
+        "outcome": "fail" if failed else ("pass" if exercised else "nothing to audit"),
+        "exit_code": EXIT_FAIL if failed else (EXIT_PASS if exercised else EXIT_NOTHING),
         "controls": controls,
         "violations": [_violation_row(v) for v in in_range],
-        "evidence": [ev.admission(), ev.promotion(), ev.prod_run(), ev.preemption(), ev.reservations(), ev.telemetry(), ev.authority(),
-                     ev.retirement()],
+        "evidence": sections,
         "truncated": history.get("truncated", []),
     }
 
 
-def _violation_row(v) -> dict:
-    ident = v.identity
-    subject = ident.release_id or ident.workload_id or ident.alert_fingerprint or (f"{ident.namespace}/{ident.pod}" if ident.pod else "")
-    return {"control": v.control_id, "severity": v.severity, "violation_id": v.violation_id, "opened_at": _z(v.opened_at),
-            "closed_at": _z(v.closed_at), "owner": v.owner, "subject": subject, "detail": v.detail, "evidence": list(v.evidence)}
+def _control_row(cid: int, violations: list[dict], section: dict, policy: Policy, events: int, start: datetime, end: datetime) -> dict:
+    mine = [v for v in violations if v["control_id"] == cid]
+    failing = [v for v in mine if v["severity"] != "info"]
+    conf = policy.control(cid)
+    if failing:
+        status, note = "FAIL", f"{len(failing)} warning/critical violation(s) in the range"
+    elif not conf.enabled:
+        status, note = "OFF", "disabled in the policy"
+    elif events == 0 and not section["subjects"]:
+        status, note = "NO EVENTS", f"no events recorded between {_z(start)} and {_z(end)}"
+    elif not section["subjects"]:
+        status, note = "NOT EXERCISED", f"nothing this control checks happened in the range ({section['exercise']})"
+    else:
+        status, note = "PASS", f"exercised: {section['subjects']} {section['exercise']}, no warning/critical violation"
+    return {"id": cid, "name": CONTROL_NAMES[cid], "title": CONTROL_TITLES[cid], "status": status, "note": note,
+            "violations": len(mine), "open": sum(1 for v in mine if v["closed_at"] is None),
+            "closed": sum(1 for v in mine if v["closed_at"] is not None), "info": len(mine) - len(failing),
+            "exercised": section["subjects"], "owner": policy.owner_for(cid), "severity": conf.severity}
+
+
+def _violation_row(v: dict) -> dict:
+    ident = v["identity"]
+    subject = (ident.get("release_id") or ident.get("workload_id") or ident.get("alert_fingerprint")
+               or (f"{ident.get('namespace')}/{ident['pod']}" if ident.get("pod") else ""))
+    return {"control": v["control_id"], "severity": v["severity"], "violation_id": v["violation_id"], "opened_at": _z(v["opened_at"]),
+            "closed_at": _z(v["closed_at"]), "owner": v["owner"], "subject": subject, "detail": v["detail"], "evidence": list(v["evidence"]),
+            "policy_version": v.get("policy_version") or ""}
 
 
 def _payload(row: dict) -> dict:
     return json.loads(row.get("payload_json") or "{}")
-
-
-def _approval_text(approval: dict) -> str:
-    return f"{approval['actor']} {approval.get('approval_id') or ''} at {approval['at']}"
 
 
 def _history_time(entry: tuple) -> datetime | None:
@@ -173,11 +214,27 @@ def _history_time(entry: tuple) -> datetime | None:
     return parse_instant(entry[0].split("|")[0])
 
 
-class Evidence:
-    """The evidence each control asks for, from the same history: one public method per
-    control, (1) to (8), each a section (title, summary, columns, rows)."""
+def _event_text(entry: tuple, with_id: str | None = None) -> str:
+    """A directory history entry as "actor [id] at time" (no actor: said so)."""
+    actor = entry[4] or "no actor recorded"
+    return f"{actor}{' ' + with_id if with_id else ''} at {_z(_history_time(entry))}"
 
-    def __init__(self, history: dict, directory, policy: Policy, start: datetime, end: datetime, violations: list) -> None:
+
+def _verdict(violations: list[dict]) -> str:
+    """What the recorded violations say about one evidence row (nothing more)."""
+    if not violations:
+        return "no violation recorded"
+    return "; ".join(f"{'open' if v['closed_at'] is None else 'closed ' + _z(v['closed_at'])} {v['violation_id'][:8]} "
+                     f"[{v['severity']}]: {v['detail']}" for v in violations)
+
+
+class Evidence:
+    """The evidence each control asks for: one public method per control, (1) to (8),
+    each a section (title, summary, columns, rows, and ``subjects``: how many things the
+    control checked in the range — its proof of being exercised). Facts come from the
+    stored rows; verdicts only from the violations that cite them."""
+
+    def __init__(self, history: dict, directory, policy: Policy, start: datetime, end: datetime, violations: list[dict]) -> None:
         self.rows = sorted(history["rows"], key=lambda r: (parse_instant(r["occurred_at"]), r["correlation_id"]))
         self.allocations = history["allocations"]
         self.directory = directory
@@ -186,31 +243,46 @@ class Evidence:
         self.violations = violations
         self.release_rows = {r["correlation_id"]: r for r in self.rows if r["event_type"].startswith("release.")}
         self.workloads: dict[str, list[dict]] = defaultdict(list)
+        self.workload_of: dict[str, str] = {}
         for r in self.rows:
             if r["event_type"].startswith("scheduler."):
                 ident = r["identity"]
                 key = ident.get("workload_id") or (f"{ident.get('namespace')}/{ident.get('pod')}" if ident.get("pod") else r["correlation_id"])
                 self.workloads[key].append(r)
+                self.workload_of[r["correlation_id"]] = key
         self.prod = policy.environments[-1].name
 
     def _in_range(self, value) -> bool:
         t = parse_instant(value)
         return t is not None and self.start <= t <= self.end
 
-    def _section(self, control: int, title: str, summary: str, columns: list[str], rows: list[dict]) -> dict:
-        return {"control": control, "title": title, "summary": summary, "columns": columns, "rows": rows[:LIST_LIMIT],
-                "more": max(0, len(rows) - LIST_LIMIT)}
+    def _section(self, control: int, title: str, summary: str, columns: list[str], rows: list[dict], subjects: int, exercise: str,
+                 limit: int = LIST_LIMIT) -> dict:
+        return {"control": control, "title": title, "summary": summary, "columns": columns, "rows": rows[:limit],
+                "more": max(0, len(rows) - limit), "subjects": subjects, "exercise": exercise}
 
-    def _approval_before(self, rid: str | None, env: str | None, at: datetime) -> dict | None:
-        if not rid:
-            return None
-        changes = approval_changes(Release(self.directory, rid), self.policy, env)
-        state = next((c for c in reversed(changes) if c[0] <= at), None)
-        if not state or not state[1]:
-            return None
-        row = self.release_rows.get(state[2], {})
-        p = _payload(row) if row else {}
-        return {"at": _z(state[0]), "actor": p.get("actor"), "approval_id": p.get("approval_id"), "event_id": state[2]}
+    def _of(self, control: int) -> list[dict]:
+        return [v for v in self.violations if v["control_id"] == control]
+
+    def _citing(self, control: int, ids, first_only: bool = False) -> list[dict]:
+        """The recorded violations of ``control`` whose evidence names one of ``ids``
+        (``first_only``: as their first, the event the violation is about)."""
+        ids = set(ids)
+        return [v for v in self._of(control) if (v["evidence"][:1] if first_only else v["evidence"]) and
+                ids & set(v["evidence"][:1] if first_only else v["evidence"])]
+
+    def _cited_workloads(self, control: int) -> set[str]:
+        return {self.workload_of[e] for v in self._of(control) for e in v["evidence"] if e in self.workload_of}
+
+    def _approvals_before(self, rid: str, at: datetime) -> list[str]:
+        """Every release.approved of ``rid`` up to ``at``, as facts (actor, approval id, time)."""
+        state = self.directory.releases.get(rid)
+        out = []
+        for h in state["history"] if state else []:
+            if h[1] == "release.approved" and _history_time(h) <= at:
+                p = _payload(self.release_rows.get(h[2], {}))
+                out.append(_event_text(h, p.get("approval_id")) + (f" for {h[3]}" if h[3] else ""))
+        return out
 
     def _release_of(self, rows: list[dict]) -> str | None:
         return next((r["identity"]["release_id"] for r in reversed(rows) if r["identity"].get("release_id")), None)
@@ -225,44 +297,52 @@ class Evidence:
     # (1)
     def admission(self) -> dict:
         out = []
+        cited = self._cited_workloads(1)
         for wid, rows in sorted(self.workloads.items()):
-            entry = next((r for r in rows if r["event_type"] in QUEUE_ENTRY), None)
-            if entry is None or not self._in_range(entry["occurred_at"]):
+            entry = next((r for r in rows if r["event_type"] in QUEUE_ENTRY), None) or (rows[0] if wid in cited else None)
+            if entry is None or not (self._in_range(entry["occurred_at"]) or wid in cited):
                 continue
             rid = entry["identity"].get("release_id") or self._release_of(rows)
-            env = entry["identity"].get("environment")
-            approval = self._approval_before(rid, env, parse_instant(entry["occurred_at"]))
-            envp = self.policy.environment(env)
-            needed = envp.requires_approval if envp else True
-            verdict = ("approved before queue entry" if approval else "no release identity" if not rid else
-                       "no approval before queue entry" if needed else f"approval not required in {env}")
-            out.append({"workload": wid, "release": rid or "", "environment": env or "", "queue_entry": _z(entry["occurred_at"]),
-                        "entry_event": entry["event_type"], "approval": _approval_text(approval) if approval else "", "verdict": verdict})
-        ok = sum(1 for r in out if r["verdict"] == "approved before queue entry")
-        return self._section(1, "Approved identity before queue entry", f"{ok} of {len(out)} workload(s) entering a queue in the range "
-                             "had an approved release identity first",
-                             ["workload", "release", "environment", "queue_entry", "entry_event", "approval", "verdict"], out)
+            approvals = self._approvals_before(rid, parse_instant(entry["occurred_at"])) if rid else []
+            mine = self._citing(1, [r["correlation_id"] for r in rows])
+            out.append({"workload": wid, "release": rid or "no release identity", "environment": entry["identity"].get("environment") or "",
+                        "queue_entry": _z(entry["occurred_at"]), "entry_event": entry["event_type"],
+                        "approvals": "; ".join(approvals) or ("" if not rid else "no release.approved before queue entry"),
+                        "verdict": _verdict(mine)})
+        flagged = sum(1 for r in out if r["verdict"] != "no violation recorded")
+        return self._section(1, "Approved identity before queue entry",
+                             f"{len(out)} workload(s) entering a queue in the range; {flagged} with a control 1 violation "
+                             f"({len(self._of(1))} violation(s))",
+                             ["workload", "release", "environment", "queue_entry", "entry_event", "approvals", "verdict"], out,
+                             len(out), "workload(s) entering a queue")
 
     # (2)
     def promotion(self) -> dict:
-        out = [row for rid, state in sorted(self.directory.releases.items()) if (row := self._promotion_row(rid, state))]
-        traced = sum(1 for r in out if r["approved"] != "NOT APPROVED")
+        cited = {v["identity"].get("release_id") for v in self._of(2)} - {None}
+        out = [row for rid, state in sorted(self.directory.releases.items()) if (row := self._promotion_row(rid, state, rid in cited))]
+        flagged = sum(1 for r in out if r["verdict"] != "no violation recorded")
         return self._section(2, f"Release approval traced to the scheduling policy applied in {self.prod}",
-                             f"{traced} of {len(out)} release(s) promoted to {self.prod} trace to an approval",
-                             ["release", "approved", "promoted", "state_at_end", "scheduling_applied"], out)
+                             f"{len(out)} release(s) promoted to {self.prod} or cited by control 2; {flagged} with a control 2 "
+                             "violation or a control 7 violation on their approval or promotion",
+                             ["release", "approvals", "promoted", "state_at_end", "scheduling_applied", "verdict"], out,
+                             len(out), f"release(s) promoted to {self.prod} or running where promotion is required")
 
-    def _promotion_row(self, rid: str, state: dict) -> dict | None:
-        """The release's last promotion to prod (up to the end of the range), if any."""
+    def _promotion_row(self, rid: str, state: dict, cited: bool) -> dict | None:
+        """The release's last promotion to prod (up to the end of the range), with the
+        approvals before it and the violations that cite the release's promotion."""
         promos = [h for h in state["history"] if h[1] == "release.promoted" and h[3] == self.prod and _history_time(h) <= self.end]
-        if not promos:
+        if not promos and not cited:
             return None
-        last = promos[-1]
-        p = _payload(self.release_rows.get(last[2], {}))
-        approval = self._approval_before(rid, self.prod, _history_time(last))
-        return {"release": rid, "approved": _approval_text(approval) if approval else "NOT APPROVED",
-                "promoted": f"{last[4] or '?'} {p.get('approval_id') or ''} at {_z(last[0].split('|')[0])}"
-                            + ("" if self.policy.allowed(last[4], "promote") else " (no promote right)"),
-                "state_at_end": self.directory.state_as_of(rid, self.end.isoformat()) or "", "scheduling_applied": self._scheduling_applied(rid)}
+        last = promos[-1] if promos else None
+        at = _history_time(last) if last else self.end
+        approvals = self._approvals_before(rid, at)
+        lifecycle = [h[2] for h in state["history"] if h[1] in ("release.approved", "release.promoted")]
+        mine = [v for v in self._of(2) if v["identity"].get("release_id") == rid] + self._citing(7, lifecycle, first_only=True)
+        promoted = (_event_text(last, _payload(self.release_rows.get(last[2], {})).get("approval_id")) if last
+                    else f"no release.promoted to {self.prod} by {_z(self.end)}")
+        return {"release": rid, "approvals": "; ".join(approvals) or "no release.approved before the promotion", "promoted": promoted,
+                "state_at_end": self.directory.state_as_of(rid, self.end.isoformat()) or "", "scheduling_applied": self._scheduling_applied(rid),
+                "verdict": _verdict(mine)}
 
     def _scheduling_applied(self, rid: str) -> str:
         """The queue and priority every prod workload of the release started with in the range."""
@@ -273,18 +353,28 @@ class Evidence:
                 sched.add((q.get("queue") or "", q.get("cluster_queue") or "", q.get("priority_class") or "",
                            "" if q.get("priority") is None else str(q.get("priority"))))
         return "; ".join(f"queue={q} cluster_queue={cq} class={pc} priority={pr} (business "
-                         f"{self.policy.business_priority.of(rid, None, pc)})" for q, cq, pc, pr in sorted(sched)) or "no workload in the range"
+                         f"{_business_text(self.policy.business_priority.of(rid, None, pc))})" for q, cq, pc, pr in sorted(sched)) or "no workload in the range"
 
     # (3)
     def prod_run(self) -> dict:
         title = f"One {self.prod} run, scheduler event to artifact manifest"
+        checked = sorted(wid for wid, rows in self.workloads.items()
+                         if any(r["event_type"] in START and self._in_range(r["occurred_at"])
+                                and (r["identity"].get("release_id") or r["identity"].get("model_name")) for r in rows)
+                         ) or sorted(self._cited_workloads(3))
+        flagged = len(self._of(3))
+        counts = f"{len(checked)} workload(s) started with a release or model identity in the range; {flagged} control 3 violation(s)"
         run = self._latest_prod_run()
         if run is None:
-            return self._section(3, title, f"no {self.prod} run in the range", ["step", "value"], [])
+            return self._section(3, title, f"{counts}; no {self.prod} run in the range to reconstruct", ["step", "value"], [],
+                                 len(checked), "workload start(s) with a release or model identity")
         wid, rows, first = run
         rid = first["identity"]["release_id"]
-        steps = [{"step": "workload", "value": wid}, *self._scheduling_steps(rows), *self._gpu_steps(rows), *self._manifest_steps(rid, first, rows)]
-        return self._section(3, title, f"workload {wid} of release {rid}", ["step", "value"], steps)
+        steps = [{"step": "workload", "value": wid},
+                 {"step": "control 3", "value": _verdict(self._citing(3, [r["correlation_id"] for r in rows]))},
+                 *self._scheduling_steps(rows), *self._gpu_steps(rows), *self._manifest_steps(rid, first, rows)]
+        return self._section(3, title, f"{counts}; reconstructed: workload {wid} of release {rid}", ["step", "value"], steps,
+                             len(checked), "workload start(s) with a release or model identity", limit=len(steps))  # one run, whole
 
     def _latest_prod_run(self) -> tuple[str, list[dict], dict] | None:
         """The workload whose latest start in prod, with a release, is the latest in the range:
@@ -316,33 +406,37 @@ class Evidence:
                 for a in self.allocations if f"{a['namespace']}/{a['pod']}" in pods]
 
     def _manifest_steps(self, rid: str, first: dict, rows: list[dict]) -> list[dict]:
-        """The release at admission, its approval, its manifest, and whether the running image is the manifest's."""
+        """The release at admission, its approvals, its manifest and the running image digests."""
         admitted = parse_instant(first["occurred_at"])
         manifest = self.directory.manifest(rid)
-        approval = self._approval_before(rid, self.prod, admitted)
         steps = [{"step": "release", "value": f"{rid} (state at admission: {self.directory.state_as_of(rid, admitted.isoformat()) or '?'})"},
-                 {"step": "approval", "value": _approval_text(approval) if approval else "none before admission"}]
+                 {"step": "approvals", "value": "; ".join(self._approvals_before(rid, admitted)) or "no release.approved before admission"}]
         for f in ("model_name", "model_version", "artifact_digest", "image_digest", "config_digest", "dataset_ref", "owner"):
             steps.append({"step": f"manifest.{f}", "value": manifest.get(f) or "<gap>"})
         running = sorted({d for r in rows for d in (_payload(r).get("image_digests") or [])})
-        want = manifest.get("image_digest")
-        verdict = ("no running image digest observed" if not running else "running image matches the manifest" if want in running
-                   else f"running image(s) {', '.join(running)} do not include the manifest's {want}")
-        steps.append({"step": "image check", "value": verdict})
+        steps.append({"step": "running images", "value": ", ".join(running) or "no running image digest observed"})
         return steps
 
     # (4)
     def preemption(self) -> dict:
         bp = self.policy.business_priority
-        preemptions = [self._preemption_row(wid, rows, cluster) for wid, rows in sorted(self.workloads.items())
-                       for cluster in self._preemption_clusters(rows)]
+        preemptions = []
+        cited = self._cited_workloads(4)
+        for wid, rows in sorted(self.workloads.items()):
+            by_id = {r["correlation_id"]: r for r in rows}
+            for cluster in preemption_clusters(c for r in rows if (c := compact_row(r)) is not None):
+                full = [by_id[c["id"]] for c in cluster]
+                if self._in_range(full[0]["occurred_at"]) or wid in cited:
+                    preemptions.append(self._preemption_row(wid, rows, full))
         overrides = [self._override_row(r) for r in self.rows if r["event_type"] == "release.priority_overridden" and self._in_range(r["occurred_at"])]
         classes = self._priority_classes()
-        summary = ("priority classes: " + ", ".join(f"{pc}={bp.by_priority_class.get(pc, '?')} ({len(w)} workload(s))" for pc, w in sorted(classes.items()))
-                   if classes else "no priority classes seen") + f"; {len(preemptions)} preemption(s), {len(overrides)} override(s)"
+        summary = ("priority classes: " + ", ".join(f"{pc}={_business_text(bp.by_priority_class.get(pc))} ({len(w)} workload(s))"
+                                                    for pc, w in sorted(classes.items()))
+                   if classes else "no priority classes seen") + (f"; {len(preemptions)} preemption(s), {len(overrides)} override(s); "
+                                                                  f"{len(self._of(4))} control 4 violation(s)")
         return self._section(4, "Priority classes and preemptions with their authority", summary,
-                             ["at", "victim", "release", "class", "business", "preemptor", "preemptor_class", "preemptor_business", "verdict"],
-                             preemptions + overrides)
+                             ["at", "victim", "release", "class", "business", "preemptor", "preemptor_class", "preemptor_business", "sources",
+                              "verdict"], preemptions + overrides, len(preemptions), "preemption(s)")
 
     def _priority_classes(self) -> dict[str, set]:
         """Priority class → the workloads seen with it in the range."""
@@ -354,22 +448,8 @@ class Evidence:
                     classes[pc].add(wid)
         return classes
 
-    def _preemption_clusters(self, rows: list[dict]) -> list[list[dict]]:
-        """One preemption often shows as several rows (the pod's, its Kueue workload's):
-        rows of one workload within PREEMPTION_CLUSTER are one preemption."""
-        clusters: list[list[dict]] = []
-        for r in rows:
-            q = _payload(r)
-            preempt = r["event_type"] == "scheduler.preempted" or (r["event_type"] == "scheduler.evicted" and "preempt" in (q.get("reason") or "").lower())
-            if not preempt or not self._in_range(r["occurred_at"]):
-                continue
-            if clusters and parse_instant(r["occurred_at"]) - parse_instant(clusters[-1][0]["occurred_at"]) <= PREEMPTION_CLUSTER:
-                clusters[-1].append(r)
-            else:
-                clusters.append([r])
-        return clusters
-
     def _preemption_row(self, wid: str, rows: list[dict], cluster: list[dict]) -> dict:
+        """One preemption (its rows from every source as one), both sides' business priority, and the violations citing it."""
         bp = self.policy.business_priority
         r = next((x for x in cluster if (_payload(x).get("preemptor") or {}).get("name")), cluster[0])
         q = _payload(r)
@@ -379,25 +459,23 @@ class Evidence:
         by = f"{ref.get('kind', '')} {ref.get('namespace') or ''}/{ref.get('name') or ref.get('uid') or ''}".strip() if ref else ""
         their = self.workloads.get(f"{ref.get('namespace')}/{ref.get('name')}", []) if ref else []
         their_pc = _first_priority_class(their)
+        mine, theirs = bp.of(rid, None, pc), (bp.of(self._release_of(their), None, their_pc) if their else None)
+        recorded = self._citing(4, [x["correlation_id"] for x in cluster])
+        verdict = _verdict(recorded)
+        if not recorded and (mine is None or theirs is None):
+            verdict += "; business priority unknown for " + " and ".join(
+                side for side, value in (("the victim", mine), ("the preemptor", theirs)) if value is None) + ": the priorities were not compared"
+        sources = ", ".join(f"{x['event_type']} ({_payload(x).get('object_kind') or 'object'})" for x in cluster)
         return {"at": _z(cluster[0]["occurred_at"]), "victim": wid, "release": rid or "", "class": pc or "",
-                "business": bp.of(rid, None, pc), "preemptor": by or "unknown", "preemptor_class": their_pc or "",
-                "preemptor_business": bp.of(self._release_of(their), None, their_pc) if their else None,
-                "verdict": self._preemption_verdict(cluster)}
-
-    def _preemption_verdict(self, cluster: list[dict]) -> str:
-        """The control 4 violations whose evidence names a row of this preemption."""
-        ids = {x["correlation_id"] for x in cluster}
-        linked = [v for v in self.violations if v.control_id == 4 and ids & set(v.evidence)]
-        return "; ".join(("inside observation window" if "observation window" in v.detail else "by lower business priority")
-                         + f" ({v.violation_id[:8]})" for v in linked) or "within policy"
+                "business": _business_text(mine), "preemptor": by or "unknown", "preemptor_class": their_pc or "",
+                "preemptor_business": _business_text(theirs) if ref else "", "sources": sources, "verdict": verdict}
 
     def _override_row(self, r: dict) -> dict:
         p = _payload(r)
         return {"at": _z(r["occurred_at"]), "victim": p.get("target") or "", "release": r["identity"].get("release_id", ""),
-                "class": "override", "business": None, "preemptor": f"actor {p.get('actor') or '?'}", "preemptor_class": "",
-                "preemptor_business": None,
-                "verdict": ("authorized" if self.policy.allowed(p.get("actor"), "override_priority") else "NO RIGHT")
-                           + f", expires {_z(p.get('expires_at')) or 'never'}"}
+                "class": "override", "business": "", "preemptor": f"actor {p.get('actor') or 'none recorded'}", "preemptor_class": "",
+                "preemptor_business": "", "sources": r["event_type"],
+                "verdict": f"expires {_z(p.get('expires_at')) or 'never'}; " + _verdict(self._citing(7, [r["correlation_id"]], first_only=True))}
 
     # (5)
     def reservations(self) -> dict:
@@ -408,8 +486,10 @@ class Evidence:
             if we is not None and we < self.start:
                 continue
             out.append(self._reservation_row(rid, res_id, row, res, released.get((rid, res_id))))
-        return self._section(5, "Reservation plan vs. actual utilisation", f"{len(out)} reservation(s) active in the range",
-                             ["release", "reservation", "gpus", "pool", "window", "reserved_by", "released", "peak_allocated", "gpu_hours", "utilisation"], out)
+        return self._section(5, "Reservation plan vs. actual utilisation",
+                             f"{len(out)} reservation(s) active in the range; {len(self._of(5))} control 5 violation(s)",
+                             ["release", "reservation", "gpus", "pool", "window", "reserved_by", "released", "peak_allocated", "gpu_hours",
+                              "utilisation", "verdict"], out, len(out), "reservation(s) active")
 
     def _reservation_events(self) -> tuple[dict, dict]:
         """(release, reservation id) → its first creation (row, reservation) and its first release row."""
@@ -438,11 +518,12 @@ class Evidence:
         used_h = sum(max(0.0, (min(parse_instant(a["end"]) or until, until) - max(parse_instant(a["start"]), ws)).total_seconds())
                      for a in allocs) / 3600
         planned_h = gpus * max(0.0, (until - ws).total_seconds()) / 3600
-        actor = _payload(row).get("actor")
+        ids = [row["correlation_id"]] + ([rel["correlation_id"]] if rel else [])
         return {"release": rid or "", "reservation": res_id, "gpus": gpus, "pool": res.get("pool") or "",
-                "window": f"{_z(ws)} → {_z(we) or 'open'}", "reserved_by": f"{actor or '?'}" + ("" if self.policy.allowed(actor, "reserve") else " (no reserve right)"),
+                "window": f"{_z(ws)} → {_z(we) or 'open'}", "reserved_by": _payload(row).get("actor") or "no actor recorded",
                 "released": _z(rel["occurred_at"]) if rel else "held", "peak_allocated": peak,
-                "gpu_hours": f"{used_h:.1f} of {planned_h:.1f}", "utilisation": f"{used_h / planned_h:.0%}" if planned_h else "-"}
+                "gpu_hours": f"{used_h:.1f} of {planned_h:.1f}", "utilisation": f"{used_h / planned_h:.0%}" if planned_h else "-",
+                "verdict": _verdict(self._citing(5, ids) + self._citing(7, ids, first_only=True))}
 
     # (6)
     def telemetry(self) -> dict:
@@ -451,7 +532,8 @@ class Evidence:
         q_ratio = f"{q_attr}/{q_total}" if q_total else "0/0"
         steps = self._sample_steps(sample[1], sample[2]) if sample else []
         return self._section(6, "Alert coverage and a sampled alert joined to scheduling, node and release",
-                             f"coverage {ratio} (quality alerts {q_ratio})", ["step", "value"], steps)
+                             f"coverage {ratio} (quality alerts {q_ratio}); {len(self._of(6))} control 6 violation(s)", ["step", "value"], steps,
+                             total, "alert episode(s)")
 
     def _coverage(self) -> tuple[int, int, int, int, tuple | None]:
         """Alert episodes (fingerprint, startsAt) starting in the range: (total, attributed,
@@ -499,83 +581,85 @@ class Evidence:
 
     # (7)
     def authority(self) -> dict:
+        """Every lifecycle or admin action in the range (and any a control 7 violation in the
+        range is about), with its actor and the control 7 violations about it."""
+        cited = {v["evidence"][0] for v in self._of(7) if v["evidence"]}
         out = []
         for r in self.rows:
-            if r["event_type"] not in CONTAINMENT or not self._in_range(r["occurred_at"]):
+            if r["event_type"] not in ACTION_OF_EVENT or not (self._in_range(r["occurred_at"]) or r["correlation_id"] in cited):
                 continue
             p = _payload(r)
-            action = ACTION_OF_EVENT[r["event_type"]]
             actor = p.get("actor")
             out.append({"at": _z(r["occurred_at"]), "action": r["event_type"].split(".", 1)[1], "release": r["identity"].get("release_id", ""),
-                        "target": p.get("target") or p.get("to_environment") or "", "actor": actor or "<none>",
-                        "roles": ", ".join(self.policy.roles_of(actor)), "authorized": "yes" if self.policy.allowed(actor, action) else "NO",
-                        "expires": _z(p.get("expires_at")) or "", "reason": p.get("reason") or ""})
-        bad = sum(1 for r in out if r["authorized"] == "NO")
-        return self._section(7, "Containment and rollback actions with their actors",
-                             f"{len(out)} action(s), {bad} without the decision right",
-                             ["at", "action", "release", "target", "actor", "roles", "authorized", "expires", "reason"], out)
+                        "target": p.get("target") or p.get("to_environment") or "", "actor": actor or "no actor recorded",
+                        "roles": ", ".join(self.policy.roles_of(actor)), "expires": _z(p.get("expires_at")) or "", "reason": p.get("reason") or "",
+                        "verdict": _verdict(self._citing(7, [r["correlation_id"]], first_only=True))})
+        flagged = sum(1 for r in out if r["verdict"] != "no violation recorded")
+        return self._section(7, "Lifecycle, containment and rollback actions with their actors",
+                             f"{len(out)} action(s); {flagged} with a control 7 violation ({len(self._of(7))} violation(s) in the range)",
+                             ["at", "action", "release", "target", "actor", "roles", "expires", "reason", "verdict"], out,
+                             len(out), "action(s)")
 
     # (8)
     def retirement(self) -> dict:
+        cited = {v["identity"].get("release_id") for v in self._of(8)} - {None}
         out = []
         for rid, state in sorted(self.directory.releases.items()):
             ended = next((h for h in state["history"] if h[1] in ("release.retired", "release.revoked") and _history_time(h) <= self.end), None)
-            if ended:
-                out.append(self._retirement_row(rid, ended))
-        clean = sum(1 for r in out if r["verdict"] == "reconciled to zero")
-        return self._section(8, "Retired releases reconciled to zero capacity", f"{clean} of {len(out)} retired/revoked release(s) hold nothing at the end of the range",
-                             ["release", "ended", "gpus_held", "reservations_held", "running_workloads", "verdict"], out)
-
-    def _retirement_row(self, rid: str, ended: tuple) -> dict:
-        allocs = [a for a in self.allocations if a["identity"].get("release_id") == rid and a["ended_at"] is None]
-        reservations = self._reservations_held(rid)
-        running = self._running_objects(rid)
-        held = len(allocs) + len(reservations) + len(running)
-        return {"release": rid, "ended": f"{ended[1].split('.', 1)[1]} by {ended[4] or '?'} at {_z(ended[0].split('|')[0])}",
-                "gpus_held": len(allocs), "reservations_held": len(reservations), "running_workloads": len(running),
-                "verdict": "reconciled to zero" if not held else "STILL HOLDS CAPACITY"}
-
-    def _reservations_held(self, rid: str) -> set[str]:
-        held: set[str] = set()
-        for r in self.rows:
-            res = _payload(r).get("reservation") or {}
-            if r["identity"].get("release_id") == rid and res.get("reservation_id"):
-                if r["event_type"] == "release.reservation_created":
-                    held.add(res["reservation_id"])
-                elif r["event_type"] == "release.reservation_released":
-                    held.discard(res["reservation_id"])
-        return held
-
-    def _running_objects(self, rid: str) -> list[str]:
-        """Pods (else workloads) of the release whose last interval is still open."""
-        objects: dict[str, list] = defaultdict(list)
-        for wid, r in self._rows_of_release(rid):
-            ident = r["identity"]
-            objects[f"{ident.get('namespace')}/{ident['pod']}" if ident.get("pod") else wid].append(compact_row(r) or {})
-        return [k for k, rows in objects.items() if any(iv[1] is None for iv in intervals([x for x in rows if x]))]
+            if ended or rid in cited:
+                mine = [v for v in self._of(8) if v["identity"].get("release_id") == rid]
+                out.append({"release": rid, "ended": f"{ended[1].split('.', 1)[1]} by {_event_text(ended)}" if ended else "",
+                            "verdict": _verdict(mine)})
+        flagged = [v for v in self._of(8)]
+        return self._section(8, "Retired releases reconciled to zero capacity",
+                             f"{len(out)} retired/revoked release(s); {len({v['identity'].get('release_id') for v in flagged})} still held "
+                             f"capacity after the grace period ({len(flagged)} control 8 violation(s), "
+                             f"{sum(1 for v in flagged if v['closed_at'] is None)} open)",
+                             ["release", "ended", "verdict"], out, len(out), "retired/revoked release(s)")
 
 
 def _first_priority_class(rows: list[dict]) -> str | None:
     return next((_payload(x).get("priority_class") for x in rows if _payload(x).get("priority_class")), None)
 
 
+def _business_text(value: int | None) -> str:
+    return "unknown" if value is None else str(value)
+
+
 # --- rendering --------------------------------------------------------------------------------
+
+STATUS_STYLE = {"PASS": "green", "FAIL": "bold red", "OFF": "dim", "NOT EXERCISED": "yellow", "NO EVENTS": "bold yellow"}
+
+
+def conclusion(report: dict) -> str:
+    """The report's last sentence: what its exit code means."""
+    if report["outcome"] == "fail":
+        return "at least one control fails"
+    not_exercised = sum(1 for c in report["controls"] if c["status"] in ("NOT EXERCISED", "NO EVENTS"))
+    if report["outcome"] == "pass":
+        return "every exercised control passes" + (f" ({not_exercised} not exercised)" if not_exercised else "")
+    if report["events_in_range"] == 0:
+        return f"nothing to audit: no events recorded between {report['range']['from']} and {report['range']['to']}"
+    return f"nothing to audit: no control was exercised between {report['range']['from']} and {report['range']['to']}"
+
 
 def render_table(report: dict, console) -> None:
     """The report as rich tables (``--format table``); stored text through ``markup``."""
     from rich.table import Table
 
-    console.print(f"[bold]gpuledger audit[/] {report['range']['from']} → {report['range']['to']}  policy: {markup(report['policy'])}", highlight=False)
-    summary = Table("control", "status", "violations", "open", "closed", "info", "recorded", "owner", title="Controls")
+    console.print(f"[bold]gpuledger audit[/] {report['range']['from']} → {report['range']['to']}  policy: {markup(report['policy'])} "
+                  f"({report['policy_version']})", highlight=False)
+    console.print(f"verdicts: {markup(report['verdicts'])}", highlight=False)
+    summary = Table("control", "status", "violations", "open", "closed", "info", "exercised", "owner", "note", title="Controls")
     for c in report["controls"]:
-        style = {"PASS": "green", "FAIL": "bold red", "OFF": "dim"}[c["status"]]
-        summary.add_row(f"{c['id']}. {c['title']}", f"[{style}]{c['status']}[/]", str(c["violations"]), str(c["open"]), str(c["closed"]),
-                        str(c["info"]), str(c["recorded"]), markup(c["owner"]))
+        summary.add_row(f"{c['id']}. {c['title']}", f"[{STATUS_STYLE[c['status']]}]{c['status']}[/]", str(c["violations"]), str(c["open"]),
+                        str(c["closed"]), str(c["info"]), str(c["exercised"]), markup(c["owner"]), markup(c["note"]))
     console.print(summary)
     if report["violations"]:
-        vt = Table("ctl", "severity", "opened", "closed", "owner", "detail", title="Violations in the range")
+        vt = Table("ctl", "severity", "opened", "closed", "owner", "policy", "detail", title="Violations in the range")
         for v in report["violations"]:
-            vt.add_row(str(v["control"]), v["severity"], v["opened_at"], v["closed_at"] or "open", markup(v["owner"] or ""), markup(v["detail"]))
+            vt.add_row(str(v["control"]), v["severity"], v["opened_at"], v["closed_at"] or "open", markup(v["owner"] or ""),
+                       markup(v["policy_version"] or "unrecorded"), markup(v["detail"]))
         console.print(vt)
     for sec in report["evidence"]:
         t = Table(*sec["columns"], title=f"({sec['control']}) {sec['title']}", caption=markup(sec["summary"]) + (f" (+{sec['more']} more)" if sec["more"] else ""))
@@ -584,14 +668,15 @@ def render_table(report: dict, console) -> None:
         console.print(t)
     if report["truncated"]:
         console.print(f"[yellow]truncated:[/] {', '.join(report['truncated'])} (more than {MAX_ROWS} rows; narrow the range)")
-    console.print("[bold green]all controls pass[/]" if report["passed"] else "[bold red]at least one control fails[/]")
+    style = {"fail": "bold red", "pass": "bold green"}.get(report["outcome"], "bold yellow")
+    console.print(f"[{style}]{markup(conclusion(report))}[/]")
 
 
 def render_html(report: dict) -> str:
     """The report as one self-contained HTML page (``templates/audit.html.j2``)."""
     controls = [{"control": f"{c['id']}. {c['title']}", **c} for c in report["controls"]]
     return render_page("audit.html.j2", title=f"gpuledger audit {report['range']['from']} – {report['range']['to']}",
-                       report=report, controls=controls)
+                       report=report, controls=controls, conclusion=conclusion(report))
 
 
 def write_report(report: dict, fmt: str, output: str | None, console) -> None:

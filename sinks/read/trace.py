@@ -9,7 +9,9 @@ incident::
     entry            what was asked and what it resolved to (the only entry-specific part)
     release          manifest (model, version, digests, owner, ...), state as of ``at``,
                      approvals, promotions, lifecycle
-    workloads        queue, cluster queue, priority, admissions, preemptions/evictions, pods
+    workloads        queue, cluster queue, priority, admissions, preemptions (one per
+                     preemption, with the sources that reported it and the preemptor by
+                     name), evictions, pods
     pods             namespace/pod, uid, workload, nodes
     gpus             node/GPU with the chain's allocation intervals, and who else held it
                      in the window
@@ -25,9 +27,13 @@ workload; GPU → the allocation holding it at ``at``; model → its most recent
 release), else the workload, else the pod, else the lone alert — and the chain is
 expanded from the root only. So every entry that reaches the same root yields the
 same chain. ``at`` hides rows that occurred after it and takes the release state as of
-it; rows keep their latest version (the best attribution known now). The window ends
-at ``at`` — or, without ``at``, at the chain's latest event — and lasts ``window``
-(default 2 h).
+it; rows keep their latest version (the best attribution known now). The chain's own
+rows are all shown (as of ``at``); the *window* — which other workloads' events, other
+alerts and other GPU holders on the chain's nodes are shown — lasts ``window`` (default
+2 h) and ends at ``at``, or without it at the entry point's own time: an alert's
+startsAt, a workload's or pod's latest event, else (release, model, GPU) the chain's
+latest event. ``window.anchor`` says which; so without ``at`` the window, unlike the
+rest of the chain, depends on the entry point.
 
 Every query is parameterised (``{name:Type}``; table names come from a fixed list).
 Latest versions are read with FINAL (default) or argMax (``mode="argmax"``): see
@@ -57,8 +63,8 @@ KEYS = {
 RELEASE_COLS = ("release_id", "occurred_at", "correlation_id", "version", "event_type", *MANIFEST_FIELDS, "actor", "approval_id",
                 "reason", "to_environment", "superseded_release_id", "target", "expires_at", "release_state", "summary")
 WORKLOAD_COLS = ("workload_id", "occurred_at", "correlation_id", "version", "event_type", "release_id", "namespace", "pod", "pod_uid",
-                 "node", "queue", "cluster_queue", "priority_class", "priority", "reason", "message", "preemptor_kind",
-                 "preemptor_namespace", "preemptor_name", "victim_kind", "victim_namespace", "victim_name", "summary")
+                 "node", "queue", "cluster_queue", "priority_class", "priority", "reason", "message", "object_kind", "preemptor_kind",
+                 "preemptor_namespace", "preemptor_name", "preemptor_uid", "victim_kind", "victim_namespace", "victim_name", "summary")
 ALERT_COLS = ("alert_fingerprint", "occurred_at", "correlation_id", "version", "event_type", "attribution", "release_id",
               "model_name", "model_version", "workload_id", "namespace", "pod", "node", "gpu_id", "owner", "environment",
               "release_state", "alertname", "severity", "starts_at", "ends_at", "summary")
@@ -373,9 +379,43 @@ def _brief_scheduler(row: dict) -> dict:
             "priority_class", "priority", "release_id", "summary", "correlation_id")
     out = {k: row.get(k) for k in keep if row.get(k) not in (None, "")}
     if row.get("preemptor_name"):
-        out["preemptor"] = "/".join(p for p in (row.get("preemptor_kind"), row.get("preemptor_namespace"), row["preemptor_name"]) if p)
+        out["preemptor"] = _ref_text(row.get("preemptor_kind"), row.get("preemptor_namespace"), row["preemptor_name"])
+    elif row.get("preemptor_uid"):
+        out["preemptor_uid"] = row["preemptor_uid"]
     if row.get("victim_name"):
         out["victim"] = "/".join(p for p in (row.get("victim_kind"), row.get("victim_namespace"), row["victim_name"]) if p)
+    return out
+
+
+def _ref_text(kind: str | None, namespace: str | None, name: str) -> str:
+    return "/".join(p for p in (kind, namespace, name) if p)
+
+
+def _preemptions(rows: list[dict], names: dict[str, str]) -> list[dict]:
+    """One entry per preemption of a workload, however many sources reported it (the
+    pod's Preempted event, the Kueue Workload's Preempted/Evicted condition…): the
+    controls' clustering rule (``streams.controls.rules.preemption_clusters``), with
+    the preemptor by name — a uid-only reference (Kueue names the preemptor by
+    Workload uid) resolved through ``names`` (uid → Kind/namespace/name) when the
+    store knows it, else said as an unresolved uid."""
+    from streams.controls.rules import preemption_clusters
+
+    by_id = {r["correlation_id"]: r for r in rows}
+    compact = [{"id": r["correlation_id"], "type": r["event_type"], "at": r["occurred_at"], "p": {"reason": r.get("reason")}} for r in rows]
+    out = []
+    for cluster in preemption_clusters(compact):
+        members = [_brief_scheduler(by_id[c["id"]]) for c in cluster]
+        named = next((m["preemptor"] for m in members if m.get("preemptor")), None)
+        uid = next((m["preemptor_uid"] for m in members if m.get("preemptor_uid")), None)
+        entry = {"occurred_at": members[0]["occurred_at"], "event_type": "scheduler.preempted",
+                 "reason": next((m["reason"] for m in members if m.get("reason")), None),
+                 "sources": [f"{by_id[c['id']]['event_type']} ({by_id[c['id']].get('object_kind') or 'object'})" for c in cluster],
+                 "correlation_ids": [c["id"] for c in cluster]}
+        if named or (uid and uid in names):
+            entry["preemptor"] = named or names[uid]
+        elif uid:
+            entry["preemptor_uid"] = uid
+        out.append({k: v for k, v in entry.items() if v is not None})
     return out
 
 
@@ -409,7 +449,7 @@ def _release_section(rows: list[dict], release_id: str, gaps: list[str]) -> dict
     }
 
 
-def _workload_section(workload_id: str, rows: list[dict], pods: list[dict], gaps: list[str]) -> dict:
+def _workload_section(workload_id: str, rows: list[dict], pods: list[dict], gaps: list[str], names: dict[str, str] | None = None) -> dict:
     def latest(field):
         values = [r[field] for r in rows if r.get(field) not in (None, "")]
         return values[-1] if values else None
@@ -430,7 +470,7 @@ def _workload_section(workload_id: str, rows: list[dict], pods: list[dict], gaps
         "admissions": admissions,
         "state": rows[-1]["event_type"] if rows else None,
         "release_id": latest("release_id"),
-        "preemptions": [_brief_scheduler(r) for r in rows if r["event_type"] == "scheduler.preempted"],
+        "preemptions": _preemptions(rows, names or {}),
         "evictions": [_brief_scheduler(r) for r in rows if r["event_type"] == "scheduler.evicted"],
         "pods": my_pods,
         "events": [_brief_scheduler(r) for r in rows],
@@ -464,6 +504,8 @@ class _Chain:
         self.allocs: dict[str, dict] = {}
         self.alert_rows: dict[str, dict] = {}
         self.anchor_s: str | None = None
+        self.anchor_what = "nothing"
+        self.entry: tuple[str, str] = root  # the entry point (kind, value); set by _expand
         self.others_alerts: list[dict] = []
         self.neighbours: list[dict] = []
         self.other_allocs: list[dict] = []
@@ -547,13 +589,30 @@ class _Chain:
             if r.get("namespace") and r.get("pod") and (r["namespace"], r["pod"]) not in self.pods:
                 self._pod(r["namespace"], r["pod"], r.get("workload_id") or None, [r["node"]] if r.get("node") else [])
 
-    def _anchor(self) -> str | None:
-        """The window's end: --at, else the chain's latest event."""
+    def _anchor(self) -> tuple[str | None, str]:
+        """The window's end and what it is: --at; else the entry point's own time — an
+        alert's startsAt (its latest episode), a workload's or pod's latest event — else
+        (release, model, GPU) the chain's latest event."""
         if self.at:
-            return norm_time(self.at)
+            return norm_time(self.at), "--at"
+        kind, value = self.entry
+        if kind == "alert":
+            starts = [r.get("starts_at") or r["occurred_at"] for r in self.alert_rows.values() if r.get("alert_fingerprint") == value]
+            if starts:
+                return max(starts), "the alert's startsAt"
+        if kind == "workload":
+            times = [r["occurred_at"] for r in self.wl_rows if r["workload_id"] == value]
+            if times:
+                return max(times), "the workload's latest event"
+        if kind == "pod":
+            ns, _, name = value.partition("/")
+            times = [r["occurred_at"] for r in self.wl_rows if (r["namespace"], r["pod"]) == (ns, name)]
+            times += [t for a in self.allocs.values() if (a["namespace"], a["pod"]) == (ns, name) for t in (a["started_at"], a["ended_at"]) if t]
+            if times:
+                return max(times), "the pod's latest event"
         times = [r["occurred_at"] for r in (*self.release_rows, *self.wl_rows, *self.alert_rows.values())]
         times += [t for a in self.allocs.values() for t in (a["started_at"], a["ended_at"]) if t]
-        return max(times) if times else None
+        return (max(times), "the chain's latest event") if times else (None, "nothing")
 
     def _nodes(self) -> list[str]:
         return sorted({n for p in self.pods.values() for n in p["nodes"]} | {a["node"] for a in self.allocs.values()}
@@ -562,7 +621,7 @@ class _Chain:
     def read_window(self) -> None:
         """Other alerts and other workloads' scheduler events on the chain's nodes in the
         window, and who else held the chain's GPUs then."""
-        self.anchor_s = self._anchor()
+        self.anchor_s, self.anchor_what = self._anchor()
         nodes = self._nodes()
         if not (self.anchor_s and nodes):
             return
@@ -591,6 +650,22 @@ class _Chain:
             {**wparams, "gpu_nodes": sorted({n for n, _ in gpus}), "gpus": [f"{n}/{g}" for n, g in gpus]},
             after="ended_at IS NULL OR ended_at >= {from:DateTime64(3, 'UTC')}", after_columns=("ended_at",),
             order="started_at, allocation_id") if a["allocation_id"] not in self.allocs]
+
+    def _preemptor_names(self) -> dict[str, str]:
+        """uid → Kind/namespace/name of preemptors the chain's rows name by uid only, from
+        other scheduler rows that named the same uid with its name (another victim's row,
+        written when the collector knew the Workload), within a day of the preemptions."""
+        unresolved = sorted({r["preemptor_uid"] for r in self.wl_rows if r.get("preemptor_uid") and not r.get("preemptor_name")})
+        if not unresolved:
+            return {}
+        times = [datetime.fromisoformat(r["occurred_at"].replace("Z", "+00:00")) for r in self.wl_rows if r.get("preemptor_uid") in unresolved]
+        params = {"uids": unresolved, "from": ch_time(min(times) - timedelta(days=1)), "to": ch_time(max(times) + timedelta(days=1))}
+        rows = self.store.latest("workload_timeline", ("workload_id", "occurred_at", "correlation_id", "version", "preemptor_kind",
+                                                       "preemptor_namespace", "preemptor_name", "preemptor_uid"),
+                                 "occurred_at >= {from:DateTime64(3, 'UTC')} AND occurred_at <= {to:DateTime64(3, 'UTC')}", params,
+                                 after="preemptor_uid IN {uids:Array(String)} AND preemptor_name != ''",
+                                 after_columns=("preemptor_uid", "preemptor_name"), order="occurred_at, correlation_id")
+        return {r["preemptor_uid"]: _ref_text(r.get("preemptor_kind"), r.get("preemptor_namespace"), r["preemptor_name"]) for r in rows}
 
     # --- the result ------------------------------------------------------------------------------
 
@@ -627,20 +702,24 @@ class _Chain:
     def result(self) -> dict:
         if self.release_id and not self.workload_ids:
             self.gaps.append(f"release {self.release_id}: no workload attributed to it" + (" as of --at" if self.at else ""))
-        workloads = [_workload_section(wid, [r for r in self.wl_rows if r["workload_id"] == wid], list(self.pods.values()), self.gaps)
+        names = self._preemptor_names()
+        workloads = [_workload_section(wid, [r for r in self.wl_rows if r["workload_id"] == wid], list(self.pods.values()), self.gaps, names)
                      for wid in sorted(self.workload_ids)]
         start = norm_time(datetime.fromisoformat(self.anchor_s.replace("Z", "+00:00")) - self.window) if self.anchor_s else None
         return {"release": self.release, "workloads": workloads, "pods": self._pod_sections(), "gpus": self._gpu_sections(),
                 "scheduler_events": self._scheduler_events(), "alerts": self._alerts(), "gaps": self.gaps,
-                "window": {"from": start, "to": self.anchor_s, "length": format_window(self.window)}}
+                "window": {"from": start, "to": self.anchor_s, "length": format_window(self.window), "anchor": self.anchor_what}}
 
 
-def _expand(store: Store, root: tuple[str, str] | None, at: datetime | None, window: timedelta, focal_alerts: list[dict]) -> dict:
-    """The chain of ``root`` (module docstring), in the steps of ``_Chain``."""
+def _expand(store: Store, root: tuple[str, str] | None, at: datetime | None, window: timedelta, focal_alerts: list[dict],
+            entry: tuple[str, str] | None = None) -> dict:
+    """The chain of ``root`` (module docstring), in the steps of ``_Chain``; the window is
+    anchored on ``entry``'s own time (``_Chain._anchor``)."""
     if root is None:
         return {"release": None, "workloads": [], "pods": [], "gpus": [], "scheduler_events": [], "alerts": [],
                 "gaps": ["the entry point matches nothing in the store" + (" as of --at" if at else "")]}
     chain = _Chain(store, root, at, window)
+    chain.entry = entry or root
     chain.read_release()
     chain.read_workloads()
     chain.read_allocations()
@@ -674,7 +753,7 @@ def trace(reader, database: str, kind: str, value: str, at: datetime | None = No
     else:
         name, _, version = value.partition(":")
         root, alternatives = resolver.model(name, version or None)
-    chain = _expand(store, root, at, window, focal)
+    chain = _expand(store, root, at, window, focal, (kind, value))
     if kind == "alert" and not focal:
         chain["gaps"].insert(0, f"no alert with fingerprint {value} in the store" + (" as of --at" if at else ""))
     chain["gaps"][:0] = resolver.notes

@@ -33,6 +33,10 @@ def render_tree(result: dict) -> Tree:
     """The trace as a rich tree; missing links in red."""
     entry = result.get("entry") or {}
     root = Tree(_title(result, entry))
+    win = result.get("window") or {}
+    if win.get("to"):
+        root.add(f"[dim]window {m(win.get('from'))} → {m(win.get('to'))} (anchored on {m(win.get('anchor'))}): other workloads, "
+                 "alerts and GPU holders on the chain's nodes; the chain's own rows: all" + (f" as of {m(entry['at'])}" if entry.get("at") else "") + "[/]")
     _add_release(root, result.get("release"), entry)
     pods = {f"{p['namespace']}/{p['pod']}": p for p in result.get("pods", [])}
     _add_workloads(root, result.get("workloads", []), pods)
@@ -96,10 +100,14 @@ def _add_workloads(root: Tree, workloads: list[dict], pods: dict[str, dict]) -> 
                          f"cluster_queue={_or_gap(wl.get('cluster_queue'))} priority={prio}")
         wnode.add(f"admitted {m(wl['admitted_at'])}" + (f" ({len(wl['admissions'])} admissions)" if len(wl["admissions"]) > 1 else "")
                   if wl.get("admitted_at") else f"admission: {GAP}")
-        for ev in wl.get("preemptions", []) + wl.get("evictions", []):
-            by = f" by {m(ev['preemptor'])}" if ev.get("preemptor") else ""
-            wnode.add(f"[yellow]{m(ev['event_type'].split('.', 1)[1])}[/] {m(ev['occurred_at'])}{by}"
-                      + (f"  {m(ev['reason'])}" if ev.get("reason") else ""))
+        in_preemption = {c for ev in wl.get("preemptions", []) for c in ev.get("correlation_ids", [])}
+        for ev in wl.get("preemptions", []):
+            by = (f" by {m(ev['preemptor'])}" if ev.get("preemptor") else
+                  f" by Workload uid {m(ev['preemptor_uid'])} (name unknown to the store)" if ev.get("preemptor_uid") else " by an unknown preemptor")
+            wnode.add(f"[yellow]preempted[/] {m(ev['occurred_at'])}{by}  [dim]seen by {m(', '.join(ev.get('sources', [])))}[/]")
+        for ev in wl.get("evictions", []):
+            if ev.get("correlation_id") not in in_preemption:
+                wnode.add(f"[yellow]evicted[/] {m(ev['occurred_at'])}" + (f"  {m(ev['reason'])}" if ev.get("reason") else ""))
         for key in wl.get("pods", []):
             if key in pods:
                 _add_pod(wnode, key, pods[key])

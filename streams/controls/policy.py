@@ -17,6 +17,8 @@ Durations are written in the one grammar of ``gpuledger.timefmt``: ``90s``, ``30
 
 from __future__ import annotations
 
+import hashlib
+import json
 from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Literal
@@ -222,6 +224,16 @@ class Policy(_Model):
             return model.model_copy(update=updates)
 
         return scale(self)
+
+    @property
+    def fingerprint(self) -> str:
+        """The policy's version as recorded on every violation judged under it:
+        ``sha256:`` and the first 16 hex digits of the SHA-256 of its canonical JSON (keys
+        sorted, durations in ISO 8601). Equal policies have equal fingerprints whatever
+        file or formatting they came from; any change of a right or threshold changes it.
+        (Not cached: ``model_copy`` — ``compressed`` — would copy a cached value.)"""
+        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
     # --- questions the controls ask --------------------------------------------------
     def environment(self, name: str | None) -> Environment | None:

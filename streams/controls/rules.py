@@ -236,6 +236,10 @@ class Context:
     watermark: datetime | None
     _releases: dict = field(default_factory=dict)
     accessed: set = field(default_factory=set)  # releases read by the current evaluation
+    policy_version: str = ""  # the policy's fingerprint, computed once per context
+
+    def __post_init__(self) -> None:
+        self.policy_version = self.policy.fingerprint
 
     def release(self, rid: str | None) -> Release:
         self.accessed.add(rid)
@@ -269,7 +273,7 @@ class Findings:
             "severity": severity or policy.control(control).severity,
             "identity": {k: v for k, v in identity.items() if v and k in Identity.model_fields},
             "evidence": seen[:MAX_EVIDENCE], "owner": policy.owner_for(control), "opened_at": iso(opened), "closed_at": iso(closed),
-            "detail": detail,
+            "detail": detail, "policy_version": self.ctx.policy_version,
         }
 
 
@@ -284,39 +288,36 @@ def _covers(policy: Policy, granted_env: str | None, env: str | None) -> bool:
     return granted is not None and wanted is not None and granted >= wanted
 
 
-def approval_changes(rel: Release, policy: Policy, env: str | None) -> list[tuple[datetime, bool, str]]:
-    """When the release became / stopped being approved for ``env``: an approval by an
-    actor holding the approve right (covering env) sets it; revocation or retirement clears it."""
+def _timeline(rel: Release, sets, clears) -> list[tuple[datetime, bool, str]]:
+    """A true/false timeline of a release from its history: (time, new value, event id)
+    at every change; ``sets(event)`` / ``clears(event)`` say which events turn it on / off."""
     out, state = [], False
-    for at, etype, eid, granted_env, actor in rel.history:
-        if etype == "release.approved" and policy.allowed(actor, "approve") and _covers(policy, granted_env, env):
+    for event in rel.history:
+        if sets(event):
             new = True
-        elif etype in ("release.revoked", "release.retired"):
+        elif clears(event):
             new = False
         else:
             continue
         if new != state:
-            out.append((at, new, eid))
+            out.append((event[0], new, event[2]))
             state = new
     return out
+
+
+def approval_changes(rel: Release, policy: Policy, env: str | None) -> list[tuple[datetime, bool, str]]:
+    """When the release became / stopped being approved for ``env``: an approval by an
+    actor holding the approve right (covering env) sets it; revocation or retirement clears it."""
+    return _timeline(rel, lambda e: e[1] == "release.approved" and policy.allowed(e[4], "approve") and _covers(policy, e[3], env),
+                     lambda e: e[1] in ("release.revoked", "release.retired"))
 
 
 def promotion_changes(rel: Release, policy: Policy, env: str) -> list[tuple[datetime, bool, str]]:
     """When the release was promoted to / rolled back from ``env``. Promotions by actors
     without the promote right do not count (control 7 reports them); revocation and
     retirement are control 8's business, not this timeline's."""
-    out, state = [], False
-    for at, etype, eid, to_env, actor in rel.history:
-        if etype == "release.promoted" and to_env == env and policy.allowed(actor, "promote"):
-            new = True
-        elif etype == "release.rolled_back" and to_env == env:
-            new = False
-        else:
-            continue
-        if new != state:
-            out.append((at, new, eid))
-            state = new
-    return out
+    return _timeline(rel, lambda e: e[1] == "release.promoted" and e[3] == env and policy.allowed(e[4], "promote"),
+                     lambda e: e[1] == "release.rolled_back" and e[3] == env)
 
 
 def gaps(changes: list[tuple[datetime, bool, str]], start: datetime, end: datetime | None) -> list[tuple]:
@@ -522,97 +523,143 @@ def _artifact_digests(rows: list[dict], found: Findings, ctx: Context, key: str)
 
 def _workload_unit(objects: dict[str, list[dict]], key: str, found: Findings, forwards: dict, clock: Clock, ctx: Context) -> None:
     """1, 2, 3 (identifiers) and 4 (observation window) for one workload."""
-    policy = ctx.policy
-    own = objects.get(key, [])
-    own_ivs = intervals(own)
-    if own_ivs:
-        unit_ivs = own_ivs
-    else:
-        unit_ivs = merge_intervals([iv for src, obj_rows in objects.items() if src != key for iv in intervals(obj_rows)])
+    unit_ivs = _unit_intervals(objects, key)
     running: dict[str, list] = defaultdict(list)
     for start, end, srow, erow in unit_ivs:
-        ident = srow["i"]
-        rid = ident.get("release_id")
-        env = ident.get("environment")
-        envp = policy.environment(env)
-        rel = ctx.release(rid)
-        who = _label(ident)
-        ev = [srow["id"], erow["id"] if erow else None]
+        rid = srow["i"].get("release_id")
         if rid:
             running[rid].append({"start": iso(start), "end": iso(end), "se": srow["id"], "ee": erow["id"] if erow else None, "unit": key})
-        # 1. Admission
-        needs_approval = envp.requires_approval if envp else True
-        if not rid:
-            if needs_approval:
-                found.add(1, ("identity", key, srow["id"]), start, end, ev, ident,
-                          f"{who} was admitted ({srow['type']}) with no release identity"
-                          + (f" in {env}" if env else " (environment unknown)"))
-        elif needs_approval:
-            first = gaps(approval_changes(rel, policy, env), start, end)
-            if first and first[0][0] == start:
-                _gs, ge, cause, closing = first[0]
-                if not rel.known:
-                    why = f"release {rid} is not known (no release event names it)"
-                elif cause:
-                    why = f"release {rid} was revoked or retired before admission"
-                else:
-                    why = f"release {rid} had no approval for {env or 'its environment'} by an actor with the approve right"
-                found.add(1, ("approval", key, srow["id"]), start, _min(ge, end), ev + [cause, closing], {**ident, "release_id": rid},
-                          f"{who} was admitted ({srow['type']}) at {iso(start)} but {why}")
-        # 3. Identifiers that match no release
-        if rid and (not rel.known or rel.first_seen > start):
-            closed = _min(rel.first_seen, end) if rel.known else end
-            found.add(3, ("unknown-release", key, srow["id"]), start, closed, ev, ident,
-                      f"{who} names release {rid}, which " + ("no release event describes" if not rel.known else
-                                                             f"was first seen only at {iso(rel.first_seen)}"))
-        elif not rid and ident.get("model_name"):
-            model = ident["model_name"] + (f":{ident['model_version']}" if ident.get("model_version") else "")
-            found.add(3, ("unknown-model", key, srow["id"]), start, end, ev, ident, f"{who} names model {model}, which matches no release")
-        # 2. Promotion
-        if rid and rel.known and env and envp and envp.requires_promotion:
-            for gs, ge, cause, closing in gaps(promotion_changes(rel, policy, env), start, end):
-                why = "was rolled back from" if cause else "was never promoted to"
-                found.add(2, ("promotion", key, rid, env, srow["id"], cause or ""), gs, _min(ge, end), [srow["id"], cause, closing, ev[1]],
-                          {**ident, "release_id": rid}, f"{who} runs in {env} while release {rid} {why} {env}")
+        _admission(key, start, end, srow, erow, found, ctx)
+        _identifiers(key, start, end, srow, erow, found, ctx)
+        _promotion(key, start, end, srow, erow, found, ctx)
     for rid, ivs in running.items():
         forwards[f"rel:{rid}"] = {"running": ivs}
-    # 4. Preemption inside the observation window (victim side), and forward to the preemptor.
-    preemptions = _sorted(r for obj_rows in objects.values() for r in obj_rows if _is_preemption(r))
+    victims: dict[str, dict] = defaultdict(dict)
+    all_rows = [r for obj_rows in objects.values() for r in obj_rows]
+    for cluster in preemption_clusters(r for obj_rows in objects.values() for r in obj_rows):
+        _preempted(cluster, key, unit_ivs, all_rows, found, victims, clock, ctx)
+    for target, items in victims.items():
+        forwards[target] = {**forwards.get(target, {}), "victims": items}
+
+
+def _unit_intervals(objects: dict[str, list[dict]], key: str) -> list[tuple]:
+    """The workload's running intervals: its own rows' when it has any, else the union of its pods'."""
+    own_ivs = intervals(objects.get(key, []))
+    if own_ivs:
+        return own_ivs
+    return merge_intervals([iv for src, obj_rows in objects.items() if src != key for iv in intervals(obj_rows)])
+
+
+def _admission(key: str, start: datetime, end: datetime | None, srow: dict, erow: dict | None, found: Findings, ctx: Context) -> None:
+    """1: admitted with no release identity, or with no approval covering its environment."""
+    ident = srow["i"]
+    rid, env = ident.get("release_id"), ident.get("environment")
+    envp = ctx.policy.environment(env)
+    if not (envp.requires_approval if envp else True):
+        return
+    who, ev = _label(ident), [srow["id"], erow["id"] if erow else None]
+    if not rid:
+        found.add(1, ("identity", key, srow["id"]), start, end, ev, ident,
+                  f"{who} was admitted ({srow['type']}) with no release identity" + (f" in {env}" if env else " (environment unknown)"))
+        return
+    rel = ctx.release(rid)
+    first = gaps(approval_changes(rel, ctx.policy, env), start, end)
+    if not first or first[0][0] != start:
+        return
+    _gs, ge, cause, closing = first[0]
+    if not rel.known:
+        why = f"release {rid} is not known (no release event names it)"
+    elif cause:
+        why = f"release {rid} was revoked or retired before admission"
+    else:
+        unentitled = [e for e in rel.history if e[1] == "release.approved" and e[0] <= start and _covers(ctx.policy, e[3], env)]
+        why = (f"release {rid} was approved for {env or 'its environment'} only by " + _actors(unentitled) + ", without the approve right"
+               if unentitled else f"release {rid} had no approval for {env or 'its environment'}")
+    found.add(1, ("approval", key, srow["id"]), start, _min(ge, end), ev + [cause, closing], {**ident, "release_id": rid},
+              f"{who} was admitted ({srow['type']}) at {iso(start)} but {why}")
+
+
+def _identifiers(key: str, start: datetime, end: datetime | None, srow: dict, erow: dict | None, found: Findings, ctx: Context) -> None:
+    """3: a workload naming a release no release event describes (or one first seen after
+    it ran), or a model no release matches."""
+    ident = srow["i"]
+    rid = ident.get("release_id")
+    who, ev = _label(ident), [srow["id"], erow["id"] if erow else None]
+    rel = ctx.release(rid)
+    if rid and (not rel.known or rel.first_seen > start):
+        closed = _min(rel.first_seen, end) if rel.known else end
+        found.add(3, ("unknown-release", key, srow["id"]), start, closed, ev, ident,
+                  f"{who} names release {rid}, which " + ("no release event describes" if not rel.known else
+                                                         f"was first seen only at {iso(rel.first_seen)}"))
+    elif not rid and ident.get("model_name"):
+        model = ident["model_name"] + (f":{ident['model_version']}" if ident.get("model_version") else "")
+        found.add(3, ("unknown-model", key, srow["id"]), start, end, ev, ident, f"{who} names model {model}, which matches no release")
+
+
+def _promotion(key: str, start: datetime, end: datetime | None, srow: dict, erow: dict | None, found: Findings, ctx: Context) -> None:
+    """2: running in an environment the release was never promoted to, or was rolled back from."""
+    ident = srow["i"]
+    rid, env = ident.get("release_id"), ident.get("environment")
+    envp = ctx.policy.environment(env)
+    rel = ctx.release(rid)
+    if not (rid and rel.known and env and envp and envp.requires_promotion):
+        return
+    for gs, ge, cause, closing in gaps(promotion_changes(rel, ctx.policy, env), start, end):
+        unentitled = [e for e in rel.history if e[1] == "release.promoted" and e[3] == env and e[0] <= gs]
+        if cause:
+            why = f"was rolled back from {env}"
+        elif unentitled:
+            why = f"was promoted to {env} only by {_actors(unentitled)}, without the promote right"
+        else:
+            why = f"was never promoted to {env}"
+        found.add(2, ("promotion", key, rid, env, srow["id"], cause or ""), gs, _min(ge, end),
+                  [srow["id"], cause, closing, erow["id"] if erow else None] + [e[2] for e in unentitled],
+                  {**ident, "release_id": rid}, f"{_label(ident)} runs in {env} while release {rid} {why}")
+
+
+def _actors(events: list[tuple]) -> str:
+    """Who did these lifecycle events ("bob at T", "no recorded actor at T")."""
+    return ", ".join(f"{e[4] or 'no recorded actor'} at {iso(e[0])}" for e in events[-3:])
+
+
+def preemption_clusters(rows) -> list[list[dict]]:
+    """One preemption often shows as several rows (the pod's, its Kueue workload's):
+    preemption rows of one workload less than ``PREEMPTION_CLUSTER`` apart are one preemption."""
     clusters: list[list[dict]] = []
-    for row in preemptions:
+    for row in _sorted(r for r in rows if _is_preemption(r)):
         if clusters and _t(row["at"]) - _t(clusters[-1][0]["at"]) <= PREEMPTION_CLUSTER:
             clusters[-1].append(row)
         else:
             clusters.append([row])
-    victims: dict[str, dict] = defaultdict(dict)
-    all_rows = [r for obj_rows in objects.values() for r in obj_rows]
-    for cluster in clusters:
-        at = _t(cluster[0]["at"])
-        attributed = next((r for r in cluster if r["i"].get("release_id")), cluster[0])
-        ident = {**attributed["i"]}
-        rid, env = ident.get("release_id"), ident.get("environment")
-        restarted = next((s for s, _e, _sr, _er in unit_ivs if s > at), None)
-        restart_row = next((sr["id"] for s, _e, sr, _er in unit_ivs if s > at), None)
-        evidence = [r["id"] for r in cluster]
-        ref = next((r["p"]["preemptor"] for r in cluster if isinstance(r["p"].get("preemptor"), dict)), None)
-        by = f" by {ref.get('kind', '?')} {ref.get('namespace') or '?'}/{ref.get('name') or ref.get('uid') or '?'}" if ref else ""
-        envp = policy.environment(env)
-        if rid and envp and envp.observation_window > timedelta(0):
-            changes = promotion_changes(ctx.release(rid), policy, env)
-            promoted = next((c for c in reversed(changes) if c[0] <= at), None)
-            if promoted and promoted[1] and at < promoted[0] + envp.observation_window:
-                window_end = promoted[0] + envp.observation_window
-                closed = restarted if restarted is not None and restarted <= window_end else clock.reached(window_end)
-                found.add(4, ("window", key, iso(at)), at, closed, evidence + [promoted[2], restart_row], ident,
-                          f"{_label(ident)} of release {rid} was preempted{by} at {iso(at)}, inside the {env} observation window "
-                          f"(promoted {iso(promoted[0])}, window ends {iso(window_end)})")
-        target = _preemptor_key(ref)
-        if target and target != key:
-            bp, pc, _rid = _business(ctx, all_rows)
-            victims[target][f"{key}@{iso(at)}"] = {"at": iso(at), "restarted": iso(restarted), "rid": rid, "bp": bp, "pc": pc,
-                                                 "identity": ident, "evidence": evidence + [restart_row], "victim": key}
-    for target, items in victims.items():
-        forwards[target] = {**forwards.get(target, {}), "victims": items}
+    return clusters
+
+
+def _preempted(cluster: list[dict], key: str, unit_ivs: list[tuple], all_rows: list[dict], found: Findings, victims: dict,
+               clock: Clock, ctx: Context) -> None:
+    """4 (victim side): a preemption inside the release's observation window; and the
+    victim's side of it forwarded to the preemptor (``victims``)."""
+    at = _t(cluster[0]["at"])
+    ident = {**next((r for r in cluster if r["i"].get("release_id")), cluster[0])["i"]}
+    rid, env = ident.get("release_id"), ident.get("environment")
+    restarted, restart_row = next(((s, sr["id"]) for s, _e, sr, _er in unit_ivs if s > at), (None, None))
+    evidence = [r["id"] for r in cluster]
+    ref = next((r["p"]["preemptor"] for r in cluster if isinstance(r["p"].get("preemptor"), dict)), None)
+    by = f" by {ref.get('kind', '?')} {ref.get('namespace') or '?'}/{ref.get('name') or ref.get('uid') or '?'}" if ref else ""
+    envp = ctx.policy.environment(env)
+    if rid and envp and envp.observation_window > timedelta(0):
+        changes = promotion_changes(ctx.release(rid), ctx.policy, env)
+        promoted = next((c for c in reversed(changes) if c[0] <= at), None)
+        if promoted and promoted[1] and at < promoted[0] + envp.observation_window:
+            window_end = promoted[0] + envp.observation_window
+            closed = restarted if restarted is not None and restarted <= window_end else clock.reached(window_end)
+            found.add(4, ("window", key, iso(at)), at, closed, evidence + [promoted[2], restart_row], ident,
+                      f"{_label(ident)} of release {rid} was preempted{by} at {iso(at)}, inside the {env} observation window "
+                      f"(promoted {iso(promoted[0])}, window ends {iso(window_end)})")
+    target = _preemptor_key(ref)
+    if target and target != key:
+        bp, pc, _rid = _business(ctx, all_rows)
+        victims[target][f"{key}@{iso(at)}"] = {"at": iso(at), "restarted": iso(restarted), "rid": rid, "bp": bp, "pc": pc,
+                                             "identity": ident, "evidence": evidence + [restart_row], "victim": key}
 
 
 def _preemptor_side(rows: list[dict], victims: dict[str, dict], key: str, found: Findings, ctx: Context) -> None:
@@ -657,99 +704,143 @@ def _telemetry(rows: list[dict], found: Findings, ctx: Context) -> None:
 
 def _release_controls(rid: str, rows: list[dict], links: dict, found: Findings, clock: Clock, ctx: Context) -> None:
     """5, 7 and 8 for one release."""
-    policy = ctx.policy
     rows = _sorted(r for r in rows if r["type"].startswith("release."))
     manifest = ctx.release(rid).manifest
     base = {"release_id": rid, **{k: manifest.get(k) for k in ("model_name", "model_version", "environment", "owner", "image_digest")}}
     allocs = sorted((a for link in links.values() for a in link.get("allocs", [])), key=lambda a: (a["start"], a["id"]))
     running = sorted((r for link in links.values() for r in link.get("running", [])), key=lambda r: (r["start"], r["se"]))
-
-    # 7. Incident authority
     for n, row in enumerate(rows):
         action = ACTION_OF_EVENT.get(row["type"])
-        if not action:
-            continue
-        p = row["p"]
-        actor = p.get("actor")
-        at = _t(row["at"])
-        same = [r for r in rows[n + 1:] if r["type"] == row["type"] and r["p"].get("target") == p.get("target")
-                and r["p"].get("to_environment") == p.get("to_environment")]
-        what = row["type"].split(".", 1)[1] + (f" {p['target']}" if p.get("target") else "") + (f" to {p['to_environment']}" if p.get("to_environment") else "")
-        if not policy.allowed(actor, action):
-            ratified = next((r for r in same if policy.allowed(r["p"].get("actor"), action)), None)
-            expiry = clock.reached(_t(p["expires_at"])) if p.get("expires_at") else None
-            closed = _min(_t(ratified["at"]) if ratified else None, expiry)
-            if actor:
-                roles = policy.roles_of(actor)
-                why = f"{actor} holds {', '.join(roles) if roles else 'no role'}; none grants {action}"
-            else:
-                why = "no actor was recorded"
-            found.add(7, ("unauthorized", row["id"]), at, closed, [row["id"], ratified["id"] if ratified else None],
-                      {**base, "node": p.get("target") if row["type"] == "release.node_isolated" else None},
-                      f"{what} of release {rid} without the decision right: {why}")
-        if action in policy.emergency_overrides.actions:
-            limit = policy.emergency_overrides.max_duration
-            limit_text = format_duration(limit)
-            if not p.get("expires_at"):
-                reissued = next((r for r in same if r["p"].get("expires_at")), None)
-                found.add(7, ("no-expiry", row["id"]), at, _t(reissued["at"]) if reissued else None,
-                          [row["id"], reissued["id"] if reissued else None], base,
-                          f"emergency override {what} by {actor or 'unknown'} has no expiry (policy: at most {limit_text})")
-            else:
-                expires, deadline = _t(p["expires_at"]), at + limit
-                if expires > deadline and clock.passed(deadline):
-                    found.add(7, ("too-long", row["id"]), deadline, clock.reached(expires), [row["id"]], base,
-                              f"emergency override {what} by {actor or 'unknown'} runs until {iso(expires)}, past the {limit_text} maximum "
-                              f"({iso(deadline)})")
+        if action:
+            later = [r for r in rows[n + 1:] if r["type"] == row["type"] and r["p"].get("target") == row["p"].get("target")
+                     and r["p"].get("to_environment") == row["p"].get("to_environment")]
+            _authority(rid, row, action, later, base, found, clock, ctx.policy)
+    reservations = reservation_events(rows)
+    for res_id, entry in sorted(reservations.items()):
+        if entry["created"] is not None:
+            _capacity(rid, res_id, entry, allocs, base, found, clock, ctx.policy)
+    _retirement(rid, rows, reservations, allocs, running, base, found, clock, ctx.policy)
 
-    # 5. Capacity reservation
+
+def _action_text(row: dict) -> str:
+    p = row["p"]
+    return (row["type"].split(".", 1)[1] + (f" {p['target']}" if p.get("target") else "")
+            + (f" to {p['to_environment']}" if p.get("to_environment") else ""))
+
+
+def _authority(rid: str, row: dict, action: str, later: list[dict], base: dict, found: Findings, clock: Clock, policy: Policy) -> None:
+    """7: an action by an actor without the right (until one with it repeats it), an
+    emergency override with no expiry (until re-issued with one) or lasting past the maximum."""
+    p, at, what = row["p"], _t(row["at"]), _action_text(row)
+    actor = p.get("actor")
+    if not policy.allowed(actor, action):
+        ratified = next((r for r in later if policy.allowed(r["p"].get("actor"), action)), None)
+        expiry = clock.reached(_t(p["expires_at"])) if p.get("expires_at") else None
+        closed = _min(_t(ratified["at"]) if ratified else None, expiry)
+        if actor:
+            roles = policy.roles_of(actor)
+            why = f"{actor} holds {', '.join(roles) if roles else 'no role'}; none grants {action}"
+        else:
+            why = "no actor was recorded"
+        found.add(7, ("unauthorized", row["id"]), at, closed, [row["id"], ratified["id"] if ratified else None],
+                  {**base, "node": p.get("target") if row["type"] == "release.node_isolated" else None},
+                  f"{what} of release {rid} without the decision right: {why}")
+    if action not in policy.emergency_overrides.actions:
+        return
+    limit_text = format_duration(policy.emergency_overrides.max_duration)
+    if not p.get("expires_at"):
+        reissued = next((r for r in later if r["p"].get("expires_at")), None)
+        found.add(7, ("no-expiry", row["id"]), at, _t(reissued["at"]) if reissued else None,
+                  [row["id"], reissued["id"] if reissued else None], base,
+                  f"emergency override {what} by {actor or 'unknown'} has no expiry (policy: at most {limit_text})")
+        return
+    expires, deadline = _t(p["expires_at"]), at + policy.emergency_overrides.max_duration
+    if expires > deadline and clock.passed(deadline):
+        found.add(7, ("too-long", row["id"]), deadline, clock.reached(expires), [row["id"]], base,
+                  f"emergency override {what} by {actor or 'unknown'} runs until {iso(expires)}, past the {limit_text} maximum "
+                  f"({iso(deadline)})")
+
+
+def reservation_events(rows: list[dict]) -> dict[str, dict]:
+    """Reservation id → its first creation and first release row (rows sorted by time)."""
     reservations: dict[str, dict] = {}
     for row in rows:
-        res = row["p"].get("reservation") or {}
-        rid_res = res.get("reservation_id")
-        if not rid_res:
+        res_id = (row["p"].get("reservation") or {}).get("reservation_id")
+        if not res_id:
             continue
-        entry = reservations.setdefault(rid_res, {"created": None, "released": None})
+        entry = reservations.setdefault(res_id, {"created": None, "released": None})
         if row["type"] == "release.reservation_created" and entry["created"] is None:
             entry["created"] = row
         elif row["type"] == "release.reservation_released" and entry["released"] is None:
             entry["released"] = row
-    grace = policy.reservations.grace
-    for res_id, entry in sorted(reservations.items()):
-        created, released = entry["created"], entry["released"]
-        if created is None:
-            continue
-        res = created["p"]["reservation"]
-        gpus = int(res.get("gpus") or 0)
-        ws = _t(res["window_start"]) if res.get("window_start") else _t(created["at"])
-        we = _t(res["window_end"]) if res.get("window_end") else None
-        released_at = _t(released["at"]) if released and _t(released["at"]) >= _t(created["at"]) else None
-        released_id = released["id"] if released_at else None
-        pool = f" in {res['pool']}" if res.get("pool") else ""
-        plan = f"reservation {res_id} ({gpus} GPU(s){pool}, window {iso(ws)} → {iso(we) if we else 'open'})"
-        in_window = [a for a in allocs if _t(a["start"]) < (we or datetime.max.replace(tzinfo=timezone.utc)) and (a["end"] is None or _t(a["end"]) > ws)]
-        peak = peak_concurrency(in_window, ws, we)
-        unused_at = ws + grace
-        if not (released_at and released_at <= unused_at) and clock.passed(unused_at):
-            used = [a for a in allocs if _t(a["start"]) <= unused_at and (a["end"] is None or _t(a["end"]) > ws)]
-            if not used:
-                later = [a for a in allocs if _t(a["start"]) > unused_at]
-                first_use = _t(later[0]["start"]) if later else None
-                found.add(5, ("unused", rid, res_id), unused_at, _min(first_use, released_at),
-                          [created["id"], released_id, later[0]["se"] if later else None], base,
-                          f"{plan} of release {rid}: no GPU allocated to the release by {iso(unused_at)} ({format_duration(grace)} after the window opened)")
-        if we is not None:
-            held_at = we + grace
-            if not (released_at and released_at <= held_at) and clock.passed(held_at):
-                found.add(5, ("held", rid, res_id), held_at, released_at, [created["id"], released_id], base,
-                          f"{plan} of release {rid} is still held {format_duration(grace)} after its window ended")
-            minimum = policy.reservations.min_utilisation
-            if gpus > 0 and minimum > 0 and clock.passed(we) and peak < gpus * minimum:
-                found.add(5, ("underused", rid, res_id), ws, we, [created["id"]] + [a["se"] for a in in_window], base,
-                          f"{plan} of release {rid}: peak {peak} of {gpus} reserved GPU(s) allocated ({peak / gpus:.0%}, "
-                          f"plan asks at least {minimum:.0%})", severity="info")
+    return reservations
 
-    # 8. Retirement
+
+def _capacity(rid: str, res_id: str, entry: dict, allocs: list[dict], base: dict, found: Findings, clock: Clock, policy: Policy) -> None:
+    """5: a reservation unused by window start + grace, held past window end + grace, or
+    peaking below the policy's minimum utilisation (info)."""
+    created, released = entry["created"], entry["released"]
+    res = created["p"]["reservation"]
+    gpus = int(res.get("gpus") or 0)
+    ws = _t(res["window_start"]) if res.get("window_start") else _t(created["at"])
+    we = _t(res["window_end"]) if res.get("window_end") else None
+    released_at = _t(released["at"]) if released and _t(released["at"]) >= _t(created["at"]) else None
+    released_id = released["id"] if released_at else None
+    pool = f" in {res['pool']}" if res.get("pool") else ""
+    plan = f"reservation {res_id} ({gpus} GPU(s){pool}, window {iso(ws)} → {iso(we) if we else 'open'})"
+    grace = policy.reservations.grace
+    unused_at = ws + grace
+    if not (released_at and released_at <= unused_at) and clock.passed(unused_at):
+        _unused(rid, res_id, plan, ws, unused_at, released_at, [created["id"], released_id], allocs, base, found, grace)
+    if we is None:
+        return
+    held_at = we + grace
+    if not (released_at and released_at <= held_at) and clock.passed(held_at):
+        found.add(5, ("held", rid, res_id), held_at, released_at, [created["id"], released_id], base,
+                  f"{plan} of release {rid} is still held {format_duration(grace)} after its window ended")
+    in_window = [a for a in allocs if _t(a["start"]) < we and (a["end"] is None or _t(a["end"]) > ws)]
+    peak = peak_concurrency(in_window, ws, we)
+    minimum = policy.reservations.min_utilisation
+    if gpus > 0 and minimum > 0 and clock.passed(we) and peak < gpus * minimum:
+        found.add(5, ("underused", rid, res_id), ws, we, [created["id"]] + [a["se"] for a in in_window], base,
+                  f"{plan} of release {rid}: peak {peak} of {gpus} reserved GPU(s) allocated ({peak / gpus:.0%}, "
+                  f"plan asks at least {minimum:.0%})", severity="info")
+
+
+def _unused(rid: str, res_id: str, plan: str, ws: datetime, unused_at: datetime, released_at: datetime | None, evidence: list,
+            allocs: list[dict], base: dict, found: Findings, grace: timedelta) -> None:
+    """5: no GPU allocated to the release by window start + grace (closes at the first use or the release)."""
+    if [a for a in allocs if _t(a["start"]) <= unused_at and (a["end"] is None or _t(a["end"]) > ws)]:
+        return
+    later = [a for a in allocs if _t(a["start"]) > unused_at]
+    first_use = _t(later[0]["start"]) if later else None
+    found.add(5, ("unused", rid, res_id), unused_at, _min(first_use, released_at), [*evidence, later[0]["se"] if later else None], base,
+              f"{plan} of release {rid}: no GPU allocated to the release by {iso(unused_at)} ({format_duration(grace)} after the window opened)")
+
+
+def _holdings(deadline: datetime, reservations: dict, allocs: list[dict], running: list[dict]) -> list[tuple]:
+    """What a release still held after ``deadline``: (start, end|None, evidence ids, what)."""
+    out = []
+    for a in allocs:
+        if a["end"] is None or _t(a["end"]) > deadline:
+            out.append((_t(a["start"]), _t(a["end"]) if a["end"] else None, [a["se"], a["ee"]], f"GPU {a['gpu']} ({a['pod']})"))
+    for res_id, entry in sorted(reservations.items()):
+        if entry["created"] is None:
+            continue
+        rel_row = entry["released"]
+        rel_at = _t(rel_row["at"]) if rel_row else None
+        if rel_at is None or rel_at > deadline:
+            out.append((_t(entry["created"]["at"]), rel_at, [entry["created"]["id"], rel_row["id"] if rel_row else None],
+                        f"reservation {res_id}"))
+    for r in running:
+        if r["end"] is None or _t(r["end"]) > deadline:
+            out.append((_t(r["start"]), _t(r["end"]) if r["end"] else None, [r["se"], r["ee"]], f"running {r['unit']}"))
+    return out
+
+
+def _retirement(rid: str, rows: list[dict], reservations: dict, allocs: list[dict], running: list[dict], base: dict, found: Findings,
+                clock: Clock, policy: Policy) -> None:
+    """8: a retired or revoked release still holding GPUs, reservations or running workloads after the grace period."""
     ended = next((r for r in rows if r["type"] in ("release.retired", "release.revoked")), None)
     if ended is None:
         return
@@ -757,21 +848,7 @@ def _release_controls(rid: str, rows: list[dict], links: dict, found: Findings, 
     deadline = _t(ended["at"]) + grace
     if not clock.passed(deadline):
         return
-    holdings = []  # (start, end|None, evidence ids, what)
-    for a in allocs:
-        if a["end"] is None or _t(a["end"]) > deadline:
-            holdings.append((_t(a["start"]), _t(a["end"]) if a["end"] else None, [a["se"], a["ee"]], f"GPU {a['gpu']} ({a['pod']})"))
-    for res_id, entry in sorted(reservations.items()):
-        if entry["created"] is None:
-            continue
-        rel_row = entry["released"]
-        rel_at = _t(rel_row["at"]) if rel_row else None
-        if rel_at is None or rel_at > deadline:
-            holdings.append((_t(entry["created"]["at"]), rel_at, [entry["created"]["id"], rel_row["id"] if rel_row else None],
-                             f"reservation {res_id}"))
-    for r in running:
-        if r["end"] is None or _t(r["end"]) > deadline:
-            holdings.append((_t(r["start"]), _t(r["end"]) if r["end"] else None, [r["se"], r["ee"]], f"running {r['unit']}"))
+    holdings = _holdings(deadline, reservations, allocs, running)
     if not holdings:
         return
     opened = max(deadline, min(h[0] for h in holdings))

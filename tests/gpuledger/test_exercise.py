@@ -10,7 +10,12 @@ worker's store through ``sinks.read.trace`` (what ``gpuledger trace`` does).
 from __future__ import annotations
 
 import io
+import json
+import os
 import re
+import subprocess
+import sys
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -52,6 +57,13 @@ def test_scenario_passes_through_the_real_pipeline(name, kafka_bootstrap, tmp_pa
     violation_checks = [r for r, e in zip(run.results, scenario.expect) if e.violation]
     if name in ("retirement", "unapproved-admission"):
         assert violation_checks and all(r.status == "PASS" for r in violation_checks)
+    # One source of truth: `gpuledger audit` on the same store reports exactly the
+    # violations the worker recorded (retirement: control 8 FAIL with its open violation).
+    report, table = audit_and_violations(run)
+    assert {v["violation_id"]: v["detail"] for v in report["violations"]} == table, report["violations"]
+    if name == "retirement":
+        assert any(v.startswith("release ") and "still held" in v for v in table.values())
+        assert {c["id"]: c["status"] for c in report["controls"]}[8] == "FAIL"
     # The table on the console is the one the results came from.
     assert re.search(r"\d+ passed, 0 failed", log)
     # The evidence names the identifiers the simulated cluster used (read back from the store).
@@ -71,6 +83,26 @@ def test_scenario_passes_through_the_real_pipeline(name, kafka_bootstrap, tmp_pa
     assert not run.services_left
     assert f"data     {run.data_dir}" in log
     assert (run.data_dir / "logs" / "worker.log").exists()
+
+
+def audit_and_violations(run) -> tuple[dict, dict[str, str]]:
+    """`gpuledger audit --format json` over the exercise's store, and the violations table's
+    (id -> detail) over the same range — both by the real CLI in a child process (chDB
+    opens one data dir per process)."""
+    start = (run.cluster.started_at - timedelta(minutes=5)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    end = (datetime.now(timezone.utc) + timedelta(minutes=5)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    env = {**os.environ, "GPULEDGER_CLICKHOUSE_DSN": run.dsn, "GPULEDGER_DATA_DIR": str(run.data_dir)}
+    cli = [sys.executable, "-m", "gpuledger.cli"]
+    audit = subprocess.run([*cli, "audit", "--from", start, "--to", end, "--format", "json"], env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert audit.returncode in (0, 1), audit.stderr + audit.stdout
+    sql = subprocess.run([*cli, "sql", "--format", "json",
+                          f"SELECT violation_id, detail FROM gpuledger.violations FINAL WHERE NOT startsWith(detail, 'withdrawn:') "
+                          f"AND opened_at <= '{end[:-1]}' AND (closed_at IS NULL OR closed_at >= '{start[:-1]}')"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert sql.returncode == 0, sql.stderr + sql.stdout
+    rows = json.loads(sql.stdout)
+    return json.loads(audit.stdout), {r["violation_id"]: r["detail"] for r in (rows["rows"] if isinstance(rows, dict) else rows)}
 
 
 # --- scenario validation --------------------------------------------------------------------------

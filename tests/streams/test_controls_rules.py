@@ -76,9 +76,9 @@ def test_admission_without_release_identity_or_approval_opens():
     v = one(run([sched("scheduler.scheduled", 10, pod="u1", workload="ml/Job/u1")]), 1)
     assert "no release identity" in v.detail and v.opened_at == at(10) and v.closed_at is None
     assert v.owner == "team-platform" and v.severity == "critical" and v.identity.workload_id == "ml/Job/u1"
-    unapproved = run([*released("r2", promoted=False, approver="nobody"), sched("scheduler.scheduled", 10, release_id="r2")])
+    unapproved = run([rel("release.registered", 0, "r2", actor="ci-pipeline"), sched("scheduler.scheduled", 10, release_id="r2")])
     v = one(unapproved, 1)
-    assert "no approval" in v.detail and v.identity.release_id == "r2" and v.closed_at is None
+    assert "release r2 had no approval for prod" in v.detail and v.identity.release_id == "r2" and v.closed_at is None
 
 
 def test_admission_with_approved_release_or_in_dev_does_not_open():
@@ -98,7 +98,10 @@ def test_admission_opens_then_closes_on_approval_or_when_the_workload_ends():
 
 def test_an_approval_by_an_actor_without_the_right_does_not_count():
     out = run([*released("r2", promoted=True, approver="mallory"), sched("scheduler.scheduled", 10, release_id="r2")])
-    assert "no approval" in one(out, 1).detail
+    # approved, but not by an actor with the right: said as such, not "no approval"
+    detail = one(out, 1).detail
+    assert "release r2 was approved for prod only by mallory at 2026-11-01T08:01:00+00:00, without the approve right" in detail
+    assert "no approval" not in detail
     assert "mallory holds no role; none grants approve" in one(out, 7).detail
 
 
@@ -119,6 +122,15 @@ def test_a_late_approval_that_predates_the_admission_withdraws_the_violation():
 def test_running_in_an_environment_never_promoted_to_opens():
     v = one(run([*released(promoted=False), sched("scheduler.running", 10, release_id="r1")]), 2)
     assert "never promoted to prod" in v.detail and v.opened_at == at(10) and v.closed_at is None and v.owner == "team-mlops"
+
+
+def test_a_promotion_without_an_actor_is_not_never_promoted():
+    events = [*released(promoted=False), rel("release.promoted", 2, actor=None, to_environment="prod"), sched("scheduler.running", 10, release_id="r1")]
+    out = run(events)
+    v = one(out, 2)
+    assert "was promoted to prod only by no recorded actor at 2026-11-01T08:02:00+00:00, without the promote right" in v.detail
+    assert "never promoted" not in v.detail
+    assert "promoted to prod of release r1 without the decision right: no actor was recorded" in one(out, 7).detail
 
 
 def test_running_after_promotion_does_not_open():

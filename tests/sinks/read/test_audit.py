@@ -47,66 +47,139 @@ def audit(env, *args):
     return result
 
 
+def recorded_violations(env, control: int | None = None) -> dict[str, str]:
+    """violation id -> detail, straight from the violations table (not withdrawn)."""
+    from sinks.clickhouse import connect
+
+    client = connect(env["GPULEDGER_CLICKHOUSE_DSN"], env["GPULEDGER_CLICKHOUSE_DATABASE"], create=False)
+    where = f"AND control_id = {int(control)}" if control else ""
+    rows = client.query(f"SELECT violation_id, detail FROM {env['GPULEDGER_CLICKHOUSE_DATABASE']}.violations FINAL "
+                        f"WHERE NOT startsWith(detail, 'withdrawn:') {where}").result_rows
+    return dict(rows)
+
+
 def test_json_report_fails_the_controls_the_incident_breaks(store):
     result = audit(store, *RANGE, "--format", "json")
     assert result.exit_code == 1
     report = json.loads(result.output)
     status = {c["id"]: c["status"] for c in report["controls"]}
-    assert status == {1: "FAIL", 2: "FAIL", 3: "PASS", 4: "FAIL", 5: "PASS", 6: "FAIL", 7: "PASS", 8: "PASS"}
+    # 5 and 8: no reservation, no retirement in the incident — not exercised, not PASS
+    assert status == {1: "FAIL", 2: "FAIL", 3: "PASS", 4: "FAIL", 5: "NOT EXERCISED", 6: "FAIL", 7: "PASS", 8: "NOT EXERCISED"}
+    assert report["mode"] == "recorded" and report["judged_under"] == [Policy().fingerprint]
     by_id = {c["id"]: c for c in report["controls"]}
-    assert by_id[2]["open"] == 1 and by_id[4]["closed"] == 2 and by_id[4]["recorded"] == 2 and by_id[1]["owner"] == "team-platform"
+    assert by_id[2]["open"] == 1 and by_id[4]["closed"] == 2 and by_id[1]["owner"] == "team-platform"
     details = {v["control"]: v["detail"] for v in report["violations"]}
     assert "training/llm-finetune-3" in details[1] and "rolled back from prod" in details[2]
     assert "GpuXidError" in details[6]
+    assert all(v["policy_version"] == Policy().fingerprint for v in report["violations"])
     evidence = {s["control"]: s for s in report["evidence"]}
     assert sorted(evidence) == list(range(1, 9))
-    assert {r["workload"]: r["verdict"] for r in evidence[1]["rows"]} == {
-        inc.W7: "approved before queue entry", inc.WT: "no release identity"}
-    assert evidence[2]["rows"][-1]["approved"].startswith("alice CHG-1042")
+    admission = {r["workload"]: r for r in evidence[1]["rows"]}
+    assert admission[inc.W7]["verdict"] == "no violation recorded" and admission[inc.W7]["approvals"].startswith("alice CHG-1042")
+    assert admission[inc.WT]["release"] == "no release identity" and "with no release identity" in admission[inc.WT]["verdict"]
+    assert evidence[2]["rows"][-1]["approvals"].startswith("alice CHG-1042")
     steps = {r["step"]: r["value"] for r in evidence[3]["rows"]}
-    assert steps["manifest.artifact_digest"] == inc.MANIFEST7["artifact_digest"] and steps["image check"] == "running image matches the manifest"
+    assert steps["manifest.artifact_digest"] == inc.MANIFEST7["artifact_digest"]
+    assert steps["running images"] == inc.MANIFEST7["image_digest"] and steps["control 3"] == "no violation recorded"
+    # one preemption seen by the pod and by its Kueue workload: one row, both sources
     [preemption] = evidence[4]["rows"]
-    assert preemption["preemptor"] == "Workload training/llm-finetune-3" and preemption["business"] == 90 and preemption["preemptor_business"] == 20
-    assert "inside observation window" in preemption["verdict"] and "lower business priority" in preemption["verdict"]
+    assert preemption["preemptor"] == "Workload training/llm-finetune-3" and preemption["business"] == "90" and preemption["preemptor_business"] == "20"
+    assert preemption["sources"] == "scheduler.preempted (Pod), scheduler.evicted (Workload)"
+    assert "inside the prod observation window" in preemption["verdict"] and "business priority 20" in preemption["verdict"]
     assert evidence[6]["summary"].startswith("coverage 1/2 = 50%") and {"step": "node/gpu", "value": f"node-b/{inc.GPU_B}"} in evidence[6]["rows"]
-    assert [(r["action"], r["actor"], r["authorized"]) for r in evidence[7]["rows"]] == [("rolled_back", "bob", "yes")]
+    assert [(r["action"], r["actor"], r["verdict"]) for r in evidence[7]["rows"]] == [
+        ("approved", "alice", "no violation recorded"), ("promoted", "alice", "no violation recorded"),
+        ("rolled_back", "bob", "no violation recorded")]
+    assert evidence[7]["summary"] == "3 action(s); 0 with a control 7 violation (0 violation(s) in the range)"
+
+
+def test_the_audit_reports_what_the_violations_table_holds(store):
+    # One source of truth: every violation the report lists is a row of the table, and
+    # every row of the table overlapping the range is in the report.
+    report = json.loads(audit(store, *RANGE, "--format", "json").output)
+    assert {v["violation_id"]: v["detail"] for v in report["violations"]} == recorded_violations(store)
+
+
+def test_recorded_verdicts_do_not_change_with_the_policy_file(store, tmp_path):
+    # The worker judged under the default policy; a stricter file changes nothing in the
+    # recorded mode (it is named, with its version, beside the one the violations carry).
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(STRICT)
+    report = json.loads(audit(store, *RANGE, "--format", "json", "--policy", str(policy)).output)
+    assert {c["id"]: c["status"] for c in report["controls"]}[7] == "PASS"
+    assert report["policy_version"] != Policy().fingerprint and report["judged_under"] == [Policy().fingerprint]
+
+
+def test_an_empty_store_is_nothing_to_audit(clickhouse_client, clickhouse_dsn, tmp_path):
+    db = f"t_{uuid.uuid4().hex[:12]}"
+    migrate(clickhouse_client, db)
+    env = {"GPULEDGER_CLICKHOUSE_DSN": clickhouse_dsn, "GPULEDGER_CLICKHOUSE_DATABASE": db, "GPULEDGER_DATA_DIR": str(tmp_path),
+           "COLUMNS": "250"}
+    result = audit(env, *RANGE, "--format", "json")
+    assert result.exit_code == 4, result.output
+    report = json.loads(result.output)
+    assert report["outcome"] == "nothing to audit" and report["events_in_range"] == 0
+    for c in report["controls"]:
+        assert c["status"] == "NO EVENTS" and c["note"] == "no events recorded between 2026-11-30T11:00:00Z and 2026-11-30T14:00:00Z"
+    table = audit(env, *RANGE)
+    assert table.exit_code == 4 and "nothing to audit: no events recorded between 2026-11-30T11:00:00Z and 2026-11-30T14:00:00Z" in table.output
+    assert "all controls pass" not in table.output and "PASS" not in table.output
+
+
+def test_the_wrong_database_is_nothing_to_audit(store):
+    result = audit({**store, "GPULEDGER_CLICKHOUSE_DATABASE": f"nope_{uuid.uuid4().hex[:8]}"}, *RANGE, "--format", "json")
+    assert result.exit_code == 4, result.output
+    assert {c["status"] for c in json.loads(result.output)["controls"]} == {"NO EVENTS"}
 
 
 def test_table_and_html_formats(store, tmp_path):
     table = audit(store, *RANGE)
     assert table.exit_code == 1
-    assert "FAIL" in table.output and "(8) Retired releases reconciled to zero capacity" in table.output
+    assert "FAIL" in table.output and "(8) Retired releases" in table.output and "NOT EXERCISED" in table.output
     assert "at least one control fails" in table.output
     out = tmp_path / "audit.html"
     html = audit(store, *RANGE, "--format", "html", "--output", str(out))
     assert html.exit_code == 1
     page = out.read_text()
     # The layout of the incident report (one base template): its doctype, its no-fetch CSP.
-    assert page.lower().startswith("<!doctype html>") and "AT LEAST ONE CONTROL FAILS" in page and "Containment and rollback actions" in page
+    assert page.lower().startswith("<!doctype html>") and "AT LEAST ONE CONTROL FAILS" in page and "containment and rollback actions" in page
     head = page.split("<body>", 1)[0]
     assert "<script" not in page and "src=" not in page and "http://" not in head and "https://" not in head  # self-contained
     assert "default-src 'none'" in head
 
 
-def test_a_quiet_range_passes_with_exit_code_zero(store):
+def test_a_quiet_range_passes_only_what_it_exercised(store):
+    # Three days before the incident: only v6's approval and promotion happened.
     result = audit(store, *QUIET, "--format", "json")
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["passed"] is True
+    report = json.loads(result.output)
+    status = {c["id"]: c["status"] for c in report["controls"]}
+    assert status == {1: "NOT EXERCISED", 2: "PASS", 3: "NOT EXERCISED", 4: "NOT EXERCISED", 5: "NOT EXERCISED",
+                      6: "NOT EXERCISED", 7: "PASS", 8: "NOT EXERCISED"}
+    # control 6 with 0 of 0 alerts is not a pass
+    assert "nothing this control checks happened in the range (alert episode(s))" == {c["id"]: c["note"] for c in report["controls"]}[6]
+    assert "every exercised control passes (6 not exercised)" in audit(store, *QUIET).output
 
 
-def test_policy_option_re_evaluates_with_other_decision_rights(store, tmp_path):
-    # carol promoted the staging release; here she only plans capacity
-    policy = tmp_path / "policy.yaml"
-    policy.write_text("""roles:
+STRICT = """roles:
   release-managers: {owner: team-mlops, members: [alice], actions: [approve, promote, rollback, revoke, retire]}
   platform-sre: {owner: team-platform, members: [bob], actions: [rollback, pause_queue, isolate_node, override_priority]}
   capacity-planners: {owner: team-capacity, members: [carol], actions: [reserve]}
-""")
-    report = json.loads(audit(store, *RANGE, "--format", "json", "--policy", str(policy)).output)
+"""
+
+
+def test_reevaluate_judges_the_history_under_another_policy_and_says_so(store, tmp_path):
+    # carol promoted the staging release; here she only plans capacity
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(STRICT)
+    report = json.loads(audit(store, *RANGE, "--format", "json", "--policy", str(policy), "--reevaluate").output)
+    assert report["mode"] == "re-evaluation" and report["verdicts"].startswith(f"RE-EVALUATION under {policy}")
     assert {c["id"]: c["status"] for c in report["controls"]}[7] == "FAIL"
     [v] = [v for v in report["violations"] if v["control"] == 7]
     assert "promoted to staging of release fraud-scorer-v7-staging without the decision right: carol holds capacity-planners" in v["detail"]
+    assert v["policy_version"] == report["policy_version"] != Policy().fingerprint
     assert report["policy"] == str(policy)
+    assert "RE-EVALUATION" in audit(store, *RANGE, "--policy", str(policy), "--reevaluate").output
 
 
 def test_bad_options_and_policy_exit_2(store, tmp_path):

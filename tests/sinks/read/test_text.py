@@ -92,10 +92,11 @@ def test_every_free_text_field_of_both_pages_is_escaped():
     _assert_neutralised(page)
     assert "<script>alert" not in page
     report = {"range": {"from": "2026-11-30T11:00:00Z", "to": "2026-11-30T14:00:00Z"}, "policy": EVIL, "passed": False,
-              "controls": [{"id": 6, "title": EVIL, "status": "FAIL", "violations": 1, "open": 1, "closed": 0, "info": 0, "recorded": 1,
-                            "owner": EVIL}],
+              "outcome": "fail", "policy_version": EVIL, "verdicts": EVIL, "events_in_range": 1,
+              "controls": [{"id": 6, "title": EVIL, "status": "FAIL", "violations": 1, "open": 1, "closed": 0, "info": 0, "exercised": 1,
+                            "owner": EVIL, "note": EVIL}],
               "violations": [{"control": 6, "severity": "critical", "opened_at": "x", "closed_at": None, "owner": EVIL, "subject": EVIL,
-                              "detail": EVIL}],
+                              "detail": EVIL, "policy_version": EVIL}],
               "evidence": [{"control": 6, "title": EVIL, "summary": EVIL, "columns": ["step", EVIL], "rows": [{"step": EVIL, EVIL: EVIL}],
                             "more": 0}]}
     audit_page = audit_html(report)

@@ -37,6 +37,15 @@ def test_every_entry_point_resolves_to_the_same_chain(store, at):
     reader, db = store
     results = {f"{k}={v}": trace(reader, db, k, v, at=at) for k, v in ENTRIES}
     chains = {name: chain_of(r) for name, r in results.items()}
+    if at is None:
+        # Without --at each entry anchors the window on its own time (the alert's
+        # startsAt, the workload's latest event…): the window and what it selects (other
+        # workloads' events, other alerts, other GPU holders) differ; the chain does not.
+        assert {c["window"]["anchor"] for c in chains.values()} > {"the alert's startsAt"}
+        chains = {name: {**{k: v for k, v in c.items() if k != "window"},
+                         "scheduler_events": [e for e in c["scheduler_events"] if e["in_chain"]],
+                         "alerts": [a for a in c["alerts"] if a["in_chain"]],
+                         "gpus": [{**g, "others_in_window": None} for g in c["gpus"]]} for name, c in chains.items()}
     reference = chains[f"alert={inc.FP}"]
     for name, chain in chains.items():
         assert chain == reference, f"{name} differs from the alert's chain"
@@ -79,6 +88,86 @@ def test_the_chain_links_alert_release_workload_pods_gpus_and_neighbours(store):
     assert alerts[inc.FP_XID]["in_chain"] is False  # other alert on node-b in the window
     assert inc.FP_OLD not in alerts  # v6's old alert is not this incident
     assert result["gaps"] == []
+
+
+def test_an_alert_trace_is_anchored_on_the_alerts_starts_at(store):
+    # Without --at the window ends at the alert's startsAt (13:05), not at the chain's
+    # latest event (the resolution at 13:35): the preemptor landing on node-a at 13:00
+    # is inside a 15-minute window.
+    reader, db = store
+    result = trace(reader, db, "alert", inc.FP, window=timedelta(minutes=15))
+    assert result["window"] == {"from": "2026-11-30T12:50:00.000Z", "to": "2026-11-30T13:05:00.000Z", "length": "15m",
+                                "anchor": "the alert's startsAt"}
+    others = [(e["event_type"], e.get("workload_id")) for e in result["scheduler_events"] if not e["in_chain"]]
+    assert ("scheduler.scheduled", inc.WT) in others
+    from sinks.read.tree import render_tree, tree_text
+
+    text = tree_text(render_tree(result), width=250).splitlines()
+    assert "window 2026-11-30T12:50:00.000Z → 2026-11-30T13:05:00.000Z (anchored on the alert's startsAt)" in text[1]
+
+
+@pytest.mark.parametrize("kind,value,anchor,to", [
+    ("workload", inc.W7, "the workload's latest event", "2026-11-30T13:03:30.000Z"),
+    ("pod", f"risk/{inc.P1}", "the pod's latest event", "2026-11-30T13:00:00.000Z"),
+    ("release", inc.R7, "the chain's latest event", None),
+    ("alert", inc.FP, "--at", "2026-11-30T13:10:00.000Z"),
+])
+def test_the_window_header_says_what_it_is_anchored_on_and_its_rows_are_inside(store, kind, value, anchor, to):
+    reader, db = store
+    at = AT if anchor == "--at" else None
+    result = trace(reader, db, kind, value, at=at, window=timedelta(minutes=30))
+    win = result["window"]
+    assert win["anchor"] == anchor and (to is None or win["to"] == to)
+    # what the window selects (other workloads' events, other alerts, other GPU holders) lies in it
+    for e in result["scheduler_events"]:
+        assert e["in_chain"] or win["from"] <= e["occurred_at"] <= win["to"], e
+    for a in result["alerts"]:
+        assert a["in_chain"] or win["from"] <= a["occurred_at"] <= win["to"], a
+
+
+def test_one_preemption_seen_by_two_sources_is_one_row_with_its_sources(store):
+    reader, db = store
+    [wl] = trace(reader, db, "workload", inc.W7, at=AT)["workloads"]
+    [preemption] = wl["preemptions"]
+    assert preemption["preemptor"] == "Workload/training/llm-finetune-3" and preemption["occurred_at"] == "2026-11-30T13:00:00.000Z"
+    assert preemption["sources"] == ["scheduler.preempted (Pod)", "scheduler.evicted (Workload)"]
+    from sinks.read.tree import render_tree, tree_text
+
+    lines = [line for line in tree_text(render_tree(trace(reader, db, "workload", inc.W7, at=AT)), width=250).splitlines()
+             if "preempted 2026" in line or "evicted 2026" in line]
+    assert len(lines) == 1 and "by Workload/training/llm-finetune-3" in lines[0] and "seen by scheduler.preempted (Pod), scheduler.evicted (Workload)" in lines[0]
+
+
+def test_a_preemptor_named_by_uid_is_resolved_to_its_name(clickhouse_client):
+    # Kueue names the preemptor by Workload uid; the collector resolves it only when it
+    # already knows the Workload. Another victim's row that named it resolves it here.
+    import asyncio
+
+    from sinks.agents import SinkWriters
+
+    db = inc.load_store(clickhouse_client)
+    m = lambda minutes: inc.T0 + timedelta(minutes=minutes)  # noqa: E731
+    message = "Preempted to accommodate a workload (UID: wl-uid-9, JobUID: job-9)"
+    rows = [
+        inc._sched("scheduler.admitted", m(20), "research/small", None, {"queue": "research"}, ns="research"),
+        inc._sched("scheduler.evicted", m(30), "research/small", None, {"reason": "Preempted", "message": message,
+                                                                         "preemptor": {"kind": "Workload", "name": "", "uid": "wl-uid-9"}},
+                   ns="research"),
+        inc._sched("scheduler.admitted", m(21), "research/other", None, {"queue": "research"}, ns="research"),
+        inc._sched("scheduler.evicted", m(31), "research/other", None, {"reason": "Preempted", "message": message,
+                                                                         "preemptor": {"kind": "Workload", "namespace": "research",
+                                                                                       "name": "big-job", "uid": "wl-uid-9"}},
+                   ns="research"),
+        inc._sched("scheduler.admitted", m(22), "research/lonely", None, {"queue": "research"}, ns="research"),
+        inc._sched("scheduler.evicted", m(32), "research/lonely", None, {"reason": "Preempted", "preemptor": {"kind": "Workload", "name": "", "uid": "wl-uid-unknown"}},
+                   ns="research"),
+    ]
+    asyncio.run(SinkWriters(clickhouse_client, db).store_correlated(rows))
+    reader = DirectReader(clickhouse_client)
+    [small] = trace(reader, db, "workload", "research/small")["workloads"]
+    assert [p["preemptor"] for p in small["preemptions"]] == ["Workload/research/big-job"]
+    [lonely] = trace(reader, db, "workload", "research/lonely")["workloads"]
+    assert [(p.get("preemptor"), p["preemptor_uid"]) for p in lonely["preemptions"]] == [(None, "wl-uid-unknown")]
 
 
 def test_at_before_the_rollback_shows_the_pre_rollback_state(store):
