@@ -152,7 +152,7 @@ def worker(stack: ExitStack, kafka_bootstrap: str, catalogue, tmp_path: Path) ->
         from gpuledger.dev.process import wait_for_worker
         from sinks.read.query import RemoteReader, owner_file
 
-        url = wait_for_worker(service, owner_file(env["GPULEDGER_CLICKHOUSE_DSN"]))
+        wait_for_worker(service, owner_file(env["GPULEDGER_CLICKHOUSE_DSN"]))
         publisher = EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, "lifecycle-test")
         publisher.publish_batch(sample_events(datetime.now(timezone.utc)))
         publisher.close()
