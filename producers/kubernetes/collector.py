@@ -69,6 +69,7 @@ from kubernetes.watch.watch import iter_resp_lines
 from pydantic import ValidationError
 from tenacity import RetryCallState
 
+from producers._config import ResourceMatcher
 from producers._errors import EventTooLarge, ProducerError, PublishError, StateFileError
 from producers._kafka import EventPublisher
 from producers._limits import TextTrimmer
@@ -289,7 +290,7 @@ class SchedulerCollector:
         state_dir = Path(state_dir or settings.state_dir or Path.cwd() / "scheduler-collector")
         self.state = StateStore(state_dir / "scheduler-state.json", settings.state_flush_interval_s)
         self.source = Source(collector=SOURCE, host=settings.host)
-        self.resources = tuple(settings.gpu_resources)
+        self.resources = ResourceMatcher(settings.gpu_resources)
         self.index = KueueIndex()
         self._pods: dict[str, _PodEntry] = {}
         self._gone_pods: set[str] = set()  # uids a GET answered 404 for (bounded)
@@ -705,7 +706,7 @@ class SchedulerCollector:
             self._stop = stop
         stop = self._stop
         log.info("scheduler collector: %s, resources %s, state %s", f"namespace {self.settings.namespace}" if self.settings.namespace
-                 else "all namespaces", ",".join(self.resources), self.state.path)
+                 else "all namespaces", ",".join(self.resources.patterns), self.state.path)
         threads: list[threading.Thread] = []
         backoff = {"stop": stop, "initial_s": self.settings.backoff_initial_s, "max_s": self.settings.backoff_max_s}
         try:

@@ -7,8 +7,9 @@ Input: the kubelet's PodResourcesLister v1 gRPC service on its unix socket
 pod missing from ``List`` is gone before its devices are released; the kubelet's
 List purges the devices of inactive pods first, so Get never holds a release for a
 finished pod — it only guards against a pod missing from one List answer).
-Only resources matching the configured names (default ``nvidia.com/gpu``,
-``nvidia.com/gpu.shared`` and the prefix ``nvidia.com/mig-*``) are considered.
+Only resources matching the configured names (default ``producers._config.GPU_RESOURCES``,
+shared with the scheduler collector: ``nvidia.com/gpu``, ``nvidia.com/gpu.shared``, the
+prefix ``nvidia.com/mig-*``, ...) are considered.
 
 Output: ``GpuEvent``s on the gpu topic, keyed by namespace/pod:
 ``gpu.assigned`` / ``gpu.released`` per (node, namespace/pod, container, resource,
@@ -71,6 +72,7 @@ import grpc
 from tenacity import RetryCallState
 
 from gpuledger.telemetry import meter
+from producers._config import ResourceMatcher
 from producers._errors import EventTooLarge, PublishError, StateFileError
 from producers._kafka import EventPublisher
 from producers._runtime import StateFile, Stopped, call_with_backoff, retry_error
@@ -86,7 +88,6 @@ from producers.podresources.snapshot import (
     Observation,
     PodResourcesError,
     Reject,
-    ResourceMatcher,
     observe,
     observe_pod,
     parse_device_id,

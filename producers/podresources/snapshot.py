@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
+from producers._config import ResourceMatcher
 from producers._errors import ProducerError
 from producers.podresources.proto import podresources_v1_pb2 as pb
 
@@ -91,18 +92,6 @@ def parse_device_id(device_id: str) -> DeviceRef:
     if _INDEX.match(base):
         return DeviceRef(device_id, "index", gpu=base, share=share)
     return DeviceRef(device_id, "unknown", share=share)
-
-
-class ResourceMatcher:
-    """Configured resource names; an entry ending in '*' is a prefix."""
-
-    def __init__(self, patterns: Iterable[str]) -> None:
-        patterns = tuple(patterns)
-        self.names = frozenset(p for p in patterns if not p.endswith("*"))
-        self.prefixes = tuple(p[:-1] for p in patterns if p.endswith("*"))
-
-    def __call__(self, resource_name: str) -> bool:
-        return resource_name in self.names or resource_name.startswith(self.prefixes)
 
 
 # --- snapshots (pure) --------------------------------------------------------------------

@@ -715,3 +715,53 @@ def test_workload_facts_v1beta2_and_v1beta1_priority_class():
         info = workload_info(wl, ("nvidia.com/gpu",), "gpuledger.io/")
         assert (info.priority_class, info.priority, info.queue) == ("gold", 77, "q")
         assert [f.transition for f in workload_facts(wl)] == ["queued", "admitted"]
+
+
+def test_mig_job_and_its_workload_are_collected_with_defaults(api, make_collector, kafka_bootstrap, catalogue):
+    """Issue #13.4: with default settings a job asking for MIG slices (nvidia.com/mig-*) is a
+    GPU job — its Workload, its pod and its preemption reach the scheduler topic — and
+    both collectors share that default."""
+    from producers._config import GPU_RESOURCES
+    from producers.podresources.config import PodResourcesSettings
+
+    assert SchedulerCollectorSettings().gpu_resources == PodResourcesSettings().resources == GPU_RESOURCES
+    mig = "nvidia.com/mig-1g.10gb"
+    adm = {"clusterQueue": "mig-cq", "podSetAssignments": [pod_set_assignment("main", {mig: "a100-mig"}, {mig: "1"}, count=1)]}
+    spec = dict(queue_name="team-q", priority_class="low", priority=10, owner=("Job", "mig-train", "job-uid-mig"),
+                pod_sets=[make_pod_set("main", count=1, gpu_resource=mig)], created=T0)
+    wl = api.create(WORKLOADS_V1BETA2, make_workload("ml", "job-mig-train-1", **spec, admission=adm,
+                                                     conditions=[workload_condition("QuotaReserved", at=at(1)),
+                                                                 workload_condition("Admitted", at=at(1))]))
+    api.create(PODS, make_pod("ml", "mig-train-0", node="gpu-1", created=at(2), gpu_resource=mig,
+                              labels={"kueue.x-k8s.io/queue-name": "team-q"}, owner=("Job", "mig-train", "job-uid-mig")))
+    # Neither a CPU pod nor a pod asking for some other extended resource is a GPU pod.
+    api.create(PODS, make_pod("ml", "cpu-only", node="cpu-1", gpus=0, created=at(2)))
+    api.create(PODS, make_pod("ml", "fpga", node="cpu-1", created=at(2), gpu_resource="xilinx.com/fpga"))
+    collector = make_collector(api, **{k: v for k, v in FAST.items()})  # defaults for the resource list
+    with running(collector):
+        wait_sent(collector, 6)  # workload: queued, quota_reserved, admitted; pod: submitted, scheduled, running
+        wait_watching(api, PODS, WORKLOADS_V1BETA2)
+        msg = "Preempted to accommodate a workload (UID: wl-urgent, JobUID: job-urgent) due to prioritization in the ClusterQueue"
+        api.update(WORKLOADS_V1BETA2, make_workload("ml", "job-mig-train-1", **spec, uid=wl["metadata"]["uid"], conditions=[
+            workload_condition("Evicted", reason="Preempted", message=msg, at=at(30)),
+            workload_condition("Preempted", reason="InClusterQueue", message=msg, at=at(30))]))
+        wait_sent(collector, 8)
+
+    events = published(kafka_bootstrap, catalogue.scheduler, 8)
+    assert {e.identity.pod for e in events if e.identity.pod} == {"mig-train-0"}
+    wl_events = [e for e in events if e.payload.object_kind == "Workload"]
+    assert types(wl_events) == ["queued", "quota_reserved", "admitted", "evicted", "preempted"]
+    assert wl_events[0].payload.gpus_requested == 1 and wl_events[2].payload.flavors[mig] == "a100-mig"
+    pod_events = [e for e in events if e.payload.object_kind == "Pod"]
+    assert pod_events[0].identity.workload_id == "ml/job-mig-train-1" and pod_events[0].payload.gpus_requested == 1
+
+
+def test_resource_patterns_count_every_matching_extended_resource():
+    spec = {"containers": [{"resources": {"limits": {"nvidia.com/mig-1g.10gb": "2", "nvidia.com/mig-3g.40gb": "1", "cpu": "4"}}},
+                           {"resources": {"requests": {"amd.com/gpu": "1"}, "limits": {"amd.com/gpu": "1"}}}]}
+    assert gpus_requested(spec, ["nvidia.com/mig-*"]) == 3
+    assert gpus_requested(spec, ["nvidia.com/gpu", "nvidia.com/mig-*", "amd.com/gpu"]) == 4
+    assert gpus_requested(spec, ["nvidia.com/gpu"]) == 0
+    with pytest.raises(SettingsError) as exc:
+        Settings.load(collectors={"scheduler": {"gpu_resources": ("nvidia.com/*gpu",)}})
+    assert "GPULEDGER_SCHEDULER_GPU_RESOURCES" in str(exc.value)
