@@ -119,8 +119,20 @@ def fold_event(state: dict, event: dict, src: tuple[str, int, int]) -> bool:
         "payload": bounded_payload(payload), "starts_at": iso(payload.get("starts_at")) if etype.startswith("alert.") else None,
         "expired": False, "parked": False,
     }
+    if etype.startswith("alert.") and (instance := gpu_instance(payload.get("labels") or {})):
+        state["rows"][eid]["gpu_instance"] = instance
     _bound(state)
     return True
+
+
+#: dcgm-exporter's labels for a MIG instance: ``UUID`` names the physical GPU, these the slice.
+GPU_INSTANCE_LABELS = {"gi": "GPU_I_ID", "profile": "GPU_I_PROFILE"}
+
+
+def gpu_instance(labels: dict) -> dict | None:
+    """The MIG instance an alert's labels name (``GPU_I_ID``, ``GPU_I_PROFILE``), or None."""
+    found = {k: str(labels[v]) for k, v in GPU_INSTANCE_LABELS.items() if labels.get(v) not in (None, "")}
+    return found or None
 
 
 def bounded_payload(payload: dict) -> str:
@@ -263,9 +275,43 @@ def own_release(state: dict, directory, facts: dict) -> tuple[str | None, str]:
     return None, "unattributed"
 
 
+def learned_parents(state: dict, spans: list[dict]) -> tuple[dict[str, dict], int]:
+    """MIG device -> {gpu, gi, profile} a pod's own DCGM alerts prove, and the version
+    component (the number of alert rows that can teach it).
+
+    dcgm-exporter names a MIG instance by its physical GPU (``UUID=GPU-…``) plus
+    ``GPU_I_ID``/``GPU_I_PROFILE``, and — with pod mapping — the pod holding it. When
+    that pod held exactly one MIG device on the alert's node at its ``startsAt`` (of
+    that profile, when the profile is named), that device is a slice of that GPU.
+    The latest alert wins (sort key), so the answer is independent of arrival order."""
+    teaching = sorted((r for r in state["rows"].values() if r.get("gpu_instance") and r["identity"].get("gpu_id", "").startswith("GPU-")),
+                      key=lambda r: r["key"])
+    out: dict[str, dict] = {}
+    for rec in teaching:
+        at, node, inst = rec["starts_at"] or rec["at"], rec["identity"].get("node"), rec["gpu_instance"]
+        held = {iv["device"] for iv in spans if iv["mig"] and not iv["gpu"] and (node is None or iv["node"] == node)
+                and iv["start"] <= at and (iv["end"] is None or at < iv["end"])
+                and (not inst.get("profile") or iv["resource"].endswith(inst["profile"]))}
+        if len(held) == 1:
+            out[held.pop()] = {"gpu": rec["identity"]["gpu_id"], **inst, "source": "dcgm_alert"}
+    return out, len(teaching)
+
+
 def intervals(state: dict) -> list[dict]:
     """Allocation intervals derived from a pod's gpu rows (order-independent), each with
-    the number of gpu events and deletions it was derived from."""
+    the number of gpu events and deletions it was derived from; a MIG slice whose
+    physical GPU is not in its id gets it from ``learned_parents``."""
+    spans = _spans(state)
+    parents, learned_v = learned_parents(state, spans)
+    for iv in spans:
+        if iv["mig"] and not iv["gpu"]:
+            iv["v"] += learned_v
+            if (parent := parents.get(iv["device"])):
+                iv.update(gpu=parent["gpu"], gi=parent.get("gi"), profile=parent.get("profile"), parent_source=parent["source"])
+    return spans
+
+
+def _spans(state: dict) -> list[dict]:
     per: dict[str, list] = defaultdict(list)
     deletions = sorted(r["at"] for r in state["rows"].values() if r["type"] == "scheduler.deleted")
     deleted = deletions[-1] if deletions else None
@@ -295,20 +341,42 @@ def intervals(state: dict) -> list[dict]:
     return out
 
 
-def _covering(links: dict, at: str) -> tuple[dict | None, int, tuple[str, ...]]:
-    """The allocation that held a node/GPU at time ``at`` (latest start wins), the
-    versions of every link that could have held it then, and their releases."""
-    best, version, rids = None, 0, set()
+def _covering(links: dict, at: str) -> tuple[list[dict], int, tuple[str, ...]]:
+    """The allocations that held a node/GPU at time ``at`` (its own device, and — on a
+    physical GPU — every MIG slice or time-slicing share of it), the versions of every
+    link that could have held it then, and their releases."""
+    holders, version, rids = [], 0, set()
     for _src, link in sorted(links.items()):
         early = [iv for iv in link.get("intervals", []) if iv["start"] <= at]
         if not early:
             continue
         version += link.get("v", 0)
         rids.update(iv["identity"].get("release_id") for iv in early if iv["identity"].get("release_id"))
-        for iv in early:
-            if (iv["end"] is None or at < iv["end"]) and (best is None or iv["start"] > best["start"]):
-                best = iv
-    return best, version, tuple(sorted(rids))
+        holders.extend(iv for iv in early if iv["end"] is None or at < iv["end"])
+    return holders, version, tuple(sorted(rids))
+
+
+def select_holders(holders: list[dict], instance: dict | None) -> list[dict]:
+    """Who an alert on a node/GPU is about: the device's own holder (latest start wins)
+    if it was held whole, else every slice/share holder; an alert naming a MIG instance
+    (``GPU_I_ID``/``GPU_I_PROFILE``) only that instance's holder — by instance id where
+    the slice's is known, else by profile. Sorted by (start, allocation id)."""
+    whole = [h for h in holders if not h.get("slice")]
+    if whole and not instance:
+        return [max(whole, key=lambda h: (h["start"], h["id"]))]
+    parts = [h for h in holders if h.get("slice")]
+    if instance:
+        by_gi = [h for h in parts if instance.get("gi") and h.get("gi") == instance["gi"]]
+        parts = by_gi or [h for h in parts if not h.get("gi") and (not instance.get("profile") or h.get("resource", "").endswith(instance["profile"]))]
+    return sorted(parts, key=lambda h: (h["start"], h["id"]))
+
+
+def shared_identity(holders: list[dict]) -> dict:
+    """The identity fields every holder agrees on (all of them for one holder)."""
+    if not holders:
+        return {}
+    first, rest = holders[0]["identity"], [h["identity"] for h in holders[1:]]
+    return {k: v for k, v in first.items() if all(other.get(k) == v for other in rest)}
 
 
 def resolve_row(state: dict, record: dict, directory, entity_res: Resolution) -> Resolution:
@@ -325,11 +393,15 @@ def resolve_row(state: dict, record: dict, directory, entity_res: Resolution) ->
     if kind in ("pod", "wl"):
         return entity_res
     if kind == "gpu":
-        iv, version, rids = _covering(state["links"], at)
+        holders, version, rids = _covering(state["links"], at)
+        holders = select_holders(holders, record.get("gpu_instance"))
         interests = [f"rid:{r}" for r in rids]
-        if iv is None:
+        if not holders:
             return Resolution({}, "unattributed", None, interests, rids, (), version)
-        ident = dict(iv["identity"])
+        ident = shared_identity(holders)
+        if len(holders) > 1 or holders[0].get("slice"):
+            # The alert names the physical GPU; the device a pod held is a slice/share of it.
+            ident = {k: v for k, v in ident.items() if k != "gpu_id"}
         rid = ident.get("release_id")
         return Resolution(ident, "gpu_assignment" if rid else "unattributed", rid, interests, rids, (), version)
     if kind == "model":
@@ -430,10 +502,16 @@ def _refresh_pod(state: dict, directory, res: Resolution, out: Outcome) -> None:
         version = _emit(state["allocs"], alloc_id, iv["v"] + identity_version, row, out)
         if version is not None:
             out.allocations.append({**row, "version": version})
+        held = {"id": alloc_id, "start": iv["start"], "end": iv["end"], "identity": ident_iv, "attribution": res.attribution}
         target = f"gpu:{iv['node']}/{iv['device']}"
-        per_gpu.setdefault(target, []).append(
-            {"id": alloc_id, "start": iv["start"], "end": iv["end"], "identity": ident_iv, "attribution": res.attribution})
-        gpu_version[target][(iv["container"], iv["resource"])] = iv["v"]
+        per_gpu.setdefault(target, []).append(held)
+        gpu_version[target][(iv["container"], iv["resource"], iv["device"])] = iv["v"]
+        if iv["gpu"] and iv["gpu"] != iv["device"]:
+            # A MIG slice or time-slicing share: the physical GPU's alerts reach its holder too.
+            physical = f"gpu:{iv['node']}/{iv['gpu']}"
+            per_gpu.setdefault(physical, []).append({**held, "slice": iv["device"], "resource": iv["resource"],
+                                                     "gi": iv.get("gi"), "profile": iv.get("profile")})
+            gpu_version[physical][(iv["container"], iv["resource"], iv["device"])] = iv["v"]
     for target, ivs in per_gpu.items():
         _forward(state, target, sum(gpu_version[target].values()) + identity_version, {"intervals": ivs}, out)
     f = res.identity
