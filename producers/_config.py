@@ -32,6 +32,17 @@ NameList = Annotated[tuple[str, ...], NoDecode, BeforeValidator(_comma_list)]
 GPU_RESOURCES: tuple[str, ...] = ("nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/mig-*", "amd.com/gpu", "gpu.intel.com/*")
 
 
+#: DRA drivers whose devices are GPUs, the default of both collectors: NVIDIA's
+#: (``gpu.nvidia.com``; MIG devices are published by the same driver), AMD's, Intel's.
+GPU_DRA_DRIVERS: tuple[str, ...] = ("gpu.nvidia.com", "gpu.amd.com", "gpu.intel.com")
+
+
+def dra_device_id(driver: str, pool: str, device: str) -> str:
+    """The one text of a DRA device: ``<driver>/<pool>/<device>`` (the triplet that names it
+    uniquely, as the kubelet's pod-resources API and a ResourceSlice report it)."""
+    return f"{driver}/{pool}/{device}"
+
+
 def check_resource_patterns(value: tuple[str, ...]) -> tuple[str, ...]:
     """A field validator's check of a resource pattern list: not empty, '*' only at the end."""
     if not value:

@@ -197,6 +197,7 @@ class PodResourcesCollector:
         self.counters = publisher.counters
         self.node = settings.node
         self._matches = ResourceMatcher(settings.resources)
+        self._dra = ResourceMatcher(settings.dra_drivers) if settings.dra_drivers else None
         self._store = StateStore(settings.state_file, settings.node)
         self._store.check_writable()
         self.state = self._store.load()
@@ -295,19 +296,22 @@ class PodResourcesCollector:
 
     def _observe(self) -> Observation:
         listed = self._call("List", pb.ListPodResourcesRequest())
-        obs = observe(listed.pod_resources, self._allocatable(), self._matches)
+        obs = observe(listed.pod_resources, self._allocatable(), self._matches, self._dra)
         # A pod that vanished from List is confirmed with Get before its devices are released.
         held_pods = {(k.namespace, k.pod) for k in self.state.assignments}
         for namespace, pod in sorted(held_pods - {(p.namespace, p.name) for p in listed.pod_resources}):
             found = self._still_there(namespace, pod)
             if found is not None and found.name == pod and found.namespace == namespace:
-                observe_pod(found, self._matches, obs)
+                observe_pod(found, self._matches, obs, self._dra)
         return obs
 
     # -- events ------------------------------------------------------------------
 
     def _assignment_event(self, key: AssignmentKey, held: Held, action: Literal["assigned", "released"], observed: datetime) -> GpuEvent:
         ref = parse_device_id(key.device_id)
+        # A DRA device (resource = its driver): '<driver>/<pool>/<device>'; pools may hold '/', device names do not.
+        dra = self._dra is not None and self._dra(key.resource) and key.device_id.startswith(key.resource + "/")
+        pool = key.device_id[len(key.resource) + 1:key.device_id.rindex("/")] if dra else None
         return GpuEvent(
             event_id=make_event_id(COLLECTOR, (self.node, key.namespace, key.pod, key.container, key.resource, key.device_id, action), held.since),
             event_type=f"gpu.{action}",
@@ -316,7 +320,8 @@ class PodResourcesCollector:
             source=Source(collector=COLLECTOR, host=self.node),
             identity=Identity(namespace=key.namespace, pod=key.pod, node=self.node, gpu_id=key.device_id),
             payload=GpuPayload(node=self.node, namespace=key.namespace, pod=key.pod, container=key.container, resource_name=key.resource,
-                               device_id=key.device_id, gpu=ref.gpu, mig_instance=ref.mig_instance, share=ref.share, numa_nodes=held.numa),
+                               device_id=key.device_id, gpu=None if dra else ref.gpu, mig_instance=None if dra else ref.mig_instance,
+                               share=None if dra else ref.share, numa_nodes=held.numa, driver=key.resource if dra else None, pool=pool),
         )
 
     def _allocatable_event(self, resource: str, current: AllocatableSet, observed: datetime) -> GpuEvent:

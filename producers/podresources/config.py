@@ -15,7 +15,7 @@ from pathlib import Path
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from producers._config import GPU_RESOURCES, NameList, check_resource_patterns
+from producers._config import GPU_DRA_DRIVERS, GPU_RESOURCES, NameList, check_resource_patterns
 
 DEFAULT_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 _NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
@@ -34,6 +34,7 @@ class PodResourcesSettings(BaseSettings):
         default=GPU_RESOURCES,
         description="Resource names to publish, comma-separated in the environment; a trailing '*' makes an entry a prefix (the same default as GPULEDGER_SCHEDULER_GPU_RESOURCES).",
     )
+    dra_drivers: NameList = Field(default=GPU_DRA_DRIVERS, description="DRA drivers whose allocations (dynamic_resources) are published as GPU assignments, device id '<driver>/<pool>/<device>'; comma-separated, a trailing '*' makes an entry a prefix; empty: none.")
     rpc_timeout_s: float = Field(default=10.0, gt=0, description="Deadline of one gRPC call to the kubelet.")
     backoff_initial_s: float = Field(default=1.0, gt=0, description="First retry delay after a failed poll; doubles per failure, with jitter.")
     backoff_max_s: float = Field(default=60.0, gt=0, description="Cap of the retry delay.")

@@ -262,6 +262,14 @@ def _allocation_at(allocs: list[dict], at: str | None) -> dict | None:
     return (holding or [a for a in ordered if a["started_at"] <= at] or [None])[-1]
 
 
+def _holds(alloc: dict) -> str:
+    """How an allocation holds the physical GPU its ``gpu`` names: a MIG slice, a
+    time-slicing share, or (a DRA device named by driver/pool/device) the whole GPU."""
+    if alloc["mig_instance"]:
+        return "mig_slice"
+    return "share" if "::" in alloc["gpu_id"] or "/vgpu" in alloc["gpu_id"] else "dra_device"
+
+
 class _Resolver:
     def __init__(self, store: Store, at: datetime | None) -> None:
         self.store = store
@@ -343,9 +351,9 @@ class _Resolver:
         return held or [a for a in parts if parts and a["started_at"] == parts[-1]["started_at"]]
 
     def _shared_root(self, node: str, gpu_id: str, at_s: str | None, slices: list[dict]) -> tuple[str, str] | None:
-        self.holders = [{**_brief_alloc(a), "holds": "mig_slice" if a["mig_instance"] else "share"} for a in slices]
-        who = ", ".join(f"{a['namespace']}/{a['pod']} ({a['gpu_id']})" for a in slices)
-        self.notes.append(f"{node}/{gpu_id} is a physical GPU held as {len(slices)} MIG slice(s)/share(s)"
+        self.holders = [{**_brief_alloc(a), "holds": _holds(a)} for a in slices]
+        who = ", ".join(f"{a['namespace']}/{a['pod']} ({a['gpu_id']}, {_holds(a).replace('_', ' ')})" for a in slices)
+        self.notes.append(f"{node}/{gpu_id} is a physical GPU held as {len(slices)} MIG slice(s), share(s) or DRA device(s)"
                           f"{' at ' + at_s if at_s else ''}: {who}")
         releases = sorted({a["release_id"] for a in slices if a["release_id"]})
         if len(releases) == 1 and all(a["release_id"] for a in slices):

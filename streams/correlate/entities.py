@@ -121,6 +121,8 @@ def fold_event(state: dict, event: dict, src: tuple[str, int, int]) -> bool:
     }
     if etype.startswith("alert.") and (instance := gpu_instance(payload.get("labels") or {})):
         state["rows"][eid]["gpu_instance"] = instance
+    if etype == "gpu.device":
+        state["rows"][eid]["device"] = {"gpu": payload.get("gpu"), "mig": payload.get("mig_instance"), "profile": payload.get("profile")}
     _bound(state)
     return True
 
@@ -297,11 +299,32 @@ def learned_parents(state: dict, spans: list[dict]) -> tuple[dict[str, dict], in
     return out, len(teaching)
 
 
+def dra_devices(state: dict) -> dict[str, dict]:
+    """What the DRA devices a pod holds are (device id -> gpu, mig, profile), as the
+    devices' entities forwarded it from their ResourceSlice (``device_link``); the links'
+    versions are part of the pod's (``links_version``)."""
+    return {link["device"]["id"]: link["device"] for link in state["links"].values() if link.get("device")}
+
+
+def device_link(state: dict) -> tuple[dict | None, int]:
+    """A DRA device entity's identity from its ``gpu.device`` rows (the latest wins) and the
+    version component (runs of equal values, ``segments``)."""
+    rows = [[r["key"], r["device"]] for r in state["rows"].values() if r.get("device")]
+    if not rows:
+        return None, 0
+    version = segments(rows)
+    return {"id": state["key"].split("/", 1)[1], **rows[-1][1]}, version
+
+
 def intervals(state: dict) -> list[dict]:
     """Allocation intervals derived from a pod's gpu rows (order-independent), each with
     the number of gpu events and deletions it was derived from; a MIG slice whose
     physical GPU is not in its id gets it from ``learned_parents``."""
     spans = _spans(state)
+    dra = dra_devices(state)
+    for iv in spans:
+        if (known := dra.get(iv["device"])) and not iv["gpu"] and not iv["mig"]:
+            iv.update(gpu=known["gpu"], mig=known["mig"], profile=known.get("profile"), dra=True)
     parents, learned_v = learned_parents(state, spans)
     for iv in spans:
         if iv["mig"] and not iv["gpu"]:
@@ -367,7 +390,9 @@ def select_holders(holders: list[dict], instance: dict | None) -> list[dict]:
     parts = [h for h in holders if h.get("slice")]
     if instance:
         by_gi = [h for h in parts if instance.get("gi") and h.get("gi") == instance["gi"]]
-        parts = by_gi or [h for h in parts if not h.get("gi") and (not instance.get("profile") or h.get("resource", "").endswith(instance["profile"]))]
+        profile = instance.get("profile")
+        parts = by_gi or [h for h in parts if not h.get("gi") and (not profile or h.get("profile") == profile
+                                                                   or h.get("resource", "").endswith(profile))]
     return sorted(parts, key=lambda h: (h["start"], h["id"]))
 
 
@@ -384,6 +409,8 @@ def resolve_row(state: dict, record: dict, directory, entity_res: Resolution) ->
     kind = kind_of(state["key"])
     own = record["identity"]
     at = record["starts_at"] or record["at"]
+    if record["type"] == "gpu.device":
+        return UNATTRIBUTED  # what a device is, not something that happened to a release
     if record["type"].startswith("release."):
         rid = own.get("release_id")
         return Resolution({}, "release_event", rid, [f"rid:{rid}"], (rid,) if rid else ())
@@ -458,7 +485,7 @@ def refresh(state: dict, directory, park: bool = True) -> Outcome:
         # Unresolved = no release, or a release named (label) that no release event has
         # described yet: wait for the manifest rather than emit a half-filled row.
         unresolved = (res.attribution == "unattributed" or (res.release_id is not None and not directory.known(res.release_id))) \
-            and not record["type"].startswith(("release.", "gpu.allocatable"))
+            and not record["type"].startswith(("release.", "gpu.allocatable", "gpu.device"))
         if park and unresolved and not record["expired"]:
             if not record["parked"]:
                 record["parked"] = True
@@ -475,6 +502,8 @@ def refresh(state: dict, directory, park: bool = True) -> Outcome:
             content["version"] = emitted
             out.correlated.append(content)
     state["interests"] = sorted(interests)
+    if kind == "gpu":
+        _refresh_device(state, out)
     if kind == "pod":
         _refresh_pod(state, directory, entity_res, out)
     elif kind == "wl":
@@ -507,10 +536,12 @@ def _refresh_pod(state: dict, directory, res: Resolution, out: Outcome) -> None:
         per_gpu.setdefault(target, []).append(held)
         gpu_version[target][(iv["container"], iv["resource"], iv["device"])] = iv["v"]
         if iv["gpu"] and iv["gpu"] != iv["device"]:
-            # A MIG slice or time-slicing share: the physical GPU's alerts reach its holder too.
+            # A MIG slice or time-slicing share — or a DRA device, named by its pool — of a
+            # physical GPU: that GPU's alerts reach its holder too (a whole DRA GPU as a whole holder).
             physical = f"gpu:{iv['node']}/{iv['gpu']}"
-            per_gpu.setdefault(physical, []).append({**held, "slice": iv["device"], "resource": iv["resource"],
-                                                     "gi": iv.get("gi"), "profile": iv.get("profile")})
+            whole = iv.get("dra") and not iv["mig"]
+            per_gpu.setdefault(physical, []).append(held if whole else {**held, "slice": iv["device"], "resource": iv["resource"],
+                                                                       "gi": iv.get("gi"), "profile": iv.get("profile")})
             gpu_version[physical][(iv["container"], iv["resource"], iv["device"])] = iv["v"]
     for target, ivs in per_gpu.items():
         _forward(state, target, sum(gpu_version[target].values()) + identity_version, {"intervals": ivs}, out)
@@ -520,6 +551,16 @@ def _refresh_pod(state: dict, directory, res: Resolution, out: Outcome) -> None:
         lookups = interests_for(f.get("image_digest"), f.get("model_name"), f.get("model_version"))
         _forward(state, f"wl:{f['workload_id']}", res.facts_version + directory.candidates_version(lookups),
                  {"release_id": rel, "attribution": rel_how, "from": "pod"}, out)
+
+
+def _refresh_device(state: dict, out: Outcome) -> None:
+    """A DRA device tells the pods that hold it what it is (uuid, parent, profile)."""
+    device, version = device_link(state)
+    if device is None:
+        return
+    for src in sorted(state["links"]):
+        if src.startswith("pod:"):
+            _forward(state, src, version, {"device": device}, out)
 
 
 def _refresh_workload(state: dict, res: Resolution, out: Outcome) -> None:

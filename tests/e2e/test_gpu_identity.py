@@ -88,6 +88,18 @@ def _trace(worker, *args: str) -> dict:
     return json.loads(out.stdout)
 
 
+def _poll_kubelet(sock_path: Path, settings, tmp_path: Path, pods: list) -> int:
+    """One poll of the real pod-resources collector against the kubelet double serving ``pods``."""
+    with FakeKubelet(sock_path) as kubelet:
+        kubelet.set_pods(pods)
+        collector = PodResourcesCollector(PodResourcesSettings(node=NODE, socket=sock_path, state_dir=tmp_path / "pr", rpc_timeout_s=2.0),
+                                          EventPublisher.from_settings(settings, "podresources"))
+        try:
+            return collector.poll_once().published
+        finally:
+            collector.close()
+
+
 @pytest.fixture
 def sock_path():
     d = Path(tempfile.mkdtemp(prefix="glgi-", dir="/tmp"))  # unix socket paths are short
@@ -116,19 +128,12 @@ def test_physical_gpu_alerts_reach_slice_and_share_holders(kafka_bootstrap, cata
             sched.close()
 
     # The node: two shares of GPU_P, two MIG slices (MIG UUIDs: their parent is not in the id).
-    with FakeKubelet(sock_path) as kubelet:
-        kubelet.set_pods([
-            pod("ml", "share-1", containers=[container("main", devices=[devices("nvidia.com/gpu.shared", [f"{GPU_P}::0"])])]),
-            pod("ml", "share-2", containers=[container("main", devices=[devices("nvidia.com/gpu.shared", [f"{GPU_P}::1"])])]),
-            pod("ml", "mig-1", containers=[container("main", devices=[devices(MIG_1G, [MIG_A])])]),
-            pod("ml", "mig-3", containers=[container("main", devices=[devices(MIG_1G, [MIG_C])])]),
-        ])
-        pr = PodResourcesCollector(PodResourcesSettings(node=NODE, socket=sock_path, state_dir=tmp_path / "pr", rpc_timeout_s=2.0),
-                                   EventPublisher.from_settings(settings_for(catalogue), "podresources"))
-        try:
-            assert pr.poll_once().published == 4
-        finally:
-            pr.close()
+    assert _poll_kubelet(sock_path, settings_for(catalogue), tmp_path, [
+        pod("ml", "share-1", containers=[container("main", devices=[devices("nvidia.com/gpu.shared", [f"{GPU_P}::0"])])]),
+        pod("ml", "share-2", containers=[container("main", devices=[devices("nvidia.com/gpu.shared", [f"{GPU_P}::1"])])]),
+        pod("ml", "mig-1", containers=[container("main", devices=[devices(MIG_1G, [MIG_A])])]),
+        pod("ml", "mig-3", containers=[container("main", devices=[devices(MIG_1G, [MIG_C])])]),
+    ]) == 4
 
     # dcgm-exporter (pod mapping on) names mig-1's slice by its parent and GPU_I_ID; then an XID
     # on the time-sliced GPU and one on mig-1's instance, neither with pod labels.
@@ -148,7 +153,7 @@ def test_physical_gpu_alerts_reach_slice_and_share_holders(kafka_bootstrap, cata
     shared = _trace(worker, "--gpu", f"{NODE}/{GPU_P}")
     holders = {(h["pod"], h["gpu_id"], h["holds"]) for h in shared["entry"]["gpu_holders"]}
     assert holders == {("share-1", f"{GPU_P}::0", "share"), ("share-2", f"{GPU_P}::1", "share")}
-    assert any("physical GPU held as 2" in g for g in shared["gaps"])
+    assert any("physical GPU held as 2 MIG slice(s), share(s)" in g and "share-1" in g for g in shared["gaps"])
     # The XID on it, as of its startsAt: the same holders.
     xid = _trace(worker, "--alert", "xid-shared")
     assert {h["pod"] for h in xid["entry"]["gpu_holders"]} == {"share-1", "share-2"}
@@ -165,3 +170,59 @@ def test_physical_gpu_alerts_reach_slice_and_share_holders(kafka_bootstrap, cata
     # A GPU no allocation names while a slice of unknown parent was held: said so.
     unknown = _trace(worker, "--alert", "xid-unknown")
     assert any("MIG -> GPU mapping is unknown" in g and "mig-3" in g for g in unknown["gaps"]), unknown["gaps"]
+
+
+def test_dra_allocated_gpus_are_attributed_like_device_plugin_ones(kafka_bootstrap, catalogue, settings_for, worker_factory, tmp_path,
+                                                                   sock_path):
+    """Issue #13.3: the kubelet reports (driver, pool, device) for a DRA claim; the ResourceSlice
+    NVIDIA's driver publishes says which GPU / MIG device that is. An XID on the GPU's UUID and an
+    alert on the MIG instance reach the pods, and trace --gpu on the UUIDs finds them."""
+    from tests.fixtures.kube_api import RESOURCE_SLICES, dra_gpu_device, dra_mig_device, make_resource_slice
+    from tests.fixtures.kubelet import claim_resource, dynamic_resource
+
+    now = datetime.now(timezone.utc)
+    publisher = EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, "test")
+    publisher.publish_batch([*_release("r1", "alpha", now), *_release("r2", "beta", now)])
+    created = now - timedelta(minutes=10)
+    with FakeKubeApi() as api:
+        api.create(RESOURCE_SLICES, make_resource_slice(NODE, [dra_gpu_device(0, GPU_P), dra_mig_device(1, "1g.10gb", 0, MIG_A, GPU_Q)],
+                                                        created=created))
+        for name, rid in (("dra-whole", "r1"), ("dra-mig", "r2")):
+            # A DRA pod requests no extended resource: it names a ResourceClaim (from a template).
+            spec_pod = make_pod("ml", name, node=NODE, created=created, gpus=0, labels={"gpuledger.io/release-id": rid})
+            spec_pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": "single-gpu"}]
+            spec_pod["spec"]["containers"][0]["resources"]["claims"] = [{"name": "gpu"}]
+            api.create(PODS, spec_pod)
+        sched = SchedulerCollector(SchedulerCollectorSettings(state_flush_interval_s=0, host="test-host"),
+                                   EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, COMPONENT), api.api_client(), tmp_path / "sched")
+        try:
+            assert sched.run_once() == 2 + 2 * 3  # the two devices; each pod: submitted, scheduled, running
+        finally:
+            sched.close()
+
+    assert _poll_kubelet(sock_path, settings_for(catalogue), tmp_path, [
+        pod("ml", "dra-whole", containers=[container("main", dynamic_resources=[
+            dynamic_resource("dra-whole-gpu", "ml", [claim_resource("gpu.nvidia.com", NODE, "gpu-0")])])]),
+        pod("ml", "dra-mig", containers=[container("main", dynamic_resources=[
+            dynamic_resource("dra-mig-gpu", "ml", [claim_resource("gpu.nvidia.com", NODE, "gpu-1-mig-1g10gb-0")])])]),
+    ]) == 2
+
+    starts = datetime.now(timezone.utc) + timedelta(seconds=1)
+    publisher.publish_batch(alert_events(_body([_dcgm_alert("xid-dra-gpu", starts, GPU_P),
+                                                _dcgm_alert("xid-dra-mig", starts, GPU_Q, gi="3", profile="1g.10gb")]), host="test"))
+    worker = worker_factory(catalogue, extra_env={"GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "2"})
+    def attributed():
+        rows = worker.reader.query("SELECT alert_fingerprint, pod, release_id, attribution FROM gpuledger.enriched_alerts FINAL "
+                                   "ORDER BY alert_fingerprint").dicts()
+        return rows if len(rows) == 2 and all(r["release_id"] for r in rows) else None
+
+    rows = _wait(attributed, "both alerts attributed")
+    assert rows == [{"alert_fingerprint": "xid-dra-gpu", "pod": "dra-whole", "release_id": "r1", "attribution": "gpu_assignment"},
+                    {"alert_fingerprint": "xid-dra-mig", "pod": "dra-mig", "release_id": "r2", "attribution": "gpu_assignment"}]
+    allocs = worker.reader.query("SELECT pod, gpu_id, gpu, mig_instance FROM gpuledger.gpu_allocations FINAL ORDER BY pod").dicts()
+    assert allocs == [{"pod": "dra-mig", "gpu_id": f"gpu.nvidia.com/{NODE}/gpu-1-mig-1g10gb-0", "gpu": GPU_Q, "mig_instance": MIG_A},
+                      {"pod": "dra-whole", "gpu_id": f"gpu.nvidia.com/{NODE}/gpu-0", "gpu": GPU_P, "mig_instance": ""}]
+    assert _trace(worker, "--gpu", f"{NODE}/{GPU_Q}")["release"]["release_id"] == "r2"
+    whole = _trace(worker, "--gpu", f"{NODE}/{GPU_P}")
+    assert whole["release"]["release_id"] == "r1"
+    assert [(h["pod"], h["holds"]) for h in whole["entry"]["gpu_holders"]] == [("dra-whole", "dra_device")]

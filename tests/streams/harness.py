@@ -53,6 +53,16 @@ def gpu_event(etype, minutes, ns="ml", pod="p1", node="n1", device="GPU-1111", c
                                        gpu=ref.gpu, mig_instance=ref.mig_instance, share=ref.share))
 
 
+def dra_device(minutes, node="n1", driver="gpu.nvidia.com", pool="n1", device="gpu-0", uuid="GPU-1111", parent=None, profile=None):
+    """A ``gpu.device`` as the scheduler collector publishes it from a ResourceSlice."""
+    device_id = f"{driver}/{pool}/{device}"
+    mig = uuid if parent else None
+    return GpuEvent(event_id=make_event_id("t", (node, device_id, uuid), at(minutes).isoformat()), event_type="gpu.device",
+                    occurred_at=at(minutes), observed_at=at(minutes), source=SRC, identity=Identity(node=node, gpu_id=device_id),
+                    payload=GpuPayload(node=node, resource_name=driver, device_id=device_id, gpu=parent or uuid, mig_instance=mig,
+                                       driver=driver, pool=pool, profile=profile))
+
+
 def alert(minutes, fp="fp1", labels=None, **ident):
     return AlertEvent(event_id=make_event_id("am", (fp, "firing", at(minutes).isoformat())), event_type="alert.firing",
                       occurred_at=at(minutes), observed_at=at(minutes), source=SRC, identity=Identity(alert_fingerprint=fp, **ident),

@@ -2,7 +2,7 @@
 
 import random
 
-from tests.streams.harness import Driver, alert, gpu_event, pod_event, release
+from tests.streams.harness import Driver, alert, dra_device, gpu_event, pod_event, release
 
 DIGEST_R1 = "sha256:" + "b" * 64
 RELEASES = [release("release.registered", 0), release("release.approved", 1, actor="alice"),
@@ -189,12 +189,14 @@ def test_instance_alert_matches_by_profile_where_the_instance_id_is_unknown():
     assert by_fp["other-gi"].attribution == "unattributed" and by_fp["other-gi"].identity.pod is None
 
 
-def test_slice_joins_are_the_same_in_any_processing_order():
-    reference = Driver().feed(SLICES).flush_parked()
+def assert_order_independent(events: list, allocations: int, seeds: int = 16) -> None:
+    """Shuffled (and partly re-delivered) processing yields the reference's latest rows,
+    allocations and versions, with no content change that a version did not announce."""
+    reference = Driver().feed(events).flush_parked()
     ref_rows, ref_allocs = reference.latest(versions=True), reference.latest_allocations(versions=True)
-    assert len(ref_allocs) == 4 and reference.conflicts == 0
-    for seed in range(16):
-        order = list(SLICES)
+    assert len(ref_allocs) == allocations and reference.conflicts == 0
+    for seed in range(seeds):
+        order = list(events)
         random.Random(seed).shuffle(order)
         if seed % 4 == 0:
             order += order[: len(order) // 3]
@@ -202,3 +204,35 @@ def test_slice_joins_are_the_same_in_any_processing_order():
         assert d.latest(versions=True) == ref_rows, f"seed {seed}"
         assert d.latest_allocations(versions=True) == ref_allocs, f"seed {seed}"
         assert d.conflicts == 0, f"seed {seed}: a content change without a version change"
+
+
+def test_slice_joins_are_the_same_in_any_processing_order():
+    assert_order_independent(SLICES, allocations=4)
+
+
+# --- DRA devices (#13.3) ----------------------------------------------------------------------------
+
+DRA = "gpu.nvidia.com"
+DRA_EVENTS = [*RELEASES, *R2,
+              dra_device(0, pool="n1", device="gpu-0", uuid=GPU_P),
+              dra_device(0, pool="n1", device="gpu-1-mig-1g10gb-0", uuid=MIG_A, parent="GPU-Q", profile="1g.10gb"),
+              pod_event("scheduler.scheduled", 5, pod="d1", release_id="r1"),
+              gpu_event("gpu.assigned", 6, pod="d1", device=f"{DRA}/n1/gpu-0", resource=DRA),
+              pod_event("scheduler.scheduled", 5, pod="d2", release_id="r2"),
+              gpu_event("gpu.assigned", 6, pod="d2", device=f"{DRA}/n1/gpu-1-mig-1g10gb-0", resource=DRA),
+              alert(20, fp="xid-whole", node="n1", gpu_id=GPU_P, labels={"UUID": GPU_P}),
+              alert(21, fp="xid-mig", node="n1", gpu_id="GPU-Q", labels={"UUID": "GPU-Q", "GPU_I_ID": "1", "GPU_I_PROFILE": "1g.10gb"})]
+
+
+def test_dra_devices_are_attributed_like_device_plugin_ones():
+    d = Driver().feed(DRA_EVENTS).flush_parked()
+    allocs = {a.pod: a for a in d.allocations.values()}
+    assert (allocs["d1"].gpu, allocs["d1"].mig_instance) == (GPU_P, None)
+    assert (allocs["d2"].gpu, allocs["d2"].mig_instance) == ("GPU-Q", MIG_A)
+    by_fp = {r.identity.alert_fingerprint: r for r in d.rows.values() if r.event_type.startswith("alert.")}
+    assert (by_fp["xid-whole"].identity.pod, by_fp["xid-whole"].identity.release_id, by_fp["xid-whole"].attribution) == ("d1", "r1", "gpu_assignment")
+    assert (by_fp["xid-mig"].identity.pod, by_fp["xid-mig"].identity.release_id) == ("d2", "r2")
+
+
+def test_dra_joins_are_the_same_in_any_processing_order():
+    assert_order_independent(DRA_EVENTS, allocations=2)

@@ -597,7 +597,8 @@ def test_deployment_manifest_matches_the_collector():
     docs = {d["kind"]: d for d in yaml.safe_load_all(path.read_text()) if d}
     rules = sorted((tuple(r["apiGroups"]), tuple(sorted(r["resources"])), tuple(sorted(r["verbs"]))) for r in docs["ClusterRole"]["rules"])
     read = ("get", "list", "watch")
-    assert rules == [(("",), ("events", "pods"), read), (("events.k8s.io",), ("events",), read), (("kueue.x-k8s.io",), ("workloads",), read)]
+    assert rules == [(("",), ("events", "pods"), read), (("events.k8s.io",), ("events",), read), (("kueue.x-k8s.io",), ("workloads",), read),
+                     (("resource.k8s.io",), ("resourceslices",), read)]
     assert docs["ClusterRoleBinding"]["subjects"][0]["name"] == docs["ServiceAccount"]["metadata"]["name"]
     spec = docs["Deployment"]["spec"]
     assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
@@ -765,3 +766,25 @@ def test_resource_patterns_count_every_matching_extended_resource():
     with pytest.raises(SettingsError) as exc:
         Settings.load(collectors={"scheduler": {"gpu_resources": ("nvidia.com/*gpu",)}})
     assert "GPULEDGER_SCHEDULER_GPU_RESOURCES" in str(exc.value)
+
+
+def test_dra_resource_slices_publish_what_each_gpu_device_is(api, make_collector, kafka_bootstrap, catalogue):
+    """Issue #13.3: NVIDIA's DRA driver announces its GPUs and MIG devices in ResourceSlices;
+    the collector publishes one gpu.device per device (uuid, parentUUID, profile), once."""
+    from tests.fixtures.kube_api import RESOURCE_SLICES, dra_gpu_device, dra_mig_device, make_resource_slice
+
+    gpu, parent, mig = "GPU-8f3c2b1a-6d4e-4f0a-9b7c-2e1d0c9b8a76", "GPU-1b2c3d4e-0000-4f0a-9b7c-00000000000q", "MIG-4f6a0d2e-81c3-5b7e-9a1f-3c2d1e0f9a8b"
+    api.create(RESOURCE_SLICES, make_resource_slice("gpu-1", [dra_gpu_device(0, gpu), dra_mig_device(1, "1g.10gb", 0, mig, parent)],
+                                                    created=T0))
+    api.create(RESOURCE_SLICES, make_resource_slice("gpu-1", [{"name": "nic-0", "attributes": {"uuid": {"string": "x"}}}],
+                                                    driver="sriovnetwork.k8snetworkplumbingwg.io", created=T0))  # not a GPU driver
+    collector = make_collector(api)
+    assert collector.run_once() == 2
+    assert collector.run_once() == 0  # re-listed: nothing new
+    collector.state.save(force=True)
+    again = make_collector(api, state_dir=collector.state.path.parent)
+    assert again.run_once() == 0  # restarted: nothing new
+    events = {e.payload.device_id: e for e in published(kafka_bootstrap, catalogue.gpu, 2)}
+    whole, part = events["gpu.nvidia.com/gpu-1/gpu-0"], events["gpu.nvidia.com/gpu-1/gpu-1-mig-1g10gb-0"]
+    assert (whole.event_type, whole.identity.node, whole.payload.gpu, whole.payload.mig_instance) == ("gpu.device", "gpu-1", gpu, None)
+    assert (part.payload.gpu, part.payload.mig_instance, part.payload.profile, part.payload.pool) == (parent, mig, "1g.10gb", "gpu-1")
