@@ -669,6 +669,11 @@ class _Chain:
         return sorted(events.values(), key=lambda e: (e["occurred_at"], e["correlation_id"]))
 
     def _alerts(self) -> list[dict]:
+        for r in sorted(self.alert_rows.values(), key=lambda r: (r["occurred_at"], r["correlation_id"])):
+            if r.get("attribution", "").endswith("_fallback"):
+                rule = {"model_version_fallback": "model+version", "image_digest_fallback": "image digest"}.get(r["attribution"], r["attribution"])
+                self.gaps.append(f"alert {r['alert_fingerprint']}: attributed to {r['release_id']} by its {rule} (rule "
+                                 f"{r['attribution']}): the release id its labels name matches no release event (control 3)")
         alerts = [_brief_alert(r, True) for r in self.alert_rows.values()] + [_brief_alert(r, False) for r in self.others_alerts]
         return sorted(alerts, key=lambda a: (a["occurred_at"], a["correlation_id"]))
 

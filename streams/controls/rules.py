@@ -121,8 +121,11 @@ def compact_row(record) -> dict | None:
     res = kept.get("reservation")
     if isinstance(res, dict):
         kept["reservation"] = {**res, "window_start": iso(res.get("window_start")), "window_end": iso(res.get("window_end"))}
-    return {"id": row["correlation_id"], "v": int(row["version"]), "type": etype, "at": iso(row["occurred_at"]), "attr": row["attribution"],
-            "i": {k: ident[k] for k in IDENTITY_KEPT if ident.get(k)}, "p": kept}
+    out = {"id": row["correlation_id"], "v": int(row["version"]), "type": etype, "at": iso(row["occurred_at"]), "attr": row["attribution"],
+           "i": {k: ident[k] for k in IDENTITY_KEPT if ident.get(k)}, "p": kept}
+    if row.get("named_release_id"):
+        out["named"] = row["named_release_id"]  # a label named this unknown release; a fallback rule attributed the row
+    return out
 
 
 def compact_allocation(record) -> dict:
@@ -560,7 +563,11 @@ def _workload_unit(objects: dict[str, list[dict]], key: str, found: Findings, fo
                 found.add(1, ("approval", key, srow["id"]), start, _min(ge, end), ev + [cause, closing], {**ident, "release_id": rid},
                           f"{who} was admitted ({srow['type']}) at {iso(start)} but {why}")
         # 3. Identifiers that match no release
-        if rid and (not rel.known or rel.first_seen > start):
+        if srow.get("named"):
+            found.add(3, ("release-id-mismatch", key, srow["id"]), start, end, ev, {**ident, "release_id": rid},
+                      f"{who} names release {srow['named']}, which no release event describes; attributed to {rid} "
+                      f"by {srow['attr'].replace('_', ' ')} instead")
+        elif rid and (not rel.known or rel.first_seen > start):
             closed = _min(rel.first_seen, end) if rel.known else end
             found.add(3, ("unknown-release", key, srow["id"]), start, closed, ev, ident,
                       f"{who} names release {rid}, which " + ("no release event describes" if not rel.known else

@@ -237,6 +237,10 @@ class Resolution:
     candidates: tuple[str, ...] = ()   # look-up interests consulted: candidates' counts
     base: int = 0                      # facts + links components
     facts_version: int = 0
+    unknown_named: str | None = None   # the release id a label names that no release event describes (a fallback rule attributed it)
+
+    def unresolved(self, directory) -> bool:
+        return self.attribution == "unattributed" or (self.release_id is not None and not directory.known(self.release_id))
 
     def version(self, directory, at_iso: str | None) -> int:
         return (self.base + sum(directory.version_at(r, at_iso) for r in self.named)
@@ -244,6 +248,19 @@ class Resolution:
 
 
 UNATTRIBUTED = Resolution({}, "unattributed", None, [])
+#: A label names a release no release event describes: attribute by immutable identity instead,
+#: under a rule name that says so (control 3 flags the mismatch).
+FALLBACK = {"image_digest_match": "image_digest_fallback", "model_version_match": "model_version_fallback"}
+
+
+def fallback_match(directory, digest: str | None, model: str | None, version: str | None, env: str | None) -> tuple[str | None, str]:
+    """The release an image digest, else a model (+version), points to — the fallbacks'
+    one order (the digest is immutable, the model+version only a name)."""
+    if (match := directory.by_image_digest(digest, env)):
+        return match, "image_digest_match"
+    if model and (match := directory.by_model_version(model, version, env)):
+        return match, "model_version_match"
+    return None, "unattributed"
 
 
 def resolve_entity(state: dict, directory) -> Resolution:
@@ -253,9 +270,13 @@ def resolve_entity(state: dict, directory) -> Resolution:
     lookups = interests_for(f.get("image_digest"), f.get("model_name"), f.get("model_version"))
     linked = sorted((src, link["release_id"]) for src, link in state["links"].items() if link.get("release_id"))
     named = tuple(sorted(({f["release_id"]} if f.get("release_id") else set()) | {rid for _, rid in linked}))
-    rid, how = None, "unattributed"
+    rid, how, unknown = None, "unattributed", None
     if f.get("release_id"):
         rid, how = f["release_id"], "release_label"
+        if not directory.known(rid):
+            match, rule = fallback_match(directory, f.get("image_digest"), f.get("model_name"), f.get("model_version"), env)
+            if match:
+                rid, how, unknown = match, FALLBACK[rule], f["release_id"]
     elif linked:
         rid, how = linked[0][1], "workload_release"
     elif (match := directory.by_image_digest(f.get("image_digest"), env)):
@@ -263,7 +284,7 @@ def resolve_entity(state: dict, directory) -> Resolution:
     elif f.get("model_name") and (match := directory.by_model_version(f["model_name"], f.get("model_version"), env)):
         rid, how = match, "model_version_match"
     interests = lookups + [f"rid:{r}" for r in named] + ([f"rid:{rid}"] if rid and rid not in named else [])
-    return Resolution(f, how, rid, interests, named, tuple(lookups), fv + links_version(state["links"]), fv)
+    return Resolution(f, how, rid, interests, named, tuple(lookups), fv + links_version(state["links"]), fv, unknown)
 
 
 def own_release(state: dict, directory, facts: dict) -> tuple[str | None, str]:
@@ -414,11 +435,12 @@ def resolve_row(state: dict, record: dict, directory, entity_res: Resolution) ->
     if record["type"].startswith("release."):
         rid = own.get("release_id")
         return Resolution({}, "release_event", rid, [f"rid:{rid}"], (rid,) if rid else ())
-    if own.get("release_id"):
+    if own.get("release_id") and not (kind in ("pod", "wl") and entity_res.unknown_named == own["release_id"]):
         rid = own["release_id"]
-        return Resolution({}, "release_label", rid, [f"rid:{rid}"], (rid,))
+        labelled = Resolution({}, "release_label", rid, [f"rid:{rid}"], (rid,))
+        return labelled if directory.known(rid) else _own_fallback(own, directory, labelled, rid)
     if kind in ("pod", "wl"):
-        return entity_res
+        return _own_fallback(own, directory, entity_res, entity_res.release_id) if entity_res.unresolved(directory) else entity_res
     if kind == "gpu":
         holders, version, rids = _covering(state["links"], at)
         holders = select_holders(holders, record.get("gpu_instance"))
@@ -441,6 +463,24 @@ def resolve_row(state: dict, record: dict, directory, entity_res: Resolution) ->
     return UNATTRIBUTED
 
 
+def _own_fallback(own: dict, directory, res: Resolution, named: str | None) -> Resolution:
+    """``res`` (unresolved: no release, or one no release event describes), unless the row's
+    own model+version (an alert's labels) or image digest find a release — then that, as a
+    fallback naming the unknown id. The version keeps every component ``res`` had, plus the
+    candidates consulted, so it grows whenever the choice can change."""
+    lookups = interests_for(own.get("image_digest"), own.get("model_name"), own.get("model_version"))
+    if not lookups:
+        return res
+    candidates = tuple(dict.fromkeys((*res.candidates, *lookups)))
+    match, rule = fallback_match(directory, own.get("image_digest"), own.get("model_name"), own.get("model_version"), own.get("environment"))
+    interests = list(dict.fromkeys([*res.interests, *lookups, *([f"rid:{match}"] if match else [])]))
+    if match is None:
+        return Resolution(res.identity, res.attribution, res.release_id, interests, res.named, candidates, res.base, res.facts_version,
+                          res.unknown_named)
+    return Resolution(res.identity, FALLBACK[rule] if named else rule, match, interests, res.named, candidates, res.base,
+                      res.facts_version, named)
+
+
 def render_row(record: dict, directory, res: Resolution, version: int) -> dict:
     rid = res.release_id
     manifest = directory.manifest(rid) if rid else {}
@@ -452,7 +492,7 @@ def render_row(record: dict, directory, res: Resolution, version: int) -> dict:
         "attribution": res.attribution, "identity": identity,
         "release_state": directory.state_as_of(rid, record["at"]) if rid else None,
         "summary": record["summary"], "source_topic": record["topic"], "source_partition": record["partition"],
-        "source_offset": record["offset"], "payload_json": record["payload"],
+        "source_offset": record["offset"], "payload_json": record["payload"], "named_release_id": res.unknown_named,
     }
 
 
@@ -484,8 +524,7 @@ def refresh(state: dict, directory, park: bool = True) -> Outcome:
         interests.update(res.interests)
         # Unresolved = no release, or a release named (label) that no release event has
         # described yet: wait for the manifest rather than emit a half-filled row.
-        unresolved = (res.attribution == "unattributed" or (res.release_id is not None and not directory.known(res.release_id))) \
-            and not record["type"].startswith(("release.", "gpu.allocatable", "gpu.device"))
+        unresolved = res.unresolved(directory) and not record["type"].startswith(("release.", "gpu.allocatable", "gpu.device"))
         if park and unresolved and not record["expired"]:
             if not record["parked"]:
                 record["parked"] = True

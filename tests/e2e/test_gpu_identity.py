@@ -14,7 +14,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from producers.podresources.config import PodResourcesSettings
 from producers.receiver.alertmanager import alert_events
 from schemas import Identity, ReleaseEvent, Source, make_event_id
 from schemas.release import ReleasePayload
+from tests.fixtures.waiting import poll
 from tests.fixtures.kube_api import PODS, FakeKubeApi, make_pod
 from tests.fixtures.kubelet import FakeKubelet, container, devices, pod
 
@@ -69,15 +69,6 @@ def _body(alerts: list[dict]) -> dict:
             "groupKey": "{}:{alertname=\"GpuXidError\"}", "truncatedAlerts": 0}
 
 
-def _wait(predicate, what: str, timeout: float = 90.0):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}; last: {last}")
 
 
 def _trace(worker, *args: str) -> dict:
@@ -145,8 +136,8 @@ def test_physical_gpu_alerts_reach_slice_and_share_holders(kafka_bootstrap, cata
     publisher.publish_batch(alert_events(body, host="test"))
 
     worker = worker_factory(catalogue, extra_env={"GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "2"})
-    _wait(lambda: worker.reader.query("SELECT count() AS n FROM gpuledger.enriched_alerts FINAL").dicts()[0]["n"] == 4, "4 alerts stored")
-    _wait(lambda: worker.reader.query("SELECT gpu FROM gpuledger.gpu_allocations FINAL WHERE pod = 'mig-1'").dicts() == [{"gpu": GPU_Q}],
+    poll(lambda: worker.reader.query("SELECT count() AS n FROM gpuledger.enriched_alerts FINAL").dicts()[0]["n"] == 4, "4 alerts stored")
+    poll(lambda: worker.reader.query("SELECT gpu FROM gpuledger.gpu_allocations FINAL WHERE pod = 'mig-1'").dicts() == [{"gpu": GPU_Q}],
           "mig-1's slice attributed to its physical GPU")
 
     # trace --gpu on the physical UUID of a time-sliced GPU: both share holders, listed as such.
@@ -216,7 +207,7 @@ def test_dra_allocated_gpus_are_attributed_like_device_plugin_ones(kafka_bootstr
                                    "ORDER BY alert_fingerprint").dicts()
         return rows if len(rows) == 2 and all(r["release_id"] for r in rows) else None
 
-    rows = _wait(attributed, "both alerts attributed")
+    rows = poll(attributed, "both alerts attributed")
     assert rows == [{"alert_fingerprint": "xid-dra-gpu", "pod": "dra-whole", "release_id": "r1", "attribution": "gpu_assignment"},
                     {"alert_fingerprint": "xid-dra-mig", "pod": "dra-mig", "release_id": "r2", "attribution": "gpu_assignment"}]
     allocs = worker.reader.query("SELECT pod, gpu_id, gpu, mig_instance FROM gpuledger.gpu_allocations FINAL ORDER BY pod").dicts()

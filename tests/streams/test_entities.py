@@ -236,3 +236,34 @@ def test_dra_devices_are_attributed_like_device_plugin_ones():
 
 def test_dra_joins_are_the_same_in_any_processing_order():
     assert_order_independent(DRA_EVENTS, allocations=2)
+
+
+# --- a release the labels name by an unknown id (#13.5) ----------------------------------------------
+
+UNKNOWN_ID = [*RELEASES,
+              # the pod names a release id no release event describes; its model labels name m:7 (= r1)
+              pod_event("scheduler.scheduled", 5, pod="u1", release_id="m-7-typo", model_name="m", model_version="7"),
+              alert(20, fp="on-u1", namespace="ml", pod="u1", model_name="m", model_version="7"),
+              # only the alert names the model; the pod's label is unknown and it has no model labels
+              pod_event("scheduler.scheduled", 5, pod="u2", release_id="ghost-release"),
+              alert(21, fp="on-u2", namespace="ml", pod="u2", model_name="m", model_version="7"),
+              # the same label once a release event describes it: the label wins again
+              pod_event("scheduler.scheduled", 5, pod="u3", release_id="r-late"),
+              release("release.registered", 30, rid="r-late", model="k", version="2", digest="sha256:" + "e" * 64)]
+
+
+def test_unknown_release_id_falls_back_to_model_version_and_says_so():
+    d = Driver().feed(UNKNOWN_ID).flush_parked()
+    by_fp = {r.identity.alert_fingerprint: r for r in d.rows.values() if r.event_type.startswith("alert.")}
+    assert (by_fp["on-u1"].identity.release_id, by_fp["on-u1"].attribution, by_fp["on-u1"].named_release_id) == \
+        ("r1", "model_version_fallback", "m-7-typo")
+    assert (by_fp["on-u2"].identity.release_id, by_fp["on-u2"].attribution, by_fp["on-u2"].named_release_id) == \
+        ("r1", "model_version_fallback", "ghost-release")
+    u1 = next(r for r in d.rows.values() if r.identity.pod == "u1" and r.event_type == "scheduler.scheduled")
+    assert (u1.identity.release_id, u1.attribution, u1.named_release_id) == ("r1", "model_version_fallback", "m-7-typo")
+    u3 = next(r for r in d.rows.values() if r.identity.pod == "u3")
+    assert (u3.identity.release_id, u3.attribution, u3.named_release_id) == ("r-late", "release_label", None)
+
+
+def test_fallback_attribution_is_the_same_in_any_processing_order():
+    assert_order_independent(UNKNOWN_ID, allocations=0)
