@@ -16,6 +16,7 @@ Attribution = Literal[
     "image_digest_fallback",
     "model_version_fallback",
     "gpu_assignment",
+    "gpu_shared",
     "release_event",
     "unattributed",
 ]

@@ -452,7 +452,9 @@ def resolve_row(state: dict, record: dict, directory, entity_res: Resolution) ->
             # The alert names the physical GPU; the device a pod held is a slice/share of it.
             ident = {k: v for k, v in ident.items() if k != "gpu_id"}
         rid = ident.get("release_id")
-        return Resolution(ident, "gpu_assignment" if rid else "unattributed", rid, interests, rids, (), version)
+        # Several holders of different releases (slices/shares of one GPU): joined, to all of them, not to one release.
+        how = "gpu_assignment" if rid else ("gpu_shared" if len(holders) > 1 else "unattributed")
+        return Resolution(ident, how, rid, interests, rids, (), version)
     if kind == "model":
         name, version = own.get("model_name"), own.get("model_version")
         rid = directory.by_model_version(name, version, own.get("environment"))

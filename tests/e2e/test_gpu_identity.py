@@ -145,7 +145,9 @@ def test_physical_gpu_alerts_reach_slice_and_share_holders(kafka_bootstrap, cata
     holders = {(h["pod"], h["gpu_id"], h["holds"]) for h in shared["entry"]["gpu_holders"]}
     assert holders == {("share-1", f"{GPU_P}::0", "share"), ("share-2", f"{GPU_P}::1", "share")}
     assert any("physical GPU held as 2 MIG slice(s), share(s)" in g and "share-1" in g for g in shared["gaps"])
-    # The XID on it, as of its startsAt: the same holders.
+    # The XID on it, as of its startsAt: joined to both (not "unattributed", which control 6 would count), the same holders.
+    assert worker.reader.query("SELECT attribution, release_id FROM gpuledger.enriched_alerts FINAL WHERE alert_fingerprint = 'xid-shared'"
+                               ).dicts() == [{"attribution": "gpu_shared", "release_id": ""}]
     xid = _trace(worker, "--alert", "xid-shared")
     assert {h["pod"] for h in xid["entry"]["gpu_holders"]} == {"share-1", "share-2"}
 

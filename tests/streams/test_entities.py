@@ -173,6 +173,8 @@ def test_alert_on_a_physical_gpu_reaches_the_holders_of_its_shares_and_slices():
     # held by two pods of two releases: the row names what they share, the release only if common
     assert by_fp["xid-p"].identity.node == "n1" and by_fp["xid-p"].identity.release_id is None
     assert by_fp["xid-p"].identity.namespace == "ml" and by_fp["xid-p"].identity.pod is None
+    assert by_fp["xid-p"].attribution == "gpu_shared"  # joined to both holders, emitted without waiting
+    assert Driver().feed(SLICES).rows[by_fp["xid-p"].correlation_id].attribution == "gpu_shared"  # not parked
     # the instance's alert reaches exactly that slice's holder
     assert by_fp["gi-7"].identity.pod == "m1" and by_fp["gi-7"].identity.release_id == "r1"
     assert by_fp["gi-7"].attribution == "gpu_assignment" and by_fp["gi-7"].identity.gpu_id == "GPU-Q"
