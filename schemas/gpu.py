@@ -1,7 +1,10 @@
-"""GPU family: which device is assigned to which container, from the kubelet.
+"""GPU family: which device is assigned to which container, from the kubelet; what a DRA device is.
 
-Published by the pod-resources collector. The kubelet names pods only by
-namespace/name, so these events are keyed by that and re-keyed by the streams.
+``gpu.assigned`` / ``gpu.released`` / ``gpu.allocatable`` are published by the
+pod-resources collector. The kubelet names pods only by namespace/name, so these events
+are keyed by that and re-keyed by the streams. ``gpu.device`` is published by the
+scheduler collector from a DRA ResourceSlice: what one ``<driver>/<pool>/<device>`` is
+(its ``uuid`` and, for a MIG device, ``parentUUID`` and ``profile`` attributes).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from pydantic import Field, model_validator
 
 from schemas.envelope import EventBase, Frozen
 
-GpuEventType = Literal["gpu.assigned", "gpu.released", "gpu.allocatable"]
+GpuEventType = Literal["gpu.assigned", "gpu.released", "gpu.allocatable", "gpu.device"]
 
 
 class GpuPayload(Frozen):
@@ -29,6 +32,9 @@ class GpuPayload(Frozen):
     share: int | None = Field(default=None, ge=0, description="Time-slicing replica index ('::N' suffix).")
     numa_nodes: tuple[int, ...] = Field(default=(), description="NUMA nodes from the topology hint.")
     devices: tuple[str, ...] = Field(default=(), description="Allocatable device ids (gpu.allocatable only).")
+    driver: str | None = Field(default=None, description="DRA driver of a DRA-allocated device (gpu.device, and assigned/released of DRA devices).")
+    pool: str | None = Field(default=None, description="DRA pool of the device.")
+    profile: str | None = Field(default=None, description="MIG profile of a DRA MIG device (ResourceSlice attribute 'profile', e.g. 1g.10gb).")
 
 
 class GpuEvent(EventBase):

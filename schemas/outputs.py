@@ -13,7 +13,10 @@ Attribution = Literal[
     "workload_release",
     "image_digest_match",
     "model_version_match",
+    "image_digest_fallback",
+    "model_version_fallback",
     "gpu_assignment",
+    "gpu_shared",
     "release_event",
     "unattributed",
 ]
@@ -39,6 +42,7 @@ class CorrelatedEvent(Frozen):
     source_partition: int = Field(ge=0, description="Kafka partition of the input.")
     source_offset: int = Field(ge=0, description="Kafka offset of the input.")
     payload_json: str = Field(default="{}", description="The input event's payload, as JSON.")
+    named_release_id: str | None = Field(default=None, description="With a *_fallback attribution: the release id the input (or its pod) named, which no release event describes.")
 
 
 class GpuAllocation(Frozen):

@@ -25,7 +25,7 @@ def collect_scheduler(
     context: Optional[str] = typer.Option(None, "--context", help="kubeconfig context (default: current)."),
     namespace: Optional[str] = typer.Option(None, "--namespace", help="Watch one namespace only (default: all)."),
     state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Where the published-state file lives (default: <data dir>/scheduler-collector)."),
-    gpu_resource: Optional[list[str]] = typer.Option(None, "--gpu-resource", help="Extended resource that makes a pod a GPU pod; repeat it (default nvidia.com/gpu)."),
+    gpu_resource: Optional[list[str]] = typer.Option(None, "--gpu-resource", help="Extended resource that makes a pod a GPU pod, a trailing * makes it a prefix; repeat it (default: the GPU resource list shared with collect podresources)."),
     once: bool = typer.Option(False, "--once", help="List and publish once, then exit (no watches)."),
     bootstrap: Optional[str] = BootstrapOpt,
 ) -> None:

@@ -88,6 +88,7 @@ from gpuledger.timefmt import iso_z, parse_time
 
 KUEUE_GROUP = "kueue.x-k8s.io"
 EVENTS_GROUP = "events.k8s.io"
+RESOURCE_GROUP = "resource.k8s.io"  # DRA: ResourceSlices (served as v1, Kubernetes 1.34)
 
 _POD_FIELDS = frozenset({
     "metadata.name", "metadata.namespace", "spec.nodeName", "spec.restartPolicy",
@@ -166,6 +167,7 @@ RESOURCE_TYPES: dict[str, ResourceType] = {
         ResourceType(EVENTS_GROUP, "v1", "events", "Event", "event", True, _EVENT_V1_FIELDS,
                      field_aliases=_EVENT_V1_FIELD_ALIASES, short_names=("ev",)),
         *[t for v in KUEUE_VERSIONS_KNOWN for t in _kueue_types(v)],
+        ResourceType(RESOURCE_GROUP, "v1", "resourceslices", "ResourceSlice", "resourceslice", False),
     ]
 }
 
@@ -176,6 +178,7 @@ NODES = "v1/nodes"
 EVENTS = "events.k8s.io/v1/events"
 WORKLOADS_V1BETA2 = "kueue.x-k8s.io/v1beta2/workloads"
 WORKLOADS_V1BETA1 = "kueue.x-k8s.io/v1beta1/workloads"
+RESOURCE_SLICES = "resource.k8s.io/v1/resourceslices"
 
 
 def workloads(version: str = "v1beta2") -> str:
@@ -757,7 +760,7 @@ class FakeKubeApi:
             return self._resource_list("", "v1")
         if parts == ["apis"]:
             return {"kind": "APIGroupList", "apiVersion": "v1",
-                    "groups": [self._group(g) for g in (EVENTS_GROUP, KUEUE_GROUP) if self._group_versions(g)]}
+                    "groups": [self._group(g) for g in (EVENTS_GROUP, KUEUE_GROUP, RESOURCE_GROUP) if self._group_versions(g)]}
         if len(parts) == 2 and parts[0] == "apis":
             if not self._group_versions(parts[1]):
                 raise _not_found_path()
@@ -773,6 +776,8 @@ class FakeKubeApi:
             return ("v1",)
         if group == KUEUE_GROUP:
             return self._kueue_versions
+        if group == RESOURCE_GROUP:
+            return ("v1",)
         return ()
 
     def _group(self, group: str) -> dict:
@@ -1620,5 +1625,37 @@ __all__ = [
     "rfc3339", "rfc3339_micro", "owner_reference", "object_reference", "image_id_for",
     "pod_condition", "disruption_target", "make_pod", "make_event_v1", "make_core_event",
     "workload_condition", "make_pod_set", "pod_set_assignment", "make_workload", "make_node",
-    "DEFAULT_IMAGE",
+    "DEFAULT_IMAGE", "RESOURCE_GROUP", "RESOURCE_SLICES", "make_resource_slice", "dra_gpu_device", "dra_mig_device",
 ]
+
+
+def make_resource_slice(node: str, devices: Sequence[Mapping], driver: str = "gpu.nvidia.com", pool: str | None = None,
+                        generation: int = 1, created: datetime | str | None = None) -> dict:
+    """A resource.k8s.io/v1 ResourceSlice as a DRA kubelet plugin publishes it for its node.
+
+    ``devices``: ``{"name": ..., "attributes": {"uuid": {"string": ...}, ...}}`` entries
+    (see ``dra_gpu_device`` / ``dra_mig_device``)."""
+    pool = pool or node
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+            "metadata": {"name": f"{node}-{driver}-{_new_uid()[:5]}", "creationTimestamp": rfc3339(created)},
+            "spec": {"driver": driver, "nodeName": node, "pool": {"name": pool, "generation": generation, "resourceSliceCount": 1},
+                     "devices": list(devices)}}
+
+
+def dra_gpu_device(minor: int, uuid: str, product: str = "NVIDIA A100-SXM4-80GB") -> dict:
+    """A full GPU as NVIDIA's DRA driver (gpu.nvidia.com) announces it: name gpu-<minor>, type gpu, uuid."""
+    return {"name": f"gpu-{minor}", "attributes": {
+        "type": {"string": "gpu"}, "uuid": {"string": uuid}, "productName": {"string": product},
+        "brand": {"string": "Nvidia"}, "architecture": {"string": "Ampere"}, "cudaComputeCapability": {"version": "8.0.0"},
+        "driverVersion": {"version": "550.90.7"}, "index": {"int": minor}, "minor": {"int": minor}},
+        "capacity": {"memory": {"value": "80Gi"}}}
+
+
+def dra_mig_device(parent_minor: int, profile: str, placement: int, uuid: str, parent_uuid: str,
+                   product: str = "NVIDIA A100-SXM4-80GB") -> dict:
+    """A MIG device as NVIDIA's DRA driver announces it: type mig, uuid, parentUUID, profile."""
+    return {"name": f"gpu-{parent_minor}-mig-{profile.replace('.', '')}-{placement}", "attributes": {
+        "type": {"string": "mig"}, "uuid": {"string": uuid}, "parentUUID": {"string": parent_uuid},
+        "profile": {"string": profile}, "productName": {"string": product}, "brand": {"string": "Nvidia"},
+        "architecture": {"string": "Ampere"}, "parentMinor": {"int": parent_minor}},
+        "capacity": {"multiprocessors": {"value": "14"}, "memory": {"value": "10Gi"}}}

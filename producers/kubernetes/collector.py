@@ -5,10 +5,12 @@ in-cluster service account): list+watch of Pods (only those requesting one of th
 configured extended resources, default ``nvidia.com/gpu``), Events about pods
 (``events.k8s.io/v1``, or core/v1 where that group is not served) and Kueue
 Workloads (``kueue.x-k8s.io`` v1beta2, else v1beta1; skipped while Kueue is absent
-and re-discovered every ``discovery_interval_s``).
+and re-discovered every ``discovery_interval_s``), and DRA ResourceSlices
+(``resource.k8s.io`` v1, v1beta2 or v1beta1, likewise re-discovered; cluster-wide only):
+what each ``<driver>/<pool>/<device>`` of a GPU driver is (``producers.kubernetes.dra``).
 
-Output: ``SchedulerEvent``s on the scheduler topic, keyed by release_id where a label
-names it, else by workload_id (rule in ``producers.kubernetes.mapping``). The mapping of
+Output: ``SchedulerEvent``s on the scheduler topic (and ``gpu.device`` events on the gpu
+topic, from ResourceSlices), keyed by release_id where a label names it, else by workload_id (rule in ``producers.kubernetes.mapping``). The mapping of
 each object to its transitions is pure and lives in ``producers.kubernetes.mapping``;
 the settings in ``producers.kubernetes.config``.
 
@@ -69,6 +71,8 @@ from kubernetes.watch.watch import iter_resp_lines
 from pydantic import ValidationError
 from tenacity import RetryCallState
 
+from producers._config import ResourceMatcher
+from producers.kubernetes.dra import RESOURCE_GROUP, RESOURCE_VERSIONS, slice_devices
 from producers._errors import EventTooLarge, ProducerError, PublishError, StateFileError
 from producers._kafka import EventPublisher
 from producers._limits import TextTrimmer
@@ -289,7 +293,8 @@ class SchedulerCollector:
         state_dir = Path(state_dir or settings.state_dir or Path.cwd() / "scheduler-collector")
         self.state = StateStore(state_dir / "scheduler-state.json", settings.state_flush_interval_s)
         self.source = Source(collector=SOURCE, host=settings.host)
-        self.resources = tuple(settings.gpu_resources)
+        self.resources = ResourceMatcher(settings.gpu_resources)
+        self.dra_drivers = ResourceMatcher(settings.dra_drivers)
         self.index = KueueIndex()
         self._pods: dict[str, _PodEntry] = {}
         self._gone_pods: set[str] = set()  # uids a GET answered 404 for (bounded)
@@ -298,6 +303,7 @@ class SchedulerCollector:
         self._streams: set[Any] = set()
         self._streams_lock = threading.Lock()
         self.kueue_version: str | None = None
+        self.dra_version: str | None = None
         self.events_api: str | None = None  # "events.k8s.io/v1" or "v1"
         self._discovered_at = 0.0
         self._discover_lock = threading.Lock()
@@ -305,6 +311,7 @@ class SchedulerCollector:
         self.pods = _Resource("pods", "Pod", None, None, self._handle_pod)
         self.events = _Resource("events", "Event", None, None, self._handle_event)
         self.workloads = _Resource("workloads", "Workload", None, None, self._handle_workload)
+        self.slices = _Resource("resourceslices", "ResourceSlice", None, None, self._handle_slice)
 
     # -- API plumbing -------------------------------------------------------------------
 
@@ -341,7 +348,20 @@ class SchedulerCollector:
             self.workloads.list_fn = lambda **kw: custom.list_namespaced_custom_object(KUEUE_GROUP, version, ns, "workloads", **kw)
         else:
             self.workloads.list_fn = lambda **kw: custom.list_cluster_custom_object(KUEUE_GROUP, version, "workloads", **kw)
+        self._discover_dra(served, custom)
         self._discovered_at = time.monotonic()
+
+    def _discover_dra(self, served: Mapping[str, list[str]], custom: k8s.CustomObjectsApi) -> None:
+        # ResourceSlices are cluster-scoped: a collector confined to one namespace has no right to them.
+        wanted = self.settings.dra and not self.settings.namespace
+        version = next((v for v in RESOURCE_VERSIONS if v in served.get(RESOURCE_GROUP, [])), None) if wanted else None
+        if version != self.dra_version or not self._discovered_at:
+            log.info("dra: %s", f"watching {RESOURCE_GROUP}/{version} ResourceSlices" if version
+                     else "ResourceSlices skipped (" + ("not served by this cluster" if wanted else "disabled or namespace-scoped") + ")")
+            self.slices.rv = None
+        self.dra_version = version
+        self.slices.list_fn = (lambda **kw: custom.list_cluster_custom_object(RESOURCE_GROUP, version, "resourceslices", **kw)) \
+            if version else None
 
     def _list(self, res: _Resource) -> tuple[list[dict], str]:
         """All items (paged) and the list's resourceVersion."""
@@ -409,7 +429,7 @@ class SchedulerCollector:
     def _handle_pod(self, etype: str, obj: Mapping, batch: _Batch) -> None:
         meta = meta_of(obj, "Pod")
         deleted = etype == "DELETED"
-        if not gpus_requested(obj.get("spec"), self.resources):
+        if not self._gpu_pod(obj):
             with self._lock:
                 if deleted:
                     self._pods.pop(meta.uid, None)
@@ -439,6 +459,26 @@ class SchedulerCollector:
             return
         self._add(batch, info.uid, "Workload", info.namespace, info.name, facts, workload_identity(info),
                   workload_payload(info), gone=deleted)
+
+    def _gpu_pod(self, pod: Mapping) -> bool:
+        """A pod requesting a GPU resource — or, with DRA on, any ResourceClaim (a claim names a
+        device class, not a driver: which device it got is the pod-resources collector's to say)."""
+        spec = pod.get("spec") or {}
+        return bool(gpus_requested(spec, self.resources)) or (self.settings.dra and bool(spec.get("resourceClaims")))
+
+    def _handle_slice(self, etype: str, obj: Mapping, batch: _Batch) -> None:
+        """A ResourceSlice's GPU devices as ``gpu.device`` events, each published once."""
+        if etype == "DELETED":
+            return  # what a device was stays true for what was allocated while it existed
+        meta = meta_of(obj, "ResourceSlice", namespaced=False)
+        done = self.state.keys(meta.uid) | set(batch.updates.get(meta.uid, {}).get("keys", ()))
+        new = [e for e in slice_devices(obj, self.dra_drivers, self.source, datetime.now(timezone.utc)) if e.event_id not in done]
+        if new:
+            batch.events.extend(new)
+            batch.counts["gpu.device"] = batch.counts.get("gpu.device", 0) + len(new)
+            upd = batch.updates.setdefault(meta.uid, {"keys": set()})
+            upd["keys"] |= {e.event_id for e in new}
+            upd.update({"k": "ResourceSlice", "ns": "", "n": meta.name, "id": {}})
 
     def _pod_name(self, uid: str) -> tuple[str, str] | None:
         with self._lock:
@@ -481,7 +521,7 @@ class SchedulerCollector:
         meta = meta_of(pod, "Pod")
         if uid and meta.uid != uid:
             return None  # a newer pod with the same name; the Event's pod is gone
-        gpu = bool(gpus_requested(pod.get("spec"), self.resources))
+        gpu = self._gpu_pod(pod)
         with self._lock:
             view = pod_view(pod, self.resources, self.settings.label_prefix, self.index) if gpu else None
             entry = _PodEntry(meta.namespace, meta.name, gpu, view.identity if view else None, view.payload if view else None)
@@ -561,7 +601,7 @@ class SchedulerCollector:
         for uid, entry in self.state.live(res.kind, ns).items():
             if uid in seen:
                 continue
-            if res.kind == "Event":
+            if res.kind in ("Event", "ResourceSlice"):
                 batch.drops.add(uid)
                 continue
             # Deleted while we were not watching: the last identity we published names it.
@@ -634,7 +674,7 @@ class SchedulerCollector:
     def _step(self, res: _Resource, stop: threading.Event) -> None:
         """One step of a resource's loop: wait for Kueue to appear, one list, or one watch request."""
         if res.list_fn is None:
-            # Only Workloads have no list function: Kueue is not installed (yet).
+            # Only Workloads and ResourceSlices have none: Kueue / DRA is not served (yet).
             wait = self.settings.discovery_interval_s - (time.monotonic() - self._discovered_at)
             if wait > 0:
                 stop.wait(wait)
@@ -691,7 +731,7 @@ class SchedulerCollector:
         total = 0
         try:
             self.discover()
-            for res in (self.workloads, self.pods, self.events):
+            for res in (self.slices, self.workloads, self.pods, self.events):
                 if res.list_fn is not None:
                     total += self.sync(res, self._stop)
         except _DISCOVERY_ERRORS as exc:
@@ -705,19 +745,19 @@ class SchedulerCollector:
             self._stop = stop
         stop = self._stop
         log.info("scheduler collector: %s, resources %s, state %s", f"namespace {self.settings.namespace}" if self.settings.namespace
-                 else "all namespaces", ",".join(self.resources), self.state.path)
+                 else "all namespaces", ",".join(self.resources.patterns), self.state.path)
         threads: list[threading.Thread] = []
         backoff = {"stop": stop, "initial_s": self.settings.backoff_initial_s, "max_s": self.settings.backoff_max_s}
         try:
             call_with_backoff(self.discover, retry_on=_DISCOVERY_ERRORS, **backoff,
                               on_retry=lambda st: log.warning("discovery failed: %s; retrying in %.1fs", _short(retry_error(st)), retry_delay(st)))
             # Workloads first (pods look their Workload up), then pods (Events look their pod up).
-            for res in (self.workloads, self.pods, self.events):
+            for res in (self.slices, self.workloads, self.pods, self.events):
                 if res.list_fn is not None:
                     call_with_backoff(lambda r=res: self._initial_sync(r, stop), retry_on=_RETRIABLE, **backoff,
                                       on_retry=lambda st, r=res: log.warning("%s: initial list failed: %s; retrying in %.1fs", r.name,
                                                                             _short(retry_error(st)), retry_delay(st)))
-            for res in (self.workloads, self.pods, self.events):
+            for res in (self.slices, self.workloads, self.pods, self.events):
                 t = threading.Thread(target=self._loop, args=(res, stop), name=f"scheduler-{res.name}", daemon=True)
                 t.start()
                 threads.append(t)

@@ -16,7 +16,7 @@ from typing import Optional
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from producers._config import NameList
+from producers._config import GPU_DRA_DRIVERS, GPU_RESOURCES, NameList, check_resource_patterns
 from producers.kubernetes.mapping import DEFAULT_EVENT_REASONS
 from schemas.scheduler import SchedulerEventType
 
@@ -33,7 +33,9 @@ class SchedulerCollectorSettings(BaseSettings):
     in_cluster: bool = Field(default=False, description="Use the pod's service account (in-cluster config) and fail if it is not available.")
     namespace: Optional[str] = Field(default=None, description="Watch one namespace only; unset: all namespaces (needs the ClusterRole).")
     state_dir: Optional[Path] = Field(default=None, description="Directory of scheduler-state.json (what was published per object); unset: <data dir>/scheduler-collector. Must survive restarts.")
-    gpu_resources: NameList = Field(default=("nvidia.com/gpu",), description="Extended resource names that make a pod a GPU pod, comma-separated in the environment.")
+    gpu_resources: NameList = Field(default=GPU_RESOURCES, description="Extended resources that make a pod a GPU pod, comma-separated in the environment; a trailing '*' makes an entry a prefix (the same default as GPULEDGER_PODRESOURCES_RESOURCES).")
+    dra: bool = Field(default=True, description="Watch DRA ResourceSlices (resource.k8s.io) when served, to learn what each DRA GPU device is (its uuid / parentUUID); needs the cluster-wide grant, so skipped with namespace set.")
+    dra_drivers: NameList = Field(default=GPU_DRA_DRIVERS, description="DRA drivers whose devices are GPUs, comma-separated in the environment; a trailing '*' makes an entry a prefix (the same default as GPULEDGER_PODRESOURCES_DRA_DRIVERS).")
     label_prefix: str = Field(default="gpuledger.io/", description="Prefix of the labels/annotations naming release-id, model, model-version, environment, owner, data-class.")
     event_reasons: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_EVENT_REASONS), description="Event reason -> scheduler event type (JSON object in the environment); reasons not listed are ignored.")
     kueue: bool = Field(default=True, description="Watch Kueue Workloads when the cluster serves kueue.x-k8s.io.")
@@ -50,9 +52,7 @@ class SchedulerCollectorSettings(BaseSettings):
     @field_validator("gpu_resources")
     @classmethod
     def _some_resources(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        if not value:
-            raise ValueError("give at least one extended resource name")
-        return value
+        return check_resource_patterns(value)
 
     @field_validator("event_reasons")
     @classmethod

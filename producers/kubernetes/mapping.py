@@ -42,6 +42,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from gpuledger.timefmt import TimeFormatError, iso_z, parse_timestamp
+from producers._config import ResourceMatcher
 from producers._limits import TextTrimmer
 from schemas.envelope import Identity, Source, make_event_id
 from schemas.scheduler import ObjectRef, SchedulerEvent, SchedulerPayload
@@ -142,17 +143,18 @@ def quantity(value: Any) -> int:
             raise MalformedObject(f"bad resource quantity {str(value)[:20]!r}") from None
 
 
-def _container_units(container: Mapping, resources: Iterable[str]) -> int:
+def _container_units(container: Mapping, resources: ResourceMatcher) -> int:
     res = container.get("resources") or {}
     requests, limits = res.get("requests") or {}, res.get("limits") or {}
     # Extended resources must have request == limit; the API server copies a lone limit.
-    return sum(max(quantity(requests.get(r)), quantity(limits.get(r))) for r in resources)
+    return sum(max(quantity(requests.get(r)), quantity(limits.get(r))) for r in resources.select([*requests, *limits]))
 
 
-def gpus_requested(pod_spec: Mapping | None, resources: Iterable[str]) -> int:
-    """Units of the configured extended resources a pod spec asks for (effective request)."""
+def gpus_requested(pod_spec: Mapping | None, resources: Iterable[str] | ResourceMatcher) -> int:
+    """Units of the configured extended resources (names or ``prefix*`` patterns) a pod spec
+    asks for (effective request)."""
     spec = pod_spec or {}
-    resources = tuple(resources)
+    resources = resources if isinstance(resources, ResourceMatcher) else ResourceMatcher(resources)
     regular = sum(_container_units(c, resources) for c in spec.get("containers") or [])
     sidecars = sum(_container_units(c, resources) for c in spec.get("initContainers") or [] if c.get("restartPolicy") == "Always")
     init_peak = max((_container_units(c, resources) for c in spec.get("initContainers") or [] if c.get("restartPolicy") != "Always"), default=0)
@@ -292,7 +294,7 @@ def workload_info(wl: Mapping, resources: Iterable[str], prefix: str) -> Workloa
     meta = meta_of(wl, "Workload")
     spec = wl.get("spec") or {}
     status = wl.get("status") or {}
-    resources = tuple(resources)
+    resources = resources if isinstance(resources, ResourceMatcher) else ResourceMatcher(resources)
     # v1beta2: spec.priorityClassRef {group, kind, name}; v1beta1: spec.priorityClassName.
     ref = spec.get("priorityClassRef")
     priority_class = (ref.get("name") if isinstance(ref, Mapping) else None) or spec.get("priorityClassName") \

@@ -7,8 +7,9 @@ Input: the kubelet's PodResourcesLister v1 gRPC service on its unix socket
 pod missing from ``List`` is gone before its devices are released; the kubelet's
 List purges the devices of inactive pods first, so Get never holds a release for a
 finished pod — it only guards against a pod missing from one List answer).
-Only resources matching the configured names (default ``nvidia.com/gpu``,
-``nvidia.com/gpu.shared`` and the prefix ``nvidia.com/mig-*``) are considered.
+Only resources matching the configured names (default ``producers._config.GPU_RESOURCES``,
+shared with the scheduler collector: ``nvidia.com/gpu``, ``nvidia.com/gpu.shared``, the
+prefix ``nvidia.com/mig-*``, ...) are considered.
 
 Output: ``GpuEvent``s on the gpu topic, keyed by namespace/pod:
 ``gpu.assigned`` / ``gpu.released`` per (node, namespace/pod, container, resource,
@@ -71,6 +72,7 @@ import grpc
 from tenacity import RetryCallState
 
 from gpuledger.telemetry import meter
+from producers._config import ResourceMatcher
 from producers._errors import EventTooLarge, PublishError, StateFileError
 from producers._kafka import EventPublisher
 from producers._runtime import StateFile, Stopped, call_with_backoff, retry_error
@@ -86,7 +88,6 @@ from producers.podresources.snapshot import (
     Observation,
     PodResourcesError,
     Reject,
-    ResourceMatcher,
     observe,
     observe_pod,
     parse_device_id,
@@ -196,6 +197,7 @@ class PodResourcesCollector:
         self.counters = publisher.counters
         self.node = settings.node
         self._matches = ResourceMatcher(settings.resources)
+        self._dra = ResourceMatcher(settings.dra_drivers) if settings.dra_drivers else None
         self._store = StateStore(settings.state_file, settings.node)
         self._store.check_writable()
         self.state = self._store.load()
@@ -294,19 +296,22 @@ class PodResourcesCollector:
 
     def _observe(self) -> Observation:
         listed = self._call("List", pb.ListPodResourcesRequest())
-        obs = observe(listed.pod_resources, self._allocatable(), self._matches)
+        obs = observe(listed.pod_resources, self._allocatable(), self._matches, self._dra)
         # A pod that vanished from List is confirmed with Get before its devices are released.
         held_pods = {(k.namespace, k.pod) for k in self.state.assignments}
         for namespace, pod in sorted(held_pods - {(p.namespace, p.name) for p in listed.pod_resources}):
             found = self._still_there(namespace, pod)
             if found is not None and found.name == pod and found.namespace == namespace:
-                observe_pod(found, self._matches, obs)
+                observe_pod(found, self._matches, obs, self._dra)
         return obs
 
     # -- events ------------------------------------------------------------------
 
     def _assignment_event(self, key: AssignmentKey, held: Held, action: Literal["assigned", "released"], observed: datetime) -> GpuEvent:
         ref = parse_device_id(key.device_id)
+        # A DRA device (resource = its driver): '<driver>/<pool>/<device>'; pools may hold '/', device names do not.
+        dra = self._dra is not None and self._dra(key.resource) and key.device_id.startswith(key.resource + "/")
+        pool = key.device_id[len(key.resource) + 1:key.device_id.rindex("/")] if dra else None
         return GpuEvent(
             event_id=make_event_id(COLLECTOR, (self.node, key.namespace, key.pod, key.container, key.resource, key.device_id, action), held.since),
             event_type=f"gpu.{action}",
@@ -315,7 +320,8 @@ class PodResourcesCollector:
             source=Source(collector=COLLECTOR, host=self.node),
             identity=Identity(namespace=key.namespace, pod=key.pod, node=self.node, gpu_id=key.device_id),
             payload=GpuPayload(node=self.node, namespace=key.namespace, pod=key.pod, container=key.container, resource_name=key.resource,
-                               device_id=key.device_id, gpu=ref.gpu, mig_instance=ref.mig_instance, share=ref.share, numa_nodes=held.numa),
+                               device_id=key.device_id, gpu=None if dra else ref.gpu, mig_instance=None if dra else ref.mig_instance,
+                               share=None if dra else ref.share, numa_nodes=held.numa, driver=key.resource if dra else None, pool=pool),
         )
 
     def _allocatable_event(self, resource: str, current: AllocatableSet, observed: datetime) -> GpuEvent:

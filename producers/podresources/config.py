@@ -15,7 +15,7 @@ from pathlib import Path
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from producers._config import NameList
+from producers._config import GPU_DRA_DRIVERS, GPU_RESOURCES, NameList, check_resource_patterns
 
 DEFAULT_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 _NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
@@ -31,9 +31,10 @@ class PodResourcesSettings(BaseSettings):
     interval_s: float = Field(default=10.0, gt=0, description="Seconds between two polls of the kubelet.")
     state_dir: Path = Field(default=Path("/var/lib/gpuledger"), description="Directory of the last published snapshot, podresources-<node>.json; must survive restarts (hostPath).")
     resources: NameList = Field(
-        default=("nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/mig-*"),
-        description="Resource names to publish, comma-separated in the environment; a trailing '*' makes an entry a prefix.",
+        default=GPU_RESOURCES,
+        description="Resource names to publish, comma-separated in the environment; a trailing '*' makes an entry a prefix (the same default as GPULEDGER_SCHEDULER_GPU_RESOURCES).",
     )
+    dra_drivers: NameList = Field(default=GPU_DRA_DRIVERS, description="DRA drivers whose allocations (dynamic_resources) are published as GPU assignments, device id '<driver>/<pool>/<device>'; comma-separated, a trailing '*' makes an entry a prefix; empty: none.")
     rpc_timeout_s: float = Field(default=10.0, gt=0, description="Deadline of one gRPC call to the kubelet.")
     backoff_initial_s: float = Field(default=1.0, gt=0, description="First retry delay after a failed poll; doubles per failure, with jitter.")
     backoff_max_s: float = Field(default=60.0, gt=0, description="Cap of the retry delay.")
@@ -50,12 +51,7 @@ class PodResourcesSettings(BaseSettings):
     @field_validator("resources")
     @classmethod
     def _patterns(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        if not value:
-            raise ValueError("give at least one resource name")
-        bad = [v for v in value if "*" in v[:-1] or v == "*"]
-        if bad:
-            raise ValueError(f"'*' is only allowed at the end of a name prefix, got {', '.join(bad)}")
-        return value
+        return check_resource_patterns(value)
 
     @model_validator(mode="after")
     def _backoff_order(self) -> PodResourcesSettings:

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
+from producers._config import ResourceMatcher, dra_device_id
 from producers._errors import ProducerError
 from producers.podresources.proto import podresources_v1_pb2 as pb
 
@@ -93,18 +94,6 @@ def parse_device_id(device_id: str) -> DeviceRef:
     return DeviceRef(device_id, "unknown", share=share)
 
 
-class ResourceMatcher:
-    """Configured resource names; an entry ending in '*' is a prefix."""
-
-    def __init__(self, patterns: Iterable[str]) -> None:
-        patterns = tuple(patterns)
-        self.names = frozenset(p for p in patterns if not p.endswith("*"))
-        self.prefixes = tuple(p[:-1] for p in patterns if p.endswith("*"))
-
-    def __call__(self, resource_name: str) -> bool:
-        return resource_name in self.names or resource_name.startswith(self.prefixes)
-
-
 # --- snapshots (pure) --------------------------------------------------------------------
 
 class AssignmentKey(NamedTuple):
@@ -159,9 +148,27 @@ def _numa(topology: pb.TopologyInfo) -> tuple[int, ...]:
     return tuple(sorted({int(n.ID) for n in topology.nodes}))
 
 
-def observe_pod(pod: pb.PodResources, matches: ResourceMatcher, obs: Observation) -> None:
-    """Add one pod's matching device assignments to ``obs``; malformed parts become rejects."""
+def _dra_devices(pod: pb.PodResources, dra: ResourceMatcher | None) -> list[tuple[pb.ContainerResources, pb.ContainerDevices]]:
+    """A container's DRA allocations of GPU drivers as device-plugin-shaped entries: resource
+    name = the driver, device id = ``<driver>/<pool>/<device>`` (``producers._config.dra_device_id``)."""
+    if dra is None:
+        return []
+    out = []
+    for c in pod.containers:
+        for claim in c.dynamic_resources:
+            by_driver: dict[str, list[str]] = {}
+            for res in claim.claim_resources:
+                if res.driver_name and dra(res.driver_name):
+                    by_driver.setdefault(res.driver_name, []).append(dra_device_id(res.driver_name, res.pool_name, res.device_name))
+            out.extend((c, pb.ContainerDevices(resource_name=driver, device_ids=ids)) for driver, ids in sorted(by_driver.items()))
+    return out
+
+
+def observe_pod(pod: pb.PodResources, matches: ResourceMatcher, obs: Observation, dra: ResourceMatcher | None = None) -> None:
+    """Add one pod's matching device assignments (device plugin, and DRA devices of the
+    drivers ``dra`` matches) to ``obs``; malformed parts become rejects."""
     matching = [(c, d) for c in pod.containers for d in c.devices if d.resource_name and matches(d.resource_name)]
+    matching += _dra_devices(pod, dra)
     for c in pod.containers:
         for d in c.devices:
             if not d.resource_name and d.device_ids:
@@ -187,11 +194,12 @@ def observe_pod(pod: pb.PodResources, matches: ResourceMatcher, obs: Observation
             obs.assignments[AssignmentKey(pod.namespace, pod.name, c.name, d.resource_name, device_id)] = numa
 
 
-def observe(pods: Iterable[pb.PodResources], allocatable: pb.AllocatableResourcesResponse | None, matches: ResourceMatcher) -> Observation:
+def observe(pods: Iterable[pb.PodResources], allocatable: pb.AllocatableResourcesResponse | None, matches: ResourceMatcher,
+            dra: ResourceMatcher | None = None) -> Observation:
     """Turn a List (and GetAllocatableResources) answer into an Observation."""
     obs = Observation()
     for pod in pods:
-        observe_pod(pod, matches, obs)
+        observe_pod(pod, matches, obs, dra)
     if allocatable is not None:
         devices: dict[str, set[str]] = {}
         numa: dict[str, set[int]] = {}

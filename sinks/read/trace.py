@@ -268,12 +268,21 @@ def _allocation_at(allocs: list[dict], at: str | None) -> dict | None:
     return (holding or [a for a in ordered if a["started_at"] <= at] or [None])[-1]
 
 
+def _holds(alloc: dict) -> str:
+    """How an allocation holds the physical GPU its ``gpu`` names: a MIG slice, a
+    time-slicing share, or (a DRA device named by driver/pool/device) the whole GPU."""
+    if alloc["mig_instance"]:
+        return "mig_slice"
+    return "share" if "::" in alloc["gpu_id"] or "/vgpu" in alloc["gpu_id"] else "dra_device"
+
+
 class _Resolver:
     def __init__(self, store: Store, at: datetime | None) -> None:
         self.store = store
         self.at = at
         self.at_s = norm_time(at) if at else None
         self.notes: list[str] = []
+        self.holders: list[dict] = []  # slices/shares of a physical GPU entry point
 
     def workload(self, workload_id: str) -> tuple[str, str] | None:
         st = self.store
@@ -326,11 +335,50 @@ class _Resolver:
         allocs = self.store.latest("gpu_allocations", ALLOC_COLS, "node = {node:String} AND gpu_id = {gpu:String}",
                                    {"node": node, "gpu": gpu_id}, order="started_at, allocation_id")
         alloc = _allocation_at(allocs, at_s)
+        held_whole = alloc is not None and (at_s is None or alloc["ended_at"] is None or at_s < alloc["ended_at"])
+        if not held_whole and (slices := self.slices(node, gpu_id, at_s)):
+            return self._shared_root(node, gpu_id, at_s, slices)
         if alloc is None:
+            self._unknown_parents(node, gpu_id, at_s)
             return None
         if at_s and alloc["ended_at"] is not None and alloc["ended_at"] <= at_s:
             self.notes.append(f"no allocation held {node}/{gpu_id} at {at_s}; the last one before ended at {alloc['ended_at']}")
         return _root_from_identity(alloc)
+
+    def slices(self, node: str, gpu_id: str, at_s: str | None) -> list[dict]:
+        """The allocations of MIG slices / time-slicing shares of physical GPU ``gpu_id``
+        held at ``at_s`` (without it: those still held, else the last ones)."""
+        # gpu can change between versions (a MIG parent learned later): filter the latest only.
+        parts = self.store.latest("gpu_allocations", ALLOC_COLS, "node = {node:String} AND gpu_id != {gpu:String}", {"node": node, "gpu": gpu_id},
+                                  after="gpu = {gpu:String}", after_columns=("gpu",), order="started_at, allocation_id")
+        if at_s is not None:
+            return [a for a in parts if a["started_at"] <= at_s and (a["ended_at"] is None or at_s < a["ended_at"])]
+        held = [a for a in parts if a["ended_at"] is None]
+        return held or [a for a in parts if parts and a["started_at"] == parts[-1]["started_at"]]
+
+    def _shared_root(self, node: str, gpu_id: str, at_s: str | None, slices: list[dict]) -> tuple[str, str] | None:
+        self.holders = [{**_brief_alloc(a), "holds": _holds(a)} for a in slices]
+        who = ", ".join(f"{a['namespace']}/{a['pod']} ({a['gpu_id']}, {_holds(a).replace('_', ' ')})" for a in slices)
+        self.notes.append(f"{node}/{gpu_id} is a physical GPU held as {len(slices)} MIG slice(s), share(s) or DRA device(s)"
+                          f"{' at ' + at_s if at_s else ''}: {who}")
+        releases = sorted({a["release_id"] for a in slices if a["release_id"]})
+        if len(releases) == 1 and all(a["release_id"] for a in slices):
+            return ("release", releases[0])
+        if len(slices) > 1:
+            self.notes.append(f"its holders belong to {len(releases) or 'no'} release(s) ({', '.join(releases) or 'unattributed'}); "
+                              f"the chain follows the first, {slices[0]['namespace']}/{slices[0]['pod']}")
+        return _root_from_identity(slices[0])
+
+    def _unknown_parents(self, node: str, gpu_id: str, at_s: str | None) -> None:
+        """Say why a GPU id matched nothing when MIG slices of unknown parent were held on its node."""
+        parts = [a for a in self.store.latest("gpu_allocations", ALLOC_COLS, "node = {node:String}", {"node": node},
+                                              after="mig_instance != '' AND gpu = ''", after_columns=("mig_instance", "gpu"),
+                                              order="started_at, allocation_id")
+                 if at_s is None or (a["started_at"] <= at_s and (a["ended_at"] is None or at_s < a["ended_at"]))]
+        if parts:
+            self.notes.append(f"no allocation names {node}/{gpu_id}, but {len(parts)} MIG slice(s) whose physical GPU is unknown were held on "
+                              f"{node}{' at ' + at_s if at_s else ''}: " + ", ".join(f"{a['namespace']}/{a['pod']} ({a['gpu_id']})" for a in parts)
+                              + " — the MIG -> GPU mapping is unknown (no DCGM alert with pod labels and no DRA ResourceSlice named their parent)")
 
     def model(self, name: str, version: str | None) -> tuple[tuple[str, str] | None, list[str]]:
         cond = "model_name = {model:String}" + (" AND model_version = {mv:String}" if version else "")
@@ -521,7 +569,7 @@ class _Chain:
         rid, at, at_p = self.release_id, self.at, self.at_p
         if not rid:
             self.gaps.append(f"{self.kind} {self.value}: no release attributed (unattributed)" if self.kind in ("workload", "pod")
-                             else "alert carries no release, workload, pod or GPU identity (unattributed)")
+                             else "alert is attributed to no release, workload or pod (unattributed)")
             return
         self.release_rows = self.store.latest("release_history", RELEASE_COLS, f"release_id = {{r:String}} AND {_at_cond('occurred_at', at)}",
                                               {"r": rid, **at_p}, order="occurred_at, correlation_id")
@@ -696,6 +744,11 @@ class _Chain:
         return sorted(events.values(), key=lambda e: (e["occurred_at"], e["correlation_id"]))
 
     def _alerts(self) -> list[dict]:
+        for r in sorted(self.alert_rows.values(), key=lambda r: (r["occurred_at"], r["correlation_id"])):
+            if r.get("attribution", "").endswith("_fallback"):
+                rule = {"model_version_fallback": "model+version", "image_digest_fallback": "image digest"}.get(r["attribution"], r["attribution"])
+                self.gaps.append(f"alert {r['alert_fingerprint']}: attributed to {r['release_id']} by its {rule} (rule "
+                                 f"{r['attribution']}): the release id its labels name matches no release event (control 3)")
         alerts = [_brief_alert(r, True) for r in self.alert_rows.values()] + [_brief_alert(r, False) for r in self.others_alerts]
         return sorted(alerts, key=lambda a: (a["occurred_at"], a["correlation_id"]))
 
@@ -763,6 +816,8 @@ def trace(reader, database: str, kind: str, value: str, at: datetime | None = No
              "root": {"kind": root[0], "id": root[1]} if root else None, "queries": store.queries}
     if alternatives:
         entry["other_releases"] = alternatives
+    if resolver.holders:
+        entry["gpu_holders"] = resolver.holders
     return {"entry": entry, **chain}
 
 

@@ -121,8 +121,11 @@ def compact_row(record) -> dict | None:
     res = kept.get("reservation")
     if isinstance(res, dict):
         kept["reservation"] = {**res, "window_start": iso(res.get("window_start")), "window_end": iso(res.get("window_end"))}
-    return {"id": row["correlation_id"], "v": int(row["version"]), "type": etype, "at": iso(row["occurred_at"]), "attr": row["attribution"],
-            "i": {k: ident[k] for k in IDENTITY_KEPT if ident.get(k)}, "p": kept}
+    out = {"id": row["correlation_id"], "v": int(row["version"]), "type": etype, "at": iso(row["occurred_at"]), "attr": row["attribution"],
+           "i": {k: ident[k] for k in IDENTITY_KEPT if ident.get(k)}, "p": kept}
+    if row.get("named_release_id"):
+        out["named"] = row["named_release_id"]  # a label named this unknown release; a fallback rule attributed the row
+    return out
 
 
 def compact_allocation(record) -> dict:
@@ -580,13 +583,17 @@ def _admission(key: str, start: datetime, end: datetime | None, srow: dict, erow
 
 
 def _identifiers(key: str, start: datetime, end: datetime | None, srow: dict, erow: dict | None, found: Findings, ctx: Context) -> None:
-    """3: a workload naming a release no release event describes (or one first seen after
-    it ran), or a model no release matches."""
+    """3: a workload naming a release no release event describes (attributed by a fallback
+    rule instead, or not at all, or first seen after it ran), or a model no release matches."""
     ident = srow["i"]
     rid = ident.get("release_id")
     who, ev = _label(ident), [srow["id"], erow["id"] if erow else None]
     rel = ctx.release(rid)
-    if rid and (not rel.known or rel.first_seen > start):
+    if srow.get("named"):
+        found.add(3, ("release-id-mismatch", key, srow["id"]), start, end, ev, {**ident, "release_id": rid},
+                  f"{who} names release {srow['named']}, which no release event describes; attributed to {rid} "
+                  f"by {srow['attr'].replace('_', ' ')} instead")
+    elif rid and (not rel.known or rel.first_seen > start):
         closed = _min(rel.first_seen, end) if rel.known else end
         found.add(3, ("unknown-release", key, srow["id"]), start, closed, ev, ident,
                   f"{who} names release {rid}, which " + ("no release event describes" if not rel.known else

@@ -119,8 +119,22 @@ def fold_event(state: dict, event: dict, src: tuple[str, int, int]) -> bool:
         "payload": bounded_payload(payload), "starts_at": iso(payload.get("starts_at")) if etype.startswith("alert.") else None,
         "expired": False, "parked": False,
     }
+    if etype.startswith("alert.") and (instance := gpu_instance(payload.get("labels") or {})):
+        state["rows"][eid]["gpu_instance"] = instance
+    if etype == "gpu.device":
+        state["rows"][eid]["device"] = {"gpu": payload.get("gpu"), "mig": payload.get("mig_instance"), "profile": payload.get("profile")}
     _bound(state)
     return True
+
+
+#: dcgm-exporter's labels for a MIG instance: ``UUID`` names the physical GPU, these the slice.
+GPU_INSTANCE_LABELS = {"gi": "GPU_I_ID", "profile": "GPU_I_PROFILE"}
+
+
+def gpu_instance(labels: dict) -> dict | None:
+    """The MIG instance an alert's labels name (``GPU_I_ID``, ``GPU_I_PROFILE``), or None."""
+    found = {k: str(labels[v]) for k, v in GPU_INSTANCE_LABELS.items() if labels.get(v) not in (None, "")}
+    return found or None
 
 
 def bounded_payload(payload: dict) -> str:
@@ -223,6 +237,10 @@ class Resolution:
     candidates: tuple[str, ...] = ()   # look-up interests consulted: candidates' counts
     base: int = 0                      # facts + links components
     facts_version: int = 0
+    unknown_named: str | None = None   # the release id a label names that no release event describes (a fallback rule attributed it)
+
+    def unresolved(self, directory) -> bool:
+        return self.attribution == "unattributed" or (self.release_id is not None and not directory.known(self.release_id))
 
     def version(self, directory, at_iso: str | None) -> int:
         return (self.base + sum(directory.version_at(r, at_iso) for r in self.named)
@@ -230,6 +248,19 @@ class Resolution:
 
 
 UNATTRIBUTED = Resolution({}, "unattributed", None, [])
+#: A label names a release no release event describes: attribute by immutable identity instead,
+#: under a rule name that says so (control 3 flags the mismatch).
+FALLBACK = {"image_digest_match": "image_digest_fallback", "model_version_match": "model_version_fallback"}
+
+
+def fallback_match(directory, digest: str | None, model: str | None, version: str | None, env: str | None) -> tuple[str | None, str]:
+    """The release an image digest, else a model (+version), points to — the fallbacks'
+    one order (the digest is immutable, the model+version only a name)."""
+    if (match := directory.by_image_digest(digest, env)):
+        return match, "image_digest_match"
+    if model and (match := directory.by_model_version(model, version, env)):
+        return match, "model_version_match"
+    return None, "unattributed"
 
 
 def resolve_entity(state: dict, directory) -> Resolution:
@@ -239,9 +270,13 @@ def resolve_entity(state: dict, directory) -> Resolution:
     lookups = interests_for(f.get("image_digest"), f.get("model_name"), f.get("model_version"))
     linked = sorted((src, link["release_id"]) for src, link in state["links"].items() if link.get("release_id"))
     named = tuple(sorted(({f["release_id"]} if f.get("release_id") else set()) | {rid for _, rid in linked}))
-    rid, how = None, "unattributed"
+    rid, how, unknown = None, "unattributed", None
     if f.get("release_id"):
         rid, how = f["release_id"], "release_label"
+        if not directory.known(rid):
+            match, rule = fallback_match(directory, f.get("image_digest"), f.get("model_name"), f.get("model_version"), env)
+            if match:
+                rid, how, unknown = match, FALLBACK[rule], f["release_id"]
     elif linked:
         rid, how = linked[0][1], "workload_release"
     elif (match := directory.by_image_digest(f.get("image_digest"), env)):
@@ -249,7 +284,7 @@ def resolve_entity(state: dict, directory) -> Resolution:
     elif f.get("model_name") and (match := directory.by_model_version(f["model_name"], f.get("model_version"), env)):
         rid, how = match, "model_version_match"
     interests = lookups + [f"rid:{r}" for r in named] + ([f"rid:{rid}"] if rid and rid not in named else [])
-    return Resolution(f, how, rid, interests, named, tuple(lookups), fv + links_version(state["links"]), fv)
+    return Resolution(f, how, rid, interests, named, tuple(lookups), fv + links_version(state["links"]), fv, unknown)
 
 
 def own_release(state: dict, directory, facts: dict) -> tuple[str | None, str]:
@@ -263,9 +298,64 @@ def own_release(state: dict, directory, facts: dict) -> tuple[str | None, str]:
     return None, "unattributed"
 
 
+def learned_parents(state: dict, spans: list[dict]) -> tuple[dict[str, dict], int]:
+    """MIG device -> {gpu, gi, profile} a pod's own DCGM alerts prove, and the version
+    component (the number of alert rows that can teach it).
+
+    dcgm-exporter names a MIG instance by its physical GPU (``UUID=GPU-…``) plus
+    ``GPU_I_ID``/``GPU_I_PROFILE``, and — with pod mapping — the pod holding it. When
+    that pod held exactly one MIG device on the alert's node at its ``startsAt`` (of
+    that profile, when the profile is named), that device is a slice of that GPU.
+    The latest alert wins (sort key), so the answer is independent of arrival order."""
+    teaching = sorted((r for r in state["rows"].values() if r.get("gpu_instance") and r["identity"].get("gpu_id", "").startswith("GPU-")),
+                      key=lambda r: r["key"])
+    out: dict[str, dict] = {}
+    for rec in teaching:
+        at, node, inst = rec["starts_at"] or rec["at"], rec["identity"].get("node"), rec["gpu_instance"]
+        held = {iv["device"] for iv in spans if iv["mig"] and not iv["gpu"] and (node is None or iv["node"] == node)
+                and iv["start"] <= at and (iv["end"] is None or at < iv["end"])
+                and (not inst.get("profile") or iv["resource"].endswith(inst["profile"]))}
+        if len(held) == 1:
+            out[held.pop()] = {"gpu": rec["identity"]["gpu_id"], **inst, "source": "dcgm_alert"}
+    return out, len(teaching)
+
+
+def dra_devices(state: dict) -> dict[str, dict]:
+    """What the DRA devices a pod holds are (device id -> gpu, mig, profile), as the
+    devices' entities forwarded it from their ResourceSlice (``device_link``); the links'
+    versions are part of the pod's (``links_version``)."""
+    return {link["device"]["id"]: link["device"] for link in state["links"].values() if link.get("device")}
+
+
+def device_link(state: dict) -> tuple[dict | None, int]:
+    """A DRA device entity's identity from its ``gpu.device`` rows (the latest wins) and the
+    version component (runs of equal values, ``segments``)."""
+    rows = [[r["key"], r["device"]] for r in state["rows"].values() if r.get("device")]
+    if not rows:
+        return None, 0
+    version = segments(rows)
+    return {"id": state["key"].split("/", 1)[1], **rows[-1][1]}, version
+
+
 def intervals(state: dict) -> list[dict]:
     """Allocation intervals derived from a pod's gpu rows (order-independent), each with
-    the number of gpu events and deletions it was derived from."""
+    the number of gpu events and deletions it was derived from; a MIG slice whose
+    physical GPU is not in its id gets it from ``learned_parents``."""
+    spans = _spans(state)
+    dra = dra_devices(state)
+    for iv in spans:
+        if (known := dra.get(iv["device"])) and not iv["gpu"] and not iv["mig"]:
+            iv.update(gpu=known["gpu"], mig=known["mig"], profile=known.get("profile"), dra=True)
+    parents, learned_v = learned_parents(state, spans)
+    for iv in spans:
+        if iv["mig"] and not iv["gpu"]:
+            iv["v"] += learned_v
+            if (parent := parents.get(iv["device"])):
+                iv.update(gpu=parent["gpu"], gi=parent.get("gi"), profile=parent.get("profile"), parent_source=parent["source"])
+    return spans
+
+
+def _spans(state: dict) -> list[dict]:
     per: dict[str, list] = defaultdict(list)
     deletions = sorted(r["at"] for r in state["rows"].values() if r["type"] == "scheduler.deleted")
     deleted = deletions[-1] if deletions else None
@@ -295,20 +385,44 @@ def intervals(state: dict) -> list[dict]:
     return out
 
 
-def _covering(links: dict, at: str) -> tuple[dict | None, int, tuple[str, ...]]:
-    """The allocation that held a node/GPU at time ``at`` (latest start wins), the
-    versions of every link that could have held it then, and their releases."""
-    best, version, rids = None, 0, set()
+def _covering(links: dict, at: str) -> tuple[list[dict], int, tuple[str, ...]]:
+    """The allocations that held a node/GPU at time ``at`` (its own device, and — on a
+    physical GPU — every MIG slice or time-slicing share of it), the versions of every
+    link that could have held it then, and their releases."""
+    holders, version, rids = [], 0, set()
     for _src, link in sorted(links.items()):
         early = [iv for iv in link.get("intervals", []) if iv["start"] <= at]
         if not early:
             continue
         version += link.get("v", 0)
         rids.update(iv["identity"].get("release_id") for iv in early if iv["identity"].get("release_id"))
-        for iv in early:
-            if (iv["end"] is None or at < iv["end"]) and (best is None or iv["start"] > best["start"]):
-                best = iv
-    return best, version, tuple(sorted(rids))
+        holders.extend(iv for iv in early if iv["end"] is None or at < iv["end"])
+    return holders, version, tuple(sorted(rids))
+
+
+def select_holders(holders: list[dict], instance: dict | None) -> list[dict]:
+    """Who an alert on a node/GPU is about: the device's own holder (latest start wins)
+    if it was held whole, else every slice/share holder; an alert naming a MIG instance
+    (``GPU_I_ID``/``GPU_I_PROFILE``) only that instance's holder — by instance id where
+    the slice's is known, else by profile. Sorted by (start, allocation id)."""
+    whole = [h for h in holders if not h.get("slice")]
+    if whole and not instance:
+        return [max(whole, key=lambda h: (h["start"], h["id"]))]
+    parts = [h for h in holders if h.get("slice")]
+    if instance:
+        by_gi = [h for h in parts if instance.get("gi") and h.get("gi") == instance["gi"]]
+        profile = instance.get("profile")
+        parts = by_gi or [h for h in parts if not h.get("gi") and (not profile or h.get("profile") == profile
+                                                                   or h.get("resource", "").endswith(profile))]
+    return sorted(parts, key=lambda h: (h["start"], h["id"]))
+
+
+def shared_identity(holders: list[dict]) -> dict:
+    """The identity fields every holder agrees on (all of them for one holder)."""
+    if not holders:
+        return {}
+    first, rest = holders[0]["identity"], [h["identity"] for h in holders[1:]]
+    return {k: v for k, v in first.items() if all(other.get(k) == v for other in rest)}
 
 
 def resolve_row(state: dict, record: dict, directory, entity_res: Resolution) -> Resolution:
@@ -316,22 +430,31 @@ def resolve_row(state: dict, record: dict, directory, entity_res: Resolution) ->
     kind = kind_of(state["key"])
     own = record["identity"]
     at = record["starts_at"] or record["at"]
+    if record["type"] == "gpu.device":
+        return UNATTRIBUTED  # what a device is, not something that happened to a release
     if record["type"].startswith("release."):
         rid = own.get("release_id")
         return Resolution({}, "release_event", rid, [f"rid:{rid}"], (rid,) if rid else ())
-    if own.get("release_id"):
+    if own.get("release_id") and not (kind in ("pod", "wl") and entity_res.unknown_named == own["release_id"]):
         rid = own["release_id"]
-        return Resolution({}, "release_label", rid, [f"rid:{rid}"], (rid,))
+        labelled = Resolution({}, "release_label", rid, [f"rid:{rid}"], (rid,))
+        return labelled if directory.known(rid) else _own_fallback(own, directory, labelled, rid)
     if kind in ("pod", "wl"):
-        return entity_res
+        return _own_fallback(own, directory, entity_res, entity_res.release_id) if entity_res.unresolved(directory) else entity_res
     if kind == "gpu":
-        iv, version, rids = _covering(state["links"], at)
+        holders, version, rids = _covering(state["links"], at)
+        holders = select_holders(holders, record.get("gpu_instance"))
         interests = [f"rid:{r}" for r in rids]
-        if iv is None:
+        if not holders:
             return Resolution({}, "unattributed", None, interests, rids, (), version)
-        ident = dict(iv["identity"])
+        ident = shared_identity(holders)
+        if len(holders) > 1 or holders[0].get("slice"):
+            # The alert names the physical GPU; the device a pod held is a slice/share of it.
+            ident = {k: v for k, v in ident.items() if k != "gpu_id"}
         rid = ident.get("release_id")
-        return Resolution(ident, "gpu_assignment" if rid else "unattributed", rid, interests, rids, (), version)
+        # Several holders of different releases (slices/shares of one GPU): joined, to all of them, not to one release.
+        how = "gpu_assignment" if rid else ("gpu_shared" if len(holders) > 1 else "unattributed")
+        return Resolution(ident, how, rid, interests, rids, (), version)
     if kind == "model":
         name, version = own.get("model_name"), own.get("model_version")
         rid = directory.by_model_version(name, version, own.get("environment"))
@@ -340,6 +463,24 @@ def resolve_row(state: dict, record: dict, directory, entity_res: Resolution) ->
         return Resolution({}, "model_version_match" if rid else "unattributed", rid,
                           lookups + ([f"rid:{rid}"] if rid else []), (), tuple(lookups))
     return UNATTRIBUTED
+
+
+def _own_fallback(own: dict, directory, res: Resolution, named: str | None) -> Resolution:
+    """``res`` (unresolved: no release, or one no release event describes), unless the row's
+    own model+version (an alert's labels) or image digest find a release — then that, as a
+    fallback naming the unknown id. The version keeps every component ``res`` had, plus the
+    candidates consulted, so it grows whenever the choice can change."""
+    lookups = interests_for(own.get("image_digest"), own.get("model_name"), own.get("model_version"))
+    if not lookups:
+        return res
+    candidates = tuple(dict.fromkeys((*res.candidates, *lookups)))
+    match, rule = fallback_match(directory, own.get("image_digest"), own.get("model_name"), own.get("model_version"), own.get("environment"))
+    interests = list(dict.fromkeys([*res.interests, *lookups, *([f"rid:{match}"] if match else [])]))
+    if match is None:
+        return Resolution(res.identity, res.attribution, res.release_id, interests, res.named, candidates, res.base, res.facts_version,
+                          res.unknown_named)
+    return Resolution(res.identity, FALLBACK[rule] if named else rule, match, interests, res.named, candidates, res.base,
+                      res.facts_version, named)
 
 
 def render_row(record: dict, directory, res: Resolution, version: int) -> dict:
@@ -353,7 +494,7 @@ def render_row(record: dict, directory, res: Resolution, version: int) -> dict:
         "attribution": res.attribution, "identity": identity,
         "release_state": directory.state_as_of(rid, record["at"]) if rid else None,
         "summary": record["summary"], "source_topic": record["topic"], "source_partition": record["partition"],
-        "source_offset": record["offset"], "payload_json": record["payload"],
+        "source_offset": record["offset"], "payload_json": record["payload"], "named_release_id": res.unknown_named,
     }
 
 
@@ -385,8 +526,7 @@ def refresh(state: dict, directory, park: bool = True) -> Outcome:
         interests.update(res.interests)
         # Unresolved = no release, or a release named (label) that no release event has
         # described yet: wait for the manifest rather than emit a half-filled row.
-        unresolved = (res.attribution == "unattributed" or (res.release_id is not None and not directory.known(res.release_id))) \
-            and not record["type"].startswith(("release.", "gpu.allocatable"))
+        unresolved = res.unresolved(directory) and not record["type"].startswith(("release.", "gpu.allocatable", "gpu.device"))
         if park and unresolved and not record["expired"]:
             if not record["parked"]:
                 record["parked"] = True
@@ -403,6 +543,8 @@ def refresh(state: dict, directory, park: bool = True) -> Outcome:
             content["version"] = emitted
             out.correlated.append(content)
     state["interests"] = sorted(interests)
+    if kind == "gpu":
+        _refresh_device(state, out)
     if kind == "pod":
         _refresh_pod(state, directory, entity_res, out)
     elif kind == "wl":
@@ -430,10 +572,18 @@ def _refresh_pod(state: dict, directory, res: Resolution, out: Outcome) -> None:
         version = _emit(state["allocs"], alloc_id, iv["v"] + identity_version, row, out)
         if version is not None:
             out.allocations.append({**row, "version": version})
+        held = {"id": alloc_id, "start": iv["start"], "end": iv["end"], "identity": ident_iv, "attribution": res.attribution}
         target = f"gpu:{iv['node']}/{iv['device']}"
-        per_gpu.setdefault(target, []).append(
-            {"id": alloc_id, "start": iv["start"], "end": iv["end"], "identity": ident_iv, "attribution": res.attribution})
-        gpu_version[target][(iv["container"], iv["resource"])] = iv["v"]
+        per_gpu.setdefault(target, []).append(held)
+        gpu_version[target][(iv["container"], iv["resource"], iv["device"])] = iv["v"]
+        if iv["gpu"] and iv["gpu"] != iv["device"]:
+            # A MIG slice or time-slicing share — or a DRA device, named by its pool — of a
+            # physical GPU: that GPU's alerts reach its holder too (a whole DRA GPU as a whole holder).
+            physical = f"gpu:{iv['node']}/{iv['gpu']}"
+            whole = iv.get("dra") and not iv["mig"]
+            per_gpu.setdefault(physical, []).append(held if whole else {**held, "slice": iv["device"], "resource": iv["resource"],
+                                                                       "gi": iv.get("gi"), "profile": iv.get("profile")})
+            gpu_version[physical][(iv["container"], iv["resource"], iv["device"])] = iv["v"]
     for target, ivs in per_gpu.items():
         _forward(state, target, sum(gpu_version[target].values()) + identity_version, {"intervals": ivs}, out)
     f = res.identity
@@ -442,6 +592,16 @@ def _refresh_pod(state: dict, directory, res: Resolution, out: Outcome) -> None:
         lookups = interests_for(f.get("image_digest"), f.get("model_name"), f.get("model_version"))
         _forward(state, f"wl:{f['workload_id']}", res.facts_version + directory.candidates_version(lookups),
                  {"release_id": rel, "attribution": rel_how, "from": "pod"}, out)
+
+
+def _refresh_device(state: dict, out: Outcome) -> None:
+    """A DRA device tells the pods that hold it what it is (uuid, parent, profile)."""
+    device, version = device_link(state)
+    if device is None:
+        return
+    for src in sorted(state["links"]):
+        if src.startswith("pod:"):
+            _forward(state, src, version, {"device": device}, out)
 
 
 def _refresh_workload(state: dict, res: Resolution, out: Outcome) -> None:

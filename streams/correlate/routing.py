@@ -9,6 +9,7 @@ routing agent re-keys each event to its entity key on the internal route topic:
 | release.* | ``rel:<release_id>`` |
 | gpu.assigned / gpu.released | ``pod:<namespace>/<pod>`` |
 | gpu.allocatable | ``node:<node>`` |
+| gpu.device (a DRA device, from a ResourceSlice) | ``gpu:<node>/<driver>/<pool>/<device>`` (where its holders' intervals arrive) |
 | scheduler.* with namespace+pod | ``pod:<namespace>/<pod>`` |
 | scheduler.* without a pod (Kueue Workload) | ``wl:<workload_id>`` |
 | alert.* with namespace+pod | ``pod:<namespace>/<pod>`` |
@@ -31,6 +32,8 @@ def entity_key(event) -> str:
     if family == "gpu":
         if event.event_type == "gpu.allocatable":
             return f"node:{event.payload.node}"
+        if event.event_type == "gpu.device":
+            return f"gpu:{event.payload.node}/{event.payload.device_id}"
         return f"pod:{event.payload.namespace or ident.namespace}/{event.payload.pod or ident.pod}"
     if family == "scheduler":
         if ident.namespace and ident.pod:

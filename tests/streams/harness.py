@@ -16,6 +16,7 @@ from schemas.gpu import GpuPayload
 from schemas.release import ReleasePayload
 from schemas.scheduler import SchedulerPayload
 import streams.correlate.entities
+from producers.podresources.snapshot import parse_device_id
 from streams.correlate.directory import ReleaseDirectory
 from streams.correlate.entities import expire, fold_event, fold_link, new_entity, refresh
 from streams.correlate.routing import entity_key, routed_form
@@ -43,16 +44,29 @@ def pod_event(etype, minutes, ns="ml", pod="p1", workload="ml/Job/train", node="
                           payload=SchedulerPayload(object_kind="Pod", image_digests=(digest,) if digest else ()))
 
 
-def gpu_event(etype, minutes, ns="ml", pod="p1", node="n1", device="GPU-1111", container="main"):
+def gpu_event(etype, minutes, ns="ml", pod="p1", node="n1", device="GPU-1111", container="main", resource="nvidia.com/gpu"):
+    """A pod-resources event, its device id parsed as the collector parses it."""
+    ref = parse_device_id(device)
     return GpuEvent(event_id=make_event_id("t", (node, ns, pod, device, etype), at(minutes).isoformat()), event_type=etype,
                     occurred_at=at(minutes), observed_at=at(minutes), source=SRC, identity=Identity(namespace=ns, pod=pod, node=node, gpu_id=device),
-                    payload=GpuPayload(node=node, namespace=ns, pod=pod, container=container, device_id=device, gpu=device))
+                    payload=GpuPayload(node=node, namespace=ns, pod=pod, container=container, device_id=device, resource_name=resource,
+                                       gpu=ref.gpu, mig_instance=ref.mig_instance, share=ref.share))
 
 
-def alert(minutes, fp="fp1", **ident):
+def dra_device(minutes, node="n1", driver="gpu.nvidia.com", pool="n1", device="gpu-0", uuid="GPU-1111", parent=None, profile=None):
+    """A ``gpu.device`` as the scheduler collector publishes it from a ResourceSlice."""
+    device_id = f"{driver}/{pool}/{device}"
+    mig = uuid if parent else None
+    return GpuEvent(event_id=make_event_id("t", (node, device_id, uuid), at(minutes).isoformat()), event_type="gpu.device",
+                    occurred_at=at(minutes), observed_at=at(minutes), source=SRC, identity=Identity(node=node, gpu_id=device_id),
+                    payload=GpuPayload(node=node, resource_name=driver, device_id=device_id, gpu=parent or uuid, mig_instance=mig,
+                                       driver=driver, pool=pool, profile=profile))
+
+
+def alert(minutes, fp="fp1", labels=None, **ident):
     return AlertEvent(event_id=make_event_id("am", (fp, "firing", at(minutes).isoformat())), event_type="alert.firing",
                       occurred_at=at(minutes), observed_at=at(minutes), source=SRC, identity=Identity(alert_fingerprint=fp, **ident),
-                      payload=AlertPayload(alertname="A", starts_at=at(minutes)))
+                      payload=AlertPayload(alertname="A", starts_at=at(minutes), labels=dict(labels or {})))
 
 
 class Driver:

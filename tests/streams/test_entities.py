@@ -2,7 +2,7 @@
 
 import random
 
-from tests.streams.harness import Driver, alert, gpu_event, pod_event, release
+from tests.streams.harness import Driver, alert, dra_device, gpu_event, pod_event, release
 
 DIGEST_R1 = "sha256:" + "b" * 64
 RELEASES = [release("release.registered", 0), release("release.approved", 1, actor="alice"),
@@ -132,3 +132,140 @@ def test_any_processing_order_yields_the_same_latest_rows_and_versions():
         assert d.latest(versions=True) == ref_rows, f"seed {seed}"
         assert d.latest_allocations(versions=True) == ref_allocs, f"seed {seed}"
         assert d.conflicts == 0, f"seed {seed}: a content change without a version change"
+
+
+# --- physical GPU vs. MIG slice vs. time-slicing share (#13.2) -------------------------------------
+
+GPU_P = "GPU-5a1e0000-0000-0000-0000-00000000aaaa"
+MIG_A, MIG_B = "MIG-0b7c0000-0000-0000-0000-0000000000a1", "MIG-0b7c0000-0000-0000-0000-0000000000b2"
+MIG_RES = "nvidia.com/mig-1g.10gb"
+R2 = [release("release.registered", 0, rid="r2", model="n", version="1", digest="sha256:" + "d" * 64)]
+SLICES = [*RELEASES, *R2,
+          # two time-slicing shares of GPU_P on n1, held by two pods of two releases
+          pod_event("scheduler.scheduled", 5, pod="s1", release_id="r1"), gpu_event("gpu.assigned", 6, pod="s1", device=f"{GPU_P}::0"),
+          pod_event("scheduler.scheduled", 5, pod="s2", release_id="r2"), gpu_event("gpu.assigned", 6, pod="s2", device=f"{GPU_P}::1"),
+          # two MIG slices of GPU_Q on n2 (MIG UUIDs: the parent is not in the id)
+          pod_event("scheduler.scheduled", 5, pod="m1", node="n2", release_id="r1"),
+          gpu_event("gpu.assigned", 6, pod="m1", node="n2", device=MIG_A, resource=MIG_RES),
+          pod_event("scheduler.scheduled", 5, pod="m2", node="n2", release_id="r2"),
+          gpu_event("gpu.assigned", 6, pod="m2", node="n2", device=MIG_B, resource="nvidia.com/mig-3g.40gb"),
+          # dcgm-exporter with pod mapping: the slice's metrics name the physical GPU, GPU_I_ID and the pod
+          alert(8, fp="m1-temp", namespace="ml", pod="m1", node="n2", gpu_id="GPU-Q",
+                labels={"UUID": "GPU-Q", "GPU_I_ID": "7", "GPU_I_PROFILE": "1g.10gb"}),
+          alert(8, fp="m2-temp", namespace="ml", pod="m2", node="n2", gpu_id="GPU-Q",
+                labels={"UUID": "GPU-Q", "GPU_I_ID": "2", "GPU_I_PROFILE": "3g.40gb"}),
+          # an XID on the physical GPUs, without pod labels
+          alert(20, fp="xid-p", node="n1", gpu_id=GPU_P, labels={"UUID": GPU_P}),
+          alert(20, fp="xid-q", node="n2", gpu_id="GPU-Q", labels={"UUID": "GPU-Q"}),
+          # a MIG instance's own alert, named by its parent and GPU_I_ID
+          alert(21, fp="gi-7", node="n2", gpu_id="GPU-Q", labels={"UUID": "GPU-Q", "GPU_I_ID": "7", "GPU_I_PROFILE": "1g.10gb"})]
+
+
+def test_alert_on_a_physical_gpu_reaches_the_holders_of_its_shares_and_slices():
+    d = Driver().feed(SLICES).flush_parked()
+    allocs = {a.pod: a for a in d.allocations.values()}
+    assert allocs["s1"].gpu == GPU_P and allocs["s2"].gpu == GPU_P
+    # learned from the pods' own DCGM alerts: MIG UUID -> the physical GPU
+    assert (allocs["m1"].gpu, allocs["m1"].mig_instance) == ("GPU-Q", MIG_A) and allocs["m2"].gpu == "GPU-Q"
+    gpu_links = d.entities[f"gpu:n1/{GPU_P}"]["links"]
+    assert sorted(iv["slice"] for link in gpu_links.values() for iv in link["intervals"]) == [f"{GPU_P}::0", f"{GPU_P}::1"]
+    by_fp = {r.identity.alert_fingerprint: r for r in d.rows.values() if r.event_type.startswith("alert.")}
+    # held by two pods of two releases: the row names what they share, the release only if common
+    assert by_fp["xid-p"].identity.node == "n1" and by_fp["xid-p"].identity.release_id is None
+    assert by_fp["xid-p"].identity.namespace == "ml" and by_fp["xid-p"].identity.pod is None
+    assert by_fp["xid-p"].attribution == "gpu_shared"  # joined to both holders, emitted without waiting
+    assert Driver().feed(SLICES).rows[by_fp["xid-p"].correlation_id].attribution == "gpu_shared"  # not parked
+    # the instance's alert reaches exactly that slice's holder
+    assert by_fp["gi-7"].identity.pod == "m1" and by_fp["gi-7"].identity.release_id == "r1"
+    assert by_fp["gi-7"].attribution == "gpu_assignment" and by_fp["gi-7"].identity.gpu_id == "GPU-Q"
+
+
+def test_instance_alert_matches_by_profile_where_the_instance_id_is_unknown():
+    events = [*RELEASES, pod_event("scheduler.scheduled", 5, pod="m1", node="n2", release_id="r1"),
+              gpu_event("gpu.assigned", 6, pod="m1", node="n2", device=f"MIG-GPU-Q/7/0", resource=MIG_RES),
+              alert(21, fp="gi", node="n2", gpu_id="GPU-Q", labels={"UUID": "GPU-Q", "GPU_I_ID": "7", "GPU_I_PROFILE": "1g.10gb"}),
+              alert(22, fp="other-gi", node="n2", gpu_id="GPU-Q", labels={"UUID": "GPU-Q", "GPU_I_ID": "3", "GPU_I_PROFILE": "7g.80gb"})]
+    d = Driver().feed(events).flush_parked()
+    by_fp = {r.identity.alert_fingerprint: r for r in d.rows.values() if r.event_type.startswith("alert.")}
+    assert by_fp["gi"].identity.pod == "m1" and by_fp["gi"].identity.release_id == "r1"
+    assert by_fp["other-gi"].attribution == "unattributed" and by_fp["other-gi"].identity.pod is None
+
+
+def assert_order_independent(events: list, allocations: int, seeds: int = 16) -> None:
+    """Shuffled (and partly re-delivered) processing yields the reference's latest rows,
+    allocations and versions, with no content change that a version did not announce."""
+    reference = Driver().feed(events).flush_parked()
+    ref_rows, ref_allocs = reference.latest(versions=True), reference.latest_allocations(versions=True)
+    assert len(ref_allocs) == allocations and reference.conflicts == 0
+    for seed in range(seeds):
+        order = list(events)
+        random.Random(seed).shuffle(order)
+        if seed % 4 == 0:
+            order += order[: len(order) // 3]
+        d = Driver(seed=seed).feed(order).flush_parked()
+        assert d.latest(versions=True) == ref_rows, f"seed {seed}"
+        assert d.latest_allocations(versions=True) == ref_allocs, f"seed {seed}"
+        assert d.conflicts == 0, f"seed {seed}: a content change without a version change"
+
+
+def test_slice_joins_are_the_same_in_any_processing_order():
+    assert_order_independent(SLICES, allocations=4)
+
+
+# --- DRA devices (#13.3) ----------------------------------------------------------------------------
+
+DRA = "gpu.nvidia.com"
+DRA_EVENTS = [*RELEASES, *R2,
+              dra_device(0, pool="n1", device="gpu-0", uuid=GPU_P),
+              dra_device(0, pool="n1", device="gpu-1-mig-1g10gb-0", uuid=MIG_A, parent="GPU-Q", profile="1g.10gb"),
+              pod_event("scheduler.scheduled", 5, pod="d1", release_id="r1"),
+              gpu_event("gpu.assigned", 6, pod="d1", device=f"{DRA}/n1/gpu-0", resource=DRA),
+              pod_event("scheduler.scheduled", 5, pod="d2", release_id="r2"),
+              gpu_event("gpu.assigned", 6, pod="d2", device=f"{DRA}/n1/gpu-1-mig-1g10gb-0", resource=DRA),
+              alert(20, fp="xid-whole", node="n1", gpu_id=GPU_P, labels={"UUID": GPU_P}),
+              alert(21, fp="xid-mig", node="n1", gpu_id="GPU-Q", labels={"UUID": "GPU-Q", "GPU_I_ID": "1", "GPU_I_PROFILE": "1g.10gb"})]
+
+
+def test_dra_devices_are_attributed_like_device_plugin_ones():
+    d = Driver().feed(DRA_EVENTS).flush_parked()
+    allocs = {a.pod: a for a in d.allocations.values()}
+    assert (allocs["d1"].gpu, allocs["d1"].mig_instance) == (GPU_P, None)
+    assert (allocs["d2"].gpu, allocs["d2"].mig_instance) == ("GPU-Q", MIG_A)
+    by_fp = {r.identity.alert_fingerprint: r for r in d.rows.values() if r.event_type.startswith("alert.")}
+    assert (by_fp["xid-whole"].identity.pod, by_fp["xid-whole"].identity.release_id, by_fp["xid-whole"].attribution) == ("d1", "r1", "gpu_assignment")
+    assert (by_fp["xid-mig"].identity.pod, by_fp["xid-mig"].identity.release_id) == ("d2", "r2")
+
+
+def test_dra_joins_are_the_same_in_any_processing_order():
+    assert_order_independent(DRA_EVENTS, allocations=2)
+
+
+# --- a release the labels name by an unknown id (#13.5) ----------------------------------------------
+
+UNKNOWN_ID = [*RELEASES,
+              # the pod names a release id no release event describes; its model labels name m:7 (= r1)
+              pod_event("scheduler.scheduled", 5, pod="u1", release_id="m-7-typo", model_name="m", model_version="7"),
+              alert(20, fp="on-u1", namespace="ml", pod="u1", model_name="m", model_version="7"),
+              # only the alert names the model; the pod's label is unknown and it has no model labels
+              pod_event("scheduler.scheduled", 5, pod="u2", release_id="ghost-release"),
+              alert(21, fp="on-u2", namespace="ml", pod="u2", model_name="m", model_version="7"),
+              # the same label once a release event describes it: the label wins again
+              pod_event("scheduler.scheduled", 5, pod="u3", release_id="r-late"),
+              release("release.registered", 30, rid="r-late", model="k", version="2", digest="sha256:" + "e" * 64)]
+
+
+def test_unknown_release_id_falls_back_to_model_version_and_says_so():
+    d = Driver().feed(UNKNOWN_ID).flush_parked()
+    by_fp = {r.identity.alert_fingerprint: r for r in d.rows.values() if r.event_type.startswith("alert.")}
+    assert (by_fp["on-u1"].identity.release_id, by_fp["on-u1"].attribution, by_fp["on-u1"].named_release_id) == \
+        ("r1", "model_version_fallback", "m-7-typo")
+    assert (by_fp["on-u2"].identity.release_id, by_fp["on-u2"].attribution, by_fp["on-u2"].named_release_id) == \
+        ("r1", "model_version_fallback", "ghost-release")
+    u1 = next(r for r in d.rows.values() if r.identity.pod == "u1" and r.event_type == "scheduler.scheduled")
+    assert (u1.identity.release_id, u1.attribution, u1.named_release_id) == ("r1", "model_version_fallback", "m-7-typo")
+    u3 = next(r for r in d.rows.values() if r.identity.pod == "u3")
+    assert (u3.identity.release_id, u3.attribution, u3.named_release_id) == ("r-late", "release_label", None)
+
+
+def test_fallback_attribution_is_the_same_in_any_processing_order():
+    assert_order_independent(UNKNOWN_ID, allocations=0)

@@ -66,7 +66,8 @@ def later(delay: float, fn, *args, **kwargs) -> threading.Timer:
 def test_discovery_documents_parse_into_client_models(api, ac):
     assert client.CoreApi(ac).get_api_versions().versions == ["v1"]
     groups = {g.name: g for g in client.ApisApi(ac).get_api_versions().groups}
-    assert set(groups) == {"events.k8s.io", "kueue.x-k8s.io"}
+    assert set(groups) == {"events.k8s.io", "kueue.x-k8s.io", "resource.k8s.io"}
+    assert [v.version for v in groups["resource.k8s.io"].versions] == ["v1"]  # DRA GA (Kubernetes 1.34): ResourceSlices
     assert [v.version for v in groups["kueue.x-k8s.io"].versions] == ["v1beta2", "v1beta1"]
     assert groups["kueue.x-k8s.io"].preferred_version.version == "v1beta2"
 

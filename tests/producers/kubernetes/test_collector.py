@@ -597,7 +597,8 @@ def test_deployment_manifest_matches_the_collector():
     docs = {d["kind"]: d for d in yaml.safe_load_all(path.read_text()) if d}
     rules = sorted((tuple(r["apiGroups"]), tuple(sorted(r["resources"])), tuple(sorted(r["verbs"]))) for r in docs["ClusterRole"]["rules"])
     read = ("get", "list", "watch")
-    assert rules == [(("",), ("events", "pods"), read), (("events.k8s.io",), ("events",), read), (("kueue.x-k8s.io",), ("workloads",), read)]
+    assert rules == [(("",), ("events", "pods"), read), (("events.k8s.io",), ("events",), read), (("kueue.x-k8s.io",), ("workloads",), read),
+                     (("resource.k8s.io",), ("resourceslices",), read)]
     assert docs["ClusterRoleBinding"]["subjects"][0]["name"] == docs["ServiceAccount"]["metadata"]["name"]
     spec = docs["Deployment"]["spec"]
     assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
@@ -715,3 +716,75 @@ def test_workload_facts_v1beta2_and_v1beta1_priority_class():
         info = workload_info(wl, ("nvidia.com/gpu",), "gpuledger.io/")
         assert (info.priority_class, info.priority, info.queue) == ("gold", 77, "q")
         assert [f.transition for f in workload_facts(wl)] == ["queued", "admitted"]
+
+
+def test_mig_job_and_its_workload_are_collected_with_defaults(api, make_collector, kafka_bootstrap, catalogue):
+    """Issue #13.4: with default settings a job asking for MIG slices (nvidia.com/mig-*) is a
+    GPU job — its Workload, its pod and its preemption reach the scheduler topic — and
+    both collectors share that default."""
+    from producers._config import GPU_RESOURCES
+    from producers.podresources.config import PodResourcesSettings
+
+    assert SchedulerCollectorSettings().gpu_resources == PodResourcesSettings().resources == GPU_RESOURCES
+    mig = "nvidia.com/mig-1g.10gb"
+    adm = {"clusterQueue": "mig-cq", "podSetAssignments": [pod_set_assignment("main", {mig: "a100-mig"}, {mig: "1"}, count=1)]}
+    spec = dict(queue_name="team-q", priority_class="low", priority=10, owner=("Job", "mig-train", "job-uid-mig"),
+                pod_sets=[make_pod_set("main", count=1, gpu_resource=mig)], created=T0)
+    wl = api.create(WORKLOADS_V1BETA2, make_workload("ml", "job-mig-train-1", **spec, admission=adm,
+                                                     conditions=[workload_condition("QuotaReserved", at=at(1)),
+                                                                 workload_condition("Admitted", at=at(1))]))
+    api.create(PODS, make_pod("ml", "mig-train-0", node="gpu-1", created=at(2), gpu_resource=mig,
+                              labels={"kueue.x-k8s.io/queue-name": "team-q"}, owner=("Job", "mig-train", "job-uid-mig")))
+    # Neither a CPU pod nor a pod asking for some other extended resource is a GPU pod.
+    api.create(PODS, make_pod("ml", "cpu-only", node="cpu-1", gpus=0, created=at(2)))
+    api.create(PODS, make_pod("ml", "fpga", node="cpu-1", created=at(2), gpu_resource="xilinx.com/fpga"))
+    collector = make_collector(api, **{k: v for k, v in FAST.items()})  # defaults for the resource list
+    with running(collector):
+        wait_sent(collector, 6)  # workload: queued, quota_reserved, admitted; pod: submitted, scheduled, running
+        wait_watching(api, PODS, WORKLOADS_V1BETA2)
+        msg = "Preempted to accommodate a workload (UID: wl-urgent, JobUID: job-urgent) due to prioritization in the ClusterQueue"
+        api.update(WORKLOADS_V1BETA2, make_workload("ml", "job-mig-train-1", **spec, uid=wl["metadata"]["uid"], conditions=[
+            workload_condition("Evicted", reason="Preempted", message=msg, at=at(30)),
+            workload_condition("Preempted", reason="InClusterQueue", message=msg, at=at(30))]))
+        wait_sent(collector, 8)
+
+    events = published(kafka_bootstrap, catalogue.scheduler, 8)
+    assert {e.identity.pod for e in events if e.identity.pod} == {"mig-train-0"}
+    wl_events = [e for e in events if e.payload.object_kind == "Workload"]
+    assert types(wl_events) == ["queued", "quota_reserved", "admitted", "evicted", "preempted"]
+    assert wl_events[0].payload.gpus_requested == 1 and wl_events[2].payload.flavors[mig] == "a100-mig"
+    pod_events = [e for e in events if e.payload.object_kind == "Pod"]
+    assert pod_events[0].identity.workload_id == "ml/job-mig-train-1" and pod_events[0].payload.gpus_requested == 1
+
+
+def test_resource_patterns_count_every_matching_extended_resource():
+    spec = {"containers": [{"resources": {"limits": {"nvidia.com/mig-1g.10gb": "2", "nvidia.com/mig-3g.40gb": "1", "cpu": "4"}}},
+                           {"resources": {"requests": {"amd.com/gpu": "1"}, "limits": {"amd.com/gpu": "1"}}}]}
+    assert gpus_requested(spec, ["nvidia.com/mig-*"]) == 3
+    assert gpus_requested(spec, ["nvidia.com/gpu", "nvidia.com/mig-*", "amd.com/gpu"]) == 4
+    assert gpus_requested(spec, ["nvidia.com/gpu"]) == 0
+    with pytest.raises(SettingsError) as exc:
+        Settings.load(collectors={"scheduler": {"gpu_resources": ("nvidia.com/*gpu",)}})
+    assert "GPULEDGER_SCHEDULER_GPU_RESOURCES" in str(exc.value)
+
+
+def test_dra_resource_slices_publish_what_each_gpu_device_is(api, make_collector, kafka_bootstrap, catalogue):
+    """Issue #13.3: NVIDIA's DRA driver announces its GPUs and MIG devices in ResourceSlices;
+    the collector publishes one gpu.device per device (uuid, parentUUID, profile), once."""
+    from tests.fixtures.kube_api import RESOURCE_SLICES, dra_gpu_device, dra_mig_device, make_resource_slice
+
+    gpu, parent, mig = "GPU-8f3c2b1a-6d4e-4f0a-9b7c-2e1d0c9b8a76", "GPU-1b2c3d4e-0000-4f0a-9b7c-00000000000q", "MIG-4f6a0d2e-81c3-5b7e-9a1f-3c2d1e0f9a8b"
+    api.create(RESOURCE_SLICES, make_resource_slice("gpu-1", [dra_gpu_device(0, gpu), dra_mig_device(1, "1g.10gb", 0, mig, parent)],
+                                                    created=T0))
+    api.create(RESOURCE_SLICES, make_resource_slice("gpu-1", [{"name": "nic-0", "attributes": {"uuid": {"string": "x"}}}],
+                                                    driver="sriovnetwork.k8snetworkplumbingwg.io", created=T0))  # not a GPU driver
+    collector = make_collector(api)
+    assert collector.run_once() == 2
+    assert collector.run_once() == 0  # re-listed: nothing new
+    collector.state.save(force=True)
+    again = make_collector(api, state_dir=collector.state.path.parent)
+    assert again.run_once() == 0  # restarted: nothing new
+    events = {e.payload.device_id: e for e in published(kafka_bootstrap, catalogue.gpu, 2)}
+    whole, part = events["gpu.nvidia.com/gpu-1/gpu-0"], events["gpu.nvidia.com/gpu-1/gpu-1-mig-1g10gb-0"]
+    assert (whole.event_type, whole.identity.node, whole.payload.gpu, whole.payload.mig_instance) == ("gpu.device", "gpu-1", gpu, None)
+    assert (part.payload.gpu, part.payload.mig_instance, part.payload.profile, part.payload.pool) == (parent, mig, "1g.10gb", "gpu-1")

@@ -498,3 +498,22 @@ def test_cli_runs_and_stops_cleanly_on_sigterm(kubelet, sock_path, kafka_bootstr
     assert code == 0, service.log_tail()
     state = json.loads((state_dir / f"podresources-{NODE}.json").read_text())
     assert [a["device_id"] for a in state["assignments"]] == [GPU_A]
+
+
+def test_dra_allocations_of_gpu_drivers_are_published_by_driver_pool_device(kubelet, make_collector, kafka_bootstrap, catalogue):
+    """Issue #13.3: with DRA the kubelet reports (driver, pool, device) per claim, not a device id;
+    GPU drivers' devices are published as '<driver>/<pool>/<device>', other drivers' are not."""
+    from tests.fixtures.kubelet import claim_resource, dynamic_resource
+
+    kubelet.set_pods([pod("ml", "dra-0", containers=[container("main", dynamic_resources=[
+        dynamic_resource("dra-0-gpu", "ml", [claim_resource("gpu.nvidia.com", NODE, "gpu-0", ["k8s.gpu.nvidia.com/device=gpu-0"]),
+                                             claim_resource("gpu.nvidia.com", f"{NODE}/rack-2", "gpu-1-mig-1g10gb-0")]),
+        dynamic_resource("dra-0-nic", "ml", [claim_resource("sriovnetwork.k8snetworkplumbingwg.io", NODE, "vf-3")]),
+    ])])])
+    assert make_collector().poll_once().assigned == 2
+    events = {e.payload.device_id: (key, e) for key, e in gpu_events(kafka_bootstrap, catalogue, 2)}
+    assert set(events) == {f"gpu.nvidia.com/{NODE}/gpu-0", f"gpu.nvidia.com/{NODE}/rack-2/gpu-1-mig-1g10gb-0"}
+    key, whole = events[f"gpu.nvidia.com/{NODE}/gpu-0"]
+    assert key == "ml/dra-0" and whole.event_type == "gpu.assigned" and whole.payload.resource_name == "gpu.nvidia.com"
+    assert (whole.payload.driver, whole.payload.pool, whole.payload.gpu, whole.payload.mig_instance) == ("gpu.nvidia.com", NODE, None, None)
+    assert events[f"gpu.nvidia.com/{NODE}/rack-2/gpu-1-mig-1g10gb-0"][1].payload.pool == f"{NODE}/rack-2"
