@@ -54,8 +54,9 @@ from producers._limits import TextTrimmer
 from producers.receiver.alertmanager import alert_events, truncated_alerts
 from producers.receiver.config import ReceiverSettings
 from producers.receiver.mlflow import DELIVERY_ID_HEADER, DeliveryLog, release_events, verify_signature
-from schemas.envelope import TraceContext
-from schemas.events import EVENT_TYPES, EventDecodeError, decode_event
+from schemas.envelope import SCHEMA_VERSION, TraceContext
+from schemas.events import EVENT_TYPES, EventDecodeError, decode_event, encode_event
+from schemas.outputs import dead_letter
 from schemas.release import ReleaseEvent
 
 log = logging.getLogger(__name__)
@@ -177,6 +178,20 @@ class LifecycleReceiver:
             raise PayloadError(f"{field}: {exc}" if field else str(exc), field=field, reason="event_too_large",
                                details={"limit_bytes": exc.limit_bytes, "size_bytes": exc.size_bytes, "event_id": exc.event_id}) from exc
 
+    async def _dead_letter_future(self, future: list[tuple[dict, EventDecodeError]], stage: str) -> dict:
+        """Keep events from a newer schema version on the dead-letter topic (a newer gpuledger can
+        replay them), and say so in the 422 answer: ``dead_lettered``, ``schema_version_seen``."""
+        topic = self.publisher.catalogue.deadletter
+        letters = []
+        for item, exc in future:
+            identity = item.get("identity") if isinstance(item.get("identity"), dict) else {}
+            key = identity.get("release_id") if isinstance(identity.get("release_id"), str) else None
+            letters.append((key.encode() if key else None,
+                            encode_event(dead_letter(exc.reason, str(exc), stage, None, None, None, key, orjson.dumps(item)))))
+        await asyncio.to_thread(lambda: [self.publisher.publish_raw(topic, key, value) for key, value in letters])
+        return {"dead_lettered": len(letters), "schema_version_seen": sorted({item.get("schema_version") for item, _ in future}),
+                "supported_schema_version": SCHEMA_VERSION}
+
     @staticmethod
     def _accepted(events: list, **extra: Any) -> web.Response:
         return web.json_response({"accepted": len(events), "event_ids": [e.event_id for e in events], **extra})
@@ -205,6 +220,7 @@ class LifecycleReceiver:
         items, prefix = (data, "[{}].") if isinstance(data, list) else ([data], "")
         events: list[ReleaseEvent] = []
         problems: list[tuple[str, str, str]] = []
+        future: list[tuple[dict, EventDecodeError]] = []  # events from a newer schema version
         for i, item in enumerate(items):
             where = prefix.format(i)
             if not isinstance(item, dict):
@@ -218,6 +234,8 @@ class LifecycleReceiver:
             try:
                 events.append(decode_event(item))
             except EventDecodeError as exc:
+                if exc.reason == "unsupported_schema_version":
+                    future.append((item, exc))
                 field = _decode_error_field(exc)
                 text = str(exc)
                 if field and text.startswith("<root>: "):
@@ -225,7 +243,8 @@ class LifecycleReceiver:
                 message = text if not where else "; ".join(f"{where}{part.strip()}" for part in text.split(";"))
                 problems.append((f"{where}{field}" if field else (where.rstrip(".") or None), message, exc.reason))
         if problems:
-            raise PayloadError("; ".join(m for _, m, _ in problems), field=problems[0][0], reason=problems[0][2])
+            details = await self._dead_letter_future(future, "receiver.releases") if future else None
+            raise PayloadError("; ".join(m for _, m, _ in problems), field=problems[0][0], reason=problems[0][2], details=details)
         self.counters["releases"].add_received(len(events))
         await self._publish(events, (lambda i: f"[{i}]") if isinstance(data, list) else (lambda i: None))
         log.info("releases: accepted %d release event(s)", len(events))

@@ -2,6 +2,7 @@
 
 from datetime import datetime, timedelta, timezone
 
+import orjson
 import pytest
 from pydantic import ValidationError
 
@@ -62,6 +63,15 @@ def test_decode_errors_name_the_problem(raw, reason, field):
         decode_event(raw)
     assert info.value.reason == reason
     assert field in str(info.value)
+
+
+@pytest.mark.parametrize("as_bytes", [True, False])
+def test_an_envelope_from_a_future_schema_version_is_not_read_as_the_current_one(as_bytes):
+    data = release_event().model_dump(mode="json") | {"schema_version": 99}
+    with pytest.raises(EventDecodeError) as info:
+        decode_event(orjson.dumps(data) if as_bytes else data)
+    assert info.value.reason == "unsupported_schema_version"
+    assert "[schema_version=99 supported=1]" in str(info.value)
 
 
 def test_missing_identifier_is_rejected_with_its_name():

@@ -276,6 +276,20 @@ def test_bad_input_is_rejected_and_nothing_is_published(receiver, catalogue, kaf
     assert counters["releases"]["rejected.unknown_event_type"] == 2
 
 
+def test_release_event_from_a_future_schema_version_is_refused_and_dead_lettered(receiver, catalogue, kafka_bootstrap):
+    rx = receiver()
+    future = release_event(schema_version=99)
+    status, answer = rx.post("/v1/releases", [release_event(), future])
+    assert (status, answer["field"]) == (422, "[1].schema_version"), answer
+    assert (answer["dead_lettered"], answer["schema_version_seen"], answer["supported_schema_version"]) == (1, [99], 1)
+    assert events_on(kafka_bootstrap, catalogue.release, 0, timeout=3) == []  # all-or-nothing
+    [record] = read_topic(kafka_bootstrap, catalogue.deadletter, 1)
+    letter = json.loads(record.value())
+    assert letter["reason"] == "unsupported_schema_version" and letter["stage"] == "receiver.releases"
+    assert "[schema_version=99 supported=1]" in letter["error"]
+    assert json.loads(letter["value"])["event_id"] == future["event_id"]
+
+
 # --- what cannot travel: 413 / 422 naming the limit, free text cut -----------------------
 
 def test_body_over_max_body_bytes_is_413_naming_the_limit(receiver, catalogue, kafka_bootstrap):
