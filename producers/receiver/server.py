@@ -127,7 +127,7 @@ class LifecycleReceiver:
             log.debug("%s: rejected (%s) %s", route, exc.reason, exc)
             return _error(exc.status, str(exc), exc.field, **exc.details)
         except PublishError as exc:
-            # The publisher has already counted the events as rejected(kafka_unavailable).
+            # ``_publish`` has counted the events as rejected(kafka_unavailable).
             log.warning("%s: answering 503, Kafka did not acknowledge: %s", route, exc)
             return _error(503, f"Kafka unavailable, retry later: {exc}", None, retriable=True)
         except web.HTTPException as exc:
@@ -167,16 +167,25 @@ class LifecycleReceiver:
         except orjson.JSONDecodeError as exc:
             raise PayloadError(f"<body>: not JSON: {exc}", reason="not_json", status=400) from exc
 
-    async def _publish(self, events: list, field_of: Callable[[int], str | None] = lambda i: None) -> None:
-        """Publish the request's events; one over the event limit → 422 naming it (``field_of(index)``)."""
+    async def _publish(self, source: str, events: list, field_of: Callable[[int], str | None] = lambda i: None) -> None:
+        """Publish the request's events; one over the event limit → 422 naming it (``field_of(index)``).
+
+        The source's counters follow what Kafka acknowledged: ``sent`` (and ``bytes_sent``)
+        only after every ack, ``rejected.kafka_unavailable`` when the acks did not come.
+        """
         if not events:
             return
+        counters = self.counters[source]
         try:
             await asyncio.to_thread(self.publisher.publish_batch, events, self.publish_timeout_s)
         except EventTooLarge as exc:
             field = field_of(exc.index)
             raise PayloadError(f"{field}: {exc}" if field else str(exc), field=field, reason="event_too_large",
                                details={"limit_bytes": exc.limit_bytes, "size_bytes": exc.size_bytes, "event_id": exc.event_id}) from exc
+        except PublishError:
+            counters.add_rejected("kafka_unavailable", len(events))
+            raise
+        counters.add_sent(len(events), sum(len(encode_event(e)) for e in events))
 
     async def _dead_letter_future(self, future: list[tuple[dict, EventDecodeError]], stage: str) -> dict:
         """Keep events from a newer schema version on the dead-letter topic (a newer gpuledger can
@@ -205,7 +214,7 @@ class LifecycleReceiver:
         events = alert_events(data, self.config.alert_labels, datetime.now(timezone.utc), self.host, _trace(request), trimmer)
         counters = self.counters["alertmanager"]
         counters.add_received(len(events))
-        await self._publish(events, lambda i: f"alerts[{i}]")
+        await self._publish("alertmanager", events, lambda i: f"alerts[{i}]")
         if trimmer.cut:
             counters.add_truncated(len(trimmer.cut))
         truncated = truncated_alerts(data)
@@ -246,7 +255,7 @@ class LifecycleReceiver:
             details = await self._dead_letter_future(future, "receiver.releases") if future else None
             raise PayloadError("; ".join(m for _, m, _ in problems), field=problems[0][0], reason=problems[0][2], details=details)
         self.counters["releases"].add_received(len(events))
-        await self._publish(events, (lambda i: f"[{i}]") if isinstance(data, list) else (lambda i: None))
+        await self._publish("releases", events, (lambda i: f"[{i}]") if isinstance(data, list) else (lambda i: None))
         log.info("releases: accepted %d release event(s)", len(events))
         return self._accepted(events)
 
@@ -260,7 +269,7 @@ class LifecycleReceiver:
         data = self._parse_json(body)
         events = release_events(data, self.config.mlflow, datetime.now(timezone.utc), self.host, _trace(request))
         self.counters["mlflow"].add_received(len(events))
-        await self._publish(events)
+        await self._publish("mlflow", events)
         self.deliveries.remember(delivery_id)
         what = f"{data.get('entity')}.{data.get('action')}"
         log.info("mlflow: delivery %s (%s) → %d release event(s)", delivery_id, what, len(events))

@@ -224,6 +224,24 @@ def test_mlflow_redelivery_is_dropped_by_delivery_id(receiver, catalogue, kafka_
     assert len(events_on(kafka_bootstrap, catalogue.release, 1)) == 1
 
 
+def test_health_counters_match_what_reached_kafka(receiver, catalogue, kafka_bootstrap):
+    rx = receiver()
+    assert rx.post("/v1/alertmanager", sample("alertmanager", "quality_firing.json"))[0] == 200
+    assert rx.post("/v1/alertmanager", sample("alertmanager", "gpu_xid_firing.json"))[0] == 200
+    assert rx.post("/v1/releases", [release_event(), release_event("release.promoted", payload={"to_environment": "prod"})])[0] == 200
+    body = sample("mlflow", "model_version_alias_created_prod.json")
+    assert rx.post("/v1/mlflow", body, headers=mlflow_headers(body))[0] == 200
+    assert rx.post("/v1/releases", release_event("release.launched"))[0] == 422  # rejected: counted, not sent
+    alerts = read_topic(kafka_bootstrap, catalogue.alert, 1)
+    releases = read_topic(kafka_bootstrap, catalogue.release, 1)
+    counters = rx.request("GET", "/healthz")[1]["counters"]
+    assert counters["alertmanager"]["sent"] == len(alerts) == 3
+    assert counters["alertmanager"]["bytes_sent"] == sum(len(m.value()) for m in alerts)
+    assert counters["releases"]["sent"] + counters["mlflow"]["sent"] == len(releases) == 3
+    assert (counters["releases"]["sent"], counters["mlflow"]["sent"]) == (2, 1)
+    assert counters["releases"]["rejected"] == 1 and counters["releases"]["received"] == 2
+
+
 def test_health_and_readiness(receiver):
     rx = receiver()
     assert rx.request("GET", "/healthz")[0] == 200
@@ -448,6 +466,8 @@ def test_broker_down_answers_503_then_recovers(own_broker, tmp_path):
         assert answer["retriable"] is True and "Kafka" in answer["error"]
         assert time.monotonic() - started < 10
         assert rx.request("GET", "/readyz")[0] == 503
+        counters = rx.request("GET", "/healthz")[1]["counters"]["alertmanager"]
+        assert (counters["sent"], counters["rejected.kafka_unavailable"]) == (0, 1)
         # While the broker is down, the loop still answers other requests at once.
         started = time.monotonic()
         assert rx.request("GET", "/healthz")[0] == 200 and time.monotonic() - started < 1
