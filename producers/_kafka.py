@@ -26,11 +26,11 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import NamedTuple
 
-from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
 
 from gpuledger.telemetry import ComponentCounters, inject_headers, tracer
@@ -164,6 +164,11 @@ class EventPublisher:
         self._limit_read_at = 0.0
         self._last_error: str | None = None
         self._lock = threading.Lock()
+
+    @property
+    def client_config(self) -> dict:
+        """The Kafka client settings (bootstrap, security) this publisher was built with."""
+        return dict(self._config)
 
     @classmethod
     def from_settings(cls, settings, component: str) -> EventPublisher:
@@ -344,6 +349,38 @@ class EventPublisher:
         for producer in producers:
             if producer is not None:
                 producer.flush(timeout)
+
+
+def read_to_end(config: dict, topic: str, on_value: Callable[[bytes], None], timeout: float = 30.0) -> int:
+    """Read ``topic`` from the beginning to the end offsets it had when called; ``on_value``
+    gets each record's value. No consumer group (nothing committed). Returns how many
+    records were read; raises ``PublishError`` (retriable) when Kafka does not answer in time.
+    """
+    consumer = Consumer({**config, "group.id": f"gpuledger-reader-{topic}", "enable.auto.commit": False,
+                         "enable.partition.eof": False, "logger": logging.getLogger("librdkafka")})
+    deadline = time.monotonic() + timeout
+    try:
+        try:
+            partitions = consumer.list_topics(topic, timeout=timeout).topics[topic].partitions
+            ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout)[1] for p in partitions}
+        except (KafkaException, KeyError) as exc:
+            raise PublishError(f"cannot read {topic}: {exc}") from exc
+        todo = {p: end for p, end in ends.items() if end > 0}
+        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in todo])
+        n = 0
+        while todo:
+            if time.monotonic() > deadline:
+                raise PublishError(f"reading {topic} to its end took over {timeout:.0f}s ({len(todo)} partition(s) left)")
+            msg = consumer.poll(0.2)
+            if msg is None or msg.error():
+                continue
+            n += 1
+            on_value(msg.value())
+            if msg.offset() + 1 >= todo.get(msg.partition(), 0):
+                todo.pop(msg.partition(), None)
+        return n
+    finally:
+        consumer.close()
 
 
 def ensure_topics(config: dict, catalogue: TopicCatalogue, timeout: float = 30.0) -> list[str]:

@@ -49,11 +49,11 @@ from pydantic import SecretStr
 
 from gpuledger.telemetry import ComponentCounters
 from producers._errors import EventTooLarge, PayloadError, ProducerError, PublishError
-from producers._kafka import EventPublisher
+from producers._kafka import EventPublisher, read_to_end
 from producers._limits import TextTrimmer
 from producers.receiver.alertmanager import alert_events, truncated_alerts
 from producers.receiver.config import ReceiverSettings
-from producers.receiver.mlflow import DELIVERY_ID_HEADER, DeliveryLog, release_events, verify_signature
+from producers.receiver.mlflow import DELIVERY_ID_HEADER, AliasHolders, DeliveryLog, release_events, verify_signature
 from schemas.envelope import SCHEMA_VERSION, TraceContext
 from schemas.events import EVENT_TYPES, EventDecodeError, decode_event, encode_event
 from schemas.outputs import dead_letter
@@ -100,9 +100,14 @@ class LifecycleReceiver:
         self.host = host if host is not None else socket.gethostname()
         self.counters = {source: ComponentCounters(f"receiver.{source}") for source in SOURCES}
         self.deliveries = DeliveryLog(config.mlflow_dedup_size)
+        self.alias_holders = AliasHolders()
+        self._alias_moves: asyncio.Lock | None = None  # one alias move at a time: read holder, publish, update
+        self._stopping = threading.Event()
 
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._errors])
+        app.on_startup.append(self._start_loading_alias_holders)
+        app.on_cleanup.append(self._stop_loading)
         app.add_routes([
             web.post("/v1/alertmanager", self.alertmanager, name="alertmanager"),
             web.post("/v1/releases", self.releases, name="releases"),
@@ -111,6 +116,40 @@ class LifecycleReceiver:
             web.get("/readyz", self.readyz, name="readyz"),
         ])
         return app
+
+    # --- MLflow alias holders, from the release topic -----------------------------
+
+    async def _start_loading_alias_holders(self, app: web.Application) -> None:
+        self._alias_moves = asyncio.Lock()
+        threading.Thread(target=self._load_alias_holders, name="alias-holders", daemon=True).start()
+
+    async def _stop_loading(self, app: web.Application) -> None:
+        self._stopping.set()
+
+    def _load_alias_holders(self) -> None:
+        """Read the release topic once to its end into ``alias_holders``; retried while Kafka is down."""
+        topic = self.publisher.catalogue.release
+
+        def observe(value: bytes) -> None:
+            try:
+                event = decode_event(value)
+            except EventDecodeError:
+                return  # the worker dead-letters it; it cannot be an alias move we know
+            if isinstance(event, ReleaseEvent):
+                self.alias_holders.observe(event)
+
+        wait = 1.0
+        while not self._stopping.is_set():
+            try:
+                n = read_to_end(self.publisher.client_config, topic, observe, timeout=max(self.publish_timeout_s, 10))
+            except PublishError as exc:
+                log.warning("mlflow: cannot read MLflow alias holders from %s yet (retrying in %.0fs): %s", topic, wait, exc)
+                self._stopping.wait(wait)
+                wait = min(wait * 2, 30)
+                continue
+            self.alias_holders.ready.set()
+            log.info("mlflow: alias holders loaded from %s (%d record(s) read)", topic, n)
+            return
 
     # --- plumbing -----------------------------------------------------------------
 
@@ -267,15 +306,30 @@ class LifecycleReceiver:
         if self.deliveries.seen(delivery_id):
             return self._accepted([], duplicate_delivery=True)
         data = self._parse_json(body)
-        events = release_events(data, self.config.mlflow, datetime.now(timezone.utc), self.host, _trace(request))
-        self.counters["mlflow"].add_received(len(events))
-        await self._publish("mlflow", events)
-        self.deliveries.remember(delivery_id)
+        if isinstance(data, dict) and data.get("entity") == "model_version_alias":
+            # Who held the alias before decides promotion vs rollback: one move at a time,
+            # and only once the holders were read from the release topic.
+            if not await asyncio.to_thread(self.alias_holders.ready.wait, self.publish_timeout_s):
+                raise PublishError("MLflow alias holders are still being read from the release topic")
+            async with self._alias_moves:
+                events = await self._mlflow_publish(request, data, delivery_id)
+                for event in events:
+                    self.alias_holders.observe(event)
+        else:
+            events = await self._mlflow_publish(request, data, delivery_id)
         what = f"{data.get('entity')}.{data.get('action')}"
         log.info("mlflow: delivery %s (%s) → %d release event(s)", delivery_id, what, len(events))
         if not events:
             return self._accepted(events, ignored=f"{what} maps to no release event (see docs/receiver.md)")
         return self._accepted(events)
+
+    async def _mlflow_publish(self, request: web.Request, data: Any, delivery_id: str | None) -> list[ReleaseEvent]:
+        events = release_events(data, self.config.mlflow, datetime.now(timezone.utc), self.host, _trace(request),
+                                delivery_id=delivery_id, holders=self.alias_holders)
+        self.counters["mlflow"].add_received(len(events))
+        await self._publish("mlflow", events)
+        self.deliveries.remember(delivery_id)
+        return events
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "counters": {s: c.totals for s, c in self.counters.items()}})

@@ -23,8 +23,11 @@ def summarize(event_type: str, payload: dict) -> str:
         return f"{p.get('alertname')} ({p.get('severity') or 'no severity'}) {what}"
     if et.startswith("release."):
         who = f" by {p['actor']}" if p.get("actor") else ""
-        env = f" to {p['to_environment']}" if p.get("to_environment") else ""
-        return f"{what}{env}{who}"
+        moved_out = et == "release.rolled_back"
+        env = f" {'out of' if moved_out else 'to'} {p['to_environment']}" if p.get("to_environment") else ""
+        other = p.get("superseded_release_id")
+        replaced = f" ({'replaced by' if moved_out else 'replacing'} {other})" if other else ""
+        return f"{what}{env}{replaced}{who}"
     if et.startswith("gpu."):
         return f"{what} {p.get('device_id') or ''} on {p.get('node')}".strip()
     return f"{what} {p.get('reason') or ''}".strip()
