@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from schemas.envelope import EventBase, Frozen
+from schemas.envelope import EventBase, Frozen, IdText
 
 GpuEventType = Literal["gpu.assigned", "gpu.released", "gpu.allocatable"]
 
@@ -18,17 +18,17 @@ GpuEventType = Literal["gpu.assigned", "gpu.released", "gpu.allocatable"]
 class GpuPayload(Frozen):
     """One device assignment (assigned/released) or a node's allocatable snapshot."""
 
-    node: str = Field(description="Node name.")
-    namespace: str | None = Field(default=None, description="Pod namespace (assigned/released).")
-    pod: str | None = Field(default=None, description="Pod name (assigned/released).")
-    container: str | None = Field(default=None, description="Container name (assigned/released).")
-    resource_name: str = Field(default="nvidia.com/gpu", description="Extended resource name.")
-    device_id: str | None = Field(default=None, description="Device ID verbatim as the device plugin reports it.")
-    gpu: str | None = Field(default=None, description="Physical GPU parsed from the device id (GPU UUID or index name).")
-    mig_instance: str | None = Field(default=None, description="MIG instance UUID when the device is a MIG slice.")
+    node: IdText = Field(description="Node name.")
+    namespace: IdText | None = Field(default=None, description="Pod namespace (assigned/released).")
+    pod: IdText | None = Field(default=None, description="Pod name (assigned/released).")
+    container: IdText | None = Field(default=None, description="Container name (assigned/released).")
+    resource_name: IdText = Field(default="nvidia.com/gpu", description="Extended resource name.")
+    device_id: IdText | None = Field(default=None, description="Device ID verbatim as the device plugin reports it.")
+    gpu: IdText | None = Field(default=None, description="Physical GPU parsed from the device id (GPU UUID or index name).")
+    mig_instance: IdText | None = Field(default=None, description="MIG instance UUID when the device is a MIG slice.")
     share: int | None = Field(default=None, ge=0, description="Time-slicing replica index ('::N' suffix).")
     numa_nodes: tuple[int, ...] = Field(default=(), description="NUMA nodes from the topology hint.")
-    devices: tuple[str, ...] = Field(default=(), description="Allocatable device ids (gpu.allocatable only).")
+    devices: tuple[IdText, ...] = Field(default=(), description="Allocatable device ids (gpu.allocatable only).")
 
 
 class GpuEvent(EventBase):

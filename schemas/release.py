@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from schemas.envelope import Frozen, EventBase, UtcDatetime
+from schemas.envelope import EventBase, Frozen, IdText, UtcDatetime
 
 ReleaseEventType = Literal[
     "release.registered",
@@ -33,9 +33,9 @@ ADMIN_ACTIONS = frozenset({"release.queue_paused", "release.node_isolated", "rel
 class Reservation(Frozen):
     """Capacity reserved for a release."""
 
-    reservation_id: str = Field(description="Reservation id.")
+    reservation_id: IdText = Field(description="Reservation id.")
     gpus: int = Field(ge=0, description="Number of GPUs reserved.")
-    pool: str | None = Field(default=None, description="Node pool / ClusterQueue / flavor holding the GPUs.")
+    pool: IdText | None = Field(default=None, description="Node pool / ClusterQueue / flavor holding the GPUs.")
     window_start: UtcDatetime | None = Field(default=None, description="Start of the reservation window.")
     window_end: UtcDatetime | None = Field(default=None, description="End of the reservation window.")
 
@@ -43,13 +43,13 @@ class Reservation(Frozen):
 class ReleasePayload(Frozen):
     """What happened to a release, by whom."""
 
-    actor: str | None = Field(default=None, description="Who did it (user, service account, CI job).")
-    approval_id: str | None = Field(default=None, description="Change/approval ticket id.")
+    actor: IdText | None = Field(default=None, description="Who did it (user, service account, CI job).")
+    approval_id: IdText | None = Field(default=None, description="Change/approval ticket id.")
     reason: str | None = Field(default=None, description="Free-text reason.")
-    to_environment: str | None = Field(default=None, description="Target environment of a promotion/rollback.")
-    superseded_release_id: str | None = Field(default=None, description="Release this one replaced (promotion) or that replaced it (rollback).")
+    to_environment: IdText | None = Field(default=None, description="Target environment of a promotion/rollback.")
+    superseded_release_id: IdText | None = Field(default=None, description="Release this one replaced (promotion) or that replaced it (rollback).")
     reservation: Reservation | None = Field(default=None, description="Reservation created or released.")
-    target: str | None = Field(default=None, description="Admin action target: queue, node or workload name.")
+    target: IdText | None = Field(default=None, description="Admin action target: queue, node or workload name.")
     expires_at: UtcDatetime | None = Field(default=None, description="Expiry of an emergency override.")
     tags: dict[str, str] = Field(default_factory=dict, description="Registry tags/aliases carried along.")
 

@@ -59,7 +59,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from gpuledger.timefmt import parse_timestamp
 from producers._errors import PayloadError
-from schemas.envelope import Identity, Source, TraceContext, make_event_id
+from schemas.envelope import Identity, Source, TraceContext, identity_text_problem, make_event_id
 from schemas.release import ReleaseEvent, ReleaseEventType, ReleasePayload
 
 COLLECTOR = "mlflow"
@@ -314,6 +314,15 @@ def _envelope(body: Any) -> tuple[str, str, datetime, dict, str | None]:
     if missing:
         raise PayloadError("; ".join(f"{m}: field required (a non-empty string)" for m in missing), field=missing[0])
     workspace = body.get("workspace") if isinstance(body.get("workspace"), str) else None
+    # What becomes an identifier (names, versions, aliases, tag keys and the tags read as
+    # identity) must be free of control and bidi characters; tag values in general are free text.
+    named = {f"data.{name}": data[name] for name in REGISTRY_EVENTS[(entity, action)] if name != "value"}
+    named.update({"workspace": workspace} if workspace else {})
+    if isinstance(data.get("tags"), dict):
+        named.update({f"data.tags": str(k) for k in data["tags"]})
+    bad = [(where, problem) for where, value in named.items() if (problem := identity_text_problem(str(value)))]
+    if bad:
+        raise PayloadError("; ".join(f"{where}: {problem}" for where, problem in bad), field=bad[0][0], reason="control_character")
     return entity, action, occurred, data, workspace
 
 
@@ -353,6 +362,9 @@ def release_events(
         version_tags = {str(k): str(v) for k, v in version_tags.items() if v is not None}
         for field, tag in mapping.identity_tags.items():
             if version_tags.get(tag):
+                problem = identity_text_problem(version_tags[tag])
+                if problem:
+                    raise PayloadError(f"data.tags.{tag}: {problem}", field=f"data.tags.{tag}", reason="control_character")
                 identity[field] = version_tags[tag]
         tags.update(version_tags)
         for name in ("source", "run_id"):

@@ -105,3 +105,14 @@ def test_committed_json_schemas_match_the_models():
         path = JSON_DIR / name
         assert path.exists(), f"{name} missing: run `gpuledger schemas generate`"
         assert path.read_text() == text, f"{name} drifted from the models: run `gpuledger schemas generate`"
+
+
+@pytest.mark.parametrize("bad", ["\x00", "team\u202eevil", "a\x1b[31m", "line\u2028break", "zero\u200bwidth"])
+def test_identifiers_refuse_control_and_bidi_characters_free_text_keeps_them(bad):
+    with pytest.raises(ValidationError, match=r"identity\.pod[\s\S]*identifiers must not carry control or bidi"):
+        ReleaseEvent.model_validate(release_event().model_dump(mode="json") | {"identity": {"release_id": "r", "pod": bad}})
+    with pytest.raises(EventDecodeError, match="payload.actor"):
+        decode_event(release_event().model_dump(mode="json") | {"payload": {"actor": bad}})
+    kept = ReleaseEvent.model_validate(release_event().model_dump(mode="json") | {"payload": {"reason": f"why {bad} not"}})
+    assert bad in kept.payload.reason
+    assert Identity(pod="caf\u00e9-\u4e2d\u6587").pod == "caf\u00e9-\u4e2d\u6587"  # non-ASCII letters are fine

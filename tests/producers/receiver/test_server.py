@@ -294,6 +294,35 @@ def test_bad_input_is_rejected_and_nothing_is_published(receiver, catalogue, kaf
     assert counters["releases"]["rejected.unknown_event_type"] == 2
 
 
+def test_control_and_bidi_characters_in_identity_are_422_naming_the_field(receiver, catalogue, kafka_bootstrap):
+    rx = receiver()
+    rlo_name = json.loads(sample("alertmanager", "quality_firing.json"))
+    rlo_name["alerts"][0]["labels"]["alertname"] = "Gpu\u202eexe.gnp"
+    nul_pod = json.loads(sample("alertmanager", "gpu_xid_firing.json"))
+    nul_pod["alerts"][0]["labels"]["exported_pod"] = "\x00"
+    forged_actor = release_event(payload={"actor": "alice\u202e", "approval_id": "CHG-1"})
+    nul_release = release_event(identity={"release_id": "fraud-detector:7\x00"})
+    mlflow_rlo = json.loads(sample("mlflow", "model_version_alias_created_prod.json"))
+    mlflow_rlo["data"]["name"] = "fraud\u202edetector"
+    cases = [
+        ("/v1/alertmanager", rlo_name, "alerts[0].labels.alertname", "U+202E (RIGHT-TO-LEFT OVERRIDE)"),
+        ("/v1/alertmanager", nul_pod, "alerts[0].labels.exported_pod", "U+0000"),
+        ("/v1/releases", forged_actor, "payload.actor", "U+202E"),
+        ("/v1/releases", nul_release, "identity.release_id", "U+0000"),
+        ("/v1/mlflow", mlflow_rlo, "data.name", "U+202E"),
+    ]
+    for path, body, field, text in cases:
+        status, answer = rx.post(path, body)
+        assert (status, answer["field"]) == (422, field), (path, answer)
+        assert text in answer["error"] and "\u202e" not in answer["error"] and "\x00" not in answer["error"], answer
+    # Free text may carry them (escaped on output): an annotation with U+202E is accepted.
+    rlo_note = json.loads(sample("alertmanager", "quality_firing.json"))
+    rlo_note["alerts"][0]["annotations"]["description"] = "look \u202e here"
+    assert rx.post("/v1/alertmanager", rlo_note)[0] == 200
+    assert len(events_on(kafka_bootstrap, catalogue.alert, 2)) == 2
+    assert events_on(kafka_bootstrap, catalogue.release, 0, timeout=3) == []
+
+
 def test_release_event_from_a_future_schema_version_is_refused_and_dead_lettered(receiver, catalogue, kafka_bootstrap):
     rx = receiver()
     future = release_event(schema_version=99)
