@@ -43,7 +43,10 @@ class Reservation(Frozen):
 class ReleasePayload(Frozen):
     """What happened to a release, by whom."""
 
-    actor: IdText | None = Field(default=None, description="Who did it (user, service account, CI job).")
+    actor: IdText | None = Field(default=None, description="Who did it: the authenticated caller (e.g. 'user:alice', 'service:ci-gitlab') when authenticated_by is set, else the name the publisher typed.")
+    on_behalf_of: IdText | None = Field(default=None, description="The person a service acted for (CI for the engineer who clicked); counts only if the policy gives the actor the 'delegate' right.")
+    authenticated_by: IdText | None = Field(default=None, description="How the receiver proved the actor: 'token' (credentials file), 'oidc' (JWT), 'mlflow-webhook' (signed delivery), 'shared-token'; null = unauthenticated (e.g. the CLI straight to Kafka).")
+    actor_groups: tuple[IdText, ...] = Field(default=(), description="Groups of the authenticated actor (credentials file or the token's groups claim).")
     approval_id: IdText | None = Field(default=None, description="Change/approval ticket id.")
     reason: str | None = Field(default=None, description="Free-text reason.")
     to_environment: IdText | None = Field(default=None, description="Target environment of a promotion/rollback.")
@@ -52,6 +55,25 @@ class ReleasePayload(Frozen):
     target: IdText | None = Field(default=None, description="Admin action target: queue, node or workload name.")
     expires_at: UtcDatetime | None = Field(default=None, description="Expiry of an emergency override.")
     tags: dict[str, str] = Field(default_factory=dict, description="Registry tags/aliases carried along.")
+
+
+#: Prefix of a decision actor whose identity no credential proved (see ``decision_actor``).
+UNAUTHENTICATED = "unauthenticated:"
+
+
+def decision_actor(payload) -> str | None:
+    """The one string the decision-rights checks judge, from a payload (model or dict).
+
+    ``actor`` alone when it was authenticated, ``actor>on_behalf_of`` for a delegation, and
+    either prefixed with ``unauthenticated:`` when no credential proved it. ``Policy.allowed``
+    reads this form back; None when the event names no actor at all.
+    """
+    get = payload.get if isinstance(payload, dict) else (lambda name: getattr(payload, name))
+    actor, person = get("actor"), get("on_behalf_of")
+    if not actor and not person:
+        return None
+    who = f"{actor or ''}>{person}" if person else actor
+    return who if get("authenticated_by") else UNAUTHENTICATED + who
 
 
 class ReleaseEvent(EventBase):

@@ -9,10 +9,13 @@ Secrets are ``SecretStr`` and never printed.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from producers.receiver.alertmanager import AlertIdentityLabels
+from producers.receiver.auth import OidcSettings
 from producers.receiver.mlflow import MlflowReleaseMapping
 
 
@@ -30,7 +33,11 @@ class ReceiverSettings(BaseSettings):
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024, description="Largest request body accepted; larger ones get 413.")
     alertmanager_bearer_token: SecretStr | None = Field(default=None, description="If set, /v1/alertmanager requires 'Authorization: Bearer <token>'.")
     releases_bearer_token: SecretStr | None = Field(default=None, description="If set, /v1/releases requires 'Authorization: Bearer <token>'.")
-    mlflow_secret: SecretStr | None = Field(default=None, description="If set, /v1/mlflow requires a valid X-MLflow-Signature made with this webhook secret.")
+    mlflow_secret: SecretStr | None = Field(default=None, description="If set, /v1/mlflow requires a valid X-MLflow-Signature made with this webhook secret; a signed delivery's events are by service:mlflow/<mlflow_webhook_name>.")
+    mlflow_webhook_name: str = Field(default="gpuledger", pattern=r"^[A-Za-z0-9._-]+$", description="Name of the MLflow webhook (as created with create_webhook): the identity of signed deliveries is service:mlflow/<name>.")
+    credentials_file: Path | None = Field(default=None, description="YAML file of callers (identity, groups, token_sha256, endpoints): bearer tokens that prove who a caller is; re-read when it changes.")
+    oidc: OidcSettings | None = Field(default=None, description="OIDC/JWT bearer tokens: issuer, audience, jwks_file or jwks_url, claims (JSON, or GPULEDGER_RECEIVER_OIDC__ISSUER=…).")
+    allow_unauthenticated: bool = Field(default=False, description="Serve on a non-loopback address with no credential configured (refused otherwise); a warning is logged every minute while it runs.")
     mlflow_signature_tolerance_s: float = Field(default=300.0, ge=0, description="Reject signed MLflow deliveries whose X-MLflow-Timestamp is further than this from now (0 = no check).")
     mlflow_dedup_size: int = Field(default=10_000, ge=0, description="How many published MLflow delivery ids are remembered to drop re-deliveries (0 = off).")
     publish_timeout_s: float | None = Field(default=None, gt=0, description="How long a request waits for Kafka acks before answering 503; default: the Kafka delivery timeout + 5 s.")

@@ -34,7 +34,7 @@ log line per accepted request (a request is a batch); bodies are never logged.
 from __future__ import annotations
 
 import asyncio
-import hmac
+import ipaddress
 import logging
 import re
 import socket
@@ -52,16 +52,22 @@ from producers._errors import EventTooLarge, PayloadError, ProducerError, Publis
 from producers._kafka import EventPublisher, read_to_end
 from producers._limits import TextTrimmer
 from producers.receiver.alertmanager import alert_events, truncated_alerts
+from producers.receiver.auth import Authenticator, AuthError, CredentialsFile, OidcVerifier, Principal
 from producers.receiver.config import ReceiverSettings
 from producers.receiver.mlflow import DELIVERY_ID_HEADER, AliasHolders, DeliveryLog, release_events, verify_signature
-from schemas.envelope import SCHEMA_VERSION, TraceContext
+from producers.releases import release_natural_key
+from schemas.envelope import SCHEMA_VERSION, TraceContext, make_event_id
 from schemas.events import EVENT_TYPES, EventDecodeError, decode_event, encode_event
 from schemas.outputs import dead_letter
 from schemas.release import ReleaseEvent
+from streams.controls.policy import Policy
 
 log = logging.getLogger(__name__)
 
 SOURCES = ("alertmanager", "releases", "mlflow")
+#: ``event_id`` source of release events the receiver identifies (``_proven``).
+EVENT_ID_SOURCE = "receiver"
+_ID_PLACEHOLDER = "assigned-by-the-receiver"
 
 
 def _error(status: int, message: str, field: str | None = None, **extra: Any) -> web.Response:
@@ -93,8 +99,11 @@ class LifecycleReceiver:
     ``publisher`` is owned by the caller (closed by whoever created it).
     """
 
-    def __init__(self, config: ReceiverSettings, publisher: EventPublisher, publish_timeout_s: float = 35.0, host: str | None = None) -> None:
+    def __init__(self, config: ReceiverSettings, publisher: EventPublisher, publish_timeout_s: float = 35.0, host: str | None = None,
+                 policy: Policy | None = None) -> None:
         self.config = config
+        self.policy = policy or Policy()
+        self.auth = authenticator_for(config)
         self.publisher = publisher
         self.publish_timeout_s = config.publish_timeout_s or publish_timeout_s
         self.host = host if host is not None else socket.gethostname()
@@ -177,13 +186,36 @@ class LifecycleReceiver:
             log.exception("%s: internal error", route)
             return _error(500, f"internal error: {type(exc).__name__}", None)
 
-    @staticmethod
-    def _check_bearer(request: web.Request, token: SecretStr | None) -> None:
-        if token is None:
-            return
-        scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(credentials.strip().encode(), token.get_secret_value().encode()):
-            raise PayloadError("Authorization: missing or wrong bearer token", field="Authorization", reason="unauthorized", status=401)
+    def _principal(self, request: web.Request, endpoint: str) -> Principal | None:
+        """The proven caller of ``endpoint``; 401 when a credential is required and missing or wrong."""
+        principal = self.auth.authenticate(endpoint, request.headers.get("Authorization"))
+        if principal is None and (self.auth.requires_credential(endpoint) or endpoint in self.policy.authentication.required_on):
+            raise AuthError(f"Authorization: /v1/{endpoint} requires a credential (a bearer token)")
+        return principal
+
+    def _proven(self, event: ReleaseEvent, principal: Principal | None, where: str) -> ReleaseEvent:
+        """The event as the receiver vouches for it: its actor is the authenticated caller and
+        its id is computed here (source, caller, natural key, event time), never the caller's."""
+        p = event.payload
+        update: dict[str, Any] = {"authenticated_by": None, "actor_groups": ()}  # nobody claims to be proven
+        if principal is not None:
+            bare = principal.identity.split(":", 1)[1]
+            if p.actor and p.actor not in (principal.identity, bare):
+                raise PayloadError(f"{where}payload.actor: {principal.identity} may not publish as {p.actor!r}: the actor is the "
+                                   "authenticated caller (a service acting for a person names them in on_behalf_of)",
+                                   field=f"{where}payload.actor", reason="forbidden", status=403)
+            if p.on_behalf_of and not self.policy.may_delegate(principal.identity):
+                raise PayloadError(f"{where}payload.on_behalf_of: {principal.identity} may not act on behalf of {p.on_behalf_of!r}: "
+                                   "no role of the policy gives it the delegate right", field=f"{where}payload.on_behalf_of",
+                                   reason="forbidden", status=403)
+            update = {"actor": principal.identity, "authenticated_by": principal.method, "actor_groups": principal.groups}
+        natural_key = release_natural_key(event.identity.release_id, event.event_type, p.approval_id, event.identity.environment,
+                                          p.target, p.reservation.reservation_id if p.reservation else None)
+        caller = principal.identity if principal is not None else "unauthenticated"
+        return event.model_copy(update={
+            "payload": p.model_copy(update=update),
+            "event_id": make_event_id(EVENT_ID_SOURCE, (caller, *natural_key), event.occurred_at.isoformat()),
+        })
 
     async def _read_body(self, request: web.Request) -> bytes:
         if request.content_type != "application/json":
@@ -247,7 +279,7 @@ class LifecycleReceiver:
     # --- endpoints ----------------------------------------------------------------
 
     async def alertmanager(self, request: web.Request) -> web.Response:
-        self._check_bearer(request, self.config.alertmanager_bearer_token)
+        self._principal(request, "alertmanager")
         data = self._parse_json(await self._read_body(request))
         trimmer = TextTrimmer()
         events = alert_events(data, self.config.alert_labels, datetime.now(timezone.utc), self.host, _trace(request), trimmer)
@@ -263,7 +295,7 @@ class LifecycleReceiver:
         return self._accepted(events, truncated_alerts=truncated, truncated_fields=trimmer.cut)
 
     async def releases(self, request: web.Request) -> web.Response:
-        self._check_bearer(request, self.config.releases_bearer_token)
+        principal = self._principal(request, "releases")
         data = self._parse_json(await self._read_body(request))
         items, prefix = (data, "[{}].") if isinstance(data, list) else ([data], "")
         events: list[ReleaseEvent] = []
@@ -280,7 +312,8 @@ class LifecycleReceiver:
                                  "unknown_event_type"))
                 continue
             try:
-                events.append(decode_event(item))
+                # The receiver computes the id (see _proven): whatever the caller sent is ignored.
+                events.append(self._proven(decode_event({**item, "event_id": _ID_PLACEHOLDER}), principal, where))
             except EventDecodeError as exc:
                 if exc.reason == "unsupported_schema_version":
                     future.append((item, exc))
@@ -300,8 +333,13 @@ class LifecycleReceiver:
 
     async def mlflow(self, request: web.Request) -> web.Response:
         body = await self._read_body(request)
+        principal = None
         if self.config.mlflow_secret is not None:
             verify_signature(self.config.mlflow_secret.get_secret_value(), request.headers, body, self.config.mlflow_signature_tolerance_s)
+            principal = Principal(f"service:mlflow/{self.config.mlflow_webhook_name}", (), "mlflow-webhook")
+        elif "mlflow" in self.policy.authentication.required_on:
+            raise AuthError("X-MLflow-Signature: /v1/mlflow requires signed deliveries (set GPULEDGER_RECEIVER_MLFLOW_SECRET)",
+                            field="X-MLflow-Signature")
         delivery_id = request.headers.get(DELIVERY_ID_HEADER)
         if self.deliveries.seen(delivery_id):
             return self._accepted([], duplicate_delivery=True)
@@ -312,20 +350,25 @@ class LifecycleReceiver:
             if not await asyncio.to_thread(self.alias_holders.ready.wait, self.publish_timeout_s):
                 raise PublishError("MLflow alias holders are still being read from the release topic")
             async with self._alias_moves:
-                events = await self._mlflow_publish(request, data, delivery_id)
+                events = await self._mlflow_publish(request, data, delivery_id, principal)
                 for event in events:
                     self.alias_holders.observe(event)
         else:
-            events = await self._mlflow_publish(request, data, delivery_id)
+            events = await self._mlflow_publish(request, data, delivery_id, principal)
         what = f"{data.get('entity')}.{data.get('action')}"
         log.info("mlflow: delivery %s (%s) → %d release event(s)", delivery_id, what, len(events))
         if not events:
             return self._accepted(events, ignored=f"{what} maps to no release event (see docs/receiver.md)")
         return self._accepted(events)
 
-    async def _mlflow_publish(self, request: web.Request, data: Any, delivery_id: str | None) -> list[ReleaseEvent]:
+    async def _mlflow_publish(self, request: web.Request, data: Any, delivery_id: str | None,
+                              principal: Principal | None) -> list[ReleaseEvent]:
         events = release_events(data, self.config.mlflow, datetime.now(timezone.utc), self.host, _trace(request),
                                 delivery_id=delivery_id, holders=self.alias_holders)
+        if principal is not None:  # the signature proves the webhook: its events are by it
+            events = [e.model_copy(update={"payload": e.payload.model_copy(update={"actor": principal.identity,
+                                                                                    "authenticated_by": principal.method})})
+                      for e in events]
         self.counters["mlflow"].add_received(len(events))
         await self._publish("mlflow", events)
         self.deliveries.remember(delivery_id)
@@ -340,10 +383,52 @@ class LifecycleReceiver:
         return web.json_response({"ready": False, "error": "Kafka is not reachable"}, status=503)
 
 
+def authenticator_for(config: ReceiverSettings) -> Authenticator:
+    """The receiver's proofs of identity, from its settings (a bad credentials or JWKS file fails here, at start)."""
+    return Authenticator(
+        credentials=CredentialsFile(config.credentials_file) if config.credentials_file else None,
+        oidc=OidcVerifier(config.oidc) if config.oidc else None,
+        shared_tokens={"alertmanager": config.alertmanager_bearer_token, "releases": config.releases_bearer_token},
+    )
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def unauthenticated_exposure(config: ReceiverSettings, auth: Authenticator) -> str | None:
+    """Why serving ``config`` would let anyone on the network publish unchecked, or None."""
+    if _loopback(config.host) or auth.configured or config.mlflow_secret is not None:
+        return None
+    return (f"listening on {config.host} (not loopback) with no credential configured (no credentials_file, oidc, "
+            "per-source bearer token or MLflow webhook secret)")
+
+
+async def _warn_every_minute(message: str) -> None:
+    while True:
+        log.warning("UNAUTHENTICATED receiver: %s; anyone who can reach it can publish events as anyone "
+                    "(--allow-unauthenticated was given)", message)
+        await asyncio.sleep(60)
+
+
 async def serve(config: ReceiverSettings, publisher: EventPublisher, stop: asyncio.Event | None = None,
-                on_listening: Callable[[str, int], None] | None = None, publish_timeout_s: float = 35.0) -> None:
-    """Listen until ``stop`` is set (forever if None); calls ``on_listening(host, port)``."""
-    app = LifecycleReceiver(config, publisher, publish_timeout_s).build_app()
+                on_listening: Callable[[str, int], None] | None = None, publish_timeout_s: float = 35.0,
+                policy: Policy | None = None) -> None:
+    """Listen until ``stop`` is set (forever if None); calls ``on_listening(host, port)``.
+
+    Refuses (``ReceiverError``) to listen on a non-loopback address where some endpoint would
+    take requests without a credential, unless ``allow_unauthenticated`` (then warns every minute).
+    """
+    receiver = LifecycleReceiver(config, publisher, publish_timeout_s, policy=policy)
+    exposure = unauthenticated_exposure(config, receiver.auth)
+    if exposure and not config.allow_unauthenticated:
+        raise ReceiverError(f"refusing to serve: {exposure}. Configure credentials (docs/receiver.md, Auth) or pass "
+                            "--allow-unauthenticated (GPULEDGER_RECEIVER_ALLOW_UNAUTHENTICATED=true) to accept that")
+    warner = asyncio.create_task(_warn_every_minute(exposure)) if exposure else None
+    app = receiver.build_app()
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
@@ -354,6 +439,8 @@ async def serve(config: ReceiverSettings, publisher: EventPublisher, stop: async
             on_listening(host, port)
         await (stop or asyncio.Event()).wait()
     finally:
+        if warner is not None:
+            warner.cancel()
         await runner.cleanup()
 
 
@@ -370,8 +457,9 @@ class ReceiverService:
     """
 
     def __init__(self, config: ReceiverSettings, publisher: EventPublisher, publish_timeout_s: float = 35.0,
-                 on_listening: Callable[[str, int], None] | None = None) -> None:
+                 on_listening: Callable[[str, int], None] | None = None, policy: Policy | None = None) -> None:
         self.config = config
+        self.policy = policy
         self.publisher = publisher
         self.publish_timeout_s = publish_timeout_s
         self.on_listening = on_listening
@@ -383,7 +471,7 @@ class ReceiverService:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         if self._stop_requested.is_set():
             self._stop.set()
-        await serve(self.config, self.publisher, self._stop, self.on_listening, self.publish_timeout_s)
+        await serve(self.config, self.publisher, self._stop, self.on_listening, self.publish_timeout_s, self.policy)
 
     def run(self) -> None:
         try:

@@ -29,6 +29,7 @@ from collections import defaultdict
 from datetime import datetime, timedelta
 
 from gpuledger.timefmt import TimeFormatError, parse_duration, parse_time
+from schemas.release import decision_actor
 from sinks.migrations import table_name
 from sinks.read.pages import render_page
 from sinks.read.text import markup
@@ -396,7 +397,7 @@ class Evidence:
         return {"at": _z(r["occurred_at"]), "victim": p.get("target") or "", "release": r["identity"].get("release_id", ""),
                 "class": "override", "business": None, "preemptor": f"actor {p.get('actor') or '?'}", "preemptor_class": "",
                 "preemptor_business": None,
-                "verdict": ("authorized" if self.policy.allowed(p.get("actor"), "override_priority") else "NO RIGHT")
+                "verdict": ("authorized" if self.policy.allowed(decision_actor(p), "override_priority") else "NO RIGHT")
                            + f", expires {_z(p.get('expires_at')) or 'never'}"}
 
     # (5)
@@ -440,7 +441,7 @@ class Evidence:
         planned_h = gpus * max(0.0, (until - ws).total_seconds()) / 3600
         actor = _payload(row).get("actor")
         return {"release": rid or "", "reservation": res_id, "gpus": gpus, "pool": res.get("pool") or "",
-                "window": f"{_z(ws)} → {_z(we) or 'open'}", "reserved_by": f"{actor or '?'}" + ("" if self.policy.allowed(actor, "reserve") else " (no reserve right)"),
+                "window": f"{_z(ws)} → {_z(we) or 'open'}", "reserved_by": f"{actor or '?'}" + ("" if self.policy.allowed(decision_actor(_payload(row)), "reserve") else " (no reserve right)"),
                 "released": _z(rel["occurred_at"]) if rel else "held", "peak_allocated": peak,
                 "gpu_hours": f"{used_h:.1f} of {planned_h:.1f}", "utilisation": f"{used_h / planned_h:.0%}" if planned_h else "-"}
 

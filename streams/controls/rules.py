@@ -50,6 +50,7 @@ from streams.controls.policy import ACTION_OF_EVENT, CONTROL_TITLES, Policy
 from gpuledger.timefmt import format_duration
 from schemas import Identity
 from schemas.outputs import Violation
+from schemas.release import decision_actor
 
 START = frozenset({"scheduler.admitted", "scheduler.scheduled", "scheduler.running", "scheduler.pods_ready"})
 STOP = frozenset({"scheduler.preempted", "scheduler.evicted", "scheduler.finished", "scheduler.deleted", "scheduler.requeued"})
@@ -63,7 +64,7 @@ IDENTITY_KEPT = ("release_id", "model_name", "model_version", "image_digest", "e
                  "node", "gpu_id", "owner", "alert_fingerprint")
 PAYLOAD_KEPT = {
     "scheduler": ("object_kind", "queue", "cluster_queue", "priority_class", "priority", "reason", "image_digests", "preemptor"),
-    "release": ("actor", "approval_id", "to_environment", "reservation", "target", "expires_at", "reason"),
+    "release": ("actor", "on_behalf_of", "authenticated_by", "approval_id", "to_environment", "reservation", "target", "expires_at", "reason"),
     "alert": ("alertname", "severity", "labels", "starts_at", "ends_at"),
 }
 
@@ -671,19 +672,16 @@ def _release_controls(rid: str, rows: list[dict], links: dict, found: Findings, 
             continue
         p = row["p"]
         actor = p.get("actor")
+        proven = decision_actor(p)  # proven or not, delegated or not: the policy judges both
         at = _t(row["at"])
         same = [r for r in rows[n + 1:] if r["type"] == row["type"] and r["p"].get("target") == p.get("target")
                 and r["p"].get("to_environment") == p.get("to_environment")]
         what = row["type"].split(".", 1)[1] + (f" {p['target']}" if p.get("target") else "") + (f" to {p['to_environment']}" if p.get("to_environment") else "")
-        if not policy.allowed(actor, action):
-            ratified = next((r for r in same if policy.allowed(r["p"].get("actor"), action)), None)
+        if not policy.allowed(proven, action):
+            ratified = next((r for r in same if policy.allowed(decision_actor(r["p"]), action)), None)
             expiry = clock.reached(_t(p["expires_at"])) if p.get("expires_at") else None
             closed = _min(_t(ratified["at"]) if ratified else None, expiry)
-            if actor:
-                roles = policy.roles_of(actor)
-                why = f"{actor} holds {', '.join(roles) if roles else 'no role'}; none grants {action}"
-            else:
-                why = "no actor was recorded"
+            why = policy.why_not(proven, action)
             found.add(7, ("unauthorized", row["id"]), at, closed, [row["id"], ratified["id"] if ratified else None],
                       {**base, "node": p.get("target") if row["type"] == "release.node_isolated" else None},
                       f"{what} of release {rid} without the decision right: {why}")

@@ -182,17 +182,23 @@ def test_same_alert_state_posted_twice_has_one_event_id(receiver, catalogue, kaf
 def test_release_events_single_and_list(receiver, catalogue, kafka_bootstrap):
     rx = receiver()
     one = release_event()
-    status, answer = rx.post("/v1/releases", one)
-    assert status == 200 and answer["event_ids"] == [one["event_id"]]
+    status, single = rx.post("/v1/releases", one)
+    assert status == 200 and len(single["event_ids"]) == 1
+    assert single["event_ids"] != [one["event_id"]]  # the receiver computes ids; the caller's is ignored
     batch = [release_event("release.promoted", payload={"to_environment": "prod"}),
              release_event("release.reservation_created", release_id="llm-7b:12",
                            payload={"reservation": {"reservation_id": "rsv-9", "gpus": 16, "pool": "h100"}})]
     status, answer = rx.post("/v1/releases", batch)
     assert status == 200 and answer["accepted"] == 2
     records = events_on(kafka_bootstrap, catalogue.release, 3)
-    assert {e.event_id for _, e in records} == {one["event_id"], *(b["event_id"] for b in batch)}
+    assert {e.event_id for _, e in records} == {*single["event_ids"], *answer["event_ids"]}
     keys = {e.event_id: key for key, e in records}
-    assert keys[batch[1]["event_id"]] == "llm-7b:12"
+    assert keys[answer["event_ids"][1]] == "llm-7b:12"
+    # Unauthenticated callers' events are marked so, whatever they claim.
+    claimed = release_event(payload={"actor": "alice", "authenticated_by": "token"})
+    status, answer = rx.post("/v1/releases", claimed)
+    [(_, stored)] = [(k, e) for k, e in events_on(kafka_bootstrap, catalogue.release, 4) if e.event_id == answer["event_ids"][0]]
+    assert (stored.payload.actor, stored.payload.authenticated_by) == ("alice", None)
 
 
 def test_mlflow_webhooks_become_release_events(receiver, catalogue, kafka_bootstrap):
@@ -363,7 +369,8 @@ def test_event_over_the_event_limit_is_422_naming_it_and_nothing_is_published(re
 
     releases = [release_event(), release_event(payload={"reason": "r" * 300_000})]
     status, answer = rx.post("/v1/releases", releases)
-    assert (status, answer["field"], answer["limit_bytes"], answer["event_id"]) == (422, "[1]", limit, releases[1]["event_id"]), answer
+    assert (status, answer["field"], answer["limit_bytes"]) == (422, "[1]", limit), answer
+    assert answer["event_id"] in answer["error"] and answer["event_id"] != releases[1]["event_id"]  # the receiver's id
 
     # Labels identify the alert: one over 4 KiB is refused, not cut.
     long_label = json.loads(sample("alertmanager", "quality_firing.json"))
@@ -418,10 +425,17 @@ def test_auth_per_source(receiver, catalogue, kafka_bootstrap):
         assert status == 401, (path, headers, answer)
         assert answer["field"] in ("Authorization", SIGNATURE_HEADER)
     assert rx.post("/v1/alertmanager", alerts, headers={"Authorization": "Bearer am-token"})[0] == 200
-    assert rx.post("/v1/releases", release_event(), headers={"Authorization": "Bearer ci-token"})[0] == 200
+    # The shared token proves service:releases, so an event claiming alice is refused (403) ...
+    status, answer = rx.post("/v1/releases", release_event(), headers={"Authorization": "Bearer ci-token"})
+    assert (status, answer["field"]) == (403, "payload.actor"), answer
+    # ... and one naming no actor is stored as by the proven caller.
+    unnamed = release_event(payload={"approval_id": "CHG-1042"})
+    assert rx.post("/v1/releases", unnamed, headers={"Authorization": "Bearer ci-token"})[0] == 200
     assert rx.post("/v1/mlflow", mlflow, headers=mlflow_headers(mlflow, "whsec-1"))[0] == 200
     assert len(events_on(kafka_bootstrap, catalogue.alert, 1)) == 1
-    assert len(events_on(kafka_bootstrap, catalogue.release, 2)) == 2
+    stored = events_on(kafka_bootstrap, catalogue.release, 2)
+    assert sorted((e.payload.actor, e.payload.authenticated_by) for _, e in stored) == [
+        ("service:mlflow/gpuledger", "mlflow-webhook"), ("service:releases", "shared-token")]
 
 
 def test_settings_report_every_problem(monkeypatch):
