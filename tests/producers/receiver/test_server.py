@@ -39,8 +39,9 @@ NOW = datetime.now(timezone.utc).replace(microsecond=0)
 class RunningReceiver:
     """``serve`` in a background thread; ``url`` once it listens."""
 
-    def __init__(self, config: ReceiverSettings, publisher: EventPublisher, publish_timeout_s: float = 35.0) -> None:
+    def __init__(self, config: ReceiverSettings, publisher: EventPublisher, publish_timeout_s: float = 35.0, policy=None) -> None:
         self.config = config.model_copy(update={"host": "127.0.0.1", "port": 0})
+        self.policy = policy
         self.publisher = publisher
         self.publish_timeout_s = publish_timeout_s
         self.url = ""
@@ -59,7 +60,7 @@ class RunningReceiver:
                 self.url = f"http://{host}:{port}"
                 self._listening.set()
 
-            await serve(self.config, self.publisher, self._stop, listening, self.publish_timeout_s)
+            await serve(self.config, self.publisher, self._stop, listening, self.publish_timeout_s, self.policy)
 
         try:
             asyncio.run(main())
