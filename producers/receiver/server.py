@@ -41,11 +41,11 @@ import socket
 import threading
 from collections.abc import Callable
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import orjson
 from aiohttp import web
-from pydantic import SecretStr
 
 from gpuledger.telemetry import ComponentCounters
 from producers._errors import EventTooLarge, PayloadError, ProducerError, PublishError
@@ -112,9 +112,10 @@ class LifecycleReceiver:
         self.alias_holders = AliasHolders()
         self._alias_moves: asyncio.Lock | None = None  # one alias move at a time: read holder, publish, update
         self._stopping = threading.Event()
+        self.guard: ConnectionGuard | None = None  # set by ``serve``
 
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._errors])
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._hold, self._errors])
         app.on_startup.append(self._start_loading_alias_holders)
         app.on_cleanup.append(self._stop_loading)
         app.add_routes([
@@ -161,6 +162,18 @@ class LifecycleReceiver:
             return
 
     # --- plumbing -----------------------------------------------------------------
+
+    @web.middleware
+    async def _hold(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        """The headers are in: lift the connection's header deadline while the request is handled."""
+        guard, transport = self.guard, request.transport
+        if guard is None or transport is None:
+            return await handler(request)
+        guard.disarm(transport)
+        try:
+            return await handler(request)
+        finally:
+            guard.arm(transport)  # the next request's headers are due within the timeout again
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Callable) -> web.StreamResponse:
@@ -226,7 +239,10 @@ class LifecycleReceiver:
             raise PayloadError(f"<body>: {request.content_length} bytes is over the {limit}-byte limit (max_body_bytes)", reason="too_large",
                                status=413, details={"limit_bytes": limit, "size_bytes": request.content_length})
         try:
-            return await request.read()
+            return await asyncio.wait_for(request.read(), self.config.body_timeout_s)
+        except asyncio.TimeoutError as exc:
+            raise PayloadError(f"<body>: not received within {self.config.body_timeout_s:g}s (body_timeout_s)", reason="body_timeout",
+                               status=408) from exc
         except web.HTTPRequestEntityTooLarge as exc:
             raise PayloadError(f"<body>: over the {limit}-byte limit (max_body_bytes)", reason="too_large", status=413,
                                details={"limit_bytes": limit}) from exc
@@ -383,6 +399,113 @@ class LifecycleReceiver:
         return web.json_response({"ready": False, "error": "Kafka is not reachable"}, status=503)
 
 
+class ConnectionGuard:
+    """Wraps aiohttp's protocol factory: a connection limit and a header timeout.
+
+    aiohttp's server has neither (only a keep-alive timeout, which a client trickling
+    bytes keeps resetting), so this is the small piece written here: each connection gets
+    a deadline ``header_timeout_s`` after it opens or after its previous answer; the
+    middleware ``_hold`` lifts it while a request is being handled. A connection over
+    ``max_connections`` gets a 503 and is closed before aiohttp reads anything.
+    """
+
+    _BUSY_BODY = b'{"error": "too many connections, retry later", "field": null, "retriable": true}'
+    BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
+
+    def __init__(self, factory: Callable[[], asyncio.Protocol], header_timeout_s: float, max_connections: int) -> None:
+        self.factory = factory
+        self.header_timeout_s = header_timeout_s
+        self.max_connections = max_connections
+        self.open: dict[Any, asyncio.TimerHandle | None] = {}
+        self.refused = 0
+        self.timed_out = 0
+
+    def _expire(self, transport) -> None:
+        self.timed_out += 1
+        transport.close()
+
+    def arm(self, transport) -> None:
+        if transport in self.open and not transport.is_closing():
+            self.disarm(transport)
+            self.open[transport] = asyncio.get_running_loop().call_later(self.header_timeout_s, self._expire, transport)
+
+    def disarm(self, transport) -> None:
+        handle = self.open.get(transport)
+        if handle is not None:
+            handle.cancel()
+            self.open[transport] = None
+
+    def __call__(self) -> asyncio.Protocol:
+        return _GuardedProtocol(self, self.factory())
+
+
+class _GuardedProtocol(asyncio.Protocol):
+    """aiohttp's protocol (slotted, so wrapped rather than patched) with the guard's accounting."""
+
+    def __init__(self, guard: ConnectionGuard, inner: asyncio.Protocol) -> None:
+        self.guard, self.inner, self.transport = guard, inner, None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.inner.connection_made(transport)
+        guard = self.guard
+        if len(guard.open) >= guard.max_connections:
+            guard.refused += 1
+            transport.write(guard.BUSY)
+            transport.close()
+            return
+        guard.open[transport] = None
+        guard.arm(transport)
+
+    def connection_lost(self, exc) -> None:
+        self.guard.disarm(self.transport)
+        self.guard.open.pop(self.transport, None)
+        self.inner.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self):
+        return self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
+class ReloadingTls:
+    """An SSL context whose certificate and key are re-read when either file changes (checked every 10 s)."""
+
+    def __init__(self, cert: Path, key: Path) -> None:
+        import ssl
+
+        self.cert, self.key = cert, key
+        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self._stamp = None
+        self.reload()
+
+    def reload(self) -> bool:
+        stamp = (self.cert.stat().st_mtime_ns, self.key.stat().st_mtime_ns)
+        if stamp == self._stamp:
+            return False
+        # New handshakes use the new pair; open connections keep theirs.
+        self.context.load_cert_chain(self.cert, self.key)
+        self._stamp = stamp
+        log.info("receiver TLS: certificate loaded from %s", self.cert)
+        return True
+
+    async def watch(self) -> None:
+        while True:
+            await asyncio.sleep(10)
+            try:
+                self.reload()
+            except (OSError, ValueError) as exc:  # a half-written file: keep the old pair, try again
+                log.error("receiver TLS: keeping the previous certificate, cannot load %s: %s", self.cert, exc)
+
+
 def authenticator_for(config: ReceiverSettings) -> Authenticator:
     """The receiver's proofs of identity, from its settings (a bad credentials or JWKS file fails here, at start)."""
     return Authenticator(
@@ -427,20 +550,26 @@ async def serve(config: ReceiverSettings, publisher: EventPublisher, stop: async
     if exposure and not config.allow_unauthenticated:
         raise ReceiverError(f"refusing to serve: {exposure}. Configure credentials (docs/receiver.md, Auth) or pass "
                             "--allow-unauthenticated (GPULEDGER_RECEIVER_ALLOW_UNAUTHENTICATED=true) to accept that")
-    warner = asyncio.create_task(_warn_every_minute(exposure)) if exposure else None
+    tls = ReloadingTls(config.tls_cert_file, config.tls_key_file) if config.tls_cert_file and config.tls_key_file else None
     app = receiver.build_app()
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, keepalive_timeout=max(config.header_timeout_s, 1.0))
     await runner.setup()
+    receiver.guard = guard = ConnectionGuard(runner.server, config.header_timeout_s, config.max_connections)
+    background = [asyncio.create_task(coro) for coro in ((_warn_every_minute(exposure) if exposure else None),
+                                                          (tls.watch() if tls else None)) if coro is not None]
+    listener = None
     try:
-        site = web.TCPSite(runner, config.host, config.port)
-        await site.start()
-        host, port = runner.addresses[0][:2]
+        listener = await asyncio.get_running_loop().create_server(guard, config.host, config.port, ssl=tls.context if tls else None,
+                                                                  reuse_address=True)
+        host, port = listener.sockets[0].getsockname()[:2]
         if on_listening:
             on_listening(host, port)
         await (stop or asyncio.Event()).wait()
     finally:
-        if warner is not None:
-            warner.cancel()
+        for task in background:
+            task.cancel()
+        if listener is not None:
+            listener.close()
         await runner.cleanup()
 
 

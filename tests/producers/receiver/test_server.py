@@ -530,3 +530,53 @@ def test_broker_down_answers_503_then_recovers(own_broker, tmp_path):
             assert answer["event_ids"][0] in {e.event_id for _, e in records}
         finally:
             restarted.stop()
+
+
+# --- slow clients: header timeout, connection limit ---------------------------------------
+
+def _closed_within(sock, seconds: float) -> float | None:
+    """Seconds until the server closed ``sock`` (recv → b'' or reset), None if it stayed open."""
+    import socket
+
+    started = time.monotonic()
+    sock.settimeout(0.2)
+    while time.monotonic() - started < seconds:
+        try:
+            data = sock.recv(4096)
+        except socket.timeout:
+            try:
+                sock.send(b"X")  # trickle: a slow-loris keeps sending a byte at a time
+            except OSError:
+                return time.monotonic() - started
+            continue
+        except OSError:
+            return time.monotonic() - started
+        if data == b"" or data.startswith(b"HTTP/1.1 4") or data.startswith(b"HTTP/1.1 5"):
+            return time.monotonic() - started
+    return None
+
+
+def test_slow_loris_is_closed_within_the_header_timeout_and_the_limit_holds(receiver):
+    import socket
+
+    rx = receiver(header_timeout_s=1.5, max_connections=4)
+    host, port = rx.url.removeprefix("http://").split(":")
+    loris = socket.create_connection((host, int(port)))
+    loris.sendall(b"POST /v1/alertmanager HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Slow: ")
+    took = _closed_within(loris, 10)
+    assert took is not None and took < 1.5 + 1.0, took
+    loris.close()
+    # The connection limit: four idle connections held, the fifth is answered 503 and closed.
+    idle = [socket.create_connection((host, int(port))) for _ in range(4)]
+    # The server accepts in backlog order, so these four are counted before the fifth.
+    extra = socket.create_connection((host, int(port)))
+    extra.settimeout(5)
+    answer = extra.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 503") and b"too many connections" in answer, answer
+    for s in [extra, *idle]:
+        s.close()
+    # Once the idle ones are gone, requests are served again.
+    deadline = time.monotonic() + 5
+    while rx.request("GET", "/healthz")[0] != 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert rx.request("GET", "/healthz")[0] == 200
