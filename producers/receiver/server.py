@@ -25,7 +25,12 @@ Guarantees:
   (``gpuledger.fields.truncated``); labels and fingerprints are identity and are never
   cut: a value over 4 KiB gets 422 naming it. Release and MLflow events are not cut
   (their sender chose every byte), only refused when over the event limit.
-- The event loop never blocks on Kafka: publishing and readiness checks run in threads.
+- The event loop never blocks on Kafka: records are produced on the loop and their acks
+  awaited (``EventPublisher.publish_batch_async``, one delivery-report thread), so requests
+  in flight hold no thread; readiness checks run in a thread.
+- Slow clients cannot hold the service: a connection must send its headers within
+  ``header_timeout_s`` (``ConnectionGuard``), a body within ``body_timeout_s`` (408), and
+  connections over ``max_connections`` get 503 at once.
 Limits: MLflow delivery de-duplication is in memory (per process, bounded LRU); a
 restarted or second replica relies on the deterministic event ids instead. One INFO
 log line per accepted request (a request is a batch); bodies are never logged.
@@ -264,7 +269,7 @@ class LifecycleReceiver:
             return
         counters = self.counters[source]
         try:
-            await asyncio.to_thread(self.publisher.publish_batch, events, self.publish_timeout_s)
+            await self.publisher.publish_batch_async(events, self.publish_timeout_s)
         except EventTooLarge as exc:
             field = field_of(exc.index)
             raise PayloadError(f"{field}: {exc}" if field else str(exc), field=field, reason="event_too_large",
