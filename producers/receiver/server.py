@@ -481,8 +481,12 @@ class _GuardedProtocol(asyncio.Protocol):
         self.inner.resume_writing()
 
 
+#: How often the TLS certificate and key files are checked for a change.
+TLS_RELOAD_CHECK_S = 10.0
+
+
 class ReloadingTls:
-    """An SSL context whose certificate and key are re-read when either file changes (checked every 10 s)."""
+    """An SSL context whose certificate and key are re-read when either file changes (checked every ``TLS_RELOAD_CHECK_S``)."""
 
     def __init__(self, cert: Path, key: Path) -> None:
         import ssl
@@ -504,7 +508,7 @@ class ReloadingTls:
 
     async def watch(self) -> None:
         while True:
-            await asyncio.sleep(10)
+            await asyncio.sleep(TLS_RELOAD_CHECK_S)
             try:
                 self.reload()
             except (OSError, ValueError) as exc:  # a half-written file: keep the old pair, try again

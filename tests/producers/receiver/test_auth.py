@@ -157,3 +157,58 @@ def test_non_loopback_bind_without_any_credential_is_refused(catalogue, settings
             asyncio.run(serve(ReceiverSettings(host="0.0.0.0", port=0), publisher))
     finally:
         publisher.close(5)
+
+
+def _self_signed(tmp_path, name: str):
+    from datetime import timedelta
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.x509.oid import NameOID
+    import ipaddress
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.now(timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - timedelta(minutes=1)).not_valid_after(now + timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .sign(key, hashes.SHA256()))
+    cert_pem = cert.public_bytes(serialization.Encoding.PEM)
+    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return cert_pem, key_pem
+
+
+def test_tls_serves_https_and_reloads_a_changed_certificate(start, tmp_path, monkeypatch):
+    import os
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    import producers.receiver.server as server
+
+    monkeypatch.setattr(server, "TLS_RELOAD_CHECK_S", 0.2)
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    first, second = _self_signed(tmp_path, "first"), _self_signed(tmp_path, "second")
+    cert.write_bytes(first[0])
+    key.write_bytes(first[1])
+    rx = start(tls_cert_file=str(cert), tls_key_file=str(key))
+    url = rx.url.replace("http://", "https://")
+
+    def trusted_by(pem: bytes) -> bool:
+        try:
+            with urllib.request.urlopen(f"{url}/healthz", context=ssl.create_default_context(cadata=pem.decode()), timeout=10) as resp:
+                return resp.status == 200
+        except (ssl.SSLError, urllib.error.URLError):
+            return False
+
+    assert trusted_by(first[0]) and not trusted_by(second[0])
+    key.write_bytes(second[1])
+    cert.write_bytes(second[0])
+    later = time.time_ns() + 2 * 10**9  # a distinct mtime even on coarse filesystems
+    os.utime(cert, ns=(later, later))
+    os.utime(key, ns=(later, later))
+    deadline = time.monotonic() + 10
+    while not trusted_by(second[0]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert trusted_by(second[0]) and not trusted_by(first[0])
