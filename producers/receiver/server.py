@@ -11,9 +11,16 @@ Guarantees:
   request is acknowledged by Kafka (acks=all, idempotent producer). Broker trouble →
   503 with a JSON error; the sender retries, and because event ids are deterministic a
   partly written batch re-sent is collapsed downstream.
-- Bad input never reaches a topic: 400 (not JSON), 401 (auth configured and missing or
-  wrong), 413 (body over ``max_body_bytes``), 415 (not ``application/json``), 422
-  (fails validation; ``field`` names the culprit). A request is all-or-nothing.
+- Bad input never reaches a topic: 400 (not JSON), 401 (a credential presented and not
+  valid, or required and missing), 403 (valid but not allowed: another actor, an
+  ``on_behalf_of`` without the delegate right), 413 (body over ``max_body_bytes``), 415 (not
+  ``application/json``), 422 (fails validation; ``field`` names the culprit). A request is
+  all-or-nothing.
+- Who did it is proven (``producers.receiver.auth``): a release event's ``actor`` is the
+  authenticated caller, ``authenticated_by`` says how (null = unauthenticated, whatever the
+  body claimed), and its ``event_id`` is computed here from the caller, the natural key and
+  the event time — a caller-supplied id is ignored. A non-loopback bind with no credential
+  configured is refused unless ``allow_unauthenticated``.
 - Nothing that cannot travel is accepted. The body is bounded by ``max_body_bytes``
   (413, ``limit_bytes`` in the answer). Each event must encode within the publisher's
   ``max_event_bytes`` (a quarter of the raw topics' ``max.message.bytes``, at most
