@@ -212,3 +212,34 @@ def test_tls_serves_https_and_reloads_a_changed_certificate(start, tmp_path, mon
     while not trusted_by(second[0]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert trusted_by(second[0]) and not trusted_by(first[0])
+
+
+def test_oidc_keys_from_a_jwks_url(start, signing_key, catalogue, kafka_bootstrap):
+    import http.server
+    import threading
+
+    key, jwks = signing_key
+    body = jwks.read_bytes()
+
+    class Jwks(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's naming
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    idp = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Jwks)
+    threading.Thread(target=idp.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{idp.server_address[1]}/.well-known/jwks.json"
+        rx = start(oidc={"issuer": ISSUER, "audience": AUDIENCE, "jwks_url": url})
+        status, answer = rx.post("/v1/releases", release_event(payload={"approval_id": "CHG-8"}), headers=_bearer(_jwt(key, sub="dana")))
+        assert status == 200, answer
+        [(_, event)] = events_on(kafka_bootstrap, catalogue.release, 1)
+        assert (event.payload.actor, event.payload.authenticated_by) == ("user:dana", "oidc")
+    finally:
+        idp.shutdown()
