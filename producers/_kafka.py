@@ -22,15 +22,16 @@ lowered while the publisher runs is noticed when Kafka refuses a record for its 
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import NamedTuple
 
-from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
 
 from gpuledger.telemetry import ComponentCounters, inject_headers, tracer
@@ -164,6 +165,13 @@ class EventPublisher:
         self._limit_read_at = 0.0
         self._last_error: str | None = None
         self._lock = threading.Lock()
+        self._poller: threading.Thread | None = None
+        self._closed = threading.Event()
+
+    @property
+    def client_config(self) -> dict:
+        """The Kafka client settings (bootstrap, security) this publisher was built with."""
+        return dict(self._config)
 
     @classmethod
     def from_settings(cls, settings, component: str) -> EventPublisher:
@@ -175,13 +183,20 @@ class EventPublisher:
 
     # --- the record limit ------------------------------------------------------------
 
+    def _ready_cached(self) -> tuple[Producer, RecordLimit] | None:
+        """The producer and its limit when no Kafka round trip is needed to know them, else None."""
+        limit, producer = self._limit, self._producer
+        if producer is not None and limit is not None and not self._limit_stale and (
+                limit.confirmed or time.monotonic() - self._limit_read_at < _FALLBACK_RECHECK_S):
+            return producer, limit
+        return None
+
     def _ready(self, timeout: float | None = None) -> tuple[Producer, RecordLimit]:
         """The producer and the limit it was built for; learns the limit first if needed."""
         with self._lock:
-            limit = self._limit
-            if self._producer is not None and limit is not None and not self._limit_stale and (
-                    limit.confirmed or time.monotonic() - self._limit_read_at < _FALLBACK_RECHECK_S):
-                return self._producer, limit
+            cached = self._ready_cached()
+            if cached is not None:
+                return cached
             wait = min(self.limit_lookup_timeout_s, timeout) if timeout is not None else self.limit_lookup_timeout_s
             limit = read_record_limit(self._config, self.catalogue.raw_topics, wait)
             if self._producer is None or self._limit is None or limit.bytes != self._limit.bytes:
@@ -251,7 +266,11 @@ class EventPublisher:
         deadline = time.monotonic() + (timeout if timeout is not None else 60)
         while len(results) < len(records) and time.monotonic() < deadline:
             producer.poll(0.05)
-        failures = [(i, err) for i, err in list(results) if err is not None]
+        self._raise_for(records, list(results), limit)
+
+    def _raise_for(self, records: Sequence[_Record], results: list[tuple[int, KafkaError | None]], limit: RecordLimit) -> None:
+        """Raise for a batch whose delivery reports are ``results`` (index, error): too large, or not delivered."""
+        failures = [(i, err) for i, err in results if err is not None]
         too_large = [(i, err) for i, err in failures if err.code() == KafkaError.MSG_SIZE_TOO_LARGE]
         if too_large:
             # The pre-check passed them, so the topic takes less than we read: read it again.
@@ -285,6 +304,73 @@ class EventPublisher:
         self.counters.add_sent(len(events), nbytes)
         log.info("published %d event(s), %d bytes", len(events), nbytes)
         return len(events)
+
+    async def publish_batch_async(self, events: Sequence, timeout: float | None = None) -> int:
+        """``publish_batch`` for an asyncio caller (the receiver): the records are produced on
+        the event loop and their acks awaited as futures, served by one poller thread, so a
+        request in flight holds no thread (a thread per request capped the receiver at the
+        executor's few threads). Same errors and counters as ``publish_batch``."""
+        if not events:
+            return 0
+        ready = self._ready_cached()
+        producer, limit = ready if ready is not None else await asyncio.to_thread(self._ready, timeout)
+        records = self._records(events)
+        oversize = self._oversize(records, limit)
+        if oversize:
+            raise EventTooLarge(oversize, limit)
+        loop = asyncio.get_running_loop()
+        results: list[tuple[int, KafkaError | None]] = []
+        pending = len(records)
+        all_in = loop.create_future()
+
+        def settle(i: int, err: KafkaError | None) -> None:
+            nonlocal pending
+            results.append((i, err))
+            pending -= 1
+            if pending == 0 and not all_in.done():
+                all_in.set_result(None)
+
+        headers = inject_headers()
+        self._start_poller()
+        for i, record in enumerate(records):
+            while True:
+                try:
+                    producer.produce(record.topic, key=record.key, value=record.value, headers=headers,
+                                     on_delivery=lambda err, msg, _i=i: loop.call_soon_threadsafe(settle, _i, err))
+                    break
+                except BufferError:
+                    await asyncio.sleep(0.01)  # the poller is draining delivery reports
+                except KafkaException as exc:
+                    err = _kafka_error(exc)
+                    if err is not None and err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
+                        raise EventTooLarge([Oversize(i, record.event_id, record.event_type, len(record.value))], limit, str(err)) from exc
+                    raise PublishError(f"producing to {record.topic} failed: {exc}") from exc
+        try:
+            await asyncio.wait_for(asyncio.shield(all_in), timeout if timeout is not None else 60)
+        except asyncio.TimeoutError:
+            pass  # _raise_for reports the records without an ack
+        self._raise_for(records, list(results), limit)
+        self.counters.add_sent(len(events), sum(len(r.value) for r in records))
+        return len(events)
+
+    def _start_poller(self) -> None:
+        """One daemon thread serving delivery reports of every producer this publisher built."""
+        if self._poller is not None:
+            return
+        with self._lock:
+            if self._poller is not None:
+                return
+
+            def poll() -> None:
+                while not self._closed.is_set():
+                    producers = [p for p in (*self._retired, self._producer) if p is not None]
+                    if not producers:
+                        self._closed.wait(0.05)
+                    for producer in producers:
+                        producer.poll(0.02)
+
+            self._poller = threading.Thread(target=poll, name=f"{self.component}-delivery-reports", daemon=True)
+            self._poller.start()
 
     def publish_fitting(self, events: Sequence, stage: str, timeout: float | None = None) -> int:
         """The collectors' publish: what fits as ``publish_batch``, the rest dead-lettered.
@@ -344,6 +430,39 @@ class EventPublisher:
         for producer in producers:
             if producer is not None:
                 producer.flush(timeout)
+        self._closed.set()  # the delivery-report poller ends
+
+
+def read_to_end(config: dict, topic: str, on_value: Callable[[bytes], None], timeout: float = 30.0) -> int:
+    """Read ``topic`` from the beginning to the end offsets it had when called; ``on_value``
+    gets each record's value. No consumer group (nothing committed). Returns how many
+    records were read; raises ``PublishError`` (retriable) when Kafka does not answer in time.
+    """
+    consumer = Consumer({**config, "group.id": f"gpuledger-reader-{topic}", "enable.auto.commit": False,
+                         "enable.partition.eof": False, "logger": logging.getLogger("librdkafka")})
+    deadline = time.monotonic() + timeout
+    try:
+        try:
+            partitions = consumer.list_topics(topic, timeout=timeout).topics[topic].partitions
+            ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout)[1] for p in partitions}
+        except (KafkaException, KeyError) as exc:
+            raise PublishError(f"cannot read {topic}: {exc}") from exc
+        todo = {p: end for p, end in ends.items() if end > 0}
+        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in todo])
+        n = 0
+        while todo:
+            if time.monotonic() > deadline:
+                raise PublishError(f"reading {topic} to its end took over {timeout:.0f}s ({len(todo)} partition(s) left)")
+            msg = consumer.poll(0.2)
+            if msg is None or msg.error():
+                continue
+            n += 1
+            on_value(msg.value())
+            if msg.offset() + 1 >= todo.get(msg.partition(), 0):
+                todo.pop(msg.partition(), None)
+        return n
+    finally:
+        consumer.close()
 
 
 def ensure_topics(config: dict, catalogue: TopicCatalogue, timeout: float = 30.0) -> list[str]:

@@ -80,6 +80,12 @@ _SCOPED = {
 }
 
 
+def release_natural_key(release_id: str, event_type: str, approval_id: str | None, environment: str | None,
+                        target: str | None, reservation_id: str | None) -> tuple:
+    """What identifies a release decision in its source, whoever publishes it (CLI or receiver)."""
+    return (release_id, event_type, approval_id, environment, target, reservation_id)
+
+
 class ReleaseInputError(ProducerError):
     """Flags that cannot make a valid release event; the message lists every problem."""
 
@@ -142,7 +148,8 @@ def build_event(command: ReleaseCommand, options: dict, observed_at: datetime | 
         superseded_release_id=given.get("superseded"), reservation=reservation, target=given.get("target"),
         expires_at=expires_at, tags=tags,
     )
-    natural_key = (given["release_id"], command.event_type, given.get("approval_id"), given.get("env"), given.get("target"), given.get("reservation_id"))
+    natural_key = release_natural_key(given["release_id"], command.event_type, given.get("approval_id"), given.get("env"),
+                                      given.get("target"), given.get("reservation_id"))
     return ReleaseEvent(
         event_id=make_event_id(EVENT_ID_SOURCE, natural_key, occurred.isoformat()),
         event_type=command.event_type,

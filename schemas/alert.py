@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from schemas.envelope import EventBase, Frozen, UtcDatetime
+from schemas.envelope import EventBase, Frozen, IdText, UtcDatetime
 
 AlertEventType = Literal["alert.firing", "alert.resolved"]
 
@@ -14,9 +14,9 @@ AlertEventType = Literal["alert.firing", "alert.resolved"]
 class AlertPayload(Frozen):
     """One alert as Alertmanager reports it (webhook v4)."""
 
-    alertname: str = Field(description="The alertname label.")
-    severity: str | None = Field(default=None, description="The severity label.")
-    labels: dict[str, str] = Field(default_factory=dict, description="All alert labels.")
+    alertname: IdText = Field(description="The alertname label.")
+    severity: IdText | None = Field(default=None, description="The severity label.")
+    labels: dict[IdText, IdText] = Field(default_factory=dict, description="All alert labels.")
     annotations: dict[str, str] = Field(default_factory=dict, description="All alert annotations.")
     starts_at: UtcDatetime = Field(description="startsAt: when the alert started firing.")
     ends_at: UtcDatetime | None = Field(default=None, description="endsAt, when resolved (Alertmanager's zero time maps to null).")

@@ -11,6 +11,7 @@ tables downstream collapse it.
 from __future__ import annotations
 
 import hashlib
+import unicodedata
 from datetime import datetime, timezone
 from typing import Annotated, Any
 
@@ -26,6 +27,39 @@ def _to_utc(value: datetime) -> datetime:
 #: A timezone-aware timestamp, normalised to UTC. Naive datetimes are rejected:
 #: guessing a zone for event time is how timelines silently shift by hours.
 UtcDatetime = Annotated[AwareDatetime, AfterValidator(_to_utc)]
+
+
+#: Unicode categories an identifier must not contain: controls (NUL, ESC, DEL, C1), format
+#: characters (the bidi overrides and isolates U+202A–U+202E, U+2066–U+2069, zero-width
+#: characters), line/paragraph separators and lone surrogates.
+_NOT_IN_IDENTITY = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
+
+
+def identity_text_problem(value: str) -> str | None:
+    """Why ``value`` cannot be an identifier (a control or bidi character in it), or None.
+
+    Identifiers are joined on, compared and printed: a NUL or a right-to-left override in
+    one would make two ids look alike, or reorder what a terminal shows after it.
+    """
+    if value.isprintable():  # the fast path, in C: no control, format or separator character
+        return None
+    for i, char in enumerate(value):
+        if unicodedata.category(char) in _NOT_IN_IDENTITY:
+            name = unicodedata.name(char, "control character")
+            return f"contains U+{ord(char):04X} ({name}) at position {i}; identifiers must not carry control or bidi characters"
+    return None
+
+
+def _identity_text(value: str) -> str:
+    problem = identity_text_problem(value)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+#: A string that identifies something (an id, a name, a label, an actor): no control or
+#: bidi characters. Free text (reasons, messages, annotations) stays ``str``, escaped on output.
+IdText = Annotated[str, AfterValidator(_identity_text)]
 
 
 class Frozen(BaseModel):
@@ -51,8 +85,8 @@ def make_event_id(source: str, natural_key: str | tuple[Any, ...], source_versio
 class Source(Frozen):
     """Which collector produced the event, and where it ran."""
 
-    collector: str = Field(description="Collector name, e.g. 'kubernetes', 'podresources', 'alertmanager', 'releases'.")
-    host: str = Field(default="", description="Host or node the collector ran on.")
+    collector: IdText = Field(description="Collector name, e.g. 'kubernetes', 'podresources', 'alertmanager', 'releases'.")
+    host: IdText = Field(default="", description="Host or node the collector ran on.")
 
 
 class TraceContext(Frozen):
@@ -65,23 +99,23 @@ class TraceContext(Frozen):
 class Identity(Frozen):
     """The shared identifiers (DESIGN.md). Every field is optional: each source knows some."""
 
-    release_id: str | None = Field(default=None, description="One model release: model + version + artifact + environment plan.")
-    model_name: str | None = Field(default=None, description="Model name as the registry names it.")
-    model_version: str | None = Field(default=None, description="Model version as the registry names it.")
-    artifact_digest: str | None = Field(default=None, description="sha256 of the model artifact (immutable).")
-    image_digest: str | None = Field(default=None, description="Container image digest, 'sha256:...'.")
-    config_digest: str | None = Field(default=None, description="Serving/training config hash.")
-    dataset_ref: str | None = Field(default=None, description="Dataset reference.")
-    environment: str | None = Field(default=None, description="dev / eval / staging / prod (configurable list).")
-    workload_id: str | None = Field(default=None, description="One admitted unit of GPU work (Kueue Workload or owning controller).")
-    pod_uid: str | None = Field(default=None, description="Pod UID.")
-    namespace: str | None = Field(default=None, description="Kubernetes namespace.")
-    pod: str | None = Field(default=None, description="Pod name (with namespace: namespace/pod).")
-    node: str | None = Field(default=None, description="Node name.")
-    gpu_id: str | None = Field(default=None, description="Device ID as the device plugin reports it (GPU or MIG UUID).")
-    owner: str | None = Field(default=None, description="Accountable team.")
-    data_class: str | None = Field(default=None, description="Data classification.")
-    alert_fingerprint: str | None = Field(default=None, description="Alertmanager fingerprint of one alert series.")
+    release_id: IdText | None = Field(default=None, description="One model release: model + version + artifact + environment plan.")
+    model_name: IdText | None = Field(default=None, description="Model name as the registry names it.")
+    model_version: IdText | None = Field(default=None, description="Model version as the registry names it.")
+    artifact_digest: IdText | None = Field(default=None, description="sha256 of the model artifact (immutable).")
+    image_digest: IdText | None = Field(default=None, description="Container image digest, 'sha256:...'.")
+    config_digest: IdText | None = Field(default=None, description="Serving/training config hash.")
+    dataset_ref: IdText | None = Field(default=None, description="Dataset reference.")
+    environment: IdText | None = Field(default=None, description="dev / eval / staging / prod (configurable list).")
+    workload_id: IdText | None = Field(default=None, description="One admitted unit of GPU work (Kueue Workload or owning controller).")
+    pod_uid: IdText | None = Field(default=None, description="Pod UID.")
+    namespace: IdText | None = Field(default=None, description="Kubernetes namespace.")
+    pod: IdText | None = Field(default=None, description="Pod name (with namespace: namespace/pod).")
+    node: IdText | None = Field(default=None, description="Node name.")
+    gpu_id: IdText | None = Field(default=None, description="Device ID as the device plugin reports it (GPU or MIG UUID).")
+    owner: IdText | None = Field(default=None, description="Accountable team.")
+    data_class: IdText | None = Field(default=None, description="Data classification.")
+    alert_fingerprint: IdText | None = Field(default=None, description="Alertmanager fingerprint of one alert series.")
 
     def merged(self, other: Identity) -> Identity:
         """Fill this block's gaps from ``other``; what is already known wins."""
@@ -93,7 +127,7 @@ class Identity(Frozen):
 class EventBase(Frozen):
     """Fields every event carries, whatever its family."""
 
-    event_id: str = Field(min_length=8, max_length=64, description="Deterministic id (see make_event_id).")
+    event_id: IdText = Field(min_length=8, max_length=64, description="Deterministic id (see make_event_id).")
     event_type: str = Field(description="'<family>.<action>', e.g. 'alert.firing'.")
     schema_version: int = Field(default=SCHEMA_VERSION, ge=1, description="Envelope schema version.")
     occurred_at: UtcDatetime = Field(description="Event time in UTC (when it happened in the source).")

@@ -13,6 +13,7 @@ import orjson
 from pydantic import Field, TypeAdapter, ValidationError
 
 from schemas.alert import AlertEvent
+from schemas.envelope import SCHEMA_VERSION
 from schemas.gpu import GpuEvent
 from schemas.outputs import CorrelatedEvent, DeadLetter, GpuAllocation, Violation
 from schemas.release import ReleaseEvent
@@ -49,13 +50,40 @@ def _describe(exc: ValidationError, skip_tag: bool = False) -> str:
     return "; ".join(parts)
 
 
+def unsupported_schema_version(seen) -> EventDecodeError:
+    """The error for an envelope written by a newer gpuledger (reason ``unsupported_schema_version``).
+
+    The message carries the version seen in a fixed form (``[schema_version=99 supported=1]``),
+    so a dead letter says which gpuledger can read it.
+    """
+    return EventDecodeError(
+        "unsupported_schema_version",
+        f"schema_version: {seen!r} is newer than this gpuledger reads (up to {SCHEMA_VERSION}); upgrade gpuledger and "
+        f"replay the dead letter [schema_version={seen} supported={SCHEMA_VERSION}]")
+
+
+def _check_schema_version(obj: dict) -> None:
+    seen = obj.get("schema_version")
+    if isinstance(seen, int) and not isinstance(seen, bool) and seen > SCHEMA_VERSION:
+        raise unsupported_schema_version(seen)
+
+
 def decode_event(data: bytes | str | dict):
-    """Parse one raw event (JSON bytes or a dict) into its family model."""
+    """Parse one raw event (JSON bytes or a dict) into its family model.
+
+    An envelope from the future (``schema_version`` above ``SCHEMA_VERSION``) is never read
+    as the current version: it raises ``EventDecodeError`` with reason
+    ``unsupported_schema_version`` (the worker dead-letters it, the receiver refuses it).
+    """
     if isinstance(data, (bytes, bytearray, str)):
         try:
-            return _ANY_EVENT.validate_json(data)  # the fast path: one pass in pydantic-core
+            event = _ANY_EVENT.validate_json(data)  # the fast path: one pass in pydantic-core
         except ValidationError:
             pass  # say exactly what is wrong, below
+        else:
+            if event.schema_version > SCHEMA_VERSION:
+                raise unsupported_schema_version(event.schema_version)
+            return event
     if isinstance(data, (bytes, bytearray, memoryview, str)):
         try:
             obj = orjson.loads(data)
@@ -65,6 +93,7 @@ def decode_event(data: bytes | str | dict):
         obj = data
     if not isinstance(obj, dict):
         raise EventDecodeError("not_object", f"value must be a JSON object, got {type(obj).__name__}")
+    _check_schema_version(obj)
     if "event_type" not in obj:
         raise EventDecodeError("validation", "event_type: Field required")
     if obj["event_type"] not in EVENT_TYPES:

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from schemas.envelope import EventBase, Frozen
+from schemas.envelope import EventBase, Frozen, IdText
 
 GpuEventType = Literal["gpu.assigned", "gpu.released", "gpu.allocatable", "gpu.device"]
 
@@ -21,20 +21,20 @@ GpuEventType = Literal["gpu.assigned", "gpu.released", "gpu.allocatable", "gpu.d
 class GpuPayload(Frozen):
     """One device assignment (assigned/released) or a node's allocatable snapshot."""
 
-    node: str = Field(description="Node name.")
-    namespace: str | None = Field(default=None, description="Pod namespace (assigned/released).")
-    pod: str | None = Field(default=None, description="Pod name (assigned/released).")
-    container: str | None = Field(default=None, description="Container name (assigned/released).")
-    resource_name: str = Field(default="nvidia.com/gpu", description="Extended resource name.")
-    device_id: str | None = Field(default=None, description="Device ID verbatim as the device plugin reports it.")
-    gpu: str | None = Field(default=None, description="Physical GPU parsed from the device id (GPU UUID or index name).")
-    mig_instance: str | None = Field(default=None, description="MIG instance UUID when the device is a MIG slice.")
+    node: IdText = Field(description="Node name.")
+    namespace: IdText | None = Field(default=None, description="Pod namespace (assigned/released).")
+    pod: IdText | None = Field(default=None, description="Pod name (assigned/released).")
+    container: IdText | None = Field(default=None, description="Container name (assigned/released).")
+    resource_name: IdText = Field(default="nvidia.com/gpu", description="Extended resource name.")
+    device_id: IdText | None = Field(default=None, description="Device ID verbatim as the device plugin reports it.")
+    gpu: IdText | None = Field(default=None, description="Physical GPU parsed from the device id (GPU UUID or index name).")
+    mig_instance: IdText | None = Field(default=None, description="MIG instance UUID when the device is a MIG slice.")
     share: int | None = Field(default=None, ge=0, description="Time-slicing replica index ('::N' suffix).")
     numa_nodes: tuple[int, ...] = Field(default=(), description="NUMA nodes from the topology hint.")
-    devices: tuple[str, ...] = Field(default=(), description="Allocatable device ids (gpu.allocatable only).")
-    driver: str | None = Field(default=None, description="DRA driver of a DRA-allocated device (gpu.device, and assigned/released of DRA devices).")
-    pool: str | None = Field(default=None, description="DRA pool of the device.")
-    profile: str | None = Field(default=None, description="MIG profile of a DRA MIG device (ResourceSlice attribute 'profile', e.g. 1g.10gb).")
+    devices: tuple[IdText, ...] = Field(default=(), description="Allocatable device ids (gpu.allocatable only).")
+    driver: IdText | None = Field(default=None, description="DRA driver of a DRA-allocated device (gpu.device, and assigned/released of DRA devices).")
+    pool: IdText | None = Field(default=None, description="DRA pool of the device.")
+    profile: IdText | None = Field(default=None, description="MIG profile of a DRA MIG device (ResourceSlice attribute 'profile', e.g. 1g.10gb).")
 
 
 class GpuEvent(EventBase):

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from schemas.envelope import Frozen, EventBase, UtcDatetime
+from schemas.envelope import EventBase, Frozen, IdText, UtcDatetime
 
 ReleaseEventType = Literal[
     "release.registered",
@@ -33,9 +33,9 @@ ADMIN_ACTIONS = frozenset({"release.queue_paused", "release.node_isolated", "rel
 class Reservation(Frozen):
     """Capacity reserved for a release."""
 
-    reservation_id: str = Field(description="Reservation id.")
+    reservation_id: IdText = Field(description="Reservation id.")
     gpus: int = Field(ge=0, description="Number of GPUs reserved.")
-    pool: str | None = Field(default=None, description="Node pool / ClusterQueue / flavor holding the GPUs.")
+    pool: IdText | None = Field(default=None, description="Node pool / ClusterQueue / flavor holding the GPUs.")
     window_start: UtcDatetime | None = Field(default=None, description="Start of the reservation window.")
     window_end: UtcDatetime | None = Field(default=None, description="End of the reservation window.")
 
@@ -43,15 +43,47 @@ class Reservation(Frozen):
 class ReleasePayload(Frozen):
     """What happened to a release, by whom."""
 
-    actor: str | None = Field(default=None, description="Who did it (user, service account, CI job).")
-    approval_id: str | None = Field(default=None, description="Change/approval ticket id.")
+    actor: IdText | None = Field(default=None, description="Who did it: the authenticated caller (e.g. 'user:alice', 'service:ci-gitlab') when authenticated_by is set, else the name the publisher typed.")
+    on_behalf_of: IdText | None = Field(default=None, description="The person a service acted for (CI for the engineer who clicked); counts only if the policy gives the actor the 'delegate' right.")
+    authenticated_by: IdText | None = Field(default=None, description="How the receiver proved the actor: 'token' (credentials file), 'oidc' (JWT), 'mlflow-webhook' (signed delivery), 'shared-token'; null = unauthenticated (e.g. the CLI straight to Kafka).")
+    actor_groups: tuple[IdText, ...] = Field(default=(), description="Groups of the authenticated actor (credentials file or the token's groups claim).")
+    approval_id: IdText | None = Field(default=None, description="Change/approval ticket id.")
     reason: str | None = Field(default=None, description="Free-text reason.")
-    to_environment: str | None = Field(default=None, description="Target environment of a promotion/rollback.")
-    superseded_release_id: str | None = Field(default=None, description="Release this one replaced (promotion) or that replaced it (rollback).")
+    to_environment: IdText | None = Field(default=None, description="Target environment of a promotion/rollback.")
+    superseded_release_id: IdText | None = Field(default=None, description="Release this one replaced (promotion) or that replaced it (rollback).")
     reservation: Reservation | None = Field(default=None, description="Reservation created or released.")
-    target: str | None = Field(default=None, description="Admin action target: queue, node or workload name.")
+    target: IdText | None = Field(default=None, description="Admin action target: queue, node or workload name.")
     expires_at: UtcDatetime | None = Field(default=None, description="Expiry of an emergency override.")
     tags: dict[str, str] = Field(default_factory=dict, description="Registry tags/aliases carried along.")
+
+
+#: Prefix of a decision actor whose identity no credential proved (see ``decision_actor``).
+UNAUTHENTICATED = "unauthenticated:"
+
+
+def actor_text(decision: str | None) -> str | None:
+    """A ``decision_actor`` string for people: ``mallory (unauthenticated)``, ``ci for alice``."""
+    if not decision:
+        return None
+    bare = decision.removeprefix(UNAUTHENTICATED)
+    service, delegated, person = bare.rpartition(">")
+    text = f"{service or 'someone'} for {person}" if delegated else bare
+    return text + (" (unauthenticated)" if decision.startswith(UNAUTHENTICATED) else "")
+
+
+def decision_actor(payload) -> str | None:
+    """The one string the decision-rights checks judge, from a payload (model or dict).
+
+    ``actor`` alone when it was authenticated, ``actor>on_behalf_of`` for a delegation, and
+    either prefixed with ``unauthenticated:`` when no credential proved it. ``Policy.allowed``
+    reads this form back; None when the event names no actor at all.
+    """
+    get = payload.get if isinstance(payload, dict) else (lambda name: getattr(payload, name))
+    actor, person = get("actor"), get("on_behalf_of")
+    if not actor and not person:
+        return None
+    who = f"{actor or ''}>{person}" if person else actor
+    return who if get("authenticated_by") else UNAUTHENTICATED + who
 
 
 class ReleaseEvent(EventBase):

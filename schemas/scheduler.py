@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from schemas.envelope import EventBase, Frozen
+from schemas.envelope import EventBase, Frozen, IdText
 
 SchedulerEventType = Literal[
     "scheduler.submitted",
@@ -32,19 +32,19 @@ SchedulerEventType = Literal[
 class ObjectRef(Frozen):
     """A reference to a Kubernetes object (the preemptor of a preemption, say)."""
 
-    kind: str = Field(description="Pod, Workload, Job, ...")
-    namespace: str | None = Field(default=None, description="Namespace of the object.")
-    name: str = Field(description="Object name.")
-    uid: str | None = Field(default=None, description="Object UID when known.")
+    kind: IdText = Field(description="Pod, Workload, Job, ...")
+    namespace: IdText | None = Field(default=None, description="Namespace of the object.")
+    name: IdText = Field(description="Object name.")
+    uid: IdText | None = Field(default=None, description="Object UID when known.")
 
 
 class SchedulerPayload(Frozen):
     """Scheduling facts about one transition."""
 
     object_kind: str = Field(description="Kind of object the transition happened to: Pod, Workload or Event.")
-    queue: str | None = Field(default=None, description="Kueue LocalQueue name.")
-    cluster_queue: str | None = Field(default=None, description="Kueue ClusterQueue that admitted the workload.")
-    priority_class: str | None = Field(default=None, description="Priority class name.")
+    queue: IdText | None = Field(default=None, description="Kueue LocalQueue name.")
+    cluster_queue: IdText | None = Field(default=None, description="Kueue ClusterQueue that admitted the workload.")
+    priority_class: IdText | None = Field(default=None, description="Priority class name.")
     priority: int | None = Field(default=None, description="Priority value.")
     reason: str | None = Field(default=None, description="Machine-readable reason (condition reason or event reason).")
     message: str | None = Field(default=None, description="Human-readable message from the source.")
@@ -53,7 +53,7 @@ class SchedulerPayload(Frozen):
     image_digests: tuple[str, ...] = Field(default=(), description="Running container image digests ('sha256:...').")
     preemptor: ObjectRef | None = Field(default=None, description="Who preempted this workload/pod, when known.")
     victim: ObjectRef | None = Field(default=None, description="Whom this workload/pod preempted, when known.")
-    labels: dict[str, str] = Field(default_factory=dict, description="Labels that carry shared identifiers.")
+    labels: dict[IdText, IdText] = Field(default_factory=dict, description="Labels that carry shared identifiers.")
     flavors: dict[str, str] = Field(default_factory=dict, description="Kueue resource flavor per resource.")
     pod_sets: dict[str, int] = Field(default_factory=dict, description="Kueue pod-set name -> pod count (admitted count when the workload has an admission).")
 

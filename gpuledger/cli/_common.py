@@ -12,7 +12,6 @@ from typing import NoReturn, Optional
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 
 console = Console()
 err = Console(stderr=True)
@@ -23,7 +22,9 @@ DsnOpt = typer.Option(None, "--dsn", help="ClickHouse DSN (default: GPULEDGER_CL
 
 def fail(message: str, code: int = 1) -> NoReturn:
     """Print ``error: message`` on stderr and exit with ``code``."""
-    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    from sinks.read.text import markup  # control and bidi characters of a message shown escaped, like stored text
+
+    err.print(f"[bold red]error:[/] {markup(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 

@@ -23,7 +23,9 @@ Guarantees:
   ``FREE_TEXT_BYTES`` (8 KiB) per field with a visible ``…[truncated N bytes]`` marker;
   the ``TextTrimmer`` passed in records what was cut. Labels and the fingerprint identify
   the alert and are never cut: a value over ``IDENTITY_TEXT_BYTES`` (4 KiB) is a problem
-  like any other (``alerts[2].labels.description: 9000 bytes, over …``). Whether a whole
+  like any other (``alerts[2].labels.description: 9000 bytes, over …``), and so is a
+  control or bidi character in one (``alerts[0].labels.alertname: contains U+202E …``).
+  Whether a whole
   event fits is the publisher's check (``max_event_bytes``), not this module's.
 Limits: alerts Alertmanager dropped because of ``max_alerts`` are only visible as the
 ``truncatedAlerts`` count (returned by ``truncated_alerts``); the GPU ``gpu_id`` is taken
@@ -42,7 +44,7 @@ from gpuledger.timefmt import parse_timestamp
 from producers._errors import PayloadError
 from producers._limits import IDENTITY_TEXT_BYTES, TextTrimmer
 from schemas.alert import AlertEvent, AlertPayload
-from schemas.envelope import Identity, Source, TraceContext, make_event_id
+from schemas.envelope import Identity, Source, TraceContext, identity_text_problem, make_event_id
 
 COLLECTOR = "alertmanager"
 
@@ -116,6 +118,11 @@ def truncated_alerts(payload: dict) -> int:
 
 
 def _identity_text(value: str, where: str, problems: list[tuple[str, str]], sizes: dict[str, int]) -> None:
+    """A label value or fingerprint: identity, so bounded in size and free of control/bidi characters."""
+    problem = identity_text_problem(value)
+    if problem:
+        problems.append((where, problem))
+        return
     size = len(value.encode("utf-8"))
     if size > IDENTITY_TEXT_BYTES:
         problems.append((where, f"{size} bytes, over the {IDENTITY_TEXT_BYTES}-byte limit for an identifying value (labels and "
@@ -171,6 +178,9 @@ def alert_events(
             _identity_text(fingerprint, f"{where}.fingerprint", problems, sizes)
         alert_labels = _string_map(alert.get("labels"), f"{where}.labels", problems)
         for key, value in alert_labels.items():
+            if identity_text_problem(key):
+                problems.append((f"{where}.labels", f"label name {key!r} {identity_text_problem(key)}"))
+                continue
             _identity_text(value, f"{where}.labels.{key}", problems, sizes)
         annotations = _string_map(alert.get("annotations"), f"{where}.annotations", problems)
         if "alertname" not in alert_labels and f"{where}.labels.alertname" not in {p for p, _ in problems}:

@@ -26,14 +26,21 @@ alias not in ``alias_environments``           nothing
 
 Guarantees: ``release_id`` = ``release_id_template`` (default ``{model}:{version}``);
 ``event_id = make_event_id("mlflow", (entity, action, release_id, alias|tag key, tag
-value), envelope timestamp)`` — MLflow's own retries resend the same body, so they get
-the same id; the receiver also drops a delivery id it already published
-(``DeliveryLog``, bounded LRU). A rollback in MLflow is moving an alias back to an
-earlier version: it arrives as ``release.promoted`` of that version, and the streams'
-release-state table sees the environment's holder go back.
-Limits: the previous holder of an alias is not in MLflow's payload, so
-``superseded_release_id`` is left empty (the streams stage derives it); the MLflow user
-who acted is not in the payload either, so ``actor`` is empty.
+value), X-MLflow-Delivery-Id)``: every distinct delivery is a distinct fact (an alias
+moved back to a version it held before is a new event, never collapsed into the first
+move), and MLflow's retries of one delivery keep its id and headers, so they get the
+same id; the receiver also drops a delivery id it already published (``DeliveryLog``,
+bounded LRU). Without the header (an unsigned sender that omits it) the body's
+timestamp stands in for it.
+Alias moves: ``AliasHolders`` knows which version held each (model, alias) when, loaded
+from the release topic at start and kept by the receiver. A move records the previous
+holder as ``superseded_release_id``; a move to an *earlier* version (lower version
+number) is a rollback: ``release.rolled_back`` of the version that held the alias, then
+``release.promoted`` of the earlier one, both at the delivery's time.
+Limits: the MLflow user who acted is not in the payload, so ``actor`` is empty; the
+alias holders live in each receiver process (several replicas each learn the topic at
+start, but not each other's moves afterwards) — run one receiver for MLflow; a move
+delivered before an earlier move it follows is judged without it.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import hmac
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -51,7 +59,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from gpuledger.timefmt import parse_timestamp
 from producers._errors import PayloadError
-from schemas.envelope import Identity, Source, TraceContext, make_event_id
+from schemas.envelope import Identity, Source, TraceContext, identity_text_problem, make_event_id
 from schemas.release import ReleaseEvent, ReleaseEventType, ReleasePayload
 
 COLLECTOR = "mlflow"
@@ -222,6 +230,59 @@ class DeliveryLog:
                 self._ids.popitem(last=False)
 
 
+@dataclass(frozen=True)
+class AliasHolder:
+    """The model version that holds an alias, since when."""
+
+    version: str
+    release_id: str
+    since: datetime
+
+
+def _earlier(version: str, than: str) -> bool:
+    """MLflow numbers versions 1, 2, 3…; anything else is not ordered (never a rollback)."""
+    return version.isdigit() and than.isdigit() and int(version) < int(than)
+
+
+class AliasHolders:
+    """Which version held each (workspace, model, alias) when: the memory MLflow's payload lacks.
+
+    Fed by ``observe`` with every release event an MLflow alias move produced — read back
+    from the release topic at start (``ready`` is set once it was read to its end), then
+    each move this receiver published. ``before`` answers from the moves strictly earlier
+    than a delivery's own time, so the answer for one delivery is the same whatever the
+    order the topic was read in, and a re-delivery (even to a restarted receiver) maps to
+    the very same events. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._moves: dict[tuple[str, str, str], list[tuple[datetime, str, str]]] = {}
+        self._lock = threading.Lock()
+        self.ready = threading.Event()
+
+    def before(self, workspace: str | None, model: str, alias: str, at: datetime) -> AliasHolder | None:
+        """The holder of the alias just before ``at`` (None if it had none)."""
+        with self._lock:
+            earlier = [move for move in self._moves.get((workspace or "", model, alias), ()) if move[0] < at]
+        if not earlier:
+            return None
+        since, version, release_id = max(earlier)
+        return AliasHolder(version, release_id, since)
+
+    def observe(self, event: ReleaseEvent) -> None:
+        tags = event.payload.tags
+        alias = tags.get("mlflow.alias")
+        if event.source.collector != COLLECTOR or not alias or event.event_type == "release.rolled_back" \
+                or not event.identity.model_name or not event.identity.model_version:
+            return
+        key = (tags.get("mlflow.workspace") or "", event.identity.model_name, alias)
+        move = (event.occurred_at, event.identity.model_version, event.identity.release_id)
+        with self._lock:
+            moves = self._moves.setdefault(key, [])
+            if move not in moves:
+                moves.append(move)
+
+
 def _envelope(body: Any) -> tuple[str, str, datetime, dict, str | None]:
     if not isinstance(body, dict):
         raise PayloadError(f"<body>: must be a JSON object, got {type(body).__name__}")
@@ -253,6 +314,15 @@ def _envelope(body: Any) -> tuple[str, str, datetime, dict, str | None]:
     if missing:
         raise PayloadError("; ".join(f"{m}: field required (a non-empty string)" for m in missing), field=missing[0])
     workspace = body.get("workspace") if isinstance(body.get("workspace"), str) else None
+    # What becomes an identifier (names, versions, aliases, tag keys and the tags read as
+    # identity) must be free of control and bidi characters; tag values in general are free text.
+    named = {f"data.{name}": data[name] for name in REGISTRY_EVENTS[(entity, action)] if name != "value"}
+    named.update({"workspace": workspace} if workspace else {})
+    if isinstance(data.get("tags"), dict):
+        named.update({f"data.tags": str(k) for k in data["tags"]})
+    bad = [(where, problem) for where, value in named.items() if (problem := identity_text_problem(str(value)))]
+    if bad:
+        raise PayloadError("; ".join(f"{where}: {problem}" for where, problem in bad), field=bad[0][0], reason="control_character")
     return entity, action, occurred, data, workspace
 
 
@@ -262,10 +332,20 @@ def release_events(
     observed_at: datetime | None = None,
     host: str = "",
     trace: TraceContext | None = None,
+    delivery_id: str | None = None,
+    holders: AliasHolders | None = None,
 ) -> list[ReleaseEvent]:
-    """Map one MLflow delivery body to release events (possibly none), or raise ``PayloadError``."""
+    """Map one MLflow delivery body to release events (possibly none), or raise ``PayloadError``.
+
+    ``delivery_id`` (``X-MLflow-Delivery-Id``) makes each delivery its own fact;
+    ``holders`` says who held an alias before this move (see ``AliasHolders``).
+    """
     mapping = mapping or MlflowReleaseMapping()
     entity, action, occurred, data, workspace = _envelope(body)
+    delivery = delivery_id or occurred.isoformat()
+    source = Source(collector=COLLECTOR, host=host)
+    observed = observed_at or datetime.now(timezone.utc)
+    before: list[ReleaseEvent] = []  # a rollback of the alias's previous holder comes first
     if (entity, action) not in {("model_version", "created"), ("model_version_alias", "created"), ("model_version_tag", "set")}:
         return []
     model, version = data["name"].strip(), str(data["version"]).strip()
@@ -282,6 +362,9 @@ def release_events(
         version_tags = {str(k): str(v) for k, v in version_tags.items() if v is not None}
         for field, tag in mapping.identity_tags.items():
             if version_tags.get(tag):
+                problem = identity_text_problem(version_tags[tag])
+                if problem:
+                    raise PayloadError(f"data.tags.{tag}: {problem}", field=f"data.tags.{tag}", reason="control_character")
                 identity[field] = version_tags[tag]
         tags.update(version_tags)
         for name in ("source", "run_id"):
@@ -297,7 +380,27 @@ def release_events(
         event_type = mapping.alias_created_event
         identity["environment"] = environment
         discriminator = (alias,)
-        payload = ReleasePayload(to_environment=environment, reason=f"MLflow alias '{alias}' set on version {version}",
+        previous = holders.before(workspace, model, alias, occurred) if holders is not None else None
+        superseded = None
+        reason = f"MLflow alias '{alias}' set on version {version}"
+        if previous is not None and previous.version != version:
+            superseded = previous.release_id
+            reason += f" (was on version {previous.version})"
+            if _earlier(version, previous.version):
+                reason = f"MLflow alias '{alias}' moved back from version {previous.version} to {version}: re-promoted"
+                before.append(ReleaseEvent(
+                    event_id=make_event_id(COLLECTOR, (entity, action, "release.rolled_back", previous.release_id, alias), delivery),
+                    event_type="release.rolled_back",
+                    occurred_at=occurred,
+                    observed_at=observed,
+                    source=source,
+                    identity=Identity(release_id=previous.release_id, model_name=model, model_version=previous.version, environment=environment),
+                    trace=trace or TraceContext(),
+                    payload=ReleasePayload(to_environment=environment, superseded_release_id=release_id,
+                                           reason=f"MLflow alias '{alias}' moved back from version {previous.version} to {version}: rolled back",
+                                           tags={**tags, "mlflow.alias": alias}),
+                ))
+        payload = ReleasePayload(to_environment=environment, reason=reason, superseded_release_id=superseded,
                                  tags={**tags, "mlflow.alias": alias})
     else:
         key, value = data["key"], data["value"]
@@ -307,12 +410,12 @@ def release_events(
         discriminator = (key, value)
         payload = ReleasePayload(reason=f"MLflow tag {key}={value} set on version {version}", tags={**tags, key: value})
 
-    return [ReleaseEvent(
-        event_id=make_event_id(COLLECTOR, (entity, action, release_id, *discriminator), occurred.isoformat()),
+    return [*before, ReleaseEvent(
+        event_id=make_event_id(COLLECTOR, (entity, action, release_id, *discriminator), delivery),
         event_type=event_type,
         occurred_at=occurred,
-        observed_at=observed_at or datetime.now(timezone.utc),
-        source=Source(collector=COLLECTOR, host=host),
+        observed_at=observed,
+        source=source,
         identity=Identity(**identity),
         trace=trace or TraceContext(),
         payload=payload,

@@ -11,9 +11,16 @@ Guarantees:
   request is acknowledged by Kafka (acks=all, idempotent producer). Broker trouble →
   503 with a JSON error; the sender retries, and because event ids are deterministic a
   partly written batch re-sent is collapsed downstream.
-- Bad input never reaches a topic: 400 (not JSON), 401 (auth configured and missing or
-  wrong), 413 (body over ``max_body_bytes``), 415 (not ``application/json``), 422
-  (fails validation; ``field`` names the culprit). A request is all-or-nothing.
+- Bad input never reaches a topic: 400 (not JSON), 401 (a credential presented and not
+  valid, or required and missing), 403 (valid but not allowed: another actor, an
+  ``on_behalf_of`` without the delegate right), 413 (body over ``max_body_bytes``), 415 (not
+  ``application/json``), 422 (fails validation; ``field`` names the culprit). A request is
+  all-or-nothing.
+- Who did it is proven (``producers.receiver.auth``): a release event's ``actor`` is the
+  authenticated caller, ``authenticated_by`` says how (null = unauthenticated, whatever the
+  body claimed), and its ``event_id`` is computed here from the caller, the natural key and
+  the event time — a caller-supplied id is ignored. A non-loopback bind with no credential
+  configured is refused unless ``allow_unauthenticated``.
 - Nothing that cannot travel is accepted. The body is bounded by ``max_body_bytes``
   (413, ``limit_bytes`` in the answer). Each event must encode within the publisher's
   ``max_event_bytes`` (a quarter of the raw topics' ``max.message.bytes``, at most
@@ -25,7 +32,12 @@ Guarantees:
   (``gpuledger.fields.truncated``); labels and fingerprints are identity and are never
   cut: a value over 4 KiB gets 422 naming it. Release and MLflow events are not cut
   (their sender chose every byte), only refused when over the event limit.
-- The event loop never blocks on Kafka: publishing and readiness checks run in threads.
+- The event loop never blocks on Kafka: records are produced on the loop and their acks
+  awaited (``EventPublisher.publish_batch_async``, one delivery-report thread), so requests
+  in flight hold no thread; readiness checks run in a thread.
+- Slow clients cannot hold the service: a connection must send its headers within
+  ``header_timeout_s`` (``ConnectionGuard``), a body within ``body_timeout_s`` (408), and
+  connections over ``max_connections`` get 503 at once.
 Limits: MLflow delivery de-duplication is in memory (per process, bounded LRU); a
 restarted or second replica relies on the deterministic event ids instead. One INFO
 log line per accepted request (a request is a batch); bodies are never logged.
@@ -34,33 +46,40 @@ log line per accepted request (a request is a batch); bodies are never logged.
 from __future__ import annotations
 
 import asyncio
-import hmac
+import ipaddress
 import logging
 import re
 import socket
 import threading
 from collections.abc import Callable
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import orjson
 from aiohttp import web
-from pydantic import SecretStr
 
 from gpuledger.telemetry import ComponentCounters
 from producers._errors import EventTooLarge, PayloadError, ProducerError, PublishError
-from producers._kafka import EventPublisher
+from producers._kafka import EventPublisher, read_to_end
 from producers._limits import TextTrimmer
 from producers.receiver.alertmanager import alert_events, truncated_alerts
+from producers.receiver.auth import Authenticator, AuthError, CredentialsFile, OidcVerifier, Principal
 from producers.receiver.config import ReceiverSettings
-from producers.receiver.mlflow import DELIVERY_ID_HEADER, DeliveryLog, release_events, verify_signature
-from schemas.envelope import TraceContext
-from schemas.events import EVENT_TYPES, EventDecodeError, decode_event
+from producers.receiver.mlflow import DELIVERY_ID_HEADER, AliasHolders, DeliveryLog, release_events, verify_signature
+from producers.releases import release_natural_key
+from schemas.envelope import SCHEMA_VERSION, TraceContext, make_event_id
+from schemas.events import EVENT_TYPES, EventDecodeError, decode_event, encode_event
+from schemas.outputs import dead_letter
 from schemas.release import ReleaseEvent
+from streams.controls.policy import Policy
 
 log = logging.getLogger(__name__)
 
 SOURCES = ("alertmanager", "releases", "mlflow")
+#: ``event_id`` source of release events the receiver identifies (``_proven``).
+EVENT_ID_SOURCE = "receiver"
+_ID_PLACEHOLDER = "assigned-by-the-receiver"
 
 
 def _error(status: int, message: str, field: str | None = None, **extra: Any) -> web.Response:
@@ -92,16 +111,25 @@ class LifecycleReceiver:
     ``publisher`` is owned by the caller (closed by whoever created it).
     """
 
-    def __init__(self, config: ReceiverSettings, publisher: EventPublisher, publish_timeout_s: float = 35.0, host: str | None = None) -> None:
+    def __init__(self, config: ReceiverSettings, publisher: EventPublisher, publish_timeout_s: float = 35.0, host: str | None = None,
+                 policy: Policy | None = None) -> None:
         self.config = config
+        self.policy = policy or Policy()
+        self.auth = authenticator_for(config)
         self.publisher = publisher
         self.publish_timeout_s = config.publish_timeout_s or publish_timeout_s
         self.host = host if host is not None else socket.gethostname()
         self.counters = {source: ComponentCounters(f"receiver.{source}") for source in SOURCES}
         self.deliveries = DeliveryLog(config.mlflow_dedup_size)
+        self.alias_holders = AliasHolders()
+        self._alias_moves: asyncio.Lock | None = None  # one alias move at a time: read holder, publish, update
+        self._stopping = threading.Event()
+        self.guard: ConnectionGuard | None = None  # set by ``serve``
 
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._errors])
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._hold, self._errors])
+        app.on_startup.append(self._start_loading_alias_holders)
+        app.on_cleanup.append(self._stop_loading)
         app.add_routes([
             web.post("/v1/alertmanager", self.alertmanager, name="alertmanager"),
             web.post("/v1/releases", self.releases, name="releases"),
@@ -111,7 +139,53 @@ class LifecycleReceiver:
         ])
         return app
 
+    # --- MLflow alias holders, from the release topic -----------------------------
+
+    async def _start_loading_alias_holders(self, app: web.Application) -> None:
+        self._alias_moves = asyncio.Lock()
+        threading.Thread(target=self._load_alias_holders, name="alias-holders", daemon=True).start()
+
+    async def _stop_loading(self, app: web.Application) -> None:
+        self._stopping.set()
+
+    def _load_alias_holders(self) -> None:
+        """Read the release topic once to its end into ``alias_holders``; retried while Kafka is down."""
+        topic = self.publisher.catalogue.release
+
+        def observe(value: bytes) -> None:
+            try:
+                event = decode_event(value)
+            except EventDecodeError:
+                return  # the worker dead-letters it; it cannot be an alias move we know
+            if isinstance(event, ReleaseEvent):
+                self.alias_holders.observe(event)
+
+        wait = 1.0
+        while not self._stopping.is_set():
+            try:
+                n = read_to_end(self.publisher.client_config, topic, observe, timeout=max(self.publish_timeout_s, 10))
+            except PublishError as exc:
+                log.warning("mlflow: cannot read MLflow alias holders from %s yet (retrying in %.0fs): %s", topic, wait, exc)
+                self._stopping.wait(wait)
+                wait = min(wait * 2, 30)
+                continue
+            self.alias_holders.ready.set()
+            log.info("mlflow: alias holders loaded from %s (%d record(s) read)", topic, n)
+            return
+
     # --- plumbing -----------------------------------------------------------------
+
+    @web.middleware
+    async def _hold(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        """The headers are in: lift the connection's header deadline while the request is handled."""
+        guard, transport = self.guard, request.transport
+        if guard is None or transport is None:
+            return await handler(request)
+        guard.disarm(transport)
+        try:
+            return await handler(request)
+        finally:
+            guard.arm(transport)  # the next request's headers are due within the timeout again
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Callable) -> web.StreamResponse:
@@ -126,7 +200,7 @@ class LifecycleReceiver:
             log.debug("%s: rejected (%s) %s", route, exc.reason, exc)
             return _error(exc.status, str(exc), exc.field, **exc.details)
         except PublishError as exc:
-            # The publisher has already counted the events as rejected(kafka_unavailable).
+            # ``_publish`` has counted the events as rejected(kafka_unavailable).
             log.warning("%s: answering 503, Kafka did not acknowledge: %s", route, exc)
             return _error(503, f"Kafka unavailable, retry later: {exc}", None, retriable=True)
         except web.HTTPException as exc:
@@ -137,13 +211,36 @@ class LifecycleReceiver:
             log.exception("%s: internal error", route)
             return _error(500, f"internal error: {type(exc).__name__}", None)
 
-    @staticmethod
-    def _check_bearer(request: web.Request, token: SecretStr | None) -> None:
-        if token is None:
-            return
-        scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(credentials.strip().encode(), token.get_secret_value().encode()):
-            raise PayloadError("Authorization: missing or wrong bearer token", field="Authorization", reason="unauthorized", status=401)
+    def _principal(self, request: web.Request, endpoint: str) -> Principal | None:
+        """The proven caller of ``endpoint``; 401 when a credential is required and missing or wrong."""
+        principal = self.auth.authenticate(endpoint, request.headers.get("Authorization"))
+        if principal is None and (self.auth.requires_credential(endpoint) or endpoint in self.policy.authentication.required_on):
+            raise AuthError(f"Authorization: /v1/{endpoint} requires a credential (a bearer token)")
+        return principal
+
+    def _proven(self, event: ReleaseEvent, principal: Principal | None, where: str) -> ReleaseEvent:
+        """The event as the receiver vouches for it: its actor is the authenticated caller and
+        its id is computed here (source, caller, natural key, event time), never the caller's."""
+        p = event.payload
+        update: dict[str, Any] = {"authenticated_by": None, "actor_groups": ()}  # nobody claims to be proven
+        if principal is not None:
+            bare = principal.identity.split(":", 1)[1]
+            if p.actor and p.actor not in (principal.identity, bare):
+                raise PayloadError(f"{where}payload.actor: {principal.identity} may not publish as {p.actor!r}: the actor is the "
+                                   "authenticated caller (a service acting for a person names them in on_behalf_of)",
+                                   field=f"{where}payload.actor", reason="forbidden", status=403)
+            if p.on_behalf_of and not self.policy.may_delegate(principal.identity):
+                raise PayloadError(f"{where}payload.on_behalf_of: {principal.identity} may not act on behalf of {p.on_behalf_of!r}: "
+                                   "no role of the policy gives it the delegate right", field=f"{where}payload.on_behalf_of",
+                                   reason="forbidden", status=403)
+            update = {"actor": principal.identity, "authenticated_by": principal.method, "actor_groups": principal.groups}
+        natural_key = release_natural_key(event.identity.release_id, event.event_type, p.approval_id, event.identity.environment,
+                                          p.target, p.reservation.reservation_id if p.reservation else None)
+        caller = principal.identity if principal is not None else "unauthenticated"
+        return event.model_copy(update={
+            "payload": p.model_copy(update=update),
+            "event_id": make_event_id(EVENT_ID_SOURCE, (caller, *natural_key), event.occurred_at.isoformat()),
+        })
 
     async def _read_body(self, request: web.Request) -> bytes:
         if request.content_type != "application/json":
@@ -154,7 +251,10 @@ class LifecycleReceiver:
             raise PayloadError(f"<body>: {request.content_length} bytes is over the {limit}-byte limit (max_body_bytes)", reason="too_large",
                                status=413, details={"limit_bytes": limit, "size_bytes": request.content_length})
         try:
-            return await request.read()
+            return await asyncio.wait_for(request.read(), self.config.body_timeout_s)
+        except asyncio.TimeoutError as exc:
+            raise PayloadError(f"<body>: not received within {self.config.body_timeout_s:g}s (body_timeout_s)", reason="body_timeout",
+                               status=408) from exc
         except web.HTTPRequestEntityTooLarge as exc:
             raise PayloadError(f"<body>: over the {limit}-byte limit (max_body_bytes)", reason="too_large", status=413,
                                details={"limit_bytes": limit}) from exc
@@ -166,16 +266,39 @@ class LifecycleReceiver:
         except orjson.JSONDecodeError as exc:
             raise PayloadError(f"<body>: not JSON: {exc}", reason="not_json", status=400) from exc
 
-    async def _publish(self, events: list, field_of: Callable[[int], str | None] = lambda i: None) -> None:
-        """Publish the request's events; one over the event limit → 422 naming it (``field_of(index)``)."""
+    async def _publish(self, source: str, events: list, field_of: Callable[[int], str | None] = lambda i: None) -> None:
+        """Publish the request's events; one over the event limit → 422 naming it (``field_of(index)``).
+
+        The source's counters follow what Kafka acknowledged: ``sent`` (and ``bytes_sent``)
+        only after every ack, ``rejected.kafka_unavailable`` when the acks did not come.
+        """
         if not events:
             return
+        counters = self.counters[source]
         try:
-            await asyncio.to_thread(self.publisher.publish_batch, events, self.publish_timeout_s)
+            await self.publisher.publish_batch_async(events, self.publish_timeout_s)
         except EventTooLarge as exc:
             field = field_of(exc.index)
             raise PayloadError(f"{field}: {exc}" if field else str(exc), field=field, reason="event_too_large",
                                details={"limit_bytes": exc.limit_bytes, "size_bytes": exc.size_bytes, "event_id": exc.event_id}) from exc
+        except PublishError:
+            counters.add_rejected("kafka_unavailable", len(events))
+            raise
+        counters.add_sent(len(events), sum(len(encode_event(e)) for e in events))
+
+    async def _dead_letter_future(self, future: list[tuple[dict, EventDecodeError]], stage: str) -> dict:
+        """Keep events from a newer schema version on the dead-letter topic (a newer gpuledger can
+        replay them), and say so in the 422 answer: ``dead_lettered``, ``schema_version_seen``."""
+        topic = self.publisher.catalogue.deadletter
+        letters = []
+        for item, exc in future:
+            identity = item.get("identity") if isinstance(item.get("identity"), dict) else {}
+            key = identity.get("release_id") if isinstance(identity.get("release_id"), str) else None
+            letters.append((key.encode() if key else None,
+                            encode_event(dead_letter(exc.reason, str(exc), stage, None, None, None, key, orjson.dumps(item)))))
+        await asyncio.to_thread(lambda: [self.publisher.publish_raw(topic, key, value) for key, value in letters])
+        return {"dead_lettered": len(letters), "schema_version_seen": sorted({item.get("schema_version") for item, _ in future}),
+                "supported_schema_version": SCHEMA_VERSION}
 
     @staticmethod
     def _accepted(events: list, **extra: Any) -> web.Response:
@@ -184,13 +307,13 @@ class LifecycleReceiver:
     # --- endpoints ----------------------------------------------------------------
 
     async def alertmanager(self, request: web.Request) -> web.Response:
-        self._check_bearer(request, self.config.alertmanager_bearer_token)
+        self._principal(request, "alertmanager")
         data = self._parse_json(await self._read_body(request))
         trimmer = TextTrimmer()
         events = alert_events(data, self.config.alert_labels, datetime.now(timezone.utc), self.host, _trace(request), trimmer)
         counters = self.counters["alertmanager"]
         counters.add_received(len(events))
-        await self._publish(events, lambda i: f"alerts[{i}]")
+        await self._publish("alertmanager", events, lambda i: f"alerts[{i}]")
         if trimmer.cut:
             counters.add_truncated(len(trimmer.cut))
         truncated = truncated_alerts(data)
@@ -200,11 +323,12 @@ class LifecycleReceiver:
         return self._accepted(events, truncated_alerts=truncated, truncated_fields=trimmer.cut)
 
     async def releases(self, request: web.Request) -> web.Response:
-        self._check_bearer(request, self.config.releases_bearer_token)
+        principal = self._principal(request, "releases")
         data = self._parse_json(await self._read_body(request))
         items, prefix = (data, "[{}].") if isinstance(data, list) else ([data], "")
         events: list[ReleaseEvent] = []
         problems: list[tuple[str, str, str]] = []
+        future: list[tuple[dict, EventDecodeError]] = []  # events from a newer schema version
         for i, item in enumerate(items):
             where = prefix.format(i)
             if not isinstance(item, dict):
@@ -216,8 +340,11 @@ class LifecycleReceiver:
                                  "unknown_event_type"))
                 continue
             try:
-                events.append(decode_event(item))
+                # The receiver computes the id (see _proven): whatever the caller sent is ignored.
+                events.append(self._proven(decode_event({**item, "event_id": _ID_PLACEHOLDER}), principal, where))
             except EventDecodeError as exc:
+                if exc.reason == "unsupported_schema_version":
+                    future.append((item, exc))
                 field = _decode_error_field(exc)
                 text = str(exc)
                 if field and text.startswith("<root>: "):
@@ -225,29 +352,55 @@ class LifecycleReceiver:
                 message = text if not where else "; ".join(f"{where}{part.strip()}" for part in text.split(";"))
                 problems.append((f"{where}{field}" if field else (where.rstrip(".") or None), message, exc.reason))
         if problems:
-            raise PayloadError("; ".join(m for _, m, _ in problems), field=problems[0][0], reason=problems[0][2])
+            details = await self._dead_letter_future(future, "receiver.releases") if future else None
+            raise PayloadError("; ".join(m for _, m, _ in problems), field=problems[0][0], reason=problems[0][2], details=details)
         self.counters["releases"].add_received(len(events))
-        await self._publish(events, (lambda i: f"[{i}]") if isinstance(data, list) else (lambda i: None))
+        await self._publish("releases", events, (lambda i: f"[{i}]") if isinstance(data, list) else (lambda i: None))
         log.info("releases: accepted %d release event(s)", len(events))
         return self._accepted(events)
 
     async def mlflow(self, request: web.Request) -> web.Response:
         body = await self._read_body(request)
+        principal = None
         if self.config.mlflow_secret is not None:
             verify_signature(self.config.mlflow_secret.get_secret_value(), request.headers, body, self.config.mlflow_signature_tolerance_s)
+            principal = Principal(f"service:mlflow/{self.config.mlflow_webhook_name}", (), "mlflow-webhook")
+        elif "mlflow" in self.policy.authentication.required_on:
+            raise AuthError("X-MLflow-Signature: /v1/mlflow requires signed deliveries (set GPULEDGER_RECEIVER_MLFLOW_SECRET)",
+                            field="X-MLflow-Signature")
         delivery_id = request.headers.get(DELIVERY_ID_HEADER)
         if self.deliveries.seen(delivery_id):
             return self._accepted([], duplicate_delivery=True)
         data = self._parse_json(body)
-        events = release_events(data, self.config.mlflow, datetime.now(timezone.utc), self.host, _trace(request))
-        self.counters["mlflow"].add_received(len(events))
-        await self._publish(events)
-        self.deliveries.remember(delivery_id)
+        if isinstance(data, dict) and data.get("entity") == "model_version_alias":
+            # Who held the alias before decides promotion vs rollback: one move at a time,
+            # and only once the holders were read from the release topic.
+            if not await asyncio.to_thread(self.alias_holders.ready.wait, self.publish_timeout_s):
+                raise PublishError("MLflow alias holders are still being read from the release topic")
+            async with self._alias_moves:
+                events = await self._mlflow_publish(request, data, delivery_id, principal)
+                for event in events:
+                    self.alias_holders.observe(event)
+        else:
+            events = await self._mlflow_publish(request, data, delivery_id, principal)
         what = f"{data.get('entity')}.{data.get('action')}"
         log.info("mlflow: delivery %s (%s) → %d release event(s)", delivery_id, what, len(events))
         if not events:
             return self._accepted(events, ignored=f"{what} maps to no release event (see docs/receiver.md)")
         return self._accepted(events)
+
+    async def _mlflow_publish(self, request: web.Request, data: Any, delivery_id: str | None,
+                              principal: Principal | None) -> list[ReleaseEvent]:
+        events = release_events(data, self.config.mlflow, datetime.now(timezone.utc), self.host, _trace(request),
+                                delivery_id=delivery_id, holders=self.alias_holders)
+        if principal is not None:  # the signature proves the webhook: its events are by it
+            events = [e.model_copy(update={"payload": e.payload.model_copy(update={"actor": principal.identity,
+                                                                                    "authenticated_by": principal.method})})
+                      for e in events]
+        self.counters["mlflow"].add_received(len(events))
+        await self._publish("mlflow", events)
+        self.deliveries.remember(delivery_id)
+        return events
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "counters": {s: c.totals for s, c in self.counters.items()}})
@@ -258,20 +411,181 @@ class LifecycleReceiver:
         return web.json_response({"ready": False, "error": "Kafka is not reachable"}, status=503)
 
 
-async def serve(config: ReceiverSettings, publisher: EventPublisher, stop: asyncio.Event | None = None,
-                on_listening: Callable[[str, int], None] | None = None, publish_timeout_s: float = 35.0) -> None:
-    """Listen until ``stop`` is set (forever if None); calls ``on_listening(host, port)``."""
-    app = LifecycleReceiver(config, publisher, publish_timeout_s).build_app()
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
+class ConnectionGuard:
+    """Wraps aiohttp's protocol factory: a connection limit and a header timeout.
+
+    aiohttp's server has neither (only a keep-alive timeout, which a client trickling
+    bytes keeps resetting), so this is the small piece written here: each connection gets
+    a deadline ``header_timeout_s`` after it opens or after its previous answer; the
+    middleware ``_hold`` lifts it while a request is being handled. A connection over
+    ``max_connections`` gets a 503 and is closed before aiohttp reads anything.
+    """
+
+    _BUSY_BODY = b'{"error": "too many connections, retry later", "field": null, "retriable": true}'
+    BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
+
+    def __init__(self, factory: Callable[[], asyncio.Protocol], header_timeout_s: float, max_connections: int) -> None:
+        self.factory = factory
+        self.header_timeout_s = header_timeout_s
+        self.max_connections = max_connections
+        self.open: dict[Any, asyncio.TimerHandle | None] = {}
+        self.refused = 0
+        self.timed_out = 0
+
+    def _expire(self, transport) -> None:
+        self.timed_out += 1
+        transport.close()
+
+    def arm(self, transport) -> None:
+        if transport in self.open and not transport.is_closing():
+            self.disarm(transport)
+            self.open[transport] = asyncio.get_running_loop().call_later(self.header_timeout_s, self._expire, transport)
+
+    def disarm(self, transport) -> None:
+        handle = self.open.get(transport)
+        if handle is not None:
+            handle.cancel()
+            self.open[transport] = None
+
+    def __call__(self) -> asyncio.Protocol:
+        return _GuardedProtocol(self, self.factory())
+
+
+class _GuardedProtocol(asyncio.Protocol):
+    """aiohttp's protocol (slotted, so wrapped rather than patched) with the guard's accounting."""
+
+    def __init__(self, guard: ConnectionGuard, inner: asyncio.Protocol) -> None:
+        self.guard, self.inner, self.transport = guard, inner, None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.inner.connection_made(transport)
+        guard = self.guard
+        if len(guard.open) >= guard.max_connections:
+            guard.refused += 1
+            transport.write(guard.BUSY)
+            transport.close()
+            return
+        guard.open[transport] = None
+        guard.arm(transport)
+
+    def connection_lost(self, exc) -> None:
+        self.guard.disarm(self.transport)
+        self.guard.open.pop(self.transport, None)
+        self.inner.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self):
+        return self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
+#: How often the TLS certificate and key files are checked for a change.
+TLS_RELOAD_CHECK_S = 10.0
+
+
+class ReloadingTls:
+    """An SSL context whose certificate and key are re-read when either file changes (checked every ``TLS_RELOAD_CHECK_S``)."""
+
+    def __init__(self, cert: Path, key: Path) -> None:
+        import ssl
+
+        self.cert, self.key = cert, key
+        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self._stamp = None
+        self.reload()
+
+    def reload(self) -> bool:
+        stamp = (self.cert.stat().st_mtime_ns, self.key.stat().st_mtime_ns)
+        if stamp == self._stamp:
+            return False
+        # New handshakes use the new pair; open connections keep theirs.
+        self.context.load_cert_chain(self.cert, self.key)
+        self._stamp = stamp
+        log.info("receiver TLS: certificate loaded from %s", self.cert)
+        return True
+
+    async def watch(self) -> None:
+        while True:
+            await asyncio.sleep(TLS_RELOAD_CHECK_S)
+            try:
+                self.reload()
+            except (OSError, ValueError) as exc:  # a half-written file: keep the old pair, try again
+                log.error("receiver TLS: keeping the previous certificate, cannot load %s: %s", self.cert, exc)
+
+
+def authenticator_for(config: ReceiverSettings) -> Authenticator:
+    """The receiver's proofs of identity, from its settings (a bad credentials or JWKS file fails here, at start)."""
+    return Authenticator(
+        credentials=CredentialsFile(config.credentials_file) if config.credentials_file else None,
+        oidc=OidcVerifier(config.oidc) if config.oidc else None,
+        shared_tokens={"alertmanager": config.alertmanager_bearer_token, "releases": config.releases_bearer_token},
+    )
+
+
+def _loopback(host: str) -> bool:
     try:
-        site = web.TCPSite(runner, config.host, config.port)
-        await site.start()
-        host, port = runner.addresses[0][:2]
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def unauthenticated_exposure(config: ReceiverSettings, auth: Authenticator) -> str | None:
+    """Why serving ``config`` would let anyone on the network publish unchecked, or None."""
+    if _loopback(config.host) or auth.configured or config.mlflow_secret is not None:
+        return None
+    return (f"listening on {config.host} (not loopback) with no credential configured (no credentials_file, oidc, "
+            "per-source bearer token or MLflow webhook secret)")
+
+
+async def _warn_every_minute(message: str) -> None:
+    while True:
+        log.warning("UNAUTHENTICATED receiver: %s; anyone who can reach it can publish events as anyone "
+                    "(--allow-unauthenticated was given)", message)
+        await asyncio.sleep(60)
+
+
+async def serve(config: ReceiverSettings, publisher: EventPublisher, stop: asyncio.Event | None = None,
+                on_listening: Callable[[str, int], None] | None = None, publish_timeout_s: float = 35.0,
+                policy: Policy | None = None) -> None:
+    """Listen until ``stop`` is set (forever if None); calls ``on_listening(host, port)``.
+
+    Refuses (``ReceiverError``) to listen on a non-loopback address where some endpoint would
+    take requests without a credential, unless ``allow_unauthenticated`` (then warns every minute).
+    """
+    receiver = LifecycleReceiver(config, publisher, publish_timeout_s, policy=policy)
+    exposure = unauthenticated_exposure(config, receiver.auth)
+    if exposure and not config.allow_unauthenticated:
+        raise ReceiverError(f"refusing to serve: {exposure}. Configure credentials (docs/receiver.md, Auth) or pass "
+                            "--allow-unauthenticated (GPULEDGER_RECEIVER_ALLOW_UNAUTHENTICATED=true) to accept that")
+    tls = ReloadingTls(config.tls_cert_file, config.tls_key_file) if config.tls_cert_file and config.tls_key_file else None
+    app = receiver.build_app()
+    runner = web.AppRunner(app, access_log=None, keepalive_timeout=max(config.header_timeout_s, 1.0))
+    await runner.setup()
+    receiver.guard = guard = ConnectionGuard(runner.server, config.header_timeout_s, config.max_connections)
+    background = [asyncio.create_task(coro) for coro in ((_warn_every_minute(exposure) if exposure else None),
+                                                          (tls.watch() if tls else None)) if coro is not None]
+    listener = None
+    try:
+        listener = await asyncio.get_running_loop().create_server(guard, config.host, config.port, ssl=tls.context if tls else None,
+                                                                  reuse_address=True)
+        host, port = listener.sockets[0].getsockname()[:2]
         if on_listening:
             on_listening(host, port)
         await (stop or asyncio.Event()).wait()
     finally:
+        for task in background:
+            task.cancel()
+        if listener is not None:
+            listener.close()
         await runner.cleanup()
 
 
@@ -288,8 +602,9 @@ class ReceiverService:
     """
 
     def __init__(self, config: ReceiverSettings, publisher: EventPublisher, publish_timeout_s: float = 35.0,
-                 on_listening: Callable[[str, int], None] | None = None) -> None:
+                 on_listening: Callable[[str, int], None] | None = None, policy: Policy | None = None) -> None:
         self.config = config
+        self.policy = policy
         self.publisher = publisher
         self.publish_timeout_s = publish_timeout_s
         self.on_listening = on_listening
@@ -301,7 +616,7 @@ class ReceiverService:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         if self._stop_requested.is_set():
             self._stop.set()
-        await serve(self.config, self.publisher, self._stop, self.on_listening, self.publish_timeout_s)
+        await serve(self.config, self.publisher, self._stop, self.on_listening, self.publish_timeout_s, self.policy)
 
     def run(self) -> None:
         try:

@@ -38,6 +38,7 @@ from datetime import datetime, timedelta
 
 from gpuledger.timefmt import TimeFormatError, parse_duration, parse_time
 from sinks.correlated import IDENTITY_FIELDS
+from schemas.release import actor_text, decision_actor
 from sinks.migrations import table_name
 from sinks.read.pages import render_page
 from sinks.read.text import markup
@@ -216,7 +217,7 @@ def _history_time(entry: tuple) -> datetime | None:
 
 def _event_text(entry: tuple, with_id: str | None = None) -> str:
     """A directory history entry as "actor [id] at time" (no actor: said so)."""
-    actor = entry[4] or "no actor recorded"
+    actor = actor_text(entry[4]) or "no actor recorded"
     return f"{actor}{' ' + with_id if with_id else ''} at {_z(_history_time(entry))}"
 
 
@@ -473,7 +474,7 @@ class Evidence:
     def _override_row(self, r: dict) -> dict:
         p = _payload(r)
         return {"at": _z(r["occurred_at"]), "victim": p.get("target") or "", "release": r["identity"].get("release_id", ""),
-                "class": "override", "business": "", "preemptor": f"actor {p.get('actor') or 'none recorded'}", "preemptor_class": "",
+                "class": "override", "business": "", "preemptor": f"actor {actor_text(decision_actor(p)) or 'none recorded'}", "preemptor_class": "",
                 "preemptor_business": "", "sources": r["event_type"],
                 "verdict": f"expires {_z(p.get('expires_at')) or 'never'}; " + _verdict(self._citing(7, [r["correlation_id"]], first_only=True))}
 
@@ -520,7 +521,7 @@ class Evidence:
         planned_h = gpus * max(0.0, (until - ws).total_seconds()) / 3600
         ids = [row["correlation_id"]] + ([rel["correlation_id"]] if rel else [])
         return {"release": rid or "", "reservation": res_id, "gpus": gpus, "pool": res.get("pool") or "",
-                "window": f"{_z(ws)} → {_z(we) or 'open'}", "reserved_by": _payload(row).get("actor") or "no actor recorded",
+                "window": f"{_z(ws)} → {_z(we) or 'open'}", "reserved_by": actor_text(decision_actor(_payload(row))) or "no actor recorded",
                 "released": _z(rel["occurred_at"]) if rel else "held", "peak_allocated": peak,
                 "gpu_hours": f"{used_h:.1f} of {planned_h:.1f}", "utilisation": f"{used_h / planned_h:.0%}" if planned_h else "-",
                 "verdict": _verdict(self._citing(5, ids) + self._citing(7, ids, first_only=True))}

@@ -28,10 +28,12 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gpuledger.timefmt import parse_duration
+from schemas.release import UNAUTHENTICATED
 
 #: Every decision a role can be given. Release lifecycle events and admin actions map
 #: onto them (``ACTION_OF_EVENT``).
-Action = Literal["approve", "promote", "rollback", "revoke", "retire", "reserve", "pause_queue", "isolate_node", "override_priority"]
+Action = Literal["approve", "promote", "rollback", "revoke", "retire", "reserve", "pause_queue", "isolate_node", "override_priority",
+                 "delegate"]
 Severity = Literal["info", "warning", "critical"]
 
 ACTION_OF_EVENT: dict[str, str] = {
@@ -126,6 +128,16 @@ class EmergencyOverrides(_Model):
     max_duration: Duration = Field(default=timedelta(hours=4), description="Longest an override may last (expires_at - occurred_at).")
 
 
+Endpoint = Literal["alertmanager", "releases", "mlflow"]
+
+
+class Authentication(_Model):
+    """Who an actor is and how it must be proven (controls 1, 2, 7 and the receiver)."""
+
+    require_for_rights: bool = Field(default=False, description="A decision right counts only when the receiver authenticated the actor: an unauthenticated approval, promotion or admin action (e.g. the CLI straight to Kafka) fails control 7 and does not approve or promote for controls 1 and 2.")
+    required_on: tuple[Endpoint, ...] = Field(default=(), description="Receiver endpoints that refuse requests without a valid credential (401), whatever else is configured.")
+
+
 class AlertMatcher(_Model):
     """Which alerts are quality alerts: a listed name, or all listed labels equal."""
 
@@ -198,6 +210,7 @@ class Policy(_Model):
     emergency_overrides: EmergencyOverrides = Field(default_factory=EmergencyOverrides, description="Control 7.")
     telemetry: Telemetry = Field(default_factory=Telemetry, description="Control 6.")
     business_priority: BusinessPriority = Field(default_factory=BusinessPriority, description="Control 4.")
+    authentication: Authentication = Field(default_factory=Authentication, description="Proven actors (controls 1, 2, 7; receiver endpoints).")
 
     @model_validator(mode="after")
     def _cross_references(self) -> Policy:
@@ -242,11 +255,49 @@ class Policy(_Model):
     def environment_rank(self, name: str | None) -> int | None:
         return next((i for i, e in enumerate(self.environments) if e.name == name), None) if name else None
 
+    def _member(self, identity: str, role: Role) -> bool:
+        # "user:alice" is the proven form of the bare "alice" older policies list.
+        return identity in role.members or (identity.startswith("user:") and identity[5:] in role.members)
+
     def roles_of(self, actor: str | None) -> list[str]:
-        return sorted(name for name, role in self.roles.items() if actor and actor in role.members)
+        identity = actor.removeprefix(UNAUTHENTICATED).rpartition(">")[2] if actor else None
+        return sorted(name for name, role in self.roles.items() if identity and self._member(identity, role))
+
+    def _holds(self, identity: str, action: str) -> bool:
+        return bool(identity) and any(self._member(identity, role) and action in role.actions for role in self.roles.values())
 
     def allowed(self, actor: str | None, action: str) -> bool:
-        return bool(actor) and any(actor in role.members and action in role.actions for role in self.roles.values())
+        """Whether ``actor`` — a plain name or a ``schemas.release.decision_actor`` string —
+        may take ``action``: an unauthenticated actor only when the policy does not require
+        proof, a delegation (``service>person``) only when the service may delegate and the
+        person holds the right."""
+        if not actor:
+            return False
+        if actor.startswith(UNAUTHENTICATED):
+            if self.authentication.require_for_rights:
+                return False
+            actor = actor.removeprefix(UNAUTHENTICATED)
+        service, delegated, person = actor.rpartition(">")
+        if delegated:
+            return self._holds(service, "delegate") and self._holds(person, action)
+        return self._holds(actor, action)
+
+    def may_delegate(self, identity: str) -> bool:
+        """Whether ``identity`` (a service) may act on behalf of a person (``on_behalf_of``)."""
+        return self._holds(identity, "delegate")
+
+    def why_not(self, actor: str | None, action: str) -> str:
+        """Why ``allowed(actor, action)`` is False, in one clause for a violation's detail."""
+        if not actor:
+            return "no actor was recorded"
+        if actor.startswith(UNAUTHENTICATED) and self.authentication.require_for_rights:
+            return f"{actor.removeprefix(UNAUTHENTICATED)} was not authenticated (no credential proved who published it)"
+        service, delegated, person = actor.removeprefix(UNAUTHENTICATED).rpartition(">")
+        if delegated and not self._holds(service, "delegate"):
+            return f"{service} acted for {person} without the delegate right"
+        who = person if delegated else actor.removeprefix(UNAUTHENTICATED)
+        roles = self.roles_of(who)
+        return f"{who} holds {', '.join(roles) if roles else 'no role'}; none grants {action}"
 
     def control(self, control_id: int) -> ControlPolicy:
         return getattr(self.controls, CONTROL_NAMES[control_id])

@@ -50,6 +50,7 @@ from streams.controls.policy import ACTION_OF_EVENT, CONTROL_TITLES, Policy
 from gpuledger.timefmt import format_duration
 from schemas import Identity
 from schemas.outputs import Violation
+from schemas.release import actor_text, decision_actor
 
 START = frozenset({"scheduler.admitted", "scheduler.scheduled", "scheduler.running", "scheduler.pods_ready"})
 STOP = frozenset({"scheduler.preempted", "scheduler.evicted", "scheduler.finished", "scheduler.deleted", "scheduler.requeued"})
@@ -63,7 +64,7 @@ IDENTITY_KEPT = ("release_id", "model_name", "model_version", "image_digest", "e
                  "node", "gpu_id", "owner", "alert_fingerprint")
 PAYLOAD_KEPT = {
     "scheduler": ("object_kind", "queue", "cluster_queue", "priority_class", "priority", "reason", "image_digests", "preemptor"),
-    "release": ("actor", "approval_id", "to_environment", "reservation", "target", "expires_at", "reason"),
+    "release": ("actor", "on_behalf_of", "authenticated_by", "approval_id", "to_environment", "reservation", "target", "expires_at", "reason"),
     "alert": ("alertname", "severity", "labels", "starts_at", "ends_at"),
 }
 
@@ -576,7 +577,8 @@ def _admission(key: str, start: datetime, end: datetime | None, srow: dict, erow
         why = f"release {rid} was revoked or retired before admission"
     else:
         unentitled = [e for e in rel.history if e[1] == "release.approved" and e[0] <= start and _covers(ctx.policy, e[3], env)]
-        why = (f"release {rid} was approved for {env or 'its environment'} only by " + _actors(unentitled) + ", without the approve right"
+        why = (f"release {rid} was approved for {env or 'its environment'} only by " + _actors(unentitled)
+               + f", which does not count: {ctx.policy.why_not(unentitled[-1][4], 'approve')}"
                if unentitled else f"release {rid} had no approval for {env or 'its environment'}")
     found.add(1, ("approval", key, srow["id"]), start, _min(ge, end), ev + [cause, closing], {**ident, "release_id": rid},
               f"{who} was admitted ({srow['type']}) at {iso(start)} but {why}")
@@ -616,7 +618,7 @@ def _promotion(key: str, start: datetime, end: datetime | None, srow: dict, erow
         if cause:
             why = f"was rolled back from {env}"
         elif unentitled:
-            why = f"was promoted to {env} only by {_actors(unentitled)}, without the promote right"
+            why = f"was promoted to {env} only by {_actors(unentitled)}, which does not count: {ctx.policy.why_not(unentitled[-1][4], 'promote')}"
         else:
             why = f"was never promoted to {env}"
         found.add(2, ("promotion", key, rid, env, srow["id"], cause or ""), gs, _min(ge, end),
@@ -626,7 +628,7 @@ def _promotion(key: str, start: datetime, end: datetime | None, srow: dict, erow
 
 def _actors(events: list[tuple]) -> str:
     """Who did these lifecycle events ("bob at T", "no recorded actor at T")."""
-    return ", ".join(f"{e[4] or 'no recorded actor'} at {iso(e[0])}" for e in events[-3:])
+    return ", ".join(f"{actor_text(e[4]) or 'no recorded actor'} at {iso(e[0])}" for e in events[-3:])
 
 
 def preemption_clusters(rows) -> list[list[dict]]:
@@ -740,15 +742,12 @@ def _authority(rid: str, row: dict, action: str, later: list[dict], base: dict, 
     emergency override with no expiry (until re-issued with one) or lasting past the maximum."""
     p, at, what = row["p"], _t(row["at"]), _action_text(row)
     actor = p.get("actor")
-    if not policy.allowed(actor, action):
-        ratified = next((r for r in later if policy.allowed(r["p"].get("actor"), action)), None)
+    proven = decision_actor(p)  # proven or not, delegated or not: the policy judges both
+    if not policy.allowed(proven, action):
+        ratified = next((r for r in later if policy.allowed(decision_actor(r["p"]), action)), None)
         expiry = clock.reached(_t(p["expires_at"])) if p.get("expires_at") else None
         closed = _min(_t(ratified["at"]) if ratified else None, expiry)
-        if actor:
-            roles = policy.roles_of(actor)
-            why = f"{actor} holds {', '.join(roles) if roles else 'no role'}; none grants {action}"
-        else:
-            why = "no actor was recorded"
+        why = policy.why_not(proven, action)
         found.add(7, ("unauthorized", row["id"]), at, closed, [row["id"], ratified["id"] if ratified else None],
                   {**base, "node": p.get("target") if row["type"] == "release.node_isolated" else None},
                   f"{what} of release {rid} without the decision right: {why}")

@@ -10,6 +10,8 @@ Used by ``streams.correlate.directory``. Limit: ``MAX_HISTORY`` lifecycle events
 
 from __future__ import annotations
 
+from schemas.release import decision_actor
+
 MAX_HISTORY = 500
 MANIFEST_FIELDS = ("model_name", "model_version", "artifact_digest", "image_digest", "config_digest",
                    "dataset_ref", "environment", "owner", "data_class")
@@ -23,8 +25,13 @@ def summarize(event_type: str, payload: dict) -> str:
         return f"{p.get('alertname')} ({p.get('severity') or 'no severity'}) {what}"
     if et.startswith("release."):
         who = f" by {p['actor']}" if p.get("actor") else ""
-        env = f" to {p['to_environment']}" if p.get("to_environment") else ""
-        return f"{what}{env}{who}"
+        who += f" for {p['on_behalf_of']}" if p.get("on_behalf_of") else ""
+        who += " (unauthenticated)" if who and not p.get("authenticated_by") and "authenticated_by" in p else ""
+        moved_out = et == "release.rolled_back"
+        env = f" {'out of' if moved_out else 'to'} {p['to_environment']}" if p.get("to_environment") else ""
+        other = p.get("superseded_release_id")
+        replaced = f" ({'replaced by' if moved_out else 'replacing'} {other})" if other else ""
+        return f"{what}{env}{replaced}{who}"
     if et.startswith("gpu."):
         return f"{what} {p.get('device_id') or ''} on {p.get('node')}".strip()
     return f"{what} {p.get('reason') or ''}".strip()
@@ -48,7 +55,8 @@ def apply_release_event(state: dict, event) -> None:
                 state["manifest"][field] = [value, key]
         if field in MANIFEST_FIELDS:
             state["fields"].setdefault(field, []).append([key, value])
-    entry = [key, event.event_type, event.event_id, event.payload.to_environment or event.identity.environment, event.payload.actor]
+    # The actor as the decision-rights checks judge it: proven or not, delegated or not.
+    entry = [key, event.event_type, event.event_id, event.payload.to_environment or event.identity.environment, decision_actor(event.payload)]
     if entry not in state["history"]:
         state["events"] += 1
         state["history"].append(entry)

@@ -88,30 +88,33 @@ def test_poison_records_go_to_dead_letters_and_the_worker_keeps_going(kafka_boot
     wrong_type = json.loads(good[3].model_dump_json())
     wrong_type["payload"]["starts_at"] = "not-a-time"
     unknown = {**json.loads(good[1].model_dump_json()), "event_type": "release.exploded"}
+    future = {**json.loads(good[1].model_dump_json()), "schema_version": 99}
     poison = [
         (catalogue.release, b"this is not json", "not_json"),
         (catalogue.release, json.dumps(missing_id).encode(), "validation"),
         (catalogue.alert, json.dumps(wrong_type).encode(), "validation"),
         (catalogue.release, json.dumps(unknown).encode(), "unknown_event_type"),
+        (catalogue.release, json.dumps(future).encode(), "unsupported_schema_version"),
     ]
     for topic, value, _ in poison:
         publisher.publish_raw(topic, RELEASE_ID.encode(), value)
     publisher.publish_batch(good)
 
     dead = wait_rows(worker.reader, "SELECT reason, error, source_topic, source_offset FROM gpuledger.dead_letters FINAL ORDER BY source_topic, source_offset",
-                     {}, lambda rows: len(rows) == 4)
+                     {}, lambda rows: len(rows) == len(poison))
     assert sorted(r["reason"] for r in dead) == sorted(p[2] for p in poison)
     by_reason = {r["reason"]: r["error"] for r in dead}
     assert "identity.release_id is required" in " ".join(r["error"] for r in dead)
     assert "payload.starts_at" in " ".join(r["error"] for r in dead)
     assert "release.exploded" in by_reason["unknown_event_type"]
+    assert "[schema_version=99 supported=1]" in by_reason["unsupported_schema_version"]
     assert all(r["source_topic"] in (catalogue.release, catalogue.alert) for r in dead)
 
     # The good events after the poison were still correlated.
     wait_rows(worker.reader, "SELECT correlation_id FROM gpuledger.correlated_events FINAL WHERE release_id = {rid:String}",
               {"rid": RELEASE_ID}, lambda rows: len(rows) == 4)
-    dl_topic = read_topic(kafka_bootstrap, catalogue.run(f"{catalogue.prefix}-app").deadletter, min_count=4)
-    assert len(dl_topic) == 4
+    dl_topic = read_topic(kafka_bootstrap, catalogue.run(f"{catalogue.prefix}-app").deadletter, min_count=len(poison))
+    assert len(dl_topic) == len(poison)
     assert worker.service.alive()
 
 

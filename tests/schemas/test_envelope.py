@@ -2,6 +2,7 @@
 
 from datetime import datetime, timedelta, timezone
 
+import orjson
 import pytest
 from pydantic import ValidationError
 
@@ -64,6 +65,15 @@ def test_decode_errors_name_the_problem(raw, reason, field):
     assert field in str(info.value)
 
 
+@pytest.mark.parametrize("as_bytes", [True, False])
+def test_an_envelope_from_a_future_schema_version_is_not_read_as_the_current_one(as_bytes):
+    data = release_event().model_dump(mode="json") | {"schema_version": 99}
+    with pytest.raises(EventDecodeError) as info:
+        decode_event(orjson.dumps(data) if as_bytes else data)
+    assert info.value.reason == "unsupported_schema_version"
+    assert "[schema_version=99 supported=1]" in str(info.value)
+
+
 def test_missing_identifier_is_rejected_with_its_name():
     data = release_event().model_dump(mode="json")
     data["identity"] = {"model_name": "m"}
@@ -95,3 +105,14 @@ def test_committed_json_schemas_match_the_models():
         path = JSON_DIR / name
         assert path.exists(), f"{name} missing: run `gpuledger schemas generate`"
         assert path.read_text() == text, f"{name} drifted from the models: run `gpuledger schemas generate`"
+
+
+@pytest.mark.parametrize("bad", ["\x00", "team\u202eevil", "a\x1b[31m", "line\u2028break", "zero\u200bwidth"])
+def test_identifiers_refuse_control_and_bidi_characters_free_text_keeps_them(bad):
+    with pytest.raises(ValidationError, match=r"identity\.pod[\s\S]*identifiers must not carry control or bidi"):
+        ReleaseEvent.model_validate(release_event().model_dump(mode="json") | {"identity": {"release_id": "r", "pod": bad}})
+    with pytest.raises(EventDecodeError, match="payload.actor"):
+        decode_event(release_event().model_dump(mode="json") | {"payload": {"actor": bad}})
+    kept = ReleaseEvent.model_validate(release_event().model_dump(mode="json") | {"payload": {"reason": f"why {bad} not"}})
+    assert bad in kept.payload.reason
+    assert Identity(pod="caf\u00e9-\u4e2d\u6587").pod == "caf\u00e9-\u4e2d\u6587"  # non-ASCII letters are fine

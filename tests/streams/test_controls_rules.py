@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import pytest
 
-from streams.controls.policy import Policy
+from streams.controls.policy import Policy, Role
 from schemas import AlertEvent, Identity, SchedulerEvent, make_event_id
 from schemas.alert import AlertPayload
 from schemas.scheduler import ObjectRef, SchedulerPayload
@@ -100,7 +100,8 @@ def test_an_approval_by_an_actor_without_the_right_does_not_count():
     out = run([*released("r2", promoted=True, approver="mallory"), sched("scheduler.scheduled", 10, release_id="r2")])
     # approved, but not by an actor with the right: said as such, not "no approval"
     detail = one(out, 1).detail
-    assert "release r2 was approved for prod only by mallory at 2026-11-01T08:01:00+00:00, without the approve right" in detail
+    assert ("release r2 was approved for prod only by mallory (unauthenticated) at 2026-11-01T08:01:00+00:00, which does not count: "
+            "mallory holds no role; none grants approve") in detail
     assert "no approval" not in detail
     assert "mallory holds no role; none grants approve" in one(out, 7).detail
 
@@ -128,7 +129,7 @@ def test_a_promotion_without_an_actor_is_not_never_promoted():
     events = [*released(promoted=False), rel("release.promoted", 2, actor=None, to_environment="prod"), sched("scheduler.running", 10, release_id="r1")]
     out = run(events)
     v = one(out, 2)
-    assert "was promoted to prod only by no recorded actor at 2026-11-01T08:02:00+00:00, without the promote right" in v.detail
+    assert "was promoted to prod only by no recorded actor at 2026-11-01T08:02:00+00:00, which does not count: no actor was recorded" in v.detail
     assert "never promoted" not in v.detail
     assert "promoted to prod of release r1 without the decision right: no actor was recorded" in one(out, 7).detail
 
@@ -269,6 +270,36 @@ def test_admin_action_without_the_right_and_override_without_expiry_open():
     assert len(out) == 2
     assert "queue_paused prod-inference of release r1 without the decision right: mallory holds no role" in details[1]
     assert "has no expiry" in details[0]
+
+
+PROVEN = POLICY.model_copy(update={
+    "authentication": POLICY.authentication.model_copy(update={"require_for_rights": True}),
+    "roles": {**POLICY.roles, "ci": Role(owner="team-mlops", members=("service:ci-gitlab",), actions=("delegate",))}})
+
+
+def test_with_proof_required_rights_count_only_for_authenticated_actors_and_granted_delegations():
+    def approved(approver_payload, rid="r2"):
+        return run([rel("release.registered", 0, rid), rel("release.approved", 1, rid, approval_id="CHG-1", **approver_payload),
+                    sched("scheduler.scheduled", 10, release_id=rid, pod=f"p-{rid}", workload=f"ml/Job/{rid}"),
+                    rel("release.node_isolated", 12, rid, target="n3", **{**approver_payload, "actor": approver_payload.get("actor", "")
+                                                                        .replace("alice", "oncall-sre")})], policy=PROVEN)
+    # Typed, not proven (the CLI straight to Kafka): the approval does not count and control 7 says why.
+    typed = approved({"actor": "alice"})
+    assert "only by alice (unauthenticated)" in one(typed, 1).detail and "alice was not authenticated" in one(typed, 1).detail
+    details = sorted(v.detail for v in of(typed, 7))
+    assert any("alice was not authenticated" in d for d in details) and any("oncall-sre was not authenticated" in d for d in details)
+    # The same people, proven by the receiver: nothing to report.
+    proven = approved({"actor": "user:alice", "authenticated_by": "token"})
+    assert of(proven, 1) == [] and of(proven, 7) == []
+    # CI acting for alice: counts because the policy grants ci-gitlab the delegate right ...
+    delegated = approved({"actor": "service:ci-gitlab", "on_behalf_of": "user:alice", "authenticated_by": "token"})
+    assert of(delegated, 1) == []
+    # ... and does not for a service without it.
+    rogue = approved({"actor": "service:jenkins", "on_behalf_of": "user:alice", "authenticated_by": "token"})
+    assert "which does not count: service:jenkins acted for user:alice without the delegate right" in one(rogue, 1).detail
+    assert any("service:jenkins acted for user:alice without the delegate right" in v.detail for v in of(rogue, 7))
+    # Without require_for_rights (the default), a typed name is judged as before.
+    assert of(run([*released(), sched("scheduler.scheduled", 10, release_id="r1")]), 1) == []
 
 
 def test_authorized_actions_with_expiry_do_not_open():

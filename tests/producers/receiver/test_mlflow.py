@@ -231,3 +231,33 @@ def test_delivery_log_is_a_bounded_lru():
     off = DeliveryLog(size=0)
     off.remember("a")
     assert not off.seen("a")
+
+
+def _alias_move(version: str, at: str) -> dict:
+    return {"entity": "model_version_alias", "action": "created", "timestamp": at,
+            "data": {"name": "fraud-detector", "alias": "prod", "version": version}}
+
+
+def test_alias_moves_know_the_previous_holder_and_a_move_back_is_a_rollback():
+    from producers.receiver.mlflow import AliasHolders
+
+    holders = AliasHolders()
+    moves = [("14", "2026-05-04T09:00:00.100000+00:00", "d1"), ("15", "2026-05-04T09:00:00.400000+00:00", "d2"),
+             ("14", "2026-05-04T09:00:00.700000+00:00", "d3")]
+    out = []
+    for version, at, delivery in moves:
+        events = release_events(_alias_move(version, at), delivery_id=delivery, holders=holders)
+        for event in events:
+            holders.observe(event)
+        out.append([(e.event_type, e.identity.release_id, e.payload.superseded_release_id) for e in events])
+    assert out == [
+        [("release.promoted", "fraud-detector:14", None)],
+        [("release.promoted", "fraud-detector:15", "fraud-detector:14")],
+        [("release.rolled_back", "fraud-detector:15", "fraud-detector:14"), ("release.promoted", "fraud-detector:14", "fraud-detector:15")],
+    ]
+    # Same body, another delivery: another fact (another id); the same delivery again: the same ids.
+    again = release_events(_alias_move("14", moves[2][1]), delivery_id="d3", holders=holders)
+    other = release_events(_alias_move("14", moves[2][1]), delivery_id="d4", holders=holders)
+    first = release_events(_alias_move("14", moves[0][1]), delivery_id="d1", holders=holders)
+    assert [e.event_id for e in again] != [e.event_id for e in other]
+    assert len({e.event_id for e in first + again}) == 3

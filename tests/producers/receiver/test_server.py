@@ -39,8 +39,9 @@ NOW = datetime.now(timezone.utc).replace(microsecond=0)
 class RunningReceiver:
     """``serve`` in a background thread; ``url`` once it listens."""
 
-    def __init__(self, config: ReceiverSettings, publisher: EventPublisher, publish_timeout_s: float = 35.0) -> None:
+    def __init__(self, config: ReceiverSettings, publisher: EventPublisher, publish_timeout_s: float = 35.0, policy=None) -> None:
         self.config = config.model_copy(update={"host": "127.0.0.1", "port": 0})
+        self.policy = policy
         self.publisher = publisher
         self.publish_timeout_s = publish_timeout_s
         self.url = ""
@@ -59,7 +60,7 @@ class RunningReceiver:
                 self.url = f"http://{host}:{port}"
                 self._listening.set()
 
-            await serve(self.config, self.publisher, self._stop, listening, self.publish_timeout_s)
+            await serve(self.config, self.publisher, self._stop, listening, self.publish_timeout_s, self.policy)
 
         try:
             asyncio.run(main())
@@ -182,17 +183,23 @@ def test_same_alert_state_posted_twice_has_one_event_id(receiver, catalogue, kaf
 def test_release_events_single_and_list(receiver, catalogue, kafka_bootstrap):
     rx = receiver()
     one = release_event()
-    status, answer = rx.post("/v1/releases", one)
-    assert status == 200 and answer["event_ids"] == [one["event_id"]]
+    status, single = rx.post("/v1/releases", one)
+    assert status == 200 and len(single["event_ids"]) == 1
+    assert single["event_ids"] != [one["event_id"]]  # the receiver computes ids; the caller's is ignored
     batch = [release_event("release.promoted", payload={"to_environment": "prod"}),
              release_event("release.reservation_created", release_id="llm-7b:12",
                            payload={"reservation": {"reservation_id": "rsv-9", "gpus": 16, "pool": "h100"}})]
     status, answer = rx.post("/v1/releases", batch)
     assert status == 200 and answer["accepted"] == 2
     records = events_on(kafka_bootstrap, catalogue.release, 3)
-    assert {e.event_id for _, e in records} == {one["event_id"], *(b["event_id"] for b in batch)}
+    assert {e.event_id for _, e in records} == {*single["event_ids"], *answer["event_ids"]}
     keys = {e.event_id: key for key, e in records}
-    assert keys[batch[1]["event_id"]] == "llm-7b:12"
+    assert keys[answer["event_ids"][1]] == "llm-7b:12"
+    # Unauthenticated callers' events are marked so, whatever they claim.
+    claimed = release_event(payload={"actor": "alice", "authenticated_by": "token"})
+    status, answer = rx.post("/v1/releases", claimed)
+    [(_, stored)] = [(k, e) for k, e in events_on(kafka_bootstrap, catalogue.release, 4) if e.event_id == answer["event_ids"][0]]
+    assert (stored.payload.actor, stored.payload.authenticated_by) == ("alice", None)
 
 
 def test_mlflow_webhooks_become_release_events(receiver, catalogue, kafka_bootstrap):
@@ -222,6 +229,24 @@ def test_mlflow_redelivery_is_dropped_by_delivery_id(receiver, catalogue, kafka_
     status, again = rx.post("/v1/mlflow", body, headers=headers)
     assert status == 200 and again == {"accepted": 0, "event_ids": [], "duplicate_delivery": True}
     assert len(events_on(kafka_bootstrap, catalogue.release, 1)) == 1
+
+
+def test_health_counters_match_what_reached_kafka(receiver, catalogue, kafka_bootstrap):
+    rx = receiver()
+    assert rx.post("/v1/alertmanager", sample("alertmanager", "quality_firing.json"))[0] == 200
+    assert rx.post("/v1/alertmanager", sample("alertmanager", "gpu_xid_firing.json"))[0] == 200
+    assert rx.post("/v1/releases", [release_event(), release_event("release.promoted", payload={"to_environment": "prod"})])[0] == 200
+    body = sample("mlflow", "model_version_alias_created_prod.json")
+    assert rx.post("/v1/mlflow", body, headers=mlflow_headers(body))[0] == 200
+    assert rx.post("/v1/releases", release_event("release.launched"))[0] == 422  # rejected: counted, not sent
+    alerts = read_topic(kafka_bootstrap, catalogue.alert, 1)
+    releases = read_topic(kafka_bootstrap, catalogue.release, 1)
+    counters = rx.request("GET", "/healthz")[1]["counters"]
+    assert counters["alertmanager"]["sent"] == len(alerts) == 3
+    assert counters["alertmanager"]["bytes_sent"] == sum(len(m.value()) for m in alerts)
+    assert counters["releases"]["sent"] + counters["mlflow"]["sent"] == len(releases) == 3
+    assert (counters["releases"]["sent"], counters["mlflow"]["sent"]) == (2, 1)
+    assert counters["releases"]["rejected"] == 1 and counters["releases"]["received"] == 2
 
 
 def test_health_and_readiness(receiver):
@@ -276,6 +301,49 @@ def test_bad_input_is_rejected_and_nothing_is_published(receiver, catalogue, kaf
     assert counters["releases"]["rejected.unknown_event_type"] == 2
 
 
+def test_control_and_bidi_characters_in_identity_are_422_naming_the_field(receiver, catalogue, kafka_bootstrap):
+    rx = receiver()
+    rlo_name = json.loads(sample("alertmanager", "quality_firing.json"))
+    rlo_name["alerts"][0]["labels"]["alertname"] = "Gpu\u202eexe.gnp"
+    nul_pod = json.loads(sample("alertmanager", "gpu_xid_firing.json"))
+    nul_pod["alerts"][0]["labels"]["exported_pod"] = "\x00"
+    forged_actor = release_event(payload={"actor": "alice\u202e", "approval_id": "CHG-1"})
+    nul_release = release_event(identity={"release_id": "fraud-detector:7\x00"})
+    mlflow_rlo = json.loads(sample("mlflow", "model_version_alias_created_prod.json"))
+    mlflow_rlo["data"]["name"] = "fraud\u202edetector"
+    cases = [
+        ("/v1/alertmanager", rlo_name, "alerts[0].labels.alertname", "U+202E (RIGHT-TO-LEFT OVERRIDE)"),
+        ("/v1/alertmanager", nul_pod, "alerts[0].labels.exported_pod", "U+0000"),
+        ("/v1/releases", forged_actor, "payload.actor", "U+202E"),
+        ("/v1/releases", nul_release, "identity.release_id", "U+0000"),
+        ("/v1/mlflow", mlflow_rlo, "data.name", "U+202E"),
+    ]
+    for path, body, field, text in cases:
+        status, answer = rx.post(path, body)
+        assert (status, answer["field"]) == (422, field), (path, answer)
+        assert text in answer["error"] and "\u202e" not in answer["error"] and "\x00" not in answer["error"], answer
+    # Free text may carry them (escaped on output): an annotation with U+202E is accepted.
+    rlo_note = json.loads(sample("alertmanager", "quality_firing.json"))
+    rlo_note["alerts"][0]["annotations"]["description"] = "look \u202e here"
+    assert rx.post("/v1/alertmanager", rlo_note)[0] == 200
+    assert len(events_on(kafka_bootstrap, catalogue.alert, 2)) == 2
+    assert events_on(kafka_bootstrap, catalogue.release, 0, timeout=3) == []
+
+
+def test_release_event_from_a_future_schema_version_is_refused_and_dead_lettered(receiver, catalogue, kafka_bootstrap):
+    rx = receiver()
+    future = release_event(schema_version=99)
+    status, answer = rx.post("/v1/releases", [release_event(), future])
+    assert (status, answer["field"]) == (422, "[1].schema_version"), answer
+    assert (answer["dead_lettered"], answer["schema_version_seen"], answer["supported_schema_version"]) == (1, [99], 1)
+    assert events_on(kafka_bootstrap, catalogue.release, 0, timeout=3) == []  # all-or-nothing
+    [record] = read_topic(kafka_bootstrap, catalogue.deadletter, 1)
+    letter = json.loads(record.value())
+    assert letter["reason"] == "unsupported_schema_version" and letter["stage"] == "receiver.releases"
+    assert "[schema_version=99 supported=1]" in letter["error"]
+    assert json.loads(letter["value"])["event_id"] == future["event_id"]
+
+
 # --- what cannot travel: 413 / 422 naming the limit, free text cut -----------------------
 
 def test_body_over_max_body_bytes_is_413_naming_the_limit(receiver, catalogue, kafka_bootstrap):
@@ -302,7 +370,8 @@ def test_event_over_the_event_limit_is_422_naming_it_and_nothing_is_published(re
 
     releases = [release_event(), release_event(payload={"reason": "r" * 300_000})]
     status, answer = rx.post("/v1/releases", releases)
-    assert (status, answer["field"], answer["limit_bytes"], answer["event_id"]) == (422, "[1]", limit, releases[1]["event_id"]), answer
+    assert (status, answer["field"], answer["limit_bytes"]) == (422, "[1]", limit), answer
+    assert answer["event_id"] in answer["error"] and answer["event_id"] != releases[1]["event_id"]  # the receiver's id
 
     # Labels identify the alert: one over 4 KiB is refused, not cut.
     long_label = json.loads(sample("alertmanager", "quality_firing.json"))
@@ -357,10 +426,17 @@ def test_auth_per_source(receiver, catalogue, kafka_bootstrap):
         assert status == 401, (path, headers, answer)
         assert answer["field"] in ("Authorization", SIGNATURE_HEADER)
     assert rx.post("/v1/alertmanager", alerts, headers={"Authorization": "Bearer am-token"})[0] == 200
-    assert rx.post("/v1/releases", release_event(), headers={"Authorization": "Bearer ci-token"})[0] == 200
+    # The shared token proves service:releases, so an event claiming alice is refused (403) ...
+    status, answer = rx.post("/v1/releases", release_event(), headers={"Authorization": "Bearer ci-token"})
+    assert (status, answer["field"]) == (403, "payload.actor"), answer
+    # ... and one naming no actor is stored as by the proven caller.
+    unnamed = release_event(payload={"approval_id": "CHG-1042"})
+    assert rx.post("/v1/releases", unnamed, headers={"Authorization": "Bearer ci-token"})[0] == 200
     assert rx.post("/v1/mlflow", mlflow, headers=mlflow_headers(mlflow, "whsec-1"))[0] == 200
     assert len(events_on(kafka_bootstrap, catalogue.alert, 1)) == 1
-    assert len(events_on(kafka_bootstrap, catalogue.release, 2)) == 2
+    stored = events_on(kafka_bootstrap, catalogue.release, 2)
+    assert sorted((e.payload.actor, e.payload.authenticated_by) for _, e in stored) == [
+        ("service:mlflow/gpuledger", "mlflow-webhook"), ("service:releases", "shared-token")]
 
 
 def test_settings_report_every_problem(monkeypatch):
@@ -434,6 +510,8 @@ def test_broker_down_answers_503_then_recovers(own_broker, tmp_path):
         assert answer["retriable"] is True and "Kafka" in answer["error"]
         assert time.monotonic() - started < 10
         assert rx.request("GET", "/readyz")[0] == 503
+        counters = rx.request("GET", "/healthz")[1]["counters"]["alertmanager"]
+        assert (counters["sent"], counters["rejected.kafka_unavailable"]) == (0, 1)
         # While the broker is down, the loop still answers other requests at once.
         started = time.monotonic()
         assert rx.request("GET", "/healthz")[0] == 200 and time.monotonic() - started < 1
@@ -452,3 +530,53 @@ def test_broker_down_answers_503_then_recovers(own_broker, tmp_path):
             assert answer["event_ids"][0] in {e.event_id for _, e in records}
         finally:
             restarted.stop()
+
+
+# --- slow clients: header timeout, connection limit ---------------------------------------
+
+def _closed_within(sock, seconds: float) -> float | None:
+    """Seconds until the server closed ``sock`` (recv → b'' or reset), None if it stayed open."""
+    import socket
+
+    started = time.monotonic()
+    sock.settimeout(0.2)
+    while time.monotonic() - started < seconds:
+        try:
+            data = sock.recv(4096)
+        except socket.timeout:
+            try:
+                sock.send(b"X")  # trickle: a slow-loris keeps sending a byte at a time
+            except OSError:
+                return time.monotonic() - started
+            continue
+        except OSError:
+            return time.monotonic() - started
+        if data == b"" or data.startswith(b"HTTP/1.1 4") or data.startswith(b"HTTP/1.1 5"):
+            return time.monotonic() - started
+    return None
+
+
+def test_slow_loris_is_closed_within_the_header_timeout_and_the_limit_holds(receiver):
+    import socket
+
+    rx = receiver(header_timeout_s=1.5, max_connections=4)
+    host, port = rx.url.removeprefix("http://").split(":")
+    loris = socket.create_connection((host, int(port)))
+    loris.sendall(b"POST /v1/alertmanager HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Slow: ")
+    took = _closed_within(loris, 10)
+    assert took is not None and took < 1.5 + 1.0, took
+    loris.close()
+    # The connection limit: four idle connections held, the fifth is answered 503 and closed.
+    idle = [socket.create_connection((host, int(port))) for _ in range(4)]
+    # The server accepts in backlog order, so these four are counted before the fifth.
+    extra = socket.create_connection((host, int(port)))
+    extra.settimeout(5)
+    answer = extra.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 503") and b"too many connections" in answer, answer
+    for s in [extra, *idle]:
+        s.close()
+    # Once the idle ones are gone, requests are served again.
+    deadline = time.monotonic() + 5
+    while rx.request("GET", "/healthz")[0] != 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert rx.request("GET", "/healthz")[0] == 200

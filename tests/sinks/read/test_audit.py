@@ -75,9 +75,9 @@ def test_json_report_fails_the_controls_the_incident_breaks(store):
     evidence = {s["control"]: s for s in report["evidence"]}
     assert sorted(evidence) == list(range(1, 9))
     admission = {r["workload"]: r for r in evidence[1]["rows"]}
-    assert admission[inc.W7]["verdict"] == "no violation recorded" and admission[inc.W7]["approvals"].startswith("alice CHG-1042")
+    assert admission[inc.W7]["verdict"] == "no violation recorded" and admission[inc.W7]["approvals"].startswith("alice (unauthenticated) CHG-1042")
     assert admission[inc.WT]["release"] == "no release identity" and "with no release identity" in admission[inc.WT]["verdict"]
-    assert evidence[2]["rows"][-1]["approvals"].startswith("alice CHG-1042")
+    assert evidence[2]["rows"][-1]["approvals"].startswith("alice (unauthenticated) CHG-1042")
     steps = {r["step"]: r["value"] for r in evidence[3]["rows"]}
     assert steps["manifest.artifact_digest"] == inc.MANIFEST7["artifact_digest"]
     assert steps["running images"] == inc.MANIFEST7["image_digest"] and steps["control 3"] == "no violation recorded"

@@ -1,0 +1,233 @@
+"""Who is calling the receiver: a request's credential → a proven identity.
+
+Input: the ``Authorization`` header of a request (and, for MLflow, the delivery's
+signature, checked in ``producers.receiver.mlflow``). Output: a ``Principal`` — identity
+(``user:alice``, ``service:ci-gitlab``, ``service:mlflow/gpuledger``), groups and how it was
+proven — or None when the request carries no credential.
+
+Proofs, tried in this order for a bearer token:
+- **credentials file** (``credentials_file``): YAML ``callers: [{identity, groups,
+  token_sha256, endpoints}]``. Only the SHA-256 of each token is stored: tokens are random
+  secrets of at least 128 bits (``openssl rand -hex 32``), so a fast hash is enough — there
+  is no low-entropy password to stretch — and a leaked file leaks no token. The file is
+  re-read when it changes (mtime), so callers can be added or revoked without a restart.
+- **OIDC / JWT** (``oidc``): a token with three dot-separated parts is verified with PyJWT
+  against the configured issuer's JWKS (file or URL), ``iss``, ``aud`` and ``exp``;
+  identity = ``identity_prefix`` + the ``identity_claim`` (default ``user:`` + ``sub``),
+  groups from ``groups_claim``.
+- **per-source shared token** (``<source>_bearer_token``, the older setting): identity
+  ``service:<source>``, method ``shared-token``.
+Guarantees: a credential that is presented and wrong is a 401 (``AuthError``), never
+"anonymous"; comparisons of secrets are constant-time; tokens are never logged.
+Limits: JWKS URLs are fetched by PyJWT's client (cached, refetched for an unknown ``kid``);
+no token revocation list beyond removing a caller from the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+from producers._errors import PayloadError, ProducerError
+
+log = logging.getLogger(__name__)
+
+ENDPOINTS = ("alertmanager", "releases", "mlflow")
+
+
+@dataclass(frozen=True)
+class Principal:
+    """A caller the receiver proved: its identity, its groups and how it was proven."""
+
+    identity: str
+    groups: tuple[str, ...] = ()
+    method: str = "token"  # token | oidc | shared-token | mlflow-webhook
+
+
+class AuthError(PayloadError):
+    """A credential that is missing where required, or presented and not valid (HTTP 401)."""
+
+    def __init__(self, message: str, field: str = "Authorization") -> None:
+        super().__init__(message, field=field, reason="unauthorized", status=401)
+
+
+class Caller(BaseModel):
+    """One caller of the credentials file."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    identity: str = Field(pattern=r"^(user|service):[^\s:][^\s]*$", description="Who the token proves: 'user:<name>' or 'service:<name>'.")
+    groups: tuple[str, ...] = Field(default=(), description="Groups of the caller (recorded with its events).")
+    token_sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 (hex) of the bearer token: `printf %s TOKEN | sha256sum`.")
+    endpoints: tuple[str, ...] = Field(default=ENDPOINTS, description="Endpoints the token may call (default: all).")
+
+    @model_validator(mode="after")
+    def _known_endpoints(self) -> Caller:
+        unknown = sorted(set(self.endpoints) - set(ENDPOINTS))
+        if unknown:
+            raise ValueError(f"endpoints: unknown {', '.join(unknown)} (known: {', '.join(ENDPOINTS)})")
+        return self
+
+
+class CredentialsFileError(ProducerError):
+    """A credentials file that cannot be used; the message names the file and every problem."""
+
+
+class CredentialsFile:
+    """The callers of a credentials file, by token hash; re-read when the file changes."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._mtime: float | None = None
+        self._by_hash: dict[str, Caller] = {}
+        self._lock = threading.Lock()
+        self._load()  # fail at start on a bad file, before serving
+
+    def _load(self) -> None:
+        try:
+            mtime = self.path.stat().st_mtime
+            if mtime == self._mtime:
+                return
+            data = yaml.safe_load(self.path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise CredentialsFileError(f"{self.path}: {exc}") from exc
+        callers = data.get("callers") if isinstance(data, dict) else None
+        if not isinstance(callers, list):
+            raise CredentialsFileError(f"{self.path}: expected a mapping with a `callers:` list")
+        problems, by_hash = [], {}
+        for i, item in enumerate(callers):
+            try:
+                caller = Caller.model_validate(item)
+            except ValidationError as exc:
+                problems += [f"callers[{i}].{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False)]
+                continue
+            if caller.token_sha256 in by_hash:
+                problems.append(f"callers[{i}]: the same token as {by_hash[caller.token_sha256].identity}")
+            by_hash[caller.token_sha256] = caller
+        if problems:
+            raise CredentialsFileError(f"{self.path}: " + "; ".join(problems))
+        self._by_hash, self._mtime = by_hash, mtime
+        log.info("credentials: %d caller(s) from %s", len(by_hash), self.path)
+
+    def lookup(self, token: str) -> Caller | None:
+        with self._lock:
+            try:
+                self._load()
+            except CredentialsFileError as exc:  # keep serving with the last good file, loudly
+                log.error("credentials file not reloaded, keeping the previous callers: %s", exc)
+            digest = hashlib.sha256(token.encode()).hexdigest()
+            # The dict lookup is on a hash of a high-entropy secret; compare again in constant time.
+            caller = self._by_hash.get(digest)
+            return caller if caller is not None and hmac.compare_digest(caller.token_sha256, digest) else None
+
+
+class OidcSettings(BaseModel):
+    """OIDC / JWT bearer tokens: verified against the issuer's signing keys."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    issuer: str = Field(min_length=1, description="Expected `iss` claim (the identity provider's issuer URL).")
+    audience: str = Field(min_length=1, description="Expected `aud` claim (the audience the tokens are minted for).")
+    jwks_file: Path | None = Field(default=None, description="JWKS (JSON Web Key Set) file with the issuer's public keys.")
+    jwks_url: str | None = Field(default=None, description="URL of the issuer's JWKS (e.g. <issuer>/.well-known/jwks.json).")
+    algorithms: tuple[str, ...] = Field(default=("RS256", "ES256"), description="Accepted signature algorithms (never 'none').")
+    identity_claim: str = Field(default="sub", description="Claim that names the caller.")
+    identity_prefix: str = Field(default="user:", description="Prefix of the identity made from the claim ('user:' or 'service:').")
+    groups_claim: str = Field(default="groups", description="Claim listing the caller's groups.")
+    leeway_s: float = Field(default=30.0, ge=0, description="Clock skew allowed on exp/nbf/iat.")
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> OidcSettings:
+        if (self.jwks_file is None) == (self.jwks_url is None):
+            raise ValueError("give exactly one of jwks_file or jwks_url")
+        if "none" in {a.lower() for a in self.algorithms}:
+            raise ValueError("algorithms: 'none' would accept unsigned tokens")
+        return self
+
+
+class OidcVerifier:
+    """PyJWT verification of bearer JWTs against the configured issuer and key set."""
+
+    def __init__(self, settings: OidcSettings) -> None:
+        import jwt
+
+        self.settings = settings
+        self._jwt = jwt
+        if settings.jwks_file is not None:
+            try:
+                self._keys = jwt.PyJWKSet.from_json(settings.jwks_file.read_text())
+            except (OSError, jwt.PyJWTError) as exc:
+                raise CredentialsFileError(f"{settings.jwks_file}: not a usable JWKS: {exc}") from exc
+            self._client = None
+        else:
+            self._keys = None
+            self._client = jwt.PyJWKClient(settings.jwks_url, cache_keys=True)
+
+    def _key(self, token: str):
+        if self._client is not None:
+            return self._client.get_signing_key_from_jwt(token).key
+        kid = self._jwt.get_unverified_header(token).get("kid")
+        keys = [k for k in self._keys.keys if kid is None or k.key_id == kid]
+        if not keys:
+            raise self._jwt.InvalidTokenError(f"no key with kid {kid!r} in {self.settings.jwks_file}")
+        return keys[0].key
+
+    def verify(self, token: str) -> Principal:
+        s = self.settings
+        try:
+            claims = self._jwt.decode(token, self._key(token), algorithms=list(s.algorithms), audience=s.audience, issuer=s.issuer,
+                                      leeway=s.leeway_s, options={"require": ["exp", "iss", "aud", s.identity_claim]})
+        except self._jwt.PyJWTError as exc:
+            raise AuthError(f"Authorization: bearer JWT not accepted: {exc}") from exc
+        name = claims.get(s.identity_claim)
+        if not isinstance(name, str) or not name:
+            raise AuthError(f"Authorization: the token's {s.identity_claim!r} claim is not a name")
+        groups = claims.get(s.groups_claim) or ()
+        return Principal(s.identity_prefix + name, tuple(str(g) for g in groups) if isinstance(groups, list) else (), "oidc")
+
+
+class Authenticator:
+    """Turns a request's ``Authorization`` header into a ``Principal`` (or None)."""
+
+    def __init__(self, credentials: CredentialsFile | None = None, oidc: OidcVerifier | None = None,
+                 shared_tokens: dict[str, SecretStr | None] | None = None) -> None:
+        self.credentials = credentials
+        self.oidc = oidc
+        self.shared_tokens = {k: v for k, v in (shared_tokens or {}).items() if v is not None}
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.credentials or self.oidc or self.shared_tokens)
+
+    def requires_credential(self, endpoint: str) -> bool:
+        """An endpoint with a shared token (the older per-source setting) accepts nothing else."""
+        return endpoint in self.shared_tokens
+
+    def authenticate(self, endpoint: str, authorization: str | None) -> Principal | None:
+        """The caller proven by the header, None if it carries no credential; ``AuthError`` if it is wrong."""
+        if not authorization:
+            return None
+        scheme, _, token = authorization.partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise AuthError("Authorization: expected 'Bearer <token>'")
+        shared = self.shared_tokens.get(endpoint)
+        if shared is not None and hmac.compare_digest(token.encode(), shared.get_secret_value().encode()):
+            return Principal(f"service:{endpoint}", (), "shared-token")
+        if self.credentials is not None:
+            caller = self.credentials.lookup(token)
+            if caller is not None:
+                if endpoint not in caller.endpoints:
+                    raise PayloadError(f"Authorization: {caller.identity} may not call /v1/{endpoint} (its endpoints: "
+                                       f"{', '.join(caller.endpoints)})", field="Authorization", reason="forbidden", status=403)
+                return Principal(caller.identity, caller.groups, "token")
+        if self.oidc is not None and token.count(".") == 2:
+            return self.oidc.verify(token)
+        raise AuthError("Authorization: missing or wrong bearer token")

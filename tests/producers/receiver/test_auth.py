@@ -1,0 +1,245 @@
+"""producers/receiver/auth.py through the real receiver and broker: who an event is by.
+
+Callers prove themselves with a bearer token from a credentials file (stored hashed), an
+OIDC JWT signed by a key of the configured JWKS (a real RSA key pair, PyJWT on both sides),
+or a signed MLflow delivery; the events on the topic carry the proven identity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from datetime import datetime, timezone
+
+import jwt
+import pytest
+from cryptography.hazmat.primitives.asymmetric import rsa
+
+from producers._kafka import EventPublisher
+from producers.receiver.config import ReceiverSettings
+from producers.receiver.server import ReceiverError, serve
+from producers.releases import COMMANDS, build_event
+from streams.controls.policy import Policy, Role
+from tests.producers.receiver.test_server import RunningReceiver, events_on, release_event
+
+ISSUER, AUDIENCE = "https://idp.example.com", "gpuledger-receiver"
+TOKENS = {"alice": "tok-alice-" + "a" * 40, "mallory": "tok-mallory-" + "m" * 40, "ci": "tok-ci-" + "c" * 40}
+
+
+def _sha(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@pytest.fixture
+def credentials(tmp_path):
+    path = tmp_path / "callers.yaml"
+    path.write_text(json.dumps({"callers": [
+        {"identity": "user:alice", "groups": ["release-managers"], "token_sha256": _sha(TOKENS["alice"])},
+        {"identity": "user:mallory", "token_sha256": _sha(TOKENS["mallory"])},
+        {"identity": "service:ci-gitlab", "groups": ["ci"], "token_sha256": _sha(TOKENS["ci"]), "endpoints": ["releases"]},
+    ]}))
+    assert TOKENS["alice"] not in path.read_text()  # only hashes are stored
+    return path
+
+
+@pytest.fixture
+def signing_key(tmp_path):
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    jwk = json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(key.public_key()))
+    jwks = tmp_path / "jwks.json"
+    jwks.write_text(json.dumps({"keys": [{**jwk, "kid": "k1", "use": "sig", "alg": "RS256"}]}))
+    return key, jwks
+
+
+def _jwt(key, **claims) -> str:
+    now = int(time.time())
+    body = {"iss": ISSUER, "aud": AUDIENCE, "sub": "carol", "iat": now, "exp": now + 300, "groups": ["sre"], **claims}
+    return jwt.encode(body, key, algorithm="RS256", headers={"kid": "k1"})
+
+
+DELEGATING = Policy().model_copy(update={"roles": {**Policy().roles, "ci": Role(owner="team-mlops", members=("service:ci-gitlab",),
+                                                                                actions=("delegate",))}})
+
+
+@pytest.fixture
+def start(catalogue, settings_for):
+    running: list[RunningReceiver] = []
+
+    def go(policy: Policy | None = None, **config) -> RunningReceiver:
+        rx = RunningReceiver(ReceiverSettings(**config), EventPublisher.from_settings(settings_for(catalogue), "receiver"), policy=policy)
+        running.append(rx.__enter__())
+        return rx
+
+    yield go
+    for rx in running:
+        rx.__exit__()
+
+
+def _bearer(token: str) -> dict:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def test_actor_is_the_authenticated_caller_and_delegation_needs_the_right(start, credentials, catalogue, kafka_bootstrap):
+    rx = start(policy=DELEGATING, credentials_file=str(credentials))
+    # alice approves; naming herself (bare or proven form) or nobody is fine.
+    status, own = rx.post("/v1/releases", release_event(payload={"actor": "alice", "approval_id": "CHG-1"}), headers=_bearer(TOKENS["alice"]))
+    assert status == 200, own
+    # mallory claims to be alice: refused, naming the field; nothing published.
+    status, forged = rx.post("/v1/releases", release_event(payload={"actor": "alice", "approval_id": "CHG-9"}), headers=_bearer(TOKENS["mallory"]))
+    assert (status, forged["field"]) == (403, "payload.actor") and "user:mallory may not publish as 'alice'" in forged["error"]
+    # CI for alice: allowed, the policy gives service:ci-gitlab the delegate right.
+    ci = release_event(payload={"on_behalf_of": "user:alice", "approval_id": "CHG-2"})
+    status, delegated = rx.post("/v1/releases", ci, headers=_bearer(TOKENS["ci"]))
+    assert status == 200, delegated
+    # mallory asserting a person: no delegate right → 403.
+    status, answer = rx.post("/v1/releases", release_event(payload={"on_behalf_of": "user:alice"}), headers=_bearer(TOKENS["mallory"]))
+    assert (status, answer["field"]) == (403, "payload.on_behalf_of"), answer
+    # A wrong token is 401, never anonymous; a token outside its endpoints is 403.
+    assert rx.post("/v1/releases", release_event(), headers=_bearer("tok-nobody"))[0] == 401
+    assert rx.post("/v1/alertmanager", b'{"alerts": []}', headers=_bearer(TOKENS["ci"]))[0] == 403
+
+    stored = {e.event_id: e.payload for _, e in events_on(kafka_bootstrap, catalogue.release, 2)}
+    assert len(stored) == 2
+    alice = stored[own["event_ids"][0]]
+    assert (alice.actor, alice.authenticated_by, alice.actor_groups) == ("user:alice", "token", ("release-managers",))
+    via_ci = stored[delegated["event_ids"][0]]
+    assert (via_ci.actor, via_ci.on_behalf_of, via_ci.authenticated_by) == ("service:ci-gitlab", "user:alice", "token")
+
+
+def test_delegation_without_the_policy_right_is_403(start, credentials):
+    rx = start(credentials_file=str(credentials))  # the default policy: nobody may delegate
+    status, answer = rx.post("/v1/releases", release_event(payload={"on_behalf_of": "user:alice"}), headers=_bearer(TOKENS["ci"]))
+    assert (status, answer["field"]) == (403, "payload.on_behalf_of"), answer
+
+
+def test_forged_event_id_is_ignored(start, credentials, catalogue, kafka_bootstrap):
+    rx = start(credentials_file=str(credentials))
+    at = datetime(2026, 5, 4, 9, tzinfo=timezone.utc)
+    approve = next(c for c in COMMANDS if c.name == "approve")
+    genuine = build_event(approve, {"release_id": "fraud-detector:7", "actor": "alice", "approval_id": "CHG-1042", "at": at.isoformat()})
+    forged = release_event(event_id=genuine.event_id, occurred_at=at.isoformat(), payload={"approval_id": "CHG-1042"})
+    status, answer = rx.post("/v1/releases", forged, headers=_bearer(TOKENS["mallory"]))
+    assert status == 200 and answer["event_ids"] != [genuine.event_id]
+    # The same decision by alice is another fact with its own id; a retry of hers keeps it.
+    by_alice = rx.post("/v1/releases", forged, headers=_bearer(TOKENS["alice"]))[1]["event_ids"]
+    assert by_alice != answer["event_ids"] and rx.post("/v1/releases", forged, headers=_bearer(TOKENS["alice"]))[1]["event_ids"] == by_alice
+    ids = {e.event_id for _, e in events_on(kafka_bootstrap, catalogue.release, 2)}
+    assert ids == {answer["event_ids"][0], by_alice[0]} and genuine.event_id not in ids
+
+
+def test_oidc_tokens_are_verified_against_the_jwks(start, signing_key, catalogue, kafka_bootstrap):
+    key, jwks = signing_key
+    rx = start(oidc={"issuer": ISSUER, "audience": AUDIENCE, "jwks_file": str(jwks)})
+    status, answer = rx.post("/v1/releases", release_event(payload={"approval_id": "CHG-7"}), headers=_bearer(_jwt(key)))
+    assert status == 200, answer
+    other = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    for bad in (_jwt(key, exp=int(time.time()) - 3600), _jwt(key, iss="https://evil.example.com"), _jwt(key, aud="someone-else"), _jwt(other)):
+        status, refused = rx.post("/v1/releases", release_event(), headers=_bearer(bad))
+        assert (status, refused["field"]) == (401, "Authorization"), refused
+    [(_, event)] = events_on(kafka_bootstrap, catalogue.release, 1)
+    assert (event.payload.actor, event.payload.authenticated_by, event.payload.actor_groups) == ("user:carol", "oidc", ("sre",))
+
+
+def test_policy_can_require_a_credential_per_endpoint(start, credentials):
+    policy = Policy().model_copy(update={"authentication": Policy().authentication.model_copy(update={"required_on": ("releases",)})})
+    rx = start(policy=policy, credentials_file=str(credentials))
+    status, answer = rx.post("/v1/releases", release_event())
+    assert (status, answer["field"]) == (401, "Authorization"), answer
+    assert rx.post("/v1/alertmanager", b'{"alerts": []}')[0] == 200  # not required there
+
+
+def test_non_loopback_bind_without_any_credential_is_refused(catalogue, settings_for):
+    publisher = EventPublisher.from_settings(settings_for(catalogue), "receiver")
+    try:
+        with pytest.raises(ReceiverError, match="--allow-unauthenticated"):
+            asyncio.run(serve(ReceiverSettings(host="0.0.0.0", port=0), publisher))
+    finally:
+        publisher.close(5)
+
+
+def _self_signed(tmp_path, name: str):
+    from datetime import timedelta
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.x509.oid import NameOID
+    import ipaddress
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.now(timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - timedelta(minutes=1)).not_valid_after(now + timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .sign(key, hashes.SHA256()))
+    cert_pem = cert.public_bytes(serialization.Encoding.PEM)
+    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return cert_pem, key_pem
+
+
+def test_tls_serves_https_and_reloads_a_changed_certificate(start, tmp_path, monkeypatch):
+    import os
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    import producers.receiver.server as server
+
+    monkeypatch.setattr(server, "TLS_RELOAD_CHECK_S", 0.2)
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    first, second = _self_signed(tmp_path, "first"), _self_signed(tmp_path, "second")
+    cert.write_bytes(first[0])
+    key.write_bytes(first[1])
+    rx = start(tls_cert_file=str(cert), tls_key_file=str(key))
+    url = rx.url.replace("http://", "https://")
+
+    def trusted_by(pem: bytes) -> bool:
+        try:
+            with urllib.request.urlopen(f"{url}/healthz", context=ssl.create_default_context(cadata=pem.decode()), timeout=10) as resp:
+                return resp.status == 200
+        except (ssl.SSLError, urllib.error.URLError):
+            return False
+
+    assert trusted_by(first[0]) and not trusted_by(second[0])
+    key.write_bytes(second[1])
+    cert.write_bytes(second[0])
+    later = time.time_ns() + 2 * 10**9  # a distinct mtime even on coarse filesystems
+    os.utime(cert, ns=(later, later))
+    os.utime(key, ns=(later, later))
+    deadline = time.monotonic() + 10
+    while not trusted_by(second[0]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert trusted_by(second[0]) and not trusted_by(first[0])
+
+
+def test_oidc_keys_from_a_jwks_url(start, signing_key, catalogue, kafka_bootstrap):
+    import http.server
+    import threading
+
+    key, jwks = signing_key
+    body = jwks.read_bytes()
+
+    class Jwks(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's naming
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    idp = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Jwks)
+    threading.Thread(target=idp.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{idp.server_address[1]}/.well-known/jwks.json"
+        rx = start(oidc={"issuer": ISSUER, "audience": AUDIENCE, "jwks_url": url})
+        status, answer = rx.post("/v1/releases", release_event(payload={"approval_id": "CHG-8"}), headers=_bearer(_jwt(key, sub="dana")))
+        assert status == 200, answer
+        [(_, event)] = events_on(kafka_bootstrap, catalogue.release, 1)
+        assert (event.payload.actor, event.payload.authenticated_by) == ("user:dana", "oidc")
+    finally:
+        idp.shutdown()
