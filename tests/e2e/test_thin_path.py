@@ -60,6 +60,12 @@ def test_release_and_alert_are_joined_and_stored(kafka_bootstrap, catalogue, wor
     counts = worker.reader.query("SELECT count() AS n FROM gpuledger.correlated_events FINAL").dicts()
     assert counts[0]["n"] == 4
 
+    # The derived tables are written after correlated_events, batch by batch (source of
+    # truth first): the trace reads them, so wait until they hold the chain too.
+    wait_rows(worker.reader, "SELECT count() AS n FROM gpuledger.release_history FINAL WHERE release_id = {rid:String}", {"rid": RELEASE_ID},
+              lambda rows: rows[0]["n"] == 3)
+    wait_rows(worker.reader, "SELECT count() AS n FROM gpuledger.enriched_alerts FINAL WHERE alert_fingerprint = {fp:String}",
+              {"fp": FINGERPRINT}, lambda rows: rows[0]["n"] == 1)
     trace = trace_alert(worker.reader, "gpuledger", FINGERPRINT)
     assert trace["release"]["release_id"] == RELEASE_ID
     assert trace["release"]["artifact_digest"] == MANIFEST.artifact_digest
