@@ -140,15 +140,28 @@ def alert_events(
 ) -> list[AlertEvent]:
     """Turn one webhook v4 body into its alert events, or raise ``PayloadError``.
 
-    Free text is cut by ``trimmer`` (a fresh ``TextTrimmer`` when None); pass one to
-    learn which fields were cut.
+    Every problem of the body is collected first and reported together (the first one
+    names the field); only a body without any becomes events. Free text is cut by
+    ``trimmer`` (a fresh ``TextTrimmer`` when None); pass one to learn which fields were cut.
     """
-    names = labels or AlertIdentityLabels()
-    observed = observed_at or datetime.now(timezone.utc)
-    trim = trimmer if trimmer is not None else TextTrimmer()
     problems: list[tuple[str, str]] = []
     sizes: dict[str, int] = {}  # fields refused for their size -> size in bytes
+    alerts = _body_alerts(payload, problems)
+    drafts = [draft for i, alert in enumerate(alerts) if (draft := _alert_draft(alert, f"alerts[{i}]", problems, sizes))]
+    if problems:
+        first = problems[0][0]
+        details = {"limit_bytes": IDENTITY_TEXT_BYTES, "size_bytes": sizes[first]} if first in sizes else None
+        raise PayloadError("; ".join(f"{f}: {m}" for f, m in problems), field=first,
+                           reason="field_too_large" if details else "validation", details=details)
+    receiver = payload.get("receiver") if isinstance(payload.get("receiver"), str) else None
+    group_key = payload.get("groupKey") if isinstance(payload.get("groupKey"), str) else None
+    context = (labels or AlertIdentityLabels(), observed_at or datetime.now(timezone.utc), Source(collector=COLLECTOR, host=host),
+               trace or TraceContext(), trimmer if trimmer is not None else TextTrimmer(), receiver, group_key)
+    return [_alert_event(draft, *context) for draft in drafts]
 
+
+def _body_alerts(payload: Any, problems: list[tuple[str, str]]) -> list:
+    """The body's ``alerts`` list; raises for a body that is not a webhook v4 body at all."""
     if not isinstance(payload, dict):
         raise PayloadError(f"<body>: must be a JSON object, got {type(payload).__name__}", field=None)
     version = payload.get("version")
@@ -159,83 +172,88 @@ def alert_events(
     alerts = payload["alerts"]
     if not isinstance(alerts, list):
         raise PayloadError("alerts: must be a list", field="alerts")
-    receiver = payload.get("receiver") if isinstance(payload.get("receiver"), str) else None
-    group_key = payload.get("groupKey") if isinstance(payload.get("groupKey"), str) else None
+    return alerts
 
-    drafts = []
-    for i, alert in enumerate(alerts):
-        where = f"alerts[{i}]"
-        if not isinstance(alert, dict):
-            problems.append((where, "must be an object"))
+
+def _alert_draft(alert: Any, where: str, problems: list[tuple[str, str]], sizes: dict[str, int]) -> tuple | None:
+    """One alert's fields, checked (problems appended); None when it is not an object."""
+    if not isinstance(alert, dict):
+        problems.append((where, "must be an object"))
+        return None
+    status = alert.get("status")
+    if status not in ("firing", "resolved"):
+        problems.append((f"{where}.status", f"must be 'firing' or 'resolved', got {status!r}"))
+    fingerprint = alert.get("fingerprint")
+    if not isinstance(fingerprint, str) or not fingerprint.strip():
+        problems.append((f"{where}.fingerprint", "field required (a non-empty string)"))
+    else:
+        _identity_text(fingerprint, f"{where}.fingerprint", problems, sizes)
+    alert_labels = _alert_labels(alert, where, problems, sizes)
+    annotations = _string_map(alert.get("annotations"), f"{where}.annotations", problems)
+    starts_at, ends_at = _alert_times(alert, where, status, problems)
+    generator_url = alert.get("generatorURL")
+    if generator_url is not None and not isinstance(generator_url, str):
+        problems.append((f"{where}.generatorURL", "must be a string"))
+    return (where, status, fingerprint, alert_labels, annotations, starts_at, ends_at, generator_url or None)
+
+
+def _alert_labels(alert: dict, where: str, problems: list[tuple[str, str]], sizes: dict[str, int]) -> dict[str, str]:
+    """The alert's labels: names and values are identifying text; ``alertname`` is required."""
+    alert_labels = _string_map(alert.get("labels"), f"{where}.labels", problems)
+    for key, value in alert_labels.items():
+        if identity_text_problem(key):
+            problems.append((f"{where}.labels", f"label name {key!r} {identity_text_problem(key)}"))
             continue
-        status = alert.get("status")
-        if status not in ("firing", "resolved"):
-            problems.append((f"{where}.status", f"must be 'firing' or 'resolved', got {status!r}"))
-        fingerprint = alert.get("fingerprint")
-        if not isinstance(fingerprint, str) or not fingerprint.strip():
-            problems.append((f"{where}.fingerprint", "field required (a non-empty string)"))
-        else:
-            _identity_text(fingerprint, f"{where}.fingerprint", problems, sizes)
-        alert_labels = _string_map(alert.get("labels"), f"{where}.labels", problems)
-        for key, value in alert_labels.items():
-            if identity_text_problem(key):
-                problems.append((f"{where}.labels", f"label name {key!r} {identity_text_problem(key)}"))
-                continue
-            _identity_text(value, f"{where}.labels.{key}", problems, sizes)
-        annotations = _string_map(alert.get("annotations"), f"{where}.annotations", problems)
-        if "alertname" not in alert_labels and f"{where}.labels.alertname" not in {p for p, _ in problems}:
-            problems.append((f"{where}.labels.alertname", "label required"))
-        starts_at = ends_at = None
+        _identity_text(value, f"{where}.labels.{key}", problems, sizes)
+    if "alertname" not in alert_labels and f"{where}.labels.alertname" not in {p for p, _ in problems}:
+        problems.append((f"{where}.labels.alertname", "label required"))
+    return alert_labels
+
+
+def _alert_times(alert: dict, where: str, status: Any, problems: list[tuple[str, str]]) -> tuple[datetime | None, datetime | None]:
+    """startsAt (required, not Go's zero time) and endsAt (Go's zero time means none;
+    required for a resolved alert)."""
+    starts_at = ends_at = None
+    try:
+        starts_at = parse_timestamp(alert.get("startsAt"))
+        if _is_go_zero(starts_at):
+            problems.append((f"{where}.startsAt", "zero time; an alert must have a start"))
+    except ValueError as exc:
+        problems.append((f"{where}.startsAt", str(exc) if "startsAt" in alert else "field required"))
+    if alert.get("endsAt") is not None:
         try:
-            starts_at = parse_timestamp(alert.get("startsAt"))
-            if _is_go_zero(starts_at):
-                problems.append((f"{where}.startsAt", "zero time; an alert must have a start"))
+            ends_at = parse_timestamp(alert["endsAt"])
+            if _is_go_zero(ends_at):
+                ends_at = None
         except ValueError as exc:
-            problems.append((f"{where}.startsAt", str(exc) if "startsAt" in alert else "field required"))
-        if alert.get("endsAt") is not None:
-            try:
-                ends_at = parse_timestamp(alert["endsAt"])
-                if _is_go_zero(ends_at):
-                    ends_at = None
-            except ValueError as exc:
-                problems.append((f"{where}.endsAt", str(exc)))
-        if status == "resolved" and ends_at is None and f"{where}.endsAt" not in {p for p, _ in problems}:
-            problems.append((f"{where}.endsAt", "a resolved alert needs an end time"))
-        generator_url = alert.get("generatorURL")
-        if generator_url is not None and not isinstance(generator_url, str):
-            problems.append((f"{where}.generatorURL", "must be a string"))
-        drafts.append((where, status, fingerprint, alert_labels, annotations, starts_at, ends_at, generator_url or None))
+            problems.append((f"{where}.endsAt", str(exc)))
+    if status == "resolved" and ends_at is None and f"{where}.endsAt" not in {p for p, _ in problems}:
+        problems.append((f"{where}.endsAt", "a resolved alert needs an end time"))
+    return starts_at, ends_at
 
-    if problems:
-        first = problems[0][0]
-        details = {"limit_bytes": IDENTITY_TEXT_BYTES, "size_bytes": sizes[first]} if first in sizes else None
-        raise PayloadError("; ".join(f"{f}: {m}" for f, m in problems), field=first,
-                           reason="field_too_large" if details else "validation", details=details)
 
-    source = Source(collector=COLLECTOR, host=host)
-    events = []
-    for where, status, fingerprint, alert_labels, annotations, starts_at, ends_at, generator_url in drafts:
-        fingerprint = fingerprint.strip()
-        annotations = trim.mapping(f"{where}.annotations", annotations)
-        generator_url = trim(f"{where}.generatorURL", generator_url)
-        events.append(AlertEvent(
-            event_id=make_event_id(COLLECTOR, (fingerprint, status, starts_at.isoformat())),
-            event_type=f"alert.{status}",
-            occurred_at=starts_at if status == "firing" else ends_at,
-            observed_at=observed,
-            source=source,
-            identity=identity_from_labels(alert_labels, names, fingerprint),
-            trace=trace or TraceContext(),
-            payload=AlertPayload(
-                alertname=alert_labels["alertname"],
-                severity=alert_labels.get("severity"),
-                labels=alert_labels,
-                annotations=annotations,
-                starts_at=starts_at,
-                ends_at=ends_at,
-                generator_url=generator_url,
-                receiver=receiver,
-                group_key=group_key,
-            ),
-        ))
-    return events
+def _alert_event(draft: tuple, names: AlertIdentityLabels, observed: datetime, source: Source, trace: TraceContext,
+                 trim: TextTrimmer, receiver: str | None, group_key: str | None) -> AlertEvent:
+    """The event of one checked alert (free text cut to its caps)."""
+    where, status, fingerprint, alert_labels, annotations, starts_at, ends_at, generator_url = draft
+    fingerprint = fingerprint.strip()
+    return AlertEvent(
+        event_id=make_event_id(COLLECTOR, (fingerprint, status, starts_at.isoformat())),
+        event_type=f"alert.{status}",
+        occurred_at=starts_at if status == "firing" else ends_at,
+        observed_at=observed,
+        source=source,
+        identity=identity_from_labels(alert_labels, names, fingerprint),
+        trace=trace,
+        payload=AlertPayload(
+            alertname=alert_labels["alertname"],
+            severity=alert_labels.get("severity"),
+            labels=alert_labels,
+            annotations=trim.mapping(f"{where}.annotations", annotations),
+            starts_at=starts_at,
+            ends_at=ends_at,
+            generator_url=trim(f"{where}.generatorURL", generator_url),
+            receiver=receiver,
+            group_key=group_key,
+        ),
+    )
