@@ -51,7 +51,7 @@ import hmac
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
@@ -319,11 +319,24 @@ def _envelope(body: Any) -> tuple[str, str, datetime, dict, str | None]:
     named = {f"data.{name}": data[name] for name in REGISTRY_EVENTS[(entity, action)] if name != "value"}
     named.update({"workspace": workspace} if workspace else {})
     if isinstance(data.get("tags"), dict):
-        named.update({f"data.tags": str(k) for k in data["tags"]})
+        named.update({f"data.tags[{k!r}]": str(k) for k in data["tags"]})  # every tag name (values are free text)
     bad = [(where, problem) for where, value in named.items() if (problem := identity_text_problem(str(value)))]
     if bad:
         raise PayloadError("; ".join(f"{where}: {problem}" for where, problem in bad), field=bad[0][0], reason="control_character")
     return entity, action, occurred, data, workspace
+
+
+@dataclass
+class _Mapped:
+    """What one delivery means: the event type and payload of its release, the parts of
+    the natural key beyond (entity, action, release), identity fields it adds, and the
+    events that come before it (the rollback of an alias's previous holder)."""
+
+    event_type: str
+    payload: ReleasePayload
+    discriminator: tuple[str, ...] = ()
+    identity: dict[str, str] = field(default_factory=dict)
+    before: list[ReleaseEvent] = field(default_factory=list)
 
 
 def release_events(
@@ -342,81 +355,100 @@ def release_events(
     """
     mapping = mapping or MlflowReleaseMapping()
     entity, action, occurred, data, workspace = _envelope(body)
-    delivery = delivery_id or occurred.isoformat()
-    source = Source(collector=COLLECTOR, host=host)
-    observed = observed_at or datetime.now(timezone.utc)
-    before: list[ReleaseEvent] = []  # a rollback of the alias's previous holder comes first
     if (entity, action) not in {("model_version", "created"), ("model_version_alias", "created"), ("model_version_tag", "set")}:
         return []
-    model, version = data["name"].strip(), str(data["version"]).strip()
-    release_id = mapping.release_id(model, version, workspace)
-    identity: dict[str, str] = {"release_id": release_id, "model_name": model, "model_version": version}
+    ctx = _Delivery(entity, action, occurred, delivery_id or occurred.isoformat(), Source(collector=COLLECTOR, host=host),
+                    observed_at or datetime.now(timezone.utc), trace or TraceContext(), data["name"].strip(), str(data["version"]).strip(),
+                    workspace)
+    release_id = mapping.release_id(ctx.model, ctx.version, workspace)
     tags: dict[str, str] = {"mlflow.workspace": workspace} if workspace else {}
-    discriminator: tuple[str, ...] = ()
-
-    if (entity, action) == ("model_version", "created"):
-        event_type = mapping.version_created_event
-        if event_type is None:
-            return []
-        version_tags = data.get("tags") if isinstance(data.get("tags"), dict) else {}
-        version_tags = {str(k): str(v) for k, v in version_tags.items() if v is not None}
-        for field, tag in mapping.identity_tags.items():
-            if version_tags.get(tag):
-                problem = identity_text_problem(version_tags[tag])
-                if problem:
-                    raise PayloadError(f"data.tags.{tag}: {problem}", field=f"data.tags.{tag}", reason="control_character")
-                identity[field] = version_tags[tag]
-        tags.update(version_tags)
-        for name in ("source", "run_id"):
-            if isinstance(data.get(name), str) and data[name]:
-                tags[f"mlflow.{name}"] = data[name]
-        description = data.get("description")
-        payload = ReleasePayload(reason=description if isinstance(description, str) and description else None, tags=tags)
+    if entity == "model_version":
+        mapped = _version_created(data, mapping, tags)
     elif entity == "model_version_alias":
-        alias = data["alias"].strip()
-        environment = mapping.alias_environments.get(alias)
-        if environment is None:
-            return []
-        event_type = mapping.alias_created_event
-        identity["environment"] = environment
-        discriminator = (alias,)
-        previous = holders.before(workspace, model, alias, occurred) if holders is not None else None
-        superseded = None
-        reason = f"MLflow alias '{alias}' set on version {version}"
-        if previous is not None and previous.version != version:
-            superseded = previous.release_id
-            reason += f" (was on version {previous.version})"
-            if _earlier(version, previous.version):
-                reason = f"MLflow alias '{alias}' moved back from version {previous.version} to {version}: re-promoted"
-                before.append(ReleaseEvent(
-                    event_id=make_event_id(COLLECTOR, (entity, action, "release.rolled_back", previous.release_id, alias), delivery),
-                    event_type="release.rolled_back",
-                    occurred_at=occurred,
-                    observed_at=observed,
-                    source=source,
-                    identity=Identity(release_id=previous.release_id, model_name=model, model_version=previous.version, environment=environment),
-                    trace=trace or TraceContext(),
-                    payload=ReleasePayload(to_environment=environment, superseded_release_id=release_id,
-                                           reason=f"MLflow alias '{alias}' moved back from version {previous.version} to {version}: rolled back",
-                                           tags={**tags, "mlflow.alias": alias}),
-                ))
-        payload = ReleasePayload(to_environment=environment, reason=reason, superseded_release_id=superseded,
-                                 tags={**tags, "mlflow.alias": alias})
+        mapped = _alias_set(data, mapping, tags, ctx, release_id, holders)
     else:
-        key, value = data["key"], data["value"]
-        event_type = mapping.tag_event(key, value)
-        if event_type is None:
-            return []
-        discriminator = (key, value)
-        payload = ReleasePayload(reason=f"MLflow tag {key}={value} set on version {version}", tags={**tags, key: value})
+        mapped = _tag_set(data, mapping, tags, ctx.version)
+    if mapped is None:
+        return []
+    identity = {"release_id": release_id, "model_name": ctx.model, "model_version": ctx.version, **mapped.identity}
+    return [*mapped.before, ctx.event(mapped.event_type, (release_id, *mapped.discriminator), Identity(**identity), mapped.payload)]
 
-    return [*before, ReleaseEvent(
-        event_id=make_event_id(COLLECTOR, (entity, action, release_id, *discriminator), delivery),
-        event_type=event_type,
-        occurred_at=occurred,
-        observed_at=observed,
-        source=source,
-        identity=Identity(**identity),
-        trace=trace or TraceContext(),
-        payload=payload,
-    )]
+
+@dataclass
+class _Delivery:
+    """One delivery's envelope facts, shared by the events it becomes."""
+
+    entity: str
+    action: str
+    occurred: datetime
+    delivery: str
+    source: Source
+    observed: datetime
+    trace: TraceContext
+    model: str
+    version: str
+    workspace: str | None
+
+    def event(self, event_type: str, key: tuple[str, ...], identity: Identity, payload: ReleasePayload) -> ReleaseEvent:
+        return ReleaseEvent(event_id=make_event_id(COLLECTOR, (self.entity, self.action, *key), self.delivery), event_type=event_type,
+                            occurred_at=self.occurred, observed_at=self.observed, source=self.source, identity=identity,
+                            trace=self.trace, payload=payload)
+
+
+def _version_created(data: dict, mapping: MlflowReleaseMapping, tags: dict[str, str]) -> _Mapped | None:
+    """model_version.created: a registration; identity tags (e.g. digests) read from the version's tags."""
+    event_type = mapping.version_created_event
+    if event_type is None:
+        return None
+    version_tags = data.get("tags") if isinstance(data.get("tags"), dict) else {}
+    version_tags = {str(k): str(v) for k, v in version_tags.items() if v is not None}
+    identity: dict[str, str] = {}
+    for name, tag in mapping.identity_tags.items():
+        if version_tags.get(tag):
+            problem = identity_text_problem(version_tags[tag])
+            if problem:
+                raise PayloadError(f"data.tags.{tag}: {problem}", field=f"data.tags.{tag}", reason="control_character")
+            identity[name] = version_tags[tag]
+    tags = {**tags, **version_tags}
+    for name in ("source", "run_id"):
+        if isinstance(data.get(name), str) and data[name]:
+            tags[f"mlflow.{name}"] = data[name]
+    description = data.get("description")
+    return _Mapped(event_type, ReleasePayload(reason=description if isinstance(description, str) and description else None, tags=tags),
+                   identity=identity)
+
+
+def _alias_set(data: dict, mapping: MlflowReleaseMapping, tags: dict[str, str], ctx: _Delivery, release_id: str,
+               holders: AliasHolders | None) -> _Mapped | None:
+    """model_version_alias.created on an environment alias: a promotion — and, when the
+    alias moves back to an earlier version, first the rollback of the version it leaves."""
+    alias = data["alias"].strip()
+    environment = mapping.alias_environments.get(alias)
+    if environment is None:
+        return None
+    previous = holders.before(ctx.workspace, ctx.model, alias, ctx.occurred) if holders is not None else None
+    superseded, before = None, []
+    reason = f"MLflow alias '{alias}' set on version {ctx.version}"
+    if previous is not None and previous.version != ctx.version:
+        superseded = previous.release_id
+        reason += f" (was on version {previous.version})"
+        if _earlier(ctx.version, previous.version):
+            moved = f"MLflow alias '{alias}' moved back from version {previous.version} to {ctx.version}"
+            reason = f"{moved}: re-promoted"
+            before.append(ctx.event("release.rolled_back", ("release.rolled_back", previous.release_id, alias),
+                                    Identity(release_id=previous.release_id, model_name=ctx.model, model_version=previous.version,
+                                             environment=environment),
+                                    ReleasePayload(to_environment=environment, superseded_release_id=release_id,
+                                                   reason=f"{moved}: rolled back", tags={**tags, "mlflow.alias": alias})))
+    payload = ReleasePayload(to_environment=environment, reason=reason, superseded_release_id=superseded, tags={**tags, "mlflow.alias": alias})
+    return _Mapped(mapping.alias_created_event, payload, (alias,), {"environment": environment}, before)
+
+
+def _tag_set(data: dict, mapping: MlflowReleaseMapping, tags: dict[str, str], version: str) -> _Mapped | None:
+    """model_version_tag.set: the lifecycle event the mapping gives that tag value, if any."""
+    key, value = data["key"], data["value"]
+    event_type = mapping.tag_event(key, value)
+    if event_type is None:
+        return None
+    return _Mapped(event_type, ReleasePayload(reason=f"MLflow tag {key}={value} set on version {version}", tags={**tags, key: value}),
+                   (key, value))
