@@ -417,137 +417,168 @@ def _step_label(step: Step, i: int) -> str:
 
 def check_references(sc: Scenario) -> list[str]:
     """Every name used where it does not exist (yet): one line per problem."""
-    problems: list[str] = []
-    nodes = {n.name for n in sc.cluster.nodes}
-    queues = {q.name for q in sc.cluster.queues}
-    mig_nodes = {n.name for n in sc.cluster.nodes if n.mig}
-    workloads: dict[str, SubmitAction] = {}
-    pods: dict[str, int] = {}
-    alerts: set[str] = set()
-    step_ids: set[str] = set()
-    last_at = 0.0
-
-    def release(where: str, rid: str | None) -> None:
-        if rid is not None and rid not in sc.releases:
-            problems.append(f"{where}: unknown release {rid!r} (releases: {', '.join(sc.releases) or 'none'})")
-
-    def node(where: str, name: str) -> None:
-        if name not in nodes:
-            problems.append(f"{where}: unknown node {name!r} (nodes: {', '.join(sorted(nodes))})")
-
-    def workload(where: str, name: str) -> None:
-        if name not in workloads:
-            problems.append(f"{where}: no workload {name!r} submitted before this step")
-
+    refs = _References(sc)
     for i, step in enumerate(sc.timeline):
-        here = _step_label(step, i)
-        a = step.action
-        if step.at < last_at:
-            problems.append(f"timeline[{i}].at: steps must be in time order ({step.at:g}s comes after {last_at:g}s)")
-        last_at = max(last_at, step.at)
+        refs.step(i, step)
+    for i, exp in enumerate(sc.expect):
+        refs.expectation(f"expect[{i}]", exp)
+    if sc.report:
+        kind, value = next(iter(sc.report.trace.items()))
+        if kind == "alert" and value not in refs.alerts:
+            refs.problems.append(f"report.trace.alert: no alert {value!r} in the timeline")
+        elif kind == "release":
+            refs.release("report.trace.release", value)
+    return refs.problems
+
+
+class _References:
+    """What the timeline has defined so far (workloads, pods, alerts, step ids), and the
+    checks of each kind of step and expectation against it (``check_references``)."""
+
+    def __init__(self, sc: Scenario) -> None:
+        self.sc = sc
+        self.problems: list[str] = []
+        self.nodes = {n.name for n in sc.cluster.nodes}
+        self.queues = {q.name for q in sc.cluster.queues}
+        self.mig_nodes = {n.name for n in sc.cluster.nodes if n.mig}
+        self.workloads: dict[str, SubmitAction] = {}
+        self.pods: dict[str, int] = {}
+        self.alerts: set[str] = set()
+        self.step_ids: set[str] = set()
+        self.last_at = 0.0
+        self.by_action = {SubmitAction: self._submit, ScaleAction: self._scale, PreemptAction: self._preempt, FinishAction: self._finish,
+                          FailGpuAction: self._fail_gpu, AlertAction: self._alert, ResolveAction: self._resolve,
+                          IsolateNodeAction: self._isolate}
+
+    def release(self, where: str, rid: str | None) -> None:
+        if rid is not None and rid not in self.sc.releases:
+            self.problems.append(f"{where}: unknown release {rid!r} (releases: {', '.join(self.sc.releases) or 'none'})")
+
+    def node(self, where: str, name: str) -> None:
+        if name not in self.nodes:
+            self.problems.append(f"{where}: unknown node {name!r} (nodes: {', '.join(sorted(self.nodes))})")
+
+    def workload(self, where: str, name: str) -> None:
+        if name not in self.workloads:
+            self.problems.append(f"{where}: no workload {name!r} submitted before this step")
+
+    def placement(self, here: str, placement, mig: bool) -> None:
+        for j, n in enumerate(placement):
+            self.node(f"{here}.placement[{j}]", n)
+            if n in self.nodes and mig != (n in self.mig_nodes):
+                self.problems.append(f"{here}.placement[{j}]: node {n!r} {'has no' if mig else 'only has'} MIG slices")
+
+    def step(self, i: int, step: Step) -> None:
+        here, a = _step_label(step, i), step.action
+        if step.at < self.last_at:
+            self.problems.append(f"timeline[{i}].at: steps must be in time order ({step.at:g}s comes after {self.last_at:g}s)")
+        self.last_at = max(self.last_at, step.at)
         if step.id:
-            if step.id in step_ids:
-                problems.append(f"timeline[{i}].id: duplicate step id {step.id!r}")
-            step_ids.add(step.id)
+            if step.id in self.step_ids:
+                self.problems.append(f"timeline[{i}].id: duplicate step id {step.id!r}")
+            self.step_ids.add(step.id)
         for attr in ("release", "superseded"):
             if hasattr(a, attr):
-                release(f"{here}.{attr}", getattr(a, attr))
-        if isinstance(a, SubmitAction):
-            if a.workload in workloads:
-                problems.append(f"{here}.workload: workload {a.workload!r} already submitted")
-            if a.queue not in queues:
-                problems.append(f"{here}.queue: unknown queue {a.queue!r} (queues: {', '.join(sorted(queues))})")
-            if a.priority_class not in sc.cluster.priority_classes:
-                problems.append(f"{here}.priority_class: unknown priority class {a.priority_class!r} "
-                                f"(priority_classes: {', '.join(sc.cluster.priority_classes)})")
-            if a.release is None and a.image is None:
-                problems.append(f"{here}: give a release or an image")
-            if len(a.placement) > a.pods:
-                problems.append(f"{here}.placement: {len(a.placement)} nodes for {a.pods} pod(s)")
-            for j, n in enumerate(a.placement):
-                node(f"{here}.placement[{j}]", n)
-                if n in nodes and a.mig != (n in mig_nodes):
-                    problems.append(f"{here}.placement[{j}]: node {n!r} {'has no' if a.mig else 'only has'} MIG slices")
-            if a.mig and not mig_nodes:
-                problems.append(f"{here}.mig: no node of the cluster is MIG-partitioned")
-            workloads[a.workload] = a
-            pods[a.workload] = a.pods
-        elif isinstance(a, ScaleAction):
-            workload(f"{here}.workload", a.workload)
-            if a.workload in workloads:
-                mig = workloads[a.workload].mig
-                for j, n in enumerate(a.placement):
-                    node(f"{here}.placement[{j}]", n)
-                    if n in nodes and mig != (n in mig_nodes):
-                        problems.append(f"{here}.placement[{j}]: node {n!r} {'has no' if mig else 'only has'} MIG slices")
-                pods[a.workload] = max(pods[a.workload], a.pods)
-        elif isinstance(a, PreemptAction):
-            workload(f"{here}.victim", a.victim)
-            workload(f"{here}.preemptor", a.preemptor)
-            if a.victim == a.preemptor:
-                problems.append(f"{here}: a workload cannot preempt itself")
-        elif isinstance(a, FinishAction):
-            workload(f"{here}.workload", a.workload)
-        elif isinstance(a, FailGpuAction):
-            node(f"{here}.node", a.node)
-            if a.node in nodes and a.gpu >= sc.cluster.devices_on(a.node):
-                problems.append(f"{here}.gpu: node {a.node} has devices 0..{sc.cluster.devices_on(a.node) - 1}, not {a.gpu}")
-            if a.alert in alerts:
-                problems.append(f"{here}.alert: duplicate alert id {a.alert!r}")
-            alerts.add(a.alert)
-        elif isinstance(a, AlertAction):
-            if a.id in alerts:
-                problems.append(f"{here}.id: duplicate alert id {a.id!r}")
-            alerts.add(a.id)
-        elif isinstance(a, ResolveAction):
-            if a.alert not in alerts:
-                problems.append(f"{here}.alert: no alert {a.alert!r} fired before this step")
-        elif isinstance(a, IsolateNodeAction):
-            node(f"{here}.node", a.node)
+                self.release(f"{here}.{attr}", getattr(a, attr))
+        check = self.by_action.get(type(a))
+        if check:
+            check(here, a)
 
-    for i, exp in enumerate(sc.expect):
-        here = f"expect[{i}]"
-        kind_value = exp.entry
-        if kind_value:
-            kind, value = kind_value
-            if kind == "alert" and value not in alerts:
-                problems.append(f"{here}.alert: no alert {value!r} in the timeline")
-            elif kind == "release":
-                release(f"{here}.release", value)
-            elif kind == "workload" and value.split("/")[-1] not in workloads:
-                problems.append(f"{here}.workload: no workload {value!r} in the timeline")
-            elif kind == "pod":
-                wl, sep, idx = value.partition("#")
-                if not sep or not idx.isdigit():
-                    problems.append(f"{here}.pod: expected WORKLOAD#INDEX, got {value!r}")
-                elif wl not in workloads or int(idx) >= pods.get(wl, 0):
-                    problems.append(f"{here}.pod: workload {wl!r} has no pod #{idx}")
-            elif kind == "gpu":
-                problems.extend(_gpu_ref_problems(sc, f"{here}.gpu", value))
-        if exp.at is not None and exp.at not in step_ids:
+    def _submit(self, here: str, a: SubmitAction) -> None:
+        cluster = self.sc.cluster
+        if a.workload in self.workloads:
+            self.problems.append(f"{here}.workload: workload {a.workload!r} already submitted")
+        if a.queue not in self.queues:
+            self.problems.append(f"{here}.queue: unknown queue {a.queue!r} (queues: {', '.join(sorted(self.queues))})")
+        if a.priority_class not in cluster.priority_classes:
+            self.problems.append(f"{here}.priority_class: unknown priority class {a.priority_class!r} "
+                                 f"(priority_classes: {', '.join(cluster.priority_classes)})")
+        if a.release is None and a.image is None:
+            self.problems.append(f"{here}: give a release or an image")
+        if len(a.placement) > a.pods:
+            self.problems.append(f"{here}.placement: {len(a.placement)} nodes for {a.pods} pod(s)")
+        self.placement(here, a.placement, a.mig)
+        if a.mig and not self.mig_nodes:
+            self.problems.append(f"{here}.mig: no node of the cluster is MIG-partitioned")
+        self.workloads[a.workload] = a
+        self.pods[a.workload] = a.pods
+
+    def _scale(self, here: str, a: ScaleAction) -> None:
+        self.workload(f"{here}.workload", a.workload)
+        if a.workload in self.workloads:
+            self.placement(here, a.placement, self.workloads[a.workload].mig)
+            self.pods[a.workload] = max(self.pods[a.workload], a.pods)
+
+    def _preempt(self, here: str, a: PreemptAction) -> None:
+        self.workload(f"{here}.victim", a.victim)
+        self.workload(f"{here}.preemptor", a.preemptor)
+        if a.victim == a.preemptor:
+            self.problems.append(f"{here}: a workload cannot preempt itself")
+
+    def _finish(self, here: str, a: FinishAction) -> None:
+        self.workload(f"{here}.workload", a.workload)
+
+    def _fail_gpu(self, here: str, a: FailGpuAction) -> None:
+        self.node(f"{here}.node", a.node)
+        devices = self.sc.cluster.devices_on(a.node) if a.node in self.nodes else None
+        if devices is not None and a.gpu >= devices:
+            self.problems.append(f"{here}.gpu: node {a.node} has devices 0..{devices - 1}, not {a.gpu}")
+        self._new_alert(f"{here}.alert", a.alert)
+
+    def _alert(self, here: str, a: AlertAction) -> None:
+        self._new_alert(f"{here}.id", a.id)
+
+    def _new_alert(self, where: str, alert: str) -> None:
+        if alert in self.alerts:
+            self.problems.append(f"{where}: duplicate alert id {alert!r}")
+        self.alerts.add(alert)
+
+    def _resolve(self, here: str, a: ResolveAction) -> None:
+        if a.alert not in self.alerts:
+            self.problems.append(f"{here}.alert: no alert {a.alert!r} fired before this step")
+
+    def _isolate(self, here: str, a: IsolateNodeAction) -> None:
+        self.node(f"{here}.node", a.node)
+
+    def in_timeline(self, where: str, workload: str | None) -> None:
+        if workload and workload.split("/")[-1] not in self.workloads:
+            self.problems.append(f"{where}: no workload {workload!r} in the timeline")
+
+    def expectation(self, here: str, exp) -> None:
+        if exp.entry:
+            self._entry(here, *exp.entry)
+        if exp.at is not None and exp.at not in self.step_ids:
             try:
                 parse_duration(exp.at)
             except ValueError:
-                problems.append(f"{here}.at: {exp.at!r} is neither a step id ({', '.join(sorted(step_ids)) or 'none'}) nor a duration")
+                self.problems.append(f"{here}.at: {exp.at!r} is neither a step id ({', '.join(sorted(self.step_ids)) or 'none'}) nor a duration")
         if exp.traces_to:
-            release(f"{here}.traces_to.release_id", exp.traces_to.release_id)
-            if exp.traces_to.node:
-                node(f"{here}.traces_to.node", exp.traces_to.node)
-            if exp.traces_to.gpu:
-                problems.extend(_gpu_ref_problems(sc, f"{here}.traces_to.gpu", exp.traces_to.gpu))
-            if exp.traces_to.workload and exp.traces_to.workload.split("/")[-1] not in workloads:
-                problems.append(f"{here}.traces_to.workload: no workload {exp.traces_to.workload!r} in the timeline")
-        if exp.preempted_by and exp.preempted_by.split("/")[-1] not in workloads:
-            problems.append(f"{here}.preempted_by: no workload {exp.preempted_by!r} in the timeline")
+            to = exp.traces_to
+            self.release(f"{here}.traces_to.release_id", to.release_id)
+            if to.node:
+                self.node(f"{here}.traces_to.node", to.node)
+            if to.gpu:
+                self.problems.extend(_gpu_ref_problems(self.sc, f"{here}.traces_to.gpu", to.gpu))
+            self.in_timeline(f"{here}.traces_to.workload", to.workload)
+        self.in_timeline(f"{here}.preempted_by", exp.preempted_by)
         if exp.violation:
-            release(f"{here}.violation.release_id", exp.violation.release_id)
-    if sc.report:
-        kind, value = next(iter(sc.report.trace.items()))
-        if kind == "alert" and value not in alerts:
-            problems.append(f"report.trace.alert: no alert {value!r} in the timeline")
+            self.release(f"{here}.violation.release_id", exp.violation.release_id)
+
+    def _entry(self, here: str, kind: str, value: str) -> None:
+        if kind == "alert" and value not in self.alerts:
+            self.problems.append(f"{here}.alert: no alert {value!r} in the timeline")
         elif kind == "release":
-            release("report.trace.release", value)
-    return problems
+            self.release(f"{here}.release", value)
+        elif kind == "workload":
+            self.in_timeline(f"{here}.workload", value)
+        elif kind == "pod":
+            wl, sep, idx = value.partition("#")
+            if not sep or not idx.isdigit():
+                self.problems.append(f"{here}.pod: expected WORKLOAD#INDEX, got {value!r}")
+            elif wl not in self.workloads or int(idx) >= self.pods.get(wl, 0):
+                self.problems.append(f"{here}.pod: workload {wl!r} has no pod #{idx}")
+        elif kind == "gpu":
+            self.problems.extend(_gpu_ref_problems(self.sc, f"{here}.gpu", value))
 
 
 def _gpu_ref_problems(sc: Scenario, where: str, ref: str) -> list[str]:
