@@ -156,108 +156,28 @@ class ExerciseRunner:
     # -- the run ------------------------------------------------------------------------------------
 
     def run(self) -> ExerciseRun:
+        """Start everything, play the timeline, drain, check, report; stop everything."""
         sc = self.scenario
         run = ExerciseRun(sc, self.seed, self.speed, self.base, report_path=self.report_path)
-        broker = None
-        surfaces = None
-        temp_sockets: Path | None = None
+        self._broker = self._surfaces = self._temp_sockets = None
         try:
             dry_run(sc, self.seed)  # capacity and placements, before anything starts
             shutil.rmtree(self.base, ignore_errors=True)
             (self.base / "logs").mkdir(parents=True)
-            span = sc.duration
-            self.say("exercise", f"{sc.name} (seed {self.seed}, speed {self.speed:g}×: {span / 60:.0f} scenario minutes in "
-                                 f"~{max(self.to_wall(span), MIN_STEP_GAP_S * len({s.at for s in sc.timeline})):.0f}s)")
-            if sc.description:
-                self.console.print(f"         [dim]{sc.description.strip()}[/]", highlight=False)
-
-            # Kafka and topics.
-            from producers._kafka import ensure_topics
-            from schemas.topics import TopicCatalogue
-
-            kconf = self.settings.kafka
-            if kconf.bootstrap:
-                bootstrap = kconf.bootstrap
-                prefix = f"{kconf.topic_prefix}-ex-{sc.name}-{self.run_id}"
-                self.say("kafka", f"using {bootstrap} (topics {prefix}.*)")
-            else:
-                from gpuledger.dev.localkafka import LocalKafka
-
-                self.say("kafka", "starting the local broker (the first run downloads Kafka's jars with Maven)...")
-                broker = LocalKafka(self.base / "kafka", self.settings.cache_dir).start()
-                bootstrap, prefix = broker.bootstrap, kconf.topic_prefix
-                self.say("kafka", f"ready at {bootstrap}")
-            catalogue = TopicCatalogue(prefix=prefix, raw_partitions=kconf.raw_partitions, replication_factor=kconf.replication_factor)
-            client = {"bootstrap.servers": bootstrap, **kconf.client_config()}
-            ensure_topics(client, catalogue)
+            self._announce()
+            bootstrap, catalogue, client = self._kafka()
             configured = self.settings.clickhouse.dsn
             dsn = configured if configured and not configured.startswith("chdb:") else f"chdb://{self.base / 'clickhouse'}"
             run.dsn = dsn
-
-            # The simulated cluster's surfaces.
-            socket_dir, is_temp = _short_socket_dir(self.base / "kubelet")
-            temp_sockets = socket_dir if is_temp else None
-            surfaces = Surfaces([n.name for n in sc.cluster.nodes], socket_dir).start()
-            sim = SimCluster(sc, self.seed, surfaces, seconds_to_wall=self.to_wall)
+            sim, kubeconfig = self._cluster()
             run.cluster = sim
-            sim.setup(datetime.now(timezone.utc))
-            kubeconfig = self.base / "sim-kubeconfig.json"
-            kubeconfig.write_text(json.dumps(surfaces.kubeconfig(), indent=2))
-            self.say("cluster", f"{sim.describe()}; API server {surfaces.api.url}, kubelet sockets in {socket_dir}")
-
-            # The real services.
-            web_port = free_port()
-            env = {
-                "GPULEDGER_KAFKA_BOOTSTRAP": bootstrap, "GPULEDGER_KAFKA_TOPIC_PREFIX": prefix,
-                "GPULEDGER_KAFKA_RAW_PARTITIONS": str(kconf.raw_partitions), "GPULEDGER_DATA_DIR": str(self.base),
-                "GPULEDGER_CLICKHOUSE_DSN": dsn, "GPULEDGER_CLICKHOUSE_BATCH_SECONDS": "0.3",
-                "GPULEDGER_STREAMS_APP_ID": f"{prefix}-exercise", "GPULEDGER_STREAMS_WEB_PORT": str(web_port),
-                # Exercise timelines are short: flush rows that wait for an identity after 2 s of quiet.
-                "GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "2",
-            }
-            env["GPULEDGER_POLICY_FILE"] = str(self._write_policy(sc))
-            self.say("start", "worker (Faust + " + ("embedded ClickHouse" if dsn.startswith("chdb:") else "ClickHouse server") + ")...")
-            worker = self._start("worker", ["-v", "worker"], env)
-            worker_url = f"http://127.0.0.1:{web_port}"
-            self._wait("the worker", lambda: _get_json(f"{worker_url}/gpuledger/health/").get("status") == "ok", 120, worker)
-            self.say("start", f"worker ready, health at {worker_url}/gpuledger/health/")
-
-            receiver = self._start("receiver", ["-v", "receive", "--port", "0"], env)
-            url = self._wait("the receiver", lambda: (m := re.search(r"listening on (http://\S+)", receiver.log_path.read_text(errors="replace"))) and m.group(1),
-                             60, receiver)
-            self._wait("the receiver's Kafka connection", lambda: _get_json(f"{url}/readyz").get("ready"), 60, receiver)
-            surfaces.receiver_url = url
-            self.say("start", f"receiver at {url} (Alertmanager and release webhooks)")
-
-            state = self.base / "state"
-            gpu_args = [a for r in sim.gpu_resources for a in ("--gpu-resource", r)]
-            sched_env = {**env, "GPULEDGER_SCHEDULER_HOST": "sim-scheduler-collector", "GPULEDGER_SCHEDULER_BACKOFF_INITIAL_S": "0.2",
-                         "GPULEDGER_SCHEDULER_STATE_FLUSH_INTERVAL_S": "0"}
-            sched = self._start("scheduler-collector", ["-v", "collect", "scheduler", "--kubeconfig", str(kubeconfig), "--state-dir", str(state),
-                                                        *gpu_args], sched_env)
-            self._wait("the scheduler collector's watches", lambda: surfaces.api.open_watches() >= 3, 60, sched)
-            self.say("start", "scheduler collector watching pods, events and Kueue workloads")
-            res_args = [a for r in sim.gpu_resources for a in ("--resource", r)]
-            for node, kubelet in surfaces.kubelets.items():
-                self._start(f"podresources-{node}", ["-v", "collect", "podresources", "--socket", kubelet.socket_path, "--node", node,
-                                                     "--interval", str(POLL_INTERVAL_S), "--state-dir", str(state), *res_args], env)
-            for node, kubelet in surfaces.kubelets.items():
-                self._wait(f"the pod-resources collector of {node}", lambda k=kubelet: k.call_count("List") >= 1, 60)
-            self.say("start", f"pod-resources collectors polling {', '.join(surfaces.kubelets)} every {POLL_INTERVAL_S:g}s")
-
-            # The timeline.
+            env = self._services_env(bootstrap, catalogue, dsn)
+            worker_url = self._start_worker(env, dsn)
+            self._start_receiver(env)
+            self._start_collectors(env, sim, kubeconfig)
             run.records = self._play(sim)
-
-            # Drain, check, report.
             run.drained_s = self._drain(worker_url, client, catalogue, env["GPULEDGER_STREAMS_APP_ID"])
-            from sinks.read.query import DirectReader, RemoteReader, owner_file
-
-            if dsn.startswith("chdb:"):
-                reader = RemoteReader.from_owner(owner_file(dsn))
-            else:
-                from sinks.clickhouse import connect
-
-                reader = DirectReader(connect(dsn, self.settings.clickhouse.database, create=False))
+            reader = self._reader(dsn)
             run.results = self._check(sim, reader)
             self._print_results(run.results)
             run.trace = self._report(sim, reader, run)
@@ -268,11 +188,111 @@ class ExerciseRunner:
             run.error = f"{type(exc).__name__}: {exc}"
             self.console.print(f"[bold red]exercise failed:[/] {run.error}", highlight=False)
         finally:
-            run.services_left = self._stop_all(surfaces, broker)
-            if temp_sockets:
-                shutil.rmtree(temp_sockets, ignore_errors=True)
+            run.services_left = self._stop_all(self._surfaces, self._broker)
+            if self._temp_sockets:
+                shutil.rmtree(self._temp_sockets, ignore_errors=True)
             self._say_where(run)
         return run
+
+    def _announce(self) -> None:
+        sc = self.scenario
+        span = sc.duration
+        self.say("exercise", f"{sc.name} (seed {self.seed}, speed {self.speed:g}×: {span / 60:.0f} scenario minutes in "
+                             f"~{max(self.to_wall(span), MIN_STEP_GAP_S * len({s.at for s in sc.timeline})):.0f}s)")
+        if sc.description:
+            self.console.print(f"         [dim]{sc.description.strip()}[/]", highlight=False)
+
+    def _kafka(self):
+        """The configured broker (topics under a prefix of this run) or a local one; the
+        run's topics created. Returns (bootstrap, catalogue, client config)."""
+        from producers._kafka import ensure_topics
+        from schemas.topics import TopicCatalogue
+
+        kconf = self.settings.kafka
+        if kconf.bootstrap:
+            bootstrap = kconf.bootstrap
+            prefix = f"{kconf.topic_prefix}-ex-{self.scenario.name}-{self.run_id}"
+            self.say("kafka", f"using {bootstrap} (topics {prefix}.*)")
+        else:
+            from gpuledger.dev.localkafka import LocalKafka
+
+            self.say("kafka", "starting the local broker (the first run downloads Kafka's jars with Maven)...")
+            self._broker = LocalKafka(self.base / "kafka", self.settings.cache_dir).start()
+            bootstrap, prefix = self._broker.bootstrap, kconf.topic_prefix
+            self.say("kafka", f"ready at {bootstrap}")
+        catalogue = TopicCatalogue(prefix=prefix, raw_partitions=kconf.raw_partitions, replication_factor=kconf.replication_factor)
+        client = {"bootstrap.servers": bootstrap, **kconf.client_config()}
+        ensure_topics(client, catalogue)
+        return bootstrap, catalogue, client
+
+    def _cluster(self) -> tuple[SimCluster, Path]:
+        """The simulated cluster's surfaces (API server, kubelet sockets) and its kubeconfig."""
+        sc = self.scenario
+        socket_dir, is_temp = _short_socket_dir(self.base / "kubelet")
+        self._temp_sockets = socket_dir if is_temp else None
+        surfaces = self._surfaces = Surfaces([n.name for n in sc.cluster.nodes], socket_dir).start()
+        sim = SimCluster(sc, self.seed, surfaces, seconds_to_wall=self.to_wall)
+        sim.setup(datetime.now(timezone.utc))
+        kubeconfig = self.base / "sim-kubeconfig.json"
+        kubeconfig.write_text(json.dumps(surfaces.kubeconfig(), indent=2))
+        self.say("cluster", f"{sim.describe()}; API server {surfaces.api.url}, kubelet sockets in {socket_dir}")
+        return sim, kubeconfig
+
+    def _services_env(self, bootstrap: str, catalogue, dsn: str) -> dict[str, str]:
+        kconf = self.settings.kafka
+        return {
+            "GPULEDGER_KAFKA_BOOTSTRAP": bootstrap, "GPULEDGER_KAFKA_TOPIC_PREFIX": catalogue.prefix,
+            "GPULEDGER_KAFKA_RAW_PARTITIONS": str(kconf.raw_partitions), "GPULEDGER_DATA_DIR": str(self.base),
+            "GPULEDGER_CLICKHOUSE_DSN": dsn, "GPULEDGER_CLICKHOUSE_BATCH_SECONDS": "0.3",
+            "GPULEDGER_STREAMS_APP_ID": f"{catalogue.prefix}-exercise", "GPULEDGER_STREAMS_WEB_PORT": str(free_port()),
+            # Exercise timelines are short: flush rows that wait for an identity after 2 s of quiet.
+            "GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "2",
+            "GPULEDGER_POLICY_FILE": str(self._write_policy(self.scenario)),
+        }
+
+    def _start_worker(self, env: dict[str, str], dsn: str) -> str:
+        """Start the worker; its health URL once it says ok."""
+        self.say("start", "worker (Faust + " + ("embedded ClickHouse" if dsn.startswith("chdb:") else "ClickHouse server") + ")...")
+        worker = self._start("worker", ["-v", "worker"], env)
+        worker_url = f"http://127.0.0.1:{env['GPULEDGER_STREAMS_WEB_PORT']}"
+        self._wait("the worker", lambda: _get_json(f"{worker_url}/gpuledger/health/").get("status") == "ok", 120, worker)
+        self.say("start", f"worker ready, health at {worker_url}/gpuledger/health/")
+        return worker_url
+
+    def _start_receiver(self, env: dict[str, str]) -> None:
+        receiver = self._start("receiver", ["-v", "receive", "--port", "0"], env)
+        url = self._wait("the receiver", lambda: (m := re.search(r"listening on (http://\S+)", receiver.log_path.read_text(errors="replace"))) and m.group(1),
+                         60, receiver)
+        self._wait("the receiver's Kafka connection", lambda: _get_json(f"{url}/readyz").get("ready"), 60, receiver)
+        self._surfaces.receiver_url = url
+        self.say("start", f"receiver at {url} (Alertmanager and release webhooks)")
+
+    def _start_collectors(self, env: dict[str, str], sim: SimCluster, kubeconfig: Path) -> None:
+        """The scheduler collector (watches open) and one pod-resources collector per node (polled once)."""
+        surfaces, state = self._surfaces, self.base / "state"
+        gpu_args = [a for r in sim.gpu_resources for a in ("--gpu-resource", r)]
+        sched_env = {**env, "GPULEDGER_SCHEDULER_HOST": "sim-scheduler-collector", "GPULEDGER_SCHEDULER_BACKOFF_INITIAL_S": "0.2",
+                     "GPULEDGER_SCHEDULER_STATE_FLUSH_INTERVAL_S": "0"}
+        sched = self._start("scheduler-collector", ["-v", "collect", "scheduler", "--kubeconfig", str(kubeconfig), "--state-dir", str(state),
+                                                    *gpu_args], sched_env)
+        self._wait("the scheduler collector's watches", lambda: surfaces.api.open_watches() >= 3, 60, sched)
+        self.say("start", "scheduler collector watching pods, events and Kueue workloads")
+        res_args = [a for r in sim.gpu_resources for a in ("--resource", r)]
+        for node, kubelet in surfaces.kubelets.items():
+            self._start(f"podresources-{node}", ["-v", "collect", "podresources", "--socket", kubelet.socket_path, "--node", node,
+                                                 "--interval", str(POLL_INTERVAL_S), "--state-dir", str(state), *res_args], env)
+        for node, kubelet in surfaces.kubelets.items():
+            self._wait(f"the pod-resources collector of {node}", lambda k=kubelet: k.call_count("List") >= 1, 60)
+        self.say("start", f"pod-resources collectors polling {', '.join(surfaces.kubelets)} every {POLL_INTERVAL_S:g}s")
+
+    def _reader(self, dsn: str):
+        from sinks.read.query import DirectReader, RemoteReader, owner_file
+
+        if dsn.startswith("chdb:"):
+            return RemoteReader.from_owner(owner_file(dsn))
+        from sinks.clickhouse import connect
+
+        return DirectReader(connect(dsn, self.settings.clickhouse.database, create=False))
 
     def _play(self, sim: SimCluster) -> list[StepRecord]:
         sc = self.scenario
