@@ -555,58 +555,62 @@ def pod_facts(pod: Mapping, deleted: bool = False, now: datetime | None = None) 
     spec = pod.get("spec") or {}
     status = pod.get("status") or {}
     conditions = status.get("conditions") or []
-    for c in conditions:
-        if isinstance(c, Mapping) and c.get("lastTransitionTime"):
-            parse_time(c["lastTransitionTime"], f"{where} condition {c.get('type')}.lastTransitionTime")
+    cond_times = [parse_time(c["lastTransitionTime"], f"{where} condition {c.get('type')}.lastTransitionTime") for c in conditions
+                  if isinstance(c, Mapping) and c.get("lastTransitionTime")]
     node = spec.get("nodeName") or None
-    phase = status.get("phase")
     start_time = optional_time(status.get("startTime"), f"{where} status.startTime")
     started, finished = _container_times(status, where)
-    cond_times = [parse_time(c["lastTransitionTime"], where) for c in conditions
-                  if isinstance(c, Mapping) and c.get("lastTransitionTime")]
+    # When a pod ended: its last container's finish, else its last condition change, else its start.
+    ended_at = max(finished) if finished else (max(cond_times) if cond_times else (start_time or meta.created))
 
     facts = [Fact("submitted", "submitted", "scheduler.submitted", meta.created, iso(meta.created))]
+    facts += _scheduling_facts(conditions, node, start_time or meta.created, where)
+    phase = status.get("phase")
+    if phase == "Running" or (phase in ("Succeeded", "Failed") and started):
+        at = min(started) if started else (start_time or meta.created)
+        facts.append(Fact("running", "running", "scheduler.running", at, iso(at), node=node))
+    disrupted = _disruption_fact(conditions, status, node, ObjectRef(kind="Pod", namespace=meta.namespace, name=meta.name, uid=meta.uid),
+                                 ended_at, where)
+    facts += [disrupted] if disrupted else []
+    if phase in ("Succeeded", "Failed"):
+        facts.append(Fact("finished", "finished", "scheduler.finished", ended_at, iso(ended_at), status.get("reason") or phase,
+                          status.get("message") or None, node=node))
+    if deleted:
+        at = meta.deletion or now or datetime.now(timezone.utc)
+        facts.append(Fact("deleted", "deleted", "scheduler.deleted", at, "", node=node))
+    return facts
 
+
+def _scheduling_facts(conditions: list, node: str | None, fallback: datetime, where: str) -> list[Fact]:
+    """failed_scheduling (PodScheduled=False, Unschedulable) and scheduled (a node is set;
+    at PodScheduled=True's transition, else the pod's start or creation)."""
+    facts = []
     sched = _cond(conditions, "PodScheduled")
     if sched and sched.get("status") == "False" and sched.get("reason") == "Unschedulable" and sched.get("lastTransitionTime"):
         at = parse_time(sched["lastTransitionTime"], where)
         facts.append(Fact(f"unschedulable|{iso(at)}", "failed_scheduling", "scheduler.failed_scheduling", at, iso(at),
                           "Unschedulable", sched.get("message") or None))
     if node:
-        if sched and sched.get("status") == "True" and sched.get("lastTransitionTime"):
-            at = parse_time(sched["lastTransitionTime"], where)
-        else:
-            at = start_time or meta.created
+        ok = sched and sched.get("status") == "True" and sched.get("lastTransitionTime")
+        at = parse_time(sched["lastTransitionTime"], where) if ok else fallback
         facts.append(Fact("scheduled", "scheduled", "scheduler.scheduled", at, iso(at), node=node))
+    return facts
 
-    ran = phase == "Running" or (phase in ("Succeeded", "Failed") and started)
-    if ran:
-        at = min(started) if started else (start_time or meta.created)
-        facts.append(Fact("running", "running", "scheduler.running", at, iso(at), node=node))
 
+def _disruption_fact(conditions: list, status: Mapping, node: str | None, victim: ObjectRef, ended_at: datetime, where: str) -> Fact | None:
+    """preempted/evicted: the DisruptionTarget condition, or (older nodes, kubelet
+    evictions and critical-pod preemptions set none) status.reason Evicted/Preempting."""
     dt = _cond(conditions, "DisruptionTarget")
-    victim = ObjectRef(kind="Pod", namespace=meta.namespace, name=meta.name, uid=meta.uid)
     if dt and dt.get("status") == "True":
         reason = dt.get("reason") or "DisruptionTarget"
         at = parse_time(dt.get("lastTransitionTime"), f"{where} condition DisruptionTarget.lastTransitionTime")
         event_type = "scheduler.preempted" if reason in PREEMPTION_REASONS else "scheduler.evicted"
-        facts.append(Fact("disrupted", event_type.split(".", 1)[1], event_type, at, iso(at), reason,
-                          dt.get("message") or None, node=node, victim=victim))
-    elif status.get("reason") in ("Evicted", "Preempting"):
-        # Kubelet evictions / critical-pod preemptions set no DisruptionTarget on older nodes.
-        at = max(finished) if finished else (max(cond_times) if cond_times else (start_time or meta.created))
+        return Fact("disrupted", event_type.split(".", 1)[1], event_type, at, iso(at), reason, dt.get("message") or None, node=node, victim=victim)
+    if status.get("reason") in ("Evicted", "Preempting"):
         event_type = "scheduler.evicted" if status["reason"] == "Evicted" else "scheduler.preempted"
-        facts.append(Fact("disrupted", event_type.split(".", 1)[1], event_type, at, iso(at), status["reason"],
-                          status.get("message") or None, node=node, victim=victim))
-
-    if phase in ("Succeeded", "Failed"):
-        at = max(finished) if finished else (max(cond_times) if cond_times else (start_time or meta.created))
-        facts.append(Fact("finished", "finished", "scheduler.finished", at, iso(at), status.get("reason") or phase,
-                          status.get("message") or None, node=node))
-    if deleted:
-        at = meta.deletion or now or datetime.now(timezone.utc)
-        facts.append(Fact("deleted", "deleted", "scheduler.deleted", at, "", node=node))
-    return facts
+        return Fact("disrupted", event_type.split(".", 1)[1], event_type, ended_at, iso(ended_at), status["reason"],
+                    status.get("message") or None, node=node, victim=victim)
+    return None
 
 
 # ----------------------------------------------------------------------------- Events
