@@ -95,46 +95,61 @@ DEFAULT_NODES = (GpuNode("gpu-node-1", gpus=8), GpuNode("gpu-node-2", gpus=8),
 
 # --- PKI -------------------------------------------------------------------------------
 
+#: Kueue's internal cert management (open-policy-agent/cert-controller) keeps the certs of this
+#: Secret when they verify for its Service name and stay valid past its 90-day lookahead.
+KUEUE_CERT_SECRET = "kueue-webhook-server-cert"
+KUEUE_WEBHOOK_DNS = f"kueue-webhook-service.{KUEUE_NAMESPACE}.svc"
+
+
 def _write_pki(pki: Path) -> None:
-    """A CA, one serving cert (127.0.0.1/localhost, the apiserver's names) and the SA key pair."""
+    """A CA, one serving cert (127.0.0.1, the apiserver's and Kueue's webhook names) and the SA key pair.
+
+    The CA key is RSA in PKCS#1 and the CA names itself ``kueue-ca``, both because Kueue's cert
+    rotator reads and checks the CA of its Secret that way.
+    """
+    import ipaddress
+
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-    import ipaddress
+    from cryptography.hazmat.primitives.asymmetric import ec, rsa
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     pki.mkdir(parents=True, exist_ok=True)
     now = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)
+    until = now + dt.timedelta(days=3650)
 
-    def key_pem(key) -> bytes:
-        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    def key_pem(key, fmt=serialization.PrivateFormat.PKCS8) -> bytes:
+        return key.private_bytes(serialization.Encoding.PEM, fmt, serialization.NoEncryption())
 
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "gpuledger-local-ca")])
+    ca_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kueue-ca"),
+                         x509.NameAttribute(NameOID.ORGANIZATION_NAME, "gpuledger-local")])
     ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(now).not_valid_after(now + dt.timedelta(days=30))
+          .serial_number(x509.random_serial_number()).not_valid_before(now).not_valid_after(until)
           .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
           .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                                       key_encipherment=False, data_encipherment=False, key_agreement=False,
+                                       key_encipherment=True, data_encipherment=False, key_agreement=False,
                                        encipher_only=False, decipher_only=False), critical=True)
+          .add_extension(x509.SubjectAlternativeName([x509.DNSName("kueue-ca")]), critical=False)
           .sign(ca_key, hashes.SHA256()))
     key = ec.generate_private_key(ec.SECP256R1())
     names = [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost"), x509.DNSName("kubernetes"),
-             x509.DNSName("kubernetes.default"), x509.DNSName("kubernetes.default.svc")]
+             x509.DNSName("kubernetes.default"), x509.DNSName("kubernetes.default.svc"), x509.DNSName(KUEUE_WEBHOOK_DNS)]
     cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
             .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now).not_valid_after(now + dt.timedelta(days=30))
+            .not_valid_before(now).not_valid_after(until)
             .add_extension(x509.SubjectAlternativeName(names), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
             .sign(ca_key, hashes.SHA256()))
     sa_key = ec.generate_private_key(ec.SECP256R1())
     (pki / "ca.crt").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    (pki / "ca.key").write_bytes(key_pem(ca_key, serialization.PrivateFormat.TraditionalOpenSSL))
     (pki / "tls.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     (pki / "tls.key").write_bytes(key_pem(key))
     (pki / "sa.key").write_bytes(key_pem(sa_key))
     (pki / "sa.pub").write_bytes(sa_key.public_key().public_bytes(serialization.Encoding.PEM,
                                                                   serialization.PublicFormat.SubjectPublicKeyInfo))
-    for name in ("tls.key", "sa.key"):
+    for name in ("ca.key", "tls.key", "sa.key"):
         os.chmod(pki / name, 0o600)
 
 
@@ -254,7 +269,7 @@ class LocalCluster:
 
     def _crd_established(self, name: str) -> bool:
         crd = self._get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}") or {}
-        return any(c["type"] == "Established" and c["status"] == "True" for c in crd.get("status", {}).get("conditions", []))
+        return any(c["type"] == "Established" and c["status"] == "True" for c in (crd.get("status") or {}).get("conditions") or [])
 
     def _start_kueue(self, kueue: Path, deadline: float) -> None:
         mod = kubebin.module_dir(*kubebin.KUEUE)
@@ -290,9 +305,17 @@ class LocalCluster:
             doc["webhooks"] = hooks
             plural = "mutatingwebhookconfigurations" if kind == "MutatingWebhookConfiguration" else "validatingwebhookconfigurations"
             self.apply(f"/apis/admissionregistration.k8s.io/v1/{plural}", doc)
+        # Kueue's internal cert management keeps the CA bundles of its webhooks and CRDs in sync
+        # with its Secret and waits until certDir holds the Secret's certs (in a pod, the kubelet
+        # mounts the Secret there; here we copy them). Seeded with our CA and serving cert (which
+        # also names 127.0.0.1) it keeps them. (With it off, Kueue 0.17 reads its metrics cert
+        # from the fixed path /etc/kueue/metrics/certs.)
+        self.apply(f"/api/v1/namespaces/{KUEUE_NAMESPACE}/secrets", {
+            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": KUEUE_CERT_SECRET, "namespace": KUEUE_NAMESPACE},
+            "data": {name: _b64((self.pki / name).read_bytes()) for name in ("ca.crt", "ca.key", "tls.crt", "tls.key")}})
         certs = self.data_dir / "kueue-certs"
         certs.mkdir(exist_ok=True)
-        for name in ("tls.crt", "tls.key"):
+        for name in ("ca.crt", "ca.key", "tls.crt", "tls.key"):
             shutil.copy(self.pki / name, certs / name)
         config = {
             "apiVersion": "config.kueue.x-k8s.io/v1beta2", "kind": "Configuration", "namespace": KUEUE_NAMESPACE,
@@ -300,7 +323,8 @@ class LocalCluster:
             "metrics": {"bindAddress": f"127.0.0.1:{self.ports['kueue_metrics']}"},
             "webhook": {"host": "127.0.0.1", "port": self.ports["kueue_webhook"], "certDir": str(certs)},
             "leaderElection": {"leaderElect": False},
-            "internalCertManagement": {"enable": False},
+            "internalCertManagement": {"enable": True, "webhookServiceName": "kueue-webhook-service",
+                                       "webhookSecretName": KUEUE_CERT_SECRET},
             "integrations": {"frameworks": ["batch/job"]},
             # An aggregated API behind a Service: no Service network here.
             "featureGates": {"VisibilityOnDemand": False},
