@@ -88,6 +88,17 @@ def test_a_kueue_job_is_published_once_and_a_restart_publishes_nothing(real_clus
     assert restarted.run_once() == 0
     assert len(on_topic(kafka_bootstrap, catalogue.scheduler, sent)) == sent
 
+    # Deleted while no collector watched: the next start's re-list publishes each deletion once.
+    k8s.BatchV1Api(kube).delete_namespaced_job(name, ns, propagation_policy="Foreground")
+    wait_for(lambda: not workloads_of(kube, name, ns) and not k8s.CoreV1Api(kube).list_namespaced_pod(ns).items, 60,
+             "the Job's pod and Workload to be gone")
+    assert make_collector(ns, state_dir=tmp_path / "state").run_once() == 2
+    events = on_topic(kafka_bootstrap, catalogue.scheduler, sent + 2)
+    assert len(events) == sent + 2
+    deleted = [e for e in events if e.event_type == "scheduler.deleted"]
+    assert sorted(e.payload.object_kind for e in deleted) == ["Pod", "Workload"]
+    assert {e.identity.workload_id for e in deleted} == {e.identity.workload_id for e in pod_events}
+
 
 def gpu_pod(name: str, ns: str) -> dict:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns},
