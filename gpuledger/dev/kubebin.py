@@ -126,7 +126,8 @@ def ensure_go_tool(module: str, version: str, cache_dir: Path) -> Path:
 
 def module_dir(module: str, version: str) -> Path:
     """The module's directory in the Go module cache (downloaded if it is not there)."""
-    out = _run([_go(), "mod", "download", "-json", f"{module}@{version}"])
+    # From "/": outside any module, so no go.mod is consulted or touched.
+    out = _run([_go(), "mod", "download", "-json", f"{module}@{version}"], cwd=Path("/"))
     return Path(json.loads(out)["Dir"])
 
 

@@ -92,3 +92,21 @@ def queue_namespace(cluster: LocalCluster, prefix: str = "ns") -> str:
 
 def condition(obj: dict, ctype: str) -> dict | None:
     return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == ctype and c["status"] == "True"), None)
+
+
+def preempt_with_priority(kube: k8s.ApiClient, namespace: str = NAMESPACE) -> tuple[str, str, dict]:
+    """A low-priority Job holding every whole GPU of the queue (2 x 8, Running for an hour), then a
+    high-priority 8-GPU Job; returns (low job, high job, the high Workload once Kueue admitted it)."""
+    custom, batch = k8s.CustomObjectsApi(kube), k8s.BatchV1Api(kube)
+    low_pc, high_pc = unique("low"), unique("high")
+    for pc, value in ((low_pc, 10), (high_pc, 1000)):
+        custom.create_cluster_custom_object("kueue.x-k8s.io", "v1beta2", "workloadpriorityclasses", {
+            "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "WorkloadPriorityClass", "metadata": {"name": pc}, "value": value})
+    low, high = unique("low"), unique("high")
+    batch.create_namespaced_job(namespace, gpu_job(low, gpus=8, parallelism=2, run_for="1h", priority_class=low_pc, namespace=namespace))
+    wait_for(lambda: next((w for w in workloads_of(kube, low, namespace) if condition(w, "Admitted")), None), 90, "the low job admitted")
+    batch.create_namespaced_job(namespace, gpu_job(high, gpus=8, run_for="1h", priority_class=high_pc, namespace=namespace))
+    high_wl = wait_for(lambda: next((w for w in workloads_of(kube, high, namespace) if condition(w, "Admitted")), None), 120,
+                       "Kueue to admit the high-priority job")
+    return low, high, high_wl
+

@@ -8,7 +8,7 @@ import pytest
 from kubernetes import client as k8s
 
 from gpuledger.dev.cluster import CLUSTER_QUEUE, DEFAULT_NODES, NAMESPACE
-from tests.real_cluster.conftest import condition, gpu_job, unique, wait_for, workloads_of
+from tests.real_cluster.conftest import condition, gpu_job, preempt_with_priority, unique, wait_for, workloads_of
 
 pytestmark = pytest.mark.real_cluster
 
@@ -63,30 +63,14 @@ def test_a_mig_job_lands_on_the_mig_node(kube):
 
 
 def test_a_higher_priority_workload_preempts_a_lower_one_through_kueue(kube):
-    custom = k8s.CustomObjectsApi(kube)
-    for pc, value in ((unique("low"), 10), (unique("high"), 1000)):
-        custom.create_cluster_custom_object("kueue.x-k8s.io", "v1beta2", "workloadpriorityclasses",
-                                            {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "WorkloadPriorityClass",
-                                             "metadata": {"name": pc}, "value": value})
-        if value == 10:
-            low_pc = pc
-        else:
-            high_pc = pc
-    batch = k8s.BatchV1Api(kube)
-    low, high = unique("low"), unique("high")
-    # The low job takes every whole GPU of the queue (2 x 8) and would run for an hour.
-    batch.create_namespaced_job(NAMESPACE, gpu_job(low, gpus=8, parallelism=2, run_for="1h", priority_class=low_pc))
-    wait_for(lambda: next((w for w in workloads_of(kube, low) if condition(w, "Admitted")), None), 60, "the low job admitted")
-    batch.create_namespaced_job(NAMESPACE, gpu_job(high, gpus=8, run_for="1h", priority_class=high_pc))
-    high_wl = wait_for(lambda: next((w for w in workloads_of(kube, high) if condition(w, "Admitted")), None), 120,
-                       "Kueue to admit the high-priority job")
+    low, high, high_wl = preempt_with_priority(kube)
     low_wl = workloads_of(kube, low)[0]
     preempted = condition(low_wl, "Preempted") or condition(low_wl, "Evicted")
     assert preempted, f"low workload not preempted: {low_wl['status'].get('conditions')}"
     assert "Preempted" in preempted["reason"] or preempted["reason"] == "InClusterQueue"
     assert high_wl["spec"]["priority"] == 1000 and low_wl["spec"]["priority"] == 10
     # Kueue suspended the low Job, so its pods go away and the high job's pod is placed.
-    core = k8s.CoreV1Api(kube)
+    core, batch = k8s.CoreV1Api(kube), k8s.BatchV1Api(kube)
     wait_for(lambda: next((p for p in core.list_namespaced_pod(NAMESPACE, label_selector=f"job-name={high}").items
                            if p.status.phase == "Running"), None), 90, "the high job's pod Running")
     assert batch.read_namespaced_job(low, NAMESPACE).spec.suspend is True

@@ -20,7 +20,7 @@ from producers.kubernetes.config import SchedulerCollectorSettings
 from schemas import decode_event
 from tests.fixtures.kafka import read_topic
 from tests.producers.kubernetes.test_collector import running
-from tests.real_cluster.conftest import condition, gpu_job, queue_namespace, unique, wait_for, workloads_of
+from tests.real_cluster.conftest import gpu_job, preempt_with_priority, queue_namespace, unique, wait_for, workloads_of
 
 pytestmark = pytest.mark.real_cluster
 
@@ -146,30 +146,20 @@ def test_a_real_410_gone_leads_to_a_relist_that_publishes_nothing_twice(real_clu
 
 def test_a_kueue_preemption_names_the_preempting_workload(real_cluster, kube, make_collector, kafka_bootstrap, catalogue):
     ns = queue_namespace(real_cluster, "preempt")
-    custom, batch = k8s.CustomObjectsApi(kube), k8s.BatchV1Api(kube)
-    low_pc, high_pc = unique("low"), unique("high")
-    for pc, value in ((low_pc, 10), (high_pc, 1000)):
-        custom.create_cluster_custom_object("kueue.x-k8s.io", "v1beta2", "workloadpriorityclasses", {
-            "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "WorkloadPriorityClass", "metadata": {"name": pc}, "value": value})
-    low, high = unique("low"), unique("high")
+    batch = k8s.BatchV1Api(kube)
     collector = make_collector(ns)
     with running(collector):
-        batch.create_namespaced_job(ns, gpu_job(low, gpus=8, parallelism=2, run_for="1h", priority_class=low_pc, namespace=ns))
-        wait_for(lambda: next((w for w in workloads_of(kube, low, ns) if condition(w, "Admitted")), None), 90, "the low job admitted")
-        batch.create_namespaced_job(ns, gpu_job(high, gpus=8, run_for="1h", priority_class=high_pc, namespace=ns))
-        high_wl = wait_for(lambda: next((w for w in workloads_of(kube, high, ns) if condition(w, "Admitted")), None), 120,
-                           "Kueue to admit the high-priority job")
+        low, high, high_wl = preempt_with_priority(kube, ns)
         wait_for(lambda: any(e.event_type in ("scheduler.preempted", "scheduler.evicted") for e in
                              on_topic(kafka_bootstrap, catalogue.scheduler, 1, settle=0.5)), 60, "the preemption published")
+    low_wl = workloads_of(kube, low, ns)[0]
     for job in (low, high):
         batch.delete_namespaced_job(job, ns, propagation_policy="Background")
     events = on_topic(kafka_bootstrap, catalogue.scheduler, collector.counters.totals["sent"])
-    low_wl = workloads_of(kube, low, ns)[0] if workloads_of(kube, low, ns) else None
     disrupted = [e for e in events if e.payload.object_kind == "Workload" and e.event_type in ("scheduler.preempted", "scheduler.evicted")]
     assert disrupted, [e.event_type for e in events]
     # Kueue's own condition message names the preemptor: the high Workload, resolved through the index.
     for e in disrupted:
         assert e.payload.preemptor is not None, f"{e.event_type} {e.payload.reason}: {e.payload.message}"
         assert (e.payload.preemptor.uid, e.payload.preemptor.name) == (high_wl["metadata"]["uid"], high_wl["metadata"]["name"])
-        if low_wl is not None:
-            assert e.payload.victim.uid == low_wl["metadata"]["uid"]
+        assert e.payload.victim.uid == low_wl["metadata"]["uid"]
