@@ -21,6 +21,12 @@ from kubernetes import config as k8s_config
 from gpuledger.dev.cluster import CLUSTER_QUEUE, KUEUE_API, NAMESPACE, QUEUE, LocalCluster
 
 
+#: Every module's ``pytestmark``. The long timeout covers the first test's fixture set-up, which
+#: waits for a cold build of the binaries (tens of minutes on a fresh machine); each step of a
+#: test is bounded by its own ``wait_for`` deadline.
+REAL_CLUSTER = [pytest.mark.real_cluster, pytest.mark.timeout(3600)]
+
+
 @pytest.fixture(scope="session")
 def real_cluster() -> Iterator[LocalCluster]:
     data = Path(tempfile.mkdtemp(prefix="gpuledger-cluster-"))

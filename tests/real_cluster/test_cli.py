@@ -13,8 +13,9 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
 from gpuledger.dev.cluster import DEFAULT_NODES, down
+from tests.real_cluster.conftest import REAL_CLUSTER
 
-pytestmark = pytest.mark.real_cluster
+pytestmark = REAL_CLUSTER
 
 
 def gpuledger(*args: str, data_dir: Path, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -8,9 +8,9 @@ import pytest
 from kubernetes import client as k8s
 
 from gpuledger.dev.cluster import CLUSTER_QUEUE, DEFAULT_NODES, NAMESPACE
-from tests.real_cluster.conftest import condition, gpu_job, preempt_with_priority, unique, wait_for, workloads_of
+from tests.real_cluster.conftest import REAL_CLUSTER, condition, gpu_job, preempt_with_priority, unique, wait_for, workloads_of
 
-pytestmark = pytest.mark.real_cluster
+pytestmark = REAL_CLUSTER
 
 
 def test_kwok_nodes_advertise_gpus_as_the_device_plugin_does(kube):

@@ -20,9 +20,9 @@ from producers.kubernetes.config import SchedulerCollectorSettings
 from schemas import decode_event
 from tests.fixtures.kafka import read_topic
 from tests.producers.kubernetes.test_collector import running
-from tests.real_cluster.conftest import gpu_job, preempt_with_priority, queue_namespace, unique, wait_for, workloads_of
+from tests.real_cluster.conftest import REAL_CLUSTER, gpu_job, preempt_with_priority, queue_namespace, unique, wait_for, workloads_of
 
-pytestmark = pytest.mark.real_cluster
+pytestmark = REAL_CLUSTER
 
 FAST = {"backoff_initial_s": 0.1, "backoff_max_s": 1.0, "request_timeout_s": 10, "state_flush_interval_s": 0,
         "discovery_interval_s": 1.0, "host": "test-host"}
