@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test bench jars clean
+.PHONY: setup demo test bench jars binaries clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,13 @@ jars: $(STAMP)
 	$(BIN)/python -c "from gpuledger.dev.localkafka import ensure_jars; from gpuledger.settings import default_cache_dir; print('Kafka jars in', ensure_jars(default_cache_dir()))"
 
 setup: $(STAMP) jars
+
+# The real cluster's binaries (kube-apiserver/controller-manager/scheduler, KWOK, Kueue), built
+# from the Go module proxy once per pin into the cache (docs/real-cluster.md). Standard library
+# only, so .ci/run starts it in the background before the virtualenv exists.
+CACHE_DIR ?= $(or $(GPULEDGER_CACHE_DIR),$(HOME)/.cache/gpuledger)
+binaries:
+	$(PYTHON) -m gpuledger.dev.kubebin $(CACHE_DIR)
 
 # The incident-rollback exercise through the real pipeline (docs/exercises.md).
 demo: setup

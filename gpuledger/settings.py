@@ -205,7 +205,7 @@ class Settings(BaseSettings):
 
     data_dir: Path = Field(default_factory=default_data_dir, description="Where local state lives (broker data, embedded ClickHouse).",
                            json_schema_extra={"doc_default": "~/.local/share/gpuledger"})
-    cache_dir: Path = Field(default_factory=default_cache_dir, description="Where downloaded Kafka jars are cached.",
+    cache_dir: Path = Field(default_factory=default_cache_dir, description="Where downloaded Kafka jars and the real cluster's built binaries (docs/real-cluster.md) are cached.",
                             json_schema_extra={"doc_default": "~/.cache/gpuledger"})
     profile: Path | None = Field(default=None, description="Write a cProfile of the worker to this file when it stops (`benchmarks/bench.py --profile`).")
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)

@@ -11,6 +11,7 @@ import typer
 import gpuledger.cli.audit as audit
 import gpuledger.cli.collect as collect
 import gpuledger.cli.db as db
+import gpuledger.cli.dev as dev
 import gpuledger.cli.exercise as exercise
 import gpuledger.cli.kafka as kafka
 import gpuledger.cli.read as read
@@ -30,5 +31,5 @@ def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at IN
 
 
 # One line per command module; the order is the order of `gpuledger --help`.
-for _group in (kafka, topics, db, schemas, worker, read, audit, collect, receive, release, exercise, replay):
+for _group in (kafka, topics, db, schemas, worker, read, audit, collect, receive, release, exercise, replay, dev):
     _group.register(app)

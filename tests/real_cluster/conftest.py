@@ -1,0 +1,118 @@
+"""The real cluster tier (marker ``real_cluster``): one local control plane per test session.
+
+The fixture is ``gpuledger.dev.cluster.LocalCluster`` — the same code as ``gpuledger dev
+cluster up`` — in a temp dir, stopped at session end. The first run builds the pinned
+binaries into ~/.cache/gpuledger (minutes); later runs reuse them.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+
+from gpuledger.dev.cluster import CLUSTER_QUEUE, KUEUE_API, NAMESPACE, QUEUE, LocalCluster
+
+
+#: Every module's ``pytestmark``. The long timeout covers the first test's fixture set-up, which
+#: waits for a cold build of the binaries (tens of minutes on a fresh machine); each step of a
+#: test is bounded by its own ``wait_for`` deadline.
+REAL_CLUSTER = [pytest.mark.real_cluster, pytest.mark.timeout(3600)]
+
+
+@pytest.fixture(scope="session")
+def real_cluster() -> Iterator[LocalCluster]:
+    data = Path(tempfile.mkdtemp(prefix="gpuledger-cluster-"))
+    # The first run builds the binaries (several minutes); start-up itself takes well under a minute.
+    with LocalCluster(data) as cluster:
+        yield cluster
+    shutil.rmtree(data, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def kube(real_cluster: LocalCluster) -> k8s.ApiClient:
+    """The official client on the cluster's kubeconfig (what kubectl would use)."""
+    cfg = k8s.Configuration()
+    k8s_config.load_kube_config(config_file=str(real_cluster.kubeconfig), client_configuration=cfg)
+    return k8s.ApiClient(cfg)
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.5):
+    """Poll ``predicate`` until it returns something truthy (returned) or fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+def gpu_job(name: str, gpus: int = 1, *, resource: str = "nvidia.com/gpu", parallelism: int = 1, run_for: str | None = None,
+            queue: str | None = "gpu", priority_class: str | None = None, labels: dict[str, str] | None = None,
+            namespace: str = NAMESPACE) -> dict:
+    """A batch/v1 Job whose pods request ``gpus`` of ``resource``; ``run_for`` keeps KWOK's pods Running that long."""
+    annotations = {"pod-complete.stage.kwok.x-k8s.io/delay": run_for, "pod-complete.stage.kwok.x-k8s.io/jitter-delay": run_for} if run_for else {}
+    job_labels = dict(labels or {})
+    if queue:
+        job_labels["kueue.x-k8s.io/queue-name"] = queue
+    if priority_class:
+        job_labels["kueue.x-k8s.io/priority-class"] = priority_class
+    return {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": name, "namespace": namespace, "labels": job_labels},
+        "spec": {"parallelism": parallelism, "completions": parallelism, "backoffLimit": 0,
+                 "template": {"metadata": {"labels": dict(labels or {}), "annotations": annotations},
+                              "spec": {"restartPolicy": "Never",
+                                       "containers": [{"name": "train", "image": "registry.example/train@sha256:" + "ab" * 32,
+                                                       "resources": {"requests": {"cpu": "1", resource: str(gpus)},
+                                                                     "limits": {resource: str(gpus)}}}]}}},
+    }
+
+
+def workloads_of(kube: k8s.ApiClient, job_name: str, namespace: str = NAMESPACE) -> list[dict]:
+    items = k8s.CustomObjectsApi(kube).list_namespaced_custom_object("kueue.x-k8s.io", "v1beta2", namespace, "workloads")["items"]
+    return [w for w in items if any(o.get("kind") == "Job" and o.get("name") == job_name for o in w["metadata"].get("ownerReferences", []))]
+
+
+def queue_namespace(cluster: LocalCluster, prefix: str = "ns") -> str:
+    """A fresh namespace with a LocalQueue ``gpu`` on the cluster's ClusterQueue (isolates one test's objects)."""
+    ns = unique(prefix)
+    cluster.ensure_namespace(ns)
+    cluster.apply(f"/apis/{KUEUE_API}/namespaces/{ns}/localqueues", {
+        "apiVersion": KUEUE_API, "kind": "LocalQueue", "metadata": {"name": QUEUE, "namespace": ns}, "spec": {"clusterQueue": CLUSTER_QUEUE}})
+    return ns
+
+
+def condition(obj: dict, ctype: str) -> dict | None:
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == ctype and c["status"] == "True"), None)
+
+
+def preempt_with_priority(kube: k8s.ApiClient, namespace: str = NAMESPACE) -> tuple[str, str, dict]:
+    """A low-priority Job holding every whole GPU of the queue (2 x 8, Running for an hour), then a
+    high-priority 8-GPU Job; returns (low job, high job, the high Workload once Kueue admitted it)."""
+    custom, batch = k8s.CustomObjectsApi(kube), k8s.BatchV1Api(kube)
+    low_pc, high_pc = unique("low"), unique("high")
+    for pc, value in ((low_pc, 10), (high_pc, 1000)):
+        custom.create_cluster_custom_object("kueue.x-k8s.io", "v1beta2", "workloadpriorityclasses", {
+            "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "WorkloadPriorityClass", "metadata": {"name": pc}, "value": value})
+    low, high = unique("low"), unique("high")
+    batch.create_namespaced_job(namespace, gpu_job(low, gpus=8, parallelism=2, run_for="1h", priority_class=low_pc, namespace=namespace))
+    wait_for(lambda: next((w for w in workloads_of(kube, low, namespace) if condition(w, "Admitted")), None), 90, "the low job admitted")
+    batch.create_namespaced_job(namespace, gpu_job(high, gpus=8, run_for="1h", priority_class=high_pc, namespace=namespace))
+    high_wl = wait_for(lambda: next((w for w in workloads_of(kube, high, namespace) if condition(w, "Admitted")), None), 120,
+                       "Kueue to admit the high-priority job")
+    return low, high, high_wl
+
