@@ -1290,11 +1290,6 @@ def make_pod(
     phase = phase or ("Running" if node else "Pending")
     ts = rfc3339(created)
     uid = uid or _new_uid()
-    resources: dict[str, dict[str, str]] = {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "16Gi"}}
-    if gpus:
-        resources["requests"][gpu_resource] = str(gpus)
-        resources["limits"][gpu_resource] = str(gpus)
-
     # Empty maps are omitted, as the API server's omitempty encoding does.
     meta: dict[str, Any] = {"name": name, "namespace": ns, "uid": uid, "creationTimestamp": ts}
     if labels:
@@ -1303,7 +1298,24 @@ def make_pod(
         meta["annotations"] = dict(annotations)
     if owner is not None:
         meta["ownerReferences"] = [owner_reference(owner)]
+    spec = _pod_spec(node, gpus, gpu_resource, image, container_name, scheduler_name, priority_class, priority)
+    if conditions is None:
+        conditions = _pod_conditions(node, phase, gpu_resource, ts)
+    status: dict[str, Any] = {"phase": phase, "conditions": [dict(c) for c in conditions], "qosClass": "Burstable"}
+    if nominated_node:
+        status["nominatedNodeName"] = nominated_node
+    if node:
+        status.update(_placed_pod_status(phase, ts, uid, image, image_id, container_name))
+    return {"kind": "Pod", "apiVersion": "v1", "metadata": meta, "spec": spec, "status": status}
 
+
+def _pod_spec(node: str | None, gpus: int, gpu_resource: str, image: str, container_name: str, scheduler_name: str,
+              priority_class: str | None, priority: int | None) -> dict:
+    """The spec as the API server stores it (defaults filled in); the GPU request mirrors the limit."""
+    resources: dict[str, dict[str, str]] = {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "16Gi"}}
+    if gpus:
+        resources["requests"][gpu_resource] = str(gpus)
+        resources["limits"][gpu_resource] = str(gpus)
     spec: dict[str, Any] = {
         "containers": [{
             "name": container_name,
@@ -1335,55 +1347,58 @@ def make_pod(
         spec["priorityClassName"] = priority_class
     if node:
         spec["nodeName"] = node
+    return spec
 
-    if conditions is None:
-        if not node:
-            conditions = [pod_condition("PodScheduled", "False", "Unschedulable",
-                                        f"0/8 nodes are available: 8 Insufficient {gpu_resource}. "
-                                        "preemption: 0/8 nodes are available: 8 No preemption victims "
-                                        "found for incoming pod.", ts)]
-        else:
-            ready = "True" if phase == "Running" else "False"
-            if phase == "Running":
-                not_ready_reason = None
-            elif phase in ("Succeeded", "Failed"):
-                not_ready_reason = "PodCompleted"
-            else:
-                not_ready_reason = "ContainersNotReady"
-            conditions = [
-                pod_condition("PodReadyToStartContainers", "True" if phase != "Pending" else "False", at=ts),
-                pod_condition("Initialized", "True", at=ts),
-                pod_condition("Ready", ready, not_ready_reason, at=ts),
-                pod_condition("ContainersReady", ready, not_ready_reason, at=ts),
-                pod_condition("PodScheduled", "True", at=ts),
-            ]
-    status: dict[str, Any] = {"phase": phase, "conditions": [dict(c) for c in conditions], "qosClass": "Burstable"}
-    if nominated_node:
-        status["nominatedNodeName"] = nominated_node
-    if node:
-        state, ready_b, started = _container_state(phase, ts)
-        status.update({
-            "hostIP": "10.0.0.10",
-            "hostIPs": [{"ip": "10.0.0.10"}],
-            "startTime": ts,
-            "containerStatuses": [{
-                "name": container_name,
-                "state": state,
-                "lastState": {},
-                "ready": ready_b,
-                "restartCount": 0,
-                "image": image,
-                # Not pulled yet while ContainerCreating: the kubelet reports "".
-                "imageID": (image_id or image_id_for(image)) if phase != "Pending" else (image_id or ""),
-                "started": started,
-                **({"containerID": f"containerd://{_digest_of(uid + container_name)}"}
-                   if phase != "Pending" else {}),
-            }],
-        })
-        if phase == "Running":
-            status["podIP"] = "10.244.1.7"
-            status["podIPs"] = [{"ip": "10.244.1.7"}]
-    return {"kind": "Pod", "apiVersion": "v1", "metadata": meta, "spec": spec, "status": status}
+
+def _pod_conditions(node: str | None, phase: str, gpu_resource: str, ts: str) -> list[dict]:
+    """What the kubelet/scheduler would have set for that phase (unscheduled Pending pods:
+    PodScheduled=False/Unschedulable)."""
+    if not node:
+        return [pod_condition("PodScheduled", "False", "Unschedulable",
+                              f"0/8 nodes are available: 8 Insufficient {gpu_resource}. "
+                              "preemption: 0/8 nodes are available: 8 No preemption victims "
+                              "found for incoming pod.", ts)]
+    ready = "True" if phase == "Running" else "False"
+    if phase == "Running":
+        not_ready_reason = None
+    elif phase in ("Succeeded", "Failed"):
+        not_ready_reason = "PodCompleted"
+    else:
+        not_ready_reason = "ContainersNotReady"
+    return [
+        pod_condition("PodReadyToStartContainers", "True" if phase != "Pending" else "False", at=ts),
+        pod_condition("Initialized", "True", at=ts),
+        pod_condition("Ready", ready, not_ready_reason, at=ts),
+        pod_condition("ContainersReady", ready, not_ready_reason, at=ts),
+        pod_condition("PodScheduled", "True", at=ts),
+    ]
+
+
+def _placed_pod_status(phase: str, ts: str, uid: str, image: str, image_id: str | None, container_name: str) -> dict:
+    """The status fields of a pod bound to a node: host, start, its container's state."""
+    state, ready_b, started = _container_state(phase, ts)
+    status: dict[str, Any] = {
+        "hostIP": "10.0.0.10",
+        "hostIPs": [{"ip": "10.0.0.10"}],
+        "startTime": ts,
+        "containerStatuses": [{
+            "name": container_name,
+            "state": state,
+            "lastState": {},
+            "ready": ready_b,
+            "restartCount": 0,
+            "image": image,
+            # Not pulled yet while ContainerCreating: the kubelet reports "".
+            "imageID": (image_id or image_id_for(image)) if phase != "Pending" else (image_id or ""),
+            "started": started,
+            **({"containerID": f"containerd://{_digest_of(uid + container_name)}"}
+               if phase != "Pending" else {}),
+        }],
+    }
+    if phase == "Running":
+        status["podIP"] = "10.244.1.7"
+        status["podIPs"] = [{"ip": "10.244.1.7"}]
+    return status
 
 
 _EVENT_ACTIONS = {
