@@ -102,7 +102,8 @@ class WorkerContext:
             "status": "ok" if ok else "degraded",
             "subscriptions": self.subscriptions,
             "release_directory": {"ready": self.directory.ready.is_set(), "releases": len(self.directory.releases)},
-            "stats": {**self.stats, "outputs_produced": dict(self.output.produced), "output_dead_letters": self.output.dead_letters},
+            "stats": {**self.stats, "outputs_produced": dict(self.output.produced), "output_dead_letters": self.output.dead_letters,
+                      "changelog_unchanged_skipped": sum(a.store.unchanged_skipped for a in (self.correlator, self.controller) if a)},
             "counters": {name: c.totals for name, c in self._counters.items()},
         }
         if self.sink is not None:

@@ -30,6 +30,7 @@ it after a restart.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections import defaultdict
@@ -41,6 +42,10 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartiti
 log = logging.getLogger(__name__)
 
 
+def _digest(value: bytes) -> bytes:
+    return hashlib.blake2b(value, digest_size=16).digest()
+
+
 class PartitionStore:
     def __init__(self, name: str, changelog: str, consumer_config: dict, on_load: Callable[[int, dict], None] | None = None) -> None:
         self.name = name
@@ -49,6 +54,10 @@ class PartitionStore:
         self._on_load = on_load
         self.parts: dict[int, dict[str, dict]] = {}
         self._dirty: dict[int, set[str]] = defaultdict(set)
+        # What the changelog holds for each key (a 128-bit digest of the record's bytes): a
+        # key put again with the same state (re-evaluated, nothing changed) is not written again.
+        self._written: dict[int, dict[str, bytes]] = defaultdict(dict)
+        self.unchanged_skipped = 0
         self.loaded_records = 0
         self.load_seconds = 0.0
         self._loading = asyncio.Lock()
@@ -64,6 +73,7 @@ class PartitionStore:
                 loaded = await asyncio.to_thread(self._read, missing)
                 for p in missing:
                     self.parts[p] = loaded.get(p, {})
+                    self._written[p] = {key: _digest(orjson.dumps(state)) for key, state in self.parts[p].items()}
                     if self._on_load is not None:
                         self._on_load(p, self.parts[p])
 
@@ -107,6 +117,7 @@ class PartitionStore:
         for p in partitions:
             self.parts.pop(p, None)
             self._dirty.pop(p, None)
+            self._written.pop(p, None)  # a failed batch drops its partitions: nothing here is trusted past the changelog
 
     # --- access ---------------------------------------------------------------------------
     def get(self, partition: int, key: str) -> dict | None:
@@ -127,13 +138,25 @@ class PartitionStore:
     # --- the changelog ----------------------------------------------------------------------
     def write_changes(self, output) -> int:
         """Produce a changelog record for every key changed since the last call (the
-        caller flushes ``output``, after the outputs these states imply were acked)."""
+        caller flushes ``output``, after the outputs these states imply were acked) — not
+        for a key whose state encodes to what its last changelog record holds. If the flush
+        fails, the caller's batch fails and ``drop`` forgets the partitions, so a record
+        that was not acknowledged is never taken as written."""
         n = 0
         for p, keys in self._dirty.items():
-            states = self.parts.get(p, {})
+            states, written = self.parts.get(p, {}), self._written[p]
             for key in keys:
                 state = states.get(key)
-                output.produce(self.changelog, key.encode(), orjson.dumps(state) if state is not None else None, partition=p)
+                value = orjson.dumps(state) if state is not None else None
+                mark = _digest(value) if value is not None else None
+                if written.get(key) == mark and (mark is not None or key not in written):
+                    self.unchanged_skipped += 1
+                    continue
+                if mark is None:
+                    written.pop(key, None)
+                else:
+                    written[key] = mark
+                output.produce(self.changelog, key.encode(), value, partition=p)
                 n += 1
         self._dirty.clear()
         return n
