@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
+from tests.fixtures.waiting import poll
 from gpuledger.dev.cluster import CLUSTER_QUEUE, KUEUE_API, NAMESPACE, QUEUE, LocalCluster
 
 
@@ -45,15 +45,8 @@ def kube(real_cluster: LocalCluster) -> k8s.ApiClient:
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.5):
-    """Poll ``predicate`` until it returns something truthy (returned) or fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+    """``tests.fixtures.waiting.poll`` in this tier's argument order."""
+    return poll(predicate, what, timeout, interval)
 
 
 def unique(prefix: str) -> str:

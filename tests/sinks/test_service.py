@@ -22,6 +22,7 @@ from schemas import Identity, ReleaseEvent, Source, make_event_id
 from schemas.release import ReleasePayload
 from sinks.errors import SinkError
 from sinks.read.query import QueryError, RemoteReader, owner_file
+from tests.fixtures.waiting import poll
 
 
 def _releases(tag: str, n: int) -> list[ReleaseEvent]:
@@ -50,13 +51,6 @@ def _raw_count(reader: RemoteReader, tag: str) -> int:
         return -1
 
 
-def _until(condition, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
 def test_queries_need_the_owner_files_token_which_only_its_user_can_read(kafka_bootstrap, catalogue, worker_factory):
     worker = worker_factory(catalogue)
     path = owner_file(worker.dsn)
@@ -65,7 +59,7 @@ def test_queries_need_the_owner_files_token_which_only_its_user_can_read(kafka_b
     pub = EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, "test")
     pub.publish_batch(_releases("tok", 3))
     pub.close()
-    _until(lambda: _raw_count(worker.reader, "tok") == 3, "3 raw rows")
+    poll(lambda: _raw_count(worker.reader, "tok") == 3, "3 raw rows", 60)
 
     sql = {"sql": "SELECT count() AS n FROM gpuledger.raw_events WHERE release_id LIKE 'tok-%'"}
     assert _post(owner["url"], sql, None)[0] == 401
@@ -81,7 +75,7 @@ def test_queries_need_the_owner_files_token_which_only_its_user_can_read(kafka_b
 
 def test_a_runaway_query_ends_at_its_limit_while_the_sink_keeps_storing(kafka_bootstrap, catalogue, worker_factory):
     worker = worker_factory(catalogue, extra_env={"GPULEDGER_CLICKHOUSE_QUERY_TIMEOUT_S": "8"})
-    _until(lambda: _raw_count(worker.reader, "run") == 0, "the store to answer")
+    poll(lambda: _raw_count(worker.reader, "run") == 0, "the store to answer", 60)
     outcome: dict = {}
 
     def runaway() -> None:
@@ -134,15 +128,15 @@ def test_a_killed_sink_is_restarted_and_a_killed_worker_takes_its_sink_along(kaf
     first = json.loads(owner_file(worker.dsn).read_text())["pid"]
     assert first != worker.service.proc.pid and _running(first)
     os.kill(first, signal.SIGKILL)
-    _until(lambda: (h := _health(worker.url)).get("sink", {}).get("restarts") == 1 and h["sink"]["answering"], "the sink restarted", 90)
+    poll(lambda: (h := _health(worker.url)).get("sink", {}).get("restarts") == 1 and h["sink"]["answering"], "the sink restarted", 90)
     second = json.loads(owner_file(worker.dsn).read_text())["pid"]
     assert second != first and _running(second)
     pub = EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, "test")
     pub.publish_batch(_releases("again", 5))
     pub.close()
     reader = RemoteReader.from_owner(owner_file(worker.dsn))
-    _until(lambda: _raw_count(reader, "again") == 5, "rows stored by the restarted sink", 90)
+    poll(lambda: _raw_count(reader, "again") == 5, "rows stored by the restarted sink", 90)
 
     worker.service.proc.kill()  # kill -9 of the worker
     worker.service.proc.wait(10)
-    _until(lambda: not _running(second), "the orphaned sink to exit", 30)
+    poll(lambda: not _running(second), "the orphaned sink to exit", 30)
