@@ -17,7 +17,7 @@ Builds run under ``nice -n 10`` and hold a lock file, so a background build star
 ``.ci/run`` and a test fixture that needs the binary wait for each other instead of building
 twice. ``python3 -m gpuledger.dev.kubebin CACHE_DIR`` builds (or finds) all four and prints their
 paths; this module uses the standard library only, so CI runs it before the virtualenv exists.
-Limits: needs ``go`` (1.24+) on PATH and the Go module proxy reachable on the first build; the
+Limits: needs ``go`` (1.26+, for kustomize v5.8.2) on PATH and the Go module proxy reachable on the first build; the
 first build of ``kube`` takes minutes (docs/real-cluster.md has the measured time).
 """
 
