@@ -17,6 +17,7 @@ Specific part: the pod-resources DaemonSet keeps the promises docs/collectors.md
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -432,3 +433,28 @@ def test_kustomize_pin_is_the_wrapper_modules():
     gomod = (kubebin.KUSTOMIZE_MODULE / "go.mod").read_text()
     module, version = kubebin.KUSTOMIZE
     assert f"tool {module}\n" in gomod and f"{module} {version}" in gomod
+
+
+#: Which settings section a command validates as "about to run" (its required fields checked too).
+RUN_SECTIONS = {("collect", "podresources"): "collectors.podresources"}
+
+
+@pytest.mark.parametrize(("path", "doc"), _pods(), ids=_pod_ids())
+def test_every_containers_environment_is_valid_settings(path, doc, monkeypatch):
+    """The values, not only the names: what the root loader would say at the container's start."""
+    from gpuledger.settings import Settings, SettingsError
+
+    for c in doc["spec"]["template"]["spec"]["containers"]:
+        for name in [k for k in os.environ if k.startswith("GPULEDGER_")]:
+            monkeypatch.delenv(name)
+        env = _container_env(c)
+        for e in c.get("env", []):
+            if "valueFrom" in e:  # the downward API: a node or pod name
+                env[e["name"]] = "gpu-node-1"
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        words = tuple(a for a in c["args"] if not a.startswith("-"))
+        try:
+            Settings.load(run=RUN_SECTIONS.get(words))
+        except SettingsError as exc:
+            pytest.fail(f"{doc['kind']}/{doc['metadata']['name']} {c['name']}: {exc}")
