@@ -19,6 +19,7 @@ not exercised; NetworkPolicies are accepted by the API server but nothing enforc
 from __future__ import annotations
 
 import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,8 +123,6 @@ def readme_secrets() -> set[str]:
 
 def render(kustomize: Path, overlay: str, namespace: str, work: Path) -> list[dict]:
     """``kustomize build`` of the README's overlay on ``overlay``, moved into ``namespace``."""
-    import subprocess
-
     user = readme_overlay()
     (base,) = user["resources"]
     assert base.startswith("../deploy/k8s/overlays/"), base
