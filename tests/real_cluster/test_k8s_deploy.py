@@ -211,7 +211,7 @@ def storage_for_claims(core: k8s.CoreV1Api, docs: list[dict], namespace: str) ->
                 core.create_persistent_volume({
                     "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
                     "spec": {"capacity": {"storage": template["spec"]["resources"]["requests"]["storage"]},
-                             "accessModes": template["spec"]["accessModes"], "persistentVolumeReclaimPolicy": "Delete",
+                             "accessModes": template["spec"]["accessModes"], "persistentVolumeReclaimPolicy": "Retain",
                              "hostPath": {"path": f"/var/lib/gpuledger-test/{pv}"},
                              "claimRef": {"namespace": namespace, "name": claim}}})
                 made.append(pv)
