@@ -865,7 +865,7 @@ def _retirement(rid: str, rows: list[dict], reservations: dict, allocs: list[dic
     held = ", ".join(f"{n} {k}(s)" for k, n in sorted(kinds.items()))
     found.add(8, ("retired", rid, ended["id"]), opened, closed, [ended["id"]] + [e for h in holdings for e in h[2]], base,
               f"release {rid} was {ended['type'].split('.', 1)[1]} at {ended['at']} and still held {held} after the {format_duration(grace)} grace period: "
-              + "; ".join(h[3] for h in holdings[:10]))
+              + "; ".join(h[3] for h in sorted(holdings, key=lambda h: (h[0], h[3]))[:10]))  # by time, then name: ids do not order text
 
 
 def peak_concurrency(allocs: list[dict], start: datetime, end: datetime | None) -> int:
