@@ -17,6 +17,9 @@ import pytest
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
+from producers._kafka import EventPublisher
+from producers.kubernetes.collector import COMPONENT, SchedulerCollector, build_api_client
+from producers.kubernetes.config import SchedulerCollectorSettings
 from tests.fixtures.waiting import poll
 from gpuledger.dev.cluster import CLUSTER_QUEUE, KUEUE_API, NAMESPACE, QUEUE, LocalCluster
 
@@ -42,6 +45,28 @@ def kube(real_cluster: LocalCluster) -> k8s.ApiClient:
     cfg = k8s.Configuration()
     k8s_config.load_kube_config(config_file=str(real_cluster.kubeconfig), client_configuration=cfg)
     return k8s.ApiClient(cfg)
+
+
+FAST = {"backoff_initial_s": 0.1, "backoff_max_s": 1.0, "request_timeout_s": 10, "state_flush_interval_s": 0,
+        "discovery_interval_s": 1.0, "host": "test-host"}
+
+
+@pytest.fixture
+def make_collector(real_cluster, kafka_bootstrap, catalogue, tmp_path):
+    """The scheduler collector on the real cluster, publishing to the test's catalogue: ``build(namespace, state_dir=None, **settings)``."""
+    made: list[SchedulerCollector] = []
+
+    def build(namespace: str, state_dir: Path | None = None, **overrides) -> SchedulerCollector:
+        settings = SchedulerCollectorSettings(kubeconfig=real_cluster.kubeconfig, namespace=namespace, **{**FAST, **overrides})
+        publisher = EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, COMPONENT)
+        collector = SchedulerCollector(settings, publisher, build_api_client(settings), state_dir or tmp_path / "state")
+        made.append(collector)
+        return collector
+
+    yield build
+    for c in made:
+        c.stop()
+        c.close()
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.5):
