@@ -397,8 +397,10 @@ def ensure_mlflow_server(cache_dir: Path) -> Path:
 class MlflowServer(_Peers):
     """``mlflow server`` on a sqlite store in ``data_dir``; ``client()`` is an ``MlflowClient`` on it."""
 
-    def __init__(self, data_dir: Path, cache_dir: Path | None = None, port: int | None = None) -> None:
+    def __init__(self, data_dir: Path, cache_dir: Path | None = None, port: int | None = None,
+                 webhook_cache_ttl_s: int = 1) -> None:
         super().__init__(data_dir)
+        self.webhook_cache_ttl_s = webhook_cache_ttl_s
         if cache_dir is None:
             from gpuledger.settings import default_cache_dir
 
@@ -425,6 +427,11 @@ class MlflowServer(_Peers):
             "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https",
             "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",
             "MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY": key_file.read_text().strip(),
+            # The server caches its webhook list per event type (60 s by default) and does not drop
+            # the cache when a webhook is created or deleted: a webhook made within a minute of an
+            # event of its type is not used for that minute. One second, so that a new webhook
+            # (a new test's receiver) takes effect at once.
+            "MLFLOW_WEBHOOK_CACHE_TTL": str(self.webhook_cache_ttl_s),
         }
         self._service("mlflow", [str(mlflow_bin)], [
             "server", "--backend-store-uri", f"sqlite:///{self.data_dir / 'mlflow.db'}",
@@ -448,6 +455,9 @@ class MlflowServer(_Peers):
         """Register the receiver's ``/v1/mlflow`` as a webhook signed with ``secret`` (``MlflowClient.create_webhook``)."""
         return self.client().create_webhook(name=name, url=f"{receiver_url.rstrip('/')}/v1/mlflow", events=list(events),
                                             secret=secret)
+
+    def delete_webhook(self, webhook_id: str) -> None:
+        self.client().delete_webhook(webhook_id)
 
     def __enter__(self) -> MlflowServer:
         return self.start()
