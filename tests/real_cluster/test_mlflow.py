@@ -7,6 +7,7 @@ Nothing here builds an MLflow body: the registry calls are the test's only input
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,7 +17,9 @@ import pytest
 from gpuledger.dev.peers import MlflowServer
 from producers._kafka import EventPublisher
 from producers.receiver.config import ReceiverSettings
+from schemas import decode_event
 from sinks.read.trace import trace_release
+from tests.fixtures.kafka import read_topic
 from tests.producers.receiver.test_server import RunningReceiver
 from tests.real_cluster.conftest import REAL_CLUSTER, unique, wait_for
 
@@ -127,3 +130,27 @@ def test_alias_moves_made_back_to_back_are_judged_in_the_order_they_were_made(ml
         (m(1), "release.promoted", "prod", m(2)),
         (m(2), "release.rolled_back", "prod", m(1)),
     ]
+
+
+def test_mlflows_test_delivery_is_answered_and_records_no_release(mlflow_server, mlflow_webhook, catalogue, settings_for,
+                                                                  kafka_bootstrap):
+    """MLflow's "Test webhook" (the UI's button, ``MlflowClient.test_webhook``) sends the example
+    payload of the webhook's first event — ``model_version.created`` of ``example_model`` version 1
+    from ``models:/123`` — signed like any delivery. It must not become a release."""
+    with RunningReceiver(ReceiverSettings(mlflow_secret=SECRET), EventPublisher.from_settings(settings_for(catalogue), "receiver")) as rx:
+        webhook = mlflow_webhook(rx.url)
+        result = mlflow_server.client().test_webhook(webhook.webhook_id)
+        assert result.success, result
+        answer = json.loads(result.response_body)
+        assert answer["accepted"] == 0 and answer["test_delivery"] is True, answer
+        # A real registration through the same webhook still arrives: the topic holds exactly it.
+        model = unique("after-test")
+        client = mlflow_server.client()
+        client.create_registered_model(model)
+        client.create_model_version(model, source=f"s3://models/{model}/1")
+        def on_topic():
+            events = [decode_event(r.value()) for r in read_topic(kafka_bootstrap, catalogue.release, min_count=1, timeout=5, settle=0.5)]
+            return events if any(e.identity.model_name == model for e in events) else None
+
+        events = wait_for(on_topic, 60, "the real registration on the release topic")
+    assert [(e.event_type, e.identity.release_id) for e in events] == [("release.registered", f"{model}:1")]
