@@ -19,11 +19,13 @@ jars: $(STAMP)
 setup: $(STAMP) jars
 
 # The real cluster's binaries (kube-apiserver/controller-manager/scheduler, KWOK, Kueue), built
-# from the Go module proxy once per pin into the cache (docs/real-cluster.md). Standard library
-# only, so .ci/run starts it in the background before the virtualenv exists.
+# from the Go module proxy once per pin into the cache, and MLflow server's virtualenv of its own
+# (PyPI, once per pin; docs/real-cluster.md). Standard library only, so .ci/run starts it in the
+# background before gpuledger's virtualenv exists.
 CACHE_DIR ?= $(or $(GPULEDGER_CACHE_DIR),$(HOME)/.cache/gpuledger)
 binaries:
 	$(PYTHON) -m gpuledger.dev.kubebin $(CACHE_DIR)
+	$(PYTHON) -c "from pathlib import Path; from gpuledger.dev.peers import ensure_mlflow_server; print('MLflow server:', ensure_mlflow_server(Path('$(CACHE_DIR)')))"
 
 # The incident-rollback exercise through the real pipeline (docs/exercises.md).
 demo: setup

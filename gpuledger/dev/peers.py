@@ -32,6 +32,7 @@ in-process (3 times), so a delivery lost while the receiver is down is lost.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import secrets
@@ -46,8 +47,6 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-
-import yaml
 
 from gpuledger.dev import kubebin
 from gpuledger.dev.process import ServiceProcess, free_port
@@ -225,6 +224,8 @@ def write_caller(credentials_file: Path, identity: str, endpoints: tuple[str, ..
 
     The file holds only the token's SHA-256 (``producers.receiver.auth``); the caller gets the token.
     """
+    import yaml  # the file may be the operator's YAML
+
     credentials_file = Path(credentials_file)
     data = yaml.safe_load(credentials_file.read_text()) if credentials_file.exists() else None
     callers = [c for c in (data or {}).get("callers", []) if c.get("identity") != identity]
@@ -251,6 +252,10 @@ def _http_ok(url: str) -> bool:
             return resp.status == 200
     except (OSError, ValueError):
         return False
+
+
+# Config files are written as JSON, which is YAML: this module imports nothing outside the standard
+# library at load time, so `make binaries` can make MLflow's virtualenv before gpuledger's exists.
 
 
 class _Peers:
@@ -333,7 +338,7 @@ class AlertingPeers(_Peers):
                 "http_config": {"authorization": {"type": "Bearer", "credentials_file": str(token_file)}}}]}],
         }
         path = self.data_dir / "alertmanager.yml"
-        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        path.write_text(json.dumps(config, indent=2))
         self._service("alertmanager", [binary], [
             f"--config.file={path}", f"--storage.path={self.data_dir / 'alertmanager'}",
             f"--web.listen-address=127.0.0.1:{self.ports['alertmanager']}", "--cluster.listen-address=", "--log.level=info"])
@@ -343,7 +348,7 @@ class AlertingPeers(_Peers):
             "alert": XID_ALERT, "expr": "DCGM_FI_DEV_XID_ERRORS > 0", "for": "0s", "labels": {"severity": "critical"},
             "annotations": {"summary": "XID {{ $value }} on {{ $labels.Hostname }} GPU {{ $labels.gpu }} ({{ $labels.err_msg }})"}}]}]}
         rules_path = self.data_dir / "prometheus-rules.yml"
-        rules_path.write_text(yaml.safe_dump(rules, sort_keys=False))
+        rules_path.write_text(json.dumps(rules, indent=2))
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": self.evaluation_interval},
             "rule_files": [str(rules_path)],
@@ -353,7 +358,7 @@ class AlertingPeers(_Peers):
                                 "static_configs": [{"targets": [self.exporter.target]}]}],
         }
         path = self.data_dir / "prometheus.yml"
-        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        path.write_text(json.dumps(config, indent=2))
         self._service("prometheus", [binary], [
             f"--config.file={path}", f"--storage.tsdb.path={self.data_dir / 'prometheus'}",
             f"--web.listen-address=127.0.0.1:{self.ports['prometheus']}", "--log.level=info",
