@@ -22,6 +22,7 @@ from producers.kubernetes.collector import COMPONENT, SchedulerCollector, build_
 from producers.kubernetes.config import SchedulerCollectorSettings
 from tests.fixtures.waiting import poll
 from gpuledger.dev.cluster import CLUSTER_QUEUE, KUEUE_API, NAMESPACE, QUEUE, LocalCluster
+from gpuledger.dev.peers import MlflowServer
 
 
 #: Every module's ``pytestmark``. The long timeout covers the first test's fixture set-up, which
@@ -45,6 +46,31 @@ def kube(real_cluster: LocalCluster) -> k8s.ApiClient:
     cfg = k8s.Configuration()
     k8s_config.load_kube_config(config_file=str(real_cluster.kubeconfig), client_configuration=cfg)
     return k8s.ApiClient(cfg)
+
+
+#: The webhook secret of the tier's MLflow webhooks (the receiver's ``mlflow_secret``).
+MLFLOW_SECRET = "whsec-real-mlflow"
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """One MLflow server for the tier's tests (its start, sqlite migrations included, takes up to a minute)."""
+    with MlflowServer(tmp_path_factory.mktemp("mlflow")) as server:
+        yield server
+
+
+@pytest.fixture
+def mlflow_webhook(mlflow_server):
+    """``hook(receiver_url)``: a webhook of the server to that receiver, deleted after the test."""
+    made = []
+
+    def hook(receiver_url: str):
+        made.append(mlflow_server.create_webhook(receiver_url, MLFLOW_SECRET))
+        return made[-1]
+
+    yield hook
+    for webhook in made:
+        mlflow_server.delete_webhook(webhook.webhook_id)
 
 
 FAST = {"backoff_initial_s": 0.1, "backoff_max_s": 1.0, "request_timeout_s": 10, "state_flush_interval_s": 0,
@@ -80,9 +106,11 @@ def unique(prefix: str) -> str:
 
 def gpu_job(name: str, gpus: int = 1, *, resource: str = "nvidia.com/gpu", parallelism: int = 1, run_for: str | None = None,
             queue: str | None = "gpu", priority_class: str | None = None, labels: dict[str, str] | None = None,
-            namespace: str = NAMESPACE) -> dict:
-    """A batch/v1 Job whose pods request ``gpus`` of ``resource``; ``run_for`` keeps KWOK's pods Running that long."""
-    annotations = {"pod-complete.stage.kwok.x-k8s.io/delay": run_for, "pod-complete.stage.kwok.x-k8s.io/jitter-delay": run_for} if run_for else {}
+            namespace: str = NAMESPACE, annotations: dict[str, str] | None = None) -> dict:
+    """A batch/v1 Job whose pods request ``gpus`` of ``resource``; ``run_for`` keeps KWOK's pods Running that long.
+    ``labels`` go on the Job and its pod template, ``annotations`` on the pod template."""
+    kwok = {"pod-complete.stage.kwok.x-k8s.io/delay": run_for, "pod-complete.stage.kwok.x-k8s.io/jitter-delay": run_for} if run_for else {}
+    annotations = {**kwok, **(annotations or {})}
     job_labels = dict(labels or {})
     if queue:
         job_labels["kueue.x-k8s.io/queue-name"] = queue

@@ -1,5 +1,7 @@
 """An XID fault through the real alerting path: DCGM-shaped page → Prometheus → Alertmanager → receiver.
 
+The release is registered in a real MLflow (its webhook → the receiver's ``/v1/mlflow``).
+
 Real Prometheus (Debian) scrapes the DCGM-exporter-shaped page of ``gpuledger.dev.peers`` and
 fires ``GpuXidError``; real Alertmanager (Debian) notifies the real receiver (in-process, real
 HTTP) with the bearer token of a caller in its credentials file and ``send_resolved``; the
@@ -15,6 +17,7 @@ import subprocess
 import sys
 from datetime import datetime, timedelta, timezone
 
+import pytest
 from kubernetes import client as k8s
 
 from gpuledger.dev.cluster import DEFAULT_NODES
@@ -25,7 +28,7 @@ from schemas import Identity, ReleaseEvent, Source, make_event_id
 from schemas.release import ReleasePayload
 from tests.producers.kubernetes.test_collector import running
 from tests.producers.receiver.test_server import RunningReceiver
-from tests.real_cluster.conftest import REAL_CLUSTER, gpu_job, queue_namespace, unique, wait_for
+from tests.real_cluster.conftest import MLFLOW_SECRET, REAL_CLUSTER, gpu_job, queue_namespace, unique, wait_for
 
 pytestmark = REAL_CLUSTER
 
@@ -57,11 +60,9 @@ def trace(worker, *args: str) -> dict:
     return json.loads(out.stdout)
 
 
-def test_a_prometheus_fired_xid_alert_arrives_through_alertmanager_and_reaches_the_kueue_workload(
-        real_cluster, kube, make_collector, catalogue, settings_for, worker_factory, tmp_path):
+def test_a_prometheus_fired_xid_alert_arrives_through_alertmanager_and_reaches_the_mlflow_release_and_kueue_workload(
+        real_cluster, kube, make_collector, mlflow_server, mlflow_webhook, catalogue, settings_for, worker_factory, tmp_path):
     settings = settings_for(catalogue)
-    rid = unique("rel-xid")
-    EventPublisher.from_settings(settings, "test").publish_batch([registered(rid)])
     worker = worker_factory(catalogue, extra_env={"GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "2"})
     callers = tmp_path / "callers.yaml"
     token = write_caller(callers, "service:alertmanager", ("alertmanager",))
@@ -69,9 +70,24 @@ def test_a_prometheus_fired_xid_alert_arrives_through_alertmanager_and_reaches_t
     devices = [d for node in DEFAULT_NODES for d in node_devices(node)]
     batch = k8s.BatchV1Api(kube)
     with running(make_collector(ns)), \
-            RunningReceiver(ReceiverSettings(credentials_file=callers), EventPublisher.from_settings(settings, "receiver")) as rx, \
+            RunningReceiver(ReceiverSettings(credentials_file=callers, mlflow_secret=MLFLOW_SECRET),
+                            EventPublisher.from_settings(settings, "receiver")) as rx, \
             DcgmExporter(devices) as exporter, AlertingPeers(tmp_path / "peers", exporter, rx.url, token):
-        batch.create_namespaced_job(ns, gpu_job(job, gpus=1, run_for="1h", namespace=ns, labels={"gpuledger.io/release-id": rid}))
+        # The release is registered in MLflow; its webhook tells the receiver.
+        mlflow_webhook(rx.url)
+        model = unique("xid-model")
+        client = mlflow_server.client()
+        client.create_registered_model(model)
+        client.create_model_version(model, source=f"s3://models/{model}/1", tags={"owner": "team-xid"})
+        rid = f"{model}:1"
+        wait_for(lambda: worker.reader.query("SELECT count() AS n FROM gpuledger.release_history FINAL WHERE release_id = {r:String}",
+                                             {"r": rid}).dicts()[0]["n"], 60, "the MLflow registration stored")
+        # MLflow's release id (``model:version``) is not a valid label value: the real API server refuses
+        # it (the API-server double took it). The pod template's annotation names the release instead.
+        with pytest.raises(k8s.ApiException) as refused:
+            batch.create_namespaced_job(ns, gpu_job(job, namespace=ns, labels={"gpuledger.io/release-id": rid}))
+        assert refused.value.status == 422 and "a valid label must be" in refused.value.body
+        batch.create_namespaced_job(ns, gpu_job(job, gpus=1, run_for="1h", namespace=ns, annotations={"gpuledger.io/release-id": rid}))
         pod = wait_for(lambda: running_pod(kube, ns, job), 120, "the Job's pod Running on a GPU node")
         node, name = pod.spec.node_name, pod.metadata.name
         gpu = next(d for d in exporter.devices if d.node == node)
@@ -99,6 +115,6 @@ def test_a_prometheus_fired_xid_alert_arrives_through_alertmanager_and_reaches_t
 
     # The responder's walk: alert → release, workload, node and GPU.
     chain = trace(worker, "--alert", row["alert_fingerprint"])
-    assert chain["release"]["release_id"] == rid, chain
+    assert chain["release"]["release_id"] == rid and chain["release"]["owner"] == "team-xid", chain
     text = json.dumps(chain)
     assert row["workload_id"] in text and node in text and gpu.uuid in text

@@ -12,41 +12,17 @@ import os
 import subprocess
 import sys
 
-import pytest
-
-from gpuledger.dev.peers import MlflowServer
 from producers._kafka import EventPublisher
 from producers.receiver.config import ReceiverSettings
 from schemas import decode_event
 from sinks.read.trace import trace_release
 from tests.fixtures.kafka import read_topic
 from tests.producers.receiver.test_server import RunningReceiver
+from tests.real_cluster.conftest import MLFLOW_SECRET as SECRET
 from tests.real_cluster.conftest import REAL_CLUSTER, unique, wait_for
 
 pytestmark = REAL_CLUSTER
 
-SECRET = "whsec-" + "real-mlflow"
-
-
-@pytest.fixture(scope="session")
-def mlflow_server(tmp_path_factory):
-    """One MLflow server for the module's tests (its start, sqlite migrations included, takes up to a minute)."""
-    with MlflowServer(tmp_path_factory.mktemp("mlflow")) as server:
-        yield server
-
-
-@pytest.fixture
-def mlflow_webhook(mlflow_server):
-    """``hook(receiver_url)``: a webhook of the server to that receiver, deleted after the test."""
-    made = []
-
-    def hook(receiver_url: str):
-        made.append(mlflow_server.create_webhook(receiver_url, SECRET))
-        return made[-1]
-
-    yield hook
-    for webhook in made:
-        mlflow_server.delete_webhook(webhook.webhook_id)
 
 
 def history(worker, model: str) -> list[dict]:
