@@ -41,7 +41,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterable
@@ -113,11 +112,11 @@ def node_devices(node) -> list[DcgmDevice]:
     GPUs as needed (7 slices of 1g per GPU), each slice ``MIG-<uuid>`` to the device plugin and,
     to dcgm-exporter, its parent's ``UUID`` with ``GPU_I_ID``/``GPU_I_PROFILE``.
     """
-    model = node.product.replace("-", " ", 1).replace("-", " ") if node.product else "NVIDIA"
-    out = [DcgmDevice(node.name, i, f"GPU-{_stable_uuid(node.name, 'gpu', str(i))}", model, device_id="")
-           for i in range(node.gpus)]
-    for d in out:
-        d.device_id = d.uuid
+    model = node.product.replace("-", " ")  # the node label's form -> nvidia-smi's (modelName)
+    out = []
+    for i in range(node.gpus):
+        gpu_uuid = f"GPU-{_stable_uuid(node.name, 'gpu', str(i))}"
+        out.append(DcgmDevice(node.name, i, gpu_uuid, model, device_id=gpu_uuid))
     gpu = node.gpus
     for profile, count in node.mig:
         per_gpu = 7 // int(profile.split("g", 1)[0])
