@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet -e ".[test,peers]"
 	touch $(STAMP)
 
 # Kafka's jars from Maven Central, cached under ~/.cache/gpuledger (once).
@@ -19,12 +19,13 @@ jars: $(STAMP)
 setup: $(STAMP) jars
 
 # The real cluster's binaries (kube-apiserver/controller-manager/scheduler, KWOK, Kueue) and the
-# kustomize CLI that renders deploy/k8s, built
-# from the Go module proxy once per pin into the cache (docs/real-cluster.md). Standard library
-# only, so .ci/run starts it in the background before the virtualenv exists.
+# kustomize CLI that renders deploy/k8s, built from the Go module proxy once per pin into the
+# cache, and MLflow server's virtualenv of its own (PyPI, once per pin; docs/real-cluster.md).
+# Standard library only, so .ci/run starts it in the background before gpuledger's virtualenv exists.
 CACHE_DIR ?= $(or $(GPULEDGER_CACHE_DIR),$(HOME)/.cache/gpuledger)
 binaries:
 	$(PYTHON) -m gpuledger.dev.kubebin $(CACHE_DIR)
+	$(PYTHON) -c "from pathlib import Path; from gpuledger.dev.peers import ensure_mlflow_server; print('MLflow server:', ensure_mlflow_server(Path('$(CACHE_DIR)')))"
 
 # The incident-rollback exercise through the real pipeline (docs/exercises.md).
 demo: setup

@@ -413,6 +413,29 @@ def _json_merge_patch(target: Any, patch: Any) -> Any:
 # The server
 # --------------------------------------------------------------------------
 
+#: A label value as the API server validates it (k8s.io/apimachinery/pkg/util/validation
+#: IsValidLabelValue): at most 63 characters, alphanumerics and ``-_.``, alphanumeric at both ends.
+_LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+
+
+def _check_labels(obj: Mapping) -> None:
+    """Refuse label values the real API server refuses (a pod template's labels too), with its message.
+
+    The real one answers 422 for e.g. ``gpuledger.io/release-id: fraud-detector:7`` (found by the
+    real-cluster tier: this double used to take it)."""
+    template = ((obj.get("spec") or {}).get("template") or {}).get("metadata") or {}
+    problems = []
+    for where, labels in (("metadata.labels", (obj.get("metadata") or {}).get("labels")), ("spec.template.labels", template.get("labels"))):
+        for value in (labels or {}).values():
+            if len(str(value)) > 63:
+                problems.append(f"{where}: Invalid value: {value!r}: must be no more than 63 characters")
+            elif not _LABEL_VALUE.fullmatch(str(value)):
+                problems.append(f"{where}: Invalid value: {value!r}: a valid label must be an empty string or consist of alphanumeric "
+                                "characters, '-', '_' or '.', and must start and end with an alphanumeric character")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 class FakeKubeApi:
     """Kubernetes API server double (read/list/watch over HTTP, writes in-process).
 
@@ -566,7 +589,8 @@ class FakeKubeApi:
 
     def create(self, resource: str, obj: Mapping) -> dict:
         """Store a new object (ADDED). Fills kind/apiVersion, namespace
-        ("default"), uid, creationTimestamp, generation, resourceVersion."""
+        ("default"), uid, creationTimestamp, generation, resourceVersion.
+        Label values are checked as the API server checks them (``ValueError``)."""
         rt = self._type(resource)
         obj = copy.deepcopy(dict(obj))
         obj.setdefault("kind", rt.kind)
@@ -574,6 +598,7 @@ class FakeKubeApi:
         meta = obj.setdefault("metadata", {})
         if not meta.get("name"):
             raise ValueError("metadata.name is required")
+        _check_labels(obj)
         if rt.namespaced:
             meta.setdefault("namespace", "default")
         else:
@@ -599,6 +624,7 @@ class FakeKubeApi:
         obj.setdefault("kind", rt.kind)
         obj.setdefault("apiVersion", rt.api_version)
         meta = obj.setdefault("metadata", {})
+        _check_labels(obj)
         with self._cond:
             key = self._key(rt, meta.get("namespace"), meta.get("name", ""))
             old = self._objects.get(key)

@@ -21,6 +21,7 @@ MLflow delivery                               gpuledger release event (defaults)
 ``registered_model.created``                  nothing (no version, so no release)
 ``model_version_alias.deleted``               nothing (MLflow does not say which version)
 ``model_version_tag.deleted``                 nothing
+"Test webhook" (``TEST_PAYLOADS``)            nothing (answered ``test_delivery: true``)
 alias not in ``alias_environments``           nothing
 ============================================  =============================================
 
@@ -76,6 +77,30 @@ REGISTRY_EVENTS: dict[tuple[str, str], tuple[str, ...]] = {
     ("model_version_alias", "created"): ("name", "alias", "version"),
     ("model_version_alias", "deleted"): ("name", "alias"),
 }
+
+
+#: What MLflow sends for "Test webhook" (its UI's button, ``MlflowClient.test_webhook``): the
+#: ``example()`` payload of the event type (``mlflow/webhooks/types.py``, MLflow 3.17), signed like
+#: any delivery and marked by nothing else. No registry change produces them (MLflow refuses a
+#: ``models:/`` source for a new version), so a body equal to one is a test, never a release.
+TEST_PAYLOADS: dict[tuple[str, str], dict[str, Any]] = {
+    ("registered_model", "created"): {"name": "example_model", "tags": {"example_key": "example_value"},
+                                      "description": "An example registered model"},
+    ("model_version", "created"): {"name": "example_model", "version": "1", "source": "models:/123", "run_id": "abcd1234abcd5678",
+                                   "tags": {"example_key": "example_value"}, "description": "An example model version"},
+    ("model_version_tag", "set"): {"name": "example_model", "version": "1", "key": "example_key", "value": "example_value"},
+    ("model_version_tag", "deleted"): {"name": "example_model", "version": "1", "key": "example_key"},
+    ("model_version_alias", "created"): {"name": "example_model", "alias": "example_alias", "version": "1"},
+    ("model_version_alias", "deleted"): {"name": "example_model", "alias": "example_alias"},
+}
+
+
+def is_test_delivery(body: Any) -> bool:
+    """Whether ``body`` is MLflow's "Test webhook" delivery (``TEST_PAYLOADS``)."""
+    if not isinstance(body, dict):
+        return False
+    example = TEST_PAYLOADS.get((body.get("entity"), body.get("action")))
+    return example is not None and body.get("data") == example
 
 
 class SignatureError(PayloadError):
@@ -355,6 +380,8 @@ def release_events(
     """
     mapping = mapping or MlflowReleaseMapping()
     entity, action, occurred, data, workspace = _envelope(body)
+    if is_test_delivery(body):
+        return []
     if (entity, action) not in {("model_version", "created"), ("model_version_alias", "created"), ("model_version_tag", "set")}:
         return []
     ctx = _Delivery(entity, action, occurred, delivery_id or occurred.isoformat(), Source(collector=COLLECTOR, host=host),

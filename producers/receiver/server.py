@@ -66,7 +66,7 @@ from producers._limits import TextTrimmer
 from producers.receiver.alertmanager import alert_events, truncated_alerts
 from producers.receiver.auth import Authenticator, AuthError, CredentialsFile, OidcVerifier, Principal
 from producers.receiver.config import ReceiverSettings
-from producers.receiver.mlflow import DELIVERY_ID_HEADER, AliasHolders, DeliveryLog, release_events, verify_signature
+from producers.receiver.mlflow import DELIVERY_ID_HEADER, AliasHolders, DeliveryLog, is_test_delivery, release_events, verify_signature
 from producers.releases import release_natural_key
 from schemas.envelope import SCHEMA_VERSION, TraceContext, make_event_id
 from schemas.events import EVENT_TYPES, EventDecodeError, decode_event, encode_event
@@ -372,6 +372,11 @@ class LifecycleReceiver:
         if self.deliveries.seen(delivery_id):
             return self._accepted([], duplicate_delivery=True)
         data = self._parse_json(body)
+        if is_test_delivery(data):
+            # MLflow's "Test webhook": answer it (MLflow shows the answer), publish nothing.
+            log.info("mlflow: delivery %s is MLflow's test delivery (%s.%s): nothing published", delivery_id,
+                     data.get("entity"), data.get("action"))
+            return self._accepted([], test_delivery=True)
         if isinstance(data, dict) and data.get("entity") == "model_version_alias":
             # Who held the alias before decides promotion vs rollback: one move at a time,
             # and only once the holders were read from the release topic.

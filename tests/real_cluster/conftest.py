@@ -17,8 +17,12 @@ import pytest
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
+from producers._kafka import EventPublisher
+from producers.kubernetes.collector import COMPONENT, SchedulerCollector, build_api_client
+from producers.kubernetes.config import SchedulerCollectorSettings
 from tests.fixtures.waiting import poll
 from gpuledger.dev.cluster import CLUSTER_QUEUE, KUEUE_API, NAMESPACE, QUEUE, LocalCluster
+from gpuledger.dev.peers import MlflowServer
 
 
 #: Every module's ``pytestmark``. The long timeout covers the first test's fixture set-up, which
@@ -44,6 +48,53 @@ def kube(real_cluster: LocalCluster) -> k8s.ApiClient:
     return k8s.ApiClient(cfg)
 
 
+#: The webhook secret of the tier's MLflow webhooks (the receiver's ``mlflow_secret``).
+MLFLOW_SECRET = "whsec-real-mlflow"
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """One MLflow server for the tier's tests (its start, sqlite migrations included, takes up to a minute)."""
+    with MlflowServer(tmp_path_factory.mktemp("mlflow")) as server:
+        yield server
+
+
+@pytest.fixture
+def mlflow_webhook(mlflow_server):
+    """``hook(receiver_url)``: a webhook of the server to that receiver, deleted after the test."""
+    made = []
+
+    def hook(receiver_url: str):
+        made.append(mlflow_server.create_webhook(receiver_url, MLFLOW_SECRET))
+        return made[-1]
+
+    yield hook
+    for webhook in made:
+        mlflow_server.delete_webhook(webhook.webhook_id)
+
+
+FAST = {"backoff_initial_s": 0.1, "backoff_max_s": 1.0, "request_timeout_s": 10, "state_flush_interval_s": 0,
+        "discovery_interval_s": 1.0, "host": "test-host"}
+
+
+@pytest.fixture
+def make_collector(real_cluster, kafka_bootstrap, catalogue, tmp_path):
+    """The scheduler collector on the real cluster, publishing to the test's catalogue: ``build(namespace, state_dir=None, **settings)``."""
+    made: list[SchedulerCollector] = []
+
+    def build(namespace: str, state_dir: Path | None = None, **overrides) -> SchedulerCollector:
+        settings = SchedulerCollectorSettings(kubeconfig=real_cluster.kubeconfig, namespace=namespace, **{**FAST, **overrides})
+        publisher = EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, COMPONENT)
+        collector = SchedulerCollector(settings, publisher, build_api_client(settings), state_dir or tmp_path / "state")
+        made.append(collector)
+        return collector
+
+    yield build
+    for c in made:
+        c.stop()
+        c.close()
+
+
 def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.5):
     """``tests.fixtures.waiting.poll`` in this tier's argument order."""
     return poll(predicate, what, timeout, interval)
@@ -55,9 +106,11 @@ def unique(prefix: str) -> str:
 
 def gpu_job(name: str, gpus: int = 1, *, resource: str = "nvidia.com/gpu", parallelism: int = 1, run_for: str | None = None,
             queue: str | None = "gpu", priority_class: str | None = None, labels: dict[str, str] | None = None,
-            namespace: str = NAMESPACE) -> dict:
-    """A batch/v1 Job whose pods request ``gpus`` of ``resource``; ``run_for`` keeps KWOK's pods Running that long."""
-    annotations = {"pod-complete.stage.kwok.x-k8s.io/delay": run_for, "pod-complete.stage.kwok.x-k8s.io/jitter-delay": run_for} if run_for else {}
+            namespace: str = NAMESPACE, annotations: dict[str, str] | None = None) -> dict:
+    """A batch/v1 Job whose pods request ``gpus`` of ``resource``; ``run_for`` keeps KWOK's pods Running that long.
+    ``labels`` go on the Job and its pod template, ``annotations`` on the pod template."""
+    kwok = {"pod-complete.stage.kwok.x-k8s.io/delay": run_for, "pod-complete.stage.kwok.x-k8s.io/jitter-delay": run_for} if run_for else {}
+    annotations = {**kwok, **(annotations or {})}
     job_labels = dict(labels or {})
     if queue:
         job_labels["kueue.x-k8s.io/queue-name"] = queue

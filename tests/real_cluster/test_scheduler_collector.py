@@ -9,41 +9,15 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from pathlib import Path
 
-import pytest
 from kubernetes import client as k8s
 
-from producers._kafka import EventPublisher
-from producers.kubernetes.collector import COMPONENT, SchedulerCollector, build_api_client
-from producers.kubernetes.config import SchedulerCollectorSettings
 from schemas import decode_event
 from tests.fixtures.kafka import read_topic
 from tests.producers.kubernetes.test_collector import running
 from tests.real_cluster.conftest import REAL_CLUSTER, gpu_job, preempt_with_priority, queue_namespace, unique, wait_for, workloads_of
 
 pytestmark = REAL_CLUSTER
-
-FAST = {"backoff_initial_s": 0.1, "backoff_max_s": 1.0, "request_timeout_s": 10, "state_flush_interval_s": 0,
-        "discovery_interval_s": 1.0, "host": "test-host"}
-
-
-@pytest.fixture
-def make_collector(real_cluster, kafka_bootstrap, catalogue, tmp_path):
-    made: list[SchedulerCollector] = []
-
-    def build(namespace: str, state_dir: Path | None = None, **overrides) -> SchedulerCollector:
-        settings = SchedulerCollectorSettings(kubeconfig=real_cluster.kubeconfig, namespace=namespace, **{**FAST, **overrides})
-        publisher = EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, COMPONENT)
-        collector = SchedulerCollector(settings, publisher, build_api_client(settings), state_dir or tmp_path / "state")
-        made.append(collector)
-        return collector
-
-    yield build
-    for c in made:
-        c.stop()
-        c.close()
-
 
 def on_topic(bootstrap: str, topic: str, min_count: int, settle: float = 2.0) -> list:
     events = [decode_event(m.value()) for m in read_topic(bootstrap, topic, min_count=min_count, timeout=60, settle=settle)]

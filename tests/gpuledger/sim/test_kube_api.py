@@ -468,3 +468,19 @@ def test_stop_ends_open_watches(ac):
     t.join(5)
     assert not t.is_alive() and time.monotonic() - t0 < 3
     bac.close()
+
+
+def test_label_values_the_real_api_server_refuses_are_refused(api, ac):
+    """The real API server refuses a label value with ':' (MLflow's ``model:version``), on a pod or a
+    Job's template (tests/real_cluster/test_alerting.py shows it); so does the double."""
+    bad = make_pod("ml", "bad", created=T0, labels={"gpuledger.io/release-id": "fraud-detector:7"})
+    with pytest.raises(ValueError, match="a valid label must be"):
+        api.create(PODS, bad)
+    too_long = make_pod("ml", "long", created=T0, labels={"gpuledger.io/release-id": "r" * 64})
+    with pytest.raises(ValueError, match="no more than 63 characters"):
+        api.create(PODS, too_long)
+    # As an annotation the same id is fine (annotations have no value syntax).
+    ok = make_pod("ml", "ok", created=T0, labels={"gpuledger.io/release-id": "fraud-detector-7"})
+    ok["metadata"].setdefault("annotations", {})["gpuledger.io/release-id"] = "fraud-detector:7"
+    api.create(PODS, ok)
+    assert [p.metadata.name for p in client.CoreV1Api(ac).list_namespaced_pod("ml").items] == ["ok"]

@@ -22,8 +22,10 @@ from producers.receiver.mlflow import (
     TIMESTAMP_HEADER,
     DeliveryLog,
     MlflowReleaseMapping,
+    TEST_PAYLOADS,
     SignatureError,
     TagRule,
+    is_test_delivery,
     release_events,
     sign,
     verify_signature,
@@ -99,6 +101,16 @@ def test_tag_rules(key, value, event_type):
 @pytest.mark.parametrize("name", ["registered_model_created", "model_version_alias_deleted", "model_version_tag_deleted"])
 def test_deliveries_without_a_release_fact_map_to_nothing(name):
     assert release_events(load(name)) == []
+
+
+@pytest.mark.parametrize("kind", sorted(TEST_PAYLOADS))
+def test_mlflows_test_delivery_maps_to_nothing(kind):
+    """MLflow's "Test webhook" body (tests/real_cluster/test_mlflow.py sends the real one)."""
+    body = {"entity": kind[0], "action": kind[1], "timestamp": "2026-12-01T17:10:00.123456+00:00", "data": dict(TEST_PAYLOADS[kind])}
+    assert is_test_delivery(body) and release_events(body) == []
+    # The same event with any other data is a real one.
+    real = {**body, "data": {**body["data"], "name": "fraud-detector"}}
+    assert not is_test_delivery(real)
 
 
 def test_aliases_outside_the_mapping_are_ignored_and_the_mapping_is_configurable():
