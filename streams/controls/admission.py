@@ -26,6 +26,7 @@ it is unknown and approval is required (as control 1 treats it).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -119,8 +120,15 @@ class AdmissionState(ReleaseDirectory):
         super().__init__()
         self.overrides: dict[str, list[Override]] = {}
         self.applied = 0  # release events folded in: the admit server's freshness counter
+        # Folds happen on the follower's event loop; a reader on another thread (the
+        # AdmissionCheck controller) holds this while it decides.
+        self.lock = threading.RLock()
 
     def apply(self, event) -> list[str]:
+        with self.lock:
+            return self._apply(event)
+
+    def _apply(self, event) -> list[str]:
         changed = super().apply(event)
         self.applied += 1
         if event.event_type == OVERRIDE_EVENT and event.payload.target:
