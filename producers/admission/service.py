@@ -18,7 +18,9 @@ own audit log still has the request); the self-signed certificate changes at eac
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import time
 import queue
 import ssl
 import tempfile
@@ -26,6 +28,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import orjson
 from aiohttp import web
 
 from producers._config import ResourceMatcher
@@ -78,6 +81,8 @@ class DecisionRecorder:
                     events.append(self.queue.get_nowait())
                 except queue.Empty:
                     break
+            # The webhook hands over a function: the event is built here, not on the request path.
+            events = [e() if callable(e) else e for e in events]
             while True:
                 try:
                     self.publisher.publish_batch(events)
@@ -108,6 +113,7 @@ class AdmitService:
         self.handler = ReviewHandler(self.state, policy, self.resources, config.label_prefix)
         self.controller = None
         self.counters = {"reviews": 0, "bad_requests": 0, "denied": 0}
+        self.latencies: collections.deque[float] = collections.deque(maxlen=10_000)  # ms from body read to answer encoded
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._stop_requested = threading.Event()
@@ -124,6 +130,7 @@ class AdmitService:
         except web.HTTPRequestEntityTooLarge:
             self.counters["bad_requests"] += 1
             return web.json_response({"error": f"body over {self.config.max_body_bytes} bytes"}, status=413)
+        started = time.perf_counter()
         status, answer, event = self.handler.handle(body)
         if status != 200:
             self.counters["bad_requests"] += 1
@@ -133,12 +140,18 @@ class AdmitService:
                 self.counters["denied"] += 1
         if event is not None:
             self.recorder(event)
-        return web.json_response(answer, status=status)
+        response = web.Response(body=orjson.dumps(answer), status=status, content_type="application/json")
+        self.latencies.append((time.perf_counter() - started) * 1000)
+        return response
 
     async def healthz(self, request: web.Request) -> web.Response:
         controller = self.controller.counters if self.controller else None
+        recent = sorted(self.latencies)
+        latency = {"n": len(recent), "p50_ms": round(recent[len(recent) // 2], 3), "p99_ms": round(recent[int(len(recent) * 0.99)], 3),
+                   "max_ms": round(recent[-1], 3)} if recent else {"n": 0}
         return web.json_response({"status": "ok", "releases": len(self.state.releases), "release_events": self.state.applied,
-                                  "webhook": self.counters, "recorder": self.recorder.counters, "controller": controller})
+                                  "webhook": self.counters, "decision_latency": latency, "recorder": self.recorder.counters,
+                                  "controller": controller})
 
     async def readyz(self, request: web.Request) -> web.Response:
         if self.state.ready.is_set():

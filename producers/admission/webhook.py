@@ -62,7 +62,9 @@ class ReviewHandler:
         self.state, self.policy, self.resources, self.prefix, self.clock, self.host = state, policy, resources, prefix, clock, host
         self.policy_version = policy.fingerprint
 
-    def handle(self, body: bytes) -> tuple[int, dict, AdmissionEvent | None]:
+    def handle(self, body: bytes) -> tuple[int, dict, Callable[[], AdmissionEvent] | None]:
+        """(HTTP status, answer, a function building the decision's event — called off the
+        request path by the recorder — or None when there is nothing to record)."""
         try:
             request = parse_review(body)
         except BadReview as exc:
@@ -90,5 +92,9 @@ class ReviewHandler:
             decision = decide(subject, None, self.policy, now, gate="webhook", policy_version=self.policy_version)
             decision = replace(decision, message=f"{decision.message} (decision failed: {exc})")
         user = (request.get("userInfo") or {}).get("username")
-        event = decision_event(subject, decision, now, gate="webhook", request_id=uid, operation=operation, user=user, host=self.host)
+        host = self.host
+
+        def event() -> AdmissionEvent:
+            return decision_event(subject, decision, now, gate="webhook", request_id=uid, operation=operation, user=user, host=host)
+
         return 200, _answer(uid, decision.allowed, decision.message, decision.warnings), event
