@@ -92,6 +92,8 @@ class ReviewHandler:
             decision = decide(subject, None, self.policy, now, gate="webhook", policy_version=self.policy_version)
             decision = replace(decision, message=f"{decision.message} (decision failed: {exc})")
         user = (request.get("userInfo") or {}).get("username")
+        if request.get("dryRun"):
+            operation = f"{operation} (dry run)"  # decided and recorded, but nothing was created
         host = self.host
 
         def event() -> AdmissionEvent:

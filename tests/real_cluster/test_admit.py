@@ -30,6 +30,12 @@ from schemas import decode_event
 from schemas.topics import TopicCatalogue
 from streams.controls.policy import Admission, NamespaceAdmission, Policy
 from tests.fixtures.kafka import read_topic
+from producers.kubernetes.collector import SchedulerCollector, build_api_client
+from producers.kubernetes.config import SchedulerCollectorSettings
+from producers.releases import COMMANDS, build_event
+from streams.controls.rules import ControlEngine, directory_from_rows
+from tests.producers.kubernetes.test_collector import running
+from tests.streams.harness import Driver
 from tests.real_cluster.conftest import REAL_CLUSTER, condition, gpu_job, unique, wait_for, workloads_of
 
 pytestmark = REAL_CLUSTER
@@ -38,6 +44,7 @@ SUFFIX = uuid.uuid4().hex[:6]
 PROD, STAGING, QUEUED = f"admit-prod-{SUFFIX}", f"admit-staging-{SUFFIX}", f"admit-queued-{SUFFIX}"
 TEST_LABEL = "gpuledger.io/admit-test"
 CHECK = f"release-approval-{SUFFIX}"
+COMMAND = {c.name: c for c in COMMANDS}
 
 
 def policy() -> Policy:
@@ -209,7 +216,9 @@ def test_an_override_lets_the_workload_through_until_it_expires(admit, kube, led
     release("override-admission", rid, "--actor", "oncall-sre", "--target", f"{PROD}/*", "--expires-at", expires.isoformat(),
             "--reason", "INC-311 hotfix")
     wait_for(lambda: _creates(lambda: core.create_namespaced_pod(PROD, gpu_pod(unique("hotfix"), PROD, rid))), 10, "the override to let a pod in")
-    message = wait_for(lambda: _denied(lambda: core.create_namespaced_pod(PROD, gpu_pod(unique("hotfix"), PROD, rid))), 30,
+    # Server-side dry runs while waiting (the webhook is called for them too: sideEffects None), so the
+    # allowed ones do not fill the GPUs.
+    message = wait_for(lambda: _denied(lambda: core.create_namespaced_pod(PROD, gpu_pod(unique("hotfix"), PROD, rid), dry_run="All")), 30,
                        "the override to expire")
     assert datetime.now(timezone.utc) >= expires and "not approved for prod" in message
     # An override by someone without the override right never counted.
@@ -220,7 +229,8 @@ def test_an_override_lets_the_workload_through_until_it_expires(admit, kube, led
     assert "the override by mallory (unauthenticated) does not count" in message
 
 
-def test_with_the_webhook_down_prod_gpu_pods_are_refused_and_others_allowed(admit, kube, real_cluster):
+def test_with_the_webhook_down_prod_gpu_pods_are_refused_and_others_allowed_and_control_1_catches_them(
+        admit, kube, real_cluster, kafka_bootstrap, catalogue, tmp_path):
     suffix = uuid.uuid4().hex[:6]
     prod, staging = f"down-prod-{suffix}", f"down-staging-{suffix}"
     for ns, env in ((prod, "prod"), (staging, "staging")):
@@ -236,10 +246,31 @@ def test_with_the_webhook_down_prod_gpu_pods_are_refused_and_others_allowed(admi
         core = k8s.CoreV1Api(kube)
         message = denial(lambda: core.create_namespaced_pod(prod, gpu_pod("serve", prod, "any-release")))
         assert 'failed calling webhook "pods.fail-closed.admit.gpuledger.io"' in message
-        created = core.create_namespaced_pod(staging, gpu_pod("serve", staging, "any-release"))
+        rid = unique("unapproved-staging")
+        pod = gpu_pod("serve", staging, rid)
+        pod["metadata"]["labels"]["gpuledger.io/environment"] = "staging"
+        created = core.create_namespaced_pod(staging, pod)
         assert created.metadata.uid
         cpu = {**gpu_pod("cpu", prod, None)}
         cpu["spec"]["containers"][0]["resources"] = {"requests": {"cpu": "100m"}}
         assert core.create_namespaced_pod(prod, cpu).metadata.uid  # not a GPU request: never sent, even fail-closed
     finally:
         admission.delete_validating_webhook_configuration(dead["metadata"]["name"])
+    # Fail-open let it in; control 1 still catches it after admission: the real scheduler
+    # collector's events through the worker's own join and control functions.
+    settings = SchedulerCollectorSettings(kubeconfig=real_cluster.kubeconfig, namespace=staging, watch_timeout_s=5,
+                                          backoff_initial_s=0.2, backoff_max_s=1.0)
+    collector = SchedulerCollector(settings, EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, "scheduler"),
+                                   build_api_client(settings), tmp_path / "state")
+    with running(collector):
+        events = wait_for(lambda: (es := [decode_event(m.value()) for m in read_topic(kafka_bootstrap, catalogue.scheduler, 1, timeout=5)])
+                          and any(e.event_type in ("scheduler.scheduled", "scheduler.running") for e in es) and es, 90,
+                          "the scheduler collector to see the fail-open pod scheduled")
+    collector.close()
+    releases = [build_event(COMMAND[c], {"release_id": rid, "at": (created.metadata.creation_timestamp - timedelta(minutes=m)).isoformat(), **o})
+                for c, m, o in (("register", 5, {"model": "m", "version": "1", "artifact_digest": "sha256:" + "e" * 64}), ("evaluate", 4, {}))]
+    rows = list(Driver().feed([*releases, *events]).rows.values())
+    engine = ControlEngine(directory_from_rows(rows), Policy()).feed(rows)
+    engine.run()
+    [violation] = [v for v in engine.current() if v.control_id == 1]
+    assert violation.identity.release_id == rid and f"release {rid} had no approval for staging" in violation.detail
