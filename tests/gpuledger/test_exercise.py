@@ -29,7 +29,7 @@ from gpuledger.sim.cluster import SimCluster, SimulationError, alert_fingerprint
 from gpuledger.sim.scenario import EXERCISES_DIR, ScenarioError, load_scenario, parse_scenario, shipped_scenarios
 
 SPEED = 120  # compress hard: the runner keeps a minimum gap between steps anyway
-SCENARIOS = ("incident-rollback", "retirement", "unapproved-admission")
+SCENARIOS = ("incident-rollback", "retirement", "unapproved-admission", "unapproved-admission-enforced")
 
 
 def test_the_three_scenarios_ship():
