@@ -253,8 +253,14 @@ class _Check:
         if not decisions:
             self.problems.append("no admission decision recorded for the workload")
             return
+        from sinks.read.audit import precedes
+        from sinks.read.trace import parse_instant
+
         admitted = wl.get("admitted_at")
-        before = [d for d in decisions if admitted is None or d["occurred_at"] <= admitted] or decisions
+        before = [d for d in decisions if admitted is None or precedes(parse_instant(d["occurred_at"]), parse_instant(admitted))]
+        if not before:
+            self.problems.append(f"no admission decision before the workload's admission at {admitted}")
+            return
         d = before[-1]
         when = f"before admission at {admitted}" if admitted else "never admitted"
         self.expect(d["decision"] == self.exp.admission, f"decision {d['decision']} at {d['occurred_at']} by rule {d['rule']}, {when}",

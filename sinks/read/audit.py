@@ -210,6 +210,14 @@ def _payload(row: dict) -> dict:
     return json.loads(row.get("payload_json") or "{}")
 
 
+def precedes(decision_at: datetime, mark: datetime) -> bool:
+    """A decision at ``decision_at`` came before the object event at ``mark``. Kubernetes
+    timestamps (creationTimestamp, condition times) have whole seconds and the API server sets
+    creationTimestamp *before* it calls the validating webhooks, so a decision within the
+    second of a whole-second mark counts as before it."""
+    return decision_at <= mark or (mark.microsecond == 0 and decision_at < mark + timedelta(seconds=1))
+
+
 def _history_time(entry: tuple) -> datetime | None:
     """When a release directory history entry (``"<time>|<id>", event type, …``) happened."""
     return parse_instant(entry[0].split("|")[0])
@@ -332,14 +340,15 @@ class Evidence:
         admitted = next((r for r in rows if r["event_type"] in START), None)
         marks = [(entry_at, "queue entry")] + ([(parse_instant(admitted["occurred_at"]), "admission")] if admitted else [])
         for mark, what in marks:
-            before = [d for d in decisions if parse_instant(d["occurred_at"]) <= mark]
+            before = [d for d in decisions if precedes(parse_instant(d["occurred_at"]), mark)]
             if before:
                 d = before[-1]
                 p = _payload(d)
                 gap = mark - parse_instant(d["occurred_at"])
-                delta = f"{gap.total_seconds() * 1000:.0f}ms" if gap < timedelta(seconds=1) else format_duration(gap)
+                delta = ("+0s: within the second of a Kubernetes timestamp" if gap < timedelta(0) else
+                         f"+{gap.total_seconds() * 1000:.0f}ms" if gap < timedelta(seconds=1) else f"+{format_duration(gap)}")
                 return (f"workload {wid}: decision {p.get('decision')} at {_z(d['occurred_at'])} by rule {p.get('rule')} "
-                        f"({p.get('gate')}, {p.get('mode')}), before {what} at {_z(mark)} (+{delta})")
+                        f"({p.get('gate')}, {p.get('mode')}), before {what} at {_z(mark)} ({delta})")
         d = decisions[0]
         p = _payload(d)
         return (f"workload {wid}: decision {p.get('decision')} at {_z(d['occurred_at'])} by rule {p.get('rule')} "

@@ -220,6 +220,12 @@ def test_control_1_evidence_shows_the_policy_result_before_queue_entry(enforced_
     at = submitted.occurred_at.strftime("%Y-%m-%dT%H:%M:%S")
     assert rows[inc.W7]["policy_result"].startswith(f"workload {inc.W7}: decision allow at ") and "by rule approved (webhook, enforce)" in rows[inc.W7]["policy_result"]
     assert f"before queue entry at {at}" in rows[inc.W7]["policy_result"] and rows[inc.W7]["policy_result"].endswith("(+40ms)")
+    from datetime import datetime, timezone
+
+    from sinks.read.audit import precedes
+    whole = datetime(2026, 12, 1, 17, 32, 47, tzinfo=timezone.utc)
+    assert precedes(whole.replace(microsecond=62_000), whole) and not precedes(whole + timedelta(seconds=1, milliseconds=1), whole)
+    assert not precedes(whole.replace(microsecond=500_000) + timedelta(milliseconds=1), whole.replace(microsecond=500_000))
     assert rows[inc.WT]["policy_result"] == "no admission decision recorded (gpuledger admit not enforcing here)"
     # Without enforcement the same workload says so.
     plain = {s["control"]: s for s in json.loads(audit(store, *RANGE, "--format", "json").output)["evidence"]}
