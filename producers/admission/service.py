@@ -31,6 +31,7 @@ from pathlib import Path
 import orjson
 from aiohttp import web
 
+from gpuledger.telemetry import ComponentCounters
 from producers._config import ResourceMatcher
 from producers._errors import ProducerError
 from producers.admission.certs import self_signed
@@ -113,6 +114,7 @@ class AdmitService:
         self.handler = ReviewHandler(self.state, policy, self.resources, config.label_prefix)
         self.controller = None
         self.counters = {"reviews": 0, "bad_requests": 0, "denied": 0}
+        self.telemetry = ComponentCounters("admit")  # the component contract: received / rejected (with reason), via OpenTelemetry
         self.latencies: collections.deque[float] = collections.deque(maxlen=10_000)  # ms from body read to answer encoded
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -129,11 +131,14 @@ class AdmitService:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             self.counters["bad_requests"] += 1
+            self.telemetry.add_rejected("too_large")
             return web.json_response({"error": f"body over {self.config.max_body_bytes} bytes"}, status=413)
         started = time.perf_counter()
         status, answer, event = self.handler.handle(body)
+        self.telemetry.add_received()
         if status != 200:
             self.counters["bad_requests"] += 1
+            self.telemetry.add_rejected("bad_admission_review")
         else:
             self.counters["reviews"] += 1
             if not answer["response"]["allowed"]:
