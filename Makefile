@@ -18,7 +18,8 @@ jars: $(STAMP)
 
 setup: $(STAMP) jars
 
-# The real cluster's binaries (kube-apiserver/controller-manager/scheduler, KWOK, Kueue), built
+# The real cluster's binaries (kube-apiserver/controller-manager/scheduler, KWOK, Kueue) and the
+# kustomize CLI that renders deploy/k8s, built
 # from the Go module proxy once per pin into the cache (docs/real-cluster.md). Standard library
 # only, so .ci/run starts it in the background before the virtualenv exists.
 CACHE_DIR ?= $(or $(GPULEDGER_CACHE_DIR),$(HOME)/.cache/gpuledger)

@@ -62,6 +62,7 @@ class WorkerContext:
         self._counters: dict[str, ComponentCounters] = {}
         self.correlator = None
         self.controller = None
+        self.epochs: dict = {}  # agent name -> streams.runner.Epoch
         self.app = None
         self.sink = None  # sinks.service.SinkProcess, when this worker runs one
         spec = settings.streams.fault
@@ -105,6 +106,7 @@ class WorkerContext:
             "stats": {**self.stats, "outputs_produced": dict(self.output.produced), "output_dead_letters": self.output.dead_letters,
                       "changelog_unchanged_skipped": sum(a.store.unchanged_skipped for a in (self.correlator, self.controller) if a)},
             "counters": {name: c.totals for name, c in self._counters.items()},
+            "epochs": {name: epoch.health() for name, epoch in self.epochs.items()},
         }
         if self.sink is not None:
             health["sink"] = {"answering": sink is not None, "url": self.sink.url, "restarts": self.sink.restarts}
@@ -194,6 +196,8 @@ def create_app(settings) -> faust.App:
 
     @app.on_partitions_revoked.connect
     async def _revoked(sender, revoked, **kwargs):
+        for epoch in ctx.epochs.values():
+            epoch.forget((tp.topic, tp.partition) for tp in revoked)
         parts = {tp.partition for tp in revoked if tp.topic == run.route}
         ctx.correlator.store.drop(parts)
         ctx.controller.store.drop({tp.partition for tp in revoked if tp.topic == run.controls})
@@ -202,6 +206,14 @@ def create_app(settings) -> faust.App:
     class HealthView(faust.web.View):
         async def get(self, request):
             return self.json(ctx.health(await ctx.sink_health()))
+
+    @app.timer(max(0.05, conf.commit_interval_s / 2))
+    async def _commit_idle_epochs():
+        """Commit an epoch whose input stopped before it was due (``streams.runner``)."""
+        if app.rebalancing:
+            return
+        for epoch in ctx.epochs.values():
+            await epoch.commit_if_due()
 
     @app.timer(1.0)
     async def _supervise_sink():

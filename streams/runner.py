@@ -1,19 +1,39 @@
-"""How every stream agent runs its batches: handled completely, or not acked at all.
+"""How every stream agent runs its batches: in epochs, acked only once durable.
 
-Faust's ``take_events`` acks a batch's events when the agent's body leaves the batch —
-also when the body raised or was cancelled. So a batch must never leave the body
-half done:
+An agent's batch produces its outputs and changes its in-memory state, and returns
+without waiting for anything. Every ``COMMIT_INTERVAL_S`` (``streams.commit_interval_s``)
+the agent's *epoch* is committed (``Epoch.commit_now``): the agent's ``commit``
+callback waits until every output produced so far is acknowledged by Kafka, writes the
+changelog of every state the epoch changed, waits for that too — and only then are the
+epoch's input events acked (their offsets committed later by Faust). So at every
+instant the durable state is not newer than the durable outputs, and the committed
+input offsets are not newer than the durable state; a crash anywhere re-processes the
+un-acked input against a state that has not seen it, and the folds are idempotent
+(versions come from history: ``streams.correlate.entities``).
 
-- ``handle(events)`` processes a whole batch (outputs produced and acknowledged, state
-  written) or raises;
-- when it raises, the agent's in-memory state for the batch is reset (``reset``: the
-  durable state is the truth) and the batch is handled again record by record; a
-  record that fails alone is dead-lettered with the error (``dead``) and the rest go
-  on — so one bad record costs a dead letter, never the batch;
+Why epochs rather than one wait per batch: a batch that waited for its outputs' acks
+and then for its changelog's acks spent most of its time waiting when batches are
+small (live input), and wrote one changelog record per touched key per batch. An
+epoch writes a key's state once per commit, however many batches touched it, and the
+batches in between never wait.
+
+Acks are held back with Faust's own reference count: Faust's ``take_events`` acks a
+batch's events when the agent's body leaves the batch, so the body takes one more
+reference on each event's message (``Message.incref``) and the epoch drops it
+(``Event.ack``) at commit time — the offset becomes committable then, and not before.
+
+Failures:
+- ``handle(events)`` processes a whole batch or raises; when it raises, the agent's
+  in-memory state of the batch's partitions is reset (``reset``: the durable state is
+  the truth) and the epoch's events of those partitions are handled again record by
+  record, each followed by a state commit; a record that fails alone is
+  dead-lettered with the error (``dead``) and the rest go on — one bad record costs a
+  dead letter, never the batch;
 - when the worker stops mid-batch (cancellation), the batch is given ``STOP_GRACE_S``
-  to finish; if it cannot (Kafka unreachable), the process exits at once without
-  acking — a hard exit is as safe as a crash by design, and it is what keeps the
-  un-flushed batch's offsets from being committed on the way out.
+  to finish and the epoch to commit; if that cannot happen (Kafka unreachable), the
+  process exits at once without acking — a hard exit is as safe as a crash by design;
+- on revocation, the epoch forgets the revoked partitions' events without acking them
+  (``Epoch.forget``): the partitions' next owner re-processes them.
 """
 
 from __future__ import annotations
@@ -21,43 +41,132 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Iterable
 
 log = logging.getLogger(__name__)
 
 BATCH = 2000
 WITHIN_S = 0.1
+COMMIT_INTERVAL_S = 1.0
 STOP_GRACE_S = 5.0
 HARD_EXIT = 75  # EX_TEMPFAIL: stopped with a batch unfinished; restart re-processes it
 
 
-async def run_batches(stream, name: str, handle: Callable[[list], Awaitable[None]], reset: Callable[[list], Awaitable[None]],
-                      dead: Callable[[object, BaseException], Awaitable[None]], batch: int = BATCH, within: float = WITHIN_S) -> None:
+def _tp(event) -> tuple[str, int]:
+    return event.message.topic, event.message.partition
+
+
+class Epoch:
+    """One agent's handled-but-unacked events and the commit that makes them durable.
+
+    ``handle(events)``, ``reset(events)``, ``dead(event, exc)`` are the agent's batch
+    logic; ``commit()`` waits for the outputs produced so far, writes the changed
+    states' changelog and waits for it (no acks: the epoch acks after it returns).
+    """
+
+    def __init__(self, name: str, handle: Callable[[list], Awaitable[None]], reset: Callable[[list], Awaitable[None]],
+                 dead: Callable[[object, BaseException], Awaitable[None]], commit: Callable[[], Awaitable[None]],
+                 interval_s: float = COMMIT_INTERVAL_S, max_events: int = 200_000) -> None:
+        self.name = name
+        self.handle = handle
+        self.reset = reset
+        self.dead = dead
+        self.commit = commit
+        self.interval_s = interval_s
+        self.max_events = max_events
+        self.pending: list = []
+        self._since: float | None = None
+        self._lock = asyncio.Lock()
+        self.batches = 0
+        self.commits = 0
+        self.acked = 0
+        self.forgotten = 0
+
+    # --- batches ----------------------------------------------------------------------
+    async def run_batch(self, events: list) -> None:
+        """Handle one batch (failures as the module docstring says) and commit the epoch
+        if it is due. Holds the events' acks until a commit covers them."""
+        async with self._lock:
+            for ev in events:
+                ev.message.incref()  # Faust's take_events acks on leaving the body; this reference keeps the offset uncommitted
+            await self._handle(events)
+            self.batches += 1
+            self.pending.extend(events)
+            if self._since is None:
+                self._since = time.monotonic()
+            if self._due():
+                await self._commit()
+
+    async def _handle(self, events: list) -> None:
+        try:
+            await self.handle(events)
+            return
+        except Exception:  # noqa: BLE001 - retried record by record below
+            log.exception("%s: a batch of %d failed; handling its partitions' epoch record by record", self.name, len(events))
+        parts = {_tp(ev) for ev in events}
+        redo = [ev for ev in self.pending if _tp(ev) in parts] + list(events)
+        await self.reset(redo)
+        for event in redo:
+            try:
+                await self.handle([event])
+                await self.commit()  # durable now: a later record's reset must not take this one's state with it
+            except Exception as exc:  # noqa: BLE001 - the record is dead-lettered with the error
+                log.exception("%s: record %s[%d]@%d failed on its own; dead-lettering it", self.name, event.message.topic,
+                              event.message.partition, event.message.offset)
+                await self.reset([event])
+                await self.dead(event, exc)
+
+    # --- commits ----------------------------------------------------------------------
+    def _due(self) -> bool:
+        return bool(self.pending) and (len(self.pending) >= self.max_events or time.monotonic() - self._since >= self.interval_s)
+
+    async def commit_if_due(self) -> None:
+        """For a timer: commit an epoch whose input stopped before it was due."""
+        if self._due():
+            async with self._lock:
+                if self._due():
+                    await self._commit()
+
+    async def commit_now(self) -> None:
+        async with self._lock:
+            if self.pending:
+                await self._commit()
+
+    async def _commit(self) -> None:
+        await self.commit()
+        pending, self.pending, self._since = self.pending, [], None
+        for ev in pending:
+            message = ev.message
+            if ev.ack():  # the last reference: the offset may be committed now
+                ev.app.sensors.on_message_out(message.tp, message.offset, message)
+        self.commits += 1
+        self.acked += len(pending)
+
+    def forget(self, partitions: Iterable[tuple[str, int]]) -> None:
+        """Drop the revoked partitions' events without acking them (their next owner —
+        maybe this worker again — re-processes them from the committed offset)."""
+        revoked = set(partitions)
+        kept = [ev for ev in self.pending if _tp(ev) not in revoked]
+        self.forgotten += len(self.pending) - len(kept)
+        self.pending = kept
+        if not kept:
+            self._since = None
+
+    def health(self) -> dict:
+        return {"pending": len(self.pending), "batches": self.batches, "commits": self.commits, "acked": self.acked, "forgotten": self.forgotten}
+
+
+async def run_batches(stream, epoch: Epoch, batch: int = BATCH, within: float = WITHIN_S) -> None:
     async for events in stream.take_events(batch, within=within):
-        task = asyncio.ensure_future(_handle(name, events, handle, reset, dead))
+        task = asyncio.ensure_future(epoch.run_batch(events))
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
             try:
                 await asyncio.wait_for(task, STOP_GRACE_S)
-            except BaseException:  # noqa: BLE001 - any way the batch did not finish
-                log.critical("%s: stopping with a batch of %d unfinished; exiting without acking it", name, len(events))
+                await asyncio.wait_for(epoch.commit_now(), STOP_GRACE_S)
+            except BaseException:  # noqa: BLE001 - any way the batch or its commit did not finish
+                log.critical("%s: stopping with a batch of %d unfinished; exiting without acking it", epoch.name, len(events))
                 os._exit(HARD_EXIT)
             raise
-
-
-async def _handle(name: str, events: list, handle, reset, dead) -> None:
-    try:
-        await handle(events)
-        return
-    except Exception:  # noqa: BLE001 - retried record by record below
-        log.exception("%s: a batch of %d failed; handling it record by record", name, len(events))
-    await reset(events)
-    for event in events:
-        try:
-            await handle([event])
-        except Exception as exc:  # noqa: BLE001 - the record is dead-lettered with the error
-            log.exception("%s: record %s[%d]@%d failed on its own; dead-lettering it", name, event.message.topic,
-                          event.message.partition, event.message.offset)
-            await reset([event])
-            await dead(event, exc)

@@ -43,7 +43,7 @@ from streams.controls.policy import PolicySettings
 from schemas import encode_event
 from streams.controls.rules import Context, digest, fold_link, fold_row, max_time, new_state, step
 from streams.packing import Packer, unpack
-from streams.runner import run_batches
+from streams.runner import Epoch, run_batches
 from streams.store import PartitionStore
 
 log = logging.getLogger(__name__)
@@ -180,16 +180,21 @@ class Controller:
             self.packer.add(key, {"k": "tick"})
         self.packer.drain_into(out)
         self.ctx.fault("controls", "during_outputs")
-        await out.flush()
-        self.ctx.fault("controls", "after_outputs")
-        self.store.write_changes(out)
-        await out.flush()
-        self.ctx.fault("controls", "after_changelog")
         self.stats["controls_in"] += len(messages)
         self.stats["violations_out"] += n_out
         self.stats["controls_keys"] = len(self.store)
         if touched:
             log.info("controls evaluated %d message(s) for %d key(s) into %d violation record(s)", len(messages), len(touched), n_out)
+
+    async def commit(self) -> None:
+        """The epoch commit (``streams.runner``): violations and forwards acknowledged,
+        then the changed keys' changelog, acknowledged."""
+        out = self.ctx.output
+        await out.flush()
+        self.ctx.fault("controls", "after_outputs")
+        self.store.write_changes(out)
+        await out.flush()
+        self.ctx.fault("controls", "after_changelog")
 
     async def reset(self, events: list) -> None:
         self.packer.discard()
@@ -227,14 +232,15 @@ def install_control_agents(app, ctx, controls_topic) -> Controller:
     """Register the controls agent and its housekeeping timer on ``app``."""
     controller = Controller(ctx)
     ctx.controller = controller
+    epoch = ctx.epochs["evaluate_controls"] = Epoch("evaluate_controls", controller.evaluate_batch, controller.reset, controller.dead,
+                                                     controller.commit, ctx.settings.streams.commit_interval_s)
     app.gpuledger_policy = controller.policy
 
     @app.agent(controls_topic, name="evaluate_controls")
     async def evaluate_controls(stream):
         """Fold control inputs into state; emit changed violations; forward links."""
         await controller.directory.ready.wait()
-        await run_batches(stream, "evaluate_controls", controller.evaluate_batch, controller.reset, controller.dead,
-                          batch=ctx.packed_batch())
+        await run_batches(stream, epoch, batch=ctx.packed_batch())
 
     @app.timer(interval=HOUSEKEEPING_S)
     async def control_housekeeping():

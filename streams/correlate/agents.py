@@ -40,7 +40,7 @@ from streams.correlate.directory import ReleaseDirectory, follow_release_topic
 from streams.correlate.entities import expire, fold_event, fold_link, iso, new_entity, refresh
 from streams.correlate.routing import entity_key, routed_form
 from streams.packing import Packer, unpack
-from streams.runner import run_batches
+from streams.runner import Epoch, run_batches
 from streams.store import PartitionStore
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,6 @@ class Correlator:
             src = [msg.topic, msg.partition, msg.offset]
             self.route.add(key, {"k": "event", "src": src, "event": routed_form(event)}, source=tuple(src))
         self.route.drain_into(out)
-        await out.flush()
         self.stats["routed"] += len(events) - skipped
         self.stats["out_of_range"] += skipped
         self.runtime.last_input = time.monotonic()
@@ -195,11 +194,6 @@ class Correlator:
         self.route.drain_into(out)
         self.controls.drain_into(out)
         self.ctx.fault("correlate", "during_outputs")
-        await out.flush()
-        self.ctx.fault("correlate", "after_outputs")
-        self.store.write_changes(out)
-        await out.flush()
-        self.ctx.fault("correlate", "after_changelog")
         self.stats["correlated_in"] += n_in
         self.stats["correlated_out"] += n_out
         self.stats["parked"] = self.runtime.parked_count()
@@ -207,6 +201,20 @@ class Correlator:
         self.counters.add_sent(n_out)
         if touched:
             log.info("correlated %d message(s) for %d entit(ies) into %d row(s)", len(messages), len(touched), n_out)
+
+    async def commit_routes(self) -> None:
+        """The route stage's epoch commit: every routed record acknowledged."""
+        await self.ctx.output.flush()
+
+    async def commit_entities(self) -> None:
+        """The correlation stage's epoch commit (``streams.runner``): outputs acknowledged,
+        then the changed entities' changelog, acknowledged."""
+        out = self.ctx.output
+        await out.flush()
+        self.ctx.fault("correlate", "after_outputs")
+        self.store.write_changes(out)
+        await out.flush()
+        self.ctx.fault("correlate", "after_changelog")
 
     def _emit(self, key: str, outcome) -> None:
         out, run = self.ctx.output, self.ctx.run
@@ -273,17 +281,21 @@ class Correlator:
 def install_correlate_agents(app, ctx, raw_topic, route_topic) -> Correlator:
     corr = Correlator(ctx)
     ctx.correlator = corr
+    interval = ctx.settings.streams.commit_interval_s
+    routes = ctx.epochs["route_events"] = Epoch("route_events", corr.route_batch, corr.reset, corr.dead, corr.commit_routes, interval)
+    entities = ctx.epochs["correlate_entities"] = Epoch("correlate_entities", corr.correlate_batch, corr.reset, corr.dead,
+                                                        corr.commit_entities, interval)
 
     @app.agent(raw_topic, name="route_events")
     async def route_events(stream):
         """Decode raw events, dead-letter poison, re-key each event to its entity."""
-        await run_batches(stream, "route_events", corr.route_batch, corr.reset, corr.dead, batch=ctx.settings.streams.batch_max)
+        await run_batches(stream, routes, batch=ctx.settings.streams.batch_max)
 
     @app.agent(route_topic, name="correlate_entities")
     async def correlate_entities(stream):
         """Fold routed messages into entity state; emit rows, allocations, links, control inputs."""
         await corr.directory.ready.wait()
-        await run_batches(stream, "correlate_entities", corr.correlate_batch, corr.reset, corr.dead, batch=ctx.packed_batch())
+        await run_batches(stream, entities, batch=ctx.packed_batch())
 
     @app.task
     async def follow_releases():

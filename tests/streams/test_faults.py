@@ -16,6 +16,8 @@ to the reference's, versions included.
 from __future__ import annotations
 
 import json
+from collections import Counter
+from dataclasses import dataclass
 import subprocess
 import sys
 import time
@@ -34,6 +36,7 @@ from schemas.release import ReleasePayload
 from schemas.scheduler import SchedulerPayload
 from sinks.read.query import RemoteReader, owner_file
 from streams.progress import RunProgress, wait_caught_up, worker_health
+from tests.fixtures.kafka import read_topic
 from tests.streams.test_controls import FIRST, SECOND
 
 pytestmark = pytest.mark.timeout(900)
@@ -42,7 +45,7 @@ SRC = Source(collector="fault-test")
 T0 = datetime(2026, 11, 1, 6, tzinfo=timezone.utc)
 # Small batches and packs: the ~1,000 events make many batches, so a fault at the Nth
 # batch falls in the middle of the run, with state already durable before it.
-ENV = {"GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "1", "GPULEDGER_STREAMS_BATCH_MAX": "10", "GPULEDGER_STREAMS_PACK_MAX": "10",
+ENV = {"GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "1", "GPULEDGER_STREAMS_COMMIT_INTERVAL_S": "0.25", "GPULEDGER_STREAMS_BATCH_MAX": "10", "GPULEDGER_STREAMS_PACK_MAX": "10",
        "GPULEDGER_STREAMS_PACKED_BATCH_MESSAGES": "10",
        "GPULEDGER_CLICKHOUSE_BATCH_SECONDS": "0.2"}
 
@@ -150,6 +153,13 @@ def history(kafka_bootstrap):
     return cat, len(events)
 
 
+@dataclass
+class Reference:
+    sums: dict
+    health: dict
+    run: Run
+
+
 @pytest.fixture(scope="module")
 def reference(kafka_bootstrap, history, tmp_path_factory):
     cat, n = history
@@ -159,14 +169,28 @@ def reference(kafka_bootstrap, history, tmp_path_factory):
     assert health["stats"]["conflicts"] == 0 and health["stats"]["control_conflicts"] == 0
     sums = run.stop_and_checksum()
     assert sums["correlated_events"][0] == n and sums["violations"][0] >= 4 and sums["gpu_allocations"][0] > 100
-    return sums
+    return Reference(sums, health, run)
+
+
+def test_a_state_is_written_once_per_epoch_however_many_batches_touched_it(kafka_bootstrap, reference):
+    """Batches do not wait for acks; the epoch commit writes each changed state once
+    (streams/runner.py). Many batches per commit, and no key's changelog holds more
+    records than there were commits."""
+    run = reference.run
+    for agent, changelog in (("correlate_entities", "entities-changelog"), ("evaluate_controls", "controls-changelog")):
+        epoch = reference.health["epochs"][agent]
+        assert epoch["batches"] > 2 * epoch["commits"] > 0, epoch
+        assert epoch["pending"] == 0 and epoch["acked"] > 0, epoch
+        records = read_topic(kafka_bootstrap, f"{run.cat.prefix}.{run.app_id}.{changelog}.v1", min_count=1)
+        per_key = Counter(m.key() for m in records)
+        assert max(per_key.values()) <= epoch["commits"], (agent, per_key.most_common(3), epoch)
 
 
 def test_a_replay_rebuilds_every_table_identically(kafka_bootstrap, history, reference, tmp_path):
     cat, n = history
     replay = Run(kafka_bootstrap, cat, tmp_path, f"{cat.prefix}-replay").start()
     replay.wait_done(n)
-    assert replay.stop_and_checksum() == reference
+    assert replay.stop_and_checksum() == reference.sums
 
 
 @pytest.mark.parametrize("fault", ["correlate:before_outputs:3", "correlate:during_outputs:4", "correlate:after_outputs:3",
@@ -177,4 +201,4 @@ def test_a_crash_at_any_point_of_a_batch_heals_to_the_uninterrupted_tables(kafka
     assert run.start(fault).wait_crashed() == 137
     run.start()  # same data dir, same consumer group: state from the changelogs
     run.wait_done(n)
-    assert run.stop_and_checksum() == reference
+    assert run.stop_and_checksum() == reference.sums

@@ -593,7 +593,7 @@ def test_deployment_manifest_matches_the_collector():
 
     from gpuledger.cli import app
 
-    path = Path(__file__).resolve().parents[3] / "deploy" / "k8s" / "scheduler-collector.yaml"
+    path = Path(__file__).resolve().parents[3] / "deploy" / "k8s" / "base" / "scheduler" / "collector.yaml"
     docs = {d["kind"]: d for d in yaml.safe_load_all(path.read_text()) if d}
     rules = sorted((tuple(r["apiGroups"]), tuple(sorted(r["resources"])), tuple(sorted(r["verbs"]))) for r in docs["ClusterRole"]["rules"])
     read = ("get", "list", "watch")
