@@ -158,7 +158,7 @@ def test_in_admission_check_mode_the_workload_waits_and_is_admitted_after_approv
     cat, release = ledger
     rid = unique("fraud-scorer-v9-prod")
     registered(release, rid)
-    batch, custom = k8s.BatchV1Api(kube), k8s.CustomObjectsApi(kube)
+    batch = k8s.BatchV1Api(kube)
     name = unique("train")
     created = batch.create_namespaced_job(QUEUED, gpu_job(name, labels={"gpuledger.io/release-id": rid}, namespace=QUEUED))
 

@@ -221,4 +221,4 @@ def admission_row(before: timedelta = timedelta(milliseconds=40)) -> CorrelatedE
                                policy_version=Policy().fingerprint)
     return _ce("admission", "admission.decided", submitted.occurred_at - before,
                {"workload_id": W7, "namespace": "risk", "release_id": R7, "environment": "prod"}, payload.model_dump(mode="json"),
-               summary=f"admission allow by rule approved (webhook, enforce)")
+               summary="admission allow by rule approved (webhook, enforce)")

@@ -8,7 +8,6 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from datetime import datetime, timezone
 
 import orjson
 import pytest
