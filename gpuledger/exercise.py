@@ -175,6 +175,8 @@ class ExerciseRunner:
             worker_url = self._start_worker(env, dsn)
             self._start_receiver(env)
             self._start_collectors(env, sim, kubeconfig)
+            if sc.enforce:
+                sim.admit = self._start_admit(env)
             run.records = self._play(sim)
             run.drained_s = self._drain(worker_url, client, catalogue, env["GPULEDGER_STREAMS_APP_ID"])
             reader = self._reader(dsn)
@@ -266,6 +268,41 @@ class ExerciseRunner:
         self._wait("the receiver's Kafka connection", lambda: _get_json(f"{url}/readyz").get("ready"), 60, receiver)
         self._surfaces.receiver_url = url
         self.say("start", f"receiver at {url} (Alertmanager and release webhooks)")
+
+    def _start_admit(self, env: dict[str, str]):
+        """gpuledger admit (its webhook; the scenario's policy) and the function the simulated
+        API server calls with each Workload at creation: (allowed, message)."""
+        import ssl
+        import urllib.request
+        import uuid
+
+        ca = self.base / "admit-ca.crt"
+        admit = self._start("admit", ["-v", "admit", "--port", "0", "--ca-out", str(ca)], env)
+        url = self._wait("gpuledger admit", lambda: (m := re.search(r"listening on (https://[0-9.]+:\d+)", admit.log_path.read_text(errors="replace")))
+                         and m.group(1), 60, admit)
+        context = ssl.create_default_context(cafile=str(ca))
+
+        def ready() -> bool:
+            try:
+                with urllib.request.urlopen(f"{url}/readyz", context=context, timeout=2) as resp:
+                    return resp.status == 200
+            except OSError:
+                return False
+
+        self._wait("gpuledger admit's release state", ready, 60, admit)
+        self.say("start", f"gpuledger admit at {url}/validate: every workload is submitted through its webhook")
+
+        def review(obj: dict) -> tuple[bool, str]:
+            body = json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+                "uid": str(uuid.uuid4()), "kind": {"group": "kueue.x-k8s.io", "version": "v1beta2", "kind": "Workload"},
+                "operation": "CREATE", "namespace": obj["metadata"]["namespace"], "userInfo": {"username": "exercise"},
+                "object": obj}}).encode()
+            request = urllib.request.Request(f"{url}/validate", data=body, headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, context=context, timeout=10) as resp:
+                answer = json.loads(resp.read())["response"]
+            return answer["allowed"], (answer.get("status") or {}).get("message", "")
+
+        return review
 
     def _start_collectors(self, env: dict[str, str], sim: SimCluster, kubeconfig: Path) -> None:
         """The scheduler collector (watches open) and one pod-resources collector per node (polled once)."""

@@ -30,6 +30,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from gpuledger.timefmt import parse_time
 from producers.kubernetes.config import SchedulerCollectorSettings
 from producers.podresources.config import PodResourcesSettings
+from producers.admission.config import AdmitSettings
 from producers.receiver.config import ReceiverSettings
 from schemas.topics import TopicCatalogue
 from streams.controls.policy import PolicySettings
@@ -214,6 +215,7 @@ class Settings(BaseSettings):
     streams: StreamsSettings = Field(default_factory=StreamsSettings)
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
     receiver: ReceiverSettings = Field(default_factory=ReceiverSettings)
+    admit: AdmitSettings = Field(default_factory=AdmitSettings)
     collectors: CollectorsSettings = Field(default_factory=CollectorsSettings)
     policy: PolicySettings = Field(default_factory=PolicySettings)
 
@@ -255,7 +257,7 @@ class Settings(BaseSettings):
 
 _SECTIONS: tuple[tuple[str, type[BaseSettings]], ...] = (
     ("kafka", KafkaSettings), ("clickhouse", ClickHouseSettings), ("streams", StreamsSettings), ("telemetry", TelemetrySettings),
-    ("receiver", ReceiverSettings), ("collectors.scheduler", SchedulerCollectorSettings),
+    ("receiver", ReceiverSettings), ("admit", AdmitSettings), ("collectors.scheduler", SchedulerCollectorSettings),
     ("collectors.podresources", PodResourcesSettings), ("policy", PolicySettings),
 )
 

@@ -62,6 +62,9 @@ COMMANDS: tuple[ReleaseCommand, ...] = (
     ReleaseCommand("pause-queue", "release.queue_paused", ("release_id", "target", "actor"), "Admin action: a queue was paused (--target = queue).", _ADMIN),
     ReleaseCommand("isolate-node", "release.node_isolated", ("release_id", "target", "actor"), "Admin action: a node was isolated (--target = node).", _ADMIN),
     ReleaseCommand("override-priority", "release.priority_overridden", ("release_id", "target", "actor"), "Admin action: a workload's priority was overridden (--target = workload).", _ADMIN),
+    ReleaseCommand("override-admission", "release.admission_overridden", ("release_id", "target", "actor", "expires_at"),
+                   "Emergency override: `gpuledger admit` lets the release's workloads matching --target (a workload id "
+                   "namespace/Kind/name, an object namespace/name, or namespace/*) through until --expires-at.", _ADMIN),
 )
 
 #: Flag of each option, for messages.

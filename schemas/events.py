@@ -12,6 +12,7 @@ from typing import Annotated, Union, get_args
 import orjson
 from pydantic import Field, TypeAdapter, ValidationError
 
+from schemas.admission import AdmissionEvent
 from schemas.alert import AlertEvent
 from schemas.envelope import SCHEMA_VERSION
 from schemas.gpu import GpuEvent
@@ -20,7 +21,7 @@ from schemas.release import ReleaseEvent
 from schemas.scheduler import SchedulerEvent
 
 AnyEvent = Annotated[
-    Union[SchedulerEvent, GpuEvent, ReleaseEvent, AlertEvent],
+    Union[SchedulerEvent, GpuEvent, ReleaseEvent, AlertEvent, AdmissionEvent],
     Field(discriminator="event_type"),
 ]
 
@@ -28,7 +29,7 @@ _ANY_EVENT = TypeAdapter(AnyEvent)
 
 #: Every raw event type, family-qualified ('alert.firing', ...).
 EVENT_TYPES: frozenset[str] = frozenset(
-    t for model in (SchedulerEvent, GpuEvent, ReleaseEvent, AlertEvent)
+    t for model in (SchedulerEvent, GpuEvent, ReleaseEvent, AlertEvent, AdmissionEvent)
     for t in get_args(model.model_fields["event_type"].annotation)
 )
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pydantic import TypeAdapter
 
+from schemas.admission import AdmissionEvent
 from schemas.alert import AlertEvent
 from schemas.events import AnyEvent
 from schemas.gpu import GpuEvent
@@ -21,6 +22,7 @@ MODELS = {
     "gpu_event": GpuEvent,
     "release_event": ReleaseEvent,
     "alert_event": AlertEvent,
+    "admission_event": AdmissionEvent,
     "correlated_event": CorrelatedEvent,
     "gpu_allocation": GpuAllocation,
     "violation": Violation,

@@ -24,10 +24,11 @@ ReleaseEventType = Literal[
     "release.queue_paused",
     "release.node_isolated",
     "release.priority_overridden",
+    "release.admission_overridden",
 ]
 
 #: Admin actions: decisions that need a named right in the policy file.
-ADMIN_ACTIONS = frozenset({"release.queue_paused", "release.node_isolated", "release.priority_overridden"})
+ADMIN_ACTIONS = frozenset({"release.queue_paused", "release.node_isolated", "release.priority_overridden", "release.admission_overridden"})
 
 
 class Reservation(Frozen):

@@ -87,6 +87,8 @@ class TopicCatalogue(BaseModel):
     def for_family(self, event_type: str) -> str:
         """Raw topic for an event type ('alert.firing' -> the alert topic)."""
         family = event_type.split(".", 1)[0]
+        if family == "admission":  # decisions belong to the workload's history: the scheduler topic, same key
+            family = "scheduler"
         if family not in ("scheduler", "gpu", "release", "alert"):
             raise ValueError(f"event_type {event_type!r} has no raw topic (family {family!r})")
         return self._name(family)

@@ -142,7 +142,8 @@ def workload_timeline_row(ev: CorrelatedEvent, counters: ComponentCounters | Non
         ident.workload_id or "", ev.occurred_at, ev.correlation_id, ev.version, ev.event_type, ev.attribution,
         *[getattr(ident, f) or "" for f in WORKLOAD_IDENTITY],
         ev.release_state or "", _s(p.get("object_kind")), _s(p.get("queue")), _s(p.get("cluster_queue")), _s(p.get("priority_class")),
-        _int_or_none(p.get("priority")), _s(p.get("reason")), _s(p.get("message")), _s(p.get("phase")),
+        _int_or_none(p.get("priority")), _s(p.get("reason") or (f"{p.get('decision')}:{p.get('rule')}" if ev.event_type == "admission.decided" else None)),
+        _s(p.get("message")), _s(p.get("phase")),
         _int_or_none(p.get("gpus_requested")), [_s(d) for d in digests],
         _s(pre.get("kind")), _s(pre.get("namespace")), _s(pre.get("name")), _s(pre.get("uid")),
         _s(vic.get("kind")), _s(vic.get("namespace")), _s(vic.get("name")),
@@ -185,7 +186,7 @@ def family_rows(batch: Sequence[CorrelatedEvent],
         family = ev.event_type.split(".", 1)[0]
         if family == "release" and ev.identity.release_id:
             add("release_history", release_history_row(ev, counters), i)
-        elif family == "scheduler" and ev.identity.workload_id:
+        elif family in ("scheduler", "admission") and ev.identity.workload_id:  # a decision is part of the workload's history
             add("workload_timeline", workload_timeline_row(ev, counters), i)
         elif family == "alert" and ev.identity.alert_fingerprint:
             add("enriched_alerts", enriched_alert_row(ev, counters), i)

@@ -4,7 +4,7 @@ Each component runs as the real `gpuledger` process: it starts, works until SIGT
 flushes its producer, saves its state and exits 0 — within 10 s. One parametrized test
 checks all of them against their sources: the scheduler collector against the API-server
 double, the pod-resources collector against the kubelet double, the receiver with a real
-webhook delivery and the worker with published events. What "saved and flushed" means is
+webhook delivery, the worker with published events and gpuledger admit with an AdmissionReview. What "saved and flushed" means is
 checked from outside: the state file holds what was published, the records are on the topic.
 """
 
@@ -167,8 +167,44 @@ def worker(stack: ExitStack, kafka_bootstrap: str, catalogue, tmp_path: Path) ->
     return Component(service, busy, saved_and_flushed)
 
 
+def admit(stack: ExitStack, kafka_bootstrap: str, catalogue, tmp_path: Path) -> Component:
+    import ssl
+
+    ca = tmp_path / "admit-ca.crt"
+    service = ServiceProcess(["-v", "admit", "--port", "0", "--ca-out", str(ca)], base_env(kafka_bootstrap, catalogue, tmp_path / "data"),
+                             tmp_path / "admit.log")
+    review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+        "uid": "lifecycle-1", "kind": {"group": "", "version": "v1", "kind": "Pod"}, "operation": "CREATE", "namespace": "ml",
+        "object": {"metadata": {"name": "train-0", "labels": {"gpuledger.io/environment": "prod"}},
+                   "spec": {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}}}
+
+    def busy() -> None:
+        url = wait_until(lambda: (m := re.search(r"listening on (https://[0-9.]+:\d+)", service.log_path.read_text(errors="replace"))) and m.group(1),
+                         "gpuledger admit's address", service)
+        context = ssl.create_default_context(cafile=str(ca))
+
+        def ready() -> bool:
+            try:
+                with urllib.request.urlopen(f"{url}/readyz", timeout=5, context=context) as resp:
+                    return resp.status == 200
+            except OSError:
+                return False
+
+        wait_until(ready, "gpuledger admit's release state (readyz)", service)
+        request = urllib.request.Request(f"{url}/validate", data=json.dumps(review).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30, context=context) as resp:
+            assert json.loads(resp.read())["response"]["allowed"] is False
+
+    def saved_and_flushed() -> None:
+        # Decisions are published off the request path; the stop publishes what was still queued.
+        decided = [e for e in events(kafka_bootstrap, catalogue.scheduler, 1) if e.event_type == "admission.decided"]
+        assert [(e.identity.pod, e.payload.rule) for e in decided] == [("train-0", "no-release-identity")]
+
+    return Component(service, busy, saved_and_flushed)
+
+
 COMPONENTS = {"scheduler-collector": scheduler_collector, "podresources-collector": podresources_collector, "receiver": receiver,
-              "worker": worker}
+              "worker": worker, "admit": admit}
 
 
 @pytest.mark.parametrize("name", list(COMPONENTS))

@@ -11,7 +11,7 @@ from gpuledger.cli._common import console, fail, failing_on, load_settings
 
 
 def exercise(
-    scenario: Optional[str] = typer.Argument(None, help="A shipped scenario (incident-rollback, retirement, unapproved-admission) or a path to a YAML file."),
+    scenario: Optional[str] = typer.Argument(None, help="A shipped scenario (incident-rollback, retirement, unapproved-admission, unapproved-admission-enforced) or a path to a YAML file."),
     speed: Optional[float] = typer.Option(None, "--speed", help="Compress the timeline this many times (default: the scenario's speed)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for names, UIDs and GPU UUIDs (default: the scenario's)."),
     report: Optional[Path] = typer.Option(None, "--report", help="Where to write the HTML report (default <data dir>/exercises/<scenario>/<scenario>.html)."),

@@ -8,6 +8,7 @@ import typer
 
 # Each command group by its module path (importing them through the package would make
 # gpuledger.cli and this module import each other).
+import gpuledger.cli.admit as admit
 import gpuledger.cli.audit as audit
 import gpuledger.cli.collect as collect
 import gpuledger.cli.db as db
@@ -31,5 +32,5 @@ def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at IN
 
 
 # One line per command module; the order is the order of `gpuledger --help`.
-for _group in (kafka, topics, db, schemas, worker, read, audit, collect, receive, release, exercise, replay, dev):
+for _group in (kafka, topics, db, schemas, worker, read, audit, collect, receive, admit, release, exercise, replay, dev):
     _group.register(app)

@@ -307,6 +307,10 @@ class SimCluster:
         self.alerts: dict[str, SimAlert] = {}
         self.records: list[StepRecord] = []
         self.started_at: datetime | None = None
+        # Enforcement (scenario enforce: true): the Workload object at creation -> (allowed, message),
+        # gpuledger admit's webhook answer; a denied workload is kept here and never created.
+        self.admit: Callable[[dict], tuple[bool, str]] | None = None
+        self.denied: dict[str, tuple[SimWorkload, str]] = {}
         cluster = scenario.cluster
         for spec in cluster.nodes:
             gpus = spec.gpus or cluster.gpus_per_node
@@ -352,7 +356,7 @@ class SimCluster:
     def workload_id(self, name: str) -> str:
         if "/" in name:
             return name
-        wl = self.workloads.get(name)
+        wl = self.workloads.get(name) or (self.denied[name][0] if name in self.denied else None)
         if wl is None:
             raise KeyError(f"no workload {name!r} was submitted")
         return wl.workload_id
@@ -530,6 +534,15 @@ class SimCluster:
             priority=cluster.priority_classes[a.priority_class], cluster_queue=queue.cluster_queue, flavor=queue.flavor,
             resource=resource, pods_total=a.pods, created_at=at,
         )
+        if self.admit is not None:
+            allowed, message = self.admit(self._workload_object(wl))
+            if not allowed:
+                self.denied[a.workload] = (wl, message)
+                return f"submit {wl.workload_id}: denied by gpuledger admit: {message}"
+            # The webhook decided on the real clock, a moment after the step's planned time: the
+            # workload is created once the answer came, as in a cluster.
+            at = max(at, datetime.now(timezone.utc))
+            wl.created_at = at
         wl.conditions = [
             workload_condition("QuotaReserved", "True", "QuotaReserved", f"Quota reserved in ClusterQueue {wl.cluster_queue}", at),
             workload_condition("Admitted", "True", "Admitted", "The workload is admitted", at),

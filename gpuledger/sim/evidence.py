@@ -111,6 +111,8 @@ class _Check:
             self._evicted()
         if exp.admitted_before_approval is not None:
             self._admitted_before_approval()
+        if exp.admission is not None:
+            self._admission()
         if exp.unattributed is not None:
             self._unattributed()
         if exp.open_allocations is not None:
@@ -242,6 +244,32 @@ class _Check:
         first = approvals[0] if approvals else "never"
         self.expect(early == self.exp.admitted_before_approval, f"admitted {wl['admitted_at']}, approved {first}",
                     f"admitted {wl['admitted_at']}, first approval {first}")
+
+    def _admission(self) -> None:
+        """gpuledger admit's decision (``admission.decided`` in the store) before the workload's
+        queue entry, as trace shows it; a denied workload must have no pod and no GPU."""
+        wl = self.target_workloads[0] if self.target_workloads else None
+        decisions = (wl or {}).get("admission_decisions") or []
+        if not decisions:
+            self.problems.append("no admission decision recorded for the workload")
+            return
+        from sinks.read.audit import precedes
+        from sinks.read.trace import parse_instant
+
+        admitted = wl.get("admitted_at")
+        before = [d for d in decisions if admitted is None or precedes(parse_instant(d["occurred_at"]), parse_instant(admitted))]
+        if not before:
+            self.problems.append(f"no admission decision before the workload's admission at {admitted}")
+            return
+        d = before[-1]
+        when = f"before admission at {admitted}" if admitted else "never admitted"
+        self.expect(d["decision"] == self.exp.admission, f"decision {d['decision']} at {d['occurred_at']} by rule {d['rule']}, {when}",
+                    f"decision {d['decision']} by rule {d['rule']} ({d.get('message')}), expected {self.exp.admission}")
+        if self.exp.admission == "deny":
+            # The chain runs through the release to its other workloads: only this workload's allocations count.
+            gpus = [a for g in self.result.get("gpus", []) for a in g.get("allocations", []) if a.get("workload_id") == wl["workload_id"]]
+            self.expect(not wl.get("pods") and not gpus, "no pod, no GPU",
+                        f"a denied workload reached the cluster: pods {wl.get('pods')}, {len(gpus)} allocation(s)")
 
     def _open_allocations(self) -> None:
         at_s = iso_z(self.at) if self.at else None

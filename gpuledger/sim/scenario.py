@@ -338,6 +338,7 @@ class Expectation(Strict):
     preempted_by: str | None = Field(default=None, description="A workload of the chain was preempted by this workload.")
     evicted: bool | None = Field(default=None, description="A workload of the chain shows an eviction.")
     admitted_before_approval: bool | None = Field(default=None, description="A workload was admitted while its release had no approval.")
+    admission: Literal["allow", "deny", "warn"] | None = Field(default=None, description="gpuledger admit's decision on the entry workload before its queue entry (scenarios with enforce: true); deny also means it never reached a GPU.")
     unattributed: bool | None = Field(default=None, description="The chain resolves to no release (true) or to one (false).")
     open_allocations: int | None = Field(default=None, ge=0, description="At least this many GPU allocations of the chain are still held (as of `at`).")
     reservations_held: int | None = Field(default=None, ge=0, description="Reservations created and not released (as of `at`).")
@@ -352,7 +353,7 @@ class Expectation(Strict):
         if len(given) != 1:
             raise ValueError(f"an expectation needs exactly one entry point ({', '.join(ENTRY_KINDS)}), got "
                              + (", ".join(given) if given else "none"))
-        checks = ("traces_to", "release_state", "preempted_by", "evicted", "admitted_before_approval", "unattributed", "open_allocations",
+        checks = ("traces_to", "release_state", "preempted_by", "evicted", "admitted_before_approval", "admission", "unattributed", "open_allocations",
                   "reservations_held", "violation")
         if not self.lifecycle and all(getattr(self, c) is None for c in checks):
             raise ValueError("an expectation needs at least one check: " + ", ".join(("lifecycle", *checks)))
@@ -379,6 +380,7 @@ class Scenario(Strict):
     description: str = Field(default="", description="What the exercise rehearses.")
     speed: float = Field(default=1.0, gt=0, description="Default timeline compression (--speed overrides).")
     seed: int = Field(default=0, description="Default seed for names and UUIDs (--seed overrides).")
+    enforce: bool = Field(default=False, description="Run gpuledger admit and send every submitted workload through its webhook first: a denied one is never created.")
     cluster: ClusterSpec
     releases: dict[str, ReleaseSpec] = Field(default_factory=dict, description="The model registry: release id -> manifest.")
     timeline: list[Step] = Field(min_length=1)

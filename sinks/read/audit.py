@@ -36,7 +36,7 @@ import json
 from collections import defaultdict
 from datetime import datetime, timedelta
 
-from gpuledger.timefmt import TimeFormatError, parse_duration, parse_time
+from gpuledger.timefmt import TimeFormatError, format_duration, parse_duration, parse_time
 from sinks.correlated import IDENTITY_FIELDS
 from schemas.release import actor_text, decision_actor
 from sinks.migrations import table_name
@@ -210,6 +210,14 @@ def _payload(row: dict) -> dict:
     return json.loads(row.get("payload_json") or "{}")
 
 
+def precedes(decision_at: datetime, mark: datetime) -> bool:
+    """A decision at ``decision_at`` came before the object event at ``mark``. Kubernetes
+    timestamps (creationTimestamp, condition times) have whole seconds and the API server sets
+    creationTimestamp *before* it calls the validating webhooks, so a decision within the
+    second of a whole-second mark counts as before it."""
+    return decision_at <= mark or (mark.microsecond == 0 and decision_at < mark + timedelta(seconds=1))
+
+
 def _history_time(entry: tuple) -> datetime | None:
     """When a release directory history entry (``"<time>|<id>", event type, …``) happened."""
     return parse_instant(entry[0].split("|")[0])
@@ -245,7 +253,10 @@ class Evidence:
         self.release_rows = {r["correlation_id"]: r for r in self.rows if r["event_type"].startswith("release.")}
         self.workloads: dict[str, list[dict]] = defaultdict(list)
         self.workload_of: dict[str, str] = {}
+        self.decisions: dict[str, list[dict]] = defaultdict(list)  # gpuledger admit's admission.decided, by workload
         for r in self.rows:
+            if r["event_type"] == "admission.decided" and r["identity"].get("workload_id"):
+                self.decisions[r["identity"]["workload_id"]].append(r)
             if r["event_type"].startswith("scheduler."):
                 ident = r["identity"]
                 key = ident.get("workload_id") or (f"{ident.get('namespace')}/{ident.get('pod')}" if ident.get("pod") else r["correlation_id"])
@@ -308,14 +319,40 @@ class Evidence:
             mine = self._citing(1, [r["correlation_id"] for r in rows])
             out.append({"workload": wid, "release": rid or "no release identity", "environment": entry["identity"].get("environment") or "",
                         "queue_entry": _z(entry["occurred_at"]), "entry_event": entry["event_type"],
+                        "policy_result": self._policy_result(wid, rows, entry),
                         "approvals": "; ".join(approvals) or ("" if not rid else "no release.approved before queue entry"),
                         "verdict": _verdict(mine)})
         flagged = sum(1 for r in out if r["verdict"] != "no violation recorded")
         return self._section(1, "Approved identity before queue entry",
                              f"{len(out)} workload(s) entering a queue in the range; {flagged} with a control 1 violation "
                              f"({len(self._of(1))} violation(s))",
-                             ["workload", "release", "environment", "queue_entry", "entry_event", "approvals", "verdict"], out,
+                             ["workload", "release", "environment", "queue_entry", "entry_event", "policy_result", "approvals", "verdict"], out,
                              len(out), "workload(s) entering a queue")
+
+    def _policy_result(self, wid: str, rows: list[dict], entry: dict) -> str:
+        """gpuledger admit's decision that let the workload in (``admission.decided``): the
+        latest one before its queue entry, else (an AdmissionCheck decides a Workload already
+        queued) the latest before its admission. Facts only: what was recorded."""
+        decisions = self.decisions.get(wid, [])
+        if not decisions:
+            return "no admission decision recorded (gpuledger admit not enforcing here)"
+        entry_at = parse_instant(entry["occurred_at"])
+        admitted = next((r for r in rows if r["event_type"] in START), None)
+        marks = [(entry_at, "queue entry")] + ([(parse_instant(admitted["occurred_at"]), "admission")] if admitted else [])
+        for mark, what in marks:
+            before = [d for d in decisions if precedes(parse_instant(d["occurred_at"]), mark)]
+            if before:
+                d = before[-1]
+                p = _payload(d)
+                gap = mark - parse_instant(d["occurred_at"])
+                delta = ("+0s: within the second of a Kubernetes timestamp" if gap < timedelta(0) else
+                         f"+{gap.total_seconds() * 1000:.0f}ms" if gap < timedelta(seconds=1) else f"+{format_duration(gap)}")
+                return (f"workload {wid}: decision {p.get('decision')} at {_z(d['occurred_at'])} by rule {p.get('rule')} "
+                        f"({p.get('gate')}, {p.get('mode')}), before {what} at {_z(mark)} ({delta})")
+        d = decisions[0]
+        p = _payload(d)
+        return (f"workload {wid}: decision {p.get('decision')} at {_z(d['occurred_at'])} by rule {p.get('rule')} "
+                f"({p.get('gate')}, {p.get('mode')}), after queue entry at {_z(entry_at)}")
 
     # (2)
     def promotion(self) -> dict:

@@ -502,6 +502,8 @@ def _workload_section(workload_id: str, rows: list[dict], pods: list[dict], gaps
         values = [r[field] for r in rows if r.get(field) not in (None, "")]
         return values[-1] if values else None
 
+    decisions = [r for r in rows if r["event_type"] == "admission.decided"]
+    rows = [r for r in rows if r["event_type"] != "admission.decided"]
     admissions = [r["occurred_at"] for r in rows if r["event_type"] == "scheduler.admitted"]
     if rows and not admissions:
         gaps.append(f"workload {workload_id}: no admission event (admitted before the store's history, or never admitted)")
@@ -516,6 +518,10 @@ def _workload_section(workload_id: str, rows: list[dict], pods: list[dict], gaps
         "priority": latest("priority"),
         "admitted_at": admissions[0] if admissions else None,
         "admissions": admissions,
+        # gpuledger admit's decisions on the workload (decision:rule in ``reason``, its message).
+        "admission_decisions": [{"occurred_at": r["occurred_at"], "decision": (r.get("reason") or ":").split(":", 1)[0],
+                                 "rule": (r.get("reason") or ":").split(":", 1)[1], "message": r.get("message"),
+                                 "summary": r.get("summary"), "correlation_id": r["correlation_id"]} for r in decisions],
         "state": rows[-1]["event_type"] if rows else None,
         "release_id": latest("release_id"),
         "preemptions": _preemptions(rows, names or {}),

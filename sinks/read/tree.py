@@ -98,6 +98,9 @@ def _add_workloads(root: Tree, workloads: list[dict], pods: dict[str, dict]) -> 
                 else _or_gap(wl.get("priority_class")))
         wnode = root.add(f"[bold]workload[/] {m(wl['workload_id'])}  queue={_or_gap(wl.get('queue'))} "
                          f"cluster_queue={_or_gap(wl.get('cluster_queue'))} priority={prio}")
+        for d in wl.get("admission_decisions", []):
+            before = f", before admission at {m(wl['admitted_at'])}" if wl.get("admitted_at") and d["occurred_at"] <= wl["admitted_at"] else ""
+            wnode.add(f"decision {m(d['decision'])} at {m(d['occurred_at'])} by rule {m(d['rule'])}{before}")
         wnode.add(f"admitted {m(wl['admitted_at'])}" + (f" ({len(wl['admissions'])} admissions)" if len(wl["admissions"]) > 1 else "")
                   if wl.get("admitted_at") else f"admission: {GAP}")
         in_preemption = {c for ev in wl.get("preemptions", []) for c in ev.get("correlation_ids", [])}

@@ -33,7 +33,7 @@ from schemas.release import UNAUTHENTICATED
 #: Every decision a role can be given. Release lifecycle events and admin actions map
 #: onto them (``ACTION_OF_EVENT``).
 Action = Literal["approve", "promote", "rollback", "revoke", "retire", "reserve", "pause_queue", "isolate_node", "override_priority",
-                 "delegate"]
+                 "delegate", "override"]
 Severity = Literal["info", "warning", "critical"]
 
 ACTION_OF_EVENT: dict[str, str] = {
@@ -47,6 +47,7 @@ ACTION_OF_EVENT: dict[str, str] = {
     "release.queue_paused": "pause_queue",
     "release.node_isolated": "isolate_node",
     "release.priority_overridden": "override_priority",
+    "release.admission_overridden": "override",
 }
 
 #: Control number -> field of ``Controls`` (and its title, DESIGN.md "Controls").
@@ -124,7 +125,7 @@ class Retirement(_Model):
 class EmergencyOverrides(_Model):
     """Control 7: admin actions that are emergency overrides and must expire."""
 
-    actions: tuple[Action, ...] = Field(default=("override_priority", "pause_queue"), description="Actions that are emergency overrides (need expires_at).")
+    actions: tuple[Action, ...] = Field(default=("override_priority", "pause_queue", "override"), description="Actions that are emergency overrides (need expires_at).")
     max_duration: Duration = Field(default=timedelta(hours=4), description="Longest an override may last (expires_at - occurred_at).")
 
 
@@ -178,6 +179,34 @@ class BusinessPriority(_Model):
         return None
 
 
+AdmissionMode = Literal["enforce", "warn", "dry-run"]
+AdmissionGate = Literal["webhook", "admission-check"]
+
+
+class NamespaceAdmission(_Model):
+    """How ``gpuledger admit`` treats one namespace."""
+
+    environment: str | None = Field(default=None, description="Environment of the namespace's workloads when they carry no gpuledger.io/environment label.")
+    mode: AdmissionMode | None = Field(default=None, description="enforce (deny), warn (allow with a warning) or dry-run (decide and record only); unset: the environment's mode.")
+    gate: AdmissionGate = Field(default="webhook", description="webhook: the admission webhook denies at creation; admission-check: Kueue-queued Jobs and Workloads are let through the webhook and wait in their queue on the gpuledger.io/release-approval AdmissionCheck instead.")
+
+
+class Admission(_Model):
+    """``gpuledger admit``: control 1 as prevention (docs/admission.md)."""
+
+    default_mode: AdmissionMode = Field(default="enforce", description="Mode of environments and namespaces not listed.")
+    modes: dict[str, AdmissionMode] = Field(default_factory=dict, description="Environment -> mode.")
+    namespaces: dict[str, NamespaceAdmission] = Field(default_factory=dict, description="Namespace -> environment, mode and gate.")
+    fail_closed: tuple[str, ...] = Field(default=("prod",), description="Environments decided fail-closed: when the release state is not loaded or the decision fails, deny (elsewhere: allow with a warning). The webhook configuration's failurePolicy: Fail for their namespaces says the same to the API server.")
+
+    def namespace(self, name: str | None) -> NamespaceAdmission:
+        return self.namespaces.get(name or "") or NamespaceAdmission()
+
+    def mode_for(self, namespace: str | None, environment: str | None) -> AdmissionMode:
+        ns = self.namespace(namespace)
+        return ns.mode or self.modes.get(environment or "", self.default_mode)
+
+
 def _default_environments() -> tuple[Environment, ...]:
     return (
         Environment(name="dev", requires_approval=False, requires_promotion=False),
@@ -193,7 +222,7 @@ def _default_roles() -> dict[str, Role]:
                                  actions=("approve", "promote", "rollback", "revoke", "retire", "reserve")),
         "release-automation": Role(owner="team-mlops", members=("ml-platform-bot",), actions=("retire",)),
         "platform-sre": Role(owner="team-platform", members=("bob", "oncall-bob", "oncall-sre"),
-                             actions=("rollback", "pause_queue", "isolate_node", "override_priority", "reserve")),
+                             actions=("rollback", "pause_queue", "isolate_node", "override_priority", "reserve", "override")),
         "capacity-planners": Role(owner="team-capacity", members=("erin",), actions=("reserve",)),
     }
 
@@ -211,6 +240,7 @@ class Policy(_Model):
     telemetry: Telemetry = Field(default_factory=Telemetry, description="Control 6.")
     business_priority: BusinessPriority = Field(default_factory=BusinessPriority, description="Control 4.")
     authentication: Authentication = Field(default_factory=Authentication, description="Proven actors (controls 1, 2, 7; receiver endpoints).")
+    admission: Admission = Field(default_factory=Admission, description="gpuledger admit: modes, namespaces, fail-closed environments.")
 
     @model_validator(mode="after")
     def _cross_references(self) -> Policy:

@@ -32,6 +32,8 @@ def summarize(event_type: str, payload: dict) -> str:
         other = p.get("superseded_release_id")
         replaced = f" ({'replaced by' if moved_out else 'replacing'} {other})" if other else ""
         return f"{what}{env}{replaced}{who}"
+    if et == "admission.decided":
+        return f"admission {p.get('decision')} by rule {p.get('rule')} ({p.get('gate')}, {p.get('mode')})"
     if et.startswith("gpu."):
         return f"{what} {p.get('device_id') or ''} on {p.get('node')}".strip()
     return f"{what} {p.get('reason') or ''}".strip()

@@ -35,7 +35,7 @@ def entity_key(event) -> str:
         if event.event_type == "gpu.device":
             return f"gpu:{event.payload.node}/{event.payload.device_id}"
         return f"pod:{event.payload.namespace or ident.namespace}/{event.payload.pod or ident.pod}"
-    if family == "scheduler":
+    if family in ("scheduler", "admission"):
         if ident.namespace and ident.pod:
             return f"pod:{ident.namespace}/{ident.pod}"
         if ident.workload_id:

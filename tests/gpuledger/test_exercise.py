@@ -29,7 +29,7 @@ from gpuledger.sim.cluster import SimCluster, SimulationError, alert_fingerprint
 from gpuledger.sim.scenario import EXERCISES_DIR, ScenarioError, load_scenario, parse_scenario, shipped_scenarios
 
 SPEED = 120  # compress hard: the runner keeps a minimum gap between steps anyway
-SCENARIOS = ("incident-rollback", "retirement", "unapproved-admission")
+SCENARIOS = ("incident-rollback", "retirement", "unapproved-admission", "unapproved-admission-enforced")
 
 
 def test_the_three_scenarios_ship():
@@ -61,6 +61,14 @@ def test_scenario_passes_through_the_real_pipeline(name, kafka_bootstrap, tmp_pa
     # violations the worker recorded (retirement: control 8 FAIL with its open violation).
     report, table = audit_and_violations(run)
     assert {v["violation_id"]: v["detail"] for v in report["violations"]} == table, report["violations"]
+    if name == "unapproved-admission-enforced":
+        # Control 1's evidence: every workload that entered a queue has its policy result before queue entry,
+        # and the unapproved one never entered (no control 1 violation for it: prevention, not detection).
+        [admission] = [s for s in report["evidence"] if s["control"] == 1]
+        entered = {r["workload"]: r["policy_result"] for r in admission["rows"]}
+        assert set(entered) == {sim_id for sim_id in (run.cluster.workload_id("ranker-11"), run.cluster.workload_id("ranker-12-retry"))}, entered
+        assert all("decision allow at " in p and "by rule approved (webhook, enforce), before queue entry at " in p for p in entered.values()), entered
+        assert not [v for v in report["violations"] if v["control"] == 1 and "recsys-ranker-v12-prod" in v["detail"]]
     if name == "retirement":
         assert any(v.startswith("release ") and "still held" in v for v in table.values())
         assert {c["id"]: c["status"] for c in report["controls"]}[8] == "FAIL"

@@ -81,6 +81,7 @@ def test_every_command_publishes_its_event(cli, catalogue, kafka_bootstrap):
         "pause-queue": [*rid, "--target", "cq-train", *admin],
         "isolate-node": [*rid, "--target", "gpu-node-a3", *admin],
         "override-priority": [*rid, "--target", "llm-train/llm-pretrain", *admin],
+        "override-admission": [*rid, "--target", "llm-train/Job/llm-pretrain", *admin],
     }
     assert set(runs) == {c.name for c in COMMANDS}
     printed = {}

@@ -208,3 +208,17 @@ def load_store(client, raw_events=()) -> str:
     asyncio.run(go())
     return db
 
+
+
+def admission_row(before: timedelta = timedelta(milliseconds=40)) -> CorrelatedEvent:
+    """gpuledger admit enforcing: the webhook's allow of W7, ``before`` its submission."""
+    from schemas.admission import AdmissionPayload
+    from streams.controls.policy import Policy
+
+    submitted = next(r for r in correlated_rows() if r.event_type == "scheduler.submitted" and r.identity.workload_id == W7)
+    payload = AdmissionPayload(decision="allow", outcome="allow", rule="approved", message=f"release {R7} is approved for prod",
+                               mode="enforce", gate="webhook", object_kind="Workload", object_name="fraud-scorer-7", gpus_requested=1,
+                               policy_version=Policy().fingerprint)
+    return _ce("admission", "admission.decided", submitted.occurred_at - before,
+               {"workload_id": W7, "namespace": "risk", "release_id": R7, "environment": "prod"}, payload.model_dump(mode="json"),
+               summary="admission allow by rule approved (webhook, enforce)")

@@ -269,3 +269,25 @@ def test_unknown_release_id_falls_back_to_model_version_and_says_so():
 
 def test_fallback_attribution_is_the_same_in_any_processing_order():
     assert_order_independent(UNKNOWN_ID, allocations=0)
+
+
+def test_an_admission_decision_is_correlated_like_any_workload_event():
+    from producers._config import GPU_RESOURCES, ResourceMatcher
+    from producers.admission.events import decision_event
+    from streams.controls.admission import AdmissionState, decide, subject_of
+    from streams.controls.policy import Policy
+    from tests.streams.harness import at
+
+    job = {"kind": "Job", "metadata": {"name": "train", "namespace": "ml", "uid": "u1", "labels": {"gpuledger.io/release-id": "r1"}},
+           "spec": {"template": {"spec": {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "2"}}}]}}}}
+    subject = subject_of(job, ResourceMatcher(GPU_RESOURCES))
+    state = AdmissionState()
+    state.ready.set()
+    for e in RELEASES:
+        state.apply(e)
+    event = decision_event(subject, decide(subject, state, Policy(), at(8)), at(8), gate="webhook", request_id="req-1", operation="CREATE")
+    d = Driver().feed([*RELEASES, event])
+    row = next(r for r in d.rows.values() if r.event_type == "admission.decided")
+    assert row.identity.release_id == "r1" and row.identity.workload_id == "ml/Job/train" and row.attribution == "release_label"
+    assert row.identity.artifact_digest == "sha256:" + "a" * 64  # enriched from the release like the workload's own events
+    assert row.summary == f"admission {event.payload.decision} by rule {event.payload.rule} (webhook, enforce)"

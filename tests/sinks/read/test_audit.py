@@ -190,3 +190,43 @@ def test_bad_options_and_policy_exit_2(store, tmp_path):
     bad.write_text("roles:\n  x: {owner: t, actions: [fly]}\n")
     result = audit(store, *RANGE, "--policy", str(bad))
     assert result.exit_code == 2 and "roles.x.actions.0" in result.output
+
+
+@pytest.fixture(scope="module")
+def enforced_store(clickhouse_client, clickhouse_dsn, tmp_path_factory):
+    """The incident with gpuledger admit enforcing: the webhook's decision on W7 a moment before it was submitted."""
+    db = f"t_{uuid.uuid4().hex[:12]}"
+    migrate(clickhouse_client, db)
+    submitted = next(r for r in inc.correlated_rows() if r.event_type == "scheduler.submitted" and r.identity.workload_id == inc.W7)
+    decided = inc.admission_row(timedelta(milliseconds=40))
+    rows = [*inc.correlated_rows(), decided]
+    recorded = ControlEngine(directory_from_rows(rows), Policy()).feed(rows, inc.allocation_rows())
+    recorded.run()
+
+    async def go():
+        writers = SinkWriters(clickhouse_client, db)
+        await writers.store_correlated(rows)
+        await writers.store_allocations(inc.allocation_rows())
+        await writers.store_violations(list(recorded.violations.values()))
+    asyncio.run(go())
+    return {"GPULEDGER_CLICKHOUSE_DSN": clickhouse_dsn, "GPULEDGER_CLICKHOUSE_DATABASE": db,
+            "GPULEDGER_DATA_DIR": str(tmp_path_factory.mktemp("audit-enforced")), "COLUMNS": "250"}, submitted
+
+
+def test_control_1_evidence_shows_the_policy_result_before_queue_entry(enforced_store, store):
+    env, submitted = enforced_store
+    evidence = {s["control"]: s for s in json.loads(audit(env, *RANGE, "--format", "json").output)["evidence"]}
+    rows = {r["workload"]: r for r in evidence[1]["rows"]}
+    at = submitted.occurred_at.strftime("%Y-%m-%dT%H:%M:%S")
+    assert rows[inc.W7]["policy_result"].startswith(f"workload {inc.W7}: decision allow at ") and "by rule approved (webhook, enforce)" in rows[inc.W7]["policy_result"]
+    assert f"before queue entry at {at}" in rows[inc.W7]["policy_result"] and rows[inc.W7]["policy_result"].endswith("(+40ms)")
+    from datetime import datetime, timezone
+
+    from sinks.read.audit import precedes
+    whole = datetime(2026, 12, 1, 17, 32, 47, tzinfo=timezone.utc)
+    assert precedes(whole.replace(microsecond=62_000), whole) and not precedes(whole + timedelta(seconds=1, milliseconds=1), whole)
+    assert not precedes(whole.replace(microsecond=500_000) + timedelta(milliseconds=1), whole.replace(microsecond=500_000))
+    assert rows[inc.WT]["policy_result"] == "no admission decision recorded (gpuledger admit not enforcing here)"
+    # Without enforcement the same workload says so.
+    plain = {s["control"]: s for s in json.loads(audit(store, *RANGE, "--format", "json").output)["evidence"]}
+    assert {r["workload"]: r for r in plain[1]["rows"]}[inc.W7]["policy_result"].startswith("no admission decision recorded")

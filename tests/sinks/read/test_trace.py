@@ -239,3 +239,24 @@ def test_cli_tree_and_json(store, clickhouse_dsn, tmp_path):
     assert runner.invoke(cli_app, ["trace", "--alert", "nope"], env=env).exit_code == 4
     assert runner.invoke(cli_app, ["trace"], env=env).exit_code == 2
     assert runner.invoke(cli_app, ["trace", "--release", inc.R7, "--window", "soon"], env=env).exit_code == 2
+
+
+def test_a_workload_shows_gpuledger_admits_decision_before_its_admission(clickhouse_client, clickhouse_dsn, tmp_path):
+    import asyncio
+    import uuid
+
+    from sinks.agents import SinkWriters
+    from sinks.migrations import migrate
+
+    db = f"t_{uuid.uuid4().hex[:12]}"
+    migrate(clickhouse_client, db)
+    decided = inc.admission_row()
+    asyncio.run(SinkWriters(clickhouse_client, db).store_correlated([*inc.correlated_rows(), decided]))
+    section = next(w for w in trace(DirectReader(clickhouse_client), db, "workload", inc.W7, at=AT)["workloads"] if w["workload_id"] == inc.W7)
+    [d] = section["admission_decisions"]
+    assert (d["decision"], d["rule"], d["message"]) == ("allow", "approved", f"release {inc.R7} is approved for prod")
+    assert section["state"].startswith("scheduler.")  # a decision is not the workload's state
+    env = {"GPULEDGER_CLICKHOUSE_DSN": clickhouse_dsn, "GPULEDGER_CLICKHOUSE_DATABASE": db, "GPULEDGER_DATA_DIR": str(tmp_path), "COLUMNS": "200"}
+    tree = CliRunner().invoke(cli_app, ["trace", "--workload", inc.W7, "--at", AT.isoformat()], env=env)
+    assert tree.exit_code == 0, tree.output
+    assert f"decision allow at {d['occurred_at']} by rule approved, before admission at {section['admitted_at']}" in tree.stdout

@@ -1,0 +1,36 @@
+"""A decision as an ``admission.decided`` event (pure).
+
+Event id: ``make_event_id("admit", (gate, kind, namespace, name, uid, operation), request)``
+where ``request`` is the AdmissionReview's ``request.uid`` (a re-sent review is the same
+fact) or, for the AdmissionCheck controller, the Workload's resourceVersion and the rule
+(the same Workload state judged the same way is one fact).
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import datetime
+
+from schemas.admission import AdmissionEvent, AdmissionPayload
+from schemas.envelope import Identity, Source, make_event_id
+from streams.controls.admission import Decision, Subject
+
+COLLECTOR = "admit"
+_IDENTITY = ("model_name", "model_version", "owner", "data_class")
+
+
+def decision_event(subject: Subject, decision: Decision, at: datetime, *, gate: str, request_id: str, operation: str | None = None,
+                   user: str | None = None, host: str | None = None) -> AdmissionEvent:
+    ident = {k: v for k, v in subject.identity.items() if k in _IDENTITY}
+    pod = subject.name if subject.kind == "Pod" else None
+    identity = Identity(release_id=decision.release_id, environment=decision.environment, namespace=subject.namespace or None,
+                        workload_id=subject.workload_id, pod=pod, pod_uid=subject.uid if pod else None, **ident)
+    payload = AdmissionPayload(
+        decision=decision.verdict, outcome=decision.outcome, rule=decision.rule, message=decision.message, mode=decision.mode, gate=gate,
+        object_kind=subject.kind, object_name=subject.name or "-", object_uid=subject.uid, operation=operation, user=user,
+        gpus_requested=max(subject.gpus, 0), release_state=decision.release_state, fail_closed=decision.fail_closed,
+        policy_version=decision.policy_version, directory_version=decision.directory_version,
+        override_event_id=decision.override_event_id, evidence=decision.evidence)
+    eid = make_event_id(COLLECTOR, (gate, subject.kind, subject.namespace, subject.name, subject.uid, operation), request_id)
+    return AdmissionEvent(event_id=eid, event_type="admission.decided", occurred_at=at, observed_at=at,
+                          source=Source(collector=COLLECTOR, host=host or socket.gethostname()), identity=identity, payload=payload)

@@ -1,0 +1,122 @@
+"""The ValidatingWebhookConfiguration of ``gpuledger admit``, built in one place.
+
+``deploy/k8s/base/admit/webhook.yaml`` is this function's output for the in-cluster Service
+(a test keeps them equal), and the real-cluster tests register it with a ``url`` instead.
+
+Per kind (Pods, batch Jobs, Kueue Workloads) two webhooks: one for namespaces labelled
+``gpuledger.io/environment`` in ``fail_closed`` (``failurePolicy: Fail``: with the webhook
+down, the API server refuses their GPU work) and one for every other namespace
+(``failurePolicy: Ignore``: allowed, and control 1 still reports it after admission).
+``matchConditions`` send only objects requesting a GPU resource (the collectors' list,
+``producers._config.GPU_RESOURCES``, as CEL), so CPU work never waits on us; namespaces
+labelled ``gpuledger.io/admit: disabled`` and the kube-system / gpuledger namespaces are
+never sent. Operations: CREATE only (GPU requests of a Pod are immutable; a Job's pod
+template too).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+
+from producers._config import GPU_RESOURCES
+from producers.admission.config import WEBHOOK_PATH
+
+ENV_LABEL = "gpuledger.io/environment"
+OPT_OUT_LABEL = "gpuledger.io/admit"
+EXCLUDED_NAMESPACES = ("kube-system", "gpuledger")
+KINDS = (  # (short name, API group, version, resource, path to the pod specs in CEL)
+    ("pods", "", "v1", "pods", "pod"),
+    ("jobs", "batch", "v1", "jobs", "job"),
+    ("workloads", "kueue.x-k8s.io", "*", "workloads", "workload"),
+)
+
+
+def gpu_resource_cel(var: str, resources: Iterable[str] = GPU_RESOURCES) -> str:
+    """CEL: ``var`` (a resource name) is one of ``resources`` (a trailing '*' is a prefix)."""
+    parts = [f"{var}.startsWith('{r[:-1]}')" if r.endswith("*") else f"{var} == '{r}'" for r in resources]
+    return "(" + " || ".join(parts) + ")"
+
+
+def _containers_cel(spec: str, resources: Iterable[str]) -> str:
+    gpu = gpu_resource_cel("r", resources)
+    one = (f"has(c.resources) && ((has(c.resources.limits) && c.resources.limits.exists(r, {gpu})) || "
+           f"(has(c.resources.requests) && c.resources.requests.exists(r, {gpu})))")
+    return (f"{spec}.containers.exists(c, {one}) || "
+            f"(has({spec}.initContainers) && {spec}.initContainers.exists(c, {one}))")
+
+
+def gpu_match_expression(kind: str, resources: Iterable[str] = GPU_RESOURCES) -> str:
+    resources = tuple(resources)
+    if kind == "pod":
+        return _containers_cel("object.spec", resources)
+    if kind == "job":
+        return _containers_cel("object.spec.template.spec", resources)
+    return f"object.spec.podSets.exists(ps, {_containers_cel('ps.template.spec', resources)})"
+
+
+def webhook_configuration(client_config_for: dict, *, name: str = "gpuledger-admit", fail_closed: Iterable[str] = ("prod",),
+                          resources: Iterable[str] = GPU_RESOURCES, timeout_seconds: int = 5,
+                          extra_namespace_match: list[dict] | None = None) -> dict:
+    """The ValidatingWebhookConfiguration; ``client_config_for`` is its ``clientConfig`` without
+    the path (``{"service": {...}}`` or ``{"url": "https://host:port"}``, plus ``caBundle``)."""
+    fail_closed = list(fail_closed)
+    excluded = {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": list(EXCLUDED_NAMESPACES)}
+    opted_out = {"key": OPT_OUT_LABEL, "operator": "NotIn", "values": ["disabled"]}
+    hooks = []
+    for short, group, version, resource, cel_kind in KINDS:
+        for closed in (True, False):
+            env = {"key": ENV_LABEL, "operator": "In" if closed else "NotIn", "values": fail_closed}
+            if "url" in client_config_for:
+                client = {**client_config_for, "url": client_config_for["url"].rstrip("/") + WEBHOOK_PATH}
+            else:
+                client = {**client_config_for, "service": {**client_config_for["service"], "path": WEBHOOK_PATH}}
+            hooks.append(copy.deepcopy({
+                "name": f"{short}.{'fail-closed.' if closed else ''}admit.gpuledger.io",
+                "admissionReviewVersions": ["v1"],
+                "sideEffects": "None",  # the decision event is gpuledger's record, not a change to the cluster
+                "clientConfig": client,
+                "rules": [{"apiGroups": [group], "apiVersions": [version], "resources": [resource], "operations": ["CREATE"],
+                           "scope": "Namespaced"}],
+                "failurePolicy": "Fail" if closed else "Ignore",
+                "matchPolicy": "Equivalent",
+                "timeoutSeconds": timeout_seconds,
+                "namespaceSelector": {"matchExpressions": [excluded, opted_out, env, *(extra_namespace_match or [])]},
+                "objectSelector": {"matchExpressions": [{"key": OPT_OUT_LABEL, "operator": "NotIn", "values": ["disabled"]}]},
+                "matchConditions": [{"name": "requests-gpu", "expression": gpu_match_expression(cel_kind, resources)}],
+            }))
+    return {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration", "metadata": {"name": name},
+            "webhooks": hooks}
+
+
+def rendered_webhook_yaml() -> str:
+    """deploy/k8s/base/admit/webhook.yaml: the configuration for the in-cluster Service."""
+    import yaml
+
+    cfg = webhook_configuration({"service": {"name": "gpuledger-admit", "namespace": "gpuledger", "port": 443}})
+    cfg["metadata"]["annotations"] = {"cert-manager.io/inject-ca-from": "gpuledger/gpuledger-admit-tls"}
+    cfg["metadata"]["labels"] = {"app.kubernetes.io/name": "gpuledger", "app.kubernetes.io/component": "admit",
+                                 "app.kubernetes.io/part-of": "gpuledger"}
+    return WEBHOOK_YAML_HEADER + yaml.safe_dump(cfg, sort_keys=False, width=200)
+
+
+WEBHOOK_YAML_HEADER = """# Generated by `python -m producers.admission.manifests` (a test keeps them equal):
+# per kind (Pods, Jobs, Kueue Workloads) a fail-closed webhook for namespaces labelled
+# gpuledger.io/environment=prod (failurePolicy: Fail) and a fail-open one for the rest
+# (Ignore); only objects requesting a GPU resource are sent (matchConditions, CEL);
+# namespaces or objects labelled gpuledger.io/admit=disabled, kube-system and gpuledger never.
+# The caBundle is injected by cert-manager from the gpuledger-admit-tls Certificate.
+"""
+
+
+def admission_check(name: str = "gpuledger-release-approval", controller_name: str = "gpuledger.io/release-approval") -> dict:
+    return {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "AdmissionCheck", "metadata": {"name": name},
+            "spec": {"controllerName": controller_name}}
+
+
+if __name__ == "__main__":
+    from pathlib import Path
+
+    target = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "base" / "admit" / "webhook.yaml"
+    target.write_text(rendered_webhook_yaml())
+    print(f"wrote {target}")

@@ -1,0 +1,239 @@
+"""``gpuledger admit`` as one long-running process: HTTPS webhook, release follower, AdmissionCheck controller, recorder.
+
+Input: AdmissionReviews on ``POST /validate`` (HTTPS), the release topic (read from the
+beginning into the in-memory ``AdmissionState``, like every worker's release directory),
+and with a kubeconfig the cluster's Kueue Workloads. Output: AdmissionReview answers,
+Workload check states, and one ``admission.decided`` event per decision on Kafka.
+
+Guarantees: no I/O on the request path — a decision reads memory only; a release event
+reaches the state within the follower's poll (200 ms) of Kafka acknowledging it. Decisions
+are published off the request path by the recorder thread in batches (acks=all): the
+webhook answers even while Kafka is down; decisions beyond ``publish_queue`` are dropped
+and counted (``/healthz``), never blocking an answer. ``/readyz`` is 200 once the release
+topic has been read up to its end offsets at start-up, 503 before.
+Limits: a decision not yet published when the process dies is lost (the API server's
+own audit log still has the request); the self-signed certificate changes at each start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+import queue
+import ssl
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import orjson
+from aiohttp import web
+
+from gpuledger.telemetry import ComponentCounters
+from producers._config import ResourceMatcher
+from producers._errors import ProducerError
+from producers.admission.certs import self_signed
+from producers.admission.config import WEBHOOK_PATH, AdmitSettings
+from producers.admission.webhook import ReviewHandler
+from streams.controls.admission import AdmissionState
+from streams.controls.policy import Policy
+from streams.correlate.directory import follow_release_topic
+
+log = logging.getLogger(__name__)
+
+
+class AdmitError(ProducerError):
+    """gpuledger admit cannot start (listen address, certificate, kubeconfig)."""
+
+
+class DecisionRecorder:
+    """Publishes decisions from a queue in batches on its own thread (off the request path)."""
+
+    def __init__(self, publisher, batch: int = 500, capacity: int = 100_000) -> None:
+        self.publisher, self.batch = publisher, batch
+        self.queue: queue.Queue = queue.Queue(maxsize=capacity)
+        self.counters = {"recorded": 0, "published": 0, "dropped": 0, "publish_errors": 0}
+        self._thread = threading.Thread(target=self._run, name="admit-recorder", daemon=True)
+        self._stopping = threading.Event()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def __call__(self, event) -> None:
+        try:
+            self.queue.put_nowait(event)
+            self.counters["recorded"] += 1
+        except queue.Full:
+            self.counters["dropped"] += 1
+
+    def _run(self) -> None:
+        while True:
+            try:
+                first = self.queue.get(timeout=0.2)
+            except queue.Empty:
+                if self._stopping.is_set():
+                    return
+                continue
+            events = [first]
+            while len(events) < self.batch:
+                try:
+                    events.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            # The webhook hands over a function: the event is built here, not on the request path.
+            events = [e() if callable(e) else e for e in events]
+            while True:
+                try:
+                    self.publisher.publish_batch(events)
+                    self.counters["published"] += len(events)
+                    break
+                except ProducerError as exc:
+                    self.counters["publish_errors"] += 1
+                    log.warning("admission decisions not published yet (%d): %s", len(events), exc)
+                    if self._stopping.wait(1.0):
+                        return
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._thread.join(timeout)
+
+
+class AdmitService:
+    """``gpuledger admit`` (``producers._runtime`` lifecycle: ``run()`` until ``stop()``)."""
+
+    def __init__(self, config: AdmitSettings, policy: Policy, publisher, bootstrap: str, release_topic: str, client_config: dict | None = None,
+                 api_client=None, on_listening: Callable[[str, int, bytes | None], None] | None = None) -> None:
+        self.config, self.policy, self.publisher = config, policy, publisher
+        self.bootstrap, self.release_topic, self.client_config = bootstrap, release_topic, client_config or {}
+        self.api_client, self.on_listening = api_client, on_listening
+        self.state = AdmissionState()
+        self.resources = ResourceMatcher(config.gpu_resources)
+        self.recorder = DecisionRecorder(publisher, config.publish_batch, config.publish_queue)
+        self.handler = ReviewHandler(self.state, policy, self.resources, config.label_prefix)
+        self.controller = None
+        self.counters = {"reviews": 0, "bad_requests": 0, "denied": 0}
+        self.telemetry = ComponentCounters("admit")  # the component contract: received / rejected (with reason), via OpenTelemetry
+        self.latencies: collections.deque[float] = collections.deque(maxlen=10_000)  # ms from body read to answer encoded
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._stop_requested = threading.Event()
+
+    # -- HTTP ------------------------------------------------------------------------------------
+    def build_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app.add_routes([web.post(WEBHOOK_PATH, self.validate), web.get("/healthz", self.healthz), web.get("/readyz", self.readyz)])
+        return app
+
+    async def validate(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            self.counters["bad_requests"] += 1
+            self.telemetry.add_rejected("too_large")
+            return web.json_response({"error": f"body over {self.config.max_body_bytes} bytes"}, status=413)
+        started = time.perf_counter()
+        status, answer, event = self.handler.handle(body)
+        self.telemetry.add_received()
+        if status != 200:
+            self.counters["bad_requests"] += 1
+            self.telemetry.add_rejected("bad_admission_review")
+        else:
+            self.counters["reviews"] += 1
+            if not answer["response"]["allowed"]:
+                self.counters["denied"] += 1
+        if event is not None:
+            self.recorder(event)
+        response = web.Response(body=orjson.dumps(answer), status=status, content_type="application/json")
+        self.latencies.append((time.perf_counter() - started) * 1000)
+        return response
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        controller = self.controller.counters if self.controller else None
+        recent = sorted(self.latencies)
+        latency = {"n": len(recent), "p50_ms": round(recent[len(recent) // 2], 3), "p99_ms": round(recent[int(len(recent) * 0.99)], 3),
+                   "max_ms": round(recent[-1], 3)} if recent else {"n": 0}
+        return web.json_response({"status": "ok", "releases": len(self.state.releases), "release_events": self.state.applied,
+                                  "webhook": self.counters, "decision_latency": latency, "recorder": self.recorder.counters,
+                                  "controller": controller})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        if self.state.ready.is_set():
+            return web.json_response({"ready": True, "releases": len(self.state.releases)})
+        return web.json_response({"ready": False, "error": "release state not loaded yet"}, status=503)
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def _tls(self, workdir: Path) -> tuple[ssl.SSLContext, bytes | None]:
+        ca_pem = None
+        cert, key = self.config.tls_cert_file, self.config.tls_key_file
+        if cert is None:
+            cert, key, ca_pem = self_signed(workdir, tuple(self.config.tls_names), (self.config.host,))
+            if self.config.ca_out:
+                self.config.ca_out.write_bytes(ca_pem)
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            context.load_cert_chain(str(cert), str(key))
+        except (OSError, ssl.SSLError) as exc:
+            raise AdmitError(f"cannot load the serving certificate {cert} / key {key}: {exc}") from exc
+        return context, ca_pem
+
+    def _on_release_change(self, keys: list[str]) -> None:
+        if self.controller is not None:
+            self.controller.release_changed(keys)
+
+    async def _serve(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        if self._stop_requested.is_set():
+            self._stop.set()
+        follower = asyncio.create_task(follow_release_topic(self.bootstrap, self.release_topic, self.state, self._on_release_change,
+                                                            self._stop, self.client_config))
+        with tempfile.TemporaryDirectory(prefix="gpuledger-admit-") as workdir:
+            context, ca_pem = self._tls(Path(workdir))
+            runner = web.AppRunner(self.build_app(), access_log=None)
+            await runner.setup()
+            try:
+                site = web.TCPSite(runner, self.config.host, self.config.port, ssl_context=context)
+                try:
+                    await site.start()
+                except OSError as exc:
+                    raise AdmitError(f"cannot listen on {self.config.host}:{self.config.port}: {exc}") from exc
+                host, port = site._server.sockets[0].getsockname()[:2]
+                if self.api_client is not None:
+                    from producers.admission.controller import AdmissionCheckController
+
+                    self.controller = AdmissionCheckController(self.api_client, self.state, self.policy, self.resources, self.config.label_prefix,
+                                                               self.recorder, self.config.controller_name, self.config.resync_s,
+                                                               self.config.watch_timeout_s)
+                    self.controller.start()
+                if self.on_listening:
+                    self.on_listening(host, port, ca_pem)
+                stop_wait = asyncio.create_task(self._stop.wait())
+                await asyncio.wait({stop_wait, follower}, return_when=asyncio.FIRST_COMPLETED)
+                if follower.done() and follower.exception():
+                    raise AdmitError(f"the release topic {self.release_topic} cannot be read: {follower.exception()}")
+                stop_wait.cancel()
+            finally:
+                if self.controller is not None:
+                    self.controller.stop()
+                await runner.cleanup()
+                follower.cancel()
+                await asyncio.gather(follower, return_exceptions=True)
+
+    def run(self) -> None:
+        self.recorder.start()
+        try:
+            asyncio.run(self._serve())
+        finally:
+            self.recorder.stop()
+            self.publisher.close(10)
+            log.info("admit stopped, decisions flushed")
+
+    def stop(self) -> None:
+        self._stop_requested.set()
+        loop, event = self._loop, self._stop
+        if loop is not None and event is not None:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:
+                pass

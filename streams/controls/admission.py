@@ -1,0 +1,260 @@
+"""Control 1 as prevention: may this GPU workload enter its queue now? A pure function.
+
+Input: the release state (a ``ReleaseDirectory``, plus the emergency overrides folded from
+the same release topic: ``AdmissionState``), the ``Policy`` and one Kubernetes object —
+a Pod, a batch Job or a Kueue Workload (``subject_of``). Output: a ``Decision``: what we
+answer (allow / deny / warn), the rule that decided, a message a model team can act on,
+and what the decision read (release state, policy version, directory version, override).
+
+One verdict: whether a release is approved for an environment is the controls' own
+timeline (``streams.controls.rules.approval_changes`` — an approval by an actor holding
+``approve``, covering the environment, not since revoked or retired), read at ``now``
+instead of at the admission time control 1 later checks. So what the webhook admits is
+what control 1 accepts, and what it denies is what control 1 would have opened a
+violation for.
+
+Rules, in order (``RULES``): ``not-gpu``, ``state-not-loaded`` (fail-closed or -open),
+``approval-not-required``, ``override``, ``no-release-identity``, ``unknown-release``,
+``revoked``, ``approval-not-entitled``, ``unapproved``, ``approved``. The mode of the
+namespace / environment (``Policy.admission``) then turns a deny into a warning (warn) or
+into an allow that is only recorded (dry-run).
+
+Limits: control 1 only (approval), not control 2 (promotion); the environment comes from
+the object's ``gpuledger.io/environment`` label, else the policy's namespace entry, else
+it is unknown and approval is required (as control 1 treats it).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Literal
+
+from producers._config import ResourceMatcher
+from producers.kubernetes.mapping import KUEUE_QUEUE_LABEL, derive_workload_id, gpus_requested, identity_fields, workload_info
+from schemas.release import actor_text, decision_actor
+from streams.controls.policy import Policy
+from streams.controls.rules import Release, _covers, approval_changes, iso
+from streams.correlate.directory import ReleaseDirectory
+
+Verdict = Literal["allow", "deny", "warn"]
+Gate = Literal["webhook", "admission-check"]
+
+#: Every rule a decision can name, in evaluation order.
+RULES = ("not-gpu", "state-not-loaded", "approval-not-required", "deferred-to-admission-check", "override", "no-release-identity",
+         "unknown-release", "revoked", "approval-not-entitled", "unapproved", "approved")
+OVERRIDE_EVENT = "release.admission_overridden"
+
+
+@dataclass(frozen=True)
+class Subject:
+    """The object a decision is about, reduced to what the rules read."""
+
+    kind: str  # Pod, Job, Workload
+    namespace: str
+    name: str
+    uid: str | None
+    gpus: int
+    identity: dict[str, str]  # shared identifiers from the object's labels/annotations
+    workload_id: str  # as the scheduler collector names the workload (namespace/Kind/name; a Kueue Workload: namespace/name)
+    queued: bool  # managed by Kueue (a queue-name label, or a Workload itself)
+
+    @property
+    def ref(self) -> str:
+        return f"{self.kind} {self.namespace}/{self.name}"
+
+
+def subject_of(obj: Mapping, resources: ResourceMatcher, prefix: str = "gpuledger.io/") -> Subject:
+    """A Pod, batch/v1 Job or Kueue Workload (v1beta1/v1beta2) as a ``Subject``.
+    ValueError for any other kind."""
+    kind = obj.get("kind")
+    meta = obj.get("metadata") or {}
+    ns, name, uid = meta.get("namespace") or "", meta.get("name") or meta.get("generateName") or "", meta.get("uid") or None
+    labels, annotations = meta.get("labels") or {}, meta.get("annotations") or {}
+    # The collector's mapping wants a uid; an object under admission may not have one yet.
+    obj = {**obj, "metadata": {"creationTimestamp": "1970-01-01T00:00:00Z", **meta, "name": name, "uid": uid or "-"}}
+    if kind == "Pod":
+        wid, _ = derive_workload_id(obj)
+        return Subject("Pod", ns, name, uid, gpus_requested(obj.get("spec"), resources), identity_fields(labels, annotations, prefix),
+                       wid, KUEUE_QUEUE_LABEL in labels)
+    if kind == "Job":
+        spec = obj.get("spec") or {}
+        tmpl = spec.get("template") or {}
+        tmeta = tmpl.get("metadata") or {}
+        parallelism = spec.get("parallelism", 1)
+        per_pod = gpus_requested(tmpl.get("spec"), resources)
+        ident = {**identity_fields(tmeta.get("labels"), tmeta.get("annotations"), prefix), **identity_fields(labels, annotations, prefix)}
+        return Subject("Job", ns, name, uid, per_pod * (parallelism if isinstance(parallelism, int) and parallelism > 0 else 1), ident,
+                       f"{ns}/Job/{name}", KUEUE_QUEUE_LABEL in labels)
+    if kind == "Workload":
+        info = workload_info(obj, resources, prefix)
+        return Subject("Workload", ns, name, uid, info.gpus, dict(info.identity), info.workload_id, True)
+    raise ValueError(f"gpuledger admit decides Pods, Jobs and Kueue Workloads, not {kind or 'an object without kind'}")
+
+
+@dataclass(frozen=True)
+class Override:
+    """One ``release.admission_overridden`` event, as the decision needs it."""
+
+    event_id: str
+    release_id: str
+    target: str
+    actor: str | None  # decision_actor form
+    at: datetime
+    expires_at: datetime | None
+
+    def covers(self, subject: Subject) -> bool:
+        if self.release_id != subject.identity.get("release_id"):
+            return False
+        return self.target in (subject.workload_id, f"{subject.namespace}/{subject.name}", f"{subject.namespace}/*")
+
+
+class AdmissionState(ReleaseDirectory):
+    """The release directory plus the emergency admission overrides of the same topic
+    (the directory's history keeps no target or expiry). Fed by
+    ``streams.correlate.directory.follow_release_topic`` like any directory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.overrides: dict[str, list[Override]] = {}
+        self.applied = 0  # release events folded in: the admit server's freshness counter
+        # Folds happen on the follower's event loop; a reader on another thread (the
+        # AdmissionCheck controller) holds this while it decides.
+        self.lock = threading.RLock()
+
+    def apply(self, event) -> list[str]:
+        with self.lock:
+            return self._apply(event)
+
+    def _apply(self, event) -> list[str]:
+        changed = super().apply(event)
+        self.applied += 1
+        if event.event_type == OVERRIDE_EVENT and event.payload.target:
+            entry = Override(event.event_id, event.identity.release_id, event.payload.target, decision_actor(event.payload),
+                             event.occurred_at, event.payload.expires_at)
+            items = self.overrides.setdefault(event.identity.release_id, [])
+            if entry not in items:
+                items.append(entry)
+        return changed
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What ``gpuledger admit`` answers, and why."""
+
+    verdict: Verdict  # what we answer: deny only in enforce mode
+    rule: str  # one of RULES
+    message: str  # for the model team (the API server shows it to whoever created the object)
+    outcome: Literal["allow", "deny"]  # what the rule said, before the mode
+    mode: str
+    environment: str | None
+    release_id: str | None
+    release_state: str | None  # the release's latest lifecycle event at decision time
+    fail_closed: bool
+    policy_version: str
+    directory_version: int
+    override_event_id: str | None = None
+    evidence: tuple[str, ...] = field(default=())  # release event ids the rule read (approval, revocation, override)
+
+    @property
+    def allowed(self) -> bool:
+        return self.verdict != "deny"
+
+    @property
+    def warnings(self) -> list[str]:
+        return [self.message] if self.verdict == "warn" else []
+
+
+def _approvers(policy: Policy) -> str:
+    holders = [f"{name}: {', '.join(role.members) or 'no members'}" for name, role in sorted(policy.roles.items()) if "approve" in role.actions]
+    return "; ".join(holders) or "no role has it in the policy"
+
+
+def environment_of(subject: Subject, policy: Policy) -> str | None:
+    return subject.identity.get("environment") or policy.admission.namespace(subject.namespace).environment
+
+
+def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: datetime | None = None, *,
+           gate: Gate = "webhook", policy_version: str | None = None) -> Decision:
+    """The decision for ``subject`` at ``now`` (default: the current time).
+
+    ``state`` None means the release state is not loaded yet. ``gate`` is who asks: the
+    webhook (at creation) or the AdmissionCheck controller (a Workload in its queue).
+    ``policy_version``: ``policy.fingerprint``, computed once by a long-running caller."""
+    now = now or datetime.now(timezone.utc)
+    version = policy_version or policy.fingerprint
+    env = environment_of(subject, policy)
+    rid = subject.identity.get("release_id")
+    mode = policy.admission.mode_for(subject.namespace, env)
+    fail_closed = env in policy.admission.fail_closed
+    where = env or "an unknown environment"
+    at_iso = now.isoformat()
+    loaded = state is not None and state.ready.is_set()
+
+    def done(outcome: str, rule: str, message: str, *, evidence=(), override: str | None = None, applies_mode: bool = True) -> Decision:
+        verdict: Verdict = "allow"
+        if outcome == "deny":
+            verdict = {"enforce": "deny", "warn": "warn", "dry-run": "allow"}[mode] if applies_mode else "deny"
+        return Decision(verdict, rule, message, outcome, mode, env, rid,
+                        state.state_as_of(rid, at_iso) if (loaded and rid) else None, fail_closed, version,
+                        state.version_at(rid, at_iso) if (loaded and rid) else 0, override, tuple(e for e in evidence if e))
+
+    if subject.gpus <= 0:
+        return done("allow", "not-gpu", f"{subject.ref} requests no GPU")
+    if not loaded:
+        if fail_closed:
+            return done("deny", "state-not-loaded", f"gpuledger admit has not loaded the release state yet; {where} is fail-closed, "
+                        "so GPU workloads wait until it has (retry in a moment)", applies_mode=False)
+        return done("allow", "state-not-loaded", f"gpuledger admit has not loaded the release state yet; {where} is fail-open, "
+                    f"so {subject.ref} was let through unchecked (control 1 still checks it after admission)")
+    envp = policy.environment(env)
+    if envp is not None and not envp.requires_approval:
+        return done("allow", "approval-not-required", f"{env} needs no approved release (policy environments.{env}.requires_approval)")
+    if gate == "webhook" and subject.queued and policy.admission.namespace(subject.namespace).gate == "admission-check":
+        return done("allow", "deferred-to-admission-check", f"{subject.ref} is queued by Kueue in {subject.namespace}, whose gate is "
+                    "the gpuledger.io/release-approval AdmissionCheck: it waits in its queue until its release is approved")
+    rejected_overrides: list[str] = []
+    for ov in (state.overrides.get(rid, []) if rid else []):
+        if not ov.covers(subject):
+            continue
+        limit = policy.emergency_overrides.max_duration
+        if not policy.allowed(ov.actor, "override"):
+            rejected_overrides.append(f"the override by {actor_text(ov.actor) or 'no recorded actor'} does not count: "
+                                      f"{policy.why_not(ov.actor, 'override')}")
+        elif ov.expires_at is None or ov.expires_at - ov.at > limit:
+            rejected_overrides.append(f"the override by {actor_text(ov.actor)} does not count: it needs an expiry at most "
+                                      f"{limit} after it was given")
+        elif ov.at <= now < ov.expires_at:
+            return done("allow", "override", f"{subject.ref} let through by the emergency override of {actor_text(ov.actor)} "
+                        f"(target {ov.target}) until {iso(ov.expires_at)}", evidence=(ov.event_id,), override=ov.event_id)
+    tail = ("; " + "; ".join(rejected_overrides)) if rejected_overrides else ""
+    if not rid:
+        return done("deny", "no-release-identity", f"{subject.ref} requests {subject.gpus} GPU(s) in {where} but names no release: "
+                    f"label it (and its pod template) gpuledger.io/release-id=<release id> with a release approved for {where}" + tail)
+    rel = Release(state, rid)
+    if not rel.known:
+        return done("deny", "unknown-release", f"release {rid} is not known to gpuledger (no release event names it): register it "
+                    f"(gpuledger release register) and have it approved for {where}" + tail)
+    approved, cause = False, None
+    for at, value, eid in approval_changes(rel, policy, env):
+        if at > now:
+            break
+        approved, cause = value, eid
+    if approved:
+        return done("allow", "approved", f"release {rid} is approved for {where}", evidence=(cause,))
+    if cause is not None:
+        how = next((e[1].split(".", 1)[1] for e in rel.history if e[2] == cause), "revoked")
+        return done("deny", "revoked", f"release {rid} was {how}; it may not start new GPU work in {where}; "
+                    "run an approved release instead" + tail, evidence=(cause,))
+    latest = state.state_as_of(rid, at_iso)
+    shown = (latest or "registered").split(".", 1)[-1]
+    unentitled = [e for e in rel.history if e[1] == "release.approved" and e[0] <= now and _covers(policy, e[3], env)]
+    if unentitled:
+        last = unentitled[-1]
+        return done("deny", "approval-not-entitled", f"release {rid} was approved only by {actor_text(last[4]) or 'no recorded actor'}, "
+                    f"which does not count for {where}: {policy.why_not(last[4], 'approve')}; approvals need the `approve` right "
+                    f"({_approvers(policy)})" + tail, evidence=(last[2],))
+    return done("deny", "unapproved", f"release {rid} is {shown}, not approved for {where}; approvals need the `approve` right "
+                f"({_approvers(policy)}): gpuledger release approve --release-id {rid} --env {env or '<env>'} --actor <approver>" + tail)

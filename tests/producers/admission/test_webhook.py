@@ -1,0 +1,50 @@
+"""producers/admission/webhook.py: AdmissionReview in, answer and decision out (no server)."""
+
+from __future__ import annotations
+
+import orjson
+
+from producers._config import GPU_RESOURCES, ResourceMatcher
+from producers.admission.webhook import ReviewHandler
+from streams.controls.admission import AdmissionState
+from streams.controls.policy import Admission, Policy
+
+
+def handler(policy: Policy | None = None) -> ReviewHandler:
+    state = AdmissionState()
+    state.ready.set()
+    return ReviewHandler(state, policy or Policy(), ResourceMatcher(GPU_RESOURCES), "gpuledger.io/", host="h")
+
+
+def review(kind: dict, obj: dict | None, operation: str = "CREATE", **request) -> bytes:
+    return orjson.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                         "request": {"uid": "u1", "kind": kind, "operation": operation, "namespace": "serving", "object": obj, **request}})
+
+
+POD = {"group": "", "version": "v1", "kind": "Pod"}
+GPU_POD = {"metadata": {"name": "p", "labels": {"gpuledger.io/environment": "prod"}},
+           "spec": {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}
+
+
+def test_a_deny_is_a_403_status_with_our_message_and_an_event_for_the_recorder():
+    status, answer, event = handler().handle(review(POD, GPU_POD, userInfo={"username": "ci"}))
+    response = answer["response"]
+    assert status == 200 and response["allowed"] is False and response["status"]["code"] == 403
+    assert response["status"]["message"].startswith("Pod serving/p requests 1 GPU(s) in prod but names no release")
+    decided = event()
+    assert (decided.payload.rule, decided.payload.user, decided.identity.namespace, decided.identity.pod) == ("no-release-identity", "ci", "serving", "p")
+    assert decided.event_id == handler().handle(review(POD, GPU_POD, userInfo={"username": "ci"}))[2]().event_id  # a re-sent review: one fact
+
+
+def test_warn_mode_answers_allowed_with_the_message_as_a_warning():
+    _, answer, event = handler(Policy(admission=Admission(modes={"prod": "warn"}))).handle(review(POD, GPU_POD))
+    assert answer["response"]["allowed"] is True and answer["response"]["warnings"][0].startswith("Pod serving/p requests 1 GPU(s)")
+    assert (event().payload.decision, event().payload.outcome) == ("warn", "deny")
+
+
+def test_dry_run_requests_are_recorded_as_such_and_other_kinds_and_deletes_are_allowed_unrecorded():
+    assert handler().handle(review(POD, GPU_POD, dryRun=True))[2]().payload.operation == "CREATE (dry run)"
+    for body in (review({"group": "apps", "version": "v1", "kind": "Deployment"}, {"metadata": {"name": "d"}}),
+                 review(POD, None, operation="DELETE")):
+        status, answer, event = handler().handle(body)
+        assert (status, answer["response"]["allowed"], event) == (200, True, None)

@@ -1,0 +1,192 @@
+"""The admission decision (streams/controls/admission.py): every rule, every mode, overrides."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from producers._config import GPU_RESOURCES, ResourceMatcher
+from producers.releases import COMMANDS, build_event
+from streams.controls.admission import RULES, AdmissionState, decide, subject_of
+from streams.controls.policy import Admission, NamespaceAdmission, Policy
+
+T0 = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
+NOW = T0 + timedelta(hours=1)
+RID = "fraud-scorer-v8-prod"
+GPUS = ResourceMatcher(GPU_RESOURCES)
+COMMAND = {c.name: c for c in COMMANDS}
+
+
+def release(state: AdmissionState, command: str, minutes: int, **options) -> AdmissionState:
+    event = build_event(COMMAND[command], {"release_id": RID, "at": (T0 + timedelta(minutes=minutes)).isoformat(), **options})
+    state.apply(event)
+    return state
+
+
+def loaded(*steps) -> AdmissionState:
+    state = AdmissionState()
+    state.ready.set()
+    for step in steps:
+        step(state)
+    return state
+
+
+def registered(state):
+    release(state, "register", 0, model="fraud-scorer", version="8", artifact_digest="sha256:" + "a" * 64)
+    release(state, "evaluate", 5)
+
+
+def approved_by(actor: str, env: str = "prod", minutes: int = 10):
+    return lambda state: release(state, "approve", minutes, actor=actor, env=env)
+
+
+def job(labels: dict | None = None, gpus: int = 1, namespace: str = "serving", name: str = "score", queue: str | None = None) -> dict:
+    job_labels = {**(labels or {}), **({"kueue.x-k8s.io/queue-name": queue} if queue else {})}
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, "namespace": namespace, "uid": "u-1", "labels": job_labels},
+            "spec": {"parallelism": 2, "template": {"metadata": {"labels": labels or {}}, "spec": {"containers": [
+                {"name": "c", "image": "x", "resources": {"limits": {"nvidia.com/gpu": str(gpus)}} if gpus else {}}]}}}}
+
+
+PROD = {"gpuledger.io/release-id": RID, "gpuledger.io/environment": "prod"}
+
+
+def decision(obj=None, state=None, policy=None, now=NOW, **kw):
+    return decide(subject_of(obj or job(PROD), GPUS), state, policy or Policy(), now, **kw)
+
+
+def test_an_approved_release_is_allowed_by_the_controls_own_approval_timeline():
+    d = decision(state=loaded(registered, approved_by("alice")))
+    assert (d.verdict, d.rule, d.outcome, d.release_state) == ("allow", "approved", "allow", "release.approved")
+    assert d.evidence and d.policy_version == Policy().fingerprint and d.directory_version > 0
+
+
+def test_an_evaluated_release_is_denied_with_what_to_do_and_who_may_approve():
+    d = decision(state=loaded(registered))
+    assert (d.verdict, d.rule) == ("deny", "unapproved")
+    assert d.message.startswith(f"release {RID} is evaluated, not approved for prod; approvals need the `approve` right")
+    assert "release-managers: alice, carol, dana" in d.message and f"gpuledger release approve --release-id {RID}" in d.message
+
+
+def test_an_approval_by_someone_without_the_right_does_not_count():
+    d = decision(state=loaded(registered, approved_by("mallory")))
+    assert (d.verdict, d.rule) == ("deny", "approval-not-entitled")
+    assert "approved only by mallory (unauthenticated)" in d.message and "mallory holds no role; none grants approve" in d.message
+
+
+def test_an_approval_for_an_earlier_environment_does_not_cover_prod_but_one_for_prod_covers_staging():
+    state = loaded(registered, approved_by("alice", env="staging"))
+    assert decision(state=state).rule == "unapproved"
+    staging = {**PROD, "gpuledger.io/environment": "staging"}
+    assert decision(job(staging), loaded(registered, approved_by("alice"))).rule == "approved"
+
+
+def test_an_approval_after_now_does_not_count_yet():
+    assert decision(state=loaded(registered, approved_by("alice", minutes=90))).rule == "unapproved"
+
+
+def test_a_revoked_or_retired_release_is_denied():
+    for command in ("revoke", "retire"):
+        state = loaded(registered, approved_by("alice"), lambda s, c=command: release(s, c, 20, reason="bad scores"))
+        d = decision(state=state)
+        assert (d.verdict, d.rule) == ("deny", "revoked") and f"was {'revoked' if command == 'revoke' else 'retired'}" in d.message
+
+
+def test_an_unknown_release_and_a_missing_release_label_are_denied():
+    assert decision(state=loaded()).rule == "unknown-release"
+    d = decision(job({"gpuledger.io/environment": "prod"}), loaded())
+    assert d.rule == "no-release-identity" and "gpuledger.io/release-id=<release id>" in d.message and "2 GPU(s)" in d.message
+
+
+def test_an_environment_without_approval_requirement_and_a_cpu_only_object_are_allowed():
+    assert decision(job({"gpuledger.io/environment": "dev"}), loaded()).rule == "approval-not-required"
+    assert decision(job(PROD, gpus=0), loaded()).rule == "not-gpu"
+
+
+def test_unknown_environment_requires_approval_like_control_1():
+    assert decision(job({"gpuledger.io/release-id": RID}), loaded(registered)).rule == "unapproved"
+
+
+def test_namespace_entry_names_the_environment_of_unlabelled_workloads():
+    policy = Policy(admission=Admission(namespaces={"research": NamespaceAdmission(environment="dev")}))
+    assert decision(job({}, namespace="research"), loaded(), policy).rule == "approval-not-required"
+
+
+@pytest.mark.parametrize("mode, verdict", [("enforce", "deny"), ("warn", "warn"), ("dry-run", "allow")])
+def test_modes_turn_a_deny_into_a_warning_or_a_recorded_allow(mode, verdict):
+    policy = Policy(admission=Admission(modes={"prod": mode}))
+    d = decision(state=loaded(registered), policy=policy)
+    assert (d.verdict, d.outcome, d.mode, d.rule) == (verdict, "deny", mode, "unapproved")
+    assert d.allowed == (verdict != "deny") and d.warnings == ([d.message] if verdict == "warn" else [])
+
+
+def test_a_namespace_mode_wins_over_the_environment_mode():
+    policy = Policy(admission=Admission(modes={"prod": "enforce"}, namespaces={"serving": NamespaceAdmission(mode="dry-run")}))
+    assert decision(state=loaded(registered), policy=policy).verdict == "allow"
+
+
+def test_not_loaded_state_is_fail_closed_in_prod_and_fail_open_elsewhere():
+    closed = decision(state=None)
+    assert (closed.verdict, closed.rule, closed.fail_closed) == ("deny", "state-not-loaded", True)
+    # Even dry-run does not turn a fail-closed refusal into an allow: nothing was decided.
+    assert decision(state=None, policy=Policy(admission=Admission(modes={"prod": "dry-run"}))).verdict == "deny"
+    staging = decision(job({**PROD, "gpuledger.io/environment": "staging"}), AdmissionState())
+    assert (staging.verdict, staging.rule, staging.fail_closed) == ("allow", "state-not-loaded", False)
+
+
+def test_admission_check_gate_lets_queued_work_through_the_webhook_but_not_the_check():
+    policy = Policy(admission=Admission(namespaces={"serving": NamespaceAdmission(gate="admission-check")}))
+    queued = job(PROD, queue="gpu")
+    assert decision(queued, loaded(registered), policy).rule == "deferred-to-admission-check"
+    assert decision(queued, loaded(registered), policy, gate="admission-check").rule == "unapproved"
+    assert decision(job(PROD), loaded(registered), policy).rule == "unapproved"  # not queued: the webhook decides
+
+
+def override(actor="oncall-sre", target="serving/Job/score", minutes=30, expires=60):
+    options = {"actor": actor, "target": target}
+    if expires is not None:
+        options["expires_at"] = (T0 + timedelta(minutes=minutes + expires)).isoformat()
+    return lambda state: release(state, "override-admission", minutes, **options) if expires is not None else state.apply(
+        build_event(COMMAND["override-priority"], {"release_id": RID, "at": (T0 + timedelta(minutes=minutes)).isoformat(), **options}))
+
+
+def test_an_override_by_an_actor_with_the_right_lets_the_workload_through_until_it_expires():
+    state = loaded(registered, override())
+    d = decision(state=state)
+    assert (d.verdict, d.rule) == ("allow", "override") and d.override_event_id and "oncall-sre" in d.message
+    assert decision(state=state, now=T0 + timedelta(minutes=91)).rule == "unapproved"  # expired
+    assert decision(state=state, now=T0 + timedelta(minutes=29)).rule == "unapproved"  # not yet given
+
+
+def test_an_override_matches_its_target_and_release_only():
+    assert decision(state=loaded(registered, override(target="serving/*"))).rule == "override"
+    assert decision(state=loaded(registered, override(target="serving/score"))).rule == "override"
+    assert decision(state=loaded(registered, override(target="other/*"))).rule == "unapproved"
+    pod = {"kind": "Pod", "metadata": {"name": "score-abc", "namespace": "serving", "labels": PROD,
+                                       "ownerReferences": [{"kind": "Job", "name": "score", "uid": "u-1", "controller": True}]},
+           "spec": {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}
+    assert decision(pod, loaded(registered, override())).rule == "override"  # the Job's pods are the same workload
+
+
+def test_an_override_without_the_right_or_too_long_does_not_count_and_says_why():
+    d = decision(state=loaded(registered, override(actor="mallory")))
+    assert d.rule == "unapproved" and "the override by mallory (unauthenticated) does not count" in d.message
+    d = decision(state=loaded(registered, override(expires=5 * 60)))
+    assert d.rule == "unapproved" and "needs an expiry at most" in d.message
+
+
+def test_kueue_workloads_and_pods_are_subjects_too():
+    wl = {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Workload", "metadata": {"name": "job-score-1a2b", "namespace": "serving"},
+          "spec": {"queueName": "gpu", "podSets": [{"name": "main", "count": 3, "template": {"metadata": {"labels": PROD}, "spec": {
+              "containers": [{"name": "c", "resources": {"requests": {"nvidia.com/mig-1g.10gb": "1"}}}]}}}]}}
+    s = subject_of(wl, GPUS)
+    assert (s.gpus, s.workload_id, s.queued, s.identity["release_id"]) == (3, "serving/job-score-1a2b", True, RID)
+    with pytest.raises(ValueError, match="not Deployment"):
+        subject_of({"kind": "Deployment"}, GPUS)
+
+
+def test_every_rule_is_exercised_here():
+    import inspect
+    import sys
+    source = inspect.getsource(sys.modules[__name__])
+    assert [r for r in RULES if f'"{r}"' not in source] == []
