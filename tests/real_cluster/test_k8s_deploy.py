@@ -92,11 +92,16 @@ RBAC: dict[str, Expect] = {
                                                      Access("get", "configmaps", "own"))),
     "gpuledger-worker": Expect(allowed=(), denied=(Access("get", "configmaps", "own"), Access("get", "secrets", "own"),
                                                    Access("list", "pods"))),
-    # A component with a namespaced Role reads like this (the Kueue AdmissionCheck controller of
-    # `gpuledger admit` would name its own verbs):
-    #   "gpuledger-admit": Expect(
-    #       allowed=(Access("get", "workloads.kueue.x-k8s.io"), Access("patch", "workloads.kueue.x-k8s.io/status"), ...),
-    #       denied=(Access("update", "workloads.kueue.x-k8s.io"), Access("patch", "pods"), Access("get", "secrets", "own"))),
+    # The admission webhook decides from Kafka's release state: no API access at all.
+    "gpuledger-admit": Expect(allowed=(), denied=(Access("get", "workloads.kueue.x-k8s.io"), Access("get", "secrets", "own"),
+                                                  Access("list", "pods"))),
+    # The Kueue AdmissionCheck controller: reads Workloads and AdmissionChecks, writes only their status.
+    "gpuledger-admit-controller": Expect(
+        allowed=(*(Access(v, r) for r in ("workloads.kueue.x-k8s.io", "admissionchecks.kueue.x-k8s.io") for v in _READ),
+                 Access("patch", "workloads.kueue.x-k8s.io/status"), Access("patch", "admissionchecks.kueue.x-k8s.io/status")),
+        denied=(Access("update", "workloads.kueue.x-k8s.io"), Access("patch", "workloads.kueue.x-k8s.io"),
+                Access("delete", "workloads.kueue.x-k8s.io"), Access("patch", "clusterqueues.kueue.x-k8s.io/status"),
+                Access("patch", "pods"), Access("get", "secrets", "own"))),
 }
 
 
@@ -192,6 +197,8 @@ def user_secrets(cluster) -> dict[str, dict]:
         "gpuledger-receiver-tls": {"type": "kubernetes.io/tls", "stringData": {
             "tls.crt": (cluster.pki / "tls.crt").read_text(), "tls.key": (cluster.pki / "tls.key").read_text()}},
         "gpuledger-receiver-credentials": {"type": "Opaque", "stringData": {"credentials.yaml": yaml.safe_dump(callers)}},
+        "gpuledger-admit-tls": {"type": "kubernetes.io/tls", "stringData": {
+            "tls.crt": (cluster.pki / "tls.crt").read_text(), "tls.key": (cluster.pki / "tls.key").read_text()}},
         "gpuledger-clickhouse": {"type": "Opaque", "stringData": {
             "GPULEDGER_CLICKHOUSE_DSN": "https://gpuledger:secret@clickhouse.example:8443/gpuledger"}},
     }
@@ -384,6 +391,9 @@ def test_overlay_applies_schedules_and_grants_exactly_what_each_component_needs(
                 dyn.delete(resource, name=doc["metadata"]["name"])
             except ApiException:
                 pass
+        # Gone before the next overlay's dry-run looks: Kueue's finalizer holds a deleted
+        # AdmissionCheck until it has noticed that no ClusterQueue uses it.
+        wait_for(lambda: not [d for d in cluster_scoped if exists(dyn, d)], 60, "the cluster-scoped objects to be deleted")
         try:
             core.delete_namespace(namespace)
         except ApiException:
