@@ -72,7 +72,6 @@ class ControlRuntime:
         self.watermark: datetime | None = None
         self._directory_seen = -1
         self._release_marks: dict[str, str] = {}
-        self.where: dict[str, str] = {}  # a key stored in another key's bucket -> that bucket (Controller._put)
 
     def advance(self, at) -> None:
         if not at:
@@ -127,90 +126,28 @@ class Controller:
         self.store = PartitionStore("controls", ctx.run.controls_changelog, ctx.consumer_config, on_load=self._loaded)
         self.packer = Packer(ctx.run.controls, ctx.run.partitions, max_messages=ctx.settings.streams.pack_max)
         self.counters = ctx.counters("streams.controls")
-        self.bucket_keys = ctx.settings.streams.control_bucket_keys
         self.stats = ctx.stats
-        for name in ("controls_in", "controls_keys", "violations_out", "control_conflicts", "control_subs_moved", "control_bucket_splits"):
+        for name in ("controls_in", "controls_keys", "violations_out", "control_conflicts"):
             self.stats.setdefault(name, 0)
 
     def _loaded(self, _partition: int, states: dict) -> None:
         for key, state in states.items():
-            if state.get("bucket"):
-                self.runtime.where[key] = state["bucket"]
-            self._track_loaded(key, state)
-            for sub, sub_state in state.get("subs", {}).items():
-                self.runtime.where[sub] = key
-                self._track_loaded(sub, sub_state)
-
-    def _track_loaded(self, key: str, state: dict) -> None:
-        self.runtime.track(key, state.get("interests", []), _parse(state["deadline"]) if state.get("deadline") else None)
-        self.runtime.advance(max_time(state))
-
-    # --- buckets: where a key's state is stored ------------------------------------------
-    # An alert's control key (``alert:<fingerprint>``) is kept inside the state of the
-    # correlation entity its rows come from (the pod, the node/GPU, …: the *bucket*, named
-    # in each control message as ``sub`` under the bucket's key), so one changelog record
-    # carries a pod's or GPU's state and its alerts' together instead of one record each.
-    # Every row of an alert comes from the entity its identity routes to, and an
-    # Alertmanager fingerprint is a hash of the labels that identity is derived from, so
-    # an alert's rows meet in one bucket; one seen in a second bucket is counted
-    # (``control_bucket_splits``). A bucket holds at most ``streams.control_bucket_keys`` keys; the oldest
-    # moves out to a key of its own in the same partition (pointing back to its bucket).
-    # Evaluation is per key as before: buckets change where state is stored, not what it is.
-
-    def _lookup(self, p: int, bucket: str, sub: str | None) -> dict | None:
-        main = self.store.get(p, bucket)
-        if sub is None:
-            return main
-        if main is not None and sub in main.get("subs", {}):
-            return main["subs"][sub]
-        return self.store.get(p, sub)
-
-    def _put(self, p: int, bucket: str, sub: str | None, state: dict) -> None:
-        if sub is None:
-            self.store.put(p, bucket, state)
-            return
-        where = self.runtime.where.get(sub)
-        if where is not None and where != bucket:
-            self.stats["control_bucket_splits"] = self.stats.get("control_bucket_splits", 0) + 1
-            log.error("control key %s arrived in bucket %s, but its state lives in %s", sub, bucket, where)
-        self.runtime.where[sub] = bucket
-        if self.store.get(p, sub) is state:  # moved out of its full bucket earlier
-            self.store.put(p, sub, state)
-            return
-        main = self.store.get(p, bucket) or new_state(bucket)
-        subs = main.setdefault("subs", {})
-        subs[sub] = state
-        if len(subs) > self.bucket_keys:
-            oldest = min((k for k in subs if k != sub), key=lambda k: (max_time(subs[k]) or "", k))
-            moved = subs.pop(oldest)
-            moved["bucket"] = bucket
-            self.store.put(p, oldest, moved)
-            self.stats["control_subs_moved"] = self.stats.get("control_subs_moved", 0) + 1
-        self.store.put(p, bucket, main)
-
-    def tick(self, key: str) -> None:
-        """Queue a re-evaluation of ``key``, addressed to where its state is stored."""
-        bucket = self.runtime.where.get(key)
-        if bucket:
-            self.packer.add(bucket, {"k": "tick", "sub": key})
-        else:
-            self.packer.add(key, {"k": "tick"})
+            self.runtime.track(key, state.get("interests", []), _parse(state["deadline"]) if state.get("deadline") else None)
+            self.runtime.advance(max_time(state))
 
     async def evaluate_batch(self, events: list) -> None:
         out = self.ctx.output
         messages = [(ev.message.partition, key, body) for ev in events for key, body in unpack(ev.message.value)]
         await self.store.ensure({p for p, _, _ in messages})
-        touched: dict[tuple[str, str | None], tuple[int, dict]] = {}
+        touched: dict[str, tuple[int, dict]] = {}
         self.counters.add_received(len(messages))
         for p, key, body in messages:
             kind = body["k"]
-            loc = (key, body.get("sub"))
-            state = touched[loc][1] if loc in touched else self._lookup(p, *loc)
+            state = touched[key][1] if key in touched else self.store.get(p, key)
             if state is None:
                 if kind == "tick" or (kind == "link" and len(body["link"]) <= 1):
                     continue
-                state = new_state(loc[1] or key)
-                self._put(p, *loc, state)  # in the store at once: a bucket and its keys must be the same dicts all batch
+                state = new_state(key)
             if kind == "row":
                 row = body["row"]
                 changed = fold_row(state, row)
@@ -220,17 +157,17 @@ class Controller:
                 changed = fold_link(state, body["from"], body["link"])
             else:  # tick: a deadline passed or a release changed
                 changed = True
-            if changed or loc in touched:
-                touched[loc] = (p, state)
+            if changed or key in touched:
+                touched[key] = (p, state)
         ctx = Context(self.directory, self.policy, self.runtime.watermark)
         n_out = 0
         self.ctx.fault("controls", "before_outputs")
-        for (bucket, sub), (p, state) in touched.items():
+        for key, (p, state) in touched.items():
             outcome = step(state, ctx)
             state["interests"] = outcome.interests
             state["deadline"] = outcome.deadline.isoformat() if outcome.deadline else None
-            self._put(p, bucket, sub, state)
-            self.runtime.track(sub or bucket, outcome.interests, outcome.deadline)
+            self.store.put(p, key, state)
+            self.runtime.track(key, outcome.interests, outcome.deadline)
             self.stats["control_conflicts"] += outcome.conflicts
             for violation in outcome.violations:
                 value = encode_event(violation)
@@ -240,7 +177,7 @@ class Controller:
                 self.packer.add(target, {"k": "link", "from": key, "link": link})
             n_out += len(outcome.violations)
         for key in self.runtime.due():
-            self.tick(key)
+            self.packer.add(key, {"k": "tick"})
         self.packer.drain_into(out)
         self.ctx.fault("controls", "during_outputs")
         self.stats["controls_in"] += len(messages)
@@ -285,7 +222,7 @@ class Controller:
             targets.update(self.runtime.dependents.get(f"rid:{rid}", ()))
         targets.update(self.runtime.due())
         for key in sorted(targets):
-            self.tick(key)
+            self.packer.add(key, {"k": "tick"})
         if self.packer.pending():
             self.packer.drain_into(self.ctx.output)
             await self.ctx.output.flush()

@@ -227,11 +227,7 @@ class Correlator:
                 out.produce(run.enriched_alerts, (ident.get("alert_fingerprint") or row["correlation_id"]).encode(), value, source=src)
             compact = compact_row(row)
             if compact is not None:
-                control_key = row_key(compact)
-                if control_key.startswith("alert:"):  # kept in this entity's bucket (streams.controls.agents: buckets)
-                    self.controls.add(key, {"k": "row", "row": compact, "sub": control_key}, source=src)
-                else:
-                    self.controls.add(control_key, {"k": "row", "row": compact}, source=src)
+                self.controls.add(row_key(compact), {"k": "row", "row": compact}, source=src)
         for alloc in outcome.allocations:
             out.produce(run.allocations, f"{alloc['node']}/{alloc['gpu_id']}".encode(), orjson.dumps(alloc))
             compact = compact_allocation(alloc)

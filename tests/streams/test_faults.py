@@ -45,7 +45,7 @@ SRC = Source(collector="fault-test")
 T0 = datetime(2026, 11, 1, 6, tzinfo=timezone.utc)
 # Small batches and packs: the ~1,000 events make many batches, so a fault at the Nth
 # batch falls in the middle of the run, with state already durable before it.
-ENV = {"GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "1", "GPULEDGER_STREAMS_COMMIT_INTERVAL_S": "0.25", "GPULEDGER_STREAMS_CONTROL_BUCKET_KEYS": "3", "GPULEDGER_STREAMS_BATCH_MAX": "10", "GPULEDGER_STREAMS_PACK_MAX": "10",
+ENV = {"GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "1", "GPULEDGER_STREAMS_COMMIT_INTERVAL_S": "0.25", "GPULEDGER_STREAMS_BATCH_MAX": "10", "GPULEDGER_STREAMS_PACK_MAX": "10",
        "GPULEDGER_STREAMS_PACKED_BATCH_MESSAGES": "10",
        "GPULEDGER_CLICKHOUSE_BATCH_SECONDS": "0.2"}
 
@@ -172,7 +172,7 @@ def reference(kafka_bootstrap, history, tmp_path_factory):
     return Reference(sums, health, run)
 
 
-def test_a_state_is_written_once_per_epoch_and_alerts_share_their_buckets(kafka_bootstrap, reference):
+def test_a_state_is_written_once_per_epoch_however_many_batches_touched_it(kafka_bootstrap, reference):
     """Batches do not wait for acks; the epoch commit writes each changed state once
     (streams/runner.py). Many batches per commit, and no key's changelog holds more
     records than there were commits."""
@@ -184,14 +184,6 @@ def test_a_state_is_written_once_per_epoch_and_alerts_share_their_buckets(kafka_
         records = read_topic(kafka_bootstrap, f"{run.cat.prefix}.{run.app_id}.{changelog}.v1", min_count=1)
         per_key = Counter(m.key() for m in records)
         assert max(per_key.values()) <= epoch["commits"], (agent, per_key.most_common(3), epoch)
-    # Alerts' control states live in the bucket of their pod or GPU: the pods' quality alerts never
-    # get a record of their own; a GPU's XID alerts beyond the bucket's 3 moved out (and the crash
-    # tests below recover both kinds).
-    records = read_topic(kafka_bootstrap, f"{run.cat.prefix}.{run.app_id}.controls-changelog.v1", min_count=1)
-    alert_keys = {m.key().decode() for m in records if m.key().startswith(b"alert:")}
-    assert alert_keys and all(k.startswith("alert:fx") for k in alert_keys), sorted(alert_keys)[:5]
-    stats = reference.health["stats"]
-    assert stats["control_subs_moved"] >= len(alert_keys) and stats["control_bucket_splits"] == 0, stats
 
 
 def test_a_replay_rebuilds_every_table_identically(kafka_bootstrap, history, reference, tmp_path):
