@@ -99,6 +99,15 @@ def admit(real_cluster, kube, kafka_bootstrap, ledger):
              60, "the gated ClusterQueue to be active (our AdmissionCheck marked Active)")
     yield service, config
     admission.delete_validating_webhook_configuration(config["metadata"]["name"])
+    # The bare pods these tests let in run on KWOK until deleted and hold real GPUs of the
+    # session's nodes: free them (and the gated queue) before the next module places its own.
+    core = k8s.CoreV1Api(kube)
+    for ns in (PROD, STAGING, QUEUED):
+        core.delete_namespace(ns)
+    custom.delete_cluster_custom_object("kueue.x-k8s.io", "v1beta2", "clusterqueues", f"cq-{SUFFIX}")
+    custom.delete_cluster_custom_object("kueue.x-k8s.io", "v1beta2", "admissionchecks", CHECK)
+    wait_for(lambda: not [p for ns in (PROD, STAGING, QUEUED) for p in core.list_namespaced_pod(ns).items], 120,
+             "the admission tests' pods to be gone")
     service.stop()
     thread.join(20)
     assert not thread.is_alive()
