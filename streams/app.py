@@ -79,6 +79,15 @@ class WorkerContext:
             logging.shutdown()
             os._exit(137)
 
+    async def commit_state(self, stage: str, store) -> None:
+        """An epoch commit of a stateful stage (``streams.runner``): every output produced so
+        far acknowledged, then ``store``'s changed states' changelog, acknowledged."""
+        await self.output.flush()
+        self.fault(stage, "after_outputs")
+        store.write_changes(self.output)
+        await self.output.flush()
+        self.fault(stage, "after_changelog")
+
     def packed_batch(self) -> int:
         """Records per batch for an agent reading packed records."""
         conf = self.settings.streams

@@ -187,14 +187,8 @@ class Controller:
             log.info("controls evaluated %d message(s) for %d key(s) into %d violation record(s)", len(messages), len(touched), n_out)
 
     async def commit(self) -> None:
-        """The epoch commit (``streams.runner``): violations and forwards acknowledged,
-        then the changed keys' changelog, acknowledged."""
-        out = self.ctx.output
-        await out.flush()
-        self.ctx.fault("controls", "after_outputs")
-        self.store.write_changes(out)
-        await out.flush()
-        self.ctx.fault("controls", "after_changelog")
+        """The epoch commit (``WorkerContext.commit_state``)."""
+        await self.ctx.commit_state("controls", self.store)
 
     async def reset(self, events: list) -> None:
         self.packer.discard()

@@ -207,14 +207,8 @@ class Correlator:
         await self.ctx.output.flush()
 
     async def commit_entities(self) -> None:
-        """The correlation stage's epoch commit (``streams.runner``): outputs acknowledged,
-        then the changed entities' changelog, acknowledged."""
-        out = self.ctx.output
-        await out.flush()
-        self.ctx.fault("correlate", "after_outputs")
-        self.store.write_changes(out)
-        await out.flush()
-        self.ctx.fault("correlate", "after_changelog")
+        """The correlation stage's epoch commit (``WorkerContext.commit_state``)."""
+        await self.ctx.commit_state("correlate", self.store)
 
     def _emit(self, key: str, outcome) -> None:
         out, run = self.ctx.output, self.ctx.run
