@@ -229,7 +229,7 @@ class LifecycleReceiver:
                 raise PayloadError(f"{where}payload.actor: {principal.identity} may not publish as {p.actor!r}: the actor is the "
                                    "authenticated caller (a service acting for a person names them in on_behalf_of)",
                                    field=f"{where}payload.actor", reason="forbidden", status=403)
-            if p.on_behalf_of and not self.policy.may_delegate(principal.identity):
+            if p.on_behalf_of and not self.policy.may_delegate(principal.identity, principal.groups):
                 raise PayloadError(f"{where}payload.on_behalf_of: {principal.identity} may not act on behalf of {p.on_behalf_of!r}: "
                                    "no role of the policy gives it the delegate right", field=f"{where}payload.on_behalf_of",
                                    reason="forbidden", status=403)
