@@ -147,6 +147,8 @@ class OidcSettings(BaseModel):
     def _one_key_source(self) -> OidcSettings:
         if (self.jwks_file is None) == (self.jwks_url is None):
             raise ValueError("give exactly one of jwks_file or jwks_url")
+        if self.identity_prefix.startswith("group:"):
+            raise ValueError("identity_prefix: 'group:' names groups in the policy, not callers (use 'user:' or 'service:')")
         if "none" in {a.lower() for a in self.algorithms}:
             raise ValueError("algorithms: 'none' would accept unsigned tokens")
         return self
