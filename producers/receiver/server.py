@@ -304,7 +304,7 @@ class LifecycleReceiver:
             return
         counters = self.counters[source]
         try:
-            await self.publisher.publish_batch_async(events, self.publish_timeout_s)
+            nbytes = await self.publisher.publish_batch_async(events, self.publish_timeout_s)
         except EventTooLarge as exc:
             field = field_of(exc.index)
             raise PayloadError(f"{field}: {exc}" if field else str(exc), field=field, reason="event_too_large",
@@ -312,7 +312,7 @@ class LifecycleReceiver:
         except PublishError:
             counters.add_rejected("kafka_unavailable", len(events))
             raise
-        counters.add_sent(len(events), sum(len(encode_event(e)) for e in events))
+        counters.add_sent(len(events), nbytes)
 
     async def _dead_letter_future(self, future: list[tuple[dict, EventDecodeError]], stage: str) -> dict:
         """Keep events from a newer schema version on the dead-letter topic (a newer gpuledger can
@@ -330,7 +330,9 @@ class LifecycleReceiver:
 
     @staticmethod
     def _accepted(events: list, **extra: Any) -> web.Response:
-        return web.json_response({"accepted": len(events), "event_ids": [e.event_id for e in events], **extra})
+        # orjson: the answer of every accepted request (aiohttp's json_response uses the stdlib encoder).
+        return web.Response(body=orjson.dumps({"accepted": len(events), "event_ids": [e.event_id for e in events], **extra}),
+                            content_type="application/json")
 
     # --- endpoints ----------------------------------------------------------------
 
