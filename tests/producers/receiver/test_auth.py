@@ -108,6 +108,17 @@ def test_actor_is_the_authenticated_caller_and_delegation_needs_the_right(start,
     assert (via_ci.actor, via_ci.on_behalf_of, via_ci.authenticated_by) == ("service:ci-gitlab", "user:alice", "token")
 
 
+def test_the_delegate_right_can_be_held_through_the_callers_group(start, credentials):
+    # The policy grants delegate to group:ci; service:ci-gitlab is in it by its credentials file entry, mallory is not.
+    by_group = Policy().model_copy(update={"roles": {**Policy().roles, "ci": Role(owner="team-mlops", members=("group:ci",), actions=("delegate",))}})
+    rx = start(policy=by_group, credentials_file=str(credentials))
+    status, answer = rx.post("/v1/releases", release_event(payload={"on_behalf_of": "user:alice", "approval_id": "CHG-3"}), headers=_bearer(TOKENS["ci"]))
+    assert status == 200, answer
+    status, answer = rx.post("/v1/releases", release_event(payload={"on_behalf_of": "user:alice", "actor_groups": ["ci"]}),
+                             headers=_bearer(TOKENS["mallory"]))  # groups in the body are not the caller's
+    assert (status, answer["field"]) == (403, "payload.on_behalf_of"), answer
+
+
 def test_delegation_without_the_policy_right_is_403(start, credentials):
     rx = start(credentials_file=str(credentials))  # the default policy: nobody may delegate
     status, answer = rx.post("/v1/releases", release_event(payload={"on_behalf_of": "user:alice"}), headers=_bearer(TOKENS["ci"]))
