@@ -261,30 +261,32 @@ def test_a_slow_jwks_endpoint_holds_only_the_requests_that_need_its_keys(start, 
     import concurrent.futures
 
     key, jwks = signing_key
-    idp = _Idp(jwks.read_bytes(), delay_s=4.0)
+    idp = _Idp(jwks.read_bytes(), delay_s=6.0)
     try:
         rx = start(oidc={"issuer": ISSUER, "audience": AUDIENCE, "jwks_url": idp.url})
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             t0 = time.monotonic()
             pending = pool.submit(rx.post, "/v1/releases", release_event(payload={"approval_id": "CHG-11"}), headers=_bearer(_jwt(key, sub="dana")))
             time.sleep(0.3)  # let the JWT request reach the receiver (not a condition: it is what the request waits for below)
-            # While the keys are being fetched, everything else is answered at once.
-            for _ in range(5):
+            # While the keys are being fetched (6 s), everything else is answered (a blocked loop
+            # would hold each of these until the JWKS answer; the bounds leave room for a loaded machine).
+            for _ in range(3):
                 t = time.monotonic()
                 assert rx.request("GET", "/healthz")[0] == 200
+                assert time.monotonic() - t < 2.0, "/healthz waited for the JWKS endpoint"
                 status, answer = rx.post("/v1/releases", release_event(payload={"approval_id": "CHG-12"}))
                 assert status == 200, answer
-                assert time.monotonic() - t < 1.0, "an unrelated request waited for the JWKS endpoint"
+                assert time.monotonic() - t < 3.0, "an unrelated request waited for the JWKS endpoint"
             assert not pending.done(), "the JWT request did not wait for its keys (the test proves nothing)"
             status, answer = pending.result(timeout=30)
             assert status == 200, answer
-            assert time.monotonic() - t0 >= 3.5
+            assert time.monotonic() - t0 >= 5.5
         # The key set is cached by PyJWT: the next token verifies without a fetch.
         fetched = idp.fetches
         t = time.monotonic()
         status, _ = rx.post("/v1/releases", release_event(payload={"approval_id": "CHG-13"}), headers=_bearer(_jwt(key, sub="erin")))
-        assert status == 200 and time.monotonic() - t < 1.0 and idp.fetches == fetched
-        actors = {e.payload.approval_id: (e.payload.actor, e.payload.authenticated_by) for _, e in events_on(kafka_bootstrap, catalogue.release, 7)}
+        assert status == 200 and time.monotonic() - t < 3.0 and idp.fetches == fetched
+        actors = {e.payload.approval_id: (e.payload.actor, e.payload.authenticated_by) for _, e in events_on(kafka_bootstrap, catalogue.release, 5)}
         assert actors["CHG-11"] == ("user:dana", "oidc") and actors["CHG-13"] == ("user:erin", "oidc") and actors["CHG-12"][1] is None
     finally:
         idp.close()
@@ -301,31 +303,14 @@ def test_an_unreachable_jwks_endpoint_answers_503_retriable(start, signing_key):
 
 
 def test_oidc_keys_from_a_jwks_url(start, signing_key, catalogue, kafka_bootstrap):
-    import http.server
-    import threading
-
     key, jwks = signing_key
-    body = jwks.read_bytes()
-
-    class Jwks(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's naming
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    idp = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Jwks)
-    threading.Thread(target=idp.serve_forever, daemon=True).start()
+    idp = _Idp(jwks.read_bytes())
     try:
-        url = f"http://127.0.0.1:{idp.server_address[1]}/.well-known/jwks.json"
+        url = idp.url
         rx = start(oidc={"issuer": ISSUER, "audience": AUDIENCE, "jwks_url": url})
         status, answer = rx.post("/v1/releases", release_event(payload={"approval_id": "CHG-8"}), headers=_bearer(_jwt(key, sub="dana")))
         assert status == 200, answer
         [(_, event)] = events_on(kafka_bootstrap, catalogue.release, 1)
         assert (event.payload.actor, event.payload.authenticated_by) == ("user:dana", "oidc")
     finally:
-        idp.shutdown()
+        idp.close()
