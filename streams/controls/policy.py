@@ -311,15 +311,23 @@ class Policy(_Model):
 
     def _grant(self, identity: str, groups: tuple[str, ...], action: str) -> tuple[str, str] | None:
         """(role, member entry) through which ``identity`` holds ``action``, or None: a role
-        naming the identity itself first, then one naming one of its groups."""
-        holding = [(name, role) for name, role in sorted(self.roles.items()) if action in role.actions]
-        for name, role in holding:
-            if (member := self._member(identity, (), role)) is not None:
-                return name, member
-        for name, role in holding:
-            if (member := self._member(identity, groups, role)) is not None:
-                return name, member
-        return None
+        naming the identity itself first, then one naming one of its groups (roles in policy
+        order). On the controls' hot path: every evaluation asks it for every lifecycle event."""
+        if not identity or identity.startswith(GROUP_MEMBER):
+            return None
+        bare = identity[5:] if identity.startswith("user:") else None
+        through_group = None
+        for name, role in self.roles.items():
+            if action not in role.actions:
+                continue
+            members = role.members
+            if identity in members:
+                return name, identity
+            if bare is not None and bare in members:
+                return name, bare
+            if through_group is None:
+                through_group = next(((name, GROUP_MEMBER + g) for g in groups if GROUP_MEMBER + g in members), None)
+        return through_group
 
     def memberships(self, actor: str | None) -> list[str]:
         """The roles of a decision actor's person (the actor, or the person a service acted
@@ -345,7 +353,14 @@ class Policy(_Model):
         proof, a delegation (``service>person``) only when the service may delegate and the
         person holds the right. Group members (``group:<name>``) count only for the groups the
         receiver authenticated with the actor; the person a service acts for has no groups here."""
-        return self.granted(actor, action) is not None
+        if not actor:
+            return False
+        d = parse_decision(actor)
+        if not d.proven and self.authentication.require_for_rights:
+            return False
+        if d.person is not None:
+            return self._grant(d.actor, d.groups, "delegate") is not None and self._grant(d.person, (), action) is not None
+        return self._grant(d.actor, d.groups, action) is not None
 
     def granted(self, actor: str | None, action: str) -> str | None:
         """How ``actor`` holds ``action``, for evidence: ``role platform-sre`` or ``role
