@@ -210,8 +210,7 @@ def create_app(settings) -> faust.App:
     async def _revoked(sender, revoked, **kwargs):
         for epoch in ctx.epochs.values():
             epoch.forget((tp.topic, tp.partition) for tp in revoked)
-        parts = {tp.partition for tp in revoked if tp.topic == run.route}
-        ctx.correlator.store.drop(parts)
+        ctx.correlator.forget({tp.partition for tp in revoked if tp.topic == run.route})
         ctx.controller.store.drop({tp.partition for tp in revoked if tp.topic == run.controls})
 
     @app.page("/gpuledger/health/")
