@@ -117,6 +117,7 @@ class Correlator:
         pack_max = ctx.settings.streams.pack_max
         self.route = Packer(run.route, run.partitions, max_messages=pack_max)
         self.controls = Packer(run.controls, run.partitions, max_messages=pack_max)
+        self._outputs = (run.correlated, run.enriched_alerts, run.allocations)  # names, looked up once
         self.memos: dict[str, GpuMemo] = {}  # node/GPU entity -> what its rows were derived from (in memory only)
         self.counters = ctx.counters("streams.correlate")
         self.stats = ctx.stats
@@ -213,19 +214,20 @@ class Correlator:
         await self.ctx.commit_state("correlate", self.store)
 
     def _emit(self, key: str, outcome) -> None:
-        out, run = self.ctx.output, self.ctx.run
+        out = self.ctx.output
+        correlated, enriched, allocations = self._outputs
         for row in outcome.correlated:
             src = (row["source_topic"], row["source_partition"], row["source_offset"])
             value = orjson.dumps(row)
             ident = row["identity"]
-            out.produce(run.correlated, (ident.get("release_id") or row["correlation_id"]).encode(), value, source=src)
+            out.produce(correlated, (ident.get("release_id") or row["correlation_id"]).encode(), value, source=src)
             if row["event_type"].startswith("alert."):
-                out.produce(run.enriched_alerts, (ident.get("alert_fingerprint") or row["correlation_id"]).encode(), value, source=src)
+                out.produce(enriched, (ident.get("alert_fingerprint") or row["correlation_id"]).encode(), value, source=src)
             compact = compact_row(row)
             if compact is not None:
                 self.controls.add(row_key(compact), {"k": "row", "row": compact}, source=src)
         for alloc in outcome.allocations:
-            out.produce(run.allocations, f"{alloc['node']}/{alloc['gpu_id']}".encode(), orjson.dumps(alloc))
+            out.produce(allocations, f"{alloc['node']}/{alloc['gpu_id']}".encode(), orjson.dumps(alloc))
             compact = compact_allocation(alloc)
             self.controls.add(allocation_key(compact), {"k": "row", "row": compact})
         for target, link in outcome.forwards:

@@ -45,10 +45,10 @@ import hashlib
 from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 
 import orjson
 
+from gpuledger.timefmt import utc_isoformat
 from schemas import Identity
 from streams.correlate.directory import interests_for
 from streams.correlate.release import segments, summarize
@@ -93,7 +93,7 @@ def kind_of(key: str) -> str:
 def iso(value: str | None) -> str | None:
     """A JSON time as the one format every sort key in streams uses (``isoformat()``,
     ``+00:00``): ``Z``-suffixed times would sort wrongly against it."""
-    return datetime.fromisoformat(value).astimezone(timezone.utc).isoformat() if value else None
+    return utc_isoformat(value) if value else None
 
 
 def fold_event(state: dict, event: dict, src: tuple[str, int, int]) -> bool:
