@@ -47,7 +47,7 @@ from datetime import datetime, timedelta, timezone
 import orjson
 
 from streams.controls.policy import ACTION_OF_EVENT, CONTROL_TITLES, Policy
-from gpuledger.timefmt import format_duration
+from gpuledger.timefmt import format_duration, quick_utc_isoformat
 from schemas import Identity
 from schemas.outputs import Violation
 from schemas.release import actor_text, decision_actor
@@ -79,7 +79,9 @@ def _t(value) -> datetime:
 
 
 def iso(value) -> str | None:
-    return None if value is None else _t(value).isoformat()
+    if value is None:
+        return None
+    return (isinstance(value, str) and quick_utc_isoformat(value)) or _t(value).isoformat()
 
 
 def _min(*values):

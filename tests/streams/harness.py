@@ -18,7 +18,7 @@ from schemas.scheduler import SchedulerPayload
 import streams.correlate.entities
 from producers.podresources.snapshot import parse_device_id
 from streams.correlate.directory import ReleaseDirectory
-from streams.correlate.entities import expire, fold_event, fold_link, new_entity, refresh
+from streams.correlate.entities import GpuMemo, expire, fold_event, fold_link, new_entity, refresh
 from streams.correlate.routing import entity_key, routed_form
 
 streams.correlate.entities.VERIFY_UNCHANGED = True  # the tests catch a content change without a version change
@@ -83,6 +83,7 @@ class Driver:
         self.park = park
         self.offset = 0
         self.conflicts = 0
+        self.memos: dict = {}  # as the Correlator keeps them (streams.correlate.entities.GpuMemo)
 
     def _state(self, key):
         return self.entities.setdefault(key, new_entity(key))
@@ -95,7 +96,8 @@ class Driver:
             fold_link(state, msg["from"], msg["link"])
         elif msg["k"] == "expire":
             expire(state, msg["rows"])
-        out = refresh(state, self.directory, park=self.park)
+        memo = self.memos.setdefault(key, GpuMemo()) if key.startswith("gpu:") else None
+        out = refresh(state, self.directory, park=self.park, memo=memo)
         self.conflicts += out.conflicts
         for content in out.correlated:
             row = CorrelatedEvent.model_validate(content)
