@@ -598,7 +598,7 @@ def test_deployment_manifest_matches_the_collector():
     rules = sorted((tuple(r["apiGroups"]), tuple(sorted(r["resources"])), tuple(sorted(r["verbs"]))) for r in docs["ClusterRole"]["rules"])
     read = ("get", "list", "watch")
     assert rules == [(("",), ("events", "pods"), read), (("events.k8s.io",), ("events",), read), (("kueue.x-k8s.io",), ("workloads",), read),
-                     (("resource.k8s.io",), ("resourceslices",), read)]
+                     (("resource.k8s.io",), ("resourceclaims", "resourceslices"), read)]
     assert docs["ClusterRoleBinding"]["subjects"][0]["name"] == docs["ServiceAccount"]["metadata"]["name"]
     spec = docs["Deployment"]["spec"]
     assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
