@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from producers._config import ResourceMatcher, dra_device_id
@@ -130,6 +130,11 @@ def claim_view(obj: Any, drivers: ResourceMatcher) -> ClaimView:
         return ClaimView(meta, (), allocated)
     holdings = tuple(Holding(pod, uid, node, d, p, n, r) for pod, uid in sorted(pods) for d, p, n, r in sorted(devices))
     return ClaimView(meta, holdings, allocated)
+
+
+def gone_claim(uid: str, namespace: str, name: str) -> ClaimView:
+    """A claim known only from what was remembered of it (a re-list no longer shows it): it holds nothing."""
+    return ClaimView(Meta(uid, namespace, name, datetime.fromtimestamp(0, timezone.utc), {}, {}, (), "", None), (), frozenset())
 
 
 def claim_events(view: ClaimView, previous: Mapping[str, Mapping[str, str]], source: Source, observed_at: datetime,

@@ -75,7 +75,7 @@ from pydantic import ValidationError
 from tenacity import RetryCallState
 
 from producers._config import ResourceMatcher
-from producers.kubernetes.claims import claim_events, claim_view
+from producers.kubernetes.claims import claim_events, claim_view, gone_claim
 from producers.kubernetes.dra import RESOURCE_GROUP, RESOURCE_VERSIONS, slice_devices
 from producers._errors import EventTooLarge, ProducerError, PublishError, StateFileError
 from producers._kafka import EventPublisher
@@ -510,10 +510,8 @@ class SchedulerCollector:
 
     def _claim_gone(self, uid: str, entry: Mapping[str, Any], batch: _Batch) -> None:
         """A claim the re-list no longer shows: what it held is released (``claim_deleted``)."""
-        gone = {"metadata": {"uid": uid, "namespace": entry.get("ns"), "name": entry.get("n"), "creationTimestamp": "1970-01-01T00:00:00Z",
-                             "resourceVersion": ""}}
-        events, held = claim_events(claim_view(gone, self.dra_drivers), entry.get("held") or {}, self.source, datetime.now(timezone.utc),
-                                    deleted=True)
+        view = gone_claim(uid, entry.get("ns") or "", entry.get("n") or "")
+        events, held = claim_events(view, entry.get("held") or {}, self.source, datetime.now(timezone.utc), deleted=True)
         self._claim_batch(batch, uid, entry.get("ns") or "", entry.get("n") or "", events, held, True)
 
     def _claim_batch(self, batch: _Batch, uid: str, ns: str, name: str, events: list, held: dict, deleted: bool) -> None:
