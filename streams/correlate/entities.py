@@ -126,6 +126,9 @@ def fold_event(state: dict, event: dict, src: tuple[str, int, int]) -> bool:
         state["rows"][eid]["gpu_instance"] = instance
     if etype == "gpu.device":
         state["rows"][eid]["device"] = {"gpu": payload.get("gpu"), "mig": payload.get("mig_instance"), "profile": payload.get("profile")}
+    if etype in CLAIM_EVENTS:
+        state["rows"][eid]["claim"] = [f"{payload.get('node')}|{payload.get('device_id')}|{payload.get('resource_name')}",
+                                       CLAIM_EVENTS[etype], payload.get("reason")]
     _bound(state)
     return True
 
@@ -343,8 +346,9 @@ def device_link(state: dict) -> tuple[dict | None, int]:
 def intervals(state: dict) -> list[dict]:
     """Allocation intervals derived from a pod's gpu rows (order-independent), each with
     the number of gpu events and deletions it was derived from; a MIG slice whose
-    physical GPU is not in its id gets it from ``learned_parents``."""
-    spans = _spans(state)
+    physical GPU is not in its id gets it from ``learned_parents``; a DRA device's
+    kubelet and ResourceClaim reports are one interval (``merge_dra``)."""
+    spans = merge_dra(state, _spans(state))
     dra = dra_devices(state)
     for iv in spans:
         if (known := dra.get(iv["device"])) and not iv["gpu"] and not iv["mig"]:
@@ -386,6 +390,94 @@ def _spans(state: dict) -> list[dict]:
                 current.update(end=deleted, end_reason="pod_deleted")
             out.append(current)
     return out
+
+
+#: ResourceClaim events (scheduler collector) -> the interval operation they are.
+CLAIM_EVENTS = {"gpu.claim_reserved": "a", "gpu.claim_released": "r"}
+
+
+def claim_spans(state: dict) -> list[dict]:
+    """Holding intervals from a pod's ``gpu.claim_*`` rows: from the reservation to its
+    release (``unreserved`` / ``deallocated`` / ``claim_deleted``), else the pod's deletion;
+    shaped like ``_spans``' (no container: a claim is the pod's), marked ``claim``."""
+    per: dict[str, list] = defaultdict(list)
+    deletions = sorted(r["at"] for r in state["rows"].values() if r["type"] == "scheduler.deleted")
+    for rec in state["rows"].values():
+        if rec.get("claim"):
+            per[rec["claim"][0]].append(rec)
+    out = []
+    for dkey, rows in sorted(per.items()):
+        rows.sort(key=lambda r: r["key"])
+        node, device, resource = dkey.split("|", 2)
+        current = None
+        for rec in rows:
+            _dkey, op, reason = rec["claim"]
+            if op == "a" and current is None:
+                current = {"node": node, "device": device, "container": None, "resource": resource, "gpu": None, "mig": None,
+                           "start": rec["at"], "start_event": rec["id"], "end": None, "end_event": None, "end_reason": None,
+                           "v": len(rows) + len(deletions), "claim": True}
+            elif op == "r" and current is not None:
+                current.update(end=rec["at"], end_event=rec["id"], end_reason=reason or "released")
+                out.append(current)
+                current = None
+        if current is not None:
+            if deletions and deletions[-1] >= current["start"]:
+                current.update(end=deletions[-1], end_reason="pod_deleted")
+            out.append(current)
+    return out
+
+
+def merge_dra(state: dict, spans: list[dict]) -> list[dict]:
+    """One allocation per holding of a DRA device, however many sources report it.
+
+    The kubelet (pod-resources collector: one span per container using the claim) and the
+    API server (the ResourceClaim: one per pod) report the same holding. Per (node, device),
+    spans that overlap in time are one holding. Its **end comes from the claim** where one
+    is known: the claim's reservation is what keeps the device from every other pod, so
+    the holding lasts until the API server drops it (the kubelet's list can lag or stop
+    earlier). Its **start is the earliest report** of either source: the holding began no
+    later than anyone saw it — and the earliest start is also the one that does not move
+    when the other source reports later (normally the claim, reserved at scheduling,
+    before the kubelet runs the container), so the row's key (``started_at``, the
+    allocation id from the starting event, with no container in it) stays put and both
+    sources converge on one ``gpu_allocations`` row. Containers: those the kubelet names.
+    Device-plugin spans are returned untouched."""
+    claims = claim_spans(state)
+    dra = [iv for iv in spans if iv["device"].startswith(iv["resource"] + "/")]
+    if not claims and not dra:
+        return spans
+    out = [iv for iv in spans if not iv["device"].startswith(iv["resource"] + "/")]
+    per: dict[tuple[str, str], list] = defaultdict(list)
+    for iv in dra + claims:
+        per[(iv["node"], iv["device"])].append(iv)
+    for _dev, ivs in sorted(per.items()):
+        ivs.sort(key=lambda iv: (iv["start"], iv["start_event"]))
+        groups: list[list[dict]] = []
+        for iv in ivs:
+            if groups and _still_held(groups[-1], iv["start"]):
+                groups[-1].append(iv)
+            else:
+                groups.append([iv])
+        out.extend(_one_holding(group) for group in groups)
+    return out
+
+
+def _still_held(group: list[dict], at: str) -> bool:
+    return any(iv["end"] is None or at <= iv["end"] for iv in group)
+
+
+def _one_holding(group: list[dict]) -> dict:
+    first = group[0]
+    ends = [iv for iv in group if iv.get("claim")] or group
+    merged = {**first, "container": ",".join(sorted({iv["container"] for iv in group if iv["container"]})) or None,
+              "v": sum(iv["v"] for iv in group), "id_container": ""}
+    if any(iv["end"] is None for iv in ends):
+        merged.update(end=None, end_event=None, end_reason=None)
+    else:
+        last = max(ends, key=lambda iv: (iv["end"], iv["end_event"] or ""))
+        merged.update(end=last["end"], end_event=last["end_event"], end_reason=last["end_reason"])
+    merged.pop("claim", None)
+    return merged
 
 
 def _covering(links: dict, at: str) -> tuple[list[dict], int, tuple[str, ...]]:
@@ -648,7 +740,8 @@ def _refresh_pod(state: dict, directory, res: Resolution, out: Outcome) -> None:
     per_gpu: dict[str, list] = {}
     gpu_version: dict[str, dict] = defaultdict(dict)  # target -> {allocation key: its event count}
     for iv in intervals(state):
-        alloc_id = hashlib.sha256(f"{iv['node']}|{iv['device']}|{ns}/{pod}|{iv['container']}|{iv['start_event']}".encode()).hexdigest()[:32]
+        container_part = iv.get("id_container", iv["container"])  # "" for a DRA holding (merge_dra): no source's container in its key
+        alloc_id = hashlib.sha256(f"{iv['node']}|{iv['device']}|{ns}/{pod}|{container_part}|{iv['start_event']}".encode()).hexdigest()[:32]
         ident_iv = {**identity, "node": iv["node"], "gpu_id": iv["device"], "namespace": ns, "pod": pod}
         row = {"allocation_id": alloc_id, "node": iv["node"], "gpu_id": iv["device"], "gpu": iv["gpu"], "mig_instance": iv["mig"],
                "resource_name": iv["resource"], "namespace": ns, "pod": pod, "container": iv["container"], "identity": ident_iv,

@@ -8,6 +8,7 @@ routing agent re-keys each event to its entity key on the internal route topic:
 |---|---|
 | release.* | ``rel:<release_id>`` |
 | gpu.assigned / gpu.released | ``pod:<namespace>/<pod>`` |
+| gpu.claim_reserved / gpu.claim_released (a ResourceClaim's device held by a pod) | ``pod:<namespace>/<pod>`` (merged with the kubelet's report: ``entities.merge_dra``) |
 | gpu.allocatable | ``node:<node>`` |
 | gpu.device (a DRA device, from a ResourceSlice) | ``gpu:<node>/<driver>/<pool>/<device>`` (where its holders' intervals arrive) |
 | scheduler.* with namespace+pod | ``pod:<namespace>/<pod>`` |
