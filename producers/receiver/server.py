@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import uvloop
 from aiohttp import web
 
 from gpuledger.telemetry import ComponentCounters
@@ -655,7 +656,9 @@ class ReceiverService:
 
     def run(self) -> None:
         try:
-            asyncio.run(self._serve())
+            # uvloop (libuv): the receiver is one event loop answering small requests, and
+            # the stock loop's per-callback cost was a large part of each one (py-spy).
+            uvloop.run(self._serve())
         except OSError as exc:
             raise ReceiverError(f"cannot listen on {self.config.host}:{self.config.port}: {exc}") from exc
         finally:
