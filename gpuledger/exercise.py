@@ -285,6 +285,7 @@ class ExerciseRunner:
             raise ExerciseError(f"MLflow did not start: {failed[0]}")
         socket_dir, is_temp = _short_socket_dir(self.base / "kubelet")
         self._temp_sockets = socket_dir if is_temp else None
+        socket_dir.mkdir(parents=True, exist_ok=True)
         exporter = DcgmExporter([d for n in nodes for d in node_devices(n)]).start()
         self._real.append(exporter)
         # No pod mapping on the page (dcgm-exporter without --kubernetes), as the simulator's XID alerts carry
@@ -416,7 +417,7 @@ class ExerciseRunner:
                                                  "--interval", str(POLL_INTERVAL_S), "--state-dir", str(state), *res_args], env)
         for node, kubelet in kubelets.items():
             self._wait(f"the pod-resources collector of {node}", lambda k=kubelet: k.call_count("List") >= 1, 60)
-        self.say("start", f"pod-resources collectors polling {', '.join(surfaces.kubelets)} every {POLL_INTERVAL_S:g}s")
+        self.say("start", f"pod-resources collectors polling {', '.join(kubelets)} every {POLL_INTERVAL_S:g}s")
 
     def _reader(self, dsn: str):
         from sinks.read.query import DirectReader, RemoteReader, owner_file

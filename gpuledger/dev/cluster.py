@@ -67,6 +67,43 @@ _KWOK_STAGES = ("node/fast/node-initialize.yaml", "node/heartbeat/node-heartbeat
                                                     "pod-ready", "pod-complete", "pod-delete")))
 
 
+#: What a kubelet does with a pod being deleted gracefully that still carries finalizers (a Job's pod has
+#: ``batch.kubernetes.io/job-tracking`` until the Job controller sees it finished): it stops the
+#: containers and reports the pod Failed (restartPolicy Never), after which the controller drops its
+#: finalizer and KWOK's ``pod-delete`` stage removes it. KWOK's stages have no such step, so an evicted
+#: Job pod (Eviction API, kubectl drain) stayed Terminating for ever; Kueue's preemption and a Job's
+#: deletion do not need it (the Job controller drops the finalizer of pods it deletes itself).
+_POD_TERMINATE_STAGE = {
+    "apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "Stage", "metadata": {"name": "pod-terminate"},
+    "spec": {
+        "resourceRef": {"apiGroup": "v1", "kind": "Pod"},
+        "selector": {"matchExpressions": [
+            {"key": ".metadata.deletionTimestamp", "operator": "Exists"},
+            {"key": ".metadata.finalizers", "operator": "Exists"},
+            {"key": ".status.phase", "operator": "In", "values": ["Pending", "Running"]}]},
+        "weight": 1,
+        "delay": {"durationMilliseconds": 200, "jitterDurationMilliseconds": 1000},
+        "next": {"delete": False, "statusTemplate": (
+            "{{ $now := Now }}\n"
+            "containerStatuses:\n"
+            "{{ range $index, $item := .spec.containers }}\n"
+            "- image: {{ $item.image | Quote }}\n"
+            "  name: {{ $item.name | Quote }}\n"
+            "  ready: false\n"
+            "  restartCount: 0\n"
+            "  started: false\n"
+            "  state:\n"
+            "    terminated:\n"
+            "      exitCode: 143\n"
+            "      finishedAt: {{ $now | Quote }}\n"
+            "      reason: Error\n"
+            "      startedAt: {{ $now | Quote }}\n"
+            "{{ end }}\n"
+            "phase: Failed\n")},
+    },
+}
+
+
 class ClusterError(RuntimeError):
     """The local cluster could not be built, started or found."""
 
@@ -261,6 +298,7 @@ class LocalCluster:
                 # The general stages wait 1-6 s per pod transition; 0.2-1 s keeps tests quick.
                 # A pod's <stage>.stage.kwok.x-k8s.io/delay annotations still override it.
                 delay.update(durationMilliseconds=200, jitterDurationMilliseconds=1000)
+        docs.append(_POD_TERMINATE_STAGE)
         config.write_text(yaml.safe_dump_all(docs))
         self._service("kwok", [str(kwok)], [
             f"--kubeconfig={self.kubeconfig}", f"--config={config}", "--manage-all-nodes=false",
