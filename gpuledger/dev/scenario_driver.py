@@ -416,7 +416,7 @@ class RealClusterDriver:
                               f"{pods} pod(s) of {a.workload} Running with their devices")
         where = ", ".join(sorted({p["spec"]["nodeName"] for p in running}))
         grown = f" (its largest size: {a.pods} at submission)" if pods != a.pods else ""
-        return (f"submit Job {queue.namespace}/{a.workload} → Kueue Workload {wl.kueue_name} admitted [{a.priority_class}]: "
+        return (f"submit Job {queue.namespace}/{a.workload} → Kueue Workload {wl.kueue_name} admitted (priority class {a.priority_class}): "
                 f"{pods} pod(s) × {a.gpus_per_pod} {'MIG slice' if a.mig else 'GPU'} on {where}{grown}")
 
     def _do_scale(self, a, at: datetime) -> str:
