@@ -524,6 +524,14 @@ class LocalCluster:
                 "pids": {name: p.proc.pid for name, p in self.procs.items()}, "ports": self.ports,
                 "versions": {"kubernetes": kubebin.KUBE_VERSION, "kwok": kubebin.KWOK[1], "kueue": kubebin.KUEUE[1]}}
 
+    @classmethod
+    def attach(cls, state: dict[str, Any], nodes: tuple[GpuNode, ...] = DEFAULT_NODES) -> LocalCluster:
+        """The running cluster ``state`` describes (``up``'s cluster.json), for API calls; starts nothing."""
+        cluster = cls(Path(state["data_dir"]), Path(state["data_dir"]), nodes=nodes)
+        cluster.ports = dict(state["ports"])
+        cluster.token = (cluster.data_dir / "tokens.csv").read_text().split(",", 1)[0]
+        return cluster
+
     def __enter__(self) -> LocalCluster:
         return self.start()
 
@@ -554,7 +562,10 @@ def running_cluster(data_dir: Path) -> dict | None:
     return state
 
 
-def up(data_dir: Path, cache_dir: Path | None = None) -> dict:
+def up(data_dir: Path, cache_dir: Path | None = None, peers: bool = True, receiver_url: str = "http://127.0.0.1:9095",
+       credentials_file: Path | None = None, mlflow_secret: str | None = None) -> dict:
+    """Start the cluster in the background (and, with ``peers``, ``gpuledger.dev.peers.start_peers``
+    wired to ``receiver_url``); its state, also written to ``cluster.json``. A running one is returned as is."""
     existing = running_cluster(data_dir)
     if existing:
         return existing
@@ -563,6 +574,15 @@ def up(data_dir: Path, cache_dir: Path | None = None) -> dict:
     shutil.rmtree(root, ignore_errors=True)
     cluster = LocalCluster(root, cache_dir).start()
     state = cluster.state()
+    if peers:
+        from gpuledger.dev.peers import start_peers
+
+        try:
+            state["peers"], pids = start_peers(state, root / "peers", cluster.cache_dir, receiver_url, credentials_file, mlflow_secret)
+        except BaseException:
+            cluster.stop()
+            raise
+        state["pids"].update(pids)
     state_file(data_dir).write_text(json.dumps(state, indent=2))
     return state
 
