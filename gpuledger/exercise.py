@@ -11,7 +11,10 @@ podresources`` per simulated node — each a child process (``ServiceProcess``) 
 ``GPULEDGER_*`` settings in its environment and its log under
 ``<data dir>/exercises/<scenario>/logs/``. The simulated cluster
 (``gpuledger.sim.cluster``) is the only source: API server, kubelet sockets and
-webhooks into the receiver.
+webhooks into the receiver. With ``cluster="real"`` (``--cluster real``) the source is the local
+real control plane instead: ``gpuledger.dev.cluster.LocalCluster`` with the scenario's nodes, its
+kubelet doubles, the DCGM-shaped page, Prometheus, Alertmanager and MLflow, played by
+``gpuledger.dev.scenario_driver.RealClusterDriver`` (same interface as ``SimCluster``).
 Output: progress on the console, the pass/fail table of the scenario's expected
 evidence (read back through ``sinks.read.trace`` from the worker's store), the incident
 trace, an HTML report (``sinks.read.report``), and exit code 0 only if no check failed.
