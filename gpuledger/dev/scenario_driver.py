@@ -287,12 +287,19 @@ class RealClusterDriver:
         """Carry out one step now (the real clock: ``at`` is the runner's plan); RealClusterError names the step."""
         now = datetime.now(timezone.utc)
         try:
+            # MLflow and Alertmanager deliver on their own time (MLflow stamps a delivery when it sends it):
+            # a step that goes through them has taken effect once the receiver has published what they sent,
+            # so that the next step's events come after it, as on the simulator's timeline.
+            source = "mlflow" if step.kind in MLFLOW_STEPS else "alertmanager" if step.kind in ("fail_gpu", "alert", "resolve") else None
+            before = self._receiver_sent(source) if source else 0
             if step.kind in MLFLOW_STEPS:
                 summary = self._registry(step.kind, step.action)
             elif step.kind in ("approve", "reserve", "unreserve"):
                 summary = self._release_event(step.kind, step.action, now)
             else:
                 summary = getattr(self, f"_do_{step.kind}")(step.action, now)
+            if source:
+                self._until(lambda: self._receiver_sent(source) > before, 60, f"the receiver to publish what {source} delivered")
             self._refresh_pods()
         except (SimulationError, ClusterError, OSError) as exc:
             raise RealClusterError(f"timeline[{index}] ({step.kind}{f' {step.id}' if step.id else ''}): {exc}") from exc
@@ -310,6 +317,11 @@ class RealClusterDriver:
                 return value
             time.sleep(0.3)
         raise RealClusterError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+    def _receiver_sent(self, source: str) -> int:
+        """Events of ``source`` the receiver has published (Kafka acknowledged them), from its /healthz."""
+        with urllib.request.urlopen(f"{self.receiver_url}/healthz", timeout=10) as resp:
+            return int(json.loads(resp.read())["counters"][source]["sent"])
 
     # releases -----------------------------------------------------------------------------------
 
