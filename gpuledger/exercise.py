@@ -442,7 +442,8 @@ class ExerciseRunner:
         for i, step in enumerate(sc.timeline):
             wanted = self.to_wall(step.at)
             if prev_at is not None and step.at > prev_at:
-                wanted = max(wanted, offset + MIN_STEP_GAP_S)
+                gap = max(self.to_wall(step.at - prev_at), MIN_STEP_GAP_S) if self.real else MIN_STEP_GAP_S
+                wanted = max(wanted, offset + gap)
             offset = max(offset, wanted)
             prev_at = step.at
             while (left := start_mono + offset - time.monotonic()) > 0:
@@ -450,6 +451,11 @@ class ExerciseRunner:
                 time.sleep(min(left, 0.25))
             self._check_alive()
             record = sim.apply(step, i, start_wall + timedelta(seconds=offset))
+            if self.real:
+                # A real step takes effect when the real systems have carried it out (seconds, MLflow's
+                # deliveries up to ~10 s on a loaded machine): the scenario's gap to the next step counts
+                # from then, so that a grace period the timeline leaves still passes before it.
+                offset = max(offset, time.monotonic() - start_mono)
             minutes, seconds = divmod(int(step.at), 60)
             note = f"  [dim]— {step.note}[/]" if step.note else ""
             self.console.print(f"  [cyan]{minutes:>3}m{seconds:02d}s[/] {record.summary}{note}", highlight=False)
