@@ -32,6 +32,7 @@ from producers.kubernetes.config import SchedulerCollectorSettings
 from producers.podresources.config import PodResourcesSettings
 from producers.admission.config import AdmitSettings
 from producers.receiver.config import ReceiverSettings
+from producers.release_sender import ReleaseSenderSettings
 from schemas.topics import TopicCatalogue
 from streams.controls.policy import PolicySettings
 
@@ -215,6 +216,7 @@ class Settings(BaseSettings):
     streams: StreamsSettings = Field(default_factory=StreamsSettings)
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
     receiver: ReceiverSettings = Field(default_factory=ReceiverSettings)
+    release: ReleaseSenderSettings = Field(default_factory=ReleaseSenderSettings, description="`gpuledger release`: how it proves who ran it.")
     admit: AdmitSettings = Field(default_factory=AdmitSettings)
     collectors: CollectorsSettings = Field(default_factory=CollectorsSettings)
     policy: PolicySettings = Field(default_factory=PolicySettings)
@@ -257,7 +259,7 @@ class Settings(BaseSettings):
 
 _SECTIONS: tuple[tuple[str, type[BaseSettings]], ...] = (
     ("kafka", KafkaSettings), ("clickhouse", ClickHouseSettings), ("streams", StreamsSettings), ("telemetry", TelemetrySettings),
-    ("receiver", ReceiverSettings), ("admit", AdmitSettings), ("collectors.scheduler", SchedulerCollectorSettings),
+    ("receiver", ReceiverSettings), ("release", ReleaseSenderSettings), ("admit", AdmitSettings), ("collectors.scheduler", SchedulerCollectorSettings),
     ("collectors.podresources", PodResourcesSettings), ("policy", PolicySettings),
 )
 

@@ -309,7 +309,8 @@ class EventPublisher:
         """``publish_batch`` for an asyncio caller (the receiver): the records are produced on
         the event loop and their acks awaited as futures, served by one poller thread, so a
         request in flight holds no thread (a thread per request capped the receiver at the
-        executor's few threads). Same errors and counters as ``publish_batch``."""
+        executor's few threads). Same errors and counters as ``publish_batch``; returns the
+        bytes of the acknowledged records (the caller need not encode the events again)."""
         if not events:
             return 0
         ready = self._ready_cached()
@@ -350,8 +351,9 @@ class EventPublisher:
         except asyncio.TimeoutError:
             pass  # _raise_for reports the records without an ack
         self._raise_for(records, list(results), limit)
-        self.counters.add_sent(len(events), sum(len(r.value) for r in records))
-        return len(events)
+        nbytes = sum(len(r.value) for r in records)
+        self.counters.add_sent(len(events), nbytes)
+        return nbytes
 
     def _start_poller(self) -> None:
         """One daemon thread serving delivery reports of every producer this publisher built."""

@@ -71,7 +71,7 @@ COMMANDS: tuple[ReleaseCommand, ...] = (
 FLAGS = {
     "release_id": "--release-id", "model": "--model", "version": "--version", "artifact_digest": "--artifact-digest",
     "image_digest": "--image-digest", "config_digest": "--config-digest", "dataset": "--dataset", "env": "--env",
-    "owner": "--owner", "data_class": "--data-class", "actor": "--actor", "approval_id": "--approval-id",
+    "owner": "--owner", "data_class": "--data-class", "actor": "--actor", "on_behalf_of": "--on-behalf-of", "approval_id": "--approval-id",
     "reason": "--reason", "superseded": "--superseded", "tag": "--tag", "reservation_id": "--reservation-id",
     "gpus": "--gpus", "pool": "--pool", "window_start": "--window-start", "window_end": "--window-end",
     "target": "--target", "expires_at": "--expires-at", "at": "--at",
@@ -103,11 +103,15 @@ def _time(flag: str, value: str | None, problems: list[str]) -> datetime | None:
         return None
 
 
-def build_event(command: ReleaseCommand, options: dict, observed_at: datetime | None = None, host: str | None = None) -> ReleaseEvent:
-    """Turn one subcommand's flags into its event; raises ``ReleaseInputError`` listing every problem."""
+def build_event(command: ReleaseCommand, options: dict, observed_at: datetime | None = None, host: str | None = None,
+                actor_from_credential: bool = False) -> ReleaseEvent:
+    """Turn one subcommand's flags into its event; raises ``ReleaseInputError`` listing every problem.
+
+    ``actor_from_credential``: the event goes through the receiver with a token, which names
+    the actor, so ``--actor`` is not required (given, it must be the token's identity)."""
     given = {k: v for k, v in options.items() if v not in (None, "", [], ())}
     problems = []
-    missing = [FLAGS[name] for name in command.required if name not in given]
+    missing = [FLAGS[name] for name in command.required if name not in given and not (actor_from_credential and name == "actor")]
     if missing:
         problems.append(f"release {command.name} needs {', '.join(missing)}")
     for scope, names in _SCOPED.items():
@@ -146,7 +150,7 @@ def build_event(command: ReleaseCommand, options: dict, observed_at: datetime | 
         reservation = Reservation(reservation_id=given["reservation_id"], gpus=given.get("gpus", 0), pool=given.get("pool"),
                                   window_start=window_start, window_end=window_end)
     payload = ReleasePayload(
-        actor=given.get("actor"), approval_id=given.get("approval_id"), reason=given.get("reason"),
+        actor=given.get("actor"), on_behalf_of=given.get("on_behalf_of"), approval_id=given.get("approval_id"), reason=given.get("reason"),
         to_environment=given.get("env") if "move" in command.scopes else None,
         superseded_release_id=given.get("superseded"), reservation=reservation, target=given.get("target"),
         expires_at=expires_at, tags=tags,

@@ -5,6 +5,10 @@ pod-resources collector. The kubelet names pods only by namespace/name, so these
 are keyed by that and re-keyed by the streams. ``gpu.device`` is published by the
 scheduler collector from a DRA ResourceSlice: what one ``<driver>/<pool>/<device>`` is
 (its ``uuid`` and, for a MIG device, ``parentUUID`` and ``profile`` attributes).
+``gpu.claim_reserved`` / ``gpu.claim_released`` are published by the scheduler collector from
+a DRA ResourceClaim: the claim's allocated device (``status.allocation.devices.results[]``)
+became / stopped being held by a pod in its ``status.reservedFor`` — who holds which DRA
+device as the API server records it, with or without a kubelet collector on the node.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from pydantic import Field, model_validator
 
 from schemas.envelope import EventBase, Frozen, IdText
 
-GpuEventType = Literal["gpu.assigned", "gpu.released", "gpu.allocatable", "gpu.device"]
+GpuEventType = Literal["gpu.assigned", "gpu.released", "gpu.allocatable", "gpu.device", "gpu.claim_reserved", "gpu.claim_released"]
+#: Why a pod stopped holding a claim's device (``gpu.claim_released``).
+ClaimReleaseReason = Literal["unreserved", "deallocated", "claim_deleted"]
 
 
 class GpuPayload(Frozen):
@@ -35,6 +41,12 @@ class GpuPayload(Frozen):
     driver: IdText | None = Field(default=None, description="DRA driver of a DRA-allocated device (gpu.device, and assigned/released of DRA devices).")
     pool: IdText | None = Field(default=None, description="DRA pool of the device.")
     profile: IdText | None = Field(default=None, description="MIG profile of a DRA MIG device (ResourceSlice attribute 'profile', e.g. 1g.10gb).")
+    claim: IdText | None = Field(default=None, description="ResourceClaim name (in the pod's namespace) the device was allocated to (gpu.claim_*).")
+    claim_uid: IdText | None = Field(default=None, description="ResourceClaim uid (gpu.claim_*).")
+    request: IdText | None = Field(default=None, description="The claim's request the device satisfies (allocation result 'request'; 'req/sub' for a subrequest).")
+    reason: ClaimReleaseReason | None = Field(default=None, description="gpu.claim_released: unreserved (the pod left reservedFor), "
+                                              "deallocated (the claim's allocation was cleared or no longer names the device), "
+                                              "claim_deleted (the claim is gone).")
 
 
 class GpuEvent(EventBase):
@@ -48,4 +60,11 @@ class GpuEvent(EventBase):
         ident = self.identity
         if not (ident.node):
             raise ValueError("identity.node is required for gpu events")
+        if self.event_type.startswith("gpu.claim_"):
+            p = self.payload
+            missing = [n for n in ("namespace", "pod", "device_id", "driver", "pool", "claim") if not getattr(p, n)]
+            if missing:
+                raise ValueError(f"{self.event_type} needs payload {', '.join(missing)}")
+            if (self.event_type == "gpu.claim_released") != (p.reason is not None):
+                raise ValueError("payload.reason is required for gpu.claim_released and only there")
         return self

@@ -5,6 +5,7 @@ Published by the receiver and the ``gpuledger release`` CLI, keyed by release_id
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -60,31 +61,58 @@ class ReleasePayload(Frozen):
 
 #: Prefix of a decision actor whose identity no credential proved (see ``decision_actor``).
 UNAUTHENTICATED = "unauthenticated:"
+#: Separates the authenticated groups in a ``decision_actor`` string. A control character, so
+#: it can occur in no actor, person or group name (``IdText`` refuses control characters).
+GROUP_SEPARATOR = "\x1f"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A ``decision_actor`` string taken apart (``parse_decision``)."""
+
+    proven: bool  # a credential proved ``actor`` (the receiver set ``authenticated_by``)
+    actor: str  # who published it: the person, or the service acting for ``person``; "" if none named
+    person: str | None  # ``on_behalf_of``: the person a service acted for
+    groups: tuple[str, ...]  # the authenticated groups of ``actor`` (never of ``person``); () when not proven
+
+
+def parse_decision(decision: str) -> Decision:
+    """The parts of a ``decision_actor`` string."""
+    proven = not decision.startswith(UNAUTHENTICATED)
+    who, *groups = decision.removeprefix(UNAUTHENTICATED).split(GROUP_SEPARATOR)
+    service, delegated, person = who.rpartition(">")
+    if delegated:
+        return Decision(proven, service, person, tuple(groups))
+    return Decision(proven, who, None, tuple(groups))
 
 
 def actor_text(decision: str | None) -> str | None:
     """A ``decision_actor`` string for people: ``mallory (unauthenticated)``, ``ci for alice``."""
     if not decision:
         return None
-    bare = decision.removeprefix(UNAUTHENTICATED)
-    service, delegated, person = bare.rpartition(">")
-    text = f"{service or 'someone'} for {person}" if delegated else bare
-    return text + (" (unauthenticated)" if decision.startswith(UNAUTHENTICATED) else "")
+    d = parse_decision(decision)
+    text = f"{d.actor or 'someone'} for {d.person}" if d.person else d.actor
+    return text + ("" if d.proven else " (unauthenticated)")
 
 
 def decision_actor(payload) -> str | None:
     """The one string the decision-rights checks judge, from a payload (model or dict).
 
     ``actor`` alone when it was authenticated, ``actor>on_behalf_of`` for a delegation, and
-    either prefixed with ``unauthenticated:`` when no credential proved it. ``Policy.allowed``
-    reads this form back; None when the event names no actor at all.
+    either prefixed with ``unauthenticated:`` when no credential proved it. A proven actor's
+    ``actor_groups`` follow, each after ``GROUP_SEPARATOR`` (sorted, so the string is the same
+    whatever order the credential listed them in); an unproven event's groups are dropped —
+    only the receiver vouches for groups. ``Policy.allowed`` reads this form back
+    (``parse_decision``); None when the event names no actor at all.
     """
     get = payload.get if isinstance(payload, dict) else (lambda name: getattr(payload, name))
     actor, person = get("actor"), get("on_behalf_of")
     if not actor and not person:
         return None
     who = f"{actor or ''}>{person}" if person else actor
-    return who if get("authenticated_by") else UNAUTHENTICATED + who
+    if not get("authenticated_by"):
+        return UNAUTHENTICATED + who
+    return who + "".join(GROUP_SEPARATOR + g for g in sorted(set(get("actor_groups") or ())))
 
 
 class ReleaseEvent(EventBase):

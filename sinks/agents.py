@@ -258,14 +258,8 @@ class SinkLoop:
         for rec in records:
             by_kind.setdefault(self.kind[rec.topic], []).append(rec)
         stats = self.ctx.stats
-        if "raw" in by_kind:
-            raw = by_kind["raw"]
-            outside = self.sinks.raw_out_of_range
-            skipped = await self.sinks.store_raw([(r.value, r.topic, r.partition, r.offset) for r in raw], keep=self.in_range)
-            outside = self.sinks.raw_out_of_range - outside
-            stats["raw_stored"] += len(raw) - skipped - outside
-            stats["raw_skipped"] += skipped
-            stats["raw_out_of_range"] += outside
+        # The tables responders query first, the raw event log last: each insert is a round
+        # trip, and the correlated rows of a batch must not wait for the raw log's.
         if "correlated" in by_kind:
             batch, sources = await self._decode(by_kind["correlated"], CorrelatedEvent, "sinks.store_correlated")
             await self.sinks.store_correlated(batch, sources)
@@ -278,6 +272,14 @@ class SinkLoop:
             batch, sources = await self._decode(by_kind["violations"], Violation, "sinks.store_violations")
             await self.sinks.store_violations(batch, sources)
             stats["violations_stored"] += len(batch)
+        if "raw" in by_kind:
+            raw = by_kind["raw"]
+            outside = self.sinks.raw_out_of_range
+            skipped = await self.sinks.store_raw([(r.value, r.topic, r.partition, r.offset) for r in raw], keep=self.in_range)
+            outside = self.sinks.raw_out_of_range - outside
+            stats["raw_stored"] += len(raw) - skipped - outside
+            stats["raw_skipped"] += skipped
+            stats["raw_out_of_range"] += outside
         if "deadletter" in by_kind:
             batch, sources = [], []
             for rec in by_kind["deadletter"]:

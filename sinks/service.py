@@ -42,6 +42,8 @@ import threading
 import time
 from collections import Counter
 
+from gpuledger import gctune
+
 log = logging.getLogger(__name__)
 
 #: Seconds the worker gives a stopping sink before it kills it (inside the worker's
@@ -80,6 +82,7 @@ class SinkContext:
             "store": {"connected": store.connected},
             "stats": {**self.stats, "sink_outputs_produced": dict(self.output.produced), "sink_output_dead_letters": self.output.dead_letters},
             "counters": {"sinks": self.sinks.counters.totals if self.sinks else {}},
+            "gc": gctune.stats(),
         }
 
 
@@ -235,6 +238,7 @@ def sink_main(settings, port: int, worker_url: str, loglevel: str = "info") -> N
 
     logging.basicConfig(level=loglevel.upper(), format="[%(asctime)s] [%(process)d] [%(levelname)s] [sink] %(name)s: %(message)s")
     calm_logging()
+    gctune.tune()
     asyncio.run(serve(settings, port, worker_url))
 
 

@@ -34,6 +34,7 @@ import signal
 import threading
 import faust
 
+from gpuledger import gctune
 from gpuledger.dev.process import free_port
 from gpuledger.telemetry import ComponentCounters
 from producers._kafka import client_config, ensure_specs, resolve_bootstrap
@@ -116,6 +117,7 @@ class WorkerContext:
                       "changelog_unchanged_skipped": sum(a.store.unchanged_skipped for a in (self.correlator, self.controller) if a)},
             "counters": {name: c.totals for name, c in self._counters.items()},
             "epochs": {name: epoch.health() for name, epoch in self.epochs.items()},
+            "gc": gctune.stats(),
         }
         if self.sink is not None:
             health["sink"] = {"answering": sink is not None, "url": self.sink.url, "restarts": self.sink.restarts}
@@ -123,6 +125,7 @@ class WorkerContext:
                 health["status"] = "degraded"
             else:
                 health["sink"]["store"] = sink.get("store")
+                health["sink"]["gc"] = sink.get("gc")
                 health["stats"].update(sink.get("stats", {}))
                 health["counters"].update(sink.get("counters", {}))
         return health
@@ -207,8 +210,7 @@ def create_app(settings) -> faust.App:
     async def _revoked(sender, revoked, **kwargs):
         for epoch in ctx.epochs.values():
             epoch.forget((tp.topic, tp.partition) for tp in revoked)
-        parts = {tp.partition for tp in revoked if tp.topic == run.route}
-        ctx.correlator.store.drop(parts)
+        ctx.correlator.forget({tp.partition for tp in revoked if tp.topic == run.route})
         ctx.controller.store.drop({tp.partition for tp in revoked if tp.topic == run.controls})
 
     @app.page("/gpuledger/health/")
@@ -293,6 +295,7 @@ def run_worker(settings, loglevel: str = "info") -> None:
     from sinks.service import SinkProcess
 
     calm_logging()
+    gctune.tune()
     ensure_run_topics(settings)
     app = create_app(settings)
     sink = app.gpuledger.sink = SinkProcess(settings, app.gpuledger_web_url, loglevel)

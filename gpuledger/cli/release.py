@@ -29,7 +29,8 @@ def _make_command(command: ReleaseCommand):
         env: Optional[str] = typer.Option(None, "--env", help="Environment (dev / eval / staging / prod); the target of promote/rollback."),
         owner: Optional[str] = typer.Option(None, "--owner", help="Accountable team."),
         data_class: Optional[str] = typer.Option(None, "--data-class", help="Data classification."),
-        actor: Optional[str] = typer.Option(None, "--actor", help="Who did it (user, service account, CI job)."),
+        actor: Optional[str] = typer.Option(None, "--actor", help="Who did it (user, service account, CI job). Through the receiver the token names the actor: omit it, or give the token's identity."),
+        on_behalf_of: Optional[str] = typer.Option(None, "--on-behalf-of", help="The person a service acts for (CI for the engineer who clicked); counts only with the policy's delegate right."),
         approval_id: Optional[str] = typer.Option(None, "--approval-id", help="Change/approval ticket id."),
         reason: Optional[str] = typer.Option(None, "--reason", help="Why."),
         superseded: Optional[str] = typer.Option(None, "--superseded", help="promote/rollback: the release this one replaced (or that replaced it)."),
@@ -47,20 +48,39 @@ def _make_command(command: ReleaseCommand):
         options = {name: value for name, value in locals().items() if name in FLAGS}
         from producers._errors import ProducerError
         from producers._kafka import EventPublisher
+        from producers.release_sender import ReceiverRefused, send_through_receiver
         from producers.releases import ReleaseInputError, build_event
+        from streams.controls.policy import ACTION_OF_EVENT
 
+        settings = load_settings(bootstrap)
+        sender = settings.release
         try:
-            event = build_event(command, options)
+            event = build_event(command, options, actor_from_credential=sender.through_receiver)
         except ReleaseInputError as exc:
             fail(str(exc), 2)
-        settings = load_settings(bootstrap)
+        what = f"release {command.name} for {event.identity.release_id}"
+        if sender.through_receiver:
+            try:
+                event_id = send_through_receiver(sender, event)
+            except ReceiverRefused as exc:
+                fail(f"{what} refused: {exc}", 2)
+            except ProducerError as exc:
+                fail(f"{what} not published: {exc}")
+            err.print(f"published {event.event_type} for {event.identity.release_id} through {sender.receiver_url} (authenticated)",
+                      highlight=False)
+            print(event_id)
+            return
         try:
             publisher = EventPublisher.from_settings(settings, "releases")
             publisher.publish_batch([event])
             publisher.close(5)
         except ProducerError as exc:
-            fail(f"release {command.name} for {event.identity.release_id} not published: {exc}")
+            fail(f"{what} not published: {exc}")
         err.print(f"published {event.event_type} for {event.identity.release_id}", highlight=False)
+        if event.event_type in ACTION_OF_EVENT:
+            err.print("note: published straight to Kafka, so unauthenticated: under a policy with authentication.require_for_rights "
+                      "it holds no right. Set GPULEDGER_RELEASE_RECEIVER_URL and GPULEDGER_RELEASE_TOKEN_FILE to send it through "
+                      "the receiver as your identity.", highlight=False)
         print(event.event_id)
 
     run.__doc__ = command.help

@@ -168,6 +168,7 @@ RESOURCE_TYPES: dict[str, ResourceType] = {
                      field_aliases=_EVENT_V1_FIELD_ALIASES, short_names=("ev",)),
         *[t for v in KUEUE_VERSIONS_KNOWN for t in _kueue_types(v)],
         ResourceType(RESOURCE_GROUP, "v1", "resourceslices", "ResourceSlice", "resourceslice", False),
+        ResourceType(RESOURCE_GROUP, "v1", "resourceclaims", "ResourceClaim", "resourceclaim", True),
     ]
 }
 
@@ -179,6 +180,7 @@ EVENTS = "events.k8s.io/v1/events"
 WORKLOADS_V1BETA2 = "kueue.x-k8s.io/v1beta2/workloads"
 WORKLOADS_V1BETA1 = "kueue.x-k8s.io/v1beta1/workloads"
 RESOURCE_SLICES = "resource.k8s.io/v1/resourceslices"
+RESOURCE_CLAIMS = "resource.k8s.io/v1/resourceclaims"
 
 
 def workloads(version: str = "v1beta2") -> str:
@@ -1666,7 +1668,7 @@ __all__ = [
     "rfc3339", "rfc3339_micro", "owner_reference", "object_reference", "image_id_for",
     "pod_condition", "disruption_target", "make_pod", "make_event_v1", "make_core_event",
     "workload_condition", "make_pod_set", "pod_set_assignment", "make_workload", "make_node",
-    "DEFAULT_IMAGE", "RESOURCE_GROUP", "RESOURCE_SLICES", "make_resource_slice", "dra_gpu_device", "dra_mig_device",
+    "DEFAULT_IMAGE", "RESOURCE_GROUP", "RESOURCE_SLICES", "RESOURCE_CLAIMS", "make_resource_slice", "dra_gpu_device", "dra_mig_device",
 ]
 
 

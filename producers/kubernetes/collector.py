@@ -5,12 +5,15 @@ in-cluster service account): list+watch of Pods (only those requesting one of th
 configured extended resources, default ``nvidia.com/gpu``), Events about pods
 (``events.k8s.io/v1``, or core/v1 where that group is not served) and Kueue
 Workloads (``kueue.x-k8s.io`` v1beta2, else v1beta1; skipped while Kueue is absent
-and re-discovered every ``discovery_interval_s``), and DRA ResourceSlices
+and re-discovered every ``discovery_interval_s``), DRA ResourceSlices
 (``resource.k8s.io`` v1, v1beta2 or v1beta1, likewise re-discovered; cluster-wide only):
-what each ``<driver>/<pool>/<device>`` of a GPU driver is (``producers.kubernetes.dra``).
+what each ``<driver>/<pool>/<device>`` of a GPU driver is (``producers.kubernetes.dra``),
+and DRA ResourceClaims (same group and version; the namespace's own with ``namespace`` set):
+which pod holds which of those devices (``producers.kubernetes.claims``).
 
 Output: ``SchedulerEvent``s on the scheduler topic (and ``gpu.device`` events on the gpu
-topic, from ResourceSlices), keyed by release_id where a label names it, else by workload_id (rule in ``producers.kubernetes.mapping``). The mapping of
+topic, from ResourceSlices; ``gpu.claim_reserved`` / ``gpu.claim_released`` there, from
+ResourceClaims, keyed by the holding pod's namespace/pod), keyed by release_id where a label names it, else by workload_id (rule in ``producers.kubernetes.mapping``). The mapping of
 each object to its transitions is pure and lives in ``producers.kubernetes.mapping``;
 the settings in ``producers.kubernetes.config``.
 
@@ -72,6 +75,7 @@ from pydantic import ValidationError
 from tenacity import RetryCallState
 
 from producers._config import ResourceMatcher
+from producers.kubernetes.claims import claim_events, claim_view, gone_claim
 from producers.kubernetes.dra import RESOURCE_GROUP, RESOURCE_VERSIONS, slice_devices
 from producers._errors import EventTooLarge, ProducerError, PublishError, StateFileError
 from producers._kafka import EventPublisher
@@ -206,7 +210,7 @@ class StateStore:
             for uid, upd in updates.items():
                 entry = self._objects.setdefault(uid, {"keys": set()})
                 entry["keys"] |= set(upd.get("keys") or ())
-                for k in ("k", "ns", "n", "id", "gone"):
+                for k in ("k", "ns", "n", "id", "gone", "held"):
                     if upd.get(k) is not None:
                         entry[k] = upd[k]
             for uid in drops:
@@ -312,6 +316,7 @@ class SchedulerCollector:
         self.events = _Resource("events", "Event", None, None, self._handle_event)
         self.workloads = _Resource("workloads", "Workload", None, None, self._handle_workload)
         self.slices = _Resource("resourceslices", "ResourceSlice", None, None, self._handle_slice)
+        self.claims = _Resource("resourceclaims", "ResourceClaim", None, None, self._handle_claim)
 
     # -- API plumbing -------------------------------------------------------------------
 
@@ -352,16 +357,27 @@ class SchedulerCollector:
         self._discovered_at = time.monotonic()
 
     def _discover_dra(self, served: Mapping[str, list[str]], custom: k8s.CustomObjectsApi) -> None:
+        ns = self.settings.namespace
+        version = next((v for v in RESOURCE_VERSIONS if v in served.get(RESOURCE_GROUP, [])), None) if self.settings.dra else None
         # ResourceSlices are cluster-scoped: a collector confined to one namespace has no right to them.
-        wanted = self.settings.dra and not self.settings.namespace
-        version = next((v for v in RESOURCE_VERSIONS if v in served.get(RESOURCE_GROUP, [])), None) if wanted else None
+        # ResourceClaims are namespaced: such a collector watches its own namespace's.
+        slices = version if not ns else None
         if version != self.dra_version or not self._discovered_at:
-            log.info("dra: %s", f"watching {RESOURCE_GROUP}/{version} ResourceSlices" if version
-                     else "ResourceSlices skipped (" + ("not served by this cluster" if wanted else "disabled or namespace-scoped") + ")")
+            what = (f"watching {RESOURCE_GROUP}/{version} " + ("ResourceSlices and ResourceClaims" if slices else f"ResourceClaims in {ns}")
+                    + ("" if slices else " (ResourceSlices skipped: namespace-scoped)")) if version else \
+                "ResourceSlices and ResourceClaims skipped (" + ("not served by this cluster" if self.settings.dra else "disabled") + ")"
+            log.info("dra: %s", what)
             self.slices.rv = None
+            self.claims.rv = None
         self.dra_version = version
-        self.slices.list_fn = (lambda **kw: custom.list_cluster_custom_object(RESOURCE_GROUP, version, "resourceslices", **kw)) \
-            if version else None
+        self.slices.list_fn = (lambda **kw: custom.list_cluster_custom_object(RESOURCE_GROUP, slices, "resourceslices", **kw)) \
+            if slices else None
+        if version is None:
+            self.claims.list_fn = None
+        elif ns:
+            self.claims.list_fn = lambda **kw: custom.list_namespaced_custom_object(RESOURCE_GROUP, version, ns, "resourceclaims", **kw)
+        else:
+            self.claims.list_fn = lambda **kw: custom.list_cluster_custom_object(RESOURCE_GROUP, version, "resourceclaims", **kw)
 
     def _list(self, res: _Resource) -> tuple[list[dict], str]:
         """All items (paged) and the list's resourceVersion."""
@@ -479,6 +495,39 @@ class SchedulerCollector:
             upd = batch.updates.setdefault(meta.uid, {"keys": set()})
             upd["keys"] |= {e.event_id for e in new}
             upd.update({"k": "ResourceSlice", "ns": "", "n": meta.name, "id": {}})
+
+    def _handle_claim(self, etype: str, obj: Mapping, batch: _Batch) -> None:
+        """A ResourceClaim's holdings (reserved pod x allocated GPU device) as ``gpu.claim_reserved``
+        / ``gpu.claim_released`` events: each change published once (state ``held``)."""
+        view = claim_view(obj, self.dra_drivers)
+        uid = view.meta.uid
+        deleted = etype == "DELETED"
+        previous = batch.updates.get(uid, {}).get("held")
+        if previous is None:
+            previous = (self.state.get(uid) or {}).get("held") or {}
+        events, held = claim_events(view, previous, self.source, datetime.now(timezone.utc), deleted=deleted)
+        self._claim_batch(batch, uid, view.meta.namespace, view.meta.name, events, held, deleted)
+
+    def _claim_gone(self, uid: str, entry: Mapping[str, Any], batch: _Batch) -> None:
+        """A claim the re-list no longer shows: what it held is released (``claim_deleted``)."""
+        view = gone_claim(uid, entry.get("ns") or "", entry.get("n") or "")
+        events, held = claim_events(view, entry.get("held") or {}, self.source, datetime.now(timezone.utc), deleted=True)
+        self._claim_batch(batch, uid, entry.get("ns") or "", entry.get("n") or "", events, held, True)
+
+    def _claim_batch(self, batch: _Batch, uid: str, ns: str, name: str, events: list, held: dict, deleted: bool) -> None:
+        batch.events.extend(events)
+        for e in events:
+            batch.counts[e.event_type] = batch.counts.get(e.event_type, 0) + 1
+        if not events:
+            return
+        if deleted or not held:
+            # Only claims that hold a GPU are remembered (their holdings must be released later).
+            batch.drops.add(uid)
+            batch.updates.pop(uid, None)
+        else:
+            batch.drops.discard(uid)
+            upd = batch.updates.setdefault(uid, {"keys": set()})
+            upd.update({"k": "ResourceClaim", "ns": ns, "n": name, "id": {}, "held": held})
 
     def _pod_name(self, uid: str) -> tuple[str, str] | None:
         with self._lock:
@@ -604,6 +653,9 @@ class SchedulerCollector:
             if res.kind in ("Event", "ResourceSlice"):
                 batch.drops.add(uid)
                 continue
+            if res.kind == "ResourceClaim":
+                self._claim_gone(uid, entry, batch)  # deleted while we were not watching: its holdings ended
+                continue
             # Deleted while we were not watching: the last identity we published names it.
             gone = {"metadata": {"uid": uid, "namespace": entry.get("ns"), "name": entry.get("n")}}
             identity = Identity(**entry.get("id", {}))
@@ -674,7 +726,7 @@ class SchedulerCollector:
     def _step(self, res: _Resource, stop: threading.Event) -> None:
         """One step of a resource's loop: wait for Kueue to appear, one list, or one watch request."""
         if res.list_fn is None:
-            # Only Workloads and ResourceSlices have none: Kueue / DRA is not served (yet).
+            # Only Workloads, ResourceSlices and ResourceClaims have none: Kueue / DRA is not served (yet).
             wait = self.settings.discovery_interval_s - (time.monotonic() - self._discovered_at)
             if wait > 0:
                 stop.wait(wait)
@@ -731,7 +783,7 @@ class SchedulerCollector:
         total = 0
         try:
             self.discover()
-            for res in (self.slices, self.workloads, self.pods, self.events):
+            for res in (self.slices, self.claims, self.workloads, self.pods, self.events):
                 if res.list_fn is not None:
                     total += self.sync(res, self._stop)
         except _DISCOVERY_ERRORS as exc:
@@ -752,12 +804,12 @@ class SchedulerCollector:
             call_with_backoff(self.discover, retry_on=_DISCOVERY_ERRORS, **backoff,
                               on_retry=lambda st: log.warning("discovery failed: %s; retrying in %.1fs", _short(retry_error(st)), retry_delay(st)))
             # Workloads first (pods look their Workload up), then pods (Events look their pod up).
-            for res in (self.slices, self.workloads, self.pods, self.events):
+            for res in (self.slices, self.claims, self.workloads, self.pods, self.events):
                 if res.list_fn is not None:
                     call_with_backoff(lambda r=res: self._initial_sync(r, stop), retry_on=_RETRIABLE, **backoff,
                                       on_retry=lambda st, r=res: log.warning("%s: initial list failed: %s; retrying in %.1fs", r.name,
                                                                             _short(retry_error(st)), retry_delay(st)))
-            for res in (self.slices, self.workloads, self.pods, self.events):
+            for res in (self.slices, self.claims, self.workloads, self.pods, self.events):
                 t = threading.Thread(target=self._loop, args=(res, stop), name=f"scheduler-{res.name}", daemon=True)
                 t.start()
                 threads.append(t)

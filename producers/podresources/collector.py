@@ -53,7 +53,10 @@ Limits:
   unknown assignment as a no-op. Conversely, if a batch holding a release fails after
   part of it reached Kafka and the kubelet shows the device assigned again before the
   retry, that stray release stands until the assignment next changes.
-- DRA (``dynamic_resources``) allocations are not published yet.
+- DRA (``dynamic_resources``) allocations of the GPU drivers in ``dra_drivers`` are published
+  as assignments of ``<driver>/<pool>/<device>`` (``snapshot._dra_devices``); the claim behind
+  them is not named (the worker merges them with the scheduler collector's ResourceClaim
+  reports by node, device and time: ``streams.correlate.entities.merge_dra``).
 """
 
 from __future__ import annotations

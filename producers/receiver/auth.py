@@ -19,8 +19,12 @@ Proofs, tried in this order for a bearer token:
   ``service:<source>``, method ``shared-token``.
 Guarantees: a credential that is presented and wrong is a 401 (``AuthError``), never
 "anonymous"; comparisons of secrets are constant-time; tokens are never logged.
-Limits: JWKS URLs are fetched by PyJWT's client (cached, refetched for an unknown ``kid``);
-no token revocation list beyond removing a caller from the file.
+JWKS URLs are fetched by PyJWT's ``PyJWKClient`` and cached by it (the whole key set for
+``jwks_cache_s``; an unknown ``kid`` refetches at most once per 30 s, its cooldown). A
+verification whose key is in that cache needs no I/O (``fetch=False``); one that needs the
+network raises ``KeyFetchNeeded`` so that the receiver repeats it on a thread of its own and
+its event loop never waits for the identity provider.
+Limits: no token revocation list beyond removing a caller from the file.
 """
 
 from __future__ import annotations
@@ -74,6 +78,11 @@ class Caller(BaseModel):
         if unknown:
             raise ValueError(f"endpoints: unknown {', '.join(unknown)} (known: {', '.join(ENDPOINTS)})")
         return self
+
+
+class KeyFetchNeeded(Exception):
+    """Verifying this JWT needs the JWKS URL (cache empty or expired, unknown ``kid``):
+    call again with ``fetch=True`` off the event loop."""
 
 
 class CredentialsFileError(ProducerError):
@@ -142,11 +151,15 @@ class OidcSettings(BaseModel):
     identity_prefix: str = Field(default="user:", description="Prefix of the identity made from the claim ('user:' or 'service:').")
     groups_claim: str = Field(default="groups", description="Claim listing the caller's groups.")
     leeway_s: float = Field(default=30.0, ge=0, description="Clock skew allowed on exp/nbf/iat.")
+    jwks_cache_s: float = Field(default=300.0, gt=0, description="How long a key set fetched from jwks_url is used before it is fetched again (a rotated-out key stops verifying after at most this long).")
+    jwks_timeout_s: float = Field(default=10.0, gt=0, description="Timeout of one jwks_url fetch; requests waiting for it get 503 (retriable) when it fails.")
 
     @model_validator(mode="after")
     def _one_key_source(self) -> OidcSettings:
         if (self.jwks_file is None) == (self.jwks_url is None):
             raise ValueError("give exactly one of jwks_file or jwks_url")
+        if self.identity_prefix.startswith("group:"):
+            raise ValueError("identity_prefix: 'group:' names groups in the policy, not callers (use 'user:' or 'service:')")
         if "none" in {a.lower() for a in self.algorithms}:
             raise ValueError("algorithms: 'none' would accept unsigned tokens")
         return self
@@ -168,22 +181,50 @@ class OidcVerifier:
             self._client = None
         else:
             self._keys = None
-            self._client = jwt.PyJWKClient(settings.jwks_url, cache_keys=True)
+            # The key-set cache only (it expires); PyJWT's per-kid LRU (cache_keys) never does,
+            # so a key the issuer rotated out would verify for ever.
+            self._client = jwt.PyJWKClient(settings.jwks_url, cache_keys=False, cache_jwk_set=True, lifespan=settings.jwks_cache_s,
+                                           timeout=settings.jwks_timeout_s)
 
-    def _key(self, token: str):
-        if self._client is not None:
-            return self._client.get_signing_key_from_jwt(token).key
+    @property
+    def fetches(self) -> bool:
+        """Keys come from a URL (verification may need the network)."""
+        return self._client is not None
+
+    def prefetch(self) -> None:
+        """Fill the key-set cache (at start, on a thread); a failure is logged, requests retry it."""
+        if self._client is None:
+            return
+        try:
+            self._client.get_jwk_set()
+        except self._jwt.PyJWTError as exc:
+            log.warning("oidc: cannot fetch the JWKS from %s yet: %s", self.settings.jwks_url, exc)
+
+    def _key(self, token: str, fetch: bool):
         kid = self._jwt.get_unverified_header(token).get("kid")
+        if self._client is not None:
+            if fetch:
+                return self._client.get_signing_key(kid).key
+            # Read the library's own cache without its lock (a fetch on a thread holds it).
+            cached = self._client.jwk_set_cache.get()
+            key = next((k for k in cached.keys if k.key_id == kid and k.public_key_use in ("sig", None)), None) if cached else None
+            if key is None:
+                raise KeyFetchNeeded(kid)
+            return key.key
         keys = [k for k in self._keys.keys if kid is None or k.key_id == kid]
         if not keys:
             raise self._jwt.InvalidTokenError(f"no key with kid {kid!r} in {self.settings.jwks_file}")
         return keys[0].key
 
-    def verify(self, token: str) -> Principal:
+    def verify(self, token: str, fetch: bool = True) -> Principal:
+        """The caller a JWT proves; ``KeyFetchNeeded`` when ``fetch`` is False and the key is not cached."""
         s = self.settings
         try:
-            claims = self._jwt.decode(token, self._key(token), algorithms=list(s.algorithms), audience=s.audience, issuer=s.issuer,
+            claims = self._jwt.decode(token, self._key(token, fetch), algorithms=list(s.algorithms), audience=s.audience, issuer=s.issuer,
                                       leeway=s.leeway_s, options={"require": ["exp", "iss", "aud", s.identity_claim]})
+        except self._jwt.PyJWKClientConnectionError as exc:
+            raise PayloadError(f"Authorization: the identity provider's keys ({s.jwks_url}) cannot be fetched, retry later: {exc}",
+                               field="Authorization", reason="jwks_unavailable", status=503, details={"retriable": True}) from exc
         except self._jwt.PyJWTError as exc:
             raise AuthError(f"Authorization: bearer JWT not accepted: {exc}") from exc
         name = claims.get(s.identity_claim)
@@ -210,8 +251,9 @@ class Authenticator:
         """An endpoint with a shared token (the older per-source setting) accepts nothing else."""
         return endpoint in self.shared_tokens
 
-    def authenticate(self, endpoint: str, authorization: str | None) -> Principal | None:
-        """The caller proven by the header, None if it carries no credential; ``AuthError`` if it is wrong."""
+    def authenticate(self, endpoint: str, authorization: str | None, fetch: bool = True) -> Principal | None:
+        """The caller proven by the header, None if it carries no credential; ``AuthError`` if it is wrong.
+        With ``fetch`` False, ``KeyFetchNeeded`` instead of a network fetch of the JWKS."""
         if not authorization:
             return None
         scheme, _, token = authorization.partition(" ")
@@ -229,5 +271,5 @@ class Authenticator:
                                        f"{', '.join(caller.endpoints)})", field="Authorization", reason="forbidden", status=403)
                 return Principal(caller.identity, caller.groups, "token")
         if self.oidc is not None and token.count(".") == 2:
-            return self.oidc.verify(token)
+            return self.oidc.verify(token, fetch)
         raise AuthError("Authorization: missing or wrong bearer token")

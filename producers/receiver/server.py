@@ -34,7 +34,8 @@ Guarantees:
   (their sender chose every byte), only refused when over the event limit.
 - The event loop never blocks on Kafka: records are produced on the loop and their acks
   awaited (``EventPublisher.publish_batch_async``, one delivery-report thread), so requests
-  in flight hold no thread; readiness checks run in a thread.
+  in flight hold no thread; readiness checks run in a thread. Nor on the identity provider:
+  a JWT whose key is not in PyJWT's cache is verified on the JWKS thread pool (``_principal``).
 - Slow clients cannot hold the service: a connection must send its headers within
   ``header_timeout_s`` (``ConnectionGuard``), a body within ``body_timeout_s`` (408), and
   connections over ``max_connections`` get 503 at once.
@@ -52,6 +53,7 @@ import re
 import socket
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -64,7 +66,7 @@ from producers._errors import EventTooLarge, PayloadError, ProducerError, Publis
 from producers._kafka import EventPublisher, read_to_end
 from producers._limits import TextTrimmer
 from producers.receiver.alertmanager import alert_events, truncated_alerts
-from producers.receiver.auth import Authenticator, AuthError, CredentialsFile, OidcVerifier, Principal
+from producers.receiver.auth import Authenticator, AuthError, CredentialsFile, KeyFetchNeeded, OidcVerifier, Principal
 from producers.receiver.config import ReceiverSettings
 from producers.receiver.mlflow import DELIVERY_ID_HEADER, AliasHolders, DeliveryLog, is_test_delivery, release_events, verify_signature
 from producers.releases import release_natural_key
@@ -125,11 +127,29 @@ class LifecycleReceiver:
         self._alias_moves: asyncio.Lock | None = None  # one alias move at a time: read holder, publish, update
         self._stopping = threading.Event()
         self.guard: ConnectionGuard | None = None  # set by ``serve``
+        self._jwks: ThreadPoolExecutor | None = None  # JWKS fetches, off the event loop (``_principal``)
+
+    def _jwks_pool(self) -> ThreadPoolExecutor:
+        # Its own small pool: a slow identity provider must not take the default executor's
+        # threads (readiness checks, dead letters) with it. PyJWT serialises fetches anyway.
+        if self._jwks is None:
+            self._jwks = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jwks")
+        return self._jwks
+
+    async def _prefetch_jwks(self, app: web.Application) -> None:
+        if self.auth.oidc is not None and self.auth.oidc.fetches:
+            self._jwks_pool().submit(self.auth.oidc.prefetch)
+
+    async def _stop_jwks(self, app: web.Application) -> None:
+        if self._jwks is not None:
+            self._jwks.shutdown(wait=False, cancel_futures=True)
 
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._hold, self._errors])
         app.on_startup.append(self._start_loading_alias_holders)
+        app.on_startup.append(self._prefetch_jwks)
         app.on_cleanup.append(self._stop_loading)
+        app.on_cleanup.append(self._stop_jwks)
         app.add_routes([
             web.post("/v1/alertmanager", self.alertmanager, name="alertmanager"),
             web.post("/v1/releases", self.releases, name="releases"),
@@ -211,9 +231,17 @@ class LifecycleReceiver:
             log.exception("%s: internal error", route)
             return _error(500, f"internal error: {type(exc).__name__}", None)
 
-    def _principal(self, request: web.Request, endpoint: str) -> Principal | None:
-        """The proven caller of ``endpoint``; 401 when a credential is required and missing or wrong."""
-        principal = self.auth.authenticate(endpoint, request.headers.get("Authorization"))
+    async def _principal(self, request: web.Request, endpoint: str) -> Principal | None:
+        """The proven caller of ``endpoint``; 401 when a credential is required and missing or wrong.
+
+        Verified on the loop when no I/O is needed; a JWT whose key must first be fetched from
+        the JWKS URL is verified on the JWKS thread, so a slow identity provider holds only the
+        requests that need it."""
+        header = request.headers.get("Authorization")
+        try:
+            principal = self.auth.authenticate(endpoint, header, fetch=False)
+        except KeyFetchNeeded:
+            principal = await asyncio.get_running_loop().run_in_executor(self._jwks_pool(), self.auth.authenticate, endpoint, header)
         if principal is None and (self.auth.requires_credential(endpoint) or endpoint in self.policy.authentication.required_on):
             raise AuthError(f"Authorization: /v1/{endpoint} requires a credential (a bearer token)")
         return principal
@@ -229,7 +257,7 @@ class LifecycleReceiver:
                 raise PayloadError(f"{where}payload.actor: {principal.identity} may not publish as {p.actor!r}: the actor is the "
                                    "authenticated caller (a service acting for a person names them in on_behalf_of)",
                                    field=f"{where}payload.actor", reason="forbidden", status=403)
-            if p.on_behalf_of and not self.policy.may_delegate(principal.identity):
+            if p.on_behalf_of and not self.policy.may_delegate(principal.identity, principal.groups):
                 raise PayloadError(f"{where}payload.on_behalf_of: {principal.identity} may not act on behalf of {p.on_behalf_of!r}: "
                                    "no role of the policy gives it the delegate right", field=f"{where}payload.on_behalf_of",
                                    reason="forbidden", status=403)
@@ -276,7 +304,7 @@ class LifecycleReceiver:
             return
         counters = self.counters[source]
         try:
-            await self.publisher.publish_batch_async(events, self.publish_timeout_s)
+            nbytes = await self.publisher.publish_batch_async(events, self.publish_timeout_s)
         except EventTooLarge as exc:
             field = field_of(exc.index)
             raise PayloadError(f"{field}: {exc}" if field else str(exc), field=field, reason="event_too_large",
@@ -284,7 +312,7 @@ class LifecycleReceiver:
         except PublishError:
             counters.add_rejected("kafka_unavailable", len(events))
             raise
-        counters.add_sent(len(events), sum(len(encode_event(e)) for e in events))
+        counters.add_sent(len(events), nbytes)
 
     async def _dead_letter_future(self, future: list[tuple[dict, EventDecodeError]], stage: str) -> dict:
         """Keep events from a newer schema version on the dead-letter topic (a newer gpuledger can
@@ -302,12 +330,14 @@ class LifecycleReceiver:
 
     @staticmethod
     def _accepted(events: list, **extra: Any) -> web.Response:
-        return web.json_response({"accepted": len(events), "event_ids": [e.event_id for e in events], **extra})
+        # orjson: the answer of every accepted request (aiohttp's json_response uses the stdlib encoder).
+        return web.Response(body=orjson.dumps({"accepted": len(events), "event_ids": [e.event_id for e in events], **extra}),
+                            content_type="application/json")
 
     # --- endpoints ----------------------------------------------------------------
 
     async def alertmanager(self, request: web.Request) -> web.Response:
-        self._principal(request, "alertmanager")
+        await self._principal(request, "alertmanager")
         data = self._parse_json(await self._read_body(request))
         trimmer = TextTrimmer()
         events = alert_events(data, self.config.alert_labels, datetime.now(timezone.utc), self.host, _trace(request), trimmer)
@@ -323,7 +353,7 @@ class LifecycleReceiver:
         return self._accepted(events, truncated_alerts=truncated, truncated_fields=trimmer.cut)
 
     async def releases(self, request: web.Request) -> web.Response:
-        principal = self._principal(request, "releases")
+        principal = await self._principal(request, "releases")
         data = self._parse_json(await self._read_body(request))
         items, prefix = (data, "[{}].") if isinstance(data, list) else ([data], "")
         events: list[ReleaseEvent] = []

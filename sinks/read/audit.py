@@ -630,7 +630,7 @@ class Evidence:
             actor = p.get("actor")
             out.append({"at": _z(r["occurred_at"]), "action": r["event_type"].split(".", 1)[1], "release": r["identity"].get("release_id", ""),
                         "target": p.get("target") or p.get("to_environment") or "", "actor": actor or "no actor recorded",
-                        "roles": ", ".join(self.policy.roles_of(actor)), "expires": _z(p.get("expires_at")) or "", "reason": p.get("reason") or "",
+                        "roles": ", ".join(self.policy.memberships(decision_actor(p))), "expires": _z(p.get("expires_at")) or "", "reason": p.get("reason") or "",
                         "verdict": _verdict(self._citing(7, [r["correlation_id"]], first_only=True))})
         flagged = sum(1 for r in out if r["verdict"] != "no violation recorded")
         return self._section(7, "Lifecycle, containment and rollback actions with their actors",

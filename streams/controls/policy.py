@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gpuledger.timefmt import parse_duration
-from schemas.release import UNAUTHENTICATED
+from schemas.release import actor_text, parse_decision
 
 #: Every decision a role can be given. Release lifecycle events and admin actions map
 #: onto them (``ACTION_OF_EVENT``).
@@ -62,6 +62,10 @@ CONTROL_TITLES: dict[int, str] = {
 
 Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
 
+#: A role member naming a group (``group:oncall``): every actor the receiver authenticated
+#: with that group (credentials file ``groups``, the OIDC groups claim) is a member.
+GROUP_MEMBER = "group:"
+
 
 class PolicyError(ValueError):
     """A policy file that cannot be used; the message lists every problem with its line."""
@@ -84,8 +88,16 @@ class Role(_Model):
     """A named role: its members hold its decision rights; its owner is accountable."""
 
     owner: str = Field(min_length=1, description="Accountable team for the role (named as owner on the violations of the controls it is accountable for).")
-    members: tuple[str, ...] = Field(default=(), description="Actors (users, service accounts, CI jobs) holding the role, as release events name them in `actor`.")
+    members: tuple[str, ...] = Field(default=(), description="Who holds the role: actors as release events name them in `actor` (`user:alice`, `service:ci-gitlab`, or a bare `alice`, which matches `user:alice` too), and groups as `group:<name>` (any actor the receiver authenticated with that group).")
     actions: tuple[Action, ...] = Field(default=(), description="Decisions the members may take.")
+
+    @field_validator("members")
+    @classmethod
+    def _named_groups(cls, members: tuple[str, ...]) -> tuple[str, ...]:
+        empty = [m for m in members if m.startswith(GROUP_MEMBER) and not m[len(GROUP_MEMBER):].strip()]
+        if empty:
+            raise ValueError("a group member needs a name after 'group:' (e.g. group:oncall)")
+        return members
 
 
 class ControlPolicy(_Model):
@@ -285,55 +297,119 @@ class Policy(_Model):
     def environment_rank(self, name: str | None) -> int | None:
         return next((i for i, e in enumerate(self.environments) if e.name == name), None) if name else None
 
-    def _member(self, identity: str, role: Role) -> bool:
-        # "user:alice" is the proven form of the bare "alice" older policies list.
-        return identity in role.members or (identity.startswith("user:") and identity[5:] in role.members)
+    @staticmethod
+    def _member(identity: str, groups: tuple[str, ...], role: Role) -> str | None:
+        """The entry of ``role.members`` that makes ``identity`` (with its authenticated
+        ``groups``) a member, or None. The identity's own entry wins over a group's."""
+        if not identity or identity.startswith(GROUP_MEMBER):
+            return None  # a name typed as "group:x" is not the group
+        if identity in role.members:
+            return identity
+        if identity.startswith("user:") and identity[5:] in role.members:
+            return identity[5:]  # "user:alice" is the proven form of the bare "alice" older policies list
+        return next((GROUP_MEMBER + g for g in groups if GROUP_MEMBER + g in role.members), None)
+
+    def _grant(self, identity: str, groups: tuple[str, ...], action: str) -> tuple[str, str] | None:
+        """(role, member entry) through which ``identity`` holds ``action``, or None: a role
+        naming the identity itself first, then one naming one of its groups (roles in policy
+        order). On the controls' hot path: every evaluation asks it for every lifecycle event."""
+        if not identity or identity.startswith(GROUP_MEMBER):
+            return None
+        bare = identity[5:] if identity.startswith("user:") else None
+        through_group = None
+        for name, role in self.roles.items():
+            if action not in role.actions:
+                continue
+            members = role.members
+            if identity in members:
+                return name, identity
+            if bare is not None and bare in members:
+                return name, bare
+            if through_group is None:
+                through_group = next(((name, GROUP_MEMBER + g) for g in groups if GROUP_MEMBER + g in members), None)
+        return through_group
+
+    def memberships(self, actor: str | None) -> list[str]:
+        """The roles of a decision actor's person (the actor, or the person a service acted
+        for), each as ``role`` or ``role via group:<name>`` when only a group makes them a member."""
+        if not actor:
+            return []
+        d = parse_decision(actor)
+        who, groups = (d.person, ()) if d.person else (d.actor, d.groups)
+        out = []
+        for name, role in sorted(self.roles.items()):
+            member = self._member(who, groups, role)
+            if member is not None:
+                out.append(f"{name} via {member}" if member.startswith(GROUP_MEMBER) else name)
+        return out
 
     def roles_of(self, actor: str | None) -> list[str]:
-        identity = actor.removeprefix(UNAUTHENTICATED).rpartition(">")[2] if actor else None
-        return sorted(name for name, role in self.roles.items() if identity and self._member(identity, role))
-
-    def _holds(self, identity: str, action: str) -> bool:
-        return bool(identity) and any(self._member(identity, role) and action in role.actions for role in self.roles.values())
+        """Role names of a decision actor's person (see ``memberships``)."""
+        return [m.split(" via ", 1)[0] for m in self.memberships(actor)]
 
     def allowed(self, actor: str | None, action: str) -> bool:
         """Whether ``actor`` — a plain name or a ``schemas.release.decision_actor`` string —
         may take ``action``: an unauthenticated actor only when the policy does not require
         proof, a delegation (``service>person``) only when the service may delegate and the
-        person holds the right."""
+        person holds the right. Group members (``group:<name>``) count only for the groups the
+        receiver authenticated with the actor; the person a service acts for has no groups here."""
         if not actor:
             return False
-        if actor.startswith(UNAUTHENTICATED):
-            if self.authentication.require_for_rights:
-                return False
-            actor = actor.removeprefix(UNAUTHENTICATED)
-        service, delegated, person = actor.rpartition(">")
-        if delegated:
-            return self._holds(service, "delegate") and self._holds(person, action)
-        return self._holds(actor, action)
+        d = parse_decision(actor)
+        if not d.proven and self.authentication.require_for_rights:
+            return False
+        if d.person is not None:
+            return self._grant(d.actor, d.groups, "delegate") is not None and self._grant(d.person, (), action) is not None
+        return self._grant(d.actor, d.groups, action) is not None
 
-    def may_delegate(self, identity: str) -> bool:
-        """Whether ``identity`` (a service) may act on behalf of a person (``on_behalf_of``)."""
-        return self._holds(identity, "delegate")
+    def granted(self, actor: str | None, action: str) -> str | None:
+        """How ``actor`` holds ``action``, for evidence: ``role platform-sre`` or ``role
+        platform-sre via group:oncall`` (a delegation: the person's, then ``delegated by`` the
+        service's); None when it does not (``why_not`` says why)."""
+        if not actor:
+            return None
+        d = parse_decision(actor)
+        if not d.proven and self.authentication.require_for_rights:
+            return None
+        if d.person is not None:
+            through, right = self._grant(d.actor, d.groups, "delegate"), self._grant(d.person, (), action)
+            if through is None or right is None:
+                return None
+            return f"{_held(right)}, delegated by {d.actor} ({_held(through)})"
+        right = self._grant(d.actor, d.groups, action)
+        return _held(right) if right is not None else None
+
+    def may_delegate(self, identity: str, groups: tuple[str, ...] = ()) -> bool:
+        """Whether ``identity`` (a service, with its authenticated groups) may act on behalf of a person (``on_behalf_of``)."""
+        return self._grant(identity, tuple(groups), "delegate") is not None
 
     def why_not(self, actor: str | None, action: str) -> str:
         """Why ``allowed(actor, action)`` is False, in one clause for a violation's detail."""
         if not actor:
             return "no actor was recorded"
-        if actor.startswith(UNAUTHENTICATED) and self.authentication.require_for_rights:
-            return f"{actor.removeprefix(UNAUTHENTICATED)} was not authenticated (no credential proved who published it)"
-        service, delegated, person = actor.removeprefix(UNAUTHENTICATED).rpartition(">")
-        if delegated and not self._holds(service, "delegate"):
-            return f"{service} acted for {person} without the delegate right"
-        who = person if delegated else actor.removeprefix(UNAUTHENTICATED)
-        roles = self.roles_of(who)
-        return f"{who} holds {', '.join(roles) if roles else 'no role'}; none grants {action}"
+        d = parse_decision(actor)
+        if not d.proven and self.authentication.require_for_rights:
+            return f"{actor_text(actor).removesuffix(' (unauthenticated)')} was not authenticated (no credential proved who published it)"
+        if d.person is not None and self._grant(d.actor, d.groups, "delegate") is None:
+            return f"{d.actor} acted for {d.person} without the delegate right" + _groups_text(d.groups)
+        who, groups = (d.person, ()) if d.person is not None else (d.actor, d.groups)
+        roles = self.memberships(actor)
+        return f"{who}{_groups_text(groups)} holds {', '.join(roles) if roles else 'no role'}; none grants {action}"
 
     def control(self, control_id: int) -> ControlPolicy:
         return getattr(self.controls, CONTROL_NAMES[control_id])
 
     def owner_for(self, control_id: int) -> str:
         return self.roles[self.control(control_id).accountable].owner
+
+
+def _held(grant: tuple[str, str]) -> str:
+    role, member = grant
+    return f"role {role} via {member}" if member.startswith(GROUP_MEMBER) else f"role {role}"
+
+
+def _groups_text(groups: tuple[str, ...]) -> str:
+    return f" (groups: {', '.join(groups)})" if groups else ""
 
 
 class PolicySettings(BaseSettings):

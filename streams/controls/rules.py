@@ -47,7 +47,7 @@ from datetime import datetime, timedelta, timezone
 import orjson
 
 from streams.controls.policy import ACTION_OF_EVENT, CONTROL_TITLES, Policy
-from gpuledger.timefmt import format_duration
+from gpuledger.timefmt import format_duration, quick_utc_isoformat
 from schemas import Identity
 from schemas.outputs import Violation
 from schemas.release import actor_text, decision_actor
@@ -64,7 +64,7 @@ IDENTITY_KEPT = ("release_id", "model_name", "model_version", "image_digest", "e
                  "node", "gpu_id", "owner", "alert_fingerprint")
 PAYLOAD_KEPT = {
     "scheduler": ("object_kind", "queue", "cluster_queue", "priority_class", "priority", "reason", "image_digests", "preemptor"),
-    "release": ("actor", "on_behalf_of", "authenticated_by", "approval_id", "to_environment", "reservation", "target", "expires_at", "reason"),
+    "release": ("actor", "on_behalf_of", "authenticated_by", "actor_groups", "approval_id", "to_environment", "reservation", "target", "expires_at", "reason"),
     "alert": ("alertname", "severity", "labels", "starts_at", "ends_at"),
 }
 
@@ -79,7 +79,9 @@ def _t(value) -> datetime:
 
 
 def iso(value) -> str | None:
-    return None if value is None else _t(value).isoformat()
+    if value is None:
+        return None
+    return (isinstance(value, str) and quick_utc_isoformat(value)) or _t(value).isoformat()
 
 
 def _min(*values):
@@ -580,8 +582,9 @@ def _admission(key: str, start: datetime, end: datetime | None, srow: dict, erow
         why = (f"release {rid} was approved for {env or 'its environment'} only by " + _actors(unentitled)
                + f", which does not count: {ctx.policy.why_not(unentitled[-1][4], 'approve')}"
                if unentitled else f"release {rid} had no approval for {env or 'its environment'}")
+    closed_by = _closed_by(rel, closing, "approve", ctx.policy) if ge is not None and (end is None or ge <= end) else ""
     found.add(1, ("approval", key, srow["id"]), start, _min(ge, end), ev + [cause, closing], {**ident, "release_id": rid},
-              f"{who} was admitted ({srow['type']}) at {iso(start)} but {why}")
+              f"{who} was admitted ({srow['type']}) at {iso(start)} but {why}{closed_by}")
 
 
 def _identifiers(key: str, start: datetime, end: datetime | None, srow: dict, erow: dict | None, found: Findings, ctx: Context) -> None:
@@ -621,9 +624,20 @@ def _promotion(key: str, start: datetime, end: datetime | None, srow: dict, erow
             why = f"was promoted to {env} only by {_actors(unentitled)}, which does not count: {ctx.policy.why_not(unentitled[-1][4], 'promote')}"
         else:
             why = f"was never promoted to {env}"
+        closed_by = _closed_by(rel, closing, "promote", ctx.policy) if ge is not None and (end is None or ge <= end) else ""
         found.add(2, ("promotion", key, rid, env, srow["id"], cause or ""), gs, _min(ge, end),
                   [srow["id"], cause, closing, erow["id"] if erow else None] + [e[2] for e in unentitled],
-                  {**ident, "release_id": rid}, f"{_label(ident)} runs in {env} while release {rid} {why}")
+                  {**ident, "release_id": rid}, f"{_label(ident)} runs in {env} while release {rid} {why}{closed_by}")
+
+
+def _closed_by(rel: Release, event_id: str | None, action: str, policy: Policy) -> str:
+    """"; approved at T by X (role R via group:G)": the event that closed a gap, and the
+    decision right it was counted under (the evidence names the group that held it)."""
+    event = next((e for e in rel.history if e[2] == event_id), None) if event_id else None
+    if event is None:
+        return ""
+    what = event[1].split(".", 1)[1]
+    return f"; {what} at {iso(event[0])} by {actor_text(event[4]) or 'no recorded actor'} ({policy.granted(event[4], action)})"
 
 
 def _actors(events: list[tuple]) -> str:
@@ -748,6 +762,9 @@ def _authority(rid: str, row: dict, action: str, later: list[dict], base: dict, 
         expiry = clock.reached(_t(p["expires_at"])) if p.get("expires_at") else None
         closed = _min(_t(ratified["at"]) if ratified else None, expiry)
         why = policy.why_not(proven, action)
+        if ratified is not None:
+            by = decision_actor(ratified["p"])
+            why += f"; ratified at {iso(_t(ratified['at']))} by {actor_text(by)} ({policy.granted(by, action)})"
         found.add(7, ("unauthorized", row["id"]), at, closed, [row["id"], ratified["id"] if ratified else None],
                   {**base, "node": p.get("target") if row["type"] == "release.node_isolated" else None},
                   f"{what} of release {rid} without the decision right: {why}")

@@ -37,7 +37,7 @@ from schemas import EventDecodeError, decode_event, encode_event
 from schemas.outputs import dead_letter
 from streams.controls.rules import allocation_key, compact_allocation, compact_row, row_key
 from streams.correlate.directory import ReleaseDirectory, follow_release_topic
-from streams.correlate.entities import expire, fold_event, fold_link, iso, new_entity, refresh
+from streams.correlate.entities import GpuMemo, expire, fold_event, fold_link, iso, kind_of, new_entity, refresh
 from streams.correlate.routing import entity_key, routed_form
 from streams.packing import Packer, unpack
 from streams.runner import Epoch, run_batches
@@ -117,6 +117,8 @@ class Correlator:
         pack_max = ctx.settings.streams.pack_max
         self.route = Packer(run.route, run.partitions, max_messages=pack_max)
         self.controls = Packer(run.controls, run.partitions, max_messages=pack_max)
+        self._outputs = (run.correlated, run.enriched_alerts, run.allocations)  # names, looked up once
+        self.memos: dict[str, GpuMemo] = {}  # node/GPU entity -> what its rows were derived from (in memory only)
         self.counters = ctx.counters("streams.correlate")
         self.stats = ctx.stats
         for name in ("routed", "out_of_range", "correlated_in", "correlated_out", "conflicts", "parked", "entities"):
@@ -179,7 +181,8 @@ class Correlator:
         n_out = 0
         self.ctx.fault("correlate", "before_outputs")
         for key, (p, state) in touched.items():
-            outcome = refresh(state, self.directory)
+            memo = self.memos.setdefault(key, GpuMemo()) if kind_of(key) == "gpu" else None
+            outcome = refresh(state, self.directory, memo=memo)
             self.store.put(p, key, state)
             self.runtime.index(key, state["interests"])
             for at_iso, row_id in outcome.parked:
@@ -211,19 +214,20 @@ class Correlator:
         await self.ctx.commit_state("correlate", self.store)
 
     def _emit(self, key: str, outcome) -> None:
-        out, run = self.ctx.output, self.ctx.run
+        out = self.ctx.output
+        correlated, enriched, allocations = self._outputs
         for row in outcome.correlated:
             src = (row["source_topic"], row["source_partition"], row["source_offset"])
             value = orjson.dumps(row)
             ident = row["identity"]
-            out.produce(run.correlated, (ident.get("release_id") or row["correlation_id"]).encode(), value, source=src)
+            out.produce(correlated, (ident.get("release_id") or row["correlation_id"]).encode(), value, source=src)
             if row["event_type"].startswith("alert."):
-                out.produce(run.enriched_alerts, (ident.get("alert_fingerprint") or row["correlation_id"]).encode(), value, source=src)
+                out.produce(enriched, (ident.get("alert_fingerprint") or row["correlation_id"]).encode(), value, source=src)
             compact = compact_row(row)
             if compact is not None:
                 self.controls.add(row_key(compact), {"k": "row", "row": compact}, source=src)
         for alloc in outcome.allocations:
-            out.produce(run.allocations, f"{alloc['node']}/{alloc['gpu_id']}".encode(), orjson.dumps(alloc))
+            out.produce(allocations, f"{alloc['node']}/{alloc['gpu_id']}".encode(), orjson.dumps(alloc))
             compact = compact_allocation(alloc)
             self.controls.add(allocation_key(compact), {"k": "row", "row": compact})
         for target, link in outcome.forwards:
@@ -235,8 +239,12 @@ class Correlator:
         changelog (what is durable is consistent with what was acknowledged)."""
         self.route.discard()
         self.controls.discard()
-        parts = {ev.message.partition for ev in events if ev.message.topic == self.ctx.run.route}
-        self.store.drop(parts)
+        self.forget({ev.message.partition for ev in events if ev.message.topic == self.ctx.run.route})
+
+    def forget(self, partitions: set[int]) -> None:
+        """Drop the in-memory state of ``partitions`` (failed batch, revocation)."""
+        self.store.drop(partitions)
+        self.memos.clear()  # only a cache: rebuilt as the entities are refreshed again
 
     async def dead(self, event, exc: BaseException) -> None:
         self._dead("processing_error", f"{type(exc).__name__}: {exc}", f"streams.{'correlate_entities' if event.message.topic == self.ctx.run.route else 'route_events'}",

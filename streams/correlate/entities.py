@@ -25,9 +25,11 @@ when an event repeats it); the versions of the links it reads; the directory's
 look-up consulted. Each component only grows as history is added, so the latest
 version is the row as the whole history has it, and two replays give identical rows
 *and* versions. A row is emitted when its version grows (even if its content did not:
-the final version must not depend on where a run happened to emit); should its
-content change without its version growing, the version is bumped by one and the
-event counted in ``Outcome.conflicts`` (loud, never silent).
+the final version must not depend on where a run happened to emit). Should its content
+change without its version growing — a missing version component, a bug — the tests
+catch it: they render and compare every output (``VERIFY_UNCHANGED``), bump the version
+by one and count it in ``Outcome.conflicts``, which they assert is 0. The worker trusts
+the versions and skips an output whose version did not grow without rendering it.
 
 Parking: a row whose release cannot be resolved is *parked* (not emitted) until its
 identity arrives, or until the event-time watermark passes its time + TTL; then it is
@@ -40,12 +42,13 @@ rows that fit are kept; what is detached is counted in ``state["detached"]``).
 from __future__ import annotations
 
 import hashlib
+from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 
 import orjson
 
+from gpuledger.timefmt import utc_isoformat
 from schemas import Identity
 from streams.correlate.directory import interests_for
 from streams.correlate.release import segments, summarize
@@ -90,7 +93,7 @@ def kind_of(key: str) -> str:
 def iso(value: str | None) -> str | None:
     """A JSON time as the one format every sort key in streams uses (``isoformat()``,
     ``+00:00``): ``Z``-suffixed times would sort wrongly against it."""
-    return datetime.fromisoformat(value).astimezone(timezone.utc).isoformat() if value else None
+    return utc_isoformat(value) if value else None
 
 
 def fold_event(state: dict, event: dict, src: tuple[str, int, int]) -> bool:
@@ -123,6 +126,9 @@ def fold_event(state: dict, event: dict, src: tuple[str, int, int]) -> bool:
         state["rows"][eid]["gpu_instance"] = instance
     if etype == "gpu.device":
         state["rows"][eid]["device"] = {"gpu": payload.get("gpu"), "mig": payload.get("mig_instance"), "profile": payload.get("profile")}
+    if etype in CLAIM_EVENTS:
+        state["rows"][eid]["claim"] = [f"{payload.get('node')}|{payload.get('device_id')}|{payload.get('resource_name')}",
+                                       CLAIM_EVENTS[etype], payload.get("reason")]
     _bound(state)
     return True
 
@@ -340,8 +346,9 @@ def device_link(state: dict) -> tuple[dict | None, int]:
 def intervals(state: dict) -> list[dict]:
     """Allocation intervals derived from a pod's gpu rows (order-independent), each with
     the number of gpu events and deletions it was derived from; a MIG slice whose
-    physical GPU is not in its id gets it from ``learned_parents``."""
-    spans = _spans(state)
+    physical GPU is not in its id gets it from ``learned_parents``; a DRA device's
+    kubelet and ResourceClaim reports are one interval (``merge_dra``)."""
+    spans = merge_dra(state, _spans(state))
     dra = dra_devices(state)
     for iv in spans:
         if (known := dra.get(iv["device"])) and not iv["gpu"] and not iv["mig"]:
@@ -383,6 +390,94 @@ def _spans(state: dict) -> list[dict]:
                 current.update(end=deleted, end_reason="pod_deleted")
             out.append(current)
     return out
+
+
+#: ResourceClaim events (scheduler collector) -> the interval operation they are.
+CLAIM_EVENTS = {"gpu.claim_reserved": "a", "gpu.claim_released": "r"}
+
+
+def claim_spans(state: dict) -> list[dict]:
+    """Holding intervals from a pod's ``gpu.claim_*`` rows: from the reservation to its
+    release (``unreserved`` / ``deallocated`` / ``claim_deleted``), else the pod's deletion;
+    shaped like ``_spans``' (no container: a claim is the pod's), marked ``claim``."""
+    per: dict[str, list] = defaultdict(list)
+    deletions = sorted(r["at"] for r in state["rows"].values() if r["type"] == "scheduler.deleted")
+    for rec in state["rows"].values():
+        if rec.get("claim"):
+            per[rec["claim"][0]].append(rec)
+    out = []
+    for dkey, rows in sorted(per.items()):
+        rows.sort(key=lambda r: r["key"])
+        node, device, resource = dkey.split("|", 2)
+        current = None
+        for rec in rows:
+            _dkey, op, reason = rec["claim"]
+            if op == "a" and current is None:
+                current = {"node": node, "device": device, "container": None, "resource": resource, "gpu": None, "mig": None,
+                           "start": rec["at"], "start_event": rec["id"], "end": None, "end_event": None, "end_reason": None,
+                           "v": len(rows) + len(deletions), "claim": True}
+            elif op == "r" and current is not None:
+                current.update(end=rec["at"], end_event=rec["id"], end_reason=reason or "released")
+                out.append(current)
+                current = None
+        if current is not None:
+            if deletions and deletions[-1] >= current["start"]:
+                current.update(end=deletions[-1], end_reason="pod_deleted")
+            out.append(current)
+    return out
+
+
+def merge_dra(state: dict, spans: list[dict]) -> list[dict]:
+    """One allocation per holding of a DRA device, however many sources report it.
+
+    The kubelet (pod-resources collector: one span per container using the claim) and the
+    API server (the ResourceClaim: one per pod) report the same holding. Per (node, device),
+    spans that overlap in time are one holding. Its **end comes from the claim** where one
+    is known: the claim's reservation is what keeps the device from every other pod, so
+    the holding lasts until the API server drops it (the kubelet's list can lag or stop
+    earlier). Its **start is the earliest report** of either source: the holding began no
+    later than anyone saw it — and the earliest start is also the one that does not move
+    when the other source reports later (normally the claim, reserved at scheduling,
+    before the kubelet runs the container), so the row's key (``started_at``, the
+    allocation id from the starting event, with no container in it) stays put and both
+    sources converge on one ``gpu_allocations`` row. Containers: those the kubelet names.
+    Device-plugin spans are returned untouched."""
+    claims = claim_spans(state)
+    dra = [iv for iv in spans if iv["device"].startswith(iv["resource"] + "/")]
+    if not claims and not dra:
+        return spans
+    out = [iv for iv in spans if not iv["device"].startswith(iv["resource"] + "/")]
+    per: dict[tuple[str, str], list] = defaultdict(list)
+    for iv in dra + claims:
+        per[(iv["node"], iv["device"])].append(iv)
+    for _dev, ivs in sorted(per.items()):
+        ivs.sort(key=lambda iv: (iv["start"], iv["start_event"]))
+        groups: list[list[dict]] = []
+        for iv in ivs:
+            if groups and _still_held(groups[-1], iv["start"]):
+                groups[-1].append(iv)
+            else:
+                groups.append([iv])
+        out.extend(_one_holding(group) for group in groups)
+    return out
+
+
+def _still_held(group: list[dict], at: str) -> bool:
+    return any(iv["end"] is None or at <= iv["end"] for iv in group)
+
+
+def _one_holding(group: list[dict]) -> dict:
+    first = group[0]
+    ends = [iv for iv in group if iv.get("claim")] or group
+    merged = {**first, "container": ",".join(sorted({iv["container"] for iv in group if iv["container"]})) or None,
+              "v": sum(iv["v"] for iv in group), "id_container": ""}
+    if any(iv["end"] is None for iv in ends):
+        merged.update(end=None, end_event=None, end_reason=None)
+    else:
+        last = max(ends, key=lambda iv: (iv["end"], iv["end_event"] or ""))
+        merged.update(end=last["end"], end_event=last["end_event"], end_reason=last["end_reason"])
+    merged.pop("claim", None)
+    return merged
 
 
 def _covering(links: dict, at: str) -> tuple[list[dict], int, tuple[str, ...]]:
@@ -499,9 +594,18 @@ def render_row(record: dict, directory, res: Resolution, version: int) -> dict:
 
 
 def _emit(sent: dict, key: str, version: int, content: dict, out: Outcome) -> int | None:
-    """The version to emit ``content`` at, or None when nothing changed."""
-    d = digest({k: v for k, v in content.items() if k != "version"})
+    """The version to emit ``content`` at, or None when nothing changed.
+
+    The worker trusts the versions: an output whose version did not grow is not compared
+    (and no digest is kept). The tests (``VERIFY_UNCHANGED``) compare every one, and a
+    content change without a version change fails them (``Outcome.conflicts``)."""
     last = sent.get(key)
+    if not VERIFY_UNCHANGED:
+        if last is not None and version <= last[0]:
+            return None
+        sent[key] = [version, ""]
+        return version
+    d = digest({k: v for k, v in content.items() if k != "version"})
     if last is not None:
         if version <= last[0]:
             if d == last[1]:
@@ -514,34 +618,107 @@ def _emit(sent: dict, key: str, version: int, content: dict, out: Outcome) -> in
 
 # --- the step ---------------------------------------------------------------------------
 
-def refresh(state: dict, directory, park: bool = True) -> Outcome:
+def _derive_row(state: dict, record: dict, directory, res: Resolution, park: bool, out: Outcome) -> None:
+    """Park, skip or emit one row under its resolution ``res``."""
+    # Unresolved = no release, or a release named (label) that no release event has
+    # described yet: wait for the manifest rather than emit a half-filled row.
+    unresolved = res.unresolved(directory) and not record["type"].startswith(("release.", "gpu.allocatable", "gpu.device"))
+    if park and unresolved and not record["expired"]:
+        if not record["parked"]:
+            record["parked"] = True
+            out.parked.append((record["starts_at"] or record["at"], record["id"]))
+        return
+    record["parked"] = False
+    version = 1 + res.version(directory, record["at"])
+    last = state["sent"].get(record["id"])
+    if last is not None and version <= last[0] and not VERIFY_UNCHANGED:
+        return
+    content = render_row(record, directory, res, version)
+    emitted = _emit(state["sent"], record["id"], version, content, out)
+    if emitted is not None:
+        content["version"] = emitted
+        out.correlated.append(content)
+
+
+class GpuMemo:
+    """What a node/GPU entity's rows depended on when they were last derived, so a refresh
+    re-derives only the rows whose inputs changed (in memory only; ``Correlator`` keeps one
+    per entity and forgets them with the entity's partition).
+
+    A GPU row (an alert) depends on the directory and on the links (holders' intervals)
+    with an interval that started by the row's time — with the links ordered by their
+    earliest start, a *prefix* of them. Every link object gets a stamp, a new one whenever
+    the link is replaced; a prefix is then identified by its length and its highest stamp
+    (any link that enters, leaves or changes within it changes one or the other: a link's
+    membership of a prefix changes only when the link itself is new, replaced or gone).
+    A row whose prefix, directory generation, parked/expired flags and last emitted version
+    are all as last time derives exactly what it derived then: nothing new to emit."""
+
+    __slots__ = ("links", "stamp", "rows")
+
+    def __init__(self) -> None:
+        self.links: dict[str, tuple[dict, int]] = {}
+        self.stamp = 0
+        self.rows: dict[str, tuple] = {}
+
+    def prefixes(self, links: dict) -> tuple[list[str], list[int]]:
+        """(earliest starts sorted, highest stamp of each prefix) of the current links."""
+        seen = self.links
+        for src in [s for s in seen if s not in links]:
+            del seen[src]
+        order = []
+        for src, link in links.items():
+            known = seen.get(src)
+            if known is None or known[0] is not link:
+                self.stamp += 1
+                known = seen[src] = (link, self.stamp)
+            first = min((iv["start"] for iv in link.get("intervals", ())), default=None)
+            if first is not None:
+                order.append((first, known[1]))
+        order.sort()
+        starts, top, high = [], [0], 0
+        for first, stamp in order:
+            starts.append(first)
+            high = max(high, stamp)
+            top.append(high)
+        return starts, top
+
+
+def refresh(state: dict, directory, park: bool = True, memo: GpuMemo | None = None) -> Outcome:
     """Re-derive every output of an entity and return what changed (see the module
-    docstring for the versions)."""
+    docstring for the versions). ``memo`` (node/GPU entities): skip the rows whose
+    inputs did not change since they were last derived (``GpuMemo``)."""
     out = Outcome()
     kind = kind_of(state["key"])
     entity_res = resolve_entity(state, directory) if kind in ("pod", "wl") else UNATTRIBUTED
     interests = set(entity_res.interests)
+    if kind != "gpu":
+        memo = None
+    if memo is not None:
+        starts, top = memo.prefixes(state["links"])
+        generation = len(directory.seen)
     for record in state["rows"].values():
+        if memo is not None:
+            k = bisect_right(starts, record["starts_at"] or record["at"])
+            sent = state["sent"].get(record["id"])
+            deps = (generation, k, top[k], record["parked"], record["expired"], sent[0] if sent else None)
+            hit = memo.rows.get(record["id"])
+            if hit is not None and hit[0] == deps and not VERIFY_UNCHANGED:
+                interests.update(hit[1])
+                continue
         res = resolve_row(state, record, directory, entity_res)
         interests.update(res.interests)
-        # Unresolved = no release, or a release named (label) that no release event has
-        # described yet: wait for the manifest rather than emit a half-filled row.
-        unresolved = res.unresolved(directory) and not record["type"].startswith(("release.", "gpu.allocatable", "gpu.device"))
-        if park and unresolved and not record["expired"]:
-            if not record["parked"]:
-                record["parked"] = True
-                out.parked.append((record["starts_at"] or record["at"], record["id"]))
-            continue
-        record["parked"] = False
-        version = 1 + res.version(directory, record["at"])
-        last = state["sent"].get(record["id"])
-        if last is not None and version <= last[0] and not VERIFY_UNCHANGED:
-            continue
-        content = render_row(record, directory, res, version)
-        emitted = _emit(state["sent"], record["id"], version, content, out)
-        if emitted is not None:
-            content["version"] = emitted
-            out.correlated.append(content)
+        _derive_row(state, record, directory, res, park, out)
+        if memo is not None:
+            sent = state["sent"].get(record["id"])
+            after = (generation, k, top[k], record["parked"], record["expired"], sent[0] if sent else None)
+            if VERIFY_UNCHANGED and hit is not None and hit[0] == deps:
+                # The tests derive every row anyway and check that the memo would have been right.
+                assert after == deps and tuple(res.interests) == hit[1], f"GpuMemo skipped a row that changed: {record['id']}"
+            memo.rows[record["id"]] = (after, tuple(res.interests))
+    if memo is not None:
+        for rid in [r for r in memo.rows if r not in state["rows"]]:
+            del memo.rows[rid]
     state["interests"] = sorted(interests)
     if kind == "gpu":
         _refresh_device(state, out)
@@ -563,7 +740,8 @@ def _refresh_pod(state: dict, directory, res: Resolution, out: Outcome) -> None:
     per_gpu: dict[str, list] = {}
     gpu_version: dict[str, dict] = defaultdict(dict)  # target -> {allocation key: its event count}
     for iv in intervals(state):
-        alloc_id = hashlib.sha256(f"{iv['node']}|{iv['device']}|{ns}/{pod}|{iv['container']}|{iv['start_event']}".encode()).hexdigest()[:32]
+        container_part = iv.get("id_container", iv["container"])  # "" for a DRA holding (merge_dra): no source's container in its key
+        alloc_id = hashlib.sha256(f"{iv['node']}|{iv['device']}|{ns}/{pod}|{container_part}|{iv['start_event']}".encode()).hexdigest()[:32]
         ident_iv = {**identity, "node": iv["node"], "gpu_id": iv["device"], "namespace": ns, "pod": pod}
         row = {"allocation_id": alloc_id, "node": iv["node"], "gpu_id": iv["device"], "gpu": iv["gpu"], "mig_instance": iv["mig"],
                "resource_name": iv["resource"], "namespace": ns, "pod": pod, "container": iv["container"], "identity": ident_iv,

@@ -8,6 +8,7 @@ routing agent re-keys each event to its entity key on the internal route topic:
 |---|---|
 | release.* | ``rel:<release_id>`` |
 | gpu.assigned / gpu.released | ``pod:<namespace>/<pod>`` |
+| gpu.claim_reserved / gpu.claim_released (a ResourceClaim's device held by a pod) | ``pod:<namespace>/<pod>`` (merged with the kubelet's report: ``entities.merge_dra``) |
 | gpu.allocatable | ``node:<node>`` |
 | gpu.device (a DRA device, from a ResourceSlice) | ``gpu:<node>/<driver>/<pool>/<device>`` (where its holders' intervals arrive) |
 | scheduler.* with namespace+pod | ``pod:<namespace>/<pod>`` |
@@ -54,7 +55,14 @@ def entity_key(event) -> str:
 
 
 def routed_form(event) -> orjson.Fragment:
-    """A validated event as it travels to its entity: the model's own JSON (pydantic's
-    serializer), embedded as is in the packed route record. The correlation stage reads
-    it back as a dict and normalises its times (``entities.iso``)."""
-    return orjson.Fragment(event.model_dump_json())
+    """A validated event as it travels to its entity: what the correlation stage reads of
+    it (``entities.fold_event``) and nothing else — id, type, time, the identity's set
+    fields and the payload as pydantic's serializer writes it (that JSON becomes the
+    stored row's ``payload_json``). The envelope's other fields (source, observed_at,
+    trace) and the identity's empty ones were half of every routed message's bytes.
+    The correlation stage normalises the times (``entities.iso``)."""
+    return orjson.Fragment(orjson.dumps({
+        "event_id": event.event_id, "event_type": event.event_type, "occurred_at": event.occurred_at,
+        "identity": {k: v for k, v in event.identity.__dict__.items() if v},
+        "payload": orjson.Fragment(event.payload.model_dump_json()),
+    }))

@@ -219,3 +219,59 @@ def test_dra_allocated_gpus_are_attributed_like_device_plugin_ones(kafka_bootstr
     whole = _trace(worker, "--gpu", f"{NODE}/{GPU_P}")
     assert whole["release"]["release_id"] == "r1"
     assert [(h["pod"], h["holds"]) for h in whole["entry"]["gpu_holders"]] == [("dra-whole", "dra_device")]
+
+
+def test_a_dra_holding_the_claim_and_the_kubelet_both_report_is_one_allocation_row(kafka_bootstrap, catalogue, settings_for,
+                                                                                     worker_factory, tmp_path, sock_path):
+    """Issue #13.3: the scheduler collector reports the holding from the ResourceClaim (reserved at
+    scheduling), the pod-resources collector from the kubelet (later, naming the container): the
+    worker stores one gpu_allocations row — the claim's start, the kubelet's container — and the
+    claim's release ends it."""
+    from tests.fixtures.kube_api import RESOURCE_CLAIMS, RESOURCE_SLICES, dra_gpu_device, make_resource_slice
+    from tests.fixtures.kubelet import claim_resource, dynamic_resource
+
+    now = datetime.now(timezone.utc)
+    publisher = EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, "test")
+    publisher.publish_batch(_release("r1", "alpha", now))
+    created = now - timedelta(minutes=10)
+    settings = SchedulerCollectorSettings(state_flush_interval_s=0, host="test-host")
+    with FakeKubeApi() as api:
+        api.create(RESOURCE_SLICES, make_resource_slice(NODE, [dra_gpu_device(0, GPU_P)], created=created))
+        spec_pod = make_pod("ml", "dra-both", node=NODE, created=created, gpus=0, labels={"gpuledger.io/release-id": "r1"})
+        spec_pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": "dra-both-gpu"}]
+        spec_pod["spec"]["containers"][0]["resources"]["claims"] = [{"name": "gpu"}]
+        uid = api.create(PODS, spec_pod)["metadata"]["uid"]
+        api.create(RESOURCE_CLAIMS, {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                                     "metadata": {"name": "dra-both-gpu", "namespace": "ml", "creationTimestamp": created.isoformat()},
+                                     "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}]}},
+                                     "status": {"allocation": {"devices": {"results": [
+                                         {"request": "gpu", "driver": "gpu.nvidia.com", "pool": NODE, "device": "gpu-0"}]},
+                                         "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+                                             {"key": "metadata.name", "operator": "In", "values": [NODE]}]}]}},
+                                         "reservedFor": [{"resource": "pods", "name": "dra-both", "uid": uid}]}})
+        sched = SchedulerCollector(settings, EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, COMPONENT), api.api_client(),
+                                   tmp_path / "sched")
+        try:
+            assert sched.run_once() == 1 + 1 + 3  # the device; the claim's holding; submitted, scheduled, running
+            assert _poll_kubelet(sock_path, settings_for(catalogue), tmp_path, [
+                pod("ml", "dra-both", containers=[container("main", dynamic_resources=[
+                    dynamic_resource("dra-both-gpu", "ml", [claim_resource("gpu.nvidia.com", NODE, "gpu-0")])])])]) == 1
+            worker = worker_factory(catalogue, extra_env={"GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "2"})
+            query = ("SELECT allocation_id, gpu_id, gpu, container, release_id, pod_uid, started_at, ended_at, end_reason "
+                     "FROM gpuledger.gpu_allocations FINAL WHERE pod = 'dra-both'")
+            held = poll(lambda: (rows := worker.reader.query(query).dicts()) and rows[0]["container"] and rows[0]["gpu"] and rows,
+                        "the holding stored with the kubelet's container and the slice's GPU")
+            # The pod finished: the resourceclaim controller drops it from reservedFor.
+            api.patch(RESOURCE_CLAIMS, "ml", "dra-both-gpu", {"status": {"reservedFor": None}})
+            assert sched.run_once() == 1
+        finally:
+            sched.close()
+    ended = poll(lambda: (rows := worker.reader.query(query).dicts()) and all(r["ended_at"] for r in rows) and rows, "the holding ended")
+    # One row, before and after: both sources and the end converge on one allocation.
+    assert len(held) == 1 and len(ended) == 1 and ended[0]["allocation_id"] == held[0]["allocation_id"], (held, ended)
+    row = ended[0]
+    assert (row["gpu_id"], row["gpu"], row["container"], row["release_id"], row["pod_uid"], row["end_reason"]) == \
+           (f"gpu.nvidia.com/{NODE}/gpu-0", GPU_P, "main", "r1", uid, "unreserved")
+    assert row["started_at"] == held[0]["started_at"]
+    everything = worker.reader.query("SELECT count() AS n FROM gpuledger.gpu_allocations FINAL").dicts()
+    assert everything == [{"n": 1}]

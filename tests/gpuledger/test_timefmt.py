@@ -13,6 +13,8 @@ from gpuledger.timefmt import (
     parse_duration,
     parse_time,
     parse_timestamp,
+    quick_utc_isoformat,
+    utc_isoformat,
 )
 
 AT = datetime(2026, 11, 30, 13, 10, tzinfo=timezone.utc)
@@ -61,3 +63,22 @@ def test_canonical_texts():
     assert iso_z(t, 0) == "2026-11-30T13:10:00Z" and iso_z("2026-11-30 14:10:00.123456+01:00") == "2026-11-30T13:10:00.123Z"
     assert iso_z(None) is None and as_utc(datetime(2026, 11, 30, 13, 10)) == AT
     assert clickhouse_time(t) == "2026-11-30 13:10:00.123"
+
+
+def test_the_streams_time_text_is_isoformat_of_the_utc_time_whatever_the_shape():
+    """utc_isoformat's quick path answers only what parsing would have answered."""
+    from pydantic import TypeAdapter
+
+    dump = TypeAdapter(datetime).dump_json
+    times = [datetime(2026, 11, 30, 13, 10, 0, micro, tzinfo=tz) for micro in (0, 1, 123000, 999999)
+             for tz in (timezone.utc, timezone(timedelta(hours=2)))]
+    texts = [dump(t).decode().strip('"') for t in times] + [t.isoformat() for t in times] + [
+        "2026-11-30T13:10:00.000000Z", "2026-11-30T13:10:00.000000+00:00", "2026-11-30T13:10:00.123Z", "2026-11-30T13:10:00.123+00:00",
+        "2026-11-30 13:10:00Z", "2026-11-30T13:10:00.1234567Z", "2026-11-30T13:10:00-00:00"]
+    quick = 0
+    for text in texts:
+        expected = datetime.fromisoformat(text).astimezone(timezone.utc).isoformat()
+        assert utc_isoformat(text) == expected, text
+        quick += quick_utc_isoformat(text) is not None
+    assert quick == 8  # pydantic's JSON and isoformat() of the 4 UTC times; every other shape is parsed
+

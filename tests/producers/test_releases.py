@@ -166,3 +166,73 @@ def test_installed_entry_point(catalogue, kafka_bootstrap, tmp_path):
     assert proc.returncode == 0, proc.stderr
     ((key, event),) = released(kafka_bootstrap, catalogue.release, 1)
     assert event.event_id == proc.stdout.strip() and event.payload.to_environment == "staging"
+
+
+ALICE = "tok-alice-" + "a" * 40
+
+
+@pytest.fixture
+def alice_receiver(catalogue, settings_for, tmp_path):
+    """A real receiver whose credentials file knows alice (groups release-managers, oncall)."""
+    import hashlib
+    import json
+
+    from producers._kafka import EventPublisher
+    from producers.receiver.config import ReceiverSettings
+    from tests.producers.receiver.test_server import RunningReceiver
+
+    callers = tmp_path / "callers.yaml"
+    callers.write_text(json.dumps({"callers": [{"identity": "user:alice", "groups": ["release-managers", "oncall"],
+                                                "token_sha256": hashlib.sha256(ALICE.encode()).hexdigest()}]}))
+    with RunningReceiver(ReceiverSettings(credentials_file=str(callers)), EventPublisher.from_settings(settings_for(catalogue), "receiver")) as rx:
+        yield rx
+
+
+def test_through_the_receiver_with_a_token_file_the_event_is_stored_as_the_token_s_identity(alice_receiver, catalogue, kafka_bootstrap, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text(ALICE + "\n")
+    runner = CliRunner(env={"GPULEDGER_KAFKA_BOOTSTRAP": f"127.0.0.1:{free_port()}",  # never used: the receiver publishes
+                            "GPULEDGER_DATA_DIR": str(tmp_path / "data"), "GPULEDGER_RELEASE_RECEIVER_URL": alice_receiver.url,
+                            "GPULEDGER_RELEASE_TOKEN_FILE": str(token_file)})
+    # No --actor: the token names it. A forged id cannot be chosen either (the receiver computes it).
+    result = runner.invoke(app, ["release", "approve", "--release-id", "fraud-detector:7", "--approval-id", "CHG-9", "--at", AT])
+    assert result.exit_code == 0, result.output
+    assert "(authenticated)" in flat(result.stderr) and "unauthenticated" not in result.stderr
+    ((key, event),) = released(kafka_bootstrap, catalogue.release, 1)
+    assert key == "fraud-detector:7" and event.event_id == result.stdout.strip()
+    p = event.payload
+    assert (p.actor, p.authenticated_by, p.actor_groups, p.approval_id) == ("user:alice", "token", ("release-managers", "oncall"), "CHG-9")
+    # Another actor than the token's: refused by the receiver (403), exit 2, nothing published.
+    other = runner.invoke(app, ["release", "approve", "--release-id", "fraud-detector:7", "--actor", "carol", "--at", AT])
+    assert other.exit_code == 2 and "refused the event (403)" in flat(other.stderr) and "may not publish as 'carol'" in flat(other.stderr)
+    # A wrong token: 401, exit 2, the token not echoed.
+    token_file.write_text("tok-wrong-" + "w" * 40)
+    wrong = runner.invoke(app, ["release", "retire", "--release-id", "fraud-detector:7"])
+    assert wrong.exit_code == 2 and "refused the event (401)" in flat(wrong.stderr) and "tok-wrong" not in wrong.output
+    assert len(read_topic(kafka_bootstrap, catalogue.release, 1, timeout=3, settle=1.0)) == 1
+
+
+def test_straight_to_kafka_a_decision_is_unauthenticated_and_says_so(cli, catalogue, kafka_bootstrap):
+    result = cli("release", "approve", "--release-id", "fraud-detector:7", "--actor", "alice", "--at", AT)
+    assert result.exit_code == 0, result.output
+    assert "published straight to Kafka, so unauthenticated" in flat(result.stderr)
+    ((_, event),) = released(kafka_bootstrap, catalogue.release, 1)
+    assert event.payload.actor == "alice" and event.payload.authenticated_by is None and event.payload.actor_groups == ()
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"GPULEDGER_RELEASE_RECEIVER_URL": "http://127.0.0.1:9"}, "GPULEDGER_RELEASE_RECEIVER_URL needs GPULEDGER_RELEASE_TOKEN_FILE"),
+    ({"GPULEDGER_RELEASE_TOKEN": "x"}, "a token proves nothing to Kafka"),
+    ({"GPULEDGER_RELEASE_RECEIVER_URL": "gpuledger:9095", "GPULEDGER_RELEASE_TOKEN": "x"}, "expected http(s)://host:port"),
+])
+def test_sender_settings_that_cannot_prove_anything_exit_2(tmp_path, env, message):
+    runner = CliRunner(env={"GPULEDGER_KAFKA_BOOTSTRAP": f"127.0.0.1:{free_port()}", "GPULEDGER_DATA_DIR": str(tmp_path), **env})
+    result = runner.invoke(app, ["release", "retire", "--release-id", "r:1"])
+    assert result.exit_code == 2 and message in flat(result.stderr), result.output
+
+
+def test_an_unreachable_receiver_exits_1(tmp_path):
+    runner = CliRunner(env={"GPULEDGER_DATA_DIR": str(tmp_path), "GPULEDGER_RELEASE_RECEIVER_URL": f"http://127.0.0.1:{free_port()}",
+                            "GPULEDGER_RELEASE_TOKEN": ALICE})
+    result = runner.invoke(app, ["release", "retire", "--release-id", "r:1"])
+    assert result.exit_code == 1 and "release retire for r:1 not published" in flat(result.stderr) and ALICE not in result.output

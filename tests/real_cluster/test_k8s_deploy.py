@@ -77,14 +77,16 @@ class Expect:
 _READ = ("get", "list", "watch")
 #: Every ServiceAccount deploy/k8s renders, with its expectations. Add a row with a component.
 RBAC: dict[str, Expect] = {
-    # Watches GPU pods, their Events and Kueue Workloads cluster-wide (docs/collectors.md, RBAC).
+    # Watches GPU pods, their Events, Kueue Workloads and DRA slices and claims cluster-wide (docs/collectors.md, RBAC).
     "gpuledger-scheduler": Expect(
         allowed=tuple(Access(v, r) for r in ("pods", "events", "events.events.k8s.io", "workloads.kueue.x-k8s.io",
-                                             "resourceslices.resource.k8s.io") for v in _READ),
+                                             "resourceslices.resource.k8s.io", "resourceclaims.resource.k8s.io") for v in _READ),
         denied=(Access("create", "pods"), Access("delete", "pods"), Access("patch", "pods/status"), Access("get", "pods/log"),
                 Access("get", "secrets"), Access("list", "configmaps"), Access("list", "nodes"),
                 Access("update", "workloads.kueue.x-k8s.io"), Access("patch", "workloads.kueue.x-k8s.io/status"),
-                Access("list", "clusterqueues.kueue.x-k8s.io"), Access("create", "events"))),
+                Access("list", "clusterqueues.kueue.x-k8s.io"), Access("create", "events"),
+                Access("patch", "resourceclaims.resource.k8s.io/status"), Access("create", "resourceclaims.resource.k8s.io"),
+                Access("list", "resourceclaimtemplates.resource.k8s.io"), Access("create", "resourceslices.resource.k8s.io"))),
     # Talks to its node's kubelet only: no API access at all.
     "gpuledger-podresources": Expect(allowed=(), denied=(Access("get", "pods"), Access("list", "nodes"), Access("get", "secrets", "own"))),
     # Kafka only: no API access; not even the Secrets it mounts (the kubelet reads those).

@@ -18,7 +18,7 @@ from schemas.scheduler import SchedulerPayload
 import streams.correlate.entities
 from producers.podresources.snapshot import parse_device_id
 from streams.correlate.directory import ReleaseDirectory
-from streams.correlate.entities import expire, fold_event, fold_link, new_entity, refresh
+from streams.correlate.entities import GpuMemo, expire, fold_event, fold_link, new_entity, refresh
 from streams.correlate.routing import entity_key, routed_form
 
 streams.correlate.entities.VERIFY_UNCHANGED = True  # the tests catch a content change without a version change
@@ -63,6 +63,17 @@ def dra_device(minutes, node="n1", driver="gpu.nvidia.com", pool="n1", device="g
                                        driver=driver, pool=pool, profile=profile))
 
 
+def claim_event(etype, minutes, ns="ml", pod="p1", pod_uid="uid-p1", node="n1", driver="gpu.nvidia.com", pool="n1", device="gpu-0",
+                claim="p1-gpu-x7k2q", reason=None):
+    """A ``gpu.claim_reserved`` / ``gpu.claim_released`` as the scheduler collector publishes it from a ResourceClaim."""
+    device_id = f"{driver}/{pool}/{device}"
+    return GpuEvent(event_id=make_event_id("t", (claim, etype, pod_uid, device_id), at(minutes).isoformat()), event_type=etype,
+                    occurred_at=at(minutes), observed_at=at(minutes), source=SRC,
+                    identity=Identity(namespace=ns, pod=pod, pod_uid=pod_uid, node=node, gpu_id=device_id),
+                    payload=GpuPayload(node=node, namespace=ns, pod=pod, resource_name=driver, device_id=device_id, driver=driver, pool=pool,
+                                       claim=claim, claim_uid=f"uid-{claim}", request="gpu", reason=reason))
+
+
 def alert(minutes, fp="fp1", labels=None, **ident):
     return AlertEvent(event_id=make_event_id("am", (fp, "firing", at(minutes).isoformat())), event_type="alert.firing",
                       occurred_at=at(minutes), observed_at=at(minutes), source=SRC, identity=Identity(alert_fingerprint=fp, **ident),
@@ -83,6 +94,7 @@ class Driver:
         self.park = park
         self.offset = 0
         self.conflicts = 0
+        self.memos: dict = {}  # as the Correlator keeps them (streams.correlate.entities.GpuMemo)
 
     def _state(self, key):
         return self.entities.setdefault(key, new_entity(key))
@@ -95,7 +107,8 @@ class Driver:
             fold_link(state, msg["from"], msg["link"])
         elif msg["k"] == "expire":
             expire(state, msg["rows"])
-        out = refresh(state, self.directory, park=self.park)
+        memo = self.memos.setdefault(key, GpuMemo()) if key.startswith("gpu:") else None
+        out = refresh(state, self.directory, park=self.park, memo=memo)
         self.conflicts += out.conflicts
         for content in out.correlated:
             row = CorrelatedEvent.model_validate(content)

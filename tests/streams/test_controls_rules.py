@@ -302,6 +302,47 @@ def test_with_proof_required_rights_count_only_for_authenticated_actors_and_gran
     assert of(run([*released(), sched("scheduler.scheduled", 10, release_id="r1")]), 1) == []
 
 
+GROUPS = PROVEN.model_copy(update={"roles": {
+    **PROVEN.roles,
+    "oncall": Role(owner="team-platform", members=("group:oncall",), actions=("isolate_node", "approve")),
+    "ci": Role(owner="team-mlops", members=("group:ci",), actions=("delegate",))}})
+
+
+def test_a_right_granted_to_a_group_counts_only_through_authenticated_groups_and_the_evidence_names_it():
+    def history(payload, rid="r2"):
+        return run([rel("release.registered", 0, rid), sched("scheduler.scheduled", 10, release_id=rid, pod=f"p-{rid}", workload=f"ml/Job/{rid}"),
+                    rel("release.node_isolated", 11, rid, target="n3", **payload), rel("release.approved", 12, rid, approval_id="CHG-2", **payload)],
+                    policy=GROUPS, watermark=20)
+    # Proven with the group: the isolation is within the right, and the approval closes control 1 naming the group.
+    member = history({"actor": "user:zoe", "authenticated_by": "token", "actor_groups": ("oncall",)})
+    assert of(member, 7) == []
+    assert "; approved at 2026-11-01T08:12:00+00:00 by user:zoe (role oncall via group:oncall)" in one(member, 1).detail
+    assert one(member, 1).closed_at == at(12)
+    # The same groups typed on an event nobody proved count for nothing, even where proof is not required.
+    typed = [rel("release.registered", 0, "r3"), rel("release.node_isolated", 11, "r3", target="n3", actor="zoe", actor_groups=("oncall",))]
+    assert "zoe was not authenticated" in one(run(typed, policy=GROUPS), 7).detail
+    lax = GROUPS.model_copy(update={"authentication": POLICY.authentication})
+    assert "zoe holds no role; none grants isolate_node" in one(run(typed, policy=lax), 7).detail
+    # A typed actor named like the group is not the group.
+    assert not lax.allowed("group:oncall", "isolate_node") and not lax.allowed("unauthenticated:group:oncall", "isolate_node")
+    # Proven, without the group: control 7 says which groups were considered.
+    outsider = history({"actor": "user:yves", "authenticated_by": "token", "actor_groups": ("interns",)})
+    assert any("user:yves (groups: interns) holds no role; none grants isolate_node" in v.detail for v in of(outsider, 7))
+    # Ratified by a group member: the open violation closes and says through which group.
+    ratified = one(run([rel("release.registered", 0, "r4"),
+                        rel("release.node_isolated", 1, "r4", target="n3", actor="user:yves", authenticated_by="token"),
+                        rel("release.node_isolated", 5, "r4", target="n3", actor="user:zoe", authenticated_by="token", actor_groups=("oncall",))],
+                       policy=GROUPS), 7)
+    assert ratified.closed_at == at(5) and "ratified at 2026-11-01T08:05:00+00:00 by user:zoe (role oncall via group:oncall)" in ratified.detail
+    # A delegation: the service's authenticated group holds delegate; the person's right is their own (a service vouches for no groups).
+    ci = {"actor": "service:ci-runner", "on_behalf_of": "user:alice", "authenticated_by": "token", "actor_groups": ("ci",)}
+    assert GROUPS.granted("service:ci-runner>user:alice\x1fci", "approve") == "role release-managers, delegated by service:ci-runner (role ci via group:ci)"
+    assert not GROUPS.allowed("service:ci-runner>user:zoe\x1fci\x1foncall", "approve")
+    delegated = history(ci)
+    assert "by service:ci-runner for user:alice (role release-managers, delegated by service:ci-runner (role ci via group:ci))" in one(delegated, 1).detail
+    assert "user:alice holds release-managers; none grants isolate_node" in one(delegated, 7).detail  # alice may approve, not isolate
+
+
 def test_authorized_actions_with_expiry_do_not_open():
     events = [*released(), rel("release.priority_overridden", 10, actor="bob", target="risk/scorer", expires_at=at(70)),
               rel("release.node_isolated", 11, actor="oncall-sre", target="n3"), rel("release.rolled_back", 12, actor="bob", to_environment="prod")]

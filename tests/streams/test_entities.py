@@ -2,7 +2,12 @@
 
 import random
 
-from tests.streams.harness import Driver, alert, dra_device, gpu_event, pod_event, release
+import orjson
+
+from streams.correlate.entities import iso
+from streams.correlate.routing import routed_form
+
+from tests.streams.harness import Driver, alert, at, claim_event, dra_device, gpu_event, pod_event, release
 
 DIGEST_R1 = "sha256:" + "b" * 64
 RELEASES = [release("release.registered", 0), release("release.approved", 1, actor="alice"),
@@ -291,3 +296,77 @@ def test_an_admission_decision_is_correlated_like_any_workload_event():
     assert row.identity.release_id == "r1" and row.identity.workload_id == "ml/Job/train" and row.attribution == "release_label"
     assert row.identity.artifact_digest == "sha256:" + "a" * 64  # enriched from the release like the workload's own events
     assert row.summary == f"admission {event.payload.decision} by rule {event.payload.rule} (webhook, enforce)"
+
+
+def test_a_routed_event_carries_what_the_fold_reads_with_the_payload_as_the_envelope_writes_it():
+    """routing.routed_form: id, type, time, the identity's set fields and the payload JSON
+    exactly as in the event's own JSON (it becomes the row's payload_json)."""
+    from benchmarks.mix import events
+
+    seen = set()
+    for event in events(60):
+        routed = orjson.loads(orjson.dumps(routed_form(event)))
+        full = orjson.loads(event.model_dump_json())
+        assert set(routed) == {"event_id", "event_type", "occurred_at", "identity", "payload"}
+        assert routed["payload"] == full["payload"] and routed["event_id"] == full["event_id"]
+        assert routed["identity"] == {k: v for k, v in full["identity"].items() if v}
+        assert iso(routed["occurred_at"]) == iso(full["occurred_at"])
+        seen.add(event.event_type.split(".")[0])
+    assert seen == {"release", "scheduler", "gpu", "alert"}
+
+
+# --- DRA devices held through a ResourceClaim (#13.3) ---------------------------------------------------
+
+CLAIMED = f"{DRA}/n1/gpu-0"
+CLAIM_ONLY = [*RELEASES, dra_device(0, pool="n1", device="gpu-0", uuid=GPU_P),
+              pod_event("scheduler.scheduled", 5, pod="c1", release_id="r1"),
+              claim_event("gpu.claim_reserved", 5, pod="c1", pod_uid="uid-c1"),
+              alert(20, fp="xid-claimed", node="n1", gpu_id=GPU_P, labels={"UUID": GPU_P}),
+              claim_event("gpu.claim_released", 30, pod="c1", pod_uid="uid-c1", reason="unreserved"),
+              alert(40, fp="xid-after", node="n1", gpu_id=GPU_P, labels={"UUID": GPU_P})]
+
+
+def test_a_claim_alone_says_who_holds_a_dra_gpu_and_when_it_stopped():
+    d = Driver().feed(CLAIM_ONLY).flush_parked()
+    [alloc] = d.allocations.values()
+    assert (alloc.pod, alloc.gpu_id, alloc.gpu, alloc.container, alloc.identity.release_id, alloc.identity.pod_uid) == \
+           ("c1", CLAIMED, GPU_P, None, "r1", "uid-c1")
+    assert (alloc.started_at, alloc.ended_at, alloc.end_reason) == (at(5), at(30), "unreserved")
+    by_fp = {r.identity.alert_fingerprint: r for r in d.rows.values() if r.event_type.startswith("alert.")}
+    assert (by_fp["xid-claimed"].identity.pod, by_fp["xid-claimed"].identity.release_id, by_fp["xid-claimed"].attribution) == \
+           ("c1", "r1", "gpu_assignment")
+    assert by_fp["xid-after"].attribution == "unattributed"  # the claim had let go of the GPU
+
+
+def test_claim_joins_are_the_same_in_any_processing_order():
+    assert_order_independent(CLAIM_ONLY, allocations=1)
+
+
+def both_sources(kubelet_at: float, claim_at: float) -> list:
+    """One DRA holding reported by both collectors: the claim (reserved, released) and the
+    kubelet (two containers sharing the claim), in the order the gpu topic holds them (the
+    same partition: both are keyed by namespace/pod), i.e. by report time."""
+    events = [claim_event("gpu.claim_reserved", claim_at, pod="c2", pod_uid="uid-c2", claim="c2-gpu"),
+              gpu_event("gpu.assigned", kubelet_at, pod="c2", device=CLAIMED, resource=DRA, container="main"),
+              gpu_event("gpu.assigned", kubelet_at + 0.1, pod="c2", device=CLAIMED, resource=DRA, container="sidecar"),
+              gpu_event("gpu.released", 50, pod="c2", device=CLAIMED, resource=DRA, container="main"),
+              gpu_event("gpu.released", 50, pod="c2", device=CLAIMED, resource=DRA, container="sidecar"),
+              claim_event("gpu.claim_released", 52, pod="c2", pod_uid="uid-c2", claim="c2-gpu", reason="claim_deleted")]
+    return [*RELEASES, dra_device(0, pool="n1", device="gpu-0", uuid=GPU_P), pod_event("scheduler.scheduled", 4, pod="c2", release_id="r1"),
+            *sorted(events, key=lambda e: e.occurred_at), alert(20, fp="xid-both", node="n1", gpu_id=GPU_P, labels={"UUID": GPU_P})]
+
+
+def test_a_holding_the_kubelet_and_the_claim_both_report_is_one_allocation():
+    # The usual order (reserved at scheduling, the kubelet later) and a claim first seen late (a collector re-list).
+    for kubelet_at, claim_at in ((6, 5), (6, 8)):
+        events = both_sources(kubelet_at, claim_at)
+        for seed in (None, *range(8)):  # any interleaving across keys; each key's messages in topic order
+            d = Driver(seed=seed).feed(events).flush_parked()
+            # Every allocation ever emitted is a row of gpu_allocations: one, so nothing is left behind.
+            [alloc] = d.allocations.values()
+            assert (alloc.pod, alloc.gpu_id, alloc.gpu, alloc.container) == ("c2", CLAIMED, GPU_P, "main,sidecar")
+            # Starts at the earliest report, ends when the claim let go (the kubelet stopped listing it earlier).
+            assert (alloc.started_at, alloc.ended_at, alloc.end_reason) == (at(min(kubelet_at, claim_at)), at(52), "claim_deleted")
+            [row] = [r for r in d.rows.values() if r.identity.alert_fingerprint == "xid-both"]
+            assert (row.identity.pod, row.identity.release_id) == ("c2", "r1")
+            assert d.conflicts == 0

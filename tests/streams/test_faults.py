@@ -186,6 +186,17 @@ def test_a_state_is_written_once_per_epoch_however_many_batches_touched_it(kafka
         assert max(per_key.values()) <= epoch["commits"], (agent, per_key.most_common(3), epoch)
 
 
+def test_the_worker_and_its_sink_run_with_the_tuned_garbage_collector(reference):
+    """gpuledger.gctune: both processes' health pages show the raised thresholds and the
+    young collections they ran (and the seconds spent in them)."""
+    from gpuledger import gctune
+
+    tuned = [gctune.GEN0, gctune.GEN1, gctune.GEN2]
+    for gc_health in (reference.health["gc"], reference.health["sink"]["gc"]):
+        assert gc_health["thresholds"] == tuned, gc_health
+        assert gc_health["collections"][0] > 0 and gc_health["seconds"] >= 0, gc_health
+
+
 def test_a_replay_rebuilds_every_table_identically(kafka_bootstrap, history, reference, tmp_path):
     cat, n = history
     replay = Run(kafka_bootstrap, cat, tmp_path, f"{cat.prefix}-replay").start()

@@ -598,7 +598,7 @@ def test_deployment_manifest_matches_the_collector():
     rules = sorted((tuple(r["apiGroups"]), tuple(sorted(r["resources"])), tuple(sorted(r["verbs"]))) for r in docs["ClusterRole"]["rules"])
     read = ("get", "list", "watch")
     assert rules == [(("",), ("events", "pods"), read), (("events.k8s.io",), ("events",), read), (("kueue.x-k8s.io",), ("workloads",), read),
-                     (("resource.k8s.io",), ("resourceslices",), read)]
+                     (("resource.k8s.io",), ("resourceclaims", "resourceslices"), read)]
     assert docs["ClusterRoleBinding"]["subjects"][0]["name"] == docs["ServiceAccount"]["metadata"]["name"]
     spec = docs["Deployment"]["spec"]
     assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
@@ -788,3 +788,45 @@ def test_dra_resource_slices_publish_what_each_gpu_device_is(api, make_collector
     whole, part = events["gpu.nvidia.com/gpu-1/gpu-0"], events["gpu.nvidia.com/gpu-1/gpu-1-mig-1g10gb-0"]
     assert (whole.event_type, whole.identity.node, whole.payload.gpu, whole.payload.mig_instance) == ("gpu.device", "gpu-1", gpu, None)
     assert (part.payload.gpu, part.payload.mig_instance, part.payload.profile, part.payload.pool) == (parent, mig, "1g.10gb", "gpu-1")
+
+
+def test_dra_resource_claims_publish_who_holds_which_gpu_once_and_every_end(api, make_collector, kafka_bootstrap, catalogue):
+    """Issue #13.3: a ResourceClaim's allocation x reservedFor says which pod holds which DRA GPU; each
+    reservation is published once (re-lists, restarts), each end once, with why — a deletion while
+    no collector watched included; a malformed claim is skipped and counted, the others published."""
+    import copy
+    import json
+
+    from tests.fixtures.kube_api import RESOURCE_CLAIMS
+
+    real = json.loads((Path(__file__).parents[2] / "data" / "kubernetes" / "resourceclaim_v1_allocated.json").read_text())
+
+    def claim(name: str, pod: str) -> dict:
+        obj = copy.deepcopy(real)
+        obj["metadata"] = {"name": name, "namespace": "ml", "creationTimestamp": real["metadata"]["creationTimestamp"]}
+        obj["status"]["reservedFor"] = [{"resource": "pods", "name": pod, "uid": f"uid-{pod}"}]
+        return obj
+
+    api.create(RESOURCE_CLAIMS, claim("a-gpu", "a"))
+    api.create(RESOURCE_CLAIMS, claim("b-gpu", "b"))
+    broken = claim("c-gpu", "c")
+    del broken["status"]["allocation"]["devices"]["results"][0]["device"]
+    api.create(RESOURCE_CLAIMS, broken)
+    collector = make_collector(api)
+    assert collector.run_once() == 2
+    assert collector.counters.totals["rejected"] == 1
+    assert collector.run_once() == 0  # re-listed: nothing new
+    collector.state.save(force=True)
+    again = make_collector(api, state_dir=collector.state.path.parent)
+    assert again.run_once() == 0  # restarted: nothing new
+    # a's pod finished (the resourceclaim controller drops it from reservedFor); b's claim goes while nobody watches.
+    api.patch(RESOURCE_CLAIMS, "ml", "a-gpu", {"status": {"reservedFor": None}})
+    api.delete(RESOURCE_CLAIMS, "ml", "b-gpu")
+    assert again.run_once() == 2
+    assert again.run_once() == 0
+    events = published(kafka_bootstrap, catalogue.gpu, 4)
+    got = sorted((e.identity.pod, e.event_type, e.payload.reason) for e in events)
+    assert got == [("a", "gpu.claim_released", "unreserved"), ("a", "gpu.claim_reserved", None),
+                   ("b", "gpu.claim_released", "claim_deleted"), ("b", "gpu.claim_reserved", None)]
+    assert {(e.identity.node, e.payload.device_id, e.payload.claim) for e in events if e.identity.pod == "b"} == \
+           {("gpu-node-1", "gpu.nvidia.com/gpu-node-1/gpu-0", "b-gpu")}

@@ -108,6 +108,17 @@ def test_actor_is_the_authenticated_caller_and_delegation_needs_the_right(start,
     assert (via_ci.actor, via_ci.on_behalf_of, via_ci.authenticated_by) == ("service:ci-gitlab", "user:alice", "token")
 
 
+def test_the_delegate_right_can_be_held_through_the_callers_group(start, credentials):
+    # The policy grants delegate to group:ci; service:ci-gitlab is in it by its credentials file entry, mallory is not.
+    by_group = Policy().model_copy(update={"roles": {**Policy().roles, "ci": Role(owner="team-mlops", members=("group:ci",), actions=("delegate",))}})
+    rx = start(policy=by_group, credentials_file=str(credentials))
+    status, answer = rx.post("/v1/releases", release_event(payload={"on_behalf_of": "user:alice", "approval_id": "CHG-3"}), headers=_bearer(TOKENS["ci"]))
+    assert status == 200, answer
+    status, answer = rx.post("/v1/releases", release_event(payload={"on_behalf_of": "user:alice", "actor_groups": ["ci"]}),
+                             headers=_bearer(TOKENS["mallory"]))  # groups in the body are not the caller's
+    assert (status, answer["field"]) == (403, "payload.on_behalf_of"), answer
+
+
 def test_delegation_without_the_policy_right_is_403(start, credentials):
     rx = start(credentials_file=str(credentials))  # the default policy: nobody may delegate
     status, answer = rx.post("/v1/releases", release_event(payload={"on_behalf_of": "user:alice"}), headers=_bearer(TOKENS["ci"]))
@@ -214,32 +225,92 @@ def test_tls_serves_https_and_reloads_a_changed_certificate(start, tmp_path, mon
     assert trusted_by(second[0]) and not trusted_by(first[0])
 
 
-def test_oidc_keys_from_a_jwks_url(start, signing_key, catalogue, kafka_bootstrap):
-    import http.server
-    import threading
+class _Idp:
+    """A JWKS endpoint on 127.0.0.1 that answers after ``delay_s``, counting its fetches."""
+
+    def __init__(self, body: bytes, delay_s: float = 0.0) -> None:
+        import http.server
+        import threading
+
+        idp = self
+
+        class Jwks(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's naming
+                idp.fetches += 1
+                time.sleep(idp.delay_s)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.fetches, self.delay_s = 0, delay_s
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Jwks)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/.well-known/jwks.json"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_slow_jwks_endpoint_holds_only_the_requests_that_need_its_keys(start, signing_key, catalogue, kafka_bootstrap):
+    import concurrent.futures
 
     key, jwks = signing_key
-    body = jwks.read_bytes()
-
-    class Jwks(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's naming
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    idp = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Jwks)
-    threading.Thread(target=idp.serve_forever, daemon=True).start()
+    idp = _Idp(jwks.read_bytes(), delay_s=6.0)
     try:
-        url = f"http://127.0.0.1:{idp.server_address[1]}/.well-known/jwks.json"
+        rx = start(oidc={"issuer": ISSUER, "audience": AUDIENCE, "jwks_url": idp.url})
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            t0 = time.monotonic()
+            pending = pool.submit(rx.post, "/v1/releases", release_event(payload={"approval_id": "CHG-11"}), headers=_bearer(_jwt(key, sub="dana")))
+            time.sleep(0.3)  # let the JWT request reach the receiver (not a condition: it is what the request waits for below)
+            # While the keys are being fetched (6 s), everything else is answered (a blocked loop
+            # would hold each of these until the JWKS answer; the bounds leave room for a loaded machine).
+            for _ in range(3):
+                t = time.monotonic()
+                assert rx.request("GET", "/healthz")[0] == 200
+                assert time.monotonic() - t < 2.0, "/healthz waited for the JWKS endpoint"
+                status, answer = rx.post("/v1/releases", release_event(payload={"approval_id": "CHG-12"}))
+                assert status == 200, answer
+                assert time.monotonic() - t < 3.0, "an unrelated request waited for the JWKS endpoint"
+            assert not pending.done(), "the JWT request did not wait for its keys (the test proves nothing)"
+            status, answer = pending.result(timeout=30)
+            assert status == 200, answer
+            assert time.monotonic() - t0 >= 5.5
+        # The key set is cached by PyJWT: the next token verifies without a fetch.
+        fetched = idp.fetches
+        t = time.monotonic()
+        status, _ = rx.post("/v1/releases", release_event(payload={"approval_id": "CHG-13"}), headers=_bearer(_jwt(key, sub="erin")))
+        assert status == 200 and time.monotonic() - t < 3.0 and idp.fetches == fetched
+        actors = {e.payload.approval_id: (e.payload.actor, e.payload.authenticated_by) for _, e in events_on(kafka_bootstrap, catalogue.release, 5)}
+        assert actors["CHG-11"] == ("user:dana", "oidc") and actors["CHG-13"] == ("user:erin", "oidc") and actors["CHG-12"][1] is None
+    finally:
+        idp.close()
+
+
+def test_an_unreachable_jwks_endpoint_answers_503_retriable(start, signing_key):
+    from gpuledger.dev.process import free_port
+
+    key, _ = signing_key
+    rx = start(oidc={"issuer": ISSUER, "audience": AUDIENCE, "jwks_url": f"http://127.0.0.1:{free_port()}/jwks.json", "jwks_timeout_s": 2})
+    status, answer = rx.post("/v1/releases", release_event(), headers=_bearer(_jwt(key)))
+    assert status == 503 and answer["retriable"] is True and answer["field"] == "Authorization", answer
+    assert "cannot be fetched, retry later" in answer["error"]
+
+
+def test_oidc_keys_from_a_jwks_url(start, signing_key, catalogue, kafka_bootstrap):
+    key, jwks = signing_key
+    idp = _Idp(jwks.read_bytes())
+    try:
+        url = idp.url
         rx = start(oidc={"issuer": ISSUER, "audience": AUDIENCE, "jwks_url": url})
         status, answer = rx.post("/v1/releases", release_event(payload={"approval_id": "CHG-8"}), headers=_bearer(_jwt(key, sub="dana")))
         assert status == 200, answer
         [(_, event)] = events_on(kafka_bootstrap, catalogue.release, 1)
         assert (event.payload.actor, event.payload.authenticated_by) == ("user:dana", "oidc")
     finally:
-        idp.shutdown()
+        idp.close()

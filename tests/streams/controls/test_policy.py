@@ -78,3 +78,18 @@ def test_dump_reads_back_to_the_same_policy():
     fast = Policy().compressed(7)
     assert parse_policy(dump_policy(fast)) == fast
     assert parse_policy(dump_policy(Policy())) == Policy()
+
+
+def test_a_group_member_needs_a_name_and_is_reported_with_its_line(tmp_path):
+    bad = tmp_path / "policy.yaml"
+    bad.write_text("roles:\n  oncall:\n    owner: team-platform\n    members: [bob, 'group:']\n    actions: [isolate_node]\n"
+                   "controls:\n  admission: {accountable: oncall}\n  promotion: {accountable: oncall}\n  artifact_identity: {accountable: oncall}\n"
+                   "  priority_preemption: {accountable: oncall}\n  capacity_reservation: {accountable: oncall}\n"
+                   "  telemetry_correlation: {accountable: oncall}\n  incident_authority: {accountable: oncall}\n  retirement: {accountable: oncall}\n")
+    with pytest.raises(PolicyError) as err:
+        load_policy(bad)
+    assert "policy.yaml:4: roles.oncall.members: a group member needs a name after 'group:'" in str(err.value)
+    good = parse_policy(bad.read_text().replace("'group:'", "'group:oncall'"))
+    assert good.memberships("user:zoe\x1foncall") == ["oncall via group:oncall"] and good.roles_of("bob") == ["oncall"]
+    assert good.granted("user:zoe\x1foncall", "isolate_node") == "role oncall via group:oncall"
+    assert good.granted("bob", "isolate_node") == "role oncall" and good.granted("user:zoe\x1fother", "isolate_node") is None

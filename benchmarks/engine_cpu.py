@@ -1,0 +1,103 @@
+"""CPU per input event of the engine's own logic, for developing it: not the benchmark of record.
+
+    .venv/bin/python benchmarks/engine_cpu.py [events=20000] [batch=1000]
+    REPO=/path/to/other/checkout EVERY=2 ...   # A/B another checkout; commit every EVERY batches
+
+Runs the bench mix (benchmarks/mix.py) through the real batch logic of the three stages —
+``Correlator.route_batch`` → ``Correlator.correlate_batch`` → ``Controller.evaluate_batch``,
+with epoch commits writing the changelogs (``PartitionStore.write_changes``) — in one
+process, with the internal hops (route, controls) handed from stage to stage in memory
+and every other record counted and digested instead of sent. No broker, no Faust, no
+sink: what is left is exactly the CPU the engine's own code costs per event, measured
+as process time, which a shared or loaded machine disturbs much less than the wall-clock
+rates ``make bench`` measures (that one, against the real broker and the Faust
+pass-through, is the benchmark of record). Prints ms/event per stage, records per input
+per topic and an order-free digest of each output topic (two checkouts that must give the
+same outputs must print the same digests). Run it under ``py-spy record`` for a profile.
+"""
+import asyncio, collections, gc, hashlib, os, sys, time
+from pathlib import Path
+
+sys.path.insert(0, os.environ.get("REPO", str(Path(__file__).resolve().parent.parent)))
+from benchmarks.mix import events as mix_events
+from schemas import encode_event
+from gpuledger.settings import Settings
+
+class Out:
+    def __init__(self):
+        self.recs = collections.defaultdict(list); self.produced = collections.Counter(); self.dead_letters = 0
+        self.sums = collections.defaultdict(int)
+    def produce(self, topic, key, value, partition=None, source=None):
+        self.produced[topic] += 1
+        if topic.endswith((".route.v1", ".controls.v1")) and "changelog" not in topic:
+            self.recs[topic].append((partition, key, value))
+        elif "changelog" not in topic:
+            self.sums[topic] ^= int.from_bytes(hashlib.blake2b((key or b"") + b"|" + value, digest_size=8).digest(), "big")
+    async def flush(self): return None
+    def take(self, topic):
+        r = self.recs.pop(topic, []); return r
+
+class Msg:
+    __slots__ = ("topic", "partition", "offset", "value", "key")
+    def __init__(self, t, p, o, k, v): self.topic, self.partition, self.offset, self.key, self.value = t, p, o, k, v
+class Ev:
+    __slots__ = ("message",)
+    def __init__(self, m): self.message = m
+
+EVERY = int(os.environ.get("EVERY", "2"))
+
+async def main(n, batch):
+    from streams.app import WorkerContext
+    s = Settings()
+    ctx = WorkerContext.__new__(WorkerContext)
+    ctx.settings = s; ctx.catalogue = s.kafka.catalogue(); ctx.run = ctx.catalogue.run("harness")
+    ctx.output = Out(); from streams.correlate.directory import ReleaseDirectory
+    ctx.directory = ReleaseDirectory(); ctx.stats = {}; ctx._counters = {}; ctx._fault = None; ctx.epochs = {}; ctx.app = None
+    ctx.consumer_config = {}
+    from streams.correlate.agents import Correlator
+    from streams.controls.agents import Controller
+    corr = Correlator(ctx); ctrl = Controller(ctx)
+    for st in (corr.store, ctrl.store):
+        for p in range(ctx.run.partitions): st.parts[p] = {}; st._written[p] = {}
+    evs = list(mix_events(n))
+    raw = [(e, encode_event(e)) for e in evs]
+    for e, _ in raw:
+        if e.event_type.startswith("release."): ctx.directory.apply(e)
+    ctx.directory.ready.set()
+    run = ctx.run
+    t0 = time.process_time(); w0 = time.perf_counter()
+    stage = collections.Counter()
+    off = 0
+    def wrap(topic, recs):
+        nonlocal off
+        out = []
+        for p, k, v in recs:
+            off += 1; out.append(Ev(Msg(topic, p or 0, off, k, v)))
+        return out
+    for i in range(0, len(raw), batch):
+        chunk = [Ev(Msg("raw", 0, j, None, v)) for j, (_, v) in enumerate(raw[i:i+batch], start=i)]
+        a = time.process_time(); await corr.route_batch(chunk); stage["route"] += time.process_time() - a
+        # drain internal hops until quiet
+        for _ in range(6):
+            r = ctx.output.take(run.route)
+            if r:
+                a = time.process_time(); await corr.correlate_batch(wrap(run.route, r)); stage["correlate"] += time.process_time() - a
+            c = ctx.output.take(run.controls)
+            if c:
+                a = time.process_time(); await ctrl.evaluate_batch(wrap(run.controls, c)); stage["controls"] += time.process_time() - a
+            if not r and not c: break
+        if (i // batch) % EVERY == EVERY - 1:  # an epoch commit every EVERY batches
+            a = time.process_time(); corr.store.write_changes(ctx.output); ctrl.store.write_changes(ctx.output); stage["commit"] += time.process_time() - a
+    a = time.process_time(); corr.store.write_changes(ctx.output); ctrl.store.write_changes(ctx.output); stage["commit"] += time.process_time() - a
+    cpu = time.process_time() - t0
+    prod = ctx.output.produced
+    print(f"events {n} batch {batch}: cpu {cpu:.2f}s = {1e3*cpu/n:.3f} ms/event; wall {time.perf_counter()-w0:.2f}s; gc {gc.get_threshold()}")
+    print("  stages ms/event:", {k: round(1e3*v/n, 3) for k, v in stage.items()})
+    print("  records/input:", round(sum(prod.values())/n, 2), {t.split('.')[-2]: round(v/n, 2) for t, v in sorted(prod.items())})
+    print("  outputs digest (order-free)", {t.split('.')[-2]: f"{v:016x}" for t, v in sorted(ctx.output.sums.items())})
+
+if __name__ == "__main__":
+    from gpuledger import gctune
+
+    gctune.tune()  # as the worker does
+    asyncio.run(main(int(sys.argv[1]) if len(sys.argv) > 1 else 20000, int(sys.argv[2]) if len(sys.argv) > 2 else 1000))
