@@ -11,7 +11,10 @@ podresources`` per simulated node — each a child process (``ServiceProcess``) 
 ``GPULEDGER_*`` settings in its environment and its log under
 ``<data dir>/exercises/<scenario>/logs/``. The simulated cluster
 (``gpuledger.sim.cluster``) is the only source: API server, kubelet sockets and
-webhooks into the receiver.
+webhooks into the receiver. With ``cluster="real"`` (``--cluster real``) the source is the local
+real control plane instead: ``gpuledger.dev.cluster.LocalCluster`` with the scenario's nodes, its
+kubelet doubles, the DCGM-shaped page, Prometheus, Alertmanager and MLflow, played by
+``gpuledger.dev.scenario_driver.RealClusterDriver`` (same interface as ``SimCluster``).
 Output: progress on the console, the pass/fail table of the scenario's expected
 evidence (read back through ``sinks.read.trace`` from the worker's store), the incident
 trace, an HTML report (``sinks.read.report``), and exit code 0 only if no check failed.
@@ -53,6 +56,10 @@ DRAIN_TIMEOUT_S = 120.0
 SETTLE_S = 1.5
 CHECK_RETRY_S = 20.0
 _UNIX_PATH_MAX = 100
+#: Where an exercise runs: the simulator (default) or the local real control plane (gpuledger.dev.scenario_driver).
+CLUSTERS = ("sim", "real")
+#: The receiver's MLflow webhook secret in a --cluster real run.
+MLFLOW_SECRET = "whsec-exercise"
 
 
 class ExerciseError(RuntimeError):
@@ -98,7 +105,10 @@ class ExerciseRunner:
     """Runs one scenario end to end (module docstring); ``run()`` returns an ``ExerciseRun``."""
 
     def __init__(self, settings, scenario: Scenario, console: Console, *, speed: float | None = None, seed: int | None = None,
-                 report_path: Path | None = None, data_dir: Path | None = None) -> None:
+                 report_path: Path | None = None, data_dir: Path | None = None, cluster: str = "sim") -> None:
+        if cluster not in CLUSTERS:
+            raise ExerciseError(f"unknown cluster {cluster!r}: one of {', '.join(CLUSTERS)}")
+        self.real = cluster == "real"
         self.settings = settings
         self.scenario = scenario
         self.console = console
@@ -160,6 +170,7 @@ class ExerciseRunner:
         sc = self.scenario
         run = ExerciseRun(sc, self.seed, self.speed, self.base, report_path=self.report_path)
         self._broker = self._surfaces = self._temp_sockets = None
+        self._real: list = []  # --cluster real: what to stop, in reverse order
         try:
             dry_run(sc, self.seed)  # capacity and placements, before anything starts
             shutil.rmtree(self.base, ignore_errors=True)
@@ -169,11 +180,11 @@ class ExerciseRunner:
             configured = self.settings.clickhouse.dsn
             dsn = configured if configured and not configured.startswith("chdb:") else f"chdb://{self.base / 'clickhouse'}"
             run.dsn = dsn
-            sim, kubeconfig = self._cluster()
+            sim, kubeconfig = self._real_cluster() if self.real else self._cluster()
             run.cluster = sim
             env = self._services_env(bootstrap, catalogue, dsn)
             worker_url = self._start_worker(env, dsn)
-            self._start_receiver(env)
+            self._start_receiver(env, sim)
             self._start_collectors(env, sim, kubeconfig)
             if sc.enforce:
                 sim.admit = self._start_admit(env)
@@ -191,6 +202,7 @@ class ExerciseRunner:
             self.console.print(f"[bold red]exercise failed:[/] {run.error}", highlight=False)
         finally:
             run.services_left = self._stop_all(self._surfaces, self._broker)
+            self._stop_real()
             if self._temp_sockets:
                 shutil.rmtree(self._temp_sockets, ignore_errors=True)
             self._say_where(run)
@@ -240,6 +252,76 @@ class ExerciseRunner:
         self.say("cluster", f"{sim.describe()}; API server {surfaces.api.url}, kubelet sockets in {socket_dir}")
         return sim, kubeconfig
 
+    def _real_cluster(self):
+        """--cluster real: the local control plane with the scenario's nodes, its kubelet doubles, the
+        DCGM-shaped page and MLflow (started beside the cluster); the driver set up on them."""
+        import threading
+
+        from gpuledger.dev.cluster import LocalCluster
+        from gpuledger.dev.kubelets import ClusterKubelets
+        from gpuledger.dev.peers import DcgmExporter, MlflowServer, node_devices
+        from gpuledger.dev.scenario_driver import RealClusterDriver, mlflow_release_template, scenario_nodes
+
+        sc = self.scenario
+        mlflow_release_template(sc)  # a scenario the registry cannot name fails before anything starts
+        nodes = scenario_nodes(sc)
+        mlflow = MlflowServer(self.base / "mlflow", self.settings.cache_dir)
+        failed: list[BaseException] = []
+
+        def start_mlflow() -> None:
+            try:
+                mlflow.start()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, in the runner's thread
+                failed.append(exc)
+
+        self.say("cluster", "starting the local real cluster (etcd, kube-apiserver, controller-manager, scheduler, KWOK, Kueue) "
+                            "and MLflow; a first run builds the binaries (minutes)...")
+        thread = threading.Thread(target=start_mlflow, name="mlflow-start", daemon=True)
+        thread.start()
+        try:
+            cluster = LocalCluster(self.base / "cluster", self.settings.cache_dir, nodes=nodes).start()
+        finally:
+            thread.join()
+            self._real.append(mlflow)
+        self._real.append(cluster)
+        if failed:
+            raise ExerciseError(f"MLflow did not start: {failed[0]}")
+        socket_dir, is_temp = _short_socket_dir(self.base / "kubelet")
+        self._temp_sockets = socket_dir if is_temp else None
+        socket_dir.mkdir(parents=True, exist_ok=True)
+        exporter = DcgmExporter([d for n in nodes for d in node_devices(n)]).start()
+        self._real.append(exporter)
+        # No pod mapping on the page (dcgm-exporter without --kubernetes), as the simulator's XID alerts carry
+        # no pod labels: the alert is attributed by the as-of GPU join, the path the scenarios check.
+        kubelets = ClusterKubelets(cluster, socket_dir).start()
+        self._real.append(kubelets)
+        sim = RealClusterDriver(sc, self.seed, cluster, kubelets, exporter, mlflow, seconds_to_wall=self.to_wall)
+        sim.setup(datetime.now(timezone.utc))
+        self.say("cluster", f"{sim.describe()}; API server {cluster.server} (kubeconfig {cluster.kubeconfig}), MLflow {mlflow.url}, "
+                            f"DCGM page {exporter.url}, kubelet sockets in {socket_dir}")
+        return sim, cluster.kubeconfig
+
+    def _start_real_peers(self, sim, receiver_url: str) -> None:
+        """Prometheus and Alertmanager to the receiver; MLflow's webhook to it (after the registry was seeded)."""
+        from gpuledger.dev.peers import AlertingPeers
+
+        alerting = AlertingPeers(self.base / "alerting", sim.exporter, receiver_url, self._alertmanager_token).start()
+        self._real.append(alerting)
+        sim.receiver_url, sim.alertmanager_url = receiver_url, alerting.alertmanager_url
+        sim.mlflow.create_webhook(receiver_url, MLFLOW_SECRET)
+        self.say("start", f"Prometheus {alerting.prometheus_url} → Alertmanager {alerting.alertmanager_url} → receiver; "
+                          f"MLflow webhook → {receiver_url}/v1/mlflow")
+
+    def _stop_real(self) -> None:
+        if self._real:
+            self.say("stop", "Prometheus, Alertmanager, kubelet doubles, DCGM page, local cluster, MLflow")
+        while self._real:
+            part = self._real.pop()
+            try:
+                part.stop()
+            except Exception as exc:  # noqa: BLE001 - keep stopping the rest
+                self.console.print(f"         [yellow]stopping {type(part).__name__} failed: {exc}[/]", highlight=False)
+
     def _services_env(self, bootstrap: str, catalogue, dsn: str) -> dict[str, str]:
         kconf = self.settings.kafka
         return {
@@ -261,12 +343,24 @@ class ExerciseRunner:
         self.say("start", f"worker ready, health at {worker_url}/gpuledger/health/")
         return worker_url
 
-    def _start_receiver(self, env: dict[str, str]) -> None:
+    def _start_receiver(self, env: dict[str, str], sim) -> None:
+        if self.real:
+            from gpuledger.dev.peers import write_caller
+
+            credentials = self.base / "receiver-callers.yaml"
+            self._alertmanager_token = write_caller(credentials, "service:alertmanager", ("alertmanager",))
+            # Release events of the scenario's people come without a credential (recorded as unauthenticated,
+            # as on the simulator); Alertmanager proves itself; MLflow signs its deliveries.
+            env = {**env, "GPULEDGER_RECEIVER_CREDENTIALS_FILE": str(credentials), "GPULEDGER_RECEIVER_MLFLOW_SECRET": MLFLOW_SECRET,
+                   "GPULEDGER_RECEIVER_MLFLOW__RELEASE_ID_TEMPLATE": sim.mlflow_template}
         receiver = self._start("receiver", ["-v", "receive", "--port", "0"], env)
         url = self._wait("the receiver", lambda: (m := re.search(r"listening on (http://\S+)", receiver.log_path.read_text(errors="replace"))) and m.group(1),
                          60, receiver)
         self._wait("the receiver's Kafka connection", lambda: _get_json(f"{url}/readyz").get("ready"), 60, receiver)
-        self._surfaces.receiver_url = url
+        if self.real:
+            self._start_real_peers(sim, url)
+        else:
+            self._surfaces.receiver_url = url
         self.say("start", f"receiver at {url} (Alertmanager and release webhooks)")
 
     def _start_admit(self, env: dict[str, str]):
@@ -312,15 +406,21 @@ class ExerciseRunner:
                      "GPULEDGER_SCHEDULER_STATE_FLUSH_INTERVAL_S": "0"}
         sched = self._start("scheduler-collector", ["-v", "collect", "scheduler", "--kubeconfig", str(kubeconfig), "--state-dir", str(state),
                                                     *gpu_args], sched_env)
-        self._wait("the scheduler collector's watches", lambda: surfaces.api.open_watches() >= 3, 60, sched)
+        if self.real:
+            # The real API server does not count watches: the collector logs each one it opens (Kueue's last).
+            self._wait("the scheduler collector's watches", lambda: "kueue: watching" in sched.log_path.read_text(errors="replace"), 120, sched)
+            kubelets = sim.kubelets.kubelets
+        else:
+            self._wait("the scheduler collector's watches", lambda: surfaces.api.open_watches() >= 3, 60, sched)
+            kubelets = surfaces.kubelets
         self.say("start", "scheduler collector watching pods, events and Kueue workloads")
         res_args = [a for r in sim.gpu_resources for a in ("--resource", r)]
-        for node, kubelet in surfaces.kubelets.items():
-            self._start(f"podresources-{node}", ["-v", "collect", "podresources", "--socket", kubelet.socket_path, "--node", node,
+        for node, kubelet in kubelets.items():
+            self._start(f"podresources-{node}", ["-v", "collect", "podresources", "--socket", str(kubelet.socket_path), "--node", node,
                                                  "--interval", str(POLL_INTERVAL_S), "--state-dir", str(state), *res_args], env)
-        for node, kubelet in surfaces.kubelets.items():
+        for node, kubelet in kubelets.items():
             self._wait(f"the pod-resources collector of {node}", lambda k=kubelet: k.call_count("List") >= 1, 60)
-        self.say("start", f"pod-resources collectors polling {', '.join(surfaces.kubelets)} every {POLL_INTERVAL_S:g}s")
+        self.say("start", f"pod-resources collectors polling {', '.join(kubelets)} every {POLL_INTERVAL_S:g}s")
 
     def _reader(self, dsn: str):
         from sinks.read.query import DirectReader, RemoteReader, owner_file
@@ -342,7 +442,8 @@ class ExerciseRunner:
         for i, step in enumerate(sc.timeline):
             wanted = self.to_wall(step.at)
             if prev_at is not None and step.at > prev_at:
-                wanted = max(wanted, offset + MIN_STEP_GAP_S)
+                gap = max(self.to_wall(step.at - prev_at), MIN_STEP_GAP_S) if self.real else MIN_STEP_GAP_S
+                wanted = max(wanted, offset + gap)
             offset = max(offset, wanted)
             prev_at = step.at
             while (left := start_mono + offset - time.monotonic()) > 0:
@@ -350,6 +451,11 @@ class ExerciseRunner:
                 time.sleep(min(left, 0.25))
             self._check_alive()
             record = sim.apply(step, i, start_wall + timedelta(seconds=offset))
+            if self.real:
+                # A real step takes effect when the real systems have carried it out (seconds, MLflow's
+                # deliveries up to ~10 s on a loaded machine): the scenario's gap to the next step counts
+                # from then, so that a grace period the timeline leaves still passes before it.
+                offset = max(offset, time.monotonic() - start_mono)
             minutes, seconds = divmod(int(step.at), 60)
             note = f"  [dim]— {step.note}[/]" if step.note else ""
             self.console.print(f"  [cyan]{minutes:>3}m{seconds:02d}s[/] {record.summary}{note}", highlight=False)
@@ -505,7 +611,7 @@ def _merge(base: dict, override: dict) -> dict:
 
 
 def run_exercise(settings, scenario: str | Path | Scenario, console: Console, *, speed: float | None = None, seed: int | None = None,
-                 report_path: Path | None = None, data_dir: Path | None = None) -> ExerciseRun:
+                 report_path: Path | None = None, data_dir: Path | None = None, cluster: str = "sim") -> ExerciseRun:
     """Load (unless given) and run one scenario; see ``ExerciseRunner``. Raises ScenarioError for a bad file."""
     sc = scenario if isinstance(scenario, Scenario) else load_scenario(scenario)
-    return ExerciseRunner(settings, sc, console, speed=speed, seed=seed, report_path=report_path, data_dir=data_dir).run()
+    return ExerciseRunner(settings, sc, console, speed=speed, seed=seed, report_path=report_path, data_dir=data_dir, cluster=cluster).run()

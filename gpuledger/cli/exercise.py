@@ -17,6 +17,8 @@ def exercise(
     report: Optional[Path] = typer.Option(None, "--report", help="Where to write the HTML report (default <data dir>/exercises/<scenario>/<scenario>.html)."),
     list_: bool = typer.Option(False, "--list", help="List the shipped scenarios and exit."),
     check: bool = typer.Option(False, "--check", help="Only validate the scenario file (and its capacity), then exit."),
+    cluster: str = typer.Option("sim", "--cluster", help="sim: the simulated cluster (default); real: the local real control plane "
+                                                         "with Kueue, KWOK, Prometheus, Alertmanager and MLflow (docs/exercises.md, 'On the real cluster')."),
 ) -> None:
     """Run a scripted exercise against a simulated GPU cluster through the real collectors, pipeline and store."""
     from gpuledger.exercise import run_exercise
@@ -32,6 +34,10 @@ def exercise(
         fail("give a scenario: " + ", ".join(shipped_scenarios()) + " (or a path to a YAML file)", 2)
     if speed is not None and speed <= 0:
         fail("--speed must be greater than 0", 2)
+    from gpuledger.exercise import CLUSTERS
+
+    if cluster not in CLUSTERS:
+        fail(f"--cluster must be one of {', '.join(CLUSTERS)}, not {cluster!r}", 2)
     with failing_on(ScenarioError, SimulationError, code=2):
         sc = load_scenario(scenario)
         if check:
@@ -41,7 +47,7 @@ def exercise(
         return
     # The exercise starts its own broker unless GPULEDGER_KAFKA_BOOTSTRAP names one: no `kafka up` lookup.
     settings = load_settings(local_broker=False)
-    result = run_exercise(settings, sc, console, speed=speed, seed=seed, report_path=report)
+    result = run_exercise(settings, sc, console, speed=speed, seed=seed, report_path=report, cluster=cluster)
     raise typer.Exit(result.exit_code)
 
 

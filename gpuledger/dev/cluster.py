@@ -67,6 +67,43 @@ _KWOK_STAGES = ("node/fast/node-initialize.yaml", "node/heartbeat/node-heartbeat
                                                     "pod-ready", "pod-complete", "pod-delete")))
 
 
+#: What a kubelet does with a pod being deleted gracefully that still carries finalizers (a Job's pod has
+#: ``batch.kubernetes.io/job-tracking`` until the Job controller sees it finished): it stops the
+#: containers and reports the pod Failed (restartPolicy Never), after which the controller drops its
+#: finalizer and KWOK's ``pod-delete`` stage removes it. KWOK's stages have no such step, so an evicted
+#: Job pod (Eviction API, kubectl drain) stayed Terminating for ever; Kueue's preemption and a Job's
+#: deletion do not need it (the Job controller drops the finalizer of pods it deletes itself).
+_POD_TERMINATE_STAGE = {
+    "apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "Stage", "metadata": {"name": "pod-terminate"},
+    "spec": {
+        "resourceRef": {"apiGroup": "v1", "kind": "Pod"},
+        "selector": {"matchExpressions": [
+            {"key": ".metadata.deletionTimestamp", "operator": "Exists"},
+            {"key": ".metadata.finalizers", "operator": "Exists"},
+            {"key": ".status.phase", "operator": "In", "values": ["Pending", "Running"]}]},
+        "weight": 1,
+        "delay": {"durationMilliseconds": 200, "jitterDurationMilliseconds": 1000},
+        "next": {"delete": False, "statusTemplate": (
+            "{{ $now := Now }}\n"
+            "containerStatuses:\n"
+            "{{ range $index, $item := .spec.containers }}\n"
+            "- image: {{ $item.image | Quote }}\n"
+            "  name: {{ $item.name | Quote }}\n"
+            "  ready: false\n"
+            "  restartCount: 0\n"
+            "  started: false\n"
+            "  state:\n"
+            "    terminated:\n"
+            "      exitCode: 143\n"
+            "      finishedAt: {{ $now | Quote }}\n"
+            "      reason: Error\n"
+            "      startedAt: {{ $now | Quote }}\n"
+            "{{ end }}\n"
+            "phase: Failed\n")},
+    },
+}
+
+
 class ClusterError(RuntimeError):
     """The local cluster could not be built, started or found."""
 
@@ -261,6 +298,7 @@ class LocalCluster:
                 # The general stages wait 1-6 s per pod transition; 0.2-1 s keeps tests quick.
                 # A pod's <stage>.stage.kwok.x-k8s.io/delay annotations still override it.
                 delay.update(durationMilliseconds=200, jitterDurationMilliseconds=1000)
+        docs.append(_POD_TERMINATE_STAGE)
         config.write_text(yaml.safe_dump_all(docs))
         self._service("kwok", [str(kwok)], [
             f"--kubeconfig={self.kubeconfig}", f"--config={config}", "--manage-all-nodes=false",
@@ -486,6 +524,14 @@ class LocalCluster:
                 "pids": {name: p.proc.pid for name, p in self.procs.items()}, "ports": self.ports,
                 "versions": {"kubernetes": kubebin.KUBE_VERSION, "kwok": kubebin.KWOK[1], "kueue": kubebin.KUEUE[1]}}
 
+    @classmethod
+    def attach(cls, state: dict[str, Any], nodes: tuple[GpuNode, ...] = DEFAULT_NODES) -> LocalCluster:
+        """The running cluster ``state`` describes (``up``'s cluster.json), for API calls; starts nothing."""
+        cluster = cls(Path(state["data_dir"]), Path(state["data_dir"]), nodes=nodes)
+        cluster.ports = dict(state["ports"])
+        cluster.token = (cluster.data_dir / "tokens.csv").read_text().split(",", 1)[0]
+        return cluster
+
     def __enter__(self) -> LocalCluster:
         return self.start()
 
@@ -516,7 +562,10 @@ def running_cluster(data_dir: Path) -> dict | None:
     return state
 
 
-def up(data_dir: Path, cache_dir: Path | None = None) -> dict:
+def up(data_dir: Path, cache_dir: Path | None = None, peers: bool = True, receiver_url: str = "http://127.0.0.1:9095",
+       credentials_file: Path | None = None, mlflow_secret: str | None = None) -> dict:
+    """Start the cluster in the background (and, with ``peers``, ``gpuledger.dev.peers.start_peers``
+    wired to ``receiver_url``); its state, also written to ``cluster.json``. A running one is returned as is."""
     existing = running_cluster(data_dir)
     if existing:
         return existing
@@ -525,6 +574,15 @@ def up(data_dir: Path, cache_dir: Path | None = None) -> dict:
     shutil.rmtree(root, ignore_errors=True)
     cluster = LocalCluster(root, cache_dir).start()
     state = cluster.state()
+    if peers:
+        from gpuledger.dev.peers import start_peers
+
+        try:
+            state["peers"], pids = start_peers(state, root / "peers", cluster.cache_dir, receiver_url, credentials_file, mlflow_secret)
+        except BaseException:
+            cluster.stop()
+            raise
+        state["pids"].update(pids)
     state_file(data_dir).write_text(json.dumps(state, indent=2))
     return state
 

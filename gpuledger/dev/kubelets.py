@@ -53,17 +53,30 @@ class ClusterKubelets:
         self.kubelets = {name: FakeKubelet(path) for name, path in self.sockets.items()}
         #: (pod uid, container) -> device ids, for as long as the pod is active on its node
         self.assigned: dict[tuple[str, str], list[str]] = {}
+        #: device ids the device plugin no longer reports healthy (left out of GetAllocatableResources)
+        self.unhealthy: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> ClusterKubelets:
         for name, kubelet in self.kubelets.items():
             kubelet.start()
-            kubelet.set_allocatable([devices(_resource(d), [d.device_id], numa=_numa(d)) for d in self.devices[name]])
+            self._publish_allocatable(name)
         self.sync()
         self._thread = threading.Thread(target=self._run, name="cluster-kubelets", daemon=True)
         self._thread.start()
         return self
+
+    def _publish_allocatable(self, node: str) -> None:
+        self.kubelets[node].set_allocatable([devices(_resource(d), [d.device_id], numa=_numa(d)) for d in self.devices[node]
+                                             if d.device_id not in self.unhealthy])
+
+    def mark_unhealthy(self, device_id: str) -> None:
+        """The device plugin reports the device unhealthy (a GPU that fell off the bus): it leaves the
+        node's allocatable set; a pod holding it keeps it, as on a real node."""
+        node = next(n for n, devs in self.devices.items() if any(d.device_id == device_id for d in devs))
+        self.unhealthy.add(device_id)
+        self._publish_allocatable(node)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

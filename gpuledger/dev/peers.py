@@ -289,10 +289,11 @@ class AlertingPeers(_Peers):
     """Prometheus scraping ``exporter`` and evaluating the XID rule, Alertmanager routing to ``receiver_url``.
 
     ``receiver_url`` is the receiver's base URL (``http://127.0.0.1:P``); ``token`` a caller of
-    its credentials file allowed to call ``alertmanager`` (``write_caller``).
+    its credentials file allowed to call ``alertmanager`` (``write_caller``), or None for a receiver
+    without credentials (Alertmanager then sends no Authorization header).
     """
 
-    def __init__(self, data_dir: Path, exporter: DcgmExporter, receiver_url: str, token: str,
+    def __init__(self, data_dir: Path, exporter: DcgmExporter, receiver_url: str, token: str | None,
                  evaluation_interval: str = "1s") -> None:
         super().__init__(data_dir)
         self.exporter = exporter
@@ -326,15 +327,16 @@ class AlertingPeers(_Peers):
         return self
 
     def _start_alertmanager(self, binary: str) -> None:
-        token_file = self.data_dir / "alertmanager-token"
-        token_file.write_text(self.token)
-        os.chmod(token_file, 0o600)
+        webhook = {"url": f"{self.receiver_url}/v1/alertmanager", "send_resolved": True, "max_alerts": 0}
+        if self.token is not None:
+            token_file = self.data_dir / "alertmanager-token"
+            token_file.write_text(self.token)
+            os.chmod(token_file, 0o600)
+            webhook["http_config"] = {"authorization": {"type": "Bearer", "credentials_file": str(token_file)}}
         config = {
             "route": {"receiver": "gpuledger", "group_by": ["alertname", "Hostname", "UUID", "GPU_I_ID"],
                       "group_wait": "1s", "group_interval": "1s", "repeat_interval": "4h"},
-            "receivers": [{"name": "gpuledger", "webhook_configs": [{
-                "url": f"{self.receiver_url}/v1/alertmanager", "send_resolved": True, "max_alerts": 0,
-                "http_config": {"authorization": {"type": "Bearer", "credentials_file": str(token_file)}}}]}],
+            "receivers": [{"name": "gpuledger", "webhook_configs": [webhook]}],
         }
         path = self.data_dir / "alertmanager.yml"
         path.write_text(json.dumps(config, indent=2))
@@ -468,3 +470,54 @@ class MlflowServer(_Peers):
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# --- the peers of `gpuledger dev cluster up` ------------------------------------------------------
+
+def start_peers(cluster_state: dict, data_dir: Path, cache_dir: Path, receiver_url: str, credentials_file: Path | None = None,
+                mlflow_secret: str | None = None) -> tuple[dict, dict[str, int]]:
+    """Start, in the background, what ``dev cluster up`` runs beside the cluster: the DCGM page and the
+    kubelet doubles (``gpuledger.dev.peerhost``), Prometheus + Alertmanager to ``receiver_url`` and
+    MLflow with a webhook to it. ``credentials_file``: the receiver's callers file, to which an
+    ``service:alertmanager`` caller is added (else Alertmanager sends no token). Returns (how to
+    reach each, pid per process); on failure stops what it started.
+    """
+    import tempfile
+
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    state_path = data_dir / "cluster-state.json"
+    state_path.write_text(json.dumps(cluster_state))
+    sockets = data_dir / "kubelet"
+    if len(str(sockets / "a-node-name-with-room.sock")) > 100:  # sockaddr_un
+        sockets = Path(tempfile.mkdtemp(prefix="gpl-kubelet-"))
+    metrics_port, control_port = free_port(), free_port()
+    started: list = []
+    try:
+        host = ServiceProcess(["--state", str(state_path), "--metrics-port", str(metrics_port), "--control-port", str(control_port),
+                               "--socket-dir", str(sockets)], {}, data_dir / "logs" / "peerhost.log",
+                              program=[sys.executable, "-m", "gpuledger.dev.peerhost"]).start()
+        started.append(host)
+        page = DcgmExporter([], port=metrics_port)  # the page peerhost serves (only its address is used here)
+        deadline = time.monotonic() + 60
+        while not (_http_ok(page.url) and _http_ok(f"http://127.0.0.1:{control_port}/v1/devices")):
+            if not host.alive() or time.monotonic() > deadline:
+                raise PeerError(f"the DCGM page and kubelet doubles did not start:\n{host.log_tail()}")
+            time.sleep(0.3)
+        token = write_caller(credentials_file, "service:alertmanager", ("alertmanager",)) if credentials_file else None
+        alerting = AlertingPeers(data_dir / "alerting", page, receiver_url, token).start()
+        started.append(alerting)
+        mlflow = MlflowServer(data_dir / "mlflow", cache_dir).start()
+        started.append(mlflow)
+        secret = mlflow_secret or secrets.token_hex(16)
+        mlflow.create_webhook(receiver_url, secret)
+    except BaseException:
+        for part in reversed(started):
+            part.stop()
+        raise
+    info = {"receiver_url": receiver_url, "dcgm_page": page.url, "xid_control": f"http://127.0.0.1:{control_port}/v1/xid",
+            "kubelet_sockets": str(sockets), "prometheus": alerting.prometheus_url, "alertmanager": alerting.alertmanager_url,
+            "alertmanager_token": f"a caller of {credentials_file}" if credentials_file else None,
+            "mlflow": mlflow.url, "mlflow_webhook_secret": secret}
+    pids = {"peerhost": host.proc.pid, **{name: p.proc.pid for name, p in alerting.procs.items()}, "mlflow": mlflow.procs["mlflow"].proc.pid}
+    return info, pids

@@ -240,25 +240,31 @@ class Surfaces:
         """POST JSON to the receiver; retried while it answers 503 (Kafka not acknowledging)."""
         if not self.receiver_url:
             raise SimulationError("the receiver is not running (no URL to send webhooks to)")
-        data = json.dumps(body).encode()
-        deadline = time.monotonic() + self.request_timeout_s
-        delay = 0.2
-        while True:
-            req = urllib.request.Request(self.receiver_url.rstrip("/") + path, data=data, method="POST",
-                                         headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(req, timeout=self.request_timeout_s) as resp:
-                    self.posts += 1
-                    return json.loads(resp.read() or b"{}")
-            except urllib.error.HTTPError as exc:
-                detail = exc.read().decode("utf-8", "replace")[:500]
-                if exc.code != 503 or time.monotonic() > deadline:
-                    raise SimulationError(f"receiver answered {exc.code} to POST {path}: {detail}") from exc
-            except OSError as exc:
-                if time.monotonic() > deadline:
-                    raise SimulationError(f"receiver at {self.receiver_url} unreachable: {exc}") from exc
-            time.sleep(delay)
-            delay = min(delay * 2, 2.0)
+        answer = post_json(self.receiver_url, path, body, self.request_timeout_s)
+        self.posts += 1
+        return answer
+
+
+def post_json(base_url: str, path: str, body: Any, timeout_s: float = 30.0, headers: dict[str, str] | None = None) -> dict:
+    """POST JSON to ``base_url + path``; retried while it answers 503 (the receiver: Kafka not acknowledging)."""
+    data = json.dumps(body).encode()
+    deadline = time.monotonic() + timeout_s
+    delay = 0.2
+    while True:
+        req = urllib.request.Request(base_url.rstrip("/") + path, data=data, method="POST",
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                return json.loads(resp.read() or b"{}")
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode("utf-8", "replace")[:500]
+            if exc.code != 503 or time.monotonic() > deadline:
+                raise SimulationError(f"{base_url} answered {exc.code} to POST {path}: {detail}") from exc
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise SimulationError(f"{base_url} unreachable: {exc}") from exc
+        time.sleep(delay)
+        delay = min(delay * 2, 2.0)
 
 
 # --- helpers ----------------------------------------------------------------------------------------
@@ -464,6 +470,13 @@ class SimCluster:
     # release lifecycle ------------------------------------------------------------------------------
 
     def _release_event(self, kind: str, action: ReleaseAction, at: datetime, target: str | None = None) -> str:
+        event, summary = self.release_event(kind, action, at, target)
+        if self.surfaces:
+            self.surfaces.post("/v1/releases", event.model_dump(mode="json"))
+        return summary
+
+    def release_event(self, kind: str, action: ReleaseAction, at: datetime, target: str | None = None):
+        """The release step as the event ``gpuledger release …`` would build, and its one-line summary."""
         from producers.releases import COMMANDS, build_event
 
         command = next(c for c in COMMANDS if c.name == RELEASE_COMMANDS[kind])
@@ -483,12 +496,10 @@ class SimCluster:
         elif isinstance(action, UnreserveAction):
             options.update(reservation_id=action.reservation_id)
         event = build_event(command, options, observed_at=at, host=REGISTRY_HOST)
-        if self.surfaces:
-            self.surfaces.post("/v1/releases", event.model_dump(mode="json"))
         who = f" by {options['actor']}" if options["actor"] else ""
         extra = {"promote": f" to {env}", "rollback": f" out of {env}", "reserve": f" ({getattr(action, 'gpus', '')} GPUs)",
                  "isolate_node": f" ({target})"}.get(kind, "")
-        return f"{event.event_type} {m['release_id']}{extra}{who}"
+        return event, f"{event.event_type} {m['release_id']}{extra}{who}"
 
     def _do_isolate_node(self, a: IsolateNodeAction, at: datetime) -> str:
         summary = self._release_event("isolate_node", a, at, target=a.node)
