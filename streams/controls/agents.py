@@ -122,6 +122,7 @@ class Controller:
         self.ctx = ctx
         self.directory = ctx.directory
         self.policy = PolicySettings().load()  # a bad policy stops the worker before it consumes anything
+        self.policy_version = self.policy.fingerprint  # hashed once: the policy does not change in a running worker
         self.runtime = ControlRuntime()
         self.store = PartitionStore("controls", ctx.run.controls_changelog, ctx.consumer_config, on_load=self._loaded)
         self.packer = Packer(ctx.run.controls, ctx.run.partitions, max_messages=ctx.settings.streams.pack_max)
@@ -159,7 +160,7 @@ class Controller:
                 changed = True
             if changed or key in touched:
                 touched[key] = (p, state)
-        ctx = Context(self.directory, self.policy, self.runtime.watermark)
+        ctx = Context(self.directory, self.policy, self.runtime.watermark, policy_version=self.policy_version)
         n_out = 0
         self.ctx.fault("controls", "before_outputs")
         for key, (p, state) in touched.items():

@@ -242,10 +242,11 @@ class Context:
     watermark: datetime | None
     _releases: dict = field(default_factory=dict)
     accessed: set = field(default_factory=set)  # releases read by the current evaluation
-    policy_version: str = ""  # the policy's fingerprint, computed once per context
+    policy_version: str = ""  # the policy's fingerprint: given by a caller that keeps it, else computed here
 
     def __post_init__(self) -> None:
-        self.policy_version = self.policy.fingerprint
+        if not self.policy_version:
+            self.policy_version = self.policy.fingerprint
 
     def release(self, rid: str | None) -> Release:
         self.accessed.add(rid)
