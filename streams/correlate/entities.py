@@ -363,31 +363,42 @@ def intervals(state: dict) -> list[dict]:
 
 
 def _spans(state: dict) -> list[dict]:
+    """Device-plugin / kubelet intervals from a pod's ``gpu.assigned``/``gpu.released`` rows."""
+    def opened(akey: str, rec: dict) -> dict:
+        node, device, container, resource = akey.split("|", 3)
+        _akey, _op, gpu, mig = rec["gpu"]
+        return {"node": node, "device": device, "container": container or None, "resource": resource, "gpu": gpu, "mig": mig}
+
+    return _held(state, "gpu", opened, lambda _rec: "released")
+
+
+def _held(state: dict, field: str, opened, end_reason) -> list[dict]:
+    """Intervals from the rows carrying ``field`` (``[allocation key, "a" | "r", …]``),
+    per allocation key in event order (sort key): an "a" opens one (``opened(key, row)``
+    gives its identity), an "r" closes it (``end_reason(row)``), the pod's last deletion
+    closes one still open. Each carries the number of its key's rows and the pod's
+    deletions it was derived from (``v``)."""
     per: dict[str, list] = defaultdict(list)
     deletions = sorted(r["at"] for r in state["rows"].values() if r["type"] == "scheduler.deleted")
-    deleted = deletions[-1] if deletions else None
     for rec in state["rows"].values():
-        if rec["gpu"]:
-            per[rec["gpu"][0]].append((rec["key"], rec))
+        if rec.get(field):
+            per[rec[field][0]].append(rec)
     out = []
-    for akey, events in sorted(per.items()):
-        events.sort(key=lambda e: e[0])
-        node, device, container, resource = akey.split("|", 3)
-        base = len(events) + len(deletions)
+    for akey, rows in sorted(per.items()):
+        rows.sort(key=lambda r: r["key"])
         current = None
-        for _key, rec in events:
-            _akey, op, gpu, mig = rec["gpu"]
+        for rec in rows:
+            op = rec[field][1]
             if op == "a" and current is None:
-                current = {"node": node, "device": device, "container": container or None, "resource": resource, "gpu": gpu,
-                           "mig": mig, "start": rec["at"], "start_event": rec["id"], "end": None, "end_event": None, "end_reason": None,
-                           "v": base}
+                current = {**opened(akey, rec), "start": rec["at"], "start_event": rec["id"], "end": None, "end_event": None,
+                           "end_reason": None, "v": len(rows) + len(deletions)}
             elif op == "r" and current is not None:
-                current.update(end=rec["at"], end_event=rec["id"], end_reason="released")
+                current.update(end=rec["at"], end_event=rec["id"], end_reason=end_reason(rec))
                 out.append(current)
                 current = None
         if current is not None:
-            if deleted and deleted >= current["start"]:
-                current.update(end=deleted, end_reason="pod_deleted")
+            if deletions and deletions[-1] >= current["start"]:
+                current.update(end=deletions[-1], end_reason="pod_deleted")
             out.append(current)
     return out
 
@@ -400,31 +411,11 @@ def claim_spans(state: dict) -> list[dict]:
     """Holding intervals from a pod's ``gpu.claim_*`` rows: from the reservation to its
     release (``unreserved`` / ``deallocated`` / ``claim_deleted``), else the pod's deletion;
     shaped like ``_spans``' (no container: a claim is the pod's), marked ``claim``."""
-    per: dict[str, list] = defaultdict(list)
-    deletions = sorted(r["at"] for r in state["rows"].values() if r["type"] == "scheduler.deleted")
-    for rec in state["rows"].values():
-        if rec.get("claim"):
-            per[rec["claim"][0]].append(rec)
-    out = []
-    for dkey, rows in sorted(per.items()):
-        rows.sort(key=lambda r: r["key"])
+    def opened(dkey: str, _rec: dict) -> dict:
         node, device, resource = dkey.split("|", 2)
-        current = None
-        for rec in rows:
-            _dkey, op, reason = rec["claim"]
-            if op == "a" and current is None:
-                current = {"node": node, "device": device, "container": None, "resource": resource, "gpu": None, "mig": None,
-                           "start": rec["at"], "start_event": rec["id"], "end": None, "end_event": None, "end_reason": None,
-                           "v": len(rows) + len(deletions), "claim": True}
-            elif op == "r" and current is not None:
-                current.update(end=rec["at"], end_event=rec["id"], end_reason=reason or "released")
-                out.append(current)
-                current = None
-        if current is not None:
-            if deletions and deletions[-1] >= current["start"]:
-                current.update(end=deletions[-1], end_reason="pod_deleted")
-            out.append(current)
-    return out
+        return {"node": node, "device": device, "container": None, "resource": resource, "gpu": None, "mig": None, "claim": True}
+
+    return _held(state, "claim", opened, lambda rec: rec["claim"][2] or "released")
 
 
 def merge_dra(state: dict, spans: list[dict]) -> list[dict]:
