@@ -15,7 +15,8 @@ Topology:
   - ``evaluate_controls`` folds those messages into the changelog-backed ``controls``
     table (keyed by the internal topic's key), re-derives the violations of every
     touched key once per batch, emits what changed, and forwards what other keys need
-    (a pod's rows to its workload, running intervals and allocations to their release,
+    (a pod's rows to its workload, running intervals and allocations to their release
+    once its lifecycle makes a control read them — ``rules.holdings_read`` — and
     preemptions to the preemptor) on the same internal topic.
   - ``control_housekeeping`` (timer) re-evaluates keys whose releases changed in the
     directory and keys whose deadline (grace period, window end) the event-time

@@ -16,6 +16,15 @@ rows it holds (so a newer version always lands where the older one is):
 | ``alert:<fingerprint>`` | the alert's rows | 6 |
 | ``gpu:<node>/<gpu_id>`` | allocation intervals | forwards them to their release |
 
+Allocations and running intervals are forwarded to a release only once its lifecycle
+(the directory) makes a control read them (``holdings_read``): a reservation for 5, a
+retirement or revocation for 8. Most releases have neither, and carrying every GPU
+interval of a busy release in its state made that one state the largest record the
+worker wrote, on every commit. Both senders are interested in the release
+(``rid:<release_id>``), so the directory change that makes the holdings matter
+re-evaluates them and they forward then; the directory only grows, so a forward is never
+taken back for this reason.
+
 (A pod without a workload id is its own workload; any key that receives preemptions
 from a victim evaluates 4 for the preemptor side.)
 
@@ -213,6 +222,21 @@ class Release:
         self.manifest = directory.manifest(rid) if state else {}
         self.known = bool(self.history)
         self.first_seen = self.history[0][0] if self.history else None
+        self.event_types: frozenset | None = None  # computed by holdings_read when first asked
+
+
+HOLDINGS_READ_BY = {"allocs": (("release.reservation_created", 5), ("release.retired", 8), ("release.revoked", 8)),
+                    "running": (("release.retired", 8), ("release.revoked", 8))}
+
+
+def holdings_read(ctx: "Context", rid: str, what: str) -> bool:
+    """Whether a control of release ``rid`` reads its ``what`` ("allocs": GPU allocations,
+    read by 5 for a reservation and 8 after a retirement or revocation; "running": running
+    intervals, read by 8), judged from the directory's lifecycle of the release and the policy."""
+    rel = ctx.release(rid)
+    if rel.event_types is None:
+        rel.event_types = frozenset(etype for _at, etype, *_ in rel.history)
+    return any(etype in rel.event_types and ctx.policy.control(control).enabled for etype, control in HOLDINGS_READ_BY[what])
 
 
 class Clock:
@@ -468,8 +492,11 @@ def evaluate(state: dict, ctx: Context) -> Evaluation:
     elif kind == "gpu":
         per_release: dict[str, list] = defaultdict(list)
         for a in sorted(rows, key=lambda a: (a["start"], a["id"])):
-            if a.get("rid"):
-                per_release[a["rid"]].append({"id": a["id"], "start": a["start"], "end": a["end"], "se": a["se"], "ee": a["ee"],
+            rid = a.get("rid")
+            if rid:
+                interests.add(f"rid:{rid}")  # a reservation or retirement later makes the release read them
+            if rid and holdings_read(ctx, rid, "allocs"):
+                per_release[rid].append({"id": a["id"], "start": a["start"], "end": a["end"], "se": a["se"], "ee": a["ee"],
                                               "pod": a["pod"], "gpu": key[4:]})
         for rid, allocs in per_release.items():
             forwards[f"rel:{rid}"] = {"allocs": allocs}
@@ -534,7 +561,7 @@ def _workload_unit(objects: dict[str, list[dict]], key: str, found: Findings, fo
     running: dict[str, list] = defaultdict(list)
     for start, end, srow, erow in unit_ivs:
         rid = srow["i"].get("release_id")
-        if rid:
+        if rid and holdings_read(ctx, rid, "running"):
             running[rid].append({"start": iso(start), "end": iso(end), "se": srow["id"], "ee": erow["id"] if erow else None, "unit": key})
         _admission(key, start, end, srow, erow, found, ctx)
         _identifiers(key, start, end, srow, erow, found, ctx)
