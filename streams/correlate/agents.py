@@ -12,9 +12,10 @@ Topology:
     addressed to the entity's partition.
   - ``correlate_entities`` unpacks routed messages, folds them into the entities of a
     ``PartitionStore`` (recovered from the run's entity changelog on assignment),
-    re-derives each touched entity once per batch (``entities.refresh``), produces
-    what changed, waits for the acks, then writes the changed states' changelog
-    (``streams/store.py``: state never ahead of outputs).
+    re-derives each touched entity once per batch (``entities.refresh``) — and the
+    targets of its links that live on the batch's partitions, which fold them at once
+    (``LOCAL_PASSES``) — produces what changed, waits for the acks, then writes the
+    changed states' changelog (``streams/store.py``: state never ahead of outputs).
   - ``follow_releases`` keeps the ReleaseDirectory (every release, on every worker);
     ``correlation_housekeeping`` re-attributes the dependents of a changed release and
     flushes parked rows on an idle source.
@@ -46,6 +47,9 @@ from streams.store import PartitionStore
 log = logging.getLogger(__name__)
 
 HOUSEKEEPING_S = 0.5
+#: Rounds of local link folding per batch (``Correlator.correlate_batch``); the links of the
+#: last round travel by the route topic only.
+LOCAL_PASSES = 3
 
 
 class Runtime:
@@ -173,23 +177,52 @@ class Correlator:
                     at = iso(body["event"]["occurred_at"])
                     watermark = at if watermark is None or at > watermark else watermark
             elif kind == "link":
-                fold_link(state, body["from"], body["link"])
+                if not fold_link(state, body["from"], body["link"]) and key not in touched:
+                    continue  # nothing new (it was folded locally, or is a re-send): nothing to re-derive
             elif kind == "expire":
                 expire(state, body["rows"])
             # "refresh": nothing to fold; the entity is re-derived below
             touched[key] = (p, state)
         n_out = 0
         self.ctx.fault("correlate", "before_outputs")
-        for key, (p, state) in touched.items():
-            memo = self.memos.setdefault(key, GpuMemo()) if kind_of(key) == "gpu" else None
-            outcome = refresh(state, self.directory, memo=memo)
-            self.store.put(p, key, state)
-            self.runtime.index(key, state["interests"])
-            for at_iso, row_id in outcome.parked:
-                self.runtime.park(at_iso, key, row_id)
-            self._emit(key, outcome)
-            n_out += len(outcome.correlated)
-            self.stats["conflicts"] += outcome.conflicts
+        # Links between entities of this batch's partitions are folded here too, and their
+        # targets re-derived before anything is emitted (up to LOCAL_PASSES rounds): a GPU
+        # alert and the assignment of the pod that now holds the GPU usually arrive in one
+        # batch, and through the route topic alone the alert would first be emitted
+        # attributed to the GPU's previous holder, then again a batch later. Every link still
+        # travels on the route topic as well — that record, acknowledged before this batch's
+        # states reach the changelog, is what makes it durable — and arrives as a no-op.
+        local = {p for p, _, _ in messages}
+        rows: dict[str, dict] = {}
+        allocations: dict[str, dict] = {}
+        for round_ in range(LOCAL_PASSES):
+            linked: dict[str, tuple[int, dict]] = {}
+            for key, (p, state) in touched.items():
+                memo = self.memos.setdefault(key, GpuMemo()) if kind_of(key) == "gpu" else None
+                outcome = refresh(state, self.directory, memo=memo)
+                self.store.put(p, key, state)
+                self.runtime.index(key, state["interests"])
+                for at_iso, row_id in outcome.parked:
+                    self.runtime.park(at_iso, key, row_id)
+                for row in outcome.correlated:
+                    rows[row["correlation_id"]] = row  # a later round's version is higher
+                for alloc in outcome.allocations:
+                    allocations[alloc["allocation_id"]] = alloc
+                self.stats["conflicts"] += outcome.conflicts
+                for target, link in outcome.forwards:
+                    q = self.route.add(target, {"k": "link", "from": key, "link": link})
+                    if q not in local or round_ == LOCAL_PASSES - 1:
+                        continue
+                    # This round's own states first: a new entity is in the store only once refreshed.
+                    held = linked.get(target) or touched.get(target)
+                    target_state = held[1] if held else self.store.get(q, target) or new_entity(target)
+                    if fold_link(target_state, key, link):
+                        linked[target] = (q, target_state)
+            touched = linked
+            if not touched:
+                break
+        self._emit(rows.values(), allocations.values())
+        n_out = len(rows)
         if watermark is not None:
             self.runtime.advance(watermark)
         for target, rows in self.runtime.due().items():
@@ -213,10 +246,10 @@ class Correlator:
         """The correlation stage's epoch commit (``WorkerContext.commit_state``)."""
         await self.ctx.commit_state("correlate", self.store)
 
-    def _emit(self, key: str, outcome) -> None:
+    def _emit(self, rows, allocs) -> None:
         out = self.ctx.output
         correlated, enriched, allocations = self._outputs
-        for row in outcome.correlated:
+        for row in rows:
             src = (row["source_topic"], row["source_partition"], row["source_offset"])
             value = orjson.dumps(row)
             ident = row["identity"]
@@ -226,12 +259,10 @@ class Correlator:
             compact = compact_row(row)
             if compact is not None:
                 self.controls.add(row_key(compact), {"k": "row", "row": compact}, source=src)
-        for alloc in outcome.allocations:
+        for alloc in allocs:
             out.produce(allocations, f"{alloc['node']}/{alloc['gpu_id']}".encode(), orjson.dumps(alloc))
             compact = compact_allocation(alloc)
             self.controls.add(allocation_key(compact), {"k": "row", "row": compact})
-        for target, link in outcome.forwards:
-            self.route.add(target, {"k": "link", "from": key, "link": link})
 
     # --- failure handling ---------------------------------------------------------------
     async def reset(self, events: list) -> None:
