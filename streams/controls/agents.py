@@ -9,8 +9,9 @@ keyed by violation_id — opened, then the same id with ``closed_at`` and
 
 Topology:
   - ``route_to_controls`` / ``route_allocations_to_controls`` keep what a control reads
-    from each correlated row / allocation and re-key it to its *control key* (pod,
-    workload, release, alert fingerprint, node/GPU: ``streams.controls.rules``) on the
+    from each correlated row / allocation and re-key it to its *control key* (pod — an
+    allocation goes to its pod's —, workload, release, alert fingerprint:
+    ``streams.controls.rules``) on the
     internal topic ``<prefix>.<app id>.controls.v1`` (co-partitioned).
   - ``evaluate_controls`` folds those messages into the changelog-backed ``controls``
     table (keyed by the internal topic's key), re-derives the violations of every

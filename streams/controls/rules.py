@@ -10,11 +10,11 @@ rows it holds (so a newer version always lands where the older one is):
 
 | key | holds | evaluates |
 |---|---|---|
-| ``pod:<ns>/<pod>`` | the pod's scheduler rows | 3 (running image vs manifest); forwards its rows to its workload |
+| ``pod:<ns>/<pod>`` | the pod's scheduler rows and GPU allocation intervals | 3 (running image vs manifest); forwards its rows to its workload and its allocations to their release |
 | ``wl:<workload_id>`` | a workload's own rows + its pods' rows (links) | 1, 2, 3 (identifiers), 4 (observation window); forwards running intervals to its releases and preemptions to the preemptor |
 | ``rel:<release_id>`` | the release's lifecycle rows + allocations and running intervals (links) | 5, 7, 8 |
 | ``alert:<fingerprint>`` | the alert's rows | 6 |
-| ``gpu:<node>/<gpu_id>`` | allocation intervals | forwards them to their release |
+| ``gpu:<node>/<gpu_id>`` | allocation intervals, in changelogs written before allocations were kept by their pod | forwards them to their release |
 
 Allocations and running intervals are forwarded to a release only once its lifecycle
 (the directory) makes a control read them (``holdings_read``): a reservation for 5, a
@@ -164,7 +164,8 @@ def row_key(row: dict) -> str:
 
 
 def allocation_key(alloc: dict) -> str:
-    return f"gpu:{alloc['node']}/{alloc['gpu_id']}"
+    """An allocation is kept by its pod's key (it never changes between the allocation's versions)."""
+    return f"pod:{alloc['pod']}"
 
 
 # --- state --------------------------------------------------------------------------
@@ -464,7 +465,7 @@ def evaluate(state: dict, ctx: Context) -> Evaluation:
     interests: set[str] = set()
     rows = list(state["rows"].values())
     if kind in ("pod", "uid", "wl"):
-        own = [r for r in rows if r["type"].startswith("scheduler.")]
+        own = [r for r in rows if r.get("type", "").startswith("scheduler.")]
         interests.update(f"rid:{r['i']['release_id']}" for r in own if r["i"].get("release_id"))
         if kind == "pod":
             _artifact_digests(own, found, ctx, key)
@@ -483,25 +484,34 @@ def evaluate(state: dict, ctx: Context) -> Evaluation:
             preemptor_rows = own + [r for src, link in state["links"].items() for r in link.get("rows", [])]
             _preemptor_side(preemptor_rows, victims, key, found, ctx)
             interests.update(f"rid:{v['rid']}" for v in victims.values() if v.get("rid"))
+        if kind == "pod":
+            _forward_allocations([r for r in rows if "type" not in r], forwards, interests, ctx)
     elif kind == "rel":
         rid = key[4:]
         interests.add(f"rid:{rid}")
         _release_controls(rid, rows, state["links"], found, clock, ctx)
     elif kind == "alert":
         _telemetry(rows, found, ctx)
-    elif kind == "gpu":
-        per_release: dict[str, list] = defaultdict(list)
-        for a in sorted(rows, key=lambda a: (a["start"], a["id"])):
-            rid = a.get("rid")
-            if rid:
-                interests.add(f"rid:{rid}")  # a reservation or retirement later makes the release read them
-            if rid and holdings_read(ctx, rid, "allocs"):
-                per_release[rid].append({"id": a["id"], "start": a["start"], "end": a["end"], "se": a["se"], "ee": a["ee"],
-                                              "pod": a["pod"], "gpu": key[4:]})
-        for rid, allocs in per_release.items():
-            forwards[f"rel:{rid}"] = {"allocs": allocs}
+    elif kind == "gpu":  # the layout before allocations were kept by their pod: changelogs written then still hold these
+        _forward_allocations(rows, forwards, interests, ctx)
     future = [d for d in clock.deadlines if ctx.watermark is None or d > ctx.watermark]
     return Evaluation(found.items, forwards, min(future) if future else None, interests, key_version(state, ctx, clock))
+
+
+def _forward_allocations(allocs: list[dict], forwards: dict, interests: set, ctx: Context) -> None:
+    """A pod's GPU allocation intervals, to each release whose controls read them."""
+    per_release: dict[str, list] = defaultdict(list)
+    for a in sorted(allocs, key=lambda a: (a["start"], a["id"])):
+        rid = a.get("rid")
+        if not rid:
+            continue
+        interests.add(f"rid:{rid}")  # a reservation or retirement later makes the release read them
+        if holdings_read(ctx, rid, "allocs"):
+            per_release[rid].append({"id": a["id"], "start": a["start"], "end": a["end"], "se": a["se"], "ee": a["ee"],
+                                     "pod": a["pod"], "gpu": f"{a['node']}/{a['gpu_id']}"})
+    for rid, items in per_release.items():
+        target = f"rel:{rid}"
+        forwards[target] = {**forwards.get(target, {}), "allocs": items}
 
 
 def key_version(state: dict, ctx: Context, clock: Clock) -> int:
@@ -758,7 +768,10 @@ def _release_controls(rid: str, rows: list[dict], links: dict, found: Findings, 
     rows = _sorted(r for r in rows if r["type"].startswith("release."))
     manifest = ctx.release(rid).manifest
     base = {"release_id": rid, **{k: manifest.get(k) for k in ("model_name", "model_version", "environment", "owner", "image_digest")}}
-    allocs = sorted((a for link in links.values() for a in link.get("allocs", [])), key=lambda a: (a["start"], a["id"]))
+    # By allocation id: a changelog from before allocations were kept by their pod can still
+    # hold a node/GPU key's copy of one; the pod's (its newer versions) wins.
+    by_id = {a["id"]: a for src, link in sorted(links.items(), key=lambda item: item[0].startswith("pod:")) for a in link.get("allocs", [])}
+    allocs = sorted(by_id.values(), key=lambda a: (a["start"], a["id"]))
     running = sorted((r for link in links.values() for r in link.get("running", [])), key=lambda r: (r["start"], r["se"]))
     for n, row in enumerate(rows):
         action = ACTION_OF_EVENT.get(row["type"])

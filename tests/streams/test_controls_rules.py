@@ -382,6 +382,33 @@ def test_retirement_opens_then_closes_when_the_last_holding_ends():
     assert (v.opened_at, v.closed_at) == (at(90), at(121))
 
 
+def test_a_node_gpu_key_left_by_the_older_layout_is_superseded_by_the_pods_newer_allocation_versions():
+    """Changelogs written before allocations were kept by their pod hold ``gpu:`` keys with
+    a copy of each allocation: the release must judge the pod's newer versions, and still
+    count an allocation only the old key has."""
+    from streams.controls.rules import compact_allocation, fold_row, new_state, step, Context
+
+    events = [*released(), *_holding(), rel("release.retired", 30, actor="alice"), gpu_event("gpu.released", 50),
+              sched("scheduler.deleted", 50, release_id="r1")]
+    driver = Driver().feed(events).flush_parked()
+    (alloc,) = driver.allocations.values()
+    ended = compact_allocation(alloc)
+    assert ended["end"] is not None
+    legacy = new_state("gpu:n1/GPU-1111")  # the old key's copy: the same allocation, still open
+    fold_row(legacy, {**ended, "v": ended["v"] - 1, "end": None, "ee": None})
+    ctx = Context(driver.directory, POLICY, at(200))
+    engine = ControlEngine(driver.directory, POLICY, at(200)).feed(driver.rows.values(), [alloc])
+    for target, link in step(legacy, ctx).forwards:
+        engine.queue.append((target, "link", ("gpu:n1/GPU-1111", link)))
+    engine.run()
+    assert of(engine.current(), 8) == []  # the pod's version (released at 50, within the grace period) wins
+    only_old = ControlEngine(driver.directory, POLICY, at(200)).feed(driver.rows.values(), [])
+    for target, link in step(new_state("gpu:n1/GPU-1111") | {"rows": legacy["rows"]}, ctx).forwards:
+        only_old.queue.append((target, "link", ("gpu:n1/GPU-1111", link)))
+    only_old.run()
+    assert "GPU n1/GPU-1111" in one(only_old.current(), 8).detail  # an allocation only the old key has still counts
+
+
 # --- determinism ------------------------------------------------------------------------------
 
 EVERYTHING = [
