@@ -281,8 +281,11 @@ class LifecycleReceiver:
             raise PayloadError(f"<body>: {request.content_length} bytes is over the {limit}-byte limit (max_body_bytes)", reason="too_large",
                                status=413, details={"limit_bytes": limit, "size_bytes": request.content_length})
         try:
-            return await asyncio.wait_for(request.read(), self.config.body_timeout_s)
-        except asyncio.TimeoutError as exc:
+            if request.content.is_eof():  # the whole body came with the headers (small bodies): nothing to wait for
+                return await request.read()
+            async with asyncio.timeout(self.config.body_timeout_s):
+                return await request.read()
+        except TimeoutError as exc:
             raise PayloadError(f"<body>: not received within {self.config.body_timeout_s:g}s (body_timeout_s)", reason="body_timeout",
                                status=408) from exc
         except web.HTTPRequestEntityTooLarge as exc:
