@@ -110,8 +110,8 @@ def read_record_limit(config: dict, topics: Sequence[str], timeout: float = 10.0
     return limit
 
 
-#: How often a ``_DeliveryPump`` polls while records of its loop await their ack: well under
-#: librdkafka's linger (``linger.ms`` 5), so an ack waits at most this long to be seen.
+#: How often a ``_DeliveryPump`` polls while records of its loop await their ack: under
+#: librdkafka's linger (``linger.ms``, 5 ms and up), so an ack waits at most this long to be seen.
 PUMP_INTERVAL_S = 0.001
 
 
@@ -183,7 +183,7 @@ class EventPublisher:
     """
 
     def __init__(self, config: dict, catalogue: TopicCatalogue, component: str, delivery_timeout_s: float = 30.0,
-                 limit_lookup_timeout_s: float = 10.0) -> None:
+                 limit_lookup_timeout_s: float = 10.0, linger_ms: float = 5) -> None:
         self.catalogue = catalogue
         self.component = component
         self.counters = ComponentCounters(component)
@@ -194,7 +194,9 @@ class EventPublisher:
             **config,
             "enable.idempotence": True,
             "acks": "all",
-            "linger.ms": 5,
+            # How long a record waits to share a produce request with others; the receiver
+            # (many one-event requests) sets more (ReceiverSettings.linger_ms).
+            "linger.ms": linger_ms,
             "compression.type": "lz4",
             "delivery.timeout.ms": int(delivery_timeout_s * 1000),
             "client.id": f"gpuledger-{component}",
@@ -220,8 +222,9 @@ class EventPublisher:
         return dict(self._config)
 
     @classmethod
-    def from_settings(cls, settings, component: str) -> EventPublisher:
-        return cls(client_config(settings), settings.kafka.catalogue(), component, settings.kafka.delivery_timeout_s)
+    def from_settings(cls, settings, component: str, linger_ms: float = 5) -> EventPublisher:
+        return cls(client_config(settings), settings.kafka.catalogue(), component, settings.kafka.delivery_timeout_s,
+                   linger_ms=linger_ms)
 
     def _on_error(self, err: KafkaError) -> None:
         self._last_error = str(err)
