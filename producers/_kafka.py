@@ -23,10 +23,12 @@ lowered while the publisher runs is noticed when Kafka refuses a record for its 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import NamedTuple
@@ -108,6 +110,51 @@ def read_record_limit(config: dict, topics: Sequence[str], timeout: float = 10.0
     return limit
 
 
+#: How often a ``_DeliveryPump`` polls while records of its loop await their ack: under
+#: librdkafka's linger (``linger.ms``, 5 ms and up), so an ack waits at most this long to be seen.
+PUMP_INTERVAL_S = 0.001
+
+
+class _DeliveryPump:
+    """Serves the delivery reports of ``publish_batch_async`` on its event loop.
+
+    While any record produced from this loop awaits its ack, the pump calls
+    ``producer.poll(0)`` (never blocks) every ``PUMP_INTERVAL_S`` and settles the reports
+    it finds; idle, it schedules nothing. Why not a poller thread: a thread that wakes for
+    each report must take the GIL from the busy loop (up to the 5 ms switch interval) and
+    hand every report over with ``call_soon_threadsafe`` (a self-pipe write and an extra
+    loop wake-up per record) — measured as a large share of the receiver's CPU per request.
+    Reports served elsewhere (``flush`` in ``close``, a synchronous publish polling the
+    shared producer) land in the same queue and are settled on the next tick.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, producers: Callable[[], list[Producer]]) -> None:
+        self.loop = loop
+        self.producers = producers
+        self.reports: collections.deque = collections.deque()  # (settle, index, error), appended from any thread
+        self.outstanding = 0  # records produced from this loop, not yet settled
+        self._handle: asyncio.TimerHandle | None = None
+
+    def expect(self, n: int) -> None:
+        self.outstanding += n
+        if self._handle is None:
+            self._handle = self.loop.call_later(PUMP_INTERVAL_S, self.tick)
+
+    def tick(self) -> None:
+        if self._handle is not None:  # called directly (a full local queue): one chain of ticks only
+            self._handle.cancel()
+            self._handle = None
+        for producer in self.producers():
+            producer.poll(0)
+        reports = self.reports
+        while reports:
+            settle, index, err = reports.popleft()
+            self.outstanding -= 1
+            settle(index, err)
+        if self.outstanding > 0 and not self.loop.is_closed():
+            self._handle = self.loop.call_later(PUMP_INTERVAL_S, self.tick)
+
+
 class _Record(NamedTuple):
     topic: str
     key: bytes | None
@@ -136,7 +183,7 @@ class EventPublisher:
     """
 
     def __init__(self, config: dict, catalogue: TopicCatalogue, component: str, delivery_timeout_s: float = 30.0,
-                 limit_lookup_timeout_s: float = 10.0) -> None:
+                 limit_lookup_timeout_s: float = 10.0, linger_ms: float = 5) -> None:
         self.catalogue = catalogue
         self.component = component
         self.counters = ComponentCounters(component)
@@ -147,7 +194,9 @@ class EventPublisher:
             **config,
             "enable.idempotence": True,
             "acks": "all",
-            "linger.ms": 5,
+            # How long a record waits to share a produce request with others; the receiver
+            # (many one-event requests) sets more (ReceiverSettings.linger_ms).
+            "linger.ms": linger_ms,
             "compression.type": "lz4",
             "delivery.timeout.ms": int(delivery_timeout_s * 1000),
             "client.id": f"gpuledger-{component}",
@@ -165,8 +214,7 @@ class EventPublisher:
         self._limit_read_at = 0.0
         self._last_error: str | None = None
         self._lock = threading.Lock()
-        self._poller: threading.Thread | None = None
-        self._closed = threading.Event()
+        self._pumps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its _DeliveryPump
 
     @property
     def client_config(self) -> dict:
@@ -174,8 +222,9 @@ class EventPublisher:
         return dict(self._config)
 
     @classmethod
-    def from_settings(cls, settings, component: str) -> EventPublisher:
-        return cls(client_config(settings), settings.kafka.catalogue(), component, settings.kafka.delivery_timeout_s)
+    def from_settings(cls, settings, component: str, linger_ms: float = 5) -> EventPublisher:
+        return cls(client_config(settings), settings.kafka.catalogue(), component, settings.kafka.delivery_timeout_s,
+                   linger_ms=linger_ms)
 
     def _on_error(self, err: KafkaError) -> None:
         self._last_error = str(err)
@@ -307,10 +356,11 @@ class EventPublisher:
 
     async def publish_batch_async(self, events: Sequence, timeout: float | None = None) -> int:
         """``publish_batch`` for an asyncio caller (the receiver): the records are produced on
-        the event loop and their acks awaited as futures, served by one poller thread, so a
-        request in flight holds no thread (a thread per request capped the receiver at the
-        executor's few threads). Same errors and counters as ``publish_batch``; returns the
-        bytes of the acknowledged records (the caller need not encode the events again)."""
+        the event loop and their acks awaited as one future, served on the loop itself by a
+        ``_DeliveryPump``, so a request in flight holds no thread (a thread per request capped
+        the receiver at the executor's few threads) and no thread competes with the loop for
+        the GIL. Same errors and counters as ``publish_batch``; returns the bytes of the
+        acknowledged records (the caller need not encode the events again)."""
         if not events:
             return 0
         ready = self._ready_cached()
@@ -320,6 +370,7 @@ class EventPublisher:
         if oversize:
             raise EventTooLarge(oversize, limit)
         loop = asyncio.get_running_loop()
+        pump = self._pump_for(loop)
         results: list[tuple[int, KafkaError | None]] = []
         pending = len(records)
         all_in = loop.create_future()
@@ -332,47 +383,45 @@ class EventPublisher:
                 all_in.set_result(None)
 
         headers = inject_headers()
-        self._start_poller()
+        reports = pump.reports
         for i, record in enumerate(records):
             while True:
                 try:
+                    # The callback runs in whichever thread serves the report (the pump's poll on
+                    # this loop, or a flush elsewhere): it only queues the report for the pump.
                     producer.produce(record.topic, key=record.key, value=record.value, headers=headers,
-                                     on_delivery=lambda err, msg, _i=i: loop.call_soon_threadsafe(settle, _i, err))
+                                     on_delivery=lambda err, msg, _i=i: reports.append((settle, _i, err)))
+                    pump.expect(1)
                     break
                 except BufferError:
-                    await asyncio.sleep(0.01)  # the poller is draining delivery reports
+                    pump.tick()  # local queue full: serve delivery reports to make room, then retry
+                    await asyncio.sleep(0.01)
                 except KafkaException as exc:
                     err = _kafka_error(exc)
                     if err is not None and err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
                         raise EventTooLarge([Oversize(i, record.event_id, record.event_type, len(record.value))], limit, str(err)) from exc
                     raise PublishError(f"producing to {record.topic} failed: {exc}") from exc
-        try:
-            await asyncio.wait_for(asyncio.shield(all_in), timeout if timeout is not None else 60)
-        except asyncio.TimeoutError:
-            pass  # _raise_for reports the records without an ack
+        if pending:
+            # A timer, not asyncio.timeout/wait_for: no task or cancellation per request. At the
+            # deadline the wait ends and _raise_for reports the records without an ack.
+            deadline = loop.call_later(timeout if timeout is not None else 60, lambda: all_in.done() or all_in.set_result(None))
+            try:
+                await all_in
+            finally:
+                deadline.cancel()
         self._raise_for(records, list(results), limit)
         nbytes = sum(len(r.value) for r in records)
         self.counters.add_sent(len(events), nbytes)
         return nbytes
 
-    def _start_poller(self) -> None:
-        """One daemon thread serving delivery reports of every producer this publisher built."""
-        if self._poller is not None:
-            return
-        with self._lock:
-            if self._poller is not None:
-                return
+    def _pump_for(self, loop: asyncio.AbstractEventLoop) -> _DeliveryPump:
+        pump = self._pumps.get(loop)
+        if pump is None:
+            pump = self._pumps[loop] = _DeliveryPump(loop, self._all_producers)
+        return pump
 
-            def poll() -> None:
-                while not self._closed.is_set():
-                    producers = [p for p in (*self._retired, self._producer) if p is not None]
-                    if not producers:
-                        self._closed.wait(0.05)
-                    for producer in producers:
-                        producer.poll(0.02)
-
-            self._poller = threading.Thread(target=poll, name=f"{self.component}-delivery-reports", daemon=True)
-            self._poller.start()
+    def _all_producers(self) -> list[Producer]:
+        return [p for p in (*self._retired, self._producer) if p is not None]
 
     def publish_fitting(self, events: Sequence, stage: str, timeout: float | None = None) -> int:
         """The collectors' publish: what fits as ``publish_batch``, the rest dead-lettered.
@@ -432,7 +481,6 @@ class EventPublisher:
         for producer in producers:
             if producer is not None:
                 producer.flush(timeout)
-        self._closed.set()  # the delivery-report poller ends
 
 
 def read_to_end(config: dict, topic: str, on_value: Callable[[bytes], None], timeout: float = 30.0) -> int:

@@ -23,7 +23,7 @@ def receive(
 
     settings = load_settings(bootstrap, receiver={"host": host, "port": port, "allow_unauthenticated": allow_unauthenticated or None})
     with failing_on(ProducerError):
-        publisher = EventPublisher.from_settings(settings, "receiver")
+        publisher = EventPublisher.from_settings(settings, "receiver", linger_ms=settings.receiver.linger_ms)
 
     def listening(bound_host: str, bound_port: int) -> None:
         err.print(f"gpuledger receiver listening on http://{bound_host}:{bound_port} → Kafka topics {settings.kafka.topic_prefix}.*", highlight=False)

@@ -45,6 +45,7 @@ class ReceiverSettings(BaseSettings):
     allow_unauthenticated: bool = Field(default=False, description="Serve on a non-loopback address with no credential configured (refused otherwise); a warning is logged every minute while it runs.")
     mlflow_signature_tolerance_s: float = Field(default=300.0, ge=0, description="Reject signed MLflow deliveries whose X-MLflow-Timestamp is further than this from now (0 = no check).")
     mlflow_dedup_size: int = Field(default=10_000, ge=0, description="How many published MLflow delivery ids are remembered to drop re-deliveries (0 = off).")
+    linger_ms: float = Field(default=20.0, ge=0, le=1000, description="librdkafka linger.ms of the receiver's producer: how long an accepted event waits to share a produce request with other requests' events. Every produce request costs the broker and librdkafka about the same whatever it holds, so batching one-event requests is most of what the receiver's throughput costs (docs/receiver.md, Throughput); each answer waits up to this long more.")
     publish_timeout_s: float | None = Field(default=None, gt=0, description="How long a request waits for Kafka acks before answering 503; default: the Kafka delivery timeout + 5 s.")
     alert_labels: AlertIdentityLabels = Field(default_factory=AlertIdentityLabels, description="Alert labels that carry the shared identifiers.")
     mlflow: MlflowReleaseMapping = Field(default_factory=MlflowReleaseMapping, description="How MLflow registry deliveries map to release events.")

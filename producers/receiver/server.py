@@ -33,7 +33,7 @@ Guarantees:
   cut: a value over 4 KiB gets 422 naming it. Release and MLflow events are not cut
   (their sender chose every byte), only refused when over the event limit.
 - The event loop never blocks on Kafka: records are produced on the loop and their acks
-  awaited (``EventPublisher.publish_batch_async``, one delivery-report thread), so requests
+  awaited (``EventPublisher.publish_batch_async``, acks served on the loop), so requests
   in flight hold no thread; readiness checks run in a thread. Nor on the identity provider:
   a JWT whose key is not in PyJWT's cache is verified on the JWKS thread pool (``_principal``).
 - Slow clients cannot hold the service: a connection must send its headers within
@@ -62,6 +62,7 @@ import orjson
 import uvloop
 from aiohttp import web
 
+from gpuledger import gctune
 from gpuledger.telemetry import ComponentCounters
 from producers._errors import EventTooLarge, PayloadError, ProducerError, PublishError
 from producers._kafka import EventPublisher, read_to_end
@@ -280,8 +281,11 @@ class LifecycleReceiver:
             raise PayloadError(f"<body>: {request.content_length} bytes is over the {limit}-byte limit (max_body_bytes)", reason="too_large",
                                status=413, details={"limit_bytes": limit, "size_bytes": request.content_length})
         try:
-            return await asyncio.wait_for(request.read(), self.config.body_timeout_s)
-        except asyncio.TimeoutError as exc:
+            if request.content.is_eof():  # the whole body came with the headers (small bodies): nothing to wait for
+                return await request.read()
+            async with asyncio.timeout(self.config.body_timeout_s):
+                return await request.read()
+        except TimeoutError as exc:
             raise PayloadError(f"<body>: not received within {self.config.body_timeout_s:g}s (body_timeout_s)", reason="body_timeout",
                                status=408) from exc
         except web.HTTPRequestEntityTooLarge as exc:
@@ -439,7 +443,7 @@ class LifecycleReceiver:
         return events
 
     async def healthz(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "counters": {s: c.totals for s, c in self.counters.items()}})
+        return web.json_response({"status": "ok", "counters": {s: c.totals for s, c in self.counters.items()}, "gc": gctune.stats()})
 
     async def readyz(self, request: web.Request) -> web.Response:
         if await asyncio.to_thread(self.publisher.connected):
@@ -652,9 +656,16 @@ class ReceiverService:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         if self._stop_requested.is_set():
             self._stop.set()
-        await serve(self.config, self.publisher, self._stop, self.on_listening, self.publish_timeout_s, self.policy)
+
+        def listening(host: str, port: int) -> None:
+            gctune.freeze()  # the started service's objects are never traversed again (gctune)
+            if self.on_listening:
+                self.on_listening(host, port)
+
+        await serve(self.config, self.publisher, self._stop, listening, self.publish_timeout_s, self.policy)
 
     def run(self) -> None:
+        gctune.tune()  # a few hundred short-lived objects per request: rarer young collections
         try:
             # uvloop (libuv): the receiver is one event loop answering small requests, and
             # the stock loop's per-callback cost was a large part of each one (py-spy).

@@ -134,3 +134,34 @@ def test_kafka_refusing_a_record_for_its_size_is_too_large_not_retriable(kafka_b
         assert again.value.limit_bytes == 5_000 and "Kafka refused" not in str(again.value)
     finally:
         publisher.close(5)
+
+
+def test_async_batches_are_acknowledged_while_a_thread_publishes_on_the_same_producer(kafka_bootstrap, catalogue):
+    # publish_batch_async's acks are served on the event loop; a synchronous publish polling the
+    # shared producer from another thread (the receiver's dead letters) may serve some of them:
+    # every awaited batch still returns, and every record is on its topic once.
+    import asyncio
+
+    from schemas import encode_event
+
+    publisher = EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, "test")
+    events = [release(n) for n in range(60)]
+    raw = [release(1000 + n) for n in range(20)]
+
+    async def main() -> list[int]:
+        def sync_side() -> None:
+            for event in raw:
+                publisher.publish_raw(catalogue.release, event.correlation_key().encode(), encode_event(event))
+
+        thread = asyncio.to_thread(sync_side)
+        batches = [publisher.publish_batch_async(events[i:i + 3], timeout=30) for i in range(0, len(events), 3)]
+        *sizes, _ = await asyncio.gather(*batches, thread)
+        return sizes
+
+    try:
+        sizes = asyncio.run(main())
+        assert sizes == [sum(len(encode_event(e)) for e in events[i:i + 3]) for i in range(0, len(events), 3)]
+        assert sorted(ids_on(kafka_bootstrap, catalogue.release, len(events) + len(raw))) == sorted(e.event_id for e in events + raw)
+        assert publisher.counters.totals["sent"] == len(events)
+    finally:
+        publisher.close(5)

@@ -151,3 +151,21 @@ def test_every_problem_is_reported_at_once_and_nothing_is_built():
 def test_non_object_body_is_rejected():
     with pytest.raises(PayloadError, match="must be a JSON object"):
         alert_events([{"alerts": []}])
+
+
+@pytest.mark.parametrize("name", ["gpu_xid_firing.json", "quality_firing.json", "quality_resolved.json"])
+def test_events_are_contract_events_a_decoder_reads_back_unchanged(name):
+    # alert_events validates each event as one document; what it returns is exactly what the
+    # contract's decoder makes of the encoded record (nothing unchecked or left unnormalised).
+    for event in alert_events(load(name), observed_at=T_OBSERVED, host="rx-1"):
+        assert decode_event(encode_event(event)) == event
+
+
+def test_a_second_label_map_is_used_as_given():
+    # The label map of each call is the one read (the per-map lookup table is cached by map).
+    body = load("gpu_xid_firing.json")
+    default = alert_events(body, observed_at=T_OBSERVED)[0]
+    custom = alert_events(body, AlertIdentityLabels(node=["no-such-label"]), observed_at=T_OBSERVED)[0]
+    assert default.identity.node is not None
+    assert custom.identity.node is None
+    assert custom.identity.gpu_id == default.identity.gpu_id
