@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gpuledger.timefmt import parse_timestamp
 from producers._errors import PayloadError
 from producers._limits import IDENTITY_TEXT_BYTES, TextTrimmer
-from schemas.alert import AlertEvent, AlertPayload
+from schemas.alert import AlertEvent
 from schemas.envelope import Identity, Source, TraceContext, identity_text_problem, make_event_id
 
 COLLECTOR = "alertmanager"
