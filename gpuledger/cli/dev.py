@@ -17,7 +17,7 @@ app.add_typer(cluster, name="cluster")
 
 def _print_reach(state: dict) -> None:
     print(f"server      {state['server']}")
-    print(f"versions    " + " ".join(f"{k} {v}" for k, v in state["versions"].items()))
+    print("versions    " + " ".join(f"{k} {v}" for k, v in state["versions"].items()))
     print(f"logs        {state['data_dir']}/logs")
     print(f"reach it    export KUBECONFIG={state['kubeconfig']}; kubectl get nodes")
     peers = state.get("peers")

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping
 from datetime import datetime
-from typing import Any
 
 from producers._config import ResourceMatcher, dra_device_id
 from producers.kubernetes.mapping import SOURCE, MalformedObject, meta_of
