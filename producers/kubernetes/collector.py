@@ -275,6 +275,10 @@ class _Resource:
     rv: str | None = None
 
 
+class _Denied(Exception):
+    """A resource the collector's credentials may not list (HTTP 401/403)."""
+
+
 def _is_gone_status(exc: ApiException) -> bool:
     return exc.status == 410
 
@@ -806,9 +810,15 @@ class SchedulerCollector:
             # Workloads first (pods look their Workload up), then pods (Events look their pod up).
             for res in (self.slices, self.claims, self.workloads, self.pods, self.events):
                 if res.list_fn is not None:
-                    call_with_backoff(lambda r=res: self._initial_sync(r, stop), retry_on=_RETRIABLE, **backoff,
-                                      on_retry=lambda st, r=res: log.warning("%s: initial list failed: %s; retrying in %.1fs", r.name,
-                                                                            _short(retry_error(st)), retry_delay(st)))
+                    try:
+                        call_with_backoff(lambda r=res: self._first_list(r, stop), retry_on=_RETRIABLE, **backoff,
+                                          on_retry=lambda st, r=res: log.warning("%s: initial list failed: %s; retrying in %.1fs", r.name,
+                                                                                _short(retry_error(st)), retry_delay(st)))
+                    except _Denied as exc:
+                        # Not granted (RBAC): the others must not wait for it. Its own loop
+                        # below keeps trying (backing off) and lists it once it is granted.
+                        log.error("%s: the collector may not list it (%s); collecting the other resources without it until its "
+                                  "credentials may list and watch %s (deploy/k8s RBAC)", res.name, _short(exc.__cause__), res.name)
             for res in (self.slices, self.claims, self.workloads, self.pods, self.events):
                 t = threading.Thread(target=self._loop, args=(res, stop), name=f"scheduler-{res.name}", daemon=True)
                 t.start()
@@ -827,6 +837,16 @@ class SchedulerCollector:
             for t in threads:
                 t.join(timeout=10)
             self.close()
+
+    def _first_list(self, res: _Resource, stop: threading.Event) -> None:
+        """``_initial_sync``; a resource other than pods that the credentials may not read
+        (401/403) raises ``_Denied`` instead of being retried here."""
+        try:
+            self._initial_sync(res, stop)
+        except ApiException as exc:
+            if res is not self.pods and exc.status in (401, 403):
+                raise _Denied(res.name) from exc
+            raise
 
     def _initial_sync(self, res: _Resource, stop: threading.Event) -> None:
         """The first list of ``res``; a list expired while it ran (410) is simply listed again."""

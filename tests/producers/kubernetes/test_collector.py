@@ -830,3 +830,25 @@ def test_dra_resource_claims_publish_who_holds_which_gpu_once_and_every_end(api,
                    ("b", "gpu.claim_released", "claim_deleted"), ("b", "gpu.claim_reserved", None)]
     assert {(e.identity.node, e.payload.device_id, e.payload.claim) for e in events if e.identity.pod == "b"} == \
            {("gpu-node-1", "gpu.nvidia.com/gpu-node-1/gpu-0", "b-gpu")}
+
+
+def test_a_resource_the_credentials_may_not_list_does_not_hold_back_the_others(api, make_collector, kafka_bootstrap, catalogue,
+                                                                             caplog):
+    """Workloads forbidden (a ClusterRole without kueue.x-k8s.io): pods are still collected,
+    the refusal is an ERROR naming the resource, and Workloads are listed once granted."""
+    caplog.set_level(logging.INFO, logger="producers.kubernetes")
+    api.create(PODS, make_pod("ml", "a", node="gpu-1", created=T0))
+    api.create(WORKLOADS_V1BETA2, make_workload("ml", "train", pod_sets=[make_pod_set(gpus=1)]))
+    api.fail_next(12, 403, path="workloads", reason="Forbidden",
+                  message='workloads.kueue.x-k8s.io is forbidden: User "system:serviceaccount:gpuledger:collector" cannot list resource')
+    collector = make_collector(api)
+    with running(collector):
+        wait_sent(collector, 3)  # the pod's events, while every Workload request is refused
+        assert collector.workloads.rv is None
+        errors = [r for r in caplog.records if r.levelno == logging.ERROR and r.getMessage().startswith("workloads: the collector may not list it")]
+        assert len(errors) == 1 and "HTTP 403" in errors[0].getMessage()
+        wait_until(lambda: collector.workloads.rv is not None, timeout=30, what="workloads listed once the refusals stop")
+        wait_sent(collector, 4)
+    events = published(kafka_bootstrap, catalogue.scheduler, 4)
+    assert Counter(e.identity.pod or e.identity.workload_id for e in events)["a"] == 3
+    assert [e for e in events if e.payload.object_kind == "Workload"], "the Workload was never published"
