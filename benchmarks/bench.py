@@ -20,7 +20,10 @@ Publishes the event mix (benchmarks/mix.py) ONCE to fresh raw topics on a local 
    releases (warm-up: its sink opens the store on its first batch), then the rest is
    published live (``occurred_at = observed_at = now``) at 80 % of phase 3's throughput
    for ``--latency-seconds``; p50/p99 of ``inserted_at − observed_at`` over the stored
-   correlated rows (the first version of each row to be stored).
+   correlated rows (the first version of each row to be stored). Then the worker's share
+   apart from the sink's, by hop, from the records' Kafka CreateTime: raw → the route
+   record that carried the event (route stage), → its first correlated record
+   (correlation stage).
 5. **replay** — phase 3's raw topics again, new app id, new store: events/s, and per-table
    checksums (sinks/checksum.py) compared with phase 3's store.
 
@@ -419,13 +422,65 @@ class Bench:
             self.stop(service)
         if not row["n"]:
             raise BenchError("latency run: no correlated row was stored")
+        worker = self.correlated_lag(cat.run(f"{cat.prefix}-app"), since_ms)
         out = {"target_rate": rate, "achieved_rate": achieved, "seconds": seconds, "published": sent, "rows": int(row["n"]),
                "complete": complete, "p50_s": row["p50"] / 1000, "p99_s": row["p99"] / 1000, "max_s": row["max"] / 1000,
-               "publisher_cpu_cores": publisher_cpu}
+               "publisher_cpu_cores": publisher_cpu, "worker": worker}
         print(f"    p50 {out['p50_s']:.2f}s, p99 {out['p99_s']:.2f}s, max {out['max_s']:.2f}s over {out['rows']:,} rows "
               f"({achieved:,.0f} events/s achieved; the publisher used {publisher_cpu:.2f} of a core)", flush=True)
+        if worker:
+            hops = "".join(f"; {name} p50 {worker[name]['p50_s']:.2f}s p99 {worker[name]['p99_s']:.2f}s"
+                           for name in ("route", "correlate") if worker.get(name))
+            print(f"    of which the worker (event → its first correlated record on Kafka): p50 {worker['p50_s']:.2f}s, "
+                  f"p99 {worker['p99_s']:.2f}s{hops}; the rest is the sink", flush=True)
         self.results["latency"] = out
         return out
+
+    def _records(self, topic: str):
+        """Every record of ``topic`` now (a throwaway consumer from the start to the end offsets)."""
+        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": f"bench-lag-{uuid.uuid4().hex[:8]}",
+                             "auto.offset.reset": "earliest", "enable.auto.commit": False, "logger": _QUIET})
+        ends, seen = end_offsets(self.bootstrap, [topic]).get(topic, 0), 0
+        try:
+            consumer.subscribe([topic])
+            deadline = time.monotonic() + 60
+            while seen < ends and time.monotonic() < deadline:
+                for msg in consumer.consume(num_messages=5000, timeout=1.0):
+                    if not msg.error():
+                        seen += 1
+                        yield msg
+        finally:
+            consumer.close()
+
+    def correlated_lag(self, run, since_ms: int) -> dict | None:
+        """The worker's share of the latency, by hop: for each input, the CreateTime of the
+        route record that carried it (route stage: raw → route) and of its first correlated
+        record (correlation stage: route → correlated), against its occurred_at."""
+        from streams.packing import unpack
+
+        routed: dict[tuple, int] = {}
+        for msg in self._records(run.route):
+            for _key, body in unpack(msg.value()):
+                if body.get("k") == "event":
+                    src = tuple(body["src"])
+                    routed[src] = min(routed.get(src, msg.timestamp()[1]), msg.timestamp()[1])
+        first: dict[str, tuple[int, int, int | None]] = {}
+        for msg in self._records(run.correlated):
+            row = orjson.loads(msg.value())
+            occurred = int(datetime.fromisoformat(row["occurred_at"]).timestamp() * 1000)
+            created, cid = msg.timestamp()[1], row["correlation_id"]
+            if occurred >= since_ms and (cid not in first or created < first[cid][0]):
+                first[cid] = (created, occurred, routed.get((row["source_topic"], row["source_partition"], row["source_offset"])))
+
+        def quantiles(values: list[int]) -> dict:
+            values = sorted(values)
+            return {"p50_s": values[len(values) // 2] / 1000, "p99_s": values[min(len(values) - 1, int(len(values) * 0.99))] / 1000}
+
+        if not first:
+            return None
+        hops = [(r - o, c - r) for c, o, r in first.values() if r is not None]
+        return {"rows": len(first), **quantiles([c - o for c, o, _r in first.values()]),
+                "route": quantiles([a for a, _b in hops]) if hops else None, "correlate": quantiles([b for _a, b in hops]) if hops else None}
 
     def checksums(self, *data_dirs: Path, exclude: tuple[str, ...] = ()) -> list[dict]:
         """Per-table checksums of stopped workers' stores, each read by a child process
