@@ -40,7 +40,7 @@ from streams.controls.rules import allocation_key, compact_allocation, compact_r
 from streams.correlate.directory import ReleaseDirectory, follow_release_topic
 from streams.correlate.entities import GpuMemo, expire, fold_event, fold_link, iso, kind_of, new_entity, refresh
 from streams.correlate.routing import entity_key, routed_form
-from streams.packing import Packer, unpack
+from streams.packing import Packer, partition_for, unpack
 from streams.runner import Epoch, run_batches
 from streams.store import PartitionStore
 
@@ -275,7 +275,9 @@ class Correlator:
     def forget(self, partitions: set[int]) -> None:
         """Drop the in-memory state of ``partitions`` (failed batch, revocation)."""
         self.store.drop(partitions)
-        self.memos.clear()  # only a cache: rebuilt as the entities are refreshed again
+        # Only a cache, rebuilt as the entities are refreshed again: the other partitions' stays.
+        n = self.ctx.run.partitions
+        self.memos = {key: memo for key, memo in self.memos.items() if partition_for(key, n) not in partitions}
 
     async def dead(self, event, exc: BaseException) -> None:
         self._dead("processing_error", f"{type(exc).__name__}: {exc}", f"streams.{'correlate_entities' if event.message.topic == self.ctx.run.route else 'route_events'}",
