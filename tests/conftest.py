@@ -74,10 +74,25 @@ def pytest_xdist_make_scheduler(config, log):
     return ModuleScheduling(config, log)
 
 
+#: The longest modules outside the real-cluster tier (--durations, 2026-12-02), longest first: handed
+#: out first, so that no long module starts last and runs on while the other worker idles.
+#: A module missing here only runs in collection order; the list is a schedule, not a contract.
+LONG_MODULES = ("tests/streams/test_faults.py", "tests/gpuledger/test_exercise.py", "tests/gpuledger/test_replay.py",
+                "tests/e2e/test_gpu_identity.py", "tests/streams/test_app.py", "tests/producers/receiver/test_server.py",
+                "tests/sinks/test_service.py", "tests/streams/test_controls.py", "tests/gpuledger/dev/test_localkafka.py",
+                "tests/producers/kubernetes/test_collector.py", "tests/e2e/test_thin_path.py")
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """The real-cluster tier's place. With warm caches it runs first (its fixtures start the
-    control plane and its tests mostly wait on it, so it overlaps the rest of the suite on the
-    other worker); on a fresh machine it runs last, as .ci/run builds its Go binaries in the
-    background meanwhile. The scheduler hands out units in this order."""
+    """The order the scheduler hands out units in. With warm caches the real-cluster tier runs
+    first (its fixtures start the control plane and its tests mostly wait on it, so it overlaps
+    the rest of the suite on the other worker); on a fresh machine it runs last, as .ci/run builds
+    its Go binaries in the background meanwhile. Then the long modules, longest first."""
     first = _real_cluster_binaries_built()
-    items.sort(key=lambda item: (item.get_closest_marker("real_cluster") is None) == first)
+
+    def key(item):
+        real = item.get_closest_marker("real_cluster") is not None
+        path = item.nodeid.split("::", 1)[0]
+        return (real != first, LONG_MODULES.index(path) if path in LONG_MODULES else len(LONG_MODULES))
+
+    items.sort(key=key)
