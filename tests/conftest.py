@@ -10,15 +10,28 @@ plane per session). The controller starts the one broker both workers share
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.fixtures.clickhouse import clickhouse_client, clickhouse_db, clickhouse_dsn  # noqa: F401
-from tests.fixtures.kafka import SHARED_BOOTSTRAP_ENV, catalogue, kafka_bootstrap, settings_for  # noqa: F401
-from tests.fixtures.worker import worker_factory  # noqa: F401
+#: xdist's workers start with COLUMNS=80 and LINES=24 in their environment, whatever the controller
+#: had; gpuledger's rich consoles fix their width from COLUMNS when the CLI module is imported, so
+#: CLI output would wrap at 80 columns under xdist only (a test's COLUMNS=250 then comes too late).
+#: The controller passes its own values on (``pytest_configure``); set before anything imports the CLI.
+TERMINAL_ENV = "TEST_CONTROLLER_TERMINAL"
+if os.environ.get("PYTEST_XDIST_WORKER") and TERMINAL_ENV in os.environ:
+    for _name, _value in json.loads(os.environ[TERMINAL_ENV]).items():
+        if _value is None:
+            os.environ.pop(_name, None)
+        else:
+            os.environ[_name] = _value
+
+from tests.fixtures.clickhouse import clickhouse_client, clickhouse_db, clickhouse_dsn  # noqa: E402,F401
+from tests.fixtures.kafka import SHARED_BOOTSTRAP_ENV, catalogue, kafka_bootstrap, settings_for  # noqa: E402,F401
+from tests.fixtures.worker import worker_factory  # noqa: E402,F401
 
 
 def _xdist_controller(config) -> bool:
@@ -28,6 +41,8 @@ def _xdist_controller(config) -> bool:
 def pytest_configure(config):
     """Under xdist, the controller starts the native broker once and the workers inherit its
     address (``SHARED_BOOTSTRAP_ENV``): one broker for the session, not one per worker."""
+    if _xdist_controller(config):
+        os.environ[TERMINAL_ENV] = json.dumps({name: os.environ.get(name) for name in ("COLUMNS", "LINES")})
     if not _xdist_controller(config) or os.environ.get("GPULEDGER_KAFKA_BOOTSTRAP") or os.environ.get(SHARED_BOOTSTRAP_ENV):
         return
     from tests.fixtures.kafka import _docker_answers
