@@ -1,11 +1,113 @@
-"""Shared pytest fixtures: real Kafka and real ClickHouse (see tests/fixtures/)."""
+"""Shared pytest fixtures: real Kafka and real ClickHouse (see tests/fixtures/).
 
-from tests.fixtures.clickhouse import clickhouse_client, clickhouse_db, clickhouse_dsn  # noqa: F401
-from tests.fixtures.kafka import catalogue, kafka_bootstrap, settings_for  # noqa: F401
-from tests.fixtures.worker import worker_factory  # noqa: F401
+The suite runs on two pytest-xdist workers (``-n 2`` in pyproject.toml): the tests mostly wait
+on real peers (brokers, workers, the real cluster), so two at a time nearly halve the wall time
+on two cores. ``pytest_xdist_make_scheduler`` hands out whole modules (their module-scoped
+fixtures are built once, on one worker) and the real-cluster tier as one unit (one control
+plane per session). The controller starts the one broker both workers share
+(``pytest_configure``); ``-n 0`` runs everything in one process as before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+#: xdist's workers start with COLUMNS=80 and LINES=24 in their environment, whatever the controller
+#: had; gpuledger's rich consoles fix their width from COLUMNS when the CLI module is imported, so
+#: CLI output would wrap at 80 columns under xdist only (a test's COLUMNS=250 then comes too late).
+#: The controller passes its own values on (``pytest_configure``); set before anything imports the CLI.
+TERMINAL_ENV = "TEST_CONTROLLER_TERMINAL"
+if os.environ.get("PYTEST_XDIST_WORKER") and TERMINAL_ENV in os.environ:
+    for _name, _value in json.loads(os.environ[TERMINAL_ENV]).items():
+        if _value is None:
+            os.environ.pop(_name, None)
+        else:
+            os.environ[_name] = _value
+
+from tests.fixtures.clickhouse import clickhouse_client, clickhouse_db, clickhouse_dsn  # noqa: E402,F401
+from tests.fixtures.kafka import SHARED_BOOTSTRAP_ENV, catalogue, kafka_bootstrap, settings_for  # noqa: E402,F401
+from tests.fixtures.worker import worker_factory  # noqa: E402,F401
+
+
+def _xdist_controller(config) -> bool:
+    return not hasattr(config, "workerinput") and bool(config.getoption("numprocesses", default=None))
+
+
+def pytest_configure(config):
+    """Under xdist, the controller starts the native broker once and the workers inherit its
+    address (``SHARED_BOOTSTRAP_ENV``): one broker for the session, not one per worker."""
+    if _xdist_controller(config):
+        os.environ[TERMINAL_ENV] = json.dumps({name: os.environ.get(name) for name in ("COLUMNS", "LINES")})
+    if not _xdist_controller(config) or os.environ.get("GPULEDGER_KAFKA_BOOTSTRAP") or os.environ.get(SHARED_BOOTSTRAP_ENV):
+        return
+    from tests.fixtures.kafka import _docker_answers
+
+    if os.environ.get("GPULEDGER_TEST_DOCKER", "1") == "1" and _docker_answers():
+        return  # each worker gets testcontainers' broker, as without xdist
+    from gpuledger.dev.localkafka import LocalKafka
+    from gpuledger.settings import default_cache_dir
+
+    broker = LocalKafka(Path(tempfile.mkdtemp(prefix="gpuledger-kafka-")), default_cache_dir())
+    broker.__enter__()
+    config._gpuledger_shared_broker = broker
+    os.environ[SHARED_BOOTSTRAP_ENV] = broker.bootstrap
+
+
+def pytest_unconfigure(config):
+    broker = getattr(config, "_gpuledger_shared_broker", None)
+    if broker is not None:
+        os.environ.pop(SHARED_BOOTSTRAP_ENV, None)
+        broker.__exit__(None, None, None)
+
+
+def _real_cluster_binaries_built() -> bool:
+    """Whether the real cluster's pinned binaries are in the cache already (a warm machine)."""
+    from gpuledger.dev import kubebin
+    from gpuledger.settings import default_cache_dir
+
+    cache = default_cache_dir()
+    tools = [cache / f"{module.rsplit('/', 1)[1]}-{version}" / module.rsplit("/", 1)[1] for module, version in (kubebin.KWOK, kubebin.KUEUE)]
+    return all(p.exists() for p in (cache / f"kube-{kubebin.kube_pin()}" / "kube", *tools))
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist (-p no:xdist runs without it)
+def pytest_xdist_make_scheduler(config, log):
+    """Like ``--dist loadfile``, with the real-cluster tier's modules as one unit. (Not ``--dist
+    loadgroup``: xdist 3.8 marks a group by rewriting ``item._nodeid``, which pytest 9.2 no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/real_cluster/" if path.startswith("tests/real_cluster/") else path
+
+    return ModuleScheduling(config, log)
+
+
+#: The longest modules outside the real-cluster tier (--durations, 2026-12-02), longest first: handed
+#: out first, so that no long module starts last and runs on while the other worker idles.
+#: A module missing here only runs in collection order; the list is a schedule, not a contract.
+LONG_MODULES = ("tests/streams/test_faults.py", "tests/gpuledger/test_exercise.py", "tests/gpuledger/test_replay.py",
+                "tests/e2e/test_gpu_identity.py", "tests/streams/test_app.py", "tests/producers/receiver/test_server.py",
+                "tests/sinks/test_service.py", "tests/streams/test_controls.py", "tests/gpuledger/dev/test_localkafka.py",
+                "tests/producers/kubernetes/test_collector.py", "tests/e2e/test_thin_path.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The real-cluster tier runs last: on a fresh machine .ci/run builds its Go binaries in
-    the background while the rest of the suite runs, so the tier waits least there."""
-    items.sort(key=lambda item: item.get_closest_marker("real_cluster") is not None)
+    """The order the scheduler hands out units in. With warm caches the real-cluster tier runs
+    first (its fixtures start the control plane and its tests mostly wait on it, so it overlaps
+    the rest of the suite on the other worker); on a fresh machine it runs last, as .ci/run builds
+    its Go binaries in the background meanwhile. Then the long modules, longest first."""
+    first = _real_cluster_binaries_built()
+
+    def key(item):
+        real = item.get_closest_marker("real_cluster") is not None
+        path = item.nodeid.split("::", 1)[0]
+        return (real != first, LONG_MODULES.index(path) if path in LONG_MODULES else len(LONG_MODULES))
+
+    items.sort(key=key)

@@ -438,6 +438,10 @@ class MlflowServer(_Peers):
             # event of its type is not used for that minute. One second, so that a new webhook
             # (a new test's receiver) takes effect at once.
             "MLFLOW_WEBHOOK_CACHE_TTL": str(self.webhook_cache_ttl_s),
+            # Its job runner (a Huey consumer process per job kind, about ten Python processes) serves
+            # GenAI jobs only; webhooks are delivered by the server's own threads. Off, the server
+            # starts faster and leaves the CPU to the rest of the cluster.
+            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
         }
         self._service("mlflow", [str(mlflow_bin)], [
             "server", "--backend-store-uri", f"sqlite:///{self.data_dir / 'mlflow.db'}",

@@ -103,6 +103,9 @@ def admit(real_cluster, kube, kafka_bootstrap, ledger):
     # session's nodes: free them (and the gated queue) before the next module places its own.
     core = k8s.CoreV1Api(kube)
     for ns in (PROD, STAGING, QUEUED):
+        # At once: KWOK removes a gracefully deleted pod only when its deletionTimestamp (now + the
+        # 30 s default grace period) has come, and no kubelet here has anything to stop before that.
+        core.delete_collection_namespaced_pod(ns, grace_period_seconds=0)
         core.delete_namespace(ns)
     custom.delete_cluster_custom_object("kueue.x-k8s.io", "v1beta2", "clusterqueues", f"cq-{SUFFIX}")
     custom.delete_cluster_custom_object("kueue.x-k8s.io", "v1beta2", "admissionchecks", CHECK)
