@@ -465,7 +465,7 @@ def evaluate(state: dict, ctx: Context) -> Evaluation:
     interests: set[str] = set()
     rows = list(state["rows"].values())
     if kind in ("pod", "uid", "wl"):
-        own = [r for r in rows if r.get("type", "").startswith("scheduler.")]
+        own = [r for r in rows if not _is_allocation(r) and r["type"].startswith("scheduler.")]
         interests.update(f"rid:{r['i']['release_id']}" for r in own if r["i"].get("release_id"))
         if kind == "pod":
             _artifact_digests(own, found, ctx, key)
@@ -485,7 +485,7 @@ def evaluate(state: dict, ctx: Context) -> Evaluation:
             _preemptor_side(preemptor_rows, victims, key, found, ctx)
             interests.update(f"rid:{v['rid']}" for v in victims.values() if v.get("rid"))
         if kind == "pod":
-            _forward_allocations([r for r in rows if "type" not in r], forwards, interests, ctx)
+            _forward_allocations([r for r in rows if _is_allocation(r)], forwards, interests, ctx)
     elif kind == "rel":
         rid = key[4:]
         interests.add(f"rid:{rid}")
@@ -496,6 +496,11 @@ def evaluate(state: dict, ctx: Context) -> Evaluation:
         _forward_allocations(rows, forwards, interests, ctx)
     future = [d for d in clock.deadlines if ctx.watermark is None or d > ctx.watermark]
     return Evaluation(found.items, forwards, min(future) if future else None, interests, key_version(state, ctx, clock))
+
+
+def _is_allocation(row: dict) -> bool:
+    """A compact allocation (``compact_allocation``), not a compact correlated row: it has no type."""
+    return "type" not in row
 
 
 def _forward_allocations(allocs: list[dict], forwards: dict, interests: set, ctx: Context) -> None:

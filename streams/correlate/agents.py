@@ -183,7 +183,6 @@ class Correlator:
                 expire(state, body["rows"])
             # "refresh": nothing to fold; the entity is re-derived below
             touched[key] = (p, state)
-        n_out = 0
         self.ctx.fault("correlate", "before_outputs")
         # Links between entities of this batch's partitions are folded here too, and their
         # targets re-derived before anything is emitted (up to LOCAL_PASSES rounds): a GPU
@@ -193,21 +192,23 @@ class Correlator:
         # travels on the route topic as well — that record, acknowledged before this batch's
         # states reach the changelog, is what makes it durable — and arrives as a no-op.
         local = {p for p, _, _ in messages}
-        rows: dict[str, dict] = {}
-        allocations: dict[str, dict] = {}
+        out_rows: dict[str, dict] = {}
+        out_allocs: dict[str, dict] = {}
+        refreshed: set[str] = set()
         for round_ in range(LOCAL_PASSES):
             linked: dict[str, tuple[int, dict]] = {}
             for key, (p, state) in touched.items():
                 memo = self.memos.setdefault(key, GpuMemo()) if kind_of(key) == "gpu" else None
                 outcome = refresh(state, self.directory, memo=memo)
                 self.store.put(p, key, state)
+                refreshed.add(key)
                 self.runtime.index(key, state["interests"])
                 for at_iso, row_id in outcome.parked:
                     self.runtime.park(at_iso, key, row_id)
                 for row in outcome.correlated:
-                    rows[row["correlation_id"]] = row  # a later round's version is higher
+                    out_rows[row["correlation_id"]] = row  # a later round's version is higher
                 for alloc in outcome.allocations:
-                    allocations[alloc["allocation_id"]] = alloc
+                    out_allocs[alloc["allocation_id"]] = alloc
                 self.stats["conflicts"] += outcome.conflicts
                 for target, link in outcome.forwards:
                     q = self.route.add(target, {"k": "link", "from": key, "link": link})
@@ -221,8 +222,8 @@ class Correlator:
             touched = linked
             if not touched:
                 break
-        self._emit(rows.values(), allocations.values())
-        n_out = len(rows)
+        self._emit(out_rows.values(), out_allocs.values())
+        n_out = len(out_rows)
         if watermark is not None:
             self.runtime.advance(watermark)
         for target, rows in self.runtime.due().items():
@@ -235,8 +236,8 @@ class Correlator:
         self.stats["parked"] = self.runtime.parked_count()
         self.stats["entities"] = len(self.store)
         self.counters.add_sent(n_out)
-        if touched:
-            log.info("correlated %d message(s) for %d entit(ies) into %d row(s)", len(messages), len(touched), n_out)
+        if refreshed:
+            log.info("correlated %d message(s) for %d entit(ies) into %d row(s)", len(messages), len(refreshed), n_out)
 
     async def commit_routes(self) -> None:
         """The route stage's epoch commit: every routed record acknowledged."""
