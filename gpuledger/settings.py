@@ -145,7 +145,7 @@ class StreamsSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="GPULEDGER_STREAMS_", extra="ignore")
 
-    app_id: str = Field(default="gpuledger", description="Faust app id = consumer group, and the run's topic namespace (`<prefix>.<app id>.*`); a new one is a replay.")
+    app_id: str = Field(default="gpuledger", description="Faust app id = consumer group of the internal hops (the route stage reads the raw topics as `<app id>.route`, the sink as `<app id>.sinks`), and the run's topic namespace (`<prefix>.<app id>.*`); a new one is a replay.")
     web_port: int = Field(default=0, ge=0, le=65535, description="Worker's loopback web port (health, read-only queries); 0 picks a free port.")
     park_ttl_s: float = Field(default=300.0, gt=0, description="Event-time seconds an event waits for its identity before it is emitted unattributed.")
     park_idle_flush_s: float = Field(default=10.0, gt=0, description="Wall-clock seconds without input after which every parked event is emitted (an idle source must not hold rows back).")
@@ -153,8 +153,8 @@ class StreamsSettings(BaseSettings):
     pack_max: int = Field(default=1000, ge=1, description="Most messages packed into one record on the internal route and controls topics.")
     packed_batch_messages: int = Field(default=50_000, ge=1, description="About how many packed messages the correlation and controls agents take per batch (packed_batch_messages // pack_max records): larger batches write each touched entity's state once for more input; a batch holds the event loop, and every other agent with it, while it runs.")
     commit_interval_s: float = Field(default=1.0, gt=0, le=60, description="Seconds between an agent's epoch commits: outputs acknowledged, then the changed states' changelog, then the input offsets (`streams/runner.py`). A key's state is written once per commit however many batches touched it; a crash re-processes at most this much input.")
-    fault: str | None = Field(default=None, pattern=r"^(correlate|controls):(before_outputs|during_outputs|after_outputs|after_changelog):[1-9][0-9]*$",
-                              description="Fault injection for the crash tests: 'STAGE:POINT:N' ends the process at once (as kill -9 would) the Nth time STAGE (correlate, controls) reaches POINT in a batch or an epoch commit: before_outputs (state folded, nothing produced), during_outputs (produced, not acknowledged), after_outputs (the commit's outputs acknowledged, state not written), after_changelog (state written, input not acked).")
+    fault: str | None = Field(default=None, pattern=r"^(route|correlate|controls):(before_outputs|during_outputs|after_outputs|after_changelog):[1-9][0-9]*$",
+                              description="Fault injection for the crash tests: 'STAGE:POINT:N' ends the process at once (as kill -9 would) the Nth time STAGE (route, correlate, controls) reaches POINT in a batch or an epoch commit: before_outputs (state folded, nothing produced), during_outputs (produced, not acknowledged), after_outputs (the commit's outputs acknowledged, state not written; the route stage's: offsets not committed), after_changelog (state written, input not acked).")
     replay_from: datetime | None = Field(default=None, description="Start of the event-time range (occurred_at, inclusive; no zone means UTC) this run processes: the route stage and the raw sink skip earlier events (`gpuledger replay --from`). The release directory reads every release regardless. Unset: no lower bound.")
     replay_to: datetime | None = Field(default=None, description="End of that range (exclusive): later events are skipped (`gpuledger replay --to`). Unset: no upper bound.")
 

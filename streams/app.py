@@ -1,13 +1,16 @@
 """The one Faust app: correlate raw events, judge the controls, sink into ClickHouse.
 
 Input: the four raw topics (scheduler, gpu, release, alert), co-partitioned and keyed
-by the shared correlation key. Output, all in the run's own topics (``<prefix>.<app
+by the shared correlation key, read by the route stage's own consumer group
+(``<app id>.route``, ``streams.correlate.intake``); the Faust agents read the run's
+internal topics. Output, all in the run's own topics (``<prefix>.<app
 id>.*``, ``schemas.topics.RunTopics``): correlated rows, enriched alerts, GPU
 allocation intervals, violations, dead letters — and, through the sink agents, the
 ClickHouse tables.
 
 Agents (each in the module that holds its logic):
-  - ``route_events``, ``correlate_entities`` (``streams.correlate.agents``);
+  - ``route_events`` (a task around a plain consumer of the raw topics:
+    ``streams.correlate.intake``), ``correlate_entities`` (``streams.correlate.agents``);
   - ``evaluate_controls`` (``streams.controls.agents``);
   - the sink, in a process of its own that the worker starts and supervises
     (``sinks.service``: a plain consumer in its own group, ``<app id>.sinks``).
@@ -15,8 +18,9 @@ Agents (each in the module that holds its logic):
 Before the worker joins its consumer group it creates every topic it reads or writes
 and waits until the broker's metadata shows them (a consumer that subscribes to a
 topic the broker does not show yet ignores it for the life of the process). After
-every rebalance it checks that each agent got its partitions; ``/gpuledger/health/``
-says ``degraded`` (and names the topic) when one did not.
+every rebalance it checks that each agent got its partitions, and the route stage that
+its consumer got the raw topics' (``assignment_health``); ``/gpuledger/health/`` says
+``degraded`` (and names the topic) when one did not.
 
 The worker's sink process owns the embedded store and serves the CLI's read-only
 queries (token-protected, recorded beside the data dir: ``sinks.service``). The
@@ -59,7 +63,8 @@ class WorkerContext:
         self.output = BatchOutput(self.consumer_config, f"gpuledger-{settings.streams.app_id}", self.run.deadletter)
         self.directory = ReleaseDirectory()
         self.stats: dict = {}
-        self.subscriptions: dict = {"ok": False, "problems": ["not assigned yet"]}
+        self.subscriptions: dict = {"ok": False, "problems": ["not assigned yet"]}  # the Faust agents' (route, controls)
+        self.intake = None  # streams.correlate.intake.RawIntake: the route stage's own consumer of the raw topics
         self._counters: dict[str, ComponentCounters] = {}
         self.correlator = None
         self.controller = None
@@ -108,10 +113,11 @@ class WorkerContext:
     def health(self, sink: dict | None = None) -> dict:
         """This worker's state, merged with its sink's health page (``sink``; None: the
         sink did not answer, or this worker runs none)."""
-        ok = self.subscriptions["ok"] and self.directory.ready.is_set()
+        subscriptions = self.assignment_health()
+        ok = subscriptions["ok"] and self.directory.ready.is_set()
         health = {
             "status": "ok" if ok else "degraded",
-            "subscriptions": self.subscriptions,
+            "subscriptions": subscriptions,
             "release_directory": {"ready": self.directory.ready.is_set(), "releases": len(self.directory.releases)},
             "stats": {**self.stats, "outputs_produced": dict(self.output.produced), "output_dead_letters": self.output.dead_letters,
                       "changelog_unchanged_skipped": sum(a.store.unchanged_skipped for a in (self.correlator, self.controller) if a)},
@@ -129,6 +135,16 @@ class WorkerContext:
                 health["stats"].update(sink.get("stats", {}))
                 health["counters"].update(sink.get("counters", {}))
         return health
+
+    def assignment_health(self) -> dict:
+        """The Faust agents' assignment check (after their last rebalance) and the route
+        stage's (its own group over the raw topics): ``ok`` only when both are."""
+        faust_side = self.subscriptions
+        if self.intake is None:
+            return faust_side
+        raw = self.intake.assignment_check()
+        return {"ok": faust_side["ok"] and raw["ok"], "problems": [*faust_side["problems"], *raw["problems"]],
+                "partitions": faust_side.get("partitions", []), "raw_partitions": raw["partitions"]}
 
     async def sink_health(self) -> dict | None:
         """The sink process's health page, or None when it does not answer within 2 s."""
@@ -193,12 +209,11 @@ def create_app(settings) -> faust.App:
     def topic(*names, partitions=None):
         return app.topic(*names, key_serializer="raw", value_serializer="raw", partitions=partitions)
 
-    raw = topic(*cat.raw_topics)
     route = topic(run.route, partitions=run.partitions)
     controls = topic(run.controls, partitions=run.partitions)
-    install_correlate_agents(app, ctx, raw, route)
+    install_correlate_agents(app, ctx, route)
     install_control_agents(app, ctx, controls)
-    expected = {t: cat.raw_partitions for t in (*cat.raw_topics, run.route, run.controls)}
+    expected = {t: cat.raw_partitions for t in (run.route, run.controls)}
 
     @app.on_rebalance_complete.connect
     async def _check_subscriptions(sender, **kwargs):

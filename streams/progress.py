@@ -6,9 +6,10 @@ offsets — and the worker's health page (``/gpuledger/health/``). Output:
 one definition of "this run has processed everything published before we asked",
 used by ``gpuledger replay`` and the tests that compare whole runs.
 
-A worker run reads through two consumer groups (``worker_groups``): the Faust agents'
-(the app id: raw topics, the internal route and controls hops) and the sink loop's
-(``<app id>.sinks``: raw topics, dead letters and the run's outputs). Caught up, all of:
+A worker run reads through three consumer groups (``worker_groups``): the route stage's
+(``<app id>.route``: the raw topics), the Faust agents' (the app id: the internal route
+and controls hops) and the sink loop's (``<app id>.sinks``: raw topics, dead letters and
+the run's outputs). Caught up, all of:
   - on every catalogue topic a group reads (the raw topics, the edge dead-letter topic)
     its committed offset reached the end offset captured when the ``RunProgress`` was
     made;
@@ -16,7 +17,7 @@ A worker run reads through two consumer groups (``worker_groups``): the Faust ag
   - the worker's health says ``status`` ok and ``stats.parked`` 0;
 and that twice in a row, a second apart: between two looks a housekeeping pass (idle
 flush of parked rows, a release change re-attributing its dependents) may put new
-messages on the internal topics. "Done" counts a raw record once both groups have it.
+messages on the internal topics. "Done" counts a raw record once every group reading it has it.
 
 Limits: records published after the snapshot are processed but not waited for. Which
 group reads what is written here, not derived from the code that subscribes
@@ -55,7 +56,8 @@ def worker_groups(catalogue: TopicCatalogue, app_id: str) -> dict[str, tuple[str
     partition loads, never committed)."""
     run = catalogue.run(app_id)
     return {
-        app_id: (*catalogue.raw_topics, run.route, run.controls),
+        app_id: (run.route, run.controls),
+        f"{app_id}.route": tuple(catalogue.raw_topics),
         f"{app_id}.sinks": (*catalogue.raw_topics, catalogue.deadletter, run.correlated, run.allocations, run.violations, run.deadletter),
     }
 

@@ -19,8 +19,11 @@ batches in between never wait.
 
 Acks are held back with Faust's own reference count: Faust's ``take_events`` acks a
 batch's events when the agent's body leaves the batch, so the body takes one more
-reference on each event's message (``Message.incref``) and the epoch drops it
-(``Event.ack``) at commit time — the offset becomes committable then, and not before.
+reference on each event's message (``Message.incref``: ``hold_faust_events``) and the
+epoch drops it (``Event.ack``: ``release_faust_events``) at commit time — the offset
+becomes committable then, and not before. A stage reading with a consumer of its own
+(the route stage, ``streams.correlate.intake``) passes ``hold=None`` and a ``release``
+that commits the epoch's offsets.
 
 Failures:
 - ``handle(events)`` processes a whole batch or raises; when it raises, the agent's
@@ -57,6 +60,21 @@ def _tp(event) -> tuple[str, int]:
     return event.message.topic, event.message.partition
 
 
+def hold_faust_events(events: list) -> None:
+    """Faust's ``take_events`` acks on leaving the body; one more reference on each
+    event's message keeps its offset uncommitted until the epoch drops it."""
+    for ev in events:
+        ev.message.incref()
+
+
+def release_faust_events(events: list) -> None:
+    """Drop the epoch's reference: the offsets become committable (by Faust's committer)."""
+    for ev in events:
+        message = ev.message
+        if ev.ack():  # the last reference: the offset may be committed now
+            ev.app.sensors.on_message_out(message.tp, message.offset, message)
+
+
 class Epoch:
     """One agent's handled-but-unacked events and the commit that makes them durable.
 
@@ -67,7 +85,9 @@ class Epoch:
 
     def __init__(self, name: str, handle: Callable[[list], Awaitable[None]], reset: Callable[[list], Awaitable[None]],
                  dead: Callable[[object, BaseException], Awaitable[None]], commit: Callable[[], Awaitable[None]],
-                 interval_s: float = COMMIT_INTERVAL_S, max_events: int = 200_000) -> None:
+                 interval_s: float = COMMIT_INTERVAL_S, max_events: int = 200_000,
+                 hold: Callable[[list], None] | None = hold_faust_events,
+                 release: Callable[[list], None] = release_faust_events) -> None:
         self.name = name
         self.handle = handle
         self.reset = reset
@@ -75,6 +95,8 @@ class Epoch:
         self.commit = commit
         self.interval_s = interval_s
         self.max_events = max_events
+        self.hold = hold
+        self.release = release
         self.pending: list = []
         self._since: float | None = None
         self._lock = asyncio.Lock()
@@ -88,8 +110,8 @@ class Epoch:
         """Handle one batch (failures as the module docstring says) and commit the epoch
         if it is due. Holds the events' acks until a commit covers them."""
         async with self._lock:
-            for ev in events:
-                ev.message.incref()  # Faust's take_events acks on leaving the body; this reference keeps the offset uncommitted
+            if self.hold is not None:
+                self.hold(events)
             await self._handle(events)
             self.batches += 1
             self.pending.extend(events)
@@ -136,10 +158,7 @@ class Epoch:
     async def _commit(self) -> None:
         await self.commit()
         pending, self.pending, self._since = self.pending, [], None
-        for ev in pending:
-            message = ev.message
-            if ev.ack():  # the last reference: the offset may be committed now
-                ev.app.sensors.on_message_out(message.tp, message.offset, message)
+        self.release(pending)
         self.commits += 1
         self.acked += len(pending)
 

@@ -9,7 +9,9 @@ enriched alerts, GPU allocation intervals, the control inputs (packed on
 Topology:
   - ``route_events`` validates each raw record once (pydantic; poison → dead letter),
     re-keys it to its entity (``routing.entity_key``) and packs it on the route topic,
-    addressed to the entity's partition.
+    addressed to the entity's partition. It reads the raw topics through a plain
+    consumer of its own group, not as a Faust agent (``streams.correlate.intake``: it is
+    stateless, and Faust's per-record path cost more than the whole correlation).
   - ``correlate_entities`` unpacks routed messages, folds them into the entities of a
     ``PartitionStore`` (recovered from the run's entity changelog on assignment),
     re-derives each touched entity once per batch (``entities.refresh``) — and the
@@ -39,6 +41,7 @@ from schemas.outputs import dead_letter
 from streams.controls.rules import allocation_key, compact_allocation, compact_row, row_key
 from streams.correlate.directory import ReleaseDirectory, follow_release_topic
 from streams.correlate.entities import GpuMemo, expire, fold_event, fold_link, iso, kind_of, new_entity, refresh
+from streams.correlate.intake import RawIntake
 from streams.correlate.routing import entity_key, routed_form
 from streams.packing import Packer, partition_for, unpack
 from streams.runner import Epoch, run_batches
@@ -240,8 +243,10 @@ class Correlator:
             log.info("correlated %d message(s) for %d entit(ies) into %d row(s)", len(messages), len(refreshed), n_out)
 
     async def commit_routes(self) -> None:
-        """The route stage's epoch commit: every routed record acknowledged."""
+        """The route stage's epoch commit: every routed record acknowledged (the intake
+        commits the epoch's offsets after this returns)."""
         await self.ctx.output.flush()
+        self.ctx.fault("route", "after_outputs")
 
     async def commit_entities(self) -> None:
         """The correlation stage's epoch commit (``WorkerContext.commit_state``)."""
@@ -314,18 +319,21 @@ class Correlator:
             await self.ctx.output.flush()
 
 
-def install_correlate_agents(app, ctx, raw_topic, route_topic) -> Correlator:
+def install_correlate_agents(app, ctx, route_topic) -> Correlator:
     corr = Correlator(ctx)
     ctx.correlator = corr
     interval = ctx.settings.streams.commit_interval_s
-    routes = ctx.epochs["route_events"] = Epoch("route_events", corr.route_batch, corr.reset, corr.dead, corr.commit_routes, interval)
+    intake = ctx.intake = RawIntake(ctx.settings, ctx.consumer_config, ctx.catalogue.raw_topics,
+                                    ("route_events", corr.route_batch, corr.reset, corr.dead, corr.commit_routes, interval))
+    ctx.epochs["route_events"] = intake.epoch
     entities = ctx.epochs["correlate_entities"] = Epoch("correlate_entities", corr.correlate_batch, corr.reset, corr.dead,
                                                         corr.commit_entities, interval)
 
-    @app.agent(raw_topic, name="route_events")
-    async def route_events(stream):
-        """Decode raw events, dead-letter poison, re-key each event to its entity."""
-        await run_batches(stream, routes, batch=ctx.settings.streams.batch_max)
+    @app.task
+    async def route_events():
+        """Decode raw events, dead-letter poison, re-key each event to its entity (a plain
+        consumer, not a Faust agent: ``streams.correlate.intake``)."""
+        await intake.run()
 
     @app.agent(route_topic, name="correlate_entities")
     async def correlate_entities(stream):

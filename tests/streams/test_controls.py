@@ -91,7 +91,8 @@ def test_violations_open_close_and_replay_to_the_same_latest_state(kafka_bootstr
     # agent — the controls' included — got its partitions, and health says so.
     with urllib.request.urlopen(f"{live.url}/gpuledger/health/", timeout=5) as resp:
         health = json.loads(resp.read())
-    assert health["status"] == "ok" and health["subscriptions"] == {"ok": True, "problems": [], "partitions": [0, 1, 2, 3]}
+    assert health["status"] == "ok" and health["subscriptions"] == {"ok": True, "problems": [], "partitions": [0, 1, 2, 3],
+                                                                                 "raw_partitions": [0, 1, 2, 3]}
     assert health["stats"]["controls_in"] > 0 and health["stats"]["violations_out"] >= 3
 
     publish(kafka_bootstrap, catalogue, SECOND)

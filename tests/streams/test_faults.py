@@ -8,7 +8,8 @@ without interruption; then workers are killed (``GPULEDGER_STREAMS_FAULT``: the
 process ends at once, as kill -9 would) at a chosen point of a chosen batch — before
 the batch produced anything, while its outputs are in flight, after they were
 acknowledged but before the state was written, after the state was written but
-before the batch was acked — and restarted on the same data dir and consumer group.
+before the batch was acked; and in the route stage after its routed records were
+acknowledged but before its offsets were committed — and restarted on the same data dir and consumer group.
 Every table, compared by checksum over FINAL (``sinks.checksum``), must end identical
 to the reference's, versions included.
 """
@@ -204,7 +205,7 @@ def test_a_replay_rebuilds_every_table_identically(kafka_bootstrap, history, ref
     assert replay.stop_and_checksum() == reference.sums
 
 
-@pytest.mark.parametrize("fault", ["correlate:before_outputs:3", "correlate:during_outputs:4", "correlate:after_outputs:3",
+@pytest.mark.parametrize("fault", ["route:after_outputs:1", "correlate:before_outputs:3", "correlate:during_outputs:4", "correlate:after_outputs:3",
                                    "correlate:after_changelog:5", "controls:during_outputs:2", "controls:after_outputs:3"])
 def test_a_crash_at_any_point_of_a_batch_heals_to_the_uninterrupted_tables(kafka_bootstrap, history, reference, tmp_path, fault):
     cat, n = history

@@ -20,7 +20,7 @@ class RecordingConsumer:
         self.group, self.topics = config["group.id"], []
         RecordingConsumer.made.append(self)
 
-    def subscribe(self, topics) -> None:
+    def subscribe(self, topics, **_callbacks) -> None:
         self.topics = list(topics)
 
 
