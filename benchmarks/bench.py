@@ -39,6 +39,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -141,6 +142,40 @@ class WorkerRun:
     queryable_s: float | None
     settled: bool = False
     notes: list[str] = field(default_factory=list)
+    cpu_ms_per_event: dict | None = None  # {"worker": ms, "sink": ms} over the rate's window
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of ``pid`` and each of its descendants, now, by pid —
+    read from /proc: the standard library has no per-process CPU of other processes, and
+    one function does not justify a dependency (psutil) the product does not need."""
+    children: dict[int, list[int]] = {}
+    times: dict[int, float] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        child = int(stat.parent.name)
+        children.setdefault(int(fields[1]), []).append(child)  # fields after "(comm)": state, ppid, ...
+        times[child] = (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime
+    out, todo = {}, [pid]
+    while todo:
+        p = todo.pop()
+        if p in times:
+            out[p] = times[p]
+        todo.extend(children.get(p, ()))
+    return out
+
+
+def cpu_split(before: dict[int, float], after: dict[int, float], root: int) -> tuple[float, float]:
+    """(root's CPU seconds, its descendants') between two ``cpu_seconds`` readings."""
+    own = after.get(root, 0.0) - before.get(root, 0.0)
+    rest = sum(t - before.get(p, 0.0) for p, t in after.items() if p != root)
+    return own, rest
 
 
 def worker_env(bootstrap: str, prefix: str, app_id: str, data_dir: Path) -> dict[str, str]:
@@ -175,18 +210,30 @@ def follow_worker(service: ServiceProcess, url: str, reader: RemoteReader, expec
     from that first batch until ≥ 99 % of the inputs are queryable."""
     first: list[float] = []
     n_first = [0]
+    cpu_first: list = []  # (CPU readings, correlated_in) at the first look that saw a routed batch
 
     def correlated():
         stats = health(url)
         n = stats.get("routed", 0)
         if n and not first:
-            first.append(time.monotonic())
-            n_first[0] = n
+            cpu_first.append((cpu_seconds(service.proc.pid), stats.get("correlated_in", 0)))
+            first.append(stats.get("first_route_batch_at", time.monotonic()))
+            # The events of the first routed batch only, as the pass-through leaves out its
+            # first batch's (the route stage may have routed several batches by this look).
+            n_first[0] = stats.get("first_route_batch", n)
         return stats.get("correlated_in", 0) >= expected
 
     wait_until(f"the worker to correlate {expected} events (health stats correlated_in)", timeout, correlated, alive=service)
     done = time.monotonic()
+    cpu_done = cpu_seconds(service.proc.pid)
     rate = (expected - n_first[0]) / (done - first[0]) if done > first[0] and expected > n_first[0] else None
+    cpu = None
+    if cpu_first and expected > cpu_first[0][1]:
+        # CPU per event correlated between the two looks: what a loaded machine disturbs far
+        # less than a rate (the worker's own process; its sink apart).
+        own, sink = cpu_split(cpu_first[0][0], cpu_done, service.proc.pid)
+        n_cpu = expected - cpu_first[0][1]
+        cpu = {"worker": own * 1000 / n_cpu, "sink": sink * 1000 / n_cpu}
     queryable = None
     try:
         wait_until(f"≥ 99% of {expected} rows to be queryable in {DB}.correlated_events", timeout,
@@ -194,7 +241,7 @@ def follow_worker(service: ServiceProcess, url: str, reader: RemoteReader, expec
         queryable = time.monotonic() - first[0]
     except BenchError as exc:
         print(f"  ! {exc}", flush=True)
-    run = WorkerRun(events=expected, events_per_s=rate, correlated_s=done - first[0], queryable_s=queryable)
+    run = WorkerRun(events=expected, events_per_s=rate, correlated_s=done - first[0], queryable_s=queryable, cpu_ms_per_event=cpu)
     if rate is None:
         run.notes.append("every input arrived in the first routed batch: too few events to measure a rate")
     return run
@@ -321,24 +368,34 @@ class Bench:
              "--datadir", str(progress.parent), "--progress", str(progress), "--partitions", str(self.catalogue.raw_partitions)],
             {}, self.work / "passthrough" / "passthrough.log", program=(sys.executable, str(REPO / "benchmarks" / "passthrough.py"))))
 
+        cpu_first: list = []  # (CPU readings, events) at the first look after its first batch
+
         def state():
             try:
                 s = json.loads(progress.read_text())
             except (OSError, ValueError):
                 return None
+            if not cpu_first and s["batches"]:
+                cpu_first.append((cpu_seconds(child.proc.pid), s["events"]))
             return s if s["events"] >= expected else None
 
         try:
             s = wait_until(f"the Faust pass-through to process {expected} events", self.args.timeout, state, poll=0.2, alive=child)
+            cpu_done = cpu_seconds(child.proc.pid)
         finally:
             self.stop(child)
+        cpu_ms = None
+        if cpu_first and s["events"] > cpu_first[0][1]:
+            cpu_ms = sum(cpu_split(cpu_first[0][0], cpu_done, child.proc.pid)) * 1000 / (s["events"] - cpu_first[0][1])
         written = end_offsets(self.bootstrap, [output]).get(output, 0)
         if written < expected:
             raise BenchError(f"pass-through reported {s['events']} events but {output} holds {written} records")
         span = s["last_batch_done"] - s["first_batch_done"]
         rate = (s["events"] - s["first_batch_events"]) / span if span > 0 else None
         print(f"    {fmt_rate(rate)} events/s ({s['events']:,} in {s['batches']} batches, {span:.1f}s after the first)", flush=True)
-        self.results["passthrough"] = {"events_per_s": rate, "seconds": span, "batches": s["batches"]}
+        self.results["passthrough"] = {"events_per_s": rate, "seconds": span, "batches": s["batches"], "cpu_ms_per_event": cpu_ms}
+        if cpu_ms is not None:
+            print(f"    CPU {cpu_ms:.3f} ms per event", flush=True)
         return rate
 
     def worker(self, name: str, app_id: str, data_dir: Path, expected: int, extra_env: dict | None = None,
@@ -359,6 +416,9 @@ class Bench:
             self.stop(service)
         print(f"    {fmt_rate(run.events_per_s)} events/s correlated ({expected:,} in {run.correlated_s:.1f}s), "
               f"≥99% queryable {fmt_s(run.queryable_s)} after the first batch", flush=True)
+        if run.cpu_ms_per_event:
+            print(f"    CPU per event: worker {run.cpu_ms_per_event['worker']:.3f} ms, its sink {run.cpu_ms_per_event['sink']:.3f} ms",
+                  flush=True)
         self.results[name] = asdict(run)
         return run
 
@@ -567,6 +627,12 @@ def report(r: dict) -> str:
     lines.append(f"worker / pass-through = {wp:.0f} %  (target ≥ {TARGETS['worker_vs_passthrough_pct']:.0f} %)" if wp
                  else "worker / pass-through = n/a")
     lines.append(f"replay / worker = {rw:.2f}" if rw else "replay / worker = n/a")
+    pt_cpu, w_cpu = (r.get("passthrough") or {}).get("cpu_ms_per_event"), (r.get("worker") or {}).get("cpu_ms_per_event")
+    if pt_cpu and w_cpu:
+        # The same comparison in CPU (what a loaded machine disturbs least): the worker's own
+        # process per correlated event against the pass-through's per passed event.
+        lines.append(f"CPU per event: pass-through {pt_cpu:.3f} ms, worker {w_cpu['worker']:.3f} ms (+ sink {w_cpu['sink']:.3f} ms); "
+                     f"pass-through / worker = {pt_cpu / w_cpu['worker'] * 100:.0f} %")
     if "outputs" in r:
         lines.append(f"outputs per input event = {r['outputs']['per_input']:.2f}  (target ≤ {TARGETS['outputs_per_input']:.0f})")
     if "latency" in r:

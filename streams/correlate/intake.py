@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 #: window, ``streams.runner.WITHIN_S``).
 WITHIN_S = 0.1
 REPORT_EVERY_S = 60.0
+#: Bytes a fetch takes of one partition (librdkafka's default is 1 MiB, ~2,000 events: a
+#: whole batch of one topic's partition while the others wait for the next).
+PARTITION_FETCH_BYTES = 64 * 1024
 
 
 class RawRecord:
@@ -84,6 +87,9 @@ class RawIntake:
             # Co-partitioned topics: each member gets the same partition numbers of every raw topic.
             "partition.assignment.strategy": "range",
             "max.poll.interval.ms": 600_000,
+            # A batch returns records partition by partition as fetched; small per-partition
+            # fetches make one batch span every raw topic (route_batch orders it by event time).
+            "max.partition.fetch.bytes": PARTITION_FETCH_BYTES,
             "on_commit": self._on_commit,
             "logger": logging.getLogger("librdkafka"),
         })

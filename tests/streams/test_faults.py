@@ -109,7 +109,10 @@ class Run:
     def wait_crashed(self, timeout: float = 180) -> int:
         deadline = time.monotonic() + timeout
         while self.service.alive():
-            assert time.monotonic() < deadline, f"the fault never fired:\n{self.service.log_tail()}"
+            if time.monotonic() >= deadline:
+                tail = self.service.log_tail()
+                self.service.stop(grace=10)  # a failed test must not leave its worker running
+                pytest.fail(f"the fault never fired:\n{tail}")
             time.sleep(0.2)
         return self.service.proc.returncode
 
@@ -131,7 +134,9 @@ class Run:
             try:
                 wait_caught_up(progress, lambda: worker_health(self.url()), timeout=timeout)
             except TimeoutError as exc:
-                pytest.fail(f"{exc}\n{self.service.log_tail()}")
+                tail = self.service.log_tail()
+                self.service.stop(grace=10)
+                pytest.fail(f"{exc}\n{tail}")
         assert self.stored() >= expected_rows
         return self.health()
 
