@@ -159,16 +159,17 @@ class Loose:
     and dead-lettered (``TableWriter``).
     """
 
-    __slots__ = ("_data", "_defaults")
-
     def __init__(self, data: dict, defaults: dict) -> None:
-        self._data, self._defaults = data, defaults
+        # The fields become plain attributes (a null one reads as its default): the row
+        # builders read each several times, and a __getattr__ per read cost ~10 % of the sink.
+        fields = self.__dict__
+        fields.update(defaults)
+        fields.update({k: v for k, v in data.items() if v is not None})
+        if type(fields.get("identity")) is dict:
+            fields["identity"] = Loose(fields["identity"], {})
 
     def __getattr__(self, name: str):
-        value = self._data.get(name)
-        if value is None:
-            value = self._defaults.get(name)
-        return Loose(value, {}) if type(value) is dict and name == "identity" else value
+        return None  # only for a field the object lacks (and that has no default)
 
 
 def _required(model) -> tuple[tuple[str, ...], dict]:

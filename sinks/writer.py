@@ -148,17 +148,20 @@ class TableWriter:
     def insert_once(self, rows: list[list]) -> None:
         """One blocking insert; raises StoreUnavailable (retriable) or RowsRejected.
 
-        Rows travel as one ``JSONEachRow`` block that ClickHouse parses itself: measured
-        ~7x faster than clickhouse-connect's typed insert, which serialises every value in
-        Python (the sink was the slowest stage of the worker). A value ClickHouse cannot
-        parse is refused with its code (CANNOT_PARSE_*), classified like any rejection.
+        Rows travel as one ``JSONCompactEachRow`` block (a JSON array per row, in the
+        insert's column order) that ClickHouse parses itself: measured ~7x faster than
+        clickhouse-connect's typed insert, which serialises every value in Python (the sink
+        was the slowest stage of the worker); arrays rather than ``JSONEachRow`` objects
+        spare building a dict per row (13 % of the sink's CPU in py-spy). A value ClickHouse
+        cannot parse is refused with its code (CANNOT_PARSE_*), classified like any rejection.
         """
         client = self.store.get()  # raises StoreUnavailable / StoreLocked while unreachable
         columns = self.columns
-        block = b"\n".join(orjson.dumps(dict(zip(columns, row)), default=str) for row in rows)
+        dumps = orjson.dumps
+        block = b"\n".join([dumps(row, default=str) for row in rows])
         with driver_call() as report:
             try:
-                client.raw_insert(self.table, column_names=columns, insert_block=block, fmt="JSONEachRow",
+                client.raw_insert(self.table, column_names=columns, insert_block=block, fmt="JSONCompactEachRow",
                                   settings={**JSON_INSERT_SETTINGS, **self.insert_settings})
             except Exception as exc:  # noqa: BLE001 - driver errors vary by backend; classified below
                 error = classify_insert_error(exc, self.table, len(rows), report.serialization_failed)
