@@ -10,10 +10,13 @@ Publishes the event mix (benchmarks/mix.py) ONCE to fresh raw topics on a local 
    chDB directory (in this process). What Python + Kafka + chDB can do at all.
 2. **Faust pass-through** — benchmarks/passthrough.py as a child process: one Faust agent,
    ``take_events(1000, within=0.2)``, decode, produce through librdkafka, flush per batch.
-   Faust's own ceiling; measured from its first processed batch to its last.
+   Faust's own ceiling; measured from its first processed batch to its last (the first
+   batch's events left out), and its CPU per event (process tree, from /proc) over the same.
 3. **worker** — ``gpuledger worker`` (fresh app id, own chDB store): correlated events/s
-   from its health stats (first routed batch → ``correlated_in`` = all inputs), and the
-   time until ≥ 99 % of the inputs are queryable. Then, once the store is settled, the
+   from its health stats (the end of its first routed batch, ``first_route_batch_at``,
+   → ``correlated_in`` = all inputs; that batch's events left out, as phase 2's), the
+   CPU per event of the worker process and of its sink process apart, and the time until
+   ≥ 99 % of the inputs are queryable. Then, once the store is settled, the
    records it wrote to Kafka: every topic named ``<prefix>…`` except the raw inputs
    (outputs, route hops, changelogs — whatever the worker creates), per input event.
 4. **latency** — a fresh prefix and app id; the worker starts first and stores the mix's
@@ -27,7 +30,8 @@ Publishes the event mix (benchmarks/mix.py) ONCE to fresh raw topics on a local 
 5. **replay** — phase 3's raw topics again, new app id, new store: events/s, and per-table
    checksums (sinks/checksum.py) compared with phase 3's store.
 
-Prints one table plus ratios against the targets, and ``--json`` writes every number.
+Prints one table plus ratios against the targets (and the pass-through/worker ratio in CPU
+per event, which a loaded machine disturbs less than the rates), and ``--json`` writes every number.
 Every wait has a timeout (``--timeout``) and says what it waited for; every broker and
 process started here is stopped on the way out. Not a test: numbers depend on the
 machine (run it on the 2-core target, with nothing else running).
