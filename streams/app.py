@@ -235,11 +235,17 @@ def create_app(settings) -> faust.App:
 
     @app.timer(max(0.05, conf.commit_interval_s / 2))
     async def _commit_idle_epochs():
-        """Commit an epoch whose input stopped before it was due (``streams.runner``)."""
-        if app.rebalancing:
-            return
+        """Commit an epoch whose input stopped before it was due (``streams.runner``) — and
+        every epoch at once while a rebalance is under way: before Faust gives partitions up
+        it waits until every message it handed out is acked (``stream_wait_empty``), and
+        only a commit acks an epoch's messages (skipping commits then held every rebalance
+        until Faust's wait gave up). The revoked partitions' state is durable afterwards,
+        so their next owner recovers it instead of re-processing the epoch."""
         for epoch in ctx.epochs.values():
-            await epoch.commit_if_due()
+            if app.rebalancing:
+                await epoch.commit_now()
+            else:
+                await epoch.commit_if_due()
 
     @app.timer(1.0)
     async def _supervise_sink():
@@ -284,6 +290,8 @@ def stop_within(app: faust.App, worker, sink) -> None:
         logging.shutdown()
         os._exit(0)
 
+    commits: list[asyncio.Future] = []  # referenced until done
+
     @app.task
     async def _watch_sigterm():
         loop = asyncio.get_running_loop()
@@ -294,9 +302,30 @@ def stop_within(app: faust.App, worker, sink) -> None:
             timer.daemon = True
             timer.start()
             sink.signal_stop()  # the sink stops (its batch stored and committed) while Faust does
+            # Faust's stop first waits until every message it handed out is acked, and its
+            # timers (ours included) have stopped by then: the epochs commit here, beside it,
+            # until the loop closes (a batch Faust had already buffered still arrives).
+            # Without this every clean stop ran into the hard stop above.
+            commits.append(asyncio.ensure_future(commit_epochs_while_stopping(app.gpuledger)))
             original()
 
         loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+
+
+STOP_COMMIT_EVERY_S = 0.1
+
+
+async def commit_epochs_while_stopping(ctx: WorkerContext) -> None:
+    """Commit every agent's epoch (outputs, then state, then the acks) now and every
+    ``STOP_COMMIT_EVERY_S`` until the worker's loop closes (a stop; cancelled then)."""
+    while True:
+        for name, epoch in ctx.epochs.items():
+            try:
+                await epoch.commit_now()
+            except Exception:  # noqa: BLE001 - the stop goes on; the epoch is simply not acked
+                log.exception("%s: the epoch could not be committed at stop; it is processed again after a restart", name)
+                return
+        await asyncio.sleep(STOP_COMMIT_EVERY_S)
 
 
 def run_worker(settings, loglevel: str = "info") -> None:
