@@ -100,3 +100,49 @@ def test_two_workers_in_one_group_produce_what_one_produces(kafka_bootstrap, cat
             return
         time.sleep(1)
     raise AssertionError(f"union of two workers' outputs differs: {set(want) ^ set(latest)}")
+
+
+def test_a_clean_stop_commits_the_open_epochs_and_leaves_without_the_hard_stop(kafka_bootstrap, catalogue, worker_factory):
+    """SIGTERM while every stage holds an uncommitted epoch (a 60 s commit interval keeps the
+    timer out of it): the epochs commit during Faust's own stop, which waits for its streams'
+    acks, so the worker stops before its hard-stop timer and every group of the run has
+    committed everything it read (docs/operations.md, Worker)."""
+    from confluent_kafka.admin import OffsetSpec
+
+    from streams.progress import RunProgress
+
+    want = expected()
+    live = worker_factory(catalogue, extra_env={**FAST, "GPULEDGER_STREAMS_COMMIT_INTERVAL_S": "60"})
+    publish(kafka_bootstrap, catalogue, SCENARIO)
+    wait_for(live.reader, want)
+    wait_quiet(live.url)  # nothing left in flight between the stages: what is open is the epochs
+    assert live.service.stop(grace=30) == 0
+    log = live.service.log_tail(400)
+    assert "stop did not finish" not in log, log
+    app_id = f"{catalogue.prefix}-app"
+    run = catalogue.run(app_id)
+    with RunProgress({"bootstrap.servers": kafka_bootstrap}, catalogue, app_id) as progress:
+        look = progress.look(None)
+        committed = progress.committed()[app_id]  # the Faust agents' group: what their epochs acked
+        ends = progress._offsets(progress._partitions({run.route, run.controls}), OffsetSpec.latest())
+    assert look.done == look.total and look.inputs_left == 0, look.describe()
+    assert {tp: committed.get(tp, 0) for tp in ends} == ends
+
+
+def wait_quiet(url: str, quiet_s: float = 2.0, timeout: float = 60.0) -> None:
+    """Until the worker's counters have not moved for ``quiet_s``."""
+    import json
+    import urllib.request
+
+    keys = ("routed", "correlated_in", "correlated_out", "controls_in", "violations_out", "stored")
+    deadline, last, since = time.monotonic() + timeout, None, time.monotonic()
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{url}/gpuledger/health/", timeout=5) as resp:
+            stats = json.loads(resp.read())["stats"]
+        now = tuple(stats.get(k) for k in keys)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the worker never went quiet: {dict(zip(keys, last or ()))}")
