@@ -83,10 +83,35 @@ def pytest_xdist_make_scheduler(config, log):
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return "tests/real_cluster/" if path.startswith("tests/real_cluster/") else path
+            return unit_of(nodeid)
 
     return ModuleScheduling(config, log)
+
+
+#: Real-cluster tests that start a control plane of their own (not the session's ``real_cluster``): each
+#: test of these modules is a unit of its own, so that they run beside the tier on other workers.
+OWN_CLUSTER_MODULES = ("tests/real_cluster/test_exercise.py", "tests/real_cluster/test_cli.py")
+#: The real-cluster modules that share a worker's session control plane, in two units of about equal length
+#: (--durations, 2026-12-02: about 4.5 minutes each): each unit's worker starts the session's ``real_cluster``
+#: (and ``mlflow_server``, which only the second unit uses), so the two run at once on two workers.
+#: A module missing here joins the first unit.
+SHARED_CLUSTER_UNITS = (("tests/real_cluster/test_admit.py", "tests/real_cluster/test_cluster.py",
+                         "tests/real_cluster/test_k8s_deploy.py", "tests/real_cluster/test_scheduler_collector.py"),
+                        ("tests/real_cluster/test_alerting.py", "tests/real_cluster/test_mlflow.py",
+                         "tests/real_cluster/test_dra.py", "tests/real_cluster/test_kubelets.py"))
+
+
+def unit_of(nodeid: str) -> str:
+    """The scheduling unit of a test: its module; the real-cluster tier's modules that share the
+    session's control plane in the units of ``SHARED_CLUSTER_UNITS``; a test that starts a cluster
+    of its own a unit by itself."""
+    path = nodeid.split("::", 1)[0]
+    if path in OWN_CLUSTER_MODULES:
+        return nodeid
+    if not path.startswith("tests/real_cluster/"):
+        return path
+    group = next((i for i, modules in enumerate(SHARED_CLUSTER_UNITS) if path in modules), 0)
+    return f"tests/real_cluster/ (shared cluster {group + 1})"
 
 
 #: The longest modules outside the real-cluster tier (--durations, 2026-12-02), longest first: handed
@@ -108,6 +133,10 @@ def pytest_collection_modifyitems(session, config, items):
     def key(item):
         real = item.get_closest_marker("real_cluster") is not None
         path = item.nodeid.split("::", 1)[0]
-        return (real != first, LONG_MODULES.index(path) if path in LONG_MODULES else len(LONG_MODULES))
+        if real:  # the tier's shared units (the longest), then the tests with a cluster of their own
+            if path in OWN_CLUSTER_MODULES:
+                return (not first, len(SHARED_CLUSTER_UNITS) + OWN_CLUSTER_MODULES.index(path))
+            return (not first, next((i for i, modules in enumerate(SHARED_CLUSTER_UNITS) if path in modules), 0))
+        return (first, LONG_MODULES.index(path) if path in LONG_MODULES else len(LONG_MODULES))
 
     items.sort(key=key)
