@@ -1,11 +1,13 @@
 """Shared pytest fixtures: real Kafka and real ClickHouse (see tests/fixtures/).
 
-The suite runs on two pytest-xdist workers (``-n 2`` in pyproject.toml): the tests mostly wait
-on real peers (brokers, workers, the real cluster), so two at a time nearly halve the wall time
-on two cores. ``pytest_xdist_make_scheduler`` hands out whole modules (their module-scoped
-fixtures are built once, on one worker) and the real-cluster tier as one unit (one control
-plane per session). The controller starts the one broker both workers share
-(``pytest_configure``); ``-n 0`` runs everything in one process as before.
+The suite runs on four pytest-xdist workers (``-n 4`` in pyproject.toml): the tests mostly wait
+on real peers (brokers, workers, the real cluster; two workers kept 2 cores about two-thirds
+busy), so four at a time shorten the wall time on two cores. ``pytest_xdist_make_scheduler``
+hands out whole modules (their module-scoped fixtures are built once, on one worker), the
+real-cluster modules that share the session's control plane as two units (one control plane per
+worker that runs one), and each test that starts a cluster of its own (the real exercises, the
+``dev cluster`` CLI) as a unit by itself. The controller starts the one broker all workers
+share (``pytest_configure``); ``-n 0`` runs everything in one process as before.
 """
 
 from __future__ import annotations
@@ -77,16 +79,56 @@ def _real_cluster_binaries_built() -> bool:
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist (-p no:xdist runs without it)
 def pytest_xdist_make_scheduler(config, log):
-    """Like ``--dist loadfile``, with the real-cluster tier's modules as one unit. (Not ``--dist
+    """Like ``--dist loadfile``, with the units of ``unit_of``. (Not ``--dist
     loadgroup``: xdist 3.8 marks a group by rewriting ``item._nodeid``, which pytest 9.2 no longer reads.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return "tests/real_cluster/" if path.startswith("tests/real_cluster/") else path
+            return unit_of(nodeid)
+
+        def _reschedule(self, node) -> None:
+            # A worker runs a test only once it has the next one (the next item decides fixture
+            # teardown), so a unit of one test is handed out with the following unit, which waits
+            # behind it. Behind a test with a cluster of its own (minutes long) make that the queue's
+            # last unit (the short modules; never a real-cluster one, which may wait for a cold
+            # build) rather than the next long module.
+            work = self.assigned_work.get(node, {})
+            pending = [scope for scope, done in work.items() if not all(done.values())]
+            if (not node.shutting_down and len(self.workqueue) > 1 and self._pending_of(work) == 1
+                    and pending[0].split("::", 1)[0] in OWN_CLUSTER_MODULES):
+                short = next((s for s in reversed(self.workqueue) if not s.startswith("tests/real_cluster/")), None)
+                if short is not None:
+                    self.workqueue.move_to_end(short, last=False)
+            super()._reschedule(node)
 
     return ModuleScheduling(config, log)
+
+
+#: Real-cluster tests that start a control plane of their own (not the session's ``real_cluster``): each
+#: test of these modules is a unit of its own, so that they run beside the tier on other workers.
+OWN_CLUSTER_MODULES = ("tests/real_cluster/test_exercise.py", "tests/real_cluster/test_cli.py")
+#: The real-cluster modules that share a worker's session control plane, in two units of about equal length
+#: (--durations, 2026-12-02: about 4.5 minutes each): each unit's worker starts the session's ``real_cluster``
+#: (and ``mlflow_server``, which only the second unit uses), so the two run at once on two workers.
+#: A module missing here joins the first unit.
+SHARED_CLUSTER_UNITS = (("tests/real_cluster/test_admit.py", "tests/real_cluster/test_cluster.py",
+                         "tests/real_cluster/test_k8s_deploy.py", "tests/real_cluster/test_scheduler_collector.py"),
+                        ("tests/real_cluster/test_alerting.py", "tests/real_cluster/test_mlflow.py",
+                         "tests/real_cluster/test_dra.py", "tests/real_cluster/test_kubelets.py"))
+
+
+def unit_of(nodeid: str) -> str:
+    """The scheduling unit of a test: its module; the real-cluster tier's modules that share the
+    session's control plane in the units of ``SHARED_CLUSTER_UNITS``; a test that starts a cluster
+    of its own a unit by itself."""
+    path = nodeid.split("::", 1)[0]
+    if path in OWN_CLUSTER_MODULES:
+        return nodeid
+    if not path.startswith("tests/real_cluster/"):
+        return path
+    group = next((i for i, modules in enumerate(SHARED_CLUSTER_UNITS) if path in modules), 0)
+    return f"tests/real_cluster/ (shared cluster {group + 1})"
 
 
 #: The longest modules outside the real-cluster tier (--durations, 2026-12-02), longest first: handed
@@ -100,14 +142,19 @@ LONG_MODULES = ("tests/streams/test_faults.py", "tests/gpuledger/test_exercise.p
 
 def pytest_collection_modifyitems(session, config, items):
     """The order the scheduler hands out units in. With warm caches the real-cluster tier runs
-    first (its fixtures start the control plane and its tests mostly wait on it, so it overlaps
-    the rest of the suite on the other worker); on a fresh machine it runs last, as .ci/run builds
-    its Go binaries in the background meanwhile. Then the long modules, longest first."""
+    first, its two shared units then the tests with a cluster of their own (they start control
+    planes and mostly wait on them, so they overlap the rest of the suite on the other workers);
+    on a fresh machine it runs last, as .ci/run builds its Go binaries in the background
+    meanwhile. Then the long modules, longest first."""
     first = _real_cluster_binaries_built()
 
     def key(item):
         real = item.get_closest_marker("real_cluster") is not None
         path = item.nodeid.split("::", 1)[0]
-        return (real != first, LONG_MODULES.index(path) if path in LONG_MODULES else len(LONG_MODULES))
+        if real:  # the tier's shared units (the longest), then the tests with a cluster of their own
+            if path in OWN_CLUSTER_MODULES:
+                return (not first, len(SHARED_CLUSTER_UNITS) + OWN_CLUSTER_MODULES.index(path))
+            return (not first, next((i for i, modules in enumerate(SHARED_CLUSTER_UNITS) if path in modules), 0))
+        return (first, LONG_MODULES.index(path) if path in LONG_MODULES else len(LONG_MODULES))
 
     items.sort(key=key)

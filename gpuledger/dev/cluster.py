@@ -233,28 +233,34 @@ class LocalCluster:
         _write_pki(self.pki)
         (self.data_dir / "tokens.csv").write_text(f"{self.token},admin,admin,system:masters\n")
         self._write_kubeconfig()
-        deadline = time.monotonic() + timeout
-        try:
-            self._start_etcd(etcd)
-            self._wait(lambda: self._http_ok(f"{self.etcd_url}/health"), deadline, "etcd", "etcd /health")
-            self._start_control_plane(bins["kube"])
-            self._wait(lambda: self._http_ok(f"{self.server}/readyz", token=True), deadline, "apiserver", "kube-apiserver /readyz")
-            for name in ("controller_manager", "scheduler"):
-                self._wait(lambda n=name: self._http_ok(f"https://127.0.0.1:{self.ports[n]}/healthz", verify=False), deadline,
-                           name, f"{name} /healthz")
-            self._start_kwok(bins["kwok"])
-            self._create_nodes()
-            self._wait(self._nodes_ready, deadline, "kwok", "KWOK nodes Ready")
-            self._wait(lambda: self._get(f"/api/v1/namespaces/default/serviceaccounts/default") is not None, deadline,
-                       "controller_manager", "the default ServiceAccount (kube-controller-manager)")
-            if self.with_kueue:
-                self._start_kueue(bins["kueue"], deadline)
-                self._wait(lambda: self._http_ok(f"http://127.0.0.1:{self.ports['kueue_health']}/readyz"), deadline, "kueue",
-                           "Kueue /readyz")
-                self._create_queues(deadline)
-        except BaseException:
-            self.stop()
-            raise
+        # One start at a time on this machine (a lock file in the cache dir): the API server's bootstrap
+        # (RBAC reconciliation, Kueue's CRDs and webhooks) is the heavy part, and four control planes
+        # starting at once on 2 cores (the test suite's xdist workers) slowed etcd's requests to seconds,
+        # so that kube-controller-manager gave up waiting for a healthy API server and exited.
+        # The timeout counts from when this start has the lock.
+        with kubebin._locked(self.cache_dir, "cluster-start"):
+            deadline = time.monotonic() + timeout
+            try:
+                self._start_etcd(etcd)
+                self._wait(lambda: self._http_ok(f"{self.etcd_url}/health"), deadline, "etcd", "etcd /health")
+                self._start_control_plane(bins["kube"])
+                self._wait(lambda: self._http_ok(f"{self.server}/readyz", token=True), deadline, "apiserver", "kube-apiserver /readyz")
+                for name in ("controller_manager", "scheduler"):
+                    self._wait(lambda n=name: self._http_ok(f"https://127.0.0.1:{self.ports[n]}/healthz", verify=False), deadline,
+                               name, f"{name} /healthz")
+                self._start_kwok(bins["kwok"])
+                self._create_nodes()
+                self._wait(self._nodes_ready, deadline, "kwok", "KWOK nodes Ready")
+                self._wait(lambda: self._get(f"/api/v1/namespaces/default/serviceaccounts/default") is not None, deadline,
+                           "controller_manager", "the default ServiceAccount (kube-controller-manager)")
+                if self.with_kueue:
+                    self._start_kueue(bins["kueue"], deadline)
+                    self._wait(lambda: self._http_ok(f"http://127.0.0.1:{self.ports['kueue_health']}/readyz"), deadline, "kueue",
+                               "Kueue /readyz")
+                    self._create_queues(deadline)
+            except BaseException:
+                self.stop()
+                raise
         log.info("local cluster ready at %s (kubeconfig %s)", self.server, self.kubeconfig)
         return self
 

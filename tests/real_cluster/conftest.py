@@ -32,6 +32,23 @@ REAL_CLUSTER = [pytest.mark.real_cluster, pytest.mark.timeout(3600)]
 
 
 @pytest.fixture(scope="session")
+def cluster_binaries() -> Path:
+    """The cache dir once the pinned binaries and MLflow server's virtualenv are in it (built on a cold
+    machine, or waited for while ``.ci/run``'s background build holds their locks): for the tests that
+    start a cluster of their own, so that their own start-up timeouts do not include a build."""
+    from gpuledger.dev import kubebin
+    from gpuledger.dev.peers import ensure_mlflow_server
+    from gpuledger.settings import default_cache_dir
+
+    cache = default_cache_dir()
+    kubebin.ensure_kube(cache)
+    for module, version in (kubebin.KWOK, kubebin.KUEUE):
+        kubebin.ensure_go_tool(module, version, cache)
+    ensure_mlflow_server(cache)
+    return cache
+
+
+@pytest.fixture(scope="session")
 def real_cluster() -> Iterator[LocalCluster]:
     data = Path(tempfile.mkdtemp(prefix="gpuledger-cluster-"))
     # The first run builds the binaries (several minutes); start-up itself takes well under a minute.

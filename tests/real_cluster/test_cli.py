@@ -43,8 +43,9 @@ def get_json(url: str, body: dict | None = None):
         return json.loads(resp.read())
 
 
-def test_dev_cluster_up_prints_a_working_kubeconfig_and_its_peers_and_down_stops_them(tmp_path, real_cluster):
-    # ``real_cluster`` first: its start has built the binaries, so ``up`` only starts processes.
+def test_dev_cluster_up_prints_a_working_kubeconfig_and_its_peers_and_down_stops_them(tmp_path, cluster_binaries):
+    # ``cluster_binaries`` first: the binaries are built, so ``up`` only starts processes. (Not the session's
+    # ``real_cluster``: this module is a unit of its own on any xdist worker, tests/conftest.py.)
     data = tmp_path / "data"
     receiver = "http://127.0.0.1:19095"  # nothing needs to listen there for the wiring to be checked
     callers = tmp_path / "callers.yaml"

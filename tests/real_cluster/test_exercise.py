@@ -3,7 +3,8 @@
 The exercise starts its own ``LocalCluster`` with the scenario's nodes (KWOK, Kueue), MLflow, the
 DCGM-shaped page, Prometheus and Alertmanager (``gpuledger.dev.scenario_driver``), and the real
 collectors, receiver and worker against the test broker; the expectations are read back from the
-worker's store, as on the simulator.
+worker's store, as on the simulator. Each test is a scheduling unit of its own (tests/conftest.py), so
+the three run on whichever xdist worker is free, beside the tier's shared cluster.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def run_real(name: str, kafka_bootstrap: str, tmp_path):
 
 
 def test_incident_rollback_on_the_real_cluster_passes_and_its_prometheus_xid_alert_traces_to_the_mlflow_release(
-        kafka_bootstrap, tmp_path):
+        kafka_bootstrap, tmp_path, cluster_binaries):
     run, log = run_real("incident-rollback", kafka_bootstrap, tmp_path)
     sim = run.cluster
     # Each step was done by the real system: MLflow registered and moved the alias, Kueue admitted and
@@ -76,13 +77,6 @@ def test_incident_rollback_on_the_real_cluster_passes_and_its_prometheus_xid_ale
     assert (node, gpu) in {(g["node"], g["gpu_id"]) for g in chain["gpus"]}
 
 
-#: The two other scenarios take about 2.5 minutes each here; the default run (CI, which must stay well
-#: under 30 minutes) runs incident-rollback only. TEST_REAL_EXERCISES=all runs them too (not a GPULEDGER_*
-#: name: gpuledger refuses unknown GPULEDGER_* variables at start-up, and the exercise starts gpuledger).
-ALL_EXERCISES = os.environ.get("TEST_REAL_EXERCISES") == "all"
-
-
-@pytest.mark.skipif(not ALL_EXERCISES, reason="set TEST_REAL_EXERCISES=all (about 5 more minutes)")
 @pytest.mark.parametrize("name", ["retirement", "unapproved-admission"])
-def test_the_other_scenarios_pass_on_the_real_cluster(name, kafka_bootstrap, tmp_path):
+def test_the_other_scenarios_pass_on_the_real_cluster(name, kafka_bootstrap, tmp_path, cluster_binaries):
     run_real(name, kafka_bootstrap, tmp_path)
