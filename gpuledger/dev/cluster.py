@@ -243,8 +243,9 @@ class LocalCluster:
             try:
                 self._start_etcd(etcd)
                 self._wait(lambda: self._http_ok(f"{self.etcd_url}/health"), deadline, "etcd", "etcd /health")
-                self._start_control_plane(bins["kube"])
+                self._start_apiserver(bins["kube"])
                 self._wait(lambda: self._http_ok(f"{self.server}/readyz", token=True), deadline, "apiserver", "kube-apiserver /readyz")
+                self._start_controllers(bins["kube"])
                 for name in ("controller_manager", "scheduler"):
                     self._wait(lambda n=name: self._http_ok(f"https://127.0.0.1:{self.ports[n]}/healthz", verify=False), deadline,
                                name, f"{name} /healthz")
@@ -275,7 +276,7 @@ class LocalCluster:
             f"--initial-advertise-peer-urls=http://127.0.0.1:{self.ports['etcd_peer']}",
             f"--initial-cluster=default=http://127.0.0.1:{self.ports['etcd_peer']}", "--log-level=warn"])
 
-    def _start_control_plane(self, kube: Path) -> None:
+    def _start_apiserver(self, kube: Path) -> None:
         pki, kc = self.pki, str(self.kubeconfig)
         self._service("apiserver", [str(kube), "kube-apiserver"], [
             f"--etcd-servers={self.etcd_url}", "--bind-address=127.0.0.1", f"--secure-port={self.ports['apiserver']}",
@@ -285,6 +286,12 @@ class LocalCluster:
             f"--service-account-signing-key-file={pki / 'sa.key'}", "--service-cluster-ip-range=10.96.0.0/24",
             # Watches read etcd directly: an etcd compaction then yields a real 410 Gone (tests rely on it).
             "--watch-cache=false", "--v=1"])
+
+    def _start_controllers(self, kube: Path) -> None:
+        """kube-controller-manager and kube-scheduler, once the API server is ready: the
+        controller-manager waits only about 10 s for a healthy API server and then exits, which
+        a loaded machine's API server bootstrap (RBAC reconciliation) outlasted in CI."""
+        pki, kc = self.pki, str(self.kubeconfig)
         common = [f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
                   "--bind-address=127.0.0.1", "--leader-elect=false", "--v=1"]
         self._service("controller_manager", [str(kube), "kube-controller-manager"], [
