@@ -142,7 +142,12 @@ class WorkerContext:
         faust_side = self.subscriptions
         if self.intake is None:
             return faust_side
-        raw = self.intake.assignment_check()
+        held = self.intake.assigned()
+        if held is None:
+            raw = {"ok": False, "problems": ["raw topics not assigned yet"], "partitions": []}
+        else:
+            raw = check_assignment(held, dict.fromkeys(self.catalogue.raw_topics))
+        raw["problems"] = [f"route stage: {problem}" for problem in raw["problems"]]
         return {"ok": faust_side["ok"] and raw["ok"], "problems": [*faust_side["problems"], *raw["problems"]],
                 "partitions": faust_side.get("partitions", []), "raw_partitions": raw["partitions"]}
 
@@ -256,9 +261,9 @@ def create_app(settings) -> faust.App:
     return app
 
 
-def check_assignment(assignment, expected: dict[str, int]) -> dict:
-    """Every co-partitioned topic an agent reads has the same partitions assigned as
-    the first raw topic (one worker: all of them)."""
+def check_assignment(assignment, expected: dict) -> dict:
+    """Every co-partitioned topic in ``expected`` (its keys) has the same partitions
+    assigned as the first one, and that at least one (one worker: all of them)."""
     per_topic: dict[str, set[int]] = {}
     for tp in assignment:
         per_topic.setdefault(tp.topic, set()).add(tp.partition)

@@ -33,6 +33,7 @@ import logging
 import time
 from collections import defaultdict
 from datetime import datetime, timedelta
+from operator import itemgetter
 
 import orjson
 
@@ -53,10 +54,6 @@ HOUSEKEEPING_S = 0.5
 #: Rounds of local link folding per batch (``Correlator.correlate_batch``); the links of the
 #: last round travel by the route topic only.
 LOCAL_PASSES = 3
-
-
-def _occurred(item: tuple) -> object:
-    return item[0]
 
 
 class Runtime:
@@ -158,7 +155,7 @@ class Correlator:
         # they were fetched), and an entity that sees its history in order re-derives and
         # re-emits less (an alert folded after its GPU's assignment is emitted once, not
         # first unattributed). Any order gives the same latest rows (versions from history).
-        routed.sort(key=_occurred)
+        routed.sort(key=itemgetter(0))  # by occurred_at
         for _at, key, event, msg in routed:
             src = [msg.topic, msg.partition, msg.offset]
             self.route.add(key, {"k": "event", "src": src, "event": routed_form(event)}, source=tuple(src))

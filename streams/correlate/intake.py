@@ -144,19 +144,13 @@ class RawIntake:
         if revoked:
             self.epoch.forget(revoked)
 
-    def assignment_check(self) -> dict:
-        """Every raw topic has the same partitions assigned to this worker's route stage,
-        and at least one (``streams.app.check_assignment``'s rule for the Faust agents)."""
+    def assigned(self) -> list[TopicPartition] | None:
+        """The raw partitions this worker's route stage holds now; None before its first
+        assignment (``streams.app.WorkerContext.assignment_health`` checks them)."""
         with self._lock:
-            got = set(self.assignment)
-        if not self.assigned_once:
-            return {"ok": False, "problems": ["route stage: raw topics not assigned yet"], "partitions": []}
-        per_topic = {t: {p for tt, p in got if tt == t} for t in self.topics}
-        reference = per_topic[self.topics[0]]
-        problems = [] if reference else [f"route stage: no partition of {self.topics[0]} is assigned to this worker"]
-        problems += [f"route stage: {t}: partitions {sorted(ps)} assigned, expected {sorted(reference)} like {self.topics[0]}"
-                     for t, ps in per_topic.items() if ps != reference]
-        return {"ok": not problems, "problems": problems, "partitions": sorted(reference)}
+            if not self.assigned_once:
+                return None
+            return [TopicPartition(t, p) for t, p in self.assignment]
 
     # --- the loop ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -176,12 +170,10 @@ class RawIntake:
                         records.append(RawRecord(m))
                     elif err.code() != KafkaError._PARTITION_EOF:
                         log.warning("route stage consumer: %s", err)
-                if records:
+                if records:  # an epoch whose input stopped is committed by the worker's timer, as the agents' are
                     pending = asyncio.ensure_future(self.epoch.run_batch(records))
                     await asyncio.shield(pending)
                     pending = None
-                else:
-                    await self.epoch.commit_if_due()
         except asyncio.CancelledError:
             await self._stop(pending)
             raise
