@@ -454,6 +454,7 @@ class Bench:
             wait_until("the latency worker to store the warm-up releases", 120,
                        lambda: health(url).get("correlated_in", 0) >= RELEASES and stored_rows(reader) >= RELEASES, alive=service)
             since_ms = int(time.time() * 1000)
+            worker_cpu = cpu_seconds(service.proc.pid)
             start, cpu, sent = time.monotonic(), time.process_time(), 0
             while (elapsed := time.monotonic() - start) < seconds:
                 due = int(rate * elapsed) - sent
@@ -464,6 +465,9 @@ class Bench:
                 time.sleep(0.005)
             wall = time.monotonic() - start
             achieved, publisher_cpu = sent / wall, (time.process_time() - cpu) / wall
+            # CPU per event while live (small batches): what the latency depends on, beside phase 3's bulk figure.
+            own, sink = cpu_split(worker_cpu, cpu_seconds(service.proc.pid), service.proc.pid)
+            live_cpu = {"worker": own * 1000 / max(sent, 1), "sink": sink * 1000 / max(sent, 1)}
             total = RELEASES + sent
             complete = True
             try:
@@ -489,9 +493,10 @@ class Bench:
         worker = self.correlated_lag(cat.run(f"{cat.prefix}-app"), since_ms)
         out = {"target_rate": rate, "achieved_rate": achieved, "seconds": seconds, "published": sent, "rows": int(row["n"]),
                "complete": complete, "p50_s": row["p50"] / 1000, "p99_s": row["p99"] / 1000, "max_s": row["max"] / 1000,
-               "publisher_cpu_cores": publisher_cpu, "worker": worker}
+               "publisher_cpu_cores": publisher_cpu, "cpu_ms_per_event": live_cpu, "worker": worker}
         print(f"    p50 {out['p50_s']:.2f}s, p99 {out['p99_s']:.2f}s, max {out['max_s']:.2f}s over {out['rows']:,} rows "
               f"({achieved:,.0f} events/s achieved; the publisher used {publisher_cpu:.2f} of a core)", flush=True)
+        print(f"    CPU per event while live: worker {live_cpu['worker']:.3f} ms, its sink {live_cpu['sink']:.3f} ms", flush=True)
         if worker:
             hops = "".join(f"; {name} p50 {worker[name]['p50_s']:.2f}s p99 {worker[name]['p99_s']:.2f}s"
                            for name in ("route", "correlate") if worker.get(name))

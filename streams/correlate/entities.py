@@ -645,34 +645,40 @@ class GpuMemo:
     A row whose prefix, directory generation, parked/expired flags and last emitted version
     are all as last time derives exactly what it derived then: nothing new to emit."""
 
-    __slots__ = ("links", "stamp", "rows")
+    __slots__ = ("links", "stamp", "rows", "_prefixes")
 
     def __init__(self) -> None:
-        self.links: dict[str, tuple[dict, int]] = {}
+        self.links: dict[str, tuple[dict, int, str | None]] = {}  # source -> (link object, its stamp, its earliest start)
         self.stamp = 0
         self.rows: dict[str, tuple] = {}
+        self._prefixes: tuple[list[str], list[int]] | None = None
 
     def prefixes(self, links: dict) -> tuple[list[str], list[int]]:
-        """(earliest starts sorted, highest stamp of each prefix) of the current links."""
+        """(earliest starts sorted, highest stamp of each prefix) of the current links —
+        computed again only when a link is new, replaced or gone (a live GPU entity is
+        refreshed batch after batch with the same links)."""
         seen = self.links
-        for src in [s for s in seen if s not in links]:
-            del seen[src]
-        order = []
+        changed = False
         for src, link in links.items():
             known = seen.get(src)
             if known is None or known[0] is not link:
                 self.stamp += 1
-                known = seen[src] = (link, self.stamp)
-            first = min((iv["start"] for iv in link.get("intervals", ())), default=None)
-            if first is not None:
-                order.append((first, known[1]))
-        order.sort()
+                seen[src] = (link, self.stamp, min((iv["start"] for iv in link.get("intervals", ())), default=None))
+                changed = True
+        if len(seen) != len(links):  # every source in links is in seen: more in seen means some are gone
+            for src in [s for s in seen if s not in links]:
+                del seen[src]
+            changed = True
+        if not changed and self._prefixes is not None:
+            return self._prefixes
+        order = sorted((first, stamp) for _link, stamp, first in seen.values() if first is not None)
         starts, top, high = [], [0], 0
         for first, stamp in order:
             starts.append(first)
             high = max(high, stamp)
             top.append(high)
-        return starts, top
+        self._prefixes = (starts, top)
+        return self._prefixes
 
 
 def refresh(state: dict, directory, park: bool = True, memo: GpuMemo | None = None) -> Outcome:
