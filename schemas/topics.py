@@ -40,6 +40,15 @@ class TopicSpec:
 
 DAY_MS = 24 * 3600 * 1000
 
+#: The state changelogs are read whole on every (re)start (``streams.store``), so compaction
+#: must actually run: Kafka never compacts a partition's active segment, and with the
+#: broker's defaults (1 GiB, 7 days) a changelog keeps every version of every state until
+#: its segment reaches 1 GiB — a worker whose entities change all day (a GPU's alerts, a
+#: release's lifecycle) would read gigabytes of superseded versions at each restart.
+#: Segments roll at 16 MiB or 10 minutes and the cleaner takes a partition once 10 % of it
+#: is superseded, so a restart reads about the live state plus a segment per partition.
+CHANGELOG_CONFIG = {"segment.bytes": str(16 * 1024 * 1024), "segment.ms": str(10 * 60 * 1000), "min.cleanable.dirty.ratio": "0.1"}
+
 
 class TopicCatalogue(BaseModel):
     """Every topic gpuledger reads or writes, derived from a prefix and partition count."""
@@ -172,6 +181,6 @@ class RunTopics(BaseModel):
             TopicSpec(self.deadletter, 1, "source key", keep, role="deadletter"),
             TopicSpec(self.route, n, "packed messages, addressed by partition", keep, role="internal"),
             TopicSpec(self.controls, n, "packed messages, addressed by partition", keep, role="internal"),
-            TopicSpec(self.entities_changelog, n, "entity key", -1, "compact", role="internal"),
-            TopicSpec(self.controls_changelog, n, "control key", -1, "compact", role="internal"),
+            TopicSpec(self.entities_changelog, n, "entity key", -1, "compact", role="internal", config=CHANGELOG_CONFIG),
+            TopicSpec(self.controls_changelog, n, "control key", -1, "compact", role="internal", config=CHANGELOG_CONFIG),
         ]

@@ -27,3 +27,25 @@ def test_ensure_topics_is_idempotent(kafka_bootstrap):
     md = AdminClient(conf).list_topics(timeout=10)
     for name in cat.raw_topics:
         assert len(md.topics[name].partitions) == 3
+
+
+def test_a_runs_state_changelogs_are_created_compacted_with_segments_the_cleaner_can_take(kafka_bootstrap):
+    """The changelogs are read whole at every start: their segments must roll (the active
+    one is never compacted), or a restart reads every version ever written."""
+    from confluent_kafka.admin import ConfigResource
+
+    from producers._kafka import ensure_specs
+
+    conf = {"bootstrap.servers": kafka_bootstrap}
+    run = TopicCatalogue(prefix=f"t{uuid.uuid4().hex[:8]}").run("app")
+    ensure_specs(conf, run.specs(), 1)
+    admin = AdminClient(conf)
+    for topic in (run.entities_changelog, run.controls_changelog):
+        (future,) = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, topic)]).values()
+        configs = {name: entry.value for name, entry in future.result(timeout=30).items()}
+        assert configs["cleanup.policy"] == "compact", topic
+        assert configs["segment.bytes"] == str(16 * 1024 * 1024), topic
+        assert configs["segment.ms"] == str(10 * 60 * 1000), topic
+        assert configs["min.cleanable.dirty.ratio"] == "0.1", topic
+    (future,) = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, run.correlated)]).values()
+    assert future.result(timeout=30)["segment.bytes"].value == str(1024 ** 3)  # outputs keep the broker's default
