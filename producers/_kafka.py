@@ -34,7 +34,7 @@ from datetime import datetime, timezone
 from typing import NamedTuple
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
+from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic, ResourceType
 
 from gpuledger.telemetry import ComponentCounters, inject_headers, tracer
 from producers._errors import EventTooLarge, KafkaNotConfigured, ProducerError, PublishError
@@ -525,11 +525,42 @@ def ensure_topics(config: dict, catalogue: TopicCatalogue, timeout: float = 30.0
     return ensure_specs(config, catalogue.specs(), catalogue.replication_factor, timeout)
 
 
+def _align_internal_configs(admin: AdminClient, specs, timeout: float) -> None:
+    """Set the spec's own settings on existing internal topics where the broker differs."""
+    if not specs:
+        return
+    current = admin.describe_configs([ConfigResource(ResourceType.TOPIC, s.name) for s in specs], request_timeout=timeout)
+    by_name = {resource.name: future for resource, future in current.items()}
+    changes = []
+    for spec in specs:
+        try:
+            entries = by_name[spec.name].result(timeout=timeout)
+        except KafkaException as exc:  # e.g. no DescribeConfigs ACL: the topic works as it is
+            log.warning("could not read the settings of existing topic %s (%s); leaving them as they are", spec.name, exc)
+            continue
+        differing = {k: v for k, v in spec.config.items() if k not in entries or entries[k].value != v}
+        if differing:
+            changes.append(ConfigResource(ResourceType.TOPIC, spec.name, incremental_configs=[
+                ConfigEntry(k, v, incremental_operation=AlterConfigOpType.SET) for k, v in sorted(differing.items())]))
+    if not changes:
+        return
+    for resource, future in admin.incremental_alter_configs(changes, request_timeout=timeout).items():
+        settings = ", ".join(f"{e.name}={e.value}" for e in resource.incremental_configs)
+        try:
+            future.result(timeout=timeout)
+            log.warning("set %s on existing topic %s (its settings predate this gpuledger)", settings, resource.name)
+        except KafkaException as exc:  # e.g. no AlterConfigs ACL: the topic works, restarts just read more
+            log.warning("could not set %s on existing topic %s (%s); set them with kafka-configs", settings, resource.name, exc)
+
+
 def ensure_specs(config: dict, specs, replication_factor: int, timeout: float = 30.0) -> list[str]:
     """Create the missing topics of ``specs`` and wait until the broker's metadata shows
     every one of them with all its partitions (a consumer that joins its group before
     that would silently ignore the topic). Raw and internal topics must have the
-    partition count the spec says (co-partitioning)."""
+    partition count the spec says (co-partitioning). An existing internal topic whose
+    settings differ from its spec's own (``TopicSpec.config``: the state changelogs'
+    segment and cleaner settings) gets them set: gpuledger owns those topics, and a
+    changelog created by an older version would otherwise keep every superseded state."""
     admin = AdminClient(config)
     existing = admin.list_topics(timeout=timeout).topics
     problems = [
@@ -553,6 +584,7 @@ def ensure_specs(config: dict, specs, replication_factor: int, timeout: float = 
                 if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                     raise ProducerError(f"creating topic {name} failed: {exc}") from exc
         log.info("created %d topic(s): %s", len(created), ", ".join(created))
+    _align_internal_configs(admin, [s for s in specs if s.name in existing and s.role == "internal" and s.config], timeout)
     deadline = time.monotonic() + timeout
     while True:
         topics = admin.list_topics(timeout=timeout).topics
