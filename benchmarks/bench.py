@@ -506,20 +506,18 @@ class Bench:
             print(f"    of which the worker (event → its first correlated record on Kafka): p50 {worker['p50_s']:.2f}s, "
                   f"p99 {worker['p99_s']:.2f}s{hops}; the rest is the sink", flush=True)
         self.results["latency"] = out
-        self.restart(cat, data_dir, RELEASES + sent)
+        self.restart(cat, data_dir, live)
         return out
 
-    def restart(self, cat: TopicCatalogue, data_dir: Path, published: int, n: int = 200) -> dict:
+    def restart(self, cat: TopicCatalogue, data_dir: Path, live, n: int = 200) -> dict:
         """Restart to first processed batch after a clean stop (issue 15: under 5 s): the
         latency worker, stopped cleanly above, is started again on its own data dir and
-        topics with ``n`` new events already waiting; seconds from the process start to its
-        health page, to its first correlated batch, and to all ``n`` correlated."""
-        from itertools import islice
-
-        live = islice(events(clock=lambda: datetime.now(timezone.utc)), published, published + n)  # new ids: after the run's
+        topics with ``n`` new events already waiting (the next ``n`` of the latency run's
+        generator ``live``: new ids); seconds from the process start to its health page, to
+        its first correlated batch, and to all ``n`` correlated."""
         pub = EventPublisher({"bootstrap.servers": self.bootstrap}, cat, "bench")
         try:
-            pub.publish_batch(list(live))
+            pub.publish_batch([next(live) for _ in range(n)])
         finally:
             pub.close(5)
         print(f"    restart after the clean stop, {n} events waiting:", end=" ", flush=True)

@@ -1,12 +1,12 @@
 """The topic catalogue, and idempotent creation against the real broker."""
 
-import time
 import uuid
 
-from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin import AdminClient, ConfigResource
 
-from producers._kafka import ensure_topics
-from schemas.topics import TopicCatalogue
+from producers._kafka import ensure_specs, ensure_topics
+from schemas.topics import TopicCatalogue, TopicSpec
+from tests.fixtures.waiting import poll
 
 
 def test_names_follow_the_convention_and_raw_topics_are_co_partitioned():
@@ -30,56 +30,46 @@ def test_ensure_topics_is_idempotent(kafka_bootstrap):
         assert len(md.topics[name].partitions) == 3
 
 
+def _settings(admin: AdminClient, topic: str) -> dict[str, str]:
+    """A topic's settings as the broker reports them."""
+    (future,) = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, topic)]).values()
+    return {name: entry.value for name, entry in future.result(timeout=30).items()}
+
+
 def test_a_runs_state_changelogs_are_created_compacted_with_segments_the_cleaner_can_take(kafka_bootstrap):
     """The changelogs are read whole at every start: their segments must roll (the active
     one is never compacted), or a restart reads every version ever written."""
-    from confluent_kafka.admin import ConfigResource
-
-    from producers._kafka import ensure_specs
-
     conf = {"bootstrap.servers": kafka_bootstrap}
     run = TopicCatalogue(prefix=f"t{uuid.uuid4().hex[:8]}").run("app")
     ensure_specs(conf, run.specs(), 1)
     admin = AdminClient(conf)
     for topic in (run.entities_changelog, run.controls_changelog):
-        (future,) = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, topic)]).values()
-        configs = {name: entry.value for name, entry in future.result(timeout=30).items()}
+        configs = _settings(admin, topic)
         assert configs["cleanup.policy"] == "compact", topic
         assert configs["segment.bytes"] == str(16 * 1024 * 1024), topic
         assert configs["segment.ms"] == str(10 * 60 * 1000), topic
         assert configs["min.cleanable.dirty.ratio"] == "0.1", topic
-    (future,) = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, run.correlated)]).values()
-    assert future.result(timeout=30)["segment.bytes"].value == str(1024 ** 3)  # outputs keep the broker's default
+    assert _settings(admin, run.correlated)["segment.bytes"] == str(1024 ** 3)  # outputs keep the broker's default
 
 
 def test_a_changelog_created_with_the_brokers_defaults_gets_the_settings_when_the_run_starts_again(kafka_bootstrap):
     """A changelog an older gpuledger created keeps every superseded state until its settings
     are set; ensuring the run's topics (the worker does at every start) sets them."""
-    from confluent_kafka.admin import ConfigResource
-
-    from producers._kafka import ensure_specs
-    from schemas.topics import TopicSpec
-
     conf = {"bootstrap.servers": kafka_bootstrap}
     run = TopicCatalogue(prefix=f"t{uuid.uuid4().hex[:8]}").run("app")
     admin = AdminClient(conf)
     # As an older gpuledger created it: compacted, no settings of its own (and visible once this returns).
     ensure_specs(conf, [TopicSpec(run.entities_changelog, run.partitions, "entity key", -1, "compact", role="internal")], 1)
-
-    def settings(topic: str) -> dict:
-        (future,) = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, topic)]).values()
-        return {name: entry.value for name, entry in future.result(timeout=30).items()}
-
-    assert settings(run.entities_changelog)["segment.bytes"] == str(1024 ** 3)
+    assert _settings(admin, run.entities_changelog)["segment.bytes"] == str(1024 ** 3)
     created = ensure_specs(conf, run.specs(), 1)
     assert run.entities_changelog not in created
     wanted = (str(16 * 1024 * 1024), str(600_000), "0.1")
-    deadline = time.monotonic() + 15  # the broker applies an altered config through its metadata log
-    while True:
-        after = settings(run.entities_changelog)
-        seen = (after["segment.bytes"], after["segment.ms"], after["min.cleanable.dirty.ratio"])
-        if seen == wanted or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert seen == wanted
-    assert after["cleanup.policy"] == "compact"
+    seen: list = []
+
+    def applied() -> bool:  # the broker applies an altered config through its metadata log
+        after = _settings(admin, run.entities_changelog)
+        seen[:] = [(after["segment.bytes"], after["segment.ms"], after["min.cleanable.dirty.ratio"]), after["cleanup.policy"]]
+        return seen[0] == wanted
+
+    poll(applied, f"{run.entities_changelog} to carry {wanted}", timeout=15, every=0.1)
+    assert seen == [wanted, "compact"]
