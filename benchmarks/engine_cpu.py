@@ -16,6 +16,7 @@ per topic and an order-free digest of each output topic (two checkouts that must
 same outputs must print the same digests). Run it under ``py-spy record`` for a profile.
 """
 import asyncio, collections, gc, hashlib, os, sys, time
+import orjson
 from pathlib import Path
 
 sys.path.insert(0, os.environ.get("REPO", str(Path(__file__).resolve().parent.parent)))
@@ -25,10 +26,10 @@ from gpuledger.settings import Settings
 
 class Out:
     def __init__(self):
-        self.recs = collections.defaultdict(list); self.produced = collections.Counter(); self.dead_letters = 0
+        self.recs = collections.defaultdict(list); self.produced = collections.Counter(); self.bytes = collections.Counter(); self.dead_letters = 0
         self.sums = collections.defaultdict(int)
     def produce(self, topic, key, value, partition=None, source=None):
-        self.produced[topic] += 1
+        self.produced[topic] += 1; self.bytes[topic] += len(value or b"")
         if topic.endswith((".route.v1", ".controls.v1")) and "changelog" not in topic:
             self.recs[topic].append((partition, key, value))
         elif "changelog" not in topic:
@@ -94,6 +95,10 @@ async def main(n, batch):
     print(f"events {n} batch {batch}: cpu {cpu:.2f}s = {1e3*cpu/n:.3f} ms/event; wall {time.perf_counter()-w0:.2f}s; gc {gc.get_threshold()}")
     print("  stages ms/event:", {k: round(1e3*v/n, 3) for k, v in stage.items()})
     print("  records/input:", round(sum(prod.values())/n, 2), {t.split('.')[-2]: round(v/n, 2) for t, v in sorted(prod.items())})
+    print("  bytes/input:", {t.split('.')[-2]: round(v/n) for t, v in sorted(ctx.output.bytes.items())})
+    sizes = collections.defaultdict(list)
+    for _p, key, state in corr.store.items(): sizes[key.split(":", 1)[0]].append(len(orjson.dumps(state)))
+    print("  entity state bytes (n, mean, max):", {k: (len(v), sum(v) // len(v), max(v)) for k, v in sorted(sizes.items())})
     print("  outputs digest (order-free)", {t.split('.')[-2]: f"{v:016x}" for t, v in sorted(ctx.output.sums.items())})
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ rows that fit are kept; what is detached is counted in ``state["detached"]``).
 from __future__ import annotations
 
 import hashlib
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right, insort
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -643,15 +643,33 @@ class GpuMemo:
     (any link that enters, leaves or changes within it changes one or the other: a link's
     membership of a prefix changes only when the link itself is new, replaced or gone).
     A row whose prefix, directory generation, parked/expired flags and last emitted version
-    are all as last time derives exactly what it derived then: nothing new to emit."""
+    are all as last time derives exactly what it derived then: nothing new to emit.
 
-    __slots__ = ("links", "stamp", "rows", "_prefixes")
+    Which rows to look at, without walking them all (a node/GPU keeps every alert it had):
+    the rows that are new since the last refresh (appended to ``rows``), the rows still
+    parked, and the rows at or after ``low`` — the earliest start of any link that is new,
+    replaced or gone since (a row before it has the same prefix as before). A change of the
+    directory (its generation), or rows that left, mean a full pass. The entity's interests
+    are counted per row (``counts``), so they need no walk either."""
+
+    __slots__ = ("links", "stamp", "rows", "_prefixes", "low", "generation", "times", "watch", "counts", "devices")
 
     def __init__(self) -> None:
         self.links: dict[str, tuple[dict, int, str | None]] = {}  # source -> (link object, its stamp, its earliest start)
         self.stamp = 0
-        self.rows: dict[str, tuple] = {}
+        self.rows: dict[str, tuple] = {}                 # row id -> (deps, interests) when last derived
         self._prefixes: tuple[list[str], list[int]] | None = None
+        self.low: str | None = None                      # earliest start of a link changed since the last refresh
+        self.generation = -1                             # the directory's, at the last full pass
+        self.times: list[tuple[str, str]] = []           # (row time, row id) of the rows in ``rows``, sorted
+        self.watch: set[str] = set()                     # parked rows
+        self.counts: dict[str, int] = {}                 # interest -> rows that have it
+        self.devices = False                             # a ``gpu.device`` row (a DRA device entity) is among the rows
+
+    def _changed(self, *starts: str | None) -> None:
+        for at in starts:
+            if at is not None and (self.low is None or at < self.low):
+                self.low = at
 
     def prefixes(self, links: dict) -> tuple[list[str], list[int]]:
         """(earliest starts sorted, highest stamp of each prefix) of the current links —
@@ -663,11 +681,13 @@ class GpuMemo:
             known = seen.get(src)
             if known is None or known[0] is not link:
                 self.stamp += 1
-                seen[src] = (link, self.stamp, min((iv["start"] for iv in link.get("intervals", ())), default=None))
+                first = min((iv["start"] for iv in link.get("intervals", ())), default=None)
+                self._changed(first, known[2] if known else None)
+                seen[src] = (link, self.stamp, first)
                 changed = True
         if len(seen) != len(links):  # every source in links is in seen: more in seen means some are gone
             for src in [s for s in seen if s not in links]:
-                del seen[src]
+                self._changed(seen.pop(src)[2])
             changed = True
         if not changed and self._prefixes is not None:
             return self._prefixes
@@ -680,42 +700,61 @@ class GpuMemo:
         self._prefixes = (starts, top)
         return self._prefixes
 
+    def candidates(self, rows: dict, generation: int) -> list[str] | None:
+        """The rows that may derive something new, or None for all of them (a full pass)."""
+        new = []
+        for rid in reversed(rows):
+            if rid in self.rows:
+                break
+            new.append(rid)
+        if generation != self.generation or len(self.rows) + len(new) != len(rows):
+            return None
+        picked = set(new) | self.watch
+        if self.low is not None:
+            picked.update(rid for _at, rid in self.times[bisect_left(self.times, (self.low,)):])
+        return sorted(picked, key=lambda rid: rows[rid]["key"])
+
+    def derived(self, record: dict, deps: tuple, interests: tuple) -> None:
+        rid = record["id"]
+        old = self.rows.get(rid)
+        if old is None:
+            insort(self.times, (record["starts_at"] or record["at"], rid))
+        else:
+            for interest in old[1]:
+                self.counts[interest] -= 1
+                if not self.counts[interest]:
+                    del self.counts[interest]
+        for interest in interests:
+            self.counts[interest] = self.counts.get(interest, 0) + 1
+        self.rows[rid] = (deps, interests)
+        self.devices = self.devices or "device" in record
+        if record["parked"]:
+            self.watch.add(rid)
+        else:
+            self.watch.discard(rid)
+
+    def reset(self, generation: int) -> None:
+        """Before a full pass: every row is derived (or found unchanged) again."""
+        self.rows, self.times, self.watch, self.counts = {}, [], set(), {}
+        self.generation, self.devices = generation, False
+
 
 def refresh(state: dict, directory, park: bool = True, memo: GpuMemo | None = None) -> Outcome:
     """Re-derive every output of an entity and return what changed (see the module
-    docstring for the versions). ``memo`` (node/GPU entities): skip the rows whose
-    inputs did not change since they were last derived (``GpuMemo``)."""
+    docstring for the versions). ``memo`` (node/GPU entities): look only at the rows whose
+    inputs may have changed since they were last derived (``GpuMemo``)."""
     out = Outcome()
     kind = kind_of(state["key"])
-    entity_res = resolve_entity(state, directory) if kind in ("pod", "wl") else UNATTRIBUTED
-    interests = set(entity_res.interests)
     if kind != "gpu":
         memo = None
     if memo is not None:
-        starts, top = memo.prefixes(state["links"])
-        generation = len(directory.seen)
+        return _refresh_gpu(state, directory, park, memo, out)
+    entity_res = resolve_entity(state, directory) if kind in ("pod", "wl") else UNATTRIBUTED
+    interests = set(entity_res.interests)
     for record in state["rows"].values():
-        if memo is not None:
-            k = bisect_right(starts, record["starts_at"] or record["at"])
-            sent = state["sent"].get(record["id"])
-            deps = (generation, k, top[k], record["parked"], record["expired"], sent[0] if sent else None)
-            hit = memo.rows.get(record["id"])
-            if hit is not None and hit[0] == deps and not VERIFY_UNCHANGED:
-                interests.update(hit[1])
-                continue
         res = resolve_row(state, record, directory, entity_res)
         interests.update(res.interests)
         _derive_row(state, record, directory, res, park, out)
-        if memo is not None:
-            sent = state["sent"].get(record["id"])
-            after = (generation, k, top[k], record["parked"], record["expired"], sent[0] if sent else None)
-            if VERIFY_UNCHANGED and hit is not None and hit[0] == deps:
-                # The tests derive every row anyway and check that the memo would have been right.
-                assert after == deps and tuple(res.interests) == hit[1], f"GpuMemo skipped a row that changed: {record['id']}"
-            memo.rows[record["id"]] = (after, tuple(res.interests))
-    if memo is not None:
-        for rid in [r for r in memo.rows if r not in state["rows"]]:
-            del memo.rows[rid]
     state["interests"] = sorted(interests)
     if kind == "gpu":
         _refresh_device(state, out)
@@ -726,6 +765,46 @@ def refresh(state: dict, directory, park: bool = True, memo: GpuMemo | None = No
     return out
 
 
+def _refresh_gpu(state: dict, directory, park: bool, memo: GpuMemo, out: Outcome) -> Outcome:
+    """``refresh`` of a node/GPU entity with its memo: only the candidate rows (``GpuMemo``)."""
+    rows = state["rows"]
+    starts, top = memo.prefixes(state["links"])
+    generation = len(directory.seen)
+    picked = memo.candidates(rows, generation)
+    memo.low = None
+    if VERIFY_UNCHANGED:
+        # The tests derive every row and check that each one the memo would have skipped is
+        # unchanged (same inputs, same interests, nothing emitted).
+        previous = dict(memo.rows)
+        skipped = set(rows) - set(picked) if picked is not None else set()
+        memo.reset(generation)
+        ids = list(rows)
+    elif picked is None:
+        memo.reset(generation)
+        ids = list(rows)
+    else:
+        ids = picked
+    for rid in ids:
+        record = rows[rid]
+        k = bisect_right(starts, record["starts_at"] or record["at"])
+        sent = state["sent"].get(rid)
+        deps = (generation, k, top[k], record["parked"], record["expired"], sent[0] if sent else None)
+        hit = memo.rows.get(rid) if not VERIFY_UNCHANGED else None
+        if hit is not None and hit[0] == deps:
+            continue
+        emitted = len(out.correlated)
+        res = resolve_row(state, record, directory, UNATTRIBUTED)
+        _derive_row(state, record, directory, res, park, out)
+        sent = state["sent"].get(rid)
+        after = (generation, k, top[k], record["parked"], record["expired"], sent[0] if sent else None)
+        if VERIFY_UNCHANGED and rid in skipped:
+            assert previous.get(rid) == (deps, tuple(res.interests)) and after == deps and len(out.correlated) == emitted, \
+                f"GpuMemo skipped a row that changed: {rid}"
+        memo.derived(record, after, tuple(res.interests))
+    state["interests"] = sorted(memo.counts)
+    if memo.devices:  # (device_link walks every row: not for the node/GPUs of alerts, which have none)
+        _refresh_device(state, out)
+    return out
 def _refresh_pod(state: dict, directory, res: Resolution, out: Outcome) -> None:
     rid = res.release_id
     manifest = directory.manifest(rid) if rid else {}

@@ -84,7 +84,7 @@ class Driver:
     """Processes events like the worker: releases feed the directory; every event is
     routed to its entity; forwards and refreshes are queued like route messages."""
 
-    def __init__(self, seed: int | None = None, park: bool = True) -> None:
+    def __init__(self, seed: int | None = None, park: bool = True, memos: bool = True) -> None:
         self.directory = ReleaseDirectory()
         self.entities: dict[str, dict] = {}
         self.rows: dict[str, object] = {}
@@ -94,7 +94,7 @@ class Driver:
         self.park = park
         self.offset = 0
         self.conflicts = 0
-        self.memos: dict = {}  # as the Correlator keeps them (streams.correlate.entities.GpuMemo)
+        self.memos: dict | None = {} if memos else None  # as the Correlator keeps them (streams.correlate.entities.GpuMemo)
 
     def _state(self, key):
         return self.entities.setdefault(key, new_entity(key))
@@ -107,7 +107,7 @@ class Driver:
             fold_link(state, msg["from"], msg["link"])
         elif msg["k"] == "expire":
             expire(state, msg["rows"])
-        memo = self.memos.setdefault(key, GpuMemo()) if key.startswith("gpu:") else None
+        memo = self.memos.setdefault(key, GpuMemo()) if key.startswith("gpu:") and self.memos is not None else None
         out = refresh(state, self.directory, park=self.park, memo=memo)
         self.conflicts += out.conflicts
         for content in out.correlated:

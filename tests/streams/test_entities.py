@@ -139,6 +139,44 @@ def test_any_processing_order_yields_the_same_latest_rows_and_versions():
         assert d.conflicts == 0, f"seed {seed}: a content change without a version change"
 
 
+def _busy_gpu() -> list:
+    """One GPU held by 30 pods in turn (some released, some of another release, one whose
+    release label is corrected) with 45 alerts on it, two of them before anyone held it."""
+    events = [*RELEASES, release("release.registered", 0, rid="r2", model="n", version="1", digest="sha256:" + "d" * 64)]
+    for i in range(30):
+        pod = f"b{i}"
+        events += [pod_event("scheduler.scheduled", 10 + 3 * i, pod=pod, release_id="r2" if i % 4 == 0 else "r1"),
+                   gpu_event("gpu.assigned", 11 + 3 * i, pod=pod, device="GPU-9")]
+        if i % 3 == 0:
+            events.append(gpu_event("gpu.released", 12 + 3 * i, pod=pod, device="GPU-9"))
+    # b7 was first scheduled under a release label its next event corrects: the GPU's interest
+    # in r3 goes as the corrected link replaces the first (when the first arrived first)
+    events += [pod_event("scheduler.queued", 30, pod="b7", release_id="r3"), pod_event("scheduler.running", 33, pod="b7", release_id="r1")]
+    events += [alert(5 + 2 * j, fp=f"x{j}", node="n1", gpu_id="GPU-9") for j in range(45)]
+    return events
+
+
+def test_a_busy_gpu_derives_the_same_rows_incrementally_as_in_full(monkeypatch):
+    """The worker's GpuMemo looks only at the rows that may have changed (new, parked, at or
+    after a changed link's start): under any order and batching it emits exactly what
+    re-deriving every row every time emits — rows, versions and the entity's interests."""
+    import streams.correlate.entities as entities
+
+    monkeypatch.setattr(entities, "VERIFY_UNCHANGED", False)  # the worker's path: the memo really skips
+    events = _busy_gpu()
+    reference = Driver(memos=False).feed(events).flush_parked()
+    ref_rows = reference.latest(versions=True)
+    xids = [r for r in ref_rows.values() if r["event_type"] == "alert.firing"]
+    assert len(xids) == 45 and {r["attribution"] for r in xids} == {"gpu_assignment", "unattributed"}
+    assert {r["identity"]["release_id"] for r in xids if r["identity"].get("release_id")} == {"r1", "r2"}
+    for seed in range(12):
+        order = list(events)
+        random.Random(seed).shuffle(order)
+        d = Driver(seed=seed).feed(order).flush_parked()
+        assert d.latest(versions=True) == ref_rows, f"seed {seed}"
+        assert d.entities["gpu:n1/GPU-9"]["interests"] == reference.entities["gpu:n1/GPU-9"]["interests"] == ["rid:r1", "rid:r2"]
+
+
 # --- physical GPU vs. MIG slice vs. time-slicing share (#13.2) -------------------------------------
 
 GPU_P = "GPU-5a1e0000-0000-0000-0000-00000000aaaa"

@@ -1,5 +1,6 @@
 """streams/store.py on a real broker: a changelog record per changed state, none for a
-state put again unchanged — also after a recovery — and tombstones for deleted keys."""
+state put again unchanged — also after a recovery — and tombstones for deleted keys; big
+states in chunks, written again only where they changed, recovered whole and in order."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import orjson
 from producers._kafka import ensure_specs
 from schemas.topics import TopicSpec
 from streams.output import BatchOutput
-from streams.store import PartitionStore
+from streams.store import SEP, Chunks, PartitionStore, decode_chunked
 from tests.fixtures.kafka import read_topic
 
 
@@ -58,3 +59,86 @@ def test_unchanged_states_are_not_written_again_even_after_recovery(kafka_bootst
     assert sorted(seen, key=repr) == sorted([(0, "a", {"n": 1}), (1, "b", {"n": 1}), (1, "b", {"n": 2}), (0, "a", None),
                                              (1, "b", {"n": 3}), (0, "a", {"n": 9})], key=repr)
 
+
+
+# --- big states in chunks (Chunks) ------------------------------------------------------------
+
+CHUNKS = Chunks({"rows": ("sent",), "links": ()}, volatile={"rows": ("parked",)}, size=4)
+
+
+def _entity(n_rows: int, n_links: int) -> dict:
+    return {"key": "gpu:n1/GPU-1", "interests": ["rid:r1"],
+            "rows": {f"e{i}": {"id": f"e{i}", "parked": False, "payload": "x" * i} for i in range(n_rows)},
+            "sent": {f"e{i}": [i + 1, ""] for i in range(n_rows)},
+            "links": {f"pod:ml/p{i}": {"v": i, "intervals": [{"start": f"t{i}"}]} for i in range(n_links)}}
+
+
+def _records(bootstrap: str, topic: str, n: int) -> list[tuple[str, object]]:
+    return [(m.key().decode(), orjson.loads(m.value()) if m.value() is not None else None) for m in read_topic(bootstrap, topic, min_count=n)]
+
+
+def test_a_big_state_is_written_in_chunks_and_only_what_changed_is_written_again(kafka_bootstrap):
+    topic = _changelog(kafka_bootstrap)
+    config = {"bootstrap.servers": kafka_bootstrap}
+    output = BatchOutput(config, "store-test", f"{topic}.dead")
+    store = PartitionStore("t", topic, config, chunks=CHUNKS)
+    asyncio.run(store.ensure([0, 1]))
+    small, big = _entity(3, 2), _entity(10, 5)
+    small["key"] = "pod:ml/p1"
+    # the small state is one record, as without chunks; the big one: rows 0-3, 4-7 and links 0-3
+    # sealed, the rest in its head
+    assert _write(store, output, {(1, "pod:ml/p1"): small, (0, "gpu:n1/GPU-1"): big}) == 1 + 4
+    first = _records(kafka_bootstrap, topic, 5)
+    assert ("pod:ml/p1", small) in first
+    chunks = {k.split(SEP)[1]: v for k, v in first if SEP in k}
+    assert sorted(chunks) == ["links2", "rows0", "rows1"]
+    assert list(chunks["rows1"]["rows"]) == ["e4", "e5", "e6", "e7"] and chunks["rows1"]["sent"]["e5"] == [6, ""]
+    [head] = [v for k, v in first if k == "gpu:n1/GPU-1"]
+    assert list(head["rows"]) == ["e8", "e9"] and list(head["sent"]) == ["e8", "e9"] and list(head["links"]) == ["pod:ml/p4"]
+
+    # a sealed row parked (in place), a sealed row re-emitted at a higher version, a new row,
+    # a replaced link: chunks rows0 and links2 and the head — rows1 is written again only
+    # for its new version
+    big["rows"]["e1"]["parked"] = True
+    big["sent"]["e6"] = [99, ""]
+    big["rows"]["e10"] = {"id": "e10", "parked": False, "payload": ""}
+    big["links"]["pod:ml/p2"] = {"v": 7, "intervals": [{"start": "t2"}]}
+    assert _write(store, output, {(0, "gpu:n1/GPU-1"): big}) == 4
+    assert _write(store, output, {(0, "gpu:n1/GPU-1"): big}) == 0  # put again unchanged
+
+    recovered = PartitionStore("t", topic, config, chunks=CHUNKS)
+    asyncio.run(recovered.ensure([0, 1]))
+    state = recovered.get(0, "gpu:n1/GPU-1")
+    assert state == big and list(state["rows"]) == list(big["rows"]) and list(state["links"]) == list(big["links"])
+    assert recovered.get(1, "pod:ml/p1") == small
+    assert _write(recovered, output, {(0, "gpu:n1/GPU-1"): state}) == 0  # what the changelog holds already
+
+    # the oldest rows detached: their chunk is written again without them, or deleted when empty
+    for i in range(4):
+        del state["rows"][f"e{i}"], state["sent"][f"e{i}"]
+    del state["rows"]["e4"], state["sent"]["e4"]
+    assert _write(recovered, output, {(0, "gpu:n1/GPU-1"): state}) == 2  # rows0's tombstone, rows1 (the head did not change)
+    # and a deleted key takes its chunks with it
+    assert _write(recovered, output, {(0, "gpu:n1/GPU-1"): None}) == 3  # rows1, links2, head
+    output.close()
+    tail = [(k, v) for k, v in _records(kafka_bootstrap, topic, 5 + 4 + 2 + 3) if k.startswith("gpu:")][-5:]
+    assert [(k.replace(SEP, "#"), v is None) for k, v in tail] == [
+        ("gpu:n1/GPU-1#rows0", True), ("gpu:n1/GPU-1#rows1", False),
+        ("gpu:n1/GPU-1#rows1", True), ("gpu:n1/GPU-1#links2", True), ("gpu:n1/GPU-1", True)]
+    again = PartitionStore("t", topic, config, chunks=CHUNKS)
+    asyncio.run(again.ensure([0, 1]))
+    assert again.parts == {0: {}, 1: {"pod:ml/p1": small}}
+
+
+def test_a_crash_between_a_chunk_and_its_head_recovers_the_newer_copy():
+    """Chunks are produced before their head, on one partition, by the idempotent producer:
+    a crash can leave a chunk written and the head not (the head still holding the chunk's
+    rows, at older versions). The recovered state takes the chunk's copy."""
+    old = _entity(3, 0)
+    old_head = orjson.dumps(old)
+    newer = {"rows": {"e0": {**old["rows"]["e0"], "parked": True}, "e1": old["rows"]["e1"], "e2": old["rows"]["e2"],
+                      "e3": {"id": "e3", "parked": False, "payload": "new"}},
+             "sent": {"e0": [5, ""], "e1": [2, ""], "e2": [3, ""], "e3": [1, ""]}}
+    state, _layout = decode_chunked(CHUNKS, old_head, {"rows0": orjson.dumps(newer)})
+    assert list(state["rows"]) == ["e0", "e1", "e2", "e3"] and state["rows"]["e0"]["parked"] is True
+    assert state["sent"] == {"e0": [5, ""], "e1": [2, ""], "e2": [3, ""], "e3": [1, ""]}
