@@ -229,6 +229,7 @@ class PartitionStore:
         self.loaded_records = 0
         self.load_seconds = 0.0
         self._loading = asyncio.Lock()
+        self._drops: dict[int, int] = defaultdict(int)  # per partition: how often it was dropped
 
     # --- recovery -----------------------------------------------------------------------
     async def ensure(self, partitions: Iterable[int]) -> None:
@@ -238,8 +239,13 @@ class PartitionStore:
         async with self._loading:
             missing = sorted(set(partitions) - set(self.parts))
             if missing:
+                drops = dict(self._drops)
                 loaded = await asyncio.to_thread(self._read, missing)
                 for p in missing:
+                    if self._drops.get(p) != drops.get(p):
+                        # Revoked while it loaded: what was read may be stale by the time the
+                        # partition comes back (another worker wrote to it); load it again then.
+                        continue
                     self.parts[p], marks = loaded.get(p, ({}, {}))
                     if self.chunks is None:
                         self._written[p] = marks
@@ -304,6 +310,7 @@ class PartitionStore:
 
     def drop(self, partitions: Iterable[int]) -> None:
         for p in partitions:
+            self._drops[p] += 1
             self.parts.pop(p, None)
             self._dirty.pop(p, None)
             self._written.pop(p, None)  # a failed batch drops its partitions: nothing here is trusted past the changelog

@@ -54,10 +54,14 @@ HOUSEKEEPING_S = 0.5
 #: Rounds of local link folding per batch (``Correlator.correlate_batch``); the links of the
 #: last round travel by the route topic only.
 LOCAL_PASSES = 3
-#: An entity's rows (with their last emitted version) and links are written to the changelog
-#: in sealed chunks (``streams.store``): a node/GPU that collected thousands of alerts and
-#: holders costs one small record per touch, not its whole history.
-ENTITY_CHUNKS = Chunks({"rows": ("sent",), "links": ()}, volatile={"rows": ("parked", "expired")}, size=16)
+
+
+def entity_chunks(size: int) -> Chunks:
+    """An entity's rows (with their last emitted version) and links are written to the
+    changelog in sealed chunks of ``size`` (``streams.store``; the ``state_chunk`` setting):
+    a node/GPU that collected thousands of alerts and holders costs one small record per
+    touch, not its whole history. Rows change in place only in ``parked``/``expired``."""
+    return Chunks({"rows": ("sent",), "links": ()}, volatile={"rows": ("parked", "expired")}, size=size)
 
 
 class Runtime:
@@ -125,7 +129,8 @@ class Correlator:
         run = ctx.run
         self.directory: ReleaseDirectory = ctx.directory
         self.runtime = Runtime(timedelta(seconds=ctx.settings.streams.park_ttl_s), ctx.settings.streams.park_idle_flush_s)
-        self.store = PartitionStore("entities", run.entities_changelog, ctx.consumer_config, on_load=self.runtime.load, chunks=ENTITY_CHUNKS)
+        self.store = PartitionStore("entities", run.entities_changelog, ctx.consumer_config, on_load=self.runtime.load,
+                                    chunks=entity_chunks(ctx.settings.streams.state_chunk))
         pack_max = ctx.settings.streams.pack_max
         self.route = Packer(run.route, run.partitions, max_messages=pack_max)
         self.controls = Packer(run.controls, run.partitions, max_messages=pack_max)

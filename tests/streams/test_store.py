@@ -142,3 +142,28 @@ def test_a_crash_between_a_chunk_and_its_head_recovers_the_newer_copy():
     state, _layout = decode_chunked(CHUNKS, old_head, {"rows0": orjson.dumps(newer)})
     assert list(state["rows"]) == ["e0", "e1", "e2", "e3"] and state["rows"]["e0"]["parked"] is True
     assert state["sent"] == {"e0": [5, ""], "e1": [2, ""], "e2": [3, ""], "e3": [1, ""]}
+
+
+def test_a_partition_revoked_while_it_loads_is_not_kept(kafka_bootstrap):
+    """A partition dropped (revoked) while its changelog is being read must not be installed
+    when the read ends: by the time it is assigned again another worker may have changed it."""
+    topic = _changelog(kafka_bootstrap)
+    config = {"bootstrap.servers": kafka_bootstrap}
+    output = BatchOutput(config, "store-test", f"{topic}.dead")
+    store = PartitionStore("t", topic, config)
+    asyncio.run(store.ensure([0, 1]))
+    assert _write(store, output, {(0, "a"): {"n": 1}, (1, "b"): {"n": 1}}) == 2
+    output.close()
+
+    async def revoke_while_loading(recovering: PartitionStore) -> None:
+        loading = asyncio.create_task(recovering.ensure([0, 1]))
+        await asyncio.sleep(0)  # the load is now reading in its thread
+        assert not recovering.parts
+        recovering.drop([1])
+        await loading
+
+    recovering = PartitionStore("t", topic, config)
+    asyncio.run(revoke_while_loading(recovering))
+    assert recovering.parts == {0: {"a": {"n": 1}}}
+    asyncio.run(recovering.ensure([1]))  # assigned again: read again
+    assert recovering.parts == {0: {"a": {"n": 1}}, 1: {"b": {"n": 1}}}
