@@ -50,13 +50,27 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 
 import orjson
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+from tenacity import retry, retry_if_exception, stop_after_delay, wait_exponential
 
 log = logging.getLogger(__name__)
 
 
 def _digest(value: bytes) -> bytes:
     return hashlib.blake2b(value, digest_size=16).digest()
+
+
+#: A changelog partition's offsets cannot be had *yet* (librdkafka does not flag all of these retriable).
+_TRANSIENT = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, KafkaError.UNKNOWN_TOPIC_OR_PART,
+              KafkaError._TRANSPORT, KafkaError._TIMED_OUT}
+
+
+@retry(retry=retry_if_exception(lambda exc: isinstance(exc, KafkaException) and (exc.args[0].retriable() or exc.args[0].code() in _TRANSIENT)),
+       wait=wait_exponential(multiplier=0.05, max=1), stop=stop_after_delay(30), reraise=True)
+def _watermarks(consumer: Consumer, tp: TopicPartition) -> tuple[int, int]:
+    """A changelog partition's offsets — retried while its leader moves or is not known yet
+    (a just-created topic, a broker restarting); a lasting failure fails the load."""
+    return consumer.get_watermark_offsets(tp, timeout=30)
 
 
 #: Between a key and its chunk's name: a control character no entity key contains.
@@ -265,7 +279,7 @@ class PartitionStore:
         try:
             ends = {}
             for p in partitions:
-                low, high = consumer.get_watermark_offsets(TopicPartition(self.changelog, p), timeout=30)
+                low, high = _watermarks(consumer, TopicPartition(self.changelog, p))
                 if high > low:
                     ends[p] = high
             if ends:
