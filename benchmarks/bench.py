@@ -195,10 +195,11 @@ def store_dsn(data_dir: Path) -> str:
     return f"chdb://{data_dir / 'clickhouse'}"
 
 
-def health(url: str) -> dict:
+def health(url: str, part: str = "stats") -> dict:
+    """One part of the worker's health page ({} while it does not answer)."""
     try:
         with urllib.request.urlopen(f"{url}/gpuledger/health/", timeout=5) as resp:
-            return json.loads(resp.read())["stats"]
+            return json.loads(resp.read())[part]
     except (OSError, ValueError, KeyError):
         return {}
 
@@ -441,7 +442,8 @@ class Bench:
         cat = TopicCatalogue(prefix=f"benchlat-{self.run_id}", raw_partitions=self.catalogue.raw_partitions)
         ensure_topics({"bootstrap.servers": self.bootstrap}, cat)
         data_dir = self.work / "latency"
-        service = self.start(ServiceProcess(["worker"], worker_env(self.bootstrap, cat.prefix, f"{cat.prefix}-app", data_dir),
+        # -v: worker-restart.log says what the restart spent its time on (state recovered, first batches)
+        service = self.start(ServiceProcess(["-v", "worker"], worker_env(self.bootstrap, cat.prefix, f"{cat.prefix}-app", data_dir),
                                             data_dir / "worker.log"))
         pub = EventPublisher({"bootstrap.servers": self.bootstrap}, cat, "bench")
         try:
@@ -522,7 +524,8 @@ class Bench:
             pub.close(5)
         print(f"    restart after the clean stop, {n} events waiting:", end=" ", flush=True)
         started = time.monotonic()
-        service = self.start(ServiceProcess(["worker"], worker_env(self.bootstrap, cat.prefix, f"{cat.prefix}-app", data_dir),
+        # -v: worker-restart.log says what the restart spent its time on (state recovered, first batches)
+        service = self.start(ServiceProcess(["-v", "worker"], worker_env(self.bootstrap, cat.prefix, f"{cat.prefix}-app", data_dir),
                                             data_dir / "worker-restart.log"))
         try:
             url = wait_for_worker(service, owner_file(store_dsn(data_dir)), timeout=120)
@@ -533,11 +536,17 @@ class Bench:
             wait_until(f"the restarted worker to correlate the {n} waiting events", 120,
                        lambda: health(url).get("correlated_in", 0) >= n, poll=0.02, alive=service)
             every = time.monotonic() - started
+            stores = health(url, "stores")
         finally:
             self.stop(service)
-        out = {"events": n, "health_s": answered, "first_batch_s": first, "all_s": every}
+        out = {"events": n, "health_s": answered, "first_batch_s": first, "all_s": every, "stores": stores}
         print(f"health answered after {answered:.1f}s, first correlated batch after {first:.1f}s, all {n} after {every:.1f}s",
               flush=True)
+        for name, st in stores.items():
+            # the worker's time.monotonic() is this process's clock
+            loaded = f", the last one ended {st['last_loaded_at'] - started:.1f}s after the start" if st.get("last_loaded_at") else ""
+            print(f"      {name} store: {st['keys']:,} keys recovered from {st['recovered_records']:,} changelog records in "
+                  f"{st['recovery_seconds']:.1f}s of loading{loaded}", flush=True)
         self.results["restart"] = out
         return out
 

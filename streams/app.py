@@ -37,6 +37,7 @@ import os
 import signal
 import threading
 import faust
+from faust.tables import TableManager
 
 from gpuledger import gctune
 from gpuledger.dev.process import free_port
@@ -123,6 +124,7 @@ class WorkerContext:
                       "changelog_unchanged_skipped": sum(a.store.unchanged_skipped for a in (self.correlator, self.controller) if a)},
             "counters": {name: c.totals for name, c in self._counters.items()},
             "epochs": {name: epoch.health() for name, epoch in self.epochs.items()},
+            "stores": {a.store.name: a.store.health() for a in (self.correlator, self.controller) if a},
             "gc": gctune.stats(),
         }
         if self.sink is not None:
@@ -182,6 +184,7 @@ def create_app(settings) -> faust.App:
         broker=f"kafka://{ctx.bootstrap}",
         broker_credentials=settings.kafka.faust_credentials(),
         store="memory://",
+        TableManager=NoTablesManager,
         datadir=str(settings.data_dir / "streams"),
         web_enabled=True,
         web_bind="127.0.0.1",
@@ -225,6 +228,19 @@ def create_app(settings) -> faust.App:
         ctx.subscriptions = check_assignment(app.consumer.assignment(), expected)
         if not ctx.subscriptions["ok"]:
             log.error("after the rebalance some agents have no partitions: %s", "; ".join(ctx.subscriptions["problems"]))
+        # Recover the assigned partitions' state now, while the release directory loads and
+        # the route stage starts, rather than when the first batch needs it (a restart's
+        # first batch waited for both, one after the other). A partition revoked before its
+        # load ends is not kept (PartitionStore.ensure).
+        assignment = app.consumer.assignment()
+        for store, topic in ((ctx.correlator.store, run.route), (ctx.controller.store, run.controls)):
+            prefetch = asyncio.ensure_future(store.ensure({tp.partition for tp in assignment if tp.topic == topic}))
+            prefetch.add_done_callback(_prefetched)
+
+    def _prefetched(task: asyncio.Future) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("recovering state after the rebalance failed (%s); the first batch that needs it loads it again",
+                        task.exception())
 
     @app.on_partitions_revoked.connect
     async def _revoked(sender, revoked, **kwargs):
@@ -259,6 +275,19 @@ def create_app(settings) -> faust.App:
 
     app.gpuledger_web_url = f"http://127.0.0.1:{web_port}"
     return app
+
+
+class NoTablesManager(TableManager):
+    """Faust's table manager, started without its one-second pause: ``TableManager.on_start``
+    sleeps a second so that tables can register before recovery starts, and the consumer
+    subscribes only after that. This app has no Faust tables (its state is in
+    ``PartitionStore``s), so every start and restart waited that second for nothing.
+    Faust's documented extension point (the ``TableManager`` setting)."""
+
+    async def on_start(self) -> None:
+        if not self.should_stop:
+            await self._update_channels()
+            await self.recovery.start()
 
 
 def check_assignment(assignment, expected: dict) -> dict:
