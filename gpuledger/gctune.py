@@ -16,6 +16,11 @@ modules, settings and app of a started service — into the permanent generation
 (``gc.freeze``), so no collection traverses them again: the receiver allocates a few
 hundred short-lived objects per request, and its full collections walked the whole
 start-up heap (py-spy: a sixth of its CPU at load, before this and ``tune()``).
+``bulk()`` (a worker recovering its stores from their changelogs) pauses collections
+while decoded state piles up — tens of thousands of entity states, each a tree of dicts
+that only grows the heap every full collection walks (py-spy: a third of a restart's
+decoding) — and freezes what it loaded when the last bulk load ends: state that lives
+until it is replaced, and then goes by reference counting (it holds no cycles).
 ``stats()`` is what the health pages show: collections per generation and the seconds
 spent in them since the process started.
 """
@@ -23,7 +28,10 @@ spent in them since the process started.
 from __future__ import annotations
 
 import gc
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 GEN0, GEN1, GEN2 = 50_000, 20, 50
 
@@ -50,6 +58,29 @@ def freeze() -> None:
     """Exempt everything alive now from future collections (call once a service has started)."""
     gc.collect()  # what start-up left as garbage goes now, not frozen forever
     gc.freeze()
+
+
+_bulk = {"depth": 0}
+_bulk_lock = threading.Lock()
+
+
+@contextmanager
+def bulk() -> Iterator[None]:
+    """No collections while loading (in any thread; nested and concurrent loads count);
+    when the last load ends, collections resume and the loaded objects are frozen."""
+    with _bulk_lock:
+        _bulk["depth"] += 1
+        if _bulk["depth"] == 1:
+            _bulk["enabled"] = gc.isenabled()
+            gc.disable()
+    try:
+        yield
+    finally:
+        with _bulk_lock:
+            _bulk["depth"] -= 1
+            if _bulk["depth"] == 0 and _bulk.pop("enabled", True):
+                gc.freeze()
+                gc.enable()
 
 
 def stats() -> dict:

@@ -72,6 +72,7 @@ class WorkerContext:
         self.epochs: dict = {}  # agent name -> streams.runner.Epoch
         self.app = None
         self.sink = None  # sinks.service.SinkProcess, when this worker runs one
+        self.recovery_lock = asyncio.Lock()  # the stores recover one at a time (streams.store.PartitionStore)
         spec = settings.streams.fault
         self._fault = [*spec.split(":")[:2], int(spec.split(":")[2])] if spec else None
 

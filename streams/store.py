@@ -53,6 +53,8 @@ import orjson
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 from tenacity import retry, retry_if_exception, stop_after_delay, wait_exponential
 
+from gpuledger import gctune
+
 log = logging.getLogger(__name__)
 
 
@@ -227,7 +229,7 @@ def decode_chunked(chunks: Chunks, head: bytes, parts: dict[str, bytes]) -> tupl
 
 class PartitionStore:
     def __init__(self, name: str, changelog: str, consumer_config: dict, on_load: Callable[[int, dict], None] | None = None,
-                 chunks: Chunks | None = None) -> None:
+                 chunks: Chunks | None = None, loading: asyncio.Lock | None = None) -> None:
         self.name = name
         self.chunks = chunks
         self.changelog = changelog
@@ -247,7 +249,10 @@ class PartitionStore:
         self.started_at = time.monotonic()
         self.first_loaded_at: float | None = None
         self.last_loaded_at: float | None = None
-        self._loading = asyncio.Lock()
+        # One load at a time — shared by a worker's stores (``loading``), so that the first
+        # one asked for (the entities, which a restart's first batch waits for) is not slowed
+        # by the other's running beside it.
+        self._loading = loading or asyncio.Lock()
         self._drops: dict[int, int] = defaultdict(int)  # per partition: how often it was dropped
 
     # --- recovery -----------------------------------------------------------------------
@@ -282,7 +287,8 @@ class PartitionStore:
         # live consumer's 1 MB default (a restart waits for this read).
         consumer = Consumer({**self._consumer_config, "group.id": f"{self.changelog}.restore", "enable.auto.commit": False,
                              "enable.partition.eof": True, "auto.offset.reset": "earliest",
-                             "max.partition.fetch.bytes": 16 * 1024 * 1024, "fetch.max.bytes": 64 * 1024 * 1024})
+                             "max.partition.fetch.bytes": 16 * 1024 * 1024, "fetch.max.bytes": 64 * 1024 * 1024,
+                             "fetch.wait.max.ms": 10})  # at a partition's end: do not wait for records that are not coming
         raw: dict[int, dict[str, bytes | None]] = {p: {} for p in partitions}
         try:
             ends = {}
@@ -306,7 +312,8 @@ class PartitionStore:
                             ends.pop(p, None)
         finally:
             consumer.close()
-        out = {p: self._decode(records) for p, records in raw.items()}
+        with gctune.bulk():  # a restart's decoded state is garbage-free and long-lived
+            out = {p: self._decode(records) for p, records in raw.items()}
         self.load_seconds += time.monotonic() - started
         self.last_loaded_at = time.monotonic()
         self.first_loaded_at = self.first_loaded_at or self.last_loaded_at

@@ -126,7 +126,8 @@ class Controller:
         self.policy = PolicySettings().load()  # a bad policy stops the worker before it consumes anything
         self.policy_version = self.policy.fingerprint  # hashed once: the policy does not change in a running worker
         self.runtime = ControlRuntime()
-        self.store = PartitionStore("controls", ctx.run.controls_changelog, ctx.consumer_config, on_load=self._loaded)
+        self.store = PartitionStore("controls", ctx.run.controls_changelog, ctx.consumer_config, on_load=self._loaded,
+                                    loading=getattr(ctx, "recovery_lock", None))
         self.packer = Packer(ctx.run.controls, ctx.run.partitions, max_messages=ctx.settings.streams.pack_max)
         self.counters = ctx.counters("streams.controls")
         self.stats = ctx.stats

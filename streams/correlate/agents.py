@@ -130,7 +130,7 @@ class Correlator:
         self.directory: ReleaseDirectory = ctx.directory
         self.runtime = Runtime(timedelta(seconds=ctx.settings.streams.park_ttl_s), ctx.settings.streams.park_idle_flush_s)
         self.store = PartitionStore("entities", run.entities_changelog, ctx.consumer_config, on_load=self.runtime.load,
-                                    chunks=entity_chunks(ctx.settings.streams.state_chunk))
+                                    chunks=entity_chunks(ctx.settings.streams.state_chunk), loading=getattr(ctx, "recovery_lock", None))
         pack_max = ctx.settings.streams.pack_max
         self.route = Packer(run.route, run.partitions, max_messages=pack_max)
         self.controls = Packer(run.controls, run.partitions, max_messages=pack_max)

@@ -1,0 +1,38 @@
+"""gpuledger.gctune.bulk: no collections while stores load (nested, from several threads), the
+loaded objects frozen when the last load ends."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+from gpuledger import gctune
+
+
+def test_bulk_loads_pause_collections_until_the_last_ends_then_freeze_what_they_loaded():
+    assert gc.isenabled()
+    loaded: list[dict] = []
+    inside = threading.Event()
+    release = threading.Event()
+
+    def other_load():
+        with gctune.bulk():
+            inside.set()
+            release.wait(10)
+
+    frozen_before = gc.get_freeze_count()
+    try:
+        with gctune.bulk():
+            assert not gc.isenabled()
+            loader = threading.Thread(target=other_load)
+            loader.start()
+            assert inside.wait(10)
+            loaded.extend({"key": str(i), "rows": {}} for i in range(1000))
+        assert not gc.isenabled()  # the other load is still under way
+        release.set()
+        loader.join(10)
+        assert gc.isenabled()
+        assert gc.get_freeze_count() >= frozen_before + 1000  # what was loaded is in the permanent generation
+    finally:
+        gc.unfreeze()
+        gc.enable()
