@@ -442,8 +442,7 @@ class Bench:
         cat = TopicCatalogue(prefix=f"benchlat-{self.run_id}", raw_partitions=self.catalogue.raw_partitions)
         ensure_topics({"bootstrap.servers": self.bootstrap}, cat)
         data_dir = self.work / "latency"
-        # -v: worker-restart.log says what the restart spent its time on (state recovered, first batches)
-        service = self.start(ServiceProcess(["-v", "worker"], worker_env(self.bootstrap, cat.prefix, f"{cat.prefix}-app", data_dir),
+        service = self.start(ServiceProcess(["worker"], worker_env(self.bootstrap, cat.prefix, f"{cat.prefix}-app", data_dir),
                                             data_dir / "worker.log"))
         pub = EventPublisher({"bootstrap.servers": self.bootstrap}, cat, "bench")
         try:
