@@ -65,22 +65,26 @@ _bulk_lock = threading.Lock()
 
 
 @contextmanager
-def bulk() -> Iterator[None]:
+def bulk(freeze: bool = True) -> Iterator[None]:
     """No collections while loading (in any thread; nested and concurrent loads count);
-    when the last load ends, collections resume and the loaded objects are frozen."""
+    when the last load ends, collections resume and — if any of the loads asked for it
+    (``freeze``: it loaded something) — the objects alive then are frozen."""
     with _bulk_lock:
         _bulk["depth"] += 1
         if _bulk["depth"] == 1:
             _bulk["enabled"] = gc.isenabled()
             gc.disable()
+        _bulk["freeze"] = _bulk.get("freeze", False) or freeze
     try:
         yield
     finally:
         with _bulk_lock:
             _bulk["depth"] -= 1
-            if _bulk["depth"] == 0 and _bulk.pop("enabled", True):
-                gc.freeze()
-                gc.enable()
+            if _bulk["depth"] == 0:
+                if _bulk.pop("freeze", False):
+                    gc.freeze()
+                if _bulk.pop("enabled", True):
+                    gc.enable()
 
 
 def stats() -> dict:

@@ -248,7 +248,7 @@ def create_app(settings) -> faust.App:
         for epoch in ctx.epochs.values():
             epoch.forget((tp.topic, tp.partition) for tp in revoked)
         ctx.correlator.forget({tp.partition for tp in revoked if tp.topic == run.route})
-        ctx.controller.store.drop({tp.partition for tp in revoked if tp.topic == run.controls})
+        ctx.controller.forget({tp.partition for tp in revoked if tp.topic == run.controls})
 
     @app.page("/gpuledger/health/")
     class HealthView(faust.web.View):

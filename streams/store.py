@@ -103,6 +103,11 @@ def _fine_switching(interval: float = 0.0005) -> Iterator[None]:
                 sys.setswitchinterval(_fine["interval"])
 
 
+#: A stateful stage's bookkeeping key, one per partition of its store: the release-directory
+#: marks its refreshes covered when the partition's state was last written (the correlation
+#: and controls stages: a partition that loads catches up on the releases changed since).
+DIRECTORY_MARK = "~directory"
+
 #: Between a key and its chunk's name: a control character no entity key contains.
 SEP = "\x1f"
 
@@ -344,7 +349,7 @@ class PartitionStore:
                             ends.pop(p, None)
         finally:
             consumer.close()
-        with gctune.bulk():  # a restart's decoded state is garbage-free and long-lived
+        with gctune.bulk(freeze=any(raw.values())):  # a restart's decoded state is garbage-free and long-lived
             out = {p: self._decode(records) for p, records in raw.items()}
         self.load_seconds += time.monotonic() - started
         self.last_loaded_at = time.monotonic()

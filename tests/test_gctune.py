@@ -36,3 +36,10 @@ def test_bulk_loads_pause_collections_until_the_last_ends_then_freeze_what_they_
     finally:
         gc.unfreeze()
         gc.enable()
+
+
+def test_a_load_that_loaded_nothing_freezes_nothing():
+    frozen_before = gc.get_freeze_count()
+    with gctune.bulk(freeze=False):
+        assert not gc.isenabled()
+    assert gc.isenabled() and gc.get_freeze_count() == frozen_before

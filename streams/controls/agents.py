@@ -44,9 +44,9 @@ from datetime import datetime
 from streams.controls.policy import PolicySettings
 from schemas import encode_event
 from streams.controls.rules import Context, digest, fold_link, fold_row, max_time, new_state, step
-from streams.packing import Packer, unpack
+from streams.packing import Packer, partition_for, unpack
 from streams.runner import Epoch, run_batches
-from streams.store import PartitionStore
+from streams.store import DIRECTORY_MARK, PartitionStore
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,15 @@ class ControlRuntime:
         self._heap: list[tuple[datetime, str]] = []
         self.watermark: datetime | None = None
         self._directory_seen = -1
-        self._release_marks: dict[str, str] = {}
+        self._release_marks: dict[str, str] | None = None  # None until the first poll after the directory is ready
+        # As the correlation stage's (streams.store.DIRECTORY_MARK): per partition,
+        # the release marks its changelog held when it loaded, until its catch-up ticks are
+        # on the controls topic; the marks the last acknowledged ticks covered.
+        self.marks: dict[int, dict | None] = {}
+        self.caught_up: set[int] = set()
+        self.covered: dict[str, str] = {}
+        self.written_marks: dict[int, dict] = {}
+        self._marks_now: dict[str, str] | None = None
 
     def advance(self, at) -> None:
         if not at:
@@ -100,20 +108,28 @@ class ControlRuntime:
                 out.append(key)
         return out
 
-    def changed_releases(self, directory) -> list[str]:
-        """Releases whose history or manifest changed since the last call (and advance
-        the watermark to the latest release event)."""
-        if len(directory.seen) == self._directory_seen:
-            return []
+    def release_marks(self, directory) -> dict[str, str]:
+        """Every release's mark (its history and manifest), advancing the watermark to the
+        latest release event; computed again only when the directory saw new events."""
+        if len(directory.seen) == self._directory_seen and self._marks_now is not None:
+            return self._marks_now
         self._directory_seen = len(directory.seen)
-        changed = []
+        marks = {}
         for rid, state in list(directory.releases.items()):
             if state["history"]:
                 self.advance(state["history"][-1][0].split("|", 1)[0])
-            mark = digest([len(state["history"]), state["history"][-1][0] if state["history"] else "", state["manifest"]])
-            if self._release_marks.get(rid) != mark:
-                self._release_marks[rid] = mark
-                changed.append(rid)
+            marks[rid] = digest([len(state["history"]), state["history"][-1][0] if state["history"] else "", state["manifest"]])
+        self._marks_now = marks
+        return marks
+
+    def changed_releases(self, marks: dict[str, str]) -> list[str]:
+        """Releases whose mark changed since the last call — none on the first call: what
+        changed before it, each partition catches up on from its own mark."""
+        if self._release_marks is None:
+            self._release_marks = dict(marks)
+            return []
+        changed = [rid for rid, mark in marks.items() if self._release_marks.get(rid) != mark]
+        self._release_marks = dict(marks)
         return changed
 
 
@@ -134,8 +150,14 @@ class Controller:
         for name in ("controls_in", "controls_keys", "violations_out", "control_conflicts"):
             self.stats.setdefault(name, 0)
 
-    def _loaded(self, _partition: int, states: dict) -> None:
+    def _loaded(self, partition: int, states: dict) -> None:
+        marker = states.get(DIRECTORY_MARK)
+        self.runtime.marks[partition] = marker.get("covered") if marker else None
+        self.runtime.caught_up.discard(partition)
+        self.runtime.written_marks.pop(partition, None)
         for key, state in states.items():
+            if key == DIRECTORY_MARK:
+                continue
             self.runtime.track(key, state.get("interests", []), _parse(state["deadline"]) if state.get("deadline") else None)
             self.runtime.advance(max_time(state))
 
@@ -186,17 +208,27 @@ class Controller:
         self.ctx.fault("controls", "during_outputs")
         self.stats["controls_in"] += len(messages)
         self.stats["violations_out"] += n_out
-        self.stats["controls_keys"] = len(self.store)
+        self.stats["controls_keys"] = len(self.store) - len(self.runtime.written_marks)
         if touched:
             log.info("controls evaluated %d message(s) for %d key(s) into %d violation record(s)", len(messages), len(touched), n_out)
 
     async def commit(self) -> None:
         """The epoch commit (``WorkerContext.commit_state``)."""
+        self.mark_directory()
         await self.ctx.commit_state("controls", self.store)
 
     async def reset(self, events: list) -> None:
         self.packer.discard()
-        self.store.drop({ev.message.partition for ev in events})
+        self.forget({ev.message.partition for ev in events})
+
+    def forget(self, partitions: set[int]) -> None:
+        """Drop the state of ``partitions`` (failed batch, revocation): loaded again, they
+        catch up again from their changelog's mark."""
+        self.store.drop(partitions)
+        for p in partitions:
+            self.runtime.marks.pop(p, None)
+            self.runtime.caught_up.discard(p)
+            self.runtime.written_marks.pop(p, None)
 
     async def dead(self, event, exc: BaseException) -> None:
         from schemas.outputs import dead_letter
@@ -215,15 +247,34 @@ class Controller:
         # Dependents are indexed as partitions load: load every assigned one before a
         # release change is matched against them (else the change would find nobody).
         await self.store.ensure(self.ctx.assigned(self.ctx.run.controls))
+        runtime = self.runtime
+        marks = runtime.release_marks(self.directory)
         targets: set[str] = set()
-        for rid in self.runtime.changed_releases(self.directory):
-            targets.update(self.runtime.dependents.get(f"rid:{rid}", ()))
-        targets.update(self.runtime.due())
+        for rid in runtime.changed_releases(marks):
+            targets.update(runtime.dependents.get(f"rid:{rid}", ()))
+        catching_up = {p: mark for p, mark in runtime.marks.items() if p not in runtime.caught_up}
+        n = self.ctx.run.partitions
+        for p, mark in catching_up.items():
+            stale = [rid for rid, m in marks.items() if mark is None or mark.get(rid) != m]
+            ticks = {key for rid in stale for key in runtime.dependents.get(f"rid:{rid}", ()) if partition_for(key, n) == p}
+            self.stats["control_catch_up_ticks"] = self.stats.get("control_catch_up_ticks", 0) + len(ticks)
+            targets.update(ticks)
+        targets.update(runtime.due())
         for key in sorted(targets):
             self.packer.add(key, {"k": "tick"})
         if self.packer.pending():
             self.packer.drain_into(self.ctx.output)
             await self.ctx.output.flush()
+        runtime.covered = marks
+        runtime.caught_up.update(catching_up)
+
+    def mark_directory(self) -> None:
+        """Before an epoch's changelog: each caught-up partition's mark, where it changed."""
+        runtime = self.runtime
+        for p in runtime.caught_up & set(self.store.parts):
+            if runtime.written_marks.get(p) != runtime.covered:
+                self.store.put(p, DIRECTORY_MARK, {"key": DIRECTORY_MARK, "covered": dict(runtime.covered)})
+                runtime.written_marks[p] = runtime.covered
 
 
 def install_control_agents(app, ctx, controls_topic) -> Controller:

@@ -177,9 +177,11 @@ class ReleaseDirectory:
 
 async def follow_release_topic(bootstrap: str, topic: str, directory: ReleaseDirectory,
                                on_change: Callable[[list[str]], None], stop: asyncio.Event | None = None,
-                               client_config: dict | None = None) -> None:
+                               client_config: dict | None = None, signal_initial: bool = True) -> None:
     """Read ``topic`` from the beginning forever into ``directory`` (no consumer group).
-    ``client_config``: aiokafka security settings (KafkaSettings.aiokafka_config())."""
+    ``client_config``: aiokafka security settings (KafkaSettings.aiokafka_config()).
+    ``signal_initial=False``: ``on_change`` hears of changes after the directory is ready
+    only, not of the initial load (a caller that knows what it saw before it started)."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None, auto_offset_reset="earliest",
@@ -199,6 +201,7 @@ async def follow_release_topic(bootstrap: str, topic: str, directory: ReleaseDir
             directory.ready.set()
         while stop is None or not stop.is_set():
             batch = await consumer.getmany(timeout_ms=200, max_records=5000)
+            was_ready = directory.ready.is_set()
             changed: set[str] = set()
             for tp, messages in batch.items():
                 for msg in messages:
@@ -213,7 +216,7 @@ async def follow_release_topic(bootstrap: str, topic: str, directory: ReleaseDir
             if not directory.ready.is_set() and len(caught_up) == len(parts):
                 directory.ready.set()
                 log.info("release directory loaded: %d release(s)", len(directory.releases))
-            if changed and directory.ready.is_set():
+            if changed and directory.ready.is_set() and (was_ready or signal_initial):
                 on_change(sorted(changed))
     finally:
         await consumer.stop()

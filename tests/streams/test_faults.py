@@ -227,3 +227,43 @@ def test_a_crash_at_any_point_of_a_batch_heals_to_the_uninterrupted_tables(kafka
     if fault.startswith("correlate:after_changelog"):
         assert health["stores"]["entities"]["recovered_records"] > 0, health["stores"]
     assert run.stop_and_checksum() == reference.sums
+
+
+def test_a_release_changed_while_the_worker_was_down_re_derives_only_its_dependents(kafka_bootstrap, tmp_path):
+    """The directory's load at start does not re-derive every entity: each partition's
+    changelog marks the release event counts its refreshes covered (``DIRECTORY_MARK``), and a
+    restarted worker refreshes the dependents of the releases that changed since — ending with
+    the tables of a run that saw every event without stopping."""
+    from producers._kafka import ensure_topics
+    from schemas.topics import TopicCatalogue
+
+    cat = TopicCatalogue(prefix=f"down{uuid.uuid4().hex[:6]}", raw_partitions=4)
+    ensure_topics({"bootstrap.servers": kafka_bootstrap}, cat)
+    first = fleet(pods=120)
+    # while the worker is down: a release approved and promoted for fr-1's image digest
+    # (the newest promoted release of a digest is what its unlabelled pods resolve to)
+    at = T0 + timedelta(hours=2)
+    ident = Identity(release_id="fr-new", model_name="fm1", model_version="9", image_digest=f"sha256:{1:064x}", owner="team-1",
+                     environment="prod")
+    later = [ReleaseEvent(event_id=make_event_id("f", ("fr-new", etype)), event_type=etype, occurred_at=at + timedelta(minutes=i),
+                          observed_at=at, source=SRC, identity=ident,
+                          payload=ReleasePayload(actor="alice", to_environment="prod" if etype == "release.promoted" else None))
+             for i, etype in enumerate(("release.registered", "release.approved", "release.promoted"))]
+    publisher = EventPublisher({"bootstrap.servers": kafka_bootstrap}, cat, "test")
+    publisher.publish_batch(first)
+
+    run = Run(kafka_bootstrap, cat, tmp_path, f"{cat.prefix}-restarted").start()
+    entities = run.wait_done(len(first))["stats"]["entities"]
+    assert run.stop_and_checksum()["correlated_events"][0] == len(first)
+    publisher.publish_batch(later)
+    run.start()
+    health = run.wait_done(len(first) + len(later))
+    refreshed = health["stats"].get("catch_up_refreshes", 0)
+    assert 0 < refreshed < entities / 4, (refreshed, entities)  # fr-1's dependents, not every entity
+    ticks, keys = health["stats"].get("control_catch_up_ticks", 0), health["stats"]["controls_keys"]
+    assert ticks < keys / 4, (ticks, keys)  # the controls too: only what depends on a changed release
+    restarted = run.stop_and_checksum()
+
+    reference = Run(kafka_bootstrap, cat, tmp_path, f"{cat.prefix}-straight").start()
+    reference.wait_done(len(first) + len(later))
+    assert restarted == reference.stop_and_checksum()
