@@ -108,6 +108,46 @@ def _fine_switching(interval: float = 0.0005) -> Iterator[None]:
 #: and controls stages: a partition that loads catches up on the releases changed since).
 DIRECTORY_MARK = "~directory"
 
+class DirectoryMarks:
+    """A stateful stage's ``DIRECTORY_MARK`` bookkeeping: per partition, the mark its
+    changelog held when it loaded (``loaded``) until its catch-up is acknowledged (``done``);
+    what the last acknowledged refreshes covered (``covered``), written into each caught-up
+    partition before an epoch's changelog where it changed (``write``)."""
+
+    def __init__(self) -> None:
+        self.marks: dict[int, dict | None] = {}
+        self.caught_up: set[int] = set()
+        self.covered: dict = {}
+        self.written: dict[int, dict] = {}
+
+    def loaded(self, partition: int, states: dict) -> None:
+        marker = states.get(DIRECTORY_MARK)
+        self.marks[partition] = marker.get("covered") if marker else None
+        self.forget([partition], keep_mark=True)
+
+    def catching_up(self) -> dict[int, dict | None]:
+        """Loaded partitions not caught up yet, with their marks (None: no mark, catch up on everything)."""
+        return {p: mark for p, mark in self.marks.items() if p not in self.caught_up}
+
+    def done(self, partitions, covered: dict) -> None:
+        """This round's refreshes (and ``partitions``' catch-ups) are acknowledged: they cover ``covered``."""
+        self.covered = covered
+        self.caught_up.update(partitions)
+
+    def forget(self, partitions, keep_mark: bool = False) -> None:
+        for p in partitions:
+            if not keep_mark:
+                self.marks.pop(p, None)
+            self.caught_up.discard(p)
+            self.written.pop(p, None)
+
+    def write(self, store: PartitionStore) -> None:
+        for p in self.caught_up & set(store.parts):
+            if self.written.get(p) != self.covered:
+                store.put(p, DIRECTORY_MARK, {"key": DIRECTORY_MARK, "covered": dict(self.covered)})
+                self.written[p] = self.covered
+
+
 #: Between a key and its chunk's name: a control character no entity key contains.
 SEP = "\x1f"
 

@@ -46,7 +46,7 @@ from schemas import encode_event
 from streams.controls.rules import Context, digest, fold_link, fold_row, max_time, new_state, step
 from streams.packing import Packer, partition_for, unpack
 from streams.runner import Epoch, run_batches
-from streams.store import DIRECTORY_MARK, PartitionStore
+from streams.store import DIRECTORY_MARK, DirectoryMarks, PartitionStore
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +74,9 @@ class ControlRuntime:
         self.watermark: datetime | None = None
         self._directory_seen = -1
         self._release_marks: dict[str, str] | None = None  # None until the first poll after the directory is ready
-        # As the correlation stage's (streams.store.DIRECTORY_MARK): per partition,
-        # the release marks its changelog held when it loaded, until its catch-up ticks are
-        # on the controls topic; the marks the last acknowledged ticks covered.
-        self.marks: dict[int, dict | None] = {}
-        self.caught_up: set[int] = set()
-        self.covered: dict[str, str] = {}
-        self.written_marks: dict[int, dict] = {}
+        # As the correlation stage's (streams.store.DIRECTORY_MARK): release id -> its mark,
+        # whose dependents' ticks are on the controls topic, and each loaded partition's catch-up.
+        self.marks = DirectoryMarks()
         self._marks_now: dict[str, str] | None = None
 
     def advance(self, at) -> None:
@@ -151,10 +147,7 @@ class Controller:
             self.stats.setdefault(name, 0)
 
     def _loaded(self, partition: int, states: dict) -> None:
-        marker = states.get(DIRECTORY_MARK)
-        self.runtime.marks[partition] = marker.get("covered") if marker else None
-        self.runtime.caught_up.discard(partition)
-        self.runtime.written_marks.pop(partition, None)
+        self.runtime.marks.loaded(partition, states)
         for key, state in states.items():
             if key == DIRECTORY_MARK:
                 continue
@@ -208,13 +201,13 @@ class Controller:
         self.ctx.fault("controls", "during_outputs")
         self.stats["controls_in"] += len(messages)
         self.stats["violations_out"] += n_out
-        self.stats["controls_keys"] = len(self.store) - len(self.runtime.written_marks)
+        self.stats["controls_keys"] = len(self.store) - len(self.runtime.marks.written)
         if touched:
             log.info("controls evaluated %d message(s) for %d key(s) into %d violation record(s)", len(messages), len(touched), n_out)
 
     async def commit(self) -> None:
         """The epoch commit (``WorkerContext.commit_state``)."""
-        self.mark_directory()
+        self.runtime.marks.write(self.store)
         await self.ctx.commit_state("controls", self.store)
 
     async def reset(self, events: list) -> None:
@@ -225,10 +218,7 @@ class Controller:
         """Drop the state of ``partitions`` (failed batch, revocation): loaded again, they
         catch up again from their changelog's mark."""
         self.store.drop(partitions)
-        for p in partitions:
-            self.runtime.marks.pop(p, None)
-            self.runtime.caught_up.discard(p)
-            self.runtime.written_marks.pop(p, None)
+        self.runtime.marks.forget(partitions)
 
     async def dead(self, event, exc: BaseException) -> None:
         from schemas.outputs import dead_letter
@@ -252,7 +242,7 @@ class Controller:
         targets: set[str] = set()
         for rid in runtime.changed_releases(marks):
             targets.update(runtime.dependents.get(f"rid:{rid}", ()))
-        catching_up = {p: mark for p, mark in runtime.marks.items() if p not in runtime.caught_up}
+        catching_up = runtime.marks.catching_up()
         n = self.ctx.run.partitions
         for p, mark in catching_up.items():
             stale = [rid for rid, m in marks.items() if mark is None or mark.get(rid) != m]
@@ -265,16 +255,7 @@ class Controller:
         if self.packer.pending():
             self.packer.drain_into(self.ctx.output)
             await self.ctx.output.flush()
-        runtime.covered = marks
-        runtime.caught_up.update(catching_up)
-
-    def mark_directory(self) -> None:
-        """Before an epoch's changelog: each caught-up partition's mark, where it changed."""
-        runtime = self.runtime
-        for p in runtime.caught_up & set(self.store.parts):
-            if runtime.written_marks.get(p) != runtime.covered:
-                self.store.put(p, DIRECTORY_MARK, {"key": DIRECTORY_MARK, "covered": dict(runtime.covered)})
-                runtime.written_marks[p] = runtime.covered
+        runtime.marks.done(catching_up, marks)
 
 
 def install_control_agents(app, ctx, controls_topic) -> Controller:

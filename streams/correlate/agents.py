@@ -46,7 +46,7 @@ from streams.correlate.intake import RawIntake
 from streams.correlate.routing import entity_key, routed_form
 from streams.packing import Packer, partition_for, unpack
 from streams.runner import Epoch, run_batches
-from streams.store import DIRECTORY_MARK, Chunks, PartitionStore
+from streams.store import Chunks, DirectoryMarks, PartitionStore
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +85,9 @@ class Runtime:
         self.idle_flush_s = idle_flush_s
         self.dependents: dict[str, set[str]] = defaultdict(set)
         self.pending_refresh: set[str] = set()
-        # Release changes whose dependents' refreshes are on the route topic: release id ->
-        # the directory's event count for it (``DIRECTORY_MARK``); per partition, the mark
-        # its changelog held when it loaded, until its catch-up refresh is on the route topic.
-        self.covered: dict[str, int] = {}
-        self.marks: dict[int, dict | None] = {}
-        self.caught_up: set[int] = set()
-        self.written_marks: dict[int, dict] = {}
+        # Release id -> the directory's event count for it, whose dependents' refreshes are on
+        # the route topic (``DIRECTORY_MARK``), and each loaded partition's catch-up.
+        self.marks = DirectoryMarks()
         self.watermark: str = ""
         self.last_input = time.monotonic()
         self._heap: list[tuple[str, str, str]] = []
@@ -102,9 +98,7 @@ class Runtime:
             self.dependents[interest].add(key)
 
     def load(self, partition: int, states: dict) -> None:
-        marker = states.get(DIRECTORY_MARK)
-        self.marks[partition] = marker.get("covered") if marker else None
-        self.caught_up.discard(partition)
+        self.marks.loaded(partition, states)
         for key, state in states.items():
             self.index(key, state.get("interests", []))
             for rec in state.get("rows", {}).values():
@@ -275,7 +269,7 @@ class Correlator:
         self.stats["correlated_in"] += n_in
         self.stats["correlated_out"] += n_out
         self.stats["parked"] = self.runtime.parked_count()
-        self.stats["entities"] = len(self.store) - len(self.runtime.written_marks)
+        self.stats["entities"] = len(self.store) - len(self.runtime.marks.written)
         self.counters.add_sent(n_out)
         if refreshed:
             log.info("correlated %d message(s) for %d entit(ies) into %d row(s)", len(messages), len(refreshed), n_out)
@@ -288,7 +282,7 @@ class Correlator:
 
     async def commit_entities(self) -> None:
         """The correlation stage's epoch commit (``WorkerContext.commit_state``)."""
-        self.mark_directory()
+        self.runtime.marks.write(self.store)
         await self.ctx.commit_state("correlate", self.store)
 
     def _emit(self, rows, allocs) -> None:
@@ -320,10 +314,7 @@ class Correlator:
     def forget(self, partitions: set[int]) -> None:
         """Drop the in-memory state of ``partitions`` (failed batch, revocation)."""
         self.store.drop(partitions)
-        for p in partitions:  # loaded again, they catch up again from their changelog's mark
-            self.runtime.marks.pop(p, None)
-            self.runtime.caught_up.discard(p)
-            self.runtime.written_marks.pop(p, None)
+        self.runtime.marks.forget(partitions)  # loaded again, they catch up again from their changelog's mark
         # Only a cache, rebuilt as the entities are refreshed again: the other partitions' stays.
         n = self.ctx.run.partitions
         self.memos = {key: memo for key, memo in self.memos.items() if partition_for(key, n) not in partitions}
@@ -357,7 +348,7 @@ class Correlator:
             changed, runtime.pending_refresh = runtime.pending_refresh, set()
             for interest in changed:
                 targets.update(runtime.dependents.get(interest, ()))
-        catching_up = {p: mark for p, mark in runtime.marks.items() if p not in runtime.caught_up}
+        catching_up = runtime.marks.catching_up()
         if catching_up:
             stale = self._catch_up(catching_up, counts)
             self.stats["catch_up_refreshes"] = self.stats.get("catch_up_refreshes", 0) + len(stale)
@@ -370,8 +361,7 @@ class Correlator:
         if self.route.pending():
             self.route.drain_into(self.ctx.output)
             await self.ctx.output.flush()
-        runtime.covered = counts
-        runtime.caught_up.update(catching_up)
+        runtime.marks.done(catching_up, counts)
 
     def _catch_up(self, marks: dict[int, dict | None], counts: dict[str, int]) -> set[str]:
         """The entities of newly loaded partitions that depend on a release that changed
@@ -389,15 +379,6 @@ class Correlator:
                 for interest in {f"rid:{rid}", *answered.get(rid, ())}:
                     targets.update(key for key in self.runtime.dependents.get(interest, ()) if partition_for(key, n) == p)
         return targets
-
-    def mark_directory(self) -> None:
-        """Before an epoch's changelog: each caught-up partition's mark, where it changed."""
-        runtime = self.runtime
-        for p in runtime.caught_up & set(self.store.parts):
-            if runtime.written_marks.get(p) != runtime.covered:
-                self.store.put(p, DIRECTORY_MARK, {"key": DIRECTORY_MARK, "covered": dict(runtime.covered)})
-                runtime.written_marks[p] = runtime.covered
-
 
 def install_correlate_agents(app, ctx, route_topic) -> Correlator:
     corr = Correlator(ctx)

@@ -69,9 +69,9 @@ class WorkerLikeEngine:
     def housekeeping(self) -> None:
         marks = self.runtime.release_marks(self.directory)
         changed = self.runtime.changed_releases(marks)
-        if 0 not in self.runtime.caught_up:  # as a partition loaded without a mark catches up (Controller.housekeeping)
+        if 0 not in self.runtime.marks.caught_up:  # as a partition loaded without a mark catches up (Controller.housekeeping)
             changed = list(marks)
-            self.runtime.caught_up.add(0)
+            self.runtime.marks.caught_up.add(0)
         targets = {k for rid in changed for k in self.runtime.dependents.get(f"rid:{rid}", ())}
         targets |= set(self.runtime.due())
         self._process([(k, "tick", None) for k in sorted(targets)])
