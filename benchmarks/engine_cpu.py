@@ -11,8 +11,9 @@ and every other record counted and digested instead of sent. No broker, no Faust
 sink: what is left is exactly the CPU the engine's own code costs per event, measured
 as process time, which a shared or loaded machine disturbs much less than the wall-clock
 rates ``make bench`` measures (that one, against the real broker and the Faust
-pass-through, is the benchmark of record). Prints ms/event per stage, records per input
-per topic and an order-free digest of each output topic (two checkouts that must give the
+pass-through, is the benchmark of record). Prints ms/event per stage, records and bytes per
+input per topic, the entity states' encoded sizes by kind (a cost that grows with history
+shows here: run it at 20,000 and at 100,000 events) and an order-free digest of each output topic (two checkouts that must give the
 same outputs must print the same digests). Run it under ``py-spy record`` for a profile.
 """
 import asyncio, collections, gc, hashlib, os, sys, time
