@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 import subprocess
 import sys
@@ -142,6 +143,16 @@ class Run:
         assert self.stored() >= expected_rows
         return self.health()
 
+    @contextmanager
+    def stopped_on_failure(self):
+        """A failed check must not leave the run's worker running (it would load the machine
+        for every test after it)."""
+        try:
+            yield
+        except BaseException:
+            self.service.stop(grace=10)
+            raise
+
     def stop_and_checksum(self) -> dict:
         assert self.service.stop(grace=30) == 0, self.service.log_tail()
         out = subprocess.run([sys.executable, "-m", "sinks.checksum", self.dsn], capture_output=True, text=True, timeout=120)
@@ -172,9 +183,10 @@ class Reference:
 def reference(kafka_bootstrap, history, tmp_path_factory):
     cat, n = history
     run = Run(kafka_bootstrap, cat, tmp_path_factory.mktemp("reference"), f"{cat.prefix}-reference").start()
-    health = run.wait_done(n)
-    assert health["status"] == "ok", health
-    assert health["stats"]["conflicts"] == 0 and health["stats"]["control_conflicts"] == 0
+    with run.stopped_on_failure():
+        health = run.wait_done(n)
+        assert health["status"] == "ok", health
+        assert health["stats"]["conflicts"] == 0 and health["stats"]["control_conflicts"] == 0
     sums = run.stop_and_checksum()
     assert sums["correlated_events"][0] == n and sums["violations"][0] >= 4 and sums["gpu_allocations"][0] > 100
     return Reference(sums, health, run)
@@ -219,13 +231,14 @@ def test_a_crash_at_any_point_of_a_batch_heals_to_the_uninterrupted_tables(kafka
     run = Run(kafka_bootstrap, cat, tmp_path, f"{cat.prefix}-{fault.replace(':', '-').replace('_', '-')}")
     assert run.start(fault).wait_crashed() == 137
     run.start()  # same data dir, same consumer group: state from the changelogs
-    health = run.wait_done(n)
-    # the same entities and control keys as the uninterrupted run (the restart recovered
-    # what the crashed run wrote, and found nothing it had not)
-    for store in ("entities", "controls"):
-        assert health["stores"][store]["keys"] == reference.health["stores"][store]["keys"] > 0, (store, health["stores"])
-    if fault.startswith("correlate:after_changelog"):
-        assert health["stores"]["entities"]["recovered_records"] > 0, health["stores"]
+    with run.stopped_on_failure():
+        health = run.wait_done(n)
+        # the same entities and control keys as the uninterrupted run (the restart recovered
+        # what the crashed run wrote, and found nothing it had not)
+        for store in ("entities", "controls"):
+            assert health["stores"][store]["keys"] == reference.health["stores"][store]["keys"] > 0, (store, health["stores"])
+        if fault.startswith("correlate:after_changelog"):
+            assert health["stores"]["entities"]["recovered_records"] > 0, health["stores"]
     assert run.stop_and_checksum() == reference.sums
 
 
@@ -257,11 +270,12 @@ def test_a_release_changed_while_the_worker_was_down_re_derives_only_its_depende
     assert run.stop_and_checksum()["correlated_events"][0] == len(first)
     publisher.publish_batch(later)
     run.start()
-    health = run.wait_done(len(first) + len(later))
-    refreshed = health["stats"].get("catch_up_refreshes", 0)
-    assert 0 < refreshed < entities / 4, (refreshed, entities)  # fr-1's dependents, not every entity
-    ticks, keys = health["stats"].get("control_catch_up_ticks", 0), health["stats"]["controls_keys"]
-    assert ticks < keys / 4, (ticks, keys)  # the controls too: only what depends on a changed release
+    with run.stopped_on_failure():
+        health = run.wait_done(len(first) + len(later))
+        refreshed = health["stats"].get("catch_up_refreshes", 0)
+        assert 0 < refreshed < entities / 4, (refreshed, entities)  # fr-1's dependents, not every entity
+        ticks, keys = health["stats"].get("control_catch_up_ticks", 0), health["stats"]["controls_keys"]
+        assert ticks < keys / 4, (ticks, keys)  # the controls too: only what depends on a changed release
     restarted = run.stop_and_checksum()
 
     reference = Run(kafka_bootstrap, cat, tmp_path, f"{cat.prefix}-straight").start()
