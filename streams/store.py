@@ -322,10 +322,14 @@ class PartitionStore:
         self.started_at = time.monotonic()
         self.first_loaded_at: float | None = None
         self.last_loaded_at: float | None = None
-        # One load at a time — shared by a worker's stores (``loading``), so that the first
+        # One read at a time — shared by a worker's stores (``loading``), so that the first
         # one asked for (the entities, which a restart's first batch waits for) is not slowed
-        # by the other's running beside it.
-        self._loading = loading or asyncio.Lock()
+        # by the other's running beside it. A caller that needs partitions this store is
+        # loading waits on the store's own lock, not on the shared one: behind the shared one
+        # (first come, first served) a restart's first batch waited for the other store's
+        # whole load after its own partitions had arrived.
+        self._reading = loading or asyncio.Lock()
+        self._loading = asyncio.Lock()
         self._drops: dict[int, int] = defaultdict(int)  # per partition: how often it was dropped
 
     # --- recovery -----------------------------------------------------------------------
@@ -337,7 +341,8 @@ class PartitionStore:
             missing = sorted(set(partitions) - set(self.parts))
             if missing:
                 drops = dict(self._drops)
-                loaded = await asyncio.to_thread(self._read, missing)
+                async with self._reading:
+                    loaded = await asyncio.to_thread(self._read, missing)
                 for p in missing:
                     if self._drops.get(p) != drops.get(p):
                         # Revoked while it loaded: what was read may be stale by the time the
