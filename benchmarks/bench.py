@@ -542,10 +542,13 @@ class Bench:
         print(f"health answered after {answered:.1f}s, first correlated batch after {first:.1f}s, all {n} after {every:.1f}s",
               flush=True)
         for name, st in stores.items():
+            if not st.get("last_loaded_at"):
+                print(f"      {name} store: still loading ({st['recovered_records']:,} changelog records read so far)", flush=True)
+                continue
             # the worker's time.monotonic() is this process's clock
-            loaded = f", the last one ended {st['last_loaded_at'] - started:.1f}s after the start" if st.get("last_loaded_at") else ""
             print(f"      {name} store: {st['keys']:,} keys recovered from {st['recovered_records']:,} changelog records in "
-                  f"{st['recovery_seconds']:.1f}s of loading{loaded}", flush=True)
+                  f"{st['recovery_seconds']:.1f}s of loading, the last load ended {st['last_loaded_at'] - started:.1f}s after the start",
+                  flush=True)
         self.results["restart"] = out
         return out
 
