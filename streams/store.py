@@ -45,12 +45,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import sys
-import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 
 import orjson
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
@@ -76,31 +73,6 @@ def _watermarks(consumer: Consumer, tp: TopicPartition) -> tuple[int, int]:
     """A changelog partition's offsets — retried while its leader moves or is not known yet
     (a just-created topic, a broker restarting); a lasting failure fails the load."""
     return consumer.get_watermark_offsets(tp, timeout=30)
-
-
-_fine = {"depth": 0, "interval": 0.0}
-_fine_lock = threading.Lock()
-
-
-@contextmanager
-def _fine_switching(interval: float = 0.0005) -> Iterator[None]:
-    """A short GIL switch interval while a load decodes in its thread. With the default 5 ms,
-    the event loop — which gives the GIL up at every poll and socket call — waited up to 5 ms
-    to get it back each time while the loading thread decoded (the convoy effect): a restart's
-    first batch, ready to run, waited for the whole load of the other store. Nested and
-    concurrent loads count; the interval is restored when the last ends."""
-    with _fine_lock:
-        _fine["depth"] += 1
-        if _fine["depth"] == 1:
-            _fine["interval"] = sys.getswitchinterval()
-            sys.setswitchinterval(interval)
-    try:
-        yield
-    finally:
-        with _fine_lock:
-            _fine["depth"] -= 1
-            if _fine["depth"] == 0:
-                sys.setswitchinterval(_fine["interval"])
 
 
 #: A stateful stage's bookkeeping key, one per partition of its store: the release-directory
@@ -357,7 +329,7 @@ class PartitionStore:
                         self._on_load(p, self.parts[p])
 
     def _read(self, partitions: list[int]) -> dict[int, tuple[dict[str, dict], dict]]:
-        with _fine_switching():
+        with gctune.bulk(freeze=False):  # the decode below freezes what it loaded
             return self._read_partitions(partitions)
 
     def _read_partitions(self, partitions: list[int]) -> dict[int, tuple[dict[str, dict], dict]]:

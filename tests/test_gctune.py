@@ -1,9 +1,10 @@
-"""gpuledger.gctune.bulk: no collections while stores load (nested, from several threads), the
-loaded objects frozen when the last load ends."""
+"""gpuledger.gctune.bulk: no collections and a short GIL switch interval while stores load
+(nested, from several threads), the loaded objects frozen when the last load ends."""
 
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 
 from gpuledger import gctune
@@ -21,17 +22,18 @@ def test_bulk_loads_pause_collections_until_the_last_ends_then_freeze_what_they_
             release.wait(10)
 
     frozen_before = gc.get_freeze_count()
+    interval = sys.getswitchinterval()
     try:
         with gctune.bulk():
-            assert not gc.isenabled()
+            assert not gc.isenabled() and sys.getswitchinterval() == gctune.BULK_SWITCH_INTERVAL_S
             loader = threading.Thread(target=other_load)
             loader.start()
             assert inside.wait(10)
             loaded.extend({"key": str(i), "rows": {}} for i in range(1000))
-        assert not gc.isenabled()  # the other load is still under way
+        assert not gc.isenabled() and sys.getswitchinterval() == gctune.BULK_SWITCH_INTERVAL_S  # the other load is still under way
         release.set()
         loader.join(10)
-        assert gc.isenabled()
+        assert gc.isenabled() and sys.getswitchinterval() == interval
         assert gc.get_freeze_count() >= frozen_before + 1000  # what was loaded is in the permanent generation
     finally:
         gc.unfreeze()
