@@ -44,7 +44,7 @@ from datetime import datetime
 from streams.controls.policy import PolicySettings
 from schemas import encode_event
 from streams.controls.rules import Context, digest, fold_link, fold_row, max_time, new_state, step
-from streams.packing import Packer, partition_for, unpack
+from streams.packing import Packer, unpack
 from streams.runner import Epoch, run_batches
 from streams.store import DIRECTORY_MARK, DirectoryMarks, PartitionStore
 
@@ -242,20 +242,16 @@ class Controller:
         targets: set[str] = set()
         for rid in runtime.changed_releases(marks):
             targets.update(runtime.dependents.get(f"rid:{rid}", ()))
-        catching_up = runtime.marks.catching_up()
-        n = self.ctx.run.partitions
-        for p, mark in catching_up.items():
-            stale = [rid for rid, m in marks.items() if mark is None or mark.get(rid) != m]
-            ticks = {key for rid in stale for key in runtime.dependents.get(f"rid:{rid}", ()) if partition_for(key, n) == p}
-            self.stats["control_catch_up_ticks"] = self.stats.get("control_catch_up_ticks", 0) + len(ticks)
-            targets.update(ticks)
+        caught_up, ticks = runtime.marks.catch_up(marks, lambda rid: runtime.dependents.get(f"rid:{rid}", ()), self.ctx.run.partitions)
+        self.stats["control_catch_up_ticks"] = self.stats.get("control_catch_up_ticks", 0) + len(ticks)
+        targets.update(ticks)
         targets.update(runtime.due())
         for key in sorted(targets):
             self.packer.add(key, {"k": "tick"})
         if self.packer.pending():
             self.packer.drain_into(self.ctx.output)
             await self.ctx.output.flush()
-        runtime.marks.done(catching_up, marks)
+        runtime.marks.done(caught_up, marks)
 
 
 def install_control_agents(app, ctx, controls_topic) -> Controller:

@@ -51,12 +51,6 @@ from streams.store import Chunks, DirectoryMarks, PartitionStore
 log = logging.getLogger(__name__)
 
 HOUSEKEEPING_S = 0.5
-#: ``DIRECTORY_MARK`` in the entity store: the release event counts whose dependents'
-#: refreshes were on the route topic when the partition's state was last written
-#: (``Correlator.housekeeping``). A partition that loads refreshes only the dependents of
-#: releases that changed since — not every entity it holds, which the release directory's own
-#: load would otherwise imply on every restart (measured: 36,000 entities re-derived, all of
-#: them unchanged, six seconds of a restarted worker's event loop).
 #: Rounds of local link folding per batch (``Correlator.correlate_batch``); the links of the
 #: last round travel by the route topic only.
 LOCAL_PASSES = 3
@@ -342,17 +336,15 @@ class Correlator:
         targets: set[str] = set()
         # What the directory holds now: every change it applied has been signalled (the
         # follower applies and signals with no await between), so once this round's
-        # refreshes are acknowledged they cover these counts.
-        counts = {rid: self.directory.count(rid) for rid in self.directory.releases}
+        # refreshes are acknowledged they cover these counts (``DirectoryMarks``).
+        counts = self.directory.counts()
         if runtime.pending_refresh:
             changed, runtime.pending_refresh = runtime.pending_refresh, set()
             for interest in changed:
                 targets.update(runtime.dependents.get(interest, ()))
-        catching_up = runtime.marks.catching_up()
-        if catching_up:
-            stale = self._catch_up(catching_up, counts)
-            self.stats["catch_up_refreshes"] = self.stats.get("catch_up_refreshes", 0) + len(stale)
-            targets.update(stale)
+        caught_up, stale = runtime.marks.catch_up(counts, self._dependents_of_release(), self.ctx.run.partitions)
+        self.stats["catch_up_refreshes"] = self.stats.get("catch_up_refreshes", 0) + len(stale)
+        targets.update(stale)
         for key in sorted(targets):
             self.route.add(key, {"k": "refresh"})
         if self.runtime.idle():
@@ -361,24 +353,24 @@ class Correlator:
         if self.route.pending():
             self.route.drain_into(self.ctx.output)
             await self.ctx.output.flush()
-        runtime.marks.done(catching_up, counts)
+        runtime.marks.done(caught_up, counts)
 
-    def _catch_up(self, marks: dict[int, dict | None], counts: dict[str, int]) -> set[str]:
-        """The entities of newly loaded partitions that depend on a release that changed
-        since their partition's mark (every release, without a mark): a release's every
-        interest it ever answered (``directory.ever``), as its changes signal ``before | after``."""
-        n = self.ctx.run.partitions
-        answered: dict[str, list[str]] = defaultdict(list)  # release -> interests it ever answered
-        for interest, rids in self.directory.ever.items():
-            for rid in rids:
-                answered[rid].append(interest)
-        targets: set[str] = set()
-        for p, mark in marks.items():
-            stale = [rid for rid, count in counts.items() if mark is None or count > mark.get(rid, 0)]
-            for rid in stale:
-                for interest in {f"rid:{rid}", *answered.get(rid, ())}:
-                    targets.update(key for key in self.runtime.dependents.get(interest, ()) if partition_for(key, n) == p)
-        return targets
+    def _dependents_of_release(self):
+        """The entities that depend on a release: on any interest it ever answered
+        (``directory.ever``), as its changes signal ``before | after``. The index of what
+        each release answered is built on the first question (only a catch-up asks)."""
+        answered: dict[str, set[str]] | None = None  # release -> interests it ever answered
+
+        def dependents(rid: str) -> set[str]:
+            nonlocal answered
+            if answered is None:
+                answered = defaultdict(set)
+                for interest, rids in self.directory.ever.items():
+                    for r in rids:
+                        answered[r].add(interest)
+            return {key for interest in {f"rid:{rid}", *answered.get(rid, ())} for key in self.runtime.dependents.get(interest, ())}
+        return dependents
+
 
 def install_correlate_agents(app, ctx, route_topic) -> Correlator:
     corr = Correlator(ctx)

@@ -58,6 +58,7 @@ class ReleaseDirectory:
         # look-up consulted, for the version of the rows that look-up attributed.
         self.ever: dict[str, set[str]] = defaultdict(set)
         self.ready = asyncio.Event()
+        self._counts: tuple[int, dict[str, int]] | None = None  # (len(seen), counts) (``counts``)
 
     # --- folding events ---------------------------------------------------------
     def apply(self, event) -> list[str]:
@@ -108,6 +109,12 @@ class ReleaseDirectory:
         """How many distinct events of the release the directory holds (grows only)."""
         state = self.releases.get(rid) if rid else None
         return state["events"] if state else 0
+
+    def counts(self) -> dict[str, int]:
+        """Every release's ``count`` — the same object until the directory sees a new event."""
+        if self._counts is None or self._counts[0] != len(self.seen):
+            self._counts = (len(self.seen), {rid: state["events"] for rid, state in self.releases.items()})
+        return self._counts[1]
 
     def version_at(self, rid: str | None, at_iso: str | None = None) -> int:
         """A number that grows whenever the release's manifest or (with ``at_iso``) its
