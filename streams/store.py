@@ -313,10 +313,8 @@ class PartitionStore:
         self.unchanged_skipped = 0
         self.loaded_records = 0
         self.load_seconds = 0.0
-        # When this store was created and its loads ended (time.monotonic(): one clock for every
-        # process on the machine, so make bench can place them in a restart).
-        self.started_at = time.monotonic()
-        self.first_loaded_at: float | None = None
+        # When the last load ended (time.monotonic(): one clock for every process on the
+        # machine, so make bench can place it in a restart).
         self.last_loaded_at: float | None = None
         # One read at a time — shared by a worker's stores (``loading``), so that the first
         # one asked for (the entities, which a restart's first batch waits for) is not slowed
@@ -394,7 +392,6 @@ class PartitionStore:
             out = {p: self._decode(records) for p, records in raw.items()}
         self.load_seconds += time.monotonic() - started
         self.last_loaded_at = time.monotonic()
-        self.first_loaded_at = self.first_loaded_at or self.last_loaded_at
         log.info("%s: recovered %d key(s) of partition(s) %s from %s in %.1fs", self.name, sum(len(v[0]) for v in out.values()),
                  partitions, self.changelog, time.monotonic() - started)
         return out
@@ -442,8 +439,7 @@ class PartitionStore:
         """Keys in memory, and what recovering them cost: changelog records read, seconds
         (loads of several partitions at once count once), the partitions loaded."""
         return {"keys": len(self), "partitions": sorted(self.parts), "recovered_records": self.loaded_records,
-                "recovery_seconds": round(self.load_seconds, 3), "started_at": self.started_at,
-                "first_loaded_at": self.first_loaded_at, "last_loaded_at": self.last_loaded_at}
+                "recovery_seconds": round(self.load_seconds, 3), "last_loaded_at": self.last_loaded_at}
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.parts.values())

@@ -784,19 +784,22 @@ def _refresh_gpu(state: dict, directory, park: bool, memo: GpuMemo, out: Outcome
         ids = list(rows)
     else:
         ids = picked
+    def inputs(record: dict, k: int) -> tuple:
+        """What the row's outputs depend on (``GpuMemo``)."""
+        sent = state["sent"].get(record["id"])
+        return generation, k, top[k], record["parked"], record["expired"], sent[0] if sent else None
+
     for rid in ids:
         record = rows[rid]
         k = bisect_right(starts, record["starts_at"] or record["at"])
-        sent = state["sent"].get(rid)
-        deps = (generation, k, top[k], record["parked"], record["expired"], sent[0] if sent else None)
+        deps = inputs(record, k)
         hit = memo.rows.get(rid) if not VERIFY_UNCHANGED else None
         if hit is not None and hit[0] == deps:
             continue
         emitted = len(out.correlated)
         res = resolve_row(state, record, directory, UNATTRIBUTED)
         _derive_row(state, record, directory, res, park, out)
-        sent = state["sent"].get(rid)
-        after = (generation, k, top[k], record["parked"], record["expired"], sent[0] if sent else None)
+        after = inputs(record, k)
         if VERIFY_UNCHANGED and rid in skipped:
             assert previous.get(rid) == (deps, tuple(res.interests)) and after == deps and len(out.correlated) == emitted, \
                 f"GpuMemo skipped a row that changed: {rid}"
@@ -805,6 +808,8 @@ def _refresh_gpu(state: dict, directory, park: bool, memo: GpuMemo, out: Outcome
     if memo.devices:  # (device_link walks every row: not for the node/GPUs of alerts, which have none)
         _refresh_device(state, out)
     return out
+
+
 def _refresh_pod(state: dict, directory, res: Resolution, out: Outcome) -> None:
     rid = res.release_id
     manifest = directory.manifest(rid) if rid else {}

@@ -22,6 +22,13 @@ def _changelog(bootstrap: str) -> str:
     return name
 
 
+def _setup(bootstrap: str) -> tuple[str, dict, BatchOutput]:
+    """A new two-partition changelog, the client config and an output that writes to it."""
+    topic = _changelog(bootstrap)
+    config = {"bootstrap.servers": bootstrap}
+    return topic, config, BatchOutput(config, "store-test", f"{topic}.dead")
+
+
 def _write(store: PartitionStore, output: BatchOutput, states: dict[tuple[int, str], dict | None]) -> int:
     for (p, key), state in states.items():
         if state is None:
@@ -35,9 +42,7 @@ def _write(store: PartitionStore, output: BatchOutput, states: dict[tuple[int, s
 
 
 def test_unchanged_states_are_not_written_again_even_after_recovery(kafka_bootstrap):
-    topic = _changelog(kafka_bootstrap)
-    config = {"bootstrap.servers": kafka_bootstrap}
-    output = BatchOutput(config, "store-test", f"{topic}.dead")
+    topic, config, output = _setup(kafka_bootstrap)
     store = PartitionStore("t", topic, config)
     asyncio.run(store.ensure([0, 1]))
     assert _write(store, output, {(0, "a"): {"n": 1}, (1, "b"): {"n": 1}}) == 2
@@ -78,9 +83,7 @@ def _records(bootstrap: str, topic: str, n: int) -> list[tuple[str, object]]:
 
 
 def test_a_big_state_is_written_in_chunks_and_only_what_changed_is_written_again(kafka_bootstrap):
-    topic = _changelog(kafka_bootstrap)
-    config = {"bootstrap.servers": kafka_bootstrap}
-    output = BatchOutput(config, "store-test", f"{topic}.dead")
+    topic, config, output = _setup(kafka_bootstrap)
     store = PartitionStore("t", topic, config, chunks=CHUNKS)
     asyncio.run(store.ensure([0, 1]))
     small, big = _entity(3, 2), _entity(10, 5)
@@ -147,9 +150,7 @@ def test_a_crash_between_a_chunk_and_its_head_recovers_the_newer_copy():
 def test_a_partition_revoked_while_it_loads_is_not_kept(kafka_bootstrap):
     """A partition dropped (revoked) while its changelog is being read must not be installed
     when the read ends: by the time it is assigned again another worker may have changed it."""
-    topic = _changelog(kafka_bootstrap)
-    config = {"bootstrap.servers": kafka_bootstrap}
-    output = BatchOutput(config, "store-test", f"{topic}.dead")
+    topic, config, output = _setup(kafka_bootstrap)
     store = PartitionStore("t", topic, config)
     asyncio.run(store.ensure([0, 1]))
     assert _write(store, output, {(0, "a"): {"n": 1}, (1, "b"): {"n": 1}}) == 2
