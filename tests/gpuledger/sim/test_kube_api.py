@@ -60,6 +60,15 @@ def later(delay: float, fn, *args, **kwargs) -> threading.Timer:
     return t
 
 
+def later_in_order(delay: float, *steps) -> threading.Timer:
+    """Run several mutations, in order, from one thread: two timers race on a loaded machine
+    (CI saw a patch fire before the create it depends on)."""
+    def run():
+        for fn, *args in steps:
+            fn(*args)
+    return later(delay, run)
+
+
 # ---------------------------------------------------------------- discovery
 
 
@@ -260,8 +269,8 @@ def test_watch_replays_then_streams_live_changes(api, ac):
     api.create(PODS, make_pod("ml", "p"))                      # before the watch: replayed
     api.create(EVENTS, make_event_v1("ml", "e", {"kind": "Pod", "name": "p"}, "Scheduled", "x"))  # other resource
 
-    later(0.2, api.patch, PODS, "ml", "p", {"spec": {"nodeName": "gpu-1"}, "status": {"phase": "Running"}})
-    later(0.3, api.delete, PODS, "ml", "p")
+    later_in_order(0.2, (api.patch, PODS, "ml", "p", {"spec": {"nodeName": "gpu-1"}, "status": {"phase": "Running"}}),
+                   (api.delete, PODS, "ml", "p"))
 
     w = watch.Watch()
     seen = []
@@ -370,10 +379,10 @@ def test_watch_too_old_resource_version_raises_410(api, ac):
 def test_watch_custom_object_workloads(api, ac):
     co = client.CustomObjectsApi(ac)
     rv = co.list_cluster_custom_object("kueue.x-k8s.io", "v1beta2", "workloads")["metadata"]["resourceVersion"]
-    later(0.1, api.create, WORKLOADS_V1BETA2, make_workload("ml", "wl-1"))
-    later(0.2, api.patch, WORKLOADS_V1BETA2, "ml", "wl-1", {"status": {"conditions": [
-        workload_condition("Evicted", reason="Preempted", message="Preempted to accommodate a workload "
-                           "(UID: x, JobUID: y) due to prioritization in the ClusterQueue")]}})
+    later_in_order(0.1, (api.create, WORKLOADS_V1BETA2, make_workload("ml", "wl-1")),
+                   (api.patch, WORKLOADS_V1BETA2, "ml", "wl-1", {"status": {"conditions": [
+                       workload_condition("Evicted", reason="Preempted", message="Preempted to accommodate a workload "
+                                          "(UID: x, JobUID: y) due to prioritization in the ClusterQueue")]}}))
     w = watch.Watch()
     seen = []
     for ev in w.stream(co.list_cluster_custom_object, "kueue.x-k8s.io", "v1beta2", "workloads",
