@@ -46,7 +46,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 
 import orjson
@@ -296,6 +296,10 @@ def decode_chunked(chunks: Chunks, head: bytes, parts: dict[str, bytes]) -> tupl
     return state, layout
 
 
+def _kind(key: str) -> str:
+    return key.split(":", 1)[0]
+
+
 class PartitionStore:
     def __init__(self, name: str, changelog: str, consumer_config: dict, on_load: Callable[[int, dict], None] | None = None,
                  chunks: Chunks | None = None, loading: asyncio.Lock | None = None) -> None:
@@ -312,6 +316,7 @@ class PartitionStore:
         self._layouts: dict[int, dict[str, _Layout]] = defaultdict(dict)  # with ``chunks``: instead of ``_written``
         self.unchanged_skipped = 0
         self.loaded_records = 0
+        self._kinds: Counter[str] = Counter()  # keys in memory by kind (health), kept as keys come and go
         self.load_seconds = 0.0
         # When the last load ended (time.monotonic(): one clock for every process on the
         # machine, so make bench can place it in a restart).
@@ -343,6 +348,7 @@ class PartitionStore:
                         # partition comes back (another worker wrote to it); load it again then.
                         continue
                     self.parts[p], marks = loaded.get(p, ({}, {}))
+                    self._kinds.update(_kind(k) for k in self.parts[p])
                     if self.chunks is None:
                         self._written[p] = marks
                     else:
@@ -417,7 +423,7 @@ class PartitionStore:
     def drop(self, partitions: Iterable[int]) -> None:
         for p in partitions:
             self._drops[p] += 1
-            self.parts.pop(p, None)
+            self._kinds.subtract(_kind(k) for k in self.parts.pop(p, {}))
             self._dirty.pop(p, None)
             self._written.pop(p, None)  # a failed batch drops its partitions: nothing here is trusted past the changelog
             self._layouts.pop(p, None)
@@ -427,7 +433,10 @@ class PartitionStore:
         return self.parts[partition].get(key)
 
     def put(self, partition: int, key: str, state: dict) -> None:
-        self.parts[partition][key] = state
+        part = self.parts[partition]
+        if key not in part:
+            self._kinds[_kind(key)] += 1
+        part[key] = state
         self._dirty[partition].add(key)
 
     def items(self):
@@ -436,9 +445,10 @@ class PartitionStore:
                 yield p, key, state
 
     def health(self) -> dict:
-        """Keys in memory, and what recovering them cost: changelog records read, seconds
-        (loads of several partitions at once count once), the partitions loaded."""
-        return {"keys": len(self), "partitions": sorted(self.parts), "recovered_records": self.loaded_records,
+        """Keys in memory (and by kind: the part of the key before its first ':'), and what
+        recovering them cost: changelog records read, seconds (loads of several partitions at
+        once count once), the partitions loaded."""
+        return {"keys": len(self), "kinds": {k: n for k, n in sorted(self._kinds.items()) if n > 0}, "partitions": sorted(self.parts), "recovered_records": self.loaded_records,
                 "recovery_seconds": round(self.load_seconds, 3), "last_loaded_at": self.last_loaded_at}
 
     def __len__(self) -> int:

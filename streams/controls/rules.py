@@ -13,7 +13,7 @@ rows it holds (so a newer version always lands where the older one is):
 | ``pod:<ns>/<pod>`` | the pod's scheduler rows and GPU allocation intervals | 3 (running image vs manifest); forwards its rows to its workload and its allocations to their release |
 | ``wl:<workload_id>`` | a workload's own rows + its pods' rows (links) | 1, 2, 3 (identifiers), 4 (observation window); forwards running intervals to its releases and preemptions to the preemptor |
 | ``rel:<release_id>`` | the release's lifecycle rows + allocations and running intervals (links) | 5, 7, 8 |
-| ``alert:<fingerprint>`` | the alert's rows | 6 |
+| ``alert:<fingerprint>`` | the alert's rows, once one went out unjoined (``streams.correlate.entities.for_controls``) | 6 |
 | ``gpu:<node>/<gpu_id>`` | allocation intervals, in changelogs written before allocations were kept by their pod | forwards them to their release |
 
 Allocations and running intervals are forwarded to a release only once its lifecycle

@@ -41,7 +41,7 @@ from schemas import EventDecodeError, decode_event, encode_event
 from schemas.outputs import dead_letter
 from streams.controls.rules import allocation_key, compact_allocation, compact_row, row_key
 from streams.correlate.directory import ReleaseDirectory, follow_release_topic
-from streams.correlate.entities import GpuMemo, expire, fold_event, fold_link, iso, kind_of, new_entity, refresh
+from streams.correlate.entities import GpuMemo, expire, fold_event, fold_link, for_controls, iso, kind_of, new_entity, refresh
 from streams.correlate.intake import RawIntake
 from streams.correlate.routing import entity_key, routed_form
 from streams.packing import Packer, partition_for, unpack
@@ -223,6 +223,7 @@ class Correlator:
         local = {p for p, _, _ in messages}
         out_rows: dict[str, dict] = {}
         out_allocs: dict[str, dict] = {}
+        owners: dict[str, tuple[int, str]] = {}  # correlation id -> (partition, entity key)
         refreshed: set[str] = set()
         for round_ in range(LOCAL_PASSES):
             linked: dict[str, tuple[int, dict]] = {}
@@ -236,6 +237,7 @@ class Correlator:
                     self.runtime.park(at_iso, key, row_id)
                 for row in outcome.correlated:
                     out_rows[row["correlation_id"]] = row  # a later round's version is higher
+                    owners[row["correlation_id"]] = (p, key)
                 for alloc in outcome.allocations:
                     out_allocs[alloc["allocation_id"]] = alloc
                 self.stats["conflicts"] += outcome.conflicts
@@ -251,7 +253,11 @@ class Correlator:
             touched = linked
             if not touched:
                 break
-        self._emit(out_rows.values(), out_allocs.values())
+        by_entity: dict[tuple[int, str], list[dict]] = defaultdict(list)
+        for cid, row in out_rows.items():
+            by_entity[owners[cid]].append(row)
+        control_rows = [row for (p, key), rows in by_entity.items() for row in for_controls(self.store.get(p, key), self.directory, rows)]
+        self._emit(out_rows.values(), control_rows, out_allocs.values())
         n_out = len(out_rows)
         if watermark is not None:
             self.runtime.advance(watermark)
@@ -279,7 +285,7 @@ class Correlator:
         self.runtime.marks.write(self.store)
         await self.ctx.commit_state("correlate", self.store)
 
-    def _emit(self, rows, allocs) -> None:
+    def _emit(self, rows, control_rows, allocs) -> None:
         out = self.ctx.output
         correlated, enriched, allocations = self._outputs
         for row in rows:
@@ -289,9 +295,11 @@ class Correlator:
             out.produce(correlated, (ident.get("release_id") or row["correlation_id"]).encode(), value, source=src)
             if row["event_type"].startswith("alert."):
                 out.produce(enriched, (ident.get("alert_fingerprint") or row["correlation_id"]).encode(), value, source=src)
+        for row in control_rows:
             compact = compact_row(row)
             if compact is not None:
-                self.controls.add(row_key(compact), {"k": "row", "row": compact}, source=src)
+                self.controls.add(row_key(compact), {"k": "row", "row": compact},
+                                  source=(row["source_topic"], row["source_partition"], row["source_offset"]))
         for alloc in allocs:
             out.produce(allocations, f"{alloc['node']}/{alloc['gpu_id']}".encode(), orjson.dumps(alloc))
             compact = compact_allocation(alloc)

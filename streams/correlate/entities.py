@@ -10,7 +10,8 @@ alert fingerprint. An entity keeps
   node/GPU, a pod's release to its workload, a workload's release to its pods), each
   with the sender's version; the highest version of a link wins;
 - ``sent`` / ``allocs`` / ``fwd``: the (version, digest) last emitted per row,
-  allocation and forward.
+  allocation and forward;
+- ``ctl``: the alert fingerprints whose rows go to the controls stage (below).
 
 Facts (pod uid, workload, node, image digest, release/model labels, …) are derived
 from the rows at each refresh: per field, the value of the latest event (sort key
@@ -34,6 +35,21 @@ the versions and skips an output whose version did not grow without rendering it
 Parking: a row whose release cannot be resolved is *parked* (not emitted) until its
 identity arrives, or until the event-time watermark passes its time + TTL; then it is
 emitted ``unattributed``. Parking never changes a version: it only delays emission.
+
+Alerts and the controls stage: the one control that reads alert rows (6, an alert no
+row of which could be joined to a release: ``streams.controls.rules._telemetry``) can
+only fire for a fingerprint of which some row was emitted *unjoined* (unattributed, no
+release id). Every other alert row is sent to the controls stage only once its
+fingerprint has had such a row go out on the correlated topic (``for_controls``, on a
+batch's final rows, so a row unjoined in one local pass and joined in the next does not
+count): at that moment the fingerprint joins ``ctl`` and every row of it emitted so far
+is sent along, so the control key then holds the fingerprint's rows as the correlated
+topic has them, as before. An attributed alert —
+most of them — costs the controls stage no state, no changelog record and no
+evaluation (the bench mix: half of all control keys, 0.5 changelog records per input).
+This relies on a fingerprint's rows living in one entity: the entity key of an alert is
+a function of its identity, which comes from the labels the fingerprint hashes. A state
+written before ``ctl`` existed sends every alert row (as it did then).
 
 Bounds: ``MAX_ROWS`` rows per entity and ``MAX_STATE_BYTES`` of row text (the newest
 rows that fit are kept; what is detached is counted in ``state["detached"]``).
@@ -72,7 +88,7 @@ def digest(obj) -> str:
 
 
 def new_entity(key: str) -> dict:
-    return {"key": key, "rows": {}, "links": {}, "sent": {}, "allocs": {}, "fwd": {}, "interests": [], "detached": 0}
+    return {"key": key, "rows": {}, "links": {}, "sent": {}, "allocs": {}, "fwd": {}, "interests": [], "detached": 0, "ctl": []}
 
 
 @dataclass
@@ -762,6 +778,43 @@ def refresh(state: dict, directory, park: bool = True, memo: GpuMemo | None = No
         _refresh_pod(state, directory, entity_res, out)
     elif kind == "wl":
         _refresh_workload(state, entity_res, out)
+    return out
+
+
+def _fingerprint(identity: dict, row_id: str) -> str:
+    """An alert row's control key part (``streams.controls.rules.row_key``)."""
+    return identity.get("alert_fingerprint") or row_id
+
+
+def for_controls(state: dict, directory, rows: list[dict]) -> list[dict]:
+    """The rows the controls stage reads, of ``rows`` (the entity's rows as they go to the
+    correlated topic, after a batch): every one, except alert rows of a fingerprint none of
+    whose emitted rows was unjoined (module docstring). When a fingerprint's first unjoined
+    row goes out, the fingerprint's rows emitted before are rendered again at the version
+    they were emitted with and go along."""
+    tracked = state.get("ctl")
+    out = []
+    for row in rows:
+        if tracked is None or not row["event_type"].startswith("alert."):
+            out.append(row)
+            continue
+        fp = _fingerprint(row["identity"], row["correlation_id"])
+        if fp in tracked:
+            out.append(row)
+            continue
+        if row["attribution"] != "unattributed" or row["identity"].get("release_id"):
+            continue  # joined: control 6 cannot fire on this fingerprint (yet)
+        tracked.append(fp)
+        out.append(row)
+        emitted = {r["correlation_id"] for r in rows}
+        entity_res = resolve_entity(state, directory) if kind_of(state["key"]) in ("pod", "wl") else UNATTRIBUTED
+        for record in state["rows"].values():
+            sent = state["sent"].get(record["id"])
+            if (sent is None or record["id"] in emitted or not record["type"].startswith("alert.")
+                    or _fingerprint(record["identity"], record["id"]) != fp):
+                continue
+            # Not in this output: its version did not grow since it was emitted.
+            out.append(render_row(record, directory, resolve_row(state, record, directory, entity_res), sent[0]))
     return out
 
 

@@ -18,7 +18,7 @@ from schemas.scheduler import SchedulerPayload
 import streams.correlate.entities
 from producers.podresources.snapshot import parse_device_id
 from streams.correlate.directory import ReleaseDirectory
-from streams.correlate.entities import GpuMemo, expire, fold_event, fold_link, new_entity, refresh
+from streams.correlate.entities import GpuMemo, expire, fold_event, fold_link, for_controls, new_entity, refresh
 from streams.correlate.routing import entity_key, routed_form
 
 streams.correlate.entities.VERIFY_UNCHANGED = True  # the tests catch a content change without a version change
@@ -89,6 +89,7 @@ class Driver:
         self.entities: dict[str, dict] = {}
         self.rows: dict[str, object] = {}
         self.allocations: dict[str, object] = {}
+        self.controls: dict[str, object] = {}  # the rows sent to the controls stage (Outcome.controls), highest version
         self.queue: list[tuple[str, dict]] = []
         self.rng = random.Random(seed) if seed is not None else None
         self.park = park
@@ -115,6 +116,11 @@ class Driver:
             prev = self.rows.get(row.correlation_id)
             assert prev is None or row.version > prev.version
             self.rows[row.correlation_id] = row
+        for content in for_controls(state, self.directory, out.correlated):  # as the Correlator does after each batch
+            row = CorrelatedEvent.model_validate(content)
+            prev = self.controls.get(row.correlation_id)
+            if prev is None or row.version >= prev.version:
+                self.controls[row.correlation_id] = row
         for content in out.allocations:
             alloc = GpuAllocation.model_validate(content)
             prev = self.allocations.get(alloc.allocation_id)

@@ -19,7 +19,7 @@ from schemas import Violation
 from streams.controls.rules import is_withdrawn
 from tests.fixtures.kafka import read_topic
 from tests.streams.harness import at, gpu_event
-from tests.streams.test_controls_rules import rel, released, sched
+from tests.streams.test_controls_rules import firing, rel, released, sched
 
 FAST = {"GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "2"}
 
@@ -34,6 +34,8 @@ FIRST = [
     # retired at 30 while still holding a GPU; grace 1h -> control 8 once the watermark passes 90
     *released("r-ret"), sched("scheduler.scheduled", 5, pod="ret-1", workload="ml/Job/ret", release_id="r-ret"),
     gpu_event("gpu.assigned", 6, pod="ret-1", device="GPU-RET"), rel("release.retired", 30, "r-ret", actor="alice"),
+    # an alert on a pod of r-ok: joined, silent; an alert no label of which names anything: control 6
+    firing(11, fp="on-ok", namespace="ml", pod="ok-1"), firing(12, fp="lonely"),
 ]
 SECOND = [
     rel("release.approved", 20, "r-late", actor="alice"),      # closes control 1 at 20
@@ -79,12 +81,13 @@ def test_violations_open_close_and_replay_to_the_same_latest_state(kafka_bootstr
 
     def opened(got):
         c = by_control(got)
-        return ({1, 2, 7} <= set(c) and c[1][0].closed_at is None and 8 not in c)
+        return ({1, 2, 6, 7} <= set(c) and c[1][0].closed_at is None and 8 not in c)
 
     got = wait_until(kafka_bootstrap, catalogue, opened)
     c = by_control(got)
     assert [v.identity.release_id for v in c[1]] == ["r-late"] and c[1][0].opened_at == at(10) and c[1][0].owner == "team-platform"
     assert "mallory" in c[7][0].detail and c[7][0].evidence
+    assert [v.identity.alert_fingerprint for v in c[6]] == ["lonely"]
     assert not any(v.identity.release_id == "r-ok" and v.control_id in (1, 2, 3) for v in got.values())
     open_id = c[1][0].violation_id
     # A fresh app id: the worker created its internal topics before joining, so every
@@ -115,7 +118,7 @@ def test_violations_open_close_and_replay_to_the_same_latest_state(kafka_bootstr
     # zero and ends with the same latest violations — versions included.
     live.service.stop(grace=10)
     want = {vid: v.model_dump() for vid, v in got.items() if not is_withdrawn(v)}
-    assert {v["control_id"] for v in want.values()} == {1, 2, 7, 8}
+    assert {v["control_id"] for v in want.values()} == {1, 2, 6, 7, 8}
     replay_id = f"{catalogue.prefix}-replay"
     worker_factory(catalogue, app_id=replay_id, extra_env=FAST)
     deadline = time.monotonic() + 240  # a loaded machine's replay takes minutes; the loop ends as soon as it matches
@@ -168,4 +171,4 @@ def test_a_worker_killed_after_opening_violations_closes_them_after_restart(kafk
     got = wait_until(kafka_bootstrap, catalogue, lambda got: got.get(open_id) is not None and got[open_id].closed_at is not None
                      and 8 in by_control(got))
     assert (got[open_id].opened_at, got[open_id].closed_at) == (at(10), at(20))
-    assert {v.control_id for v in got.values() if not is_withdrawn(v)} == {1, 2, 7, 8}
+    assert {v.control_id for v in got.values() if not is_withdrawn(v)} == {1, 2, 6, 7, 8}

@@ -435,3 +435,38 @@ def test_a_disabled_control_reports_nothing():
     policy = Policy.model_validate({"controls": {"telemetry_correlation": {"accountable": "platform-sre", "enabled": False}}})
     assert of(run([firing(10)], policy=policy), 6) == []
     assert timedelta(hours=2) == POLICY.environment("prod").observation_window
+
+
+# --- what the correlation stage sends the controls stage ---------------------------------------
+
+ALERTS = [
+    *released(), sched("scheduler.scheduled", 5, pod="h1", release_id="r1"), gpu_event("gpu.assigned", 6, pod="h1", device="GPU-1111"),
+    firing(8, fp="pod-ok", namespace="ml", pod="h1"),                  # on a pod with a release: joined
+    firing(10, fp="xid", node="n1", gpu_id="GPU-1111"),                # the GPU was h1's: joined
+    gpu_event("gpu.released", 20, pod="h1", device="GPU-1111"),
+    firing(30, fp="xid", node="n1", gpu_id="GPU-1111"),                # a later episode on the free GPU: unjoined
+    firing(45, fp="xid", status="alert.resolved", starts=30, node="n1", gpu_id="GPU-1111"),
+    firing(40),                                                        # no labels at all: unjoined
+]
+
+
+@pytest.mark.parametrize("seed", [None, 1, 2, 3, 4])
+def test_the_controls_stage_gets_every_row_of_a_fingerprint_that_had_an_unjoined_row_and_no_other_alert(seed):
+    driver = Driver(seed=seed).feed(ALERTS if seed is None else random.Random(seed).sample(ALERTS, len(ALERTS))).flush_parked()
+
+    def verdicts(rows):
+        engine = ControlEngine(driver.directory, POLICY, at(400)).feed(rows, driver.allocations.values())
+        engine.run()
+        return {v.violation_id: v.model_dump() for v in engine.current()}
+
+    # The controls stage ends with the verdicts of the whole history, from fewer rows.
+    assert verdicts(driver.controls.values()) == verdicts(driver.rows.values())
+    assert sorted(v.identity.alert_fingerprint for v in of(run(ALERTS), 6)) == ["fp1", "xid"]
+    fingerprints = {r.identity.alert_fingerprint for r in driver.controls.values() if r.event_type.startswith("alert.")}
+    assert fingerprints == {"fp1", "xid"}  # never the pod's attributed alert
+    # The joined episode of "xid" came along when its fingerprint had an unjoined row, at its latest version.
+    xid = {cid: r.version for cid, r in driver.controls.items() if r.identity.alert_fingerprint == "xid"}
+    assert len(xid) == 3 and xid == {cid: driver.rows[cid].version for cid in xid}
+    # Every other row (scheduler, GPU) goes as before.
+    others = {cid for cid, r in driver.rows.items() if not r.event_type.startswith("alert.")}
+    assert others <= set(driver.controls)

@@ -234,9 +234,15 @@ def test_a_crash_at_any_point_of_a_batch_heals_to_the_uninterrupted_tables(kafka
     with run.stopped_on_failure():
         health = run.wait_done(n)
         # the same entities and control keys as the uninterrupted run (the restart recovered
-        # what the crashed run wrote, and found nothing it had not)
-        for store in ("entities", "controls"):
-            assert health["stores"][store]["keys"] == reference.health["stores"][store]["keys"] > 0, (store, health["stores"])
+        # what the crashed run wrote, and found nothing it had not) — but for the controls'
+        # alert keys: a fingerprint has one once one of its rows went out unjoined
+        # (streams.correlate.entities.for_controls), which on a loaded machine happens to
+        # some alerts whose parked rows expired before their pod or GPU holder was read, and
+        # is a matter of timing (their violations are judged on the latest rows either way:
+        # the checksums below)
+        assert health["stores"]["entities"]["keys"] == reference.health["stores"]["entities"]["keys"] > 0, health["stores"]
+        kinds, want = health["stores"]["controls"]["kinds"], reference.health["stores"]["controls"]["kinds"]
+        assert {k: n for k, n in kinds.items() if k != "alert"} == {k: n for k, n in want.items() if k != "alert"}, (kinds, want)
         if fault.startswith("correlate:after_changelog"):
             assert health["stores"]["entities"]["recovered_records"] > 0, health["stores"]
     assert run.stop_and_checksum() == reference.sums

@@ -56,13 +56,17 @@ def test_unchanged_states_are_not_written_again_even_after_recovery(kafka_bootst
     asyncio.run(recovered.ensure([0, 1]))
     assert recovered.parts == {0: {}, 1: {"b": {"n": 2}}}
     assert _write(recovered, output, {(1, "b"): {"n": 2}}) == 0  # what the changelog holds already
-    assert _write(recovered, output, {(1, "b"): {"n": 3}, (0, "a"): {"n": 9}}) == 2
+    assert _write(recovered, output, {(1, "b"): {"n": 3}, (0, "a"): {"n": 9}, (0, "pod:x"): {"n": 1}}) == 3
+    # health counts the keys in memory by kind (the part before ':'), as keys come and go
+    assert recovered.health()["kinds"] == {"a": 1, "b": 1, "pod": 1}
+    recovered.drop([1])
+    assert recovered.health()["kinds"] == {"a": 1, "pod": 1} and recovered.health()["keys"] == 2
     output.close()
 
-    records = read_topic(kafka_bootstrap, topic, min_count=6)
+    records = read_topic(kafka_bootstrap, topic, min_count=7)
     seen = [(m.partition(), m.key().decode(), orjson.loads(m.value()) if m.value() is not None else None) for m in records]
     assert sorted(seen, key=repr) == sorted([(0, "a", {"n": 1}), (1, "b", {"n": 1}), (1, "b", {"n": 2}), (0, "a", None),
-                                             (1, "b", {"n": 3}), (0, "a", {"n": 9})], key=repr)
+                                             (1, "b", {"n": 3}), (0, "a", {"n": 9}), (0, "pod:x", {"n": 1})], key=repr)
 
 
 
