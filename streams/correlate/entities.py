@@ -192,6 +192,9 @@ def _bound(state: dict) -> None:
                 state["sent"].pop(old["id"], None)
             state["detached"] += len(ordered) - i
             state["bytes"] = MAX_STATE_BYTES - budget - _row_bytes(rec)
+            if state.get("ctl"):  # the fingerprints sent to the controls stay bounded with the rows
+                kept = {_fingerprint(r["identity"], r["id"]) for r in rows.values() if r["type"].startswith("alert.")}
+                state["ctl"] = [fp for fp in state["ctl"] if fp in kept]
             return
         kept += 1
 

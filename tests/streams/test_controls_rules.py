@@ -470,3 +470,17 @@ def test_the_controls_stage_gets_every_row_of_a_fingerprint_that_had_an_unjoined
     # Every other row (scheduler, GPU) goes as before.
     others = {cid for cid, r in driver.rows.items() if not r.event_type.startswith("alert.")}
     assert others <= set(driver.controls)
+
+
+def test_the_fingerprints_sent_to_the_controls_are_bounded_with_the_entitys_rows(monkeypatch):
+    from streams.correlate import entities
+
+    monkeypatch.setattr(entities, "MAX_ROWS", 3)
+    # XIDs on a GPU nobody holds: each parks, then goes out unattributed — a fingerprint for the controls each
+    driver = Driver().feed(released())
+    for i in range(6):
+        driver.feed([firing(10 + i, fp=f"x{i}", node="n1", gpu_id="GPU-1111")]).flush_parked()
+    state = driver.entities["gpu:n1/GPU-1111"]
+    assert len(state["rows"]) == 3 and state["detached"] == 3
+    assert sorted(state["ctl"]) == sorted(r["identity"]["alert_fingerprint"] for r in state["rows"].values()) == ["x3", "x4", "x5"]
+    assert {r.identity.alert_fingerprint for r in driver.controls.values() if r.event_type.startswith("alert.")} == {f"x{i}" for i in range(6)}
