@@ -26,6 +26,12 @@ import orjson
 MAX_PACK_BYTES = 256 * 1024
 
 
+def kind_of(key: str) -> str:
+    """The kind of a state key — the part before its first ':' (``pod``, ``wl``, ``gpu``,
+    ``rel``, ``alert``, …): one convention for the entity and control keys alike."""
+    return key.split(":", 1)[0]
+
+
 def partition_for(key: str, partitions: int) -> int:
     return zlib.crc32(key.encode()) % partitions
 

@@ -54,7 +54,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 from tenacity import retry, retry_if_exception, stop_after_delay, wait_exponential
 
 from gpuledger import gctune
-from streams.packing import partition_for
+from streams.packing import kind_of, partition_for
 
 log = logging.getLogger(__name__)
 
@@ -296,10 +296,6 @@ def decode_chunked(chunks: Chunks, head: bytes, parts: dict[str, bytes]) -> tupl
     return state, layout
 
 
-def _kind(key: str) -> str:
-    return key.split(":", 1)[0]
-
-
 class PartitionStore:
     def __init__(self, name: str, changelog: str, consumer_config: dict, on_load: Callable[[int, dict], None] | None = None,
                  chunks: Chunks | None = None, loading: asyncio.Lock | None = None) -> None:
@@ -348,7 +344,7 @@ class PartitionStore:
                         # partition comes back (another worker wrote to it); load it again then.
                         continue
                     self.parts[p], marks = loaded.get(p, ({}, {}))
-                    self._kinds.update(_kind(k) for k in self.parts[p])
+                    self._kinds.update(kind_of(k) for k in self.parts[p])
                     if self.chunks is None:
                         self._written[p] = marks
                     else:
@@ -423,7 +419,7 @@ class PartitionStore:
     def drop(self, partitions: Iterable[int]) -> None:
         for p in partitions:
             self._drops[p] += 1
-            self._kinds.subtract(_kind(k) for k in self.parts.pop(p, {}))
+            self._kinds.subtract(kind_of(k) for k in self.parts.pop(p, {}))
             self._dirty.pop(p, None)
             self._written.pop(p, None)  # a failed batch drops its partitions: nothing here is trusted past the changelog
             self._layouts.pop(p, None)
@@ -435,7 +431,7 @@ class PartitionStore:
     def put(self, partition: int, key: str, state: dict) -> None:
         part = self.parts[partition]
         if key not in part:
-            self._kinds[_kind(key)] += 1
+            self._kinds[kind_of(key)] += 1
         part[key] = state
         self._dirty[partition].add(key)
 

@@ -56,6 +56,7 @@ from datetime import datetime, timedelta, timezone
 import orjson
 
 from streams.controls.policy import ACTION_OF_EVENT, CONTROL_TITLES, Policy
+from streams.packing import kind_of
 from gpuledger.timefmt import format_duration, quick_utc_isoformat
 from schemas import Identity
 from schemas.outputs import Violation
@@ -172,10 +173,6 @@ def allocation_key(alloc: dict) -> str:
 
 def new_state(key: str) -> dict:
     return {"key": key, "rows": {}, "links": {}, "emitted": {}, "fwd": {}}
-
-
-def kind_of(key: str) -> str:
-    return key.split(":", 1)[0]
 
 
 def fold_row(state: dict, row: dict) -> bool:

@@ -41,10 +41,10 @@ from schemas import EventDecodeError, decode_event, encode_event
 from schemas.outputs import dead_letter
 from streams.controls.rules import allocation_key, compact_allocation, compact_row, row_key
 from streams.correlate.directory import ReleaseDirectory, follow_release_topic
-from streams.correlate.entities import GpuMemo, expire, fold_event, fold_link, for_controls, iso, kind_of, new_entity, refresh
+from streams.correlate.entities import GpuMemo, expire, fold_event, fold_link, for_controls, iso, new_entity, refresh
 from streams.correlate.intake import RawIntake
 from streams.correlate.routing import entity_key, routed_form
-from streams.packing import Packer, partition_for, unpack
+from streams.packing import Packer, kind_of, partition_for, unpack
 from streams.runner import Epoch, run_batches
 from streams.store import Chunks, DirectoryMarks, PartitionStore
 

@@ -68,6 +68,7 @@ from gpuledger.timefmt import utc_isoformat
 from schemas import Identity
 from streams.correlate.directory import interests_for
 from streams.correlate.release import segments, summarize
+from streams.packing import kind_of
 
 MAX_ROWS = 2000
 MAX_LINKS = 256
@@ -98,10 +99,6 @@ class Outcome:
     forwards: list[tuple[str, dict]] = field(default_factory=list)
     parked: list[tuple[str, str]] = field(default_factory=list)  # (occurred_at iso, row id) newly parked
     conflicts: int = 0
-
-
-def kind_of(key: str) -> str:
-    return key.split(":", 1)[0]
 
 
 # --- folding inputs into state ---------------------------------------------------------
