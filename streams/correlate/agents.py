@@ -221,9 +221,10 @@ class Correlator:
         # travels on the route topic as well — that record, acknowledged before this batch's
         # states reach the changelog, is what makes it durable — and arrives as a no-op.
         local = {p for p, _, _ in messages}
-        out_rows: dict[str, dict] = {}
+        # (partition, entity key) -> correlation id -> the row as it goes out (a row belongs
+        # to one entity; a later round's version of it is higher)
+        out_rows: dict[tuple[int, str], dict[str, dict]] = defaultdict(dict)
         out_allocs: dict[str, dict] = {}
-        owners: dict[str, tuple[int, str]] = {}  # correlation id -> (partition, entity key)
         refreshed: set[str] = set()
         for round_ in range(LOCAL_PASSES):
             linked: dict[str, tuple[int, dict]] = {}
@@ -236,8 +237,7 @@ class Correlator:
                 for at_iso, row_id in outcome.parked:
                     self.runtime.park(at_iso, key, row_id)
                 for row in outcome.correlated:
-                    out_rows[row["correlation_id"]] = row  # a later round's version is higher
-                    owners[row["correlation_id"]] = (p, key)
+                    out_rows[(p, key)][row["correlation_id"]] = row
                 for alloc in outcome.allocations:
                     out_allocs[alloc["allocation_id"]] = alloc
                 self.stats["conflicts"] += outcome.conflicts
@@ -253,12 +253,11 @@ class Correlator:
             touched = linked
             if not touched:
                 break
-        by_entity: dict[tuple[int, str], list[dict]] = defaultdict(list)
-        for cid, row in out_rows.items():
-            by_entity[owners[cid]].append(row)
-        control_rows = [row for (p, key), rows in by_entity.items() for row in for_controls(self.store.get(p, key), self.directory, rows)]
-        self._emit(out_rows.values(), control_rows, out_allocs.values())
-        n_out = len(out_rows)
+        emitted = [row for entity_rows in out_rows.values() for row in entity_rows.values()]
+        control_rows = [row for (p, key), entity_rows in out_rows.items()
+                        for row in for_controls(self.store.get(p, key), self.directory, list(entity_rows.values()))]
+        self._emit(emitted, control_rows, out_allocs.values())
+        n_out = len(emitted)
         if watermark is not None:
             self.runtime.advance(watermark)
         for target, rows in self.runtime.due().items():
