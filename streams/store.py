@@ -50,7 +50,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 
 import orjson
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from tenacity import retry, retry_if_exception, stop_after_delay, wait_exponential
 
 from gpuledger import gctune
@@ -366,18 +366,22 @@ class PartitionStore:
         consumer = Consumer({**self._consumer_config, "group.id": f"{self.changelog}.restore", "enable.auto.commit": False,
                              "enable.partition.eof": True, "auto.offset.reset": "earliest",
                              "max.partition.fetch.bytes": 16 * 1024 * 1024, "fetch.max.bytes": 64 * 1024 * 1024,
-                             "fetch.wait.max.ms": 10})  # at a partition's end: do not wait for records that are not coming
+                             "fetch.wait.max.ms": 10,  # at a partition's end: do not wait for records that are not coming
+                             "fetch.queue.backoff.ms": 0})  # fetch again as soon as a response is queued (a restart waits)
         raw: dict[int, dict[str, bytes | None]] = {p: {} for p in partitions}
         try:
-            ends = {}
+            ends, starts = {}, {}
             for p in partitions:
                 low, high = _watermarks(consumer, TopicPartition(self.changelog, p))
                 if high > low:
-                    ends[p] = high
+                    ends[p], starts[p] = high, low
             if ends:
-                consumer.assign([TopicPartition(self.changelog, p, OFFSET_BEGINNING) for p in ends])
+                # From the low watermark just read, not OFFSET_BEGINNING (that one librdkafka looks up again).
+                consumer.assign([TopicPartition(self.changelog, p, starts[p]) for p in ends])
                 while ends:
-                    for msg in consumer.consume(10_000, timeout=1.0):
+                    # A short timeout: consume() waits its whole timeout unless ``num`` records arrive, and
+                    # a partition's last records are fewer (measured: 1.1 s of a 1.6 s load spent waiting).
+                    for msg in consumer.consume(100_000, timeout=0.05):
                         p = msg.partition()
                         if msg.error():
                             if msg.error().code() == KafkaError._PARTITION_EOF:
