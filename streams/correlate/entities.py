@@ -487,19 +487,50 @@ def _one_holding(group: list[dict]) -> dict:
     return merged
 
 
-def _covering(links: dict, at: str) -> tuple[list[dict], int, tuple[str, ...]]:
-    """The allocations that held a node/GPU at time ``at`` (its own device, and — on a
-    physical GPU — every MIG slice or time-slicing share of it), the versions of every
-    link that could have held it then, and their releases."""
-    holders, version, rids = [], 0, set()
-    for _src, link in sorted(links.items()):
-        early = [iv for iv in link.get("intervals", []) if iv["start"] <= at]
-        if not early:
-            continue
-        version += link.get("v", 0)
-        rids.update(iv["identity"].get("release_id") for iv in early if iv["identity"].get("release_id"))
-        holders.extend(iv for iv in early if iv["end"] is None or at < iv["end"])
-    return holders, version, tuple(sorted(rids))
+class Coverage:
+    """Who held a node/GPU when: its links' intervals (every allocation of it, of each of
+    its MIG slices and time-slicing shares) indexed by start, built once per refresh.
+
+    ``at(t)`` gives the allocations that held it at ``t``, the versions of every link that
+    could have held it then (a link with an interval started by ``t``) and those
+    intervals' releases. Why an index: asked per row of the entity, walking every link
+    each time cost rows × links — a node/GPU keeps every alert and every holder it had
+    (measured: a restart's first batch, memos empty, spent 2 of its 3.4 s there)."""
+
+    __slots__ = ("_starts", "_ivs", "_link_starts", "_link_versions", "_rid_starts", "_rids")
+
+    def __init__(self, links: dict) -> None:
+        ivs: list[tuple[str, str | None, dict]] = []
+        firsts: list[tuple[str, int]] = []
+        rid_first: dict[str, str] = {}
+        for link in links.values():
+            intervals = link.get("intervals") or ()
+            if not intervals:
+                continue
+            firsts.append((min(iv["start"] for iv in intervals), link.get("v", 0)))
+            for iv in intervals:
+                ivs.append((iv["start"], iv["end"], iv))
+                rid = iv["identity"].get("release_id")
+                if rid and (rid not in rid_first or iv["start"] < rid_first[rid]):
+                    rid_first[rid] = iv["start"]
+        ivs.sort(key=lambda e: e[0])
+        self._starts = [e[0] for e in ivs]
+        self._ivs = ivs
+        firsts.sort(key=lambda e: e[0])
+        self._link_starts = [first for first, _v in firsts]
+        self._link_versions = [0]
+        for _first, v in firsts:
+            self._link_versions.append(self._link_versions[-1] + v)
+        by_start = sorted((start, rid) for rid, start in rid_first.items())
+        self._rid_starts = [start for start, _rid in by_start]
+        self._rids = [rid for _start, rid in by_start]
+
+    def at(self, at: str) -> tuple[list[dict], int, tuple[str, ...]]:
+        early = self._ivs[:bisect_right(self._starts, at)]
+        holders = [iv for _start, end, iv in early if end is None or at < end]
+        version = self._link_versions[bisect_right(self._link_starts, at)]
+        rids = tuple(sorted(self._rids[:bisect_right(self._rid_starts, at)]))
+        return holders, version, rids
 
 
 def select_holders(holders: list[dict], instance: dict | None) -> list[dict]:
@@ -527,8 +558,9 @@ def shared_identity(holders: list[dict]) -> dict:
     return {k: v for k, v in first.items() if all(other.get(k) == v for other in rest)}
 
 
-def resolve_row(state: dict, record: dict, directory, entity_res: Resolution) -> Resolution:
-    """How one attached row resolves its release."""
+def resolve_row(state: dict, record: dict, directory, entity_res: Resolution, coverage: Coverage | None = None) -> Resolution:
+    """How one attached row resolves its release (``coverage``: the node/GPU entity's
+    ``Coverage``, when the caller resolves several of its rows)."""
     kind = kind_of(state["key"])
     own = record["identity"]
     at = record["starts_at"] or record["at"]
@@ -544,7 +576,7 @@ def resolve_row(state: dict, record: dict, directory, entity_res: Resolution) ->
     if kind in ("pod", "wl"):
         return _own_fallback(own, directory, entity_res, entity_res.release_id) if entity_res.unresolved(directory) else entity_res
     if kind == "gpu":
-        holders, version, rids = _covering(state["links"], at)
+        holders, version, rids = (coverage or Coverage(state["links"])).at(at)
         holders = select_holders(holders, record.get("gpu_instance"))
         interests = [f"rid:{r}" for r in rids]
         if not holders:
@@ -668,7 +700,7 @@ class GpuMemo:
     directory (its generation), or rows that left, mean a full pass. The entity's interests
     are counted per row (``counts``), so they need no walk either."""
 
-    __slots__ = ("links", "stamp", "rows", "_prefixes", "low", "generation", "times", "watch", "counts", "devices")
+    __slots__ = ("links", "stamp", "rows", "_prefixes", "low", "generation", "times", "watch", "counts", "devices", "coverage")
 
     def __init__(self) -> None:
         self.links: dict[str, tuple[dict, int, str | None]] = {}  # source -> (link object, its stamp, its earliest start)
@@ -681,6 +713,7 @@ class GpuMemo:
         self.watch: set[str] = set()                     # parked rows
         self.counts: dict[str, int] = {}                 # interest -> rows that have it
         self.devices = False                             # a ``gpu.device`` row (a DRA device entity) is among the rows
+        self.coverage: Coverage | None = None            # of the current links (built when a row is derived)
 
     def _changed(self, *starts: str | None) -> None:
         for at in starts:
@@ -707,6 +740,7 @@ class GpuMemo:
             changed = True
         if not changed and self._prefixes is not None:
             return self._prefixes
+        self.coverage = None
         order = sorted((first, stamp) for _link, stamp, first in seen.values() if first is not None)
         starts, top, high = [], [0], 0
         for first, stamp in order:
@@ -766,9 +800,10 @@ def refresh(state: dict, directory, park: bool = True, memo: GpuMemo | None = No
     if memo is not None:
         return _refresh_gpu(state, directory, park, memo, out)
     entity_res = resolve_entity(state, directory) if kind in ("pod", "wl") else UNATTRIBUTED
+    coverage = Coverage(state["links"]) if kind == "gpu" else None
     interests = set(entity_res.interests)
     for record in state["rows"].values():
-        res = resolve_row(state, record, directory, entity_res)
+        res = resolve_row(state, record, directory, entity_res, coverage)
         interests.update(res.interests)
         _derive_row(state, record, directory, res, park, out)
     state["interests"] = sorted(interests)
@@ -807,14 +842,16 @@ def for_controls(state: dict, directory, rows: list[dict]) -> list[dict]:
         tracked.append(fp)
         out.append(row)
         emitted = {r["correlation_id"] for r in rows}
-        entity_res = resolve_entity(state, directory) if kind_of(state["key"]) in ("pod", "wl") else UNATTRIBUTED
+        kind = kind_of(state["key"])
+        entity_res = resolve_entity(state, directory) if kind in ("pod", "wl") else UNATTRIBUTED
+        coverage = Coverage(state["links"]) if kind == "gpu" else None
         for record in state["rows"].values():
             sent = state["sent"].get(record["id"])
             if (sent is None or record["id"] in emitted or not record["type"].startswith("alert.")
                     or _fingerprint(record["identity"], record["id"]) != fp):
                 continue
             # Not in this output: its version did not grow since it was emitted.
-            out.append(render_row(record, directory, resolve_row(state, record, directory, entity_res), sent[0]))
+            out.append(render_row(record, directory, resolve_row(state, record, directory, entity_res, coverage), sent[0]))
     return out
 
 
@@ -850,7 +887,9 @@ def _refresh_gpu(state: dict, directory, park: bool, memo: GpuMemo, out: Outcome
         if hit is not None and hit[0] == deps:
             continue
         emitted = len(out.correlated)
-        res = resolve_row(state, record, directory, UNATTRIBUTED)
+        if memo.coverage is None:
+            memo.coverage = Coverage(state["links"])
+        res = resolve_row(state, record, directory, UNATTRIBUTED, memo.coverage)
         _derive_row(state, record, directory, res, park, out)
         after = inputs(record, k)
         if VERIFY_UNCHANGED and rid in skipped:

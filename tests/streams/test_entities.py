@@ -408,3 +408,41 @@ def test_a_holding_the_kubelet_and_the_claim_both_report_is_one_allocation():
             [row] = [r for r in d.rows.values() if r.identity.alert_fingerprint == "xid-both"]
             assert (row.identity.pod, row.identity.release_id) == ("c2", "r1")
             assert d.conflicts == 0
+
+
+def test_coverage_answers_who_held_a_gpu_as_walking_every_link_does():
+    """``entities.Coverage`` (the links' intervals indexed by start) against the definition,
+    walked link by link: holders at t, the versions of the links with an interval started
+    by t, and those intervals' releases — over random links, including open intervals,
+    intervals without a release and times before, between and after them."""
+    from streams.correlate.entities import Coverage
+
+    rng = random.Random(7)
+
+    def t(i: int) -> str:
+        return f"2026-11-01T00:{i // 60:02d}:{i % 60:02d}+00:00"
+
+    for _case in range(200):
+        links = {}
+        for n in range(rng.randint(0, 6)):
+            intervals = []
+            for j in range(rng.randint(0, 3)):
+                start = rng.randint(0, 200)
+                end = None if rng.random() < 0.3 else start + rng.randint(1, 60)
+                rid = rng.choice([None, "rel-a", "rel-b", "rel-c"])
+                intervals.append({"id": f"a{n}-{j}", "start": t(start), "end": t(end) if end is not None else None,
+                                  "identity": {"release_id": rid} if rid else {}})
+            links[f"pod:ns/p{n}"] = {"intervals": intervals, "v": rng.randint(1, 9)}
+        coverage = Coverage(links)
+        for probe in range(0, 270, 7):
+            at = t(probe)
+            holders, version, rids = [], 0, set()
+            for link in links.values():
+                early = [iv for iv in link["intervals"] if iv["start"] <= at]
+                if early:
+                    version += link["v"]
+                    rids.update(iv["identity"]["release_id"] for iv in early if iv["identity"].get("release_id"))
+                    holders += [iv["id"] for iv in early if iv["end"] is None or at < iv["end"]]
+            got_holders, got_version, got_rids = coverage.at(at)
+            assert sorted(iv["id"] for iv in got_holders) == sorted(holders), (links, at)
+            assert (got_version, got_rids) == (version, tuple(sorted(rids))), (links, at)
