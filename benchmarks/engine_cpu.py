@@ -5,7 +5,8 @@
 
 Runs the bench mix (benchmarks/mix.py) through the real batch logic of the three stages —
 ``Correlator.route_batch`` → ``Correlator.correlate_batch`` → ``Controller.evaluate_batch``,
-with epoch commits writing the changelogs (``PartitionStore.write_changes``) — in one
+with epoch commits (the controls' violations produced, the changelogs written:
+``Controller.emit_violations``, ``PartitionStore.write_changes``) — in one
 process, with the internal hops (route, controls) handed from stage to stage in memory
 and every other record counted and digested instead of sent. No broker, no Faust, no
 sink: what is left is exactly the CPU the engine's own code costs per event, measured
@@ -28,13 +29,17 @@ from gpuledger.settings import Settings
 class Out:
     def __init__(self):
         self.recs = collections.defaultdict(list); self.produced = collections.Counter(); self.bytes = collections.Counter(); self.dead_letters = 0
-        self.sums = collections.defaultdict(int)
+        self.sums = collections.defaultdict(int); self.latest = {}
     def produce(self, topic, key, value, partition=None, source=None):
         self.produced[topic] += 1; self.bytes[topic] += len(value or b"")
         if topic.endswith((".route.v1", ".controls.v1")) and "changelog" not in topic:
             self.recs[topic].append((partition, key, value))
         elif "changelog" not in topic:
             self.sums[topic] ^= int.from_bytes(hashlib.blake2b((key or b"") + b"|" + value, digest_size=8).digest(), "big")
+            if topic.endswith(".violations.v1"):  # what the table keeps: the highest version of each violation id
+                version = orjson.loads(value)["version"]
+                if key not in self.latest or version > self.latest[key][0]:
+                    self.latest[key] = (version, value)
     async def flush(self): return None
     def take(self, topic):
         r = self.recs.pop(topic, []); return r
@@ -89,8 +94,8 @@ async def main(n, batch):
                 a = time.process_time(); await ctrl.evaluate_batch(wrap(run.controls, c)); stage["controls"] += time.process_time() - a
             if not r and not c: break
         if (i // batch) % EVERY == EVERY - 1:  # an epoch commit every EVERY batches
-            a = time.process_time(); corr.store.write_changes(ctx.output); ctrl.store.write_changes(ctx.output); stage["commit"] += time.process_time() - a
-    a = time.process_time(); corr.store.write_changes(ctx.output); ctrl.store.write_changes(ctx.output); stage["commit"] += time.process_time() - a
+            a = time.process_time(); ctrl.emit_violations(); corr.store.write_changes(ctx.output); ctrl.store.write_changes(ctx.output); stage["commit"] += time.process_time() - a
+    a = time.process_time(); ctrl.emit_violations(); corr.store.write_changes(ctx.output); ctrl.store.write_changes(ctx.output); stage["commit"] += time.process_time() - a
     cpu = time.process_time() - t0
     prod = ctx.output.produced
     print(f"events {n} batch {batch}: cpu {cpu:.2f}s = {1e3*cpu/n:.3f} ms/event; wall {time.perf_counter()-w0:.2f}s; gc {gc.get_threshold()}")
@@ -101,6 +106,10 @@ async def main(n, batch):
     for _p, key, state in corr.store.items(): sizes[key.split(":", 1)[0]].append(len(orjson.dumps(state)))
     print("  entity state bytes (n, mean, max):", {k: (len(v), sum(v) // len(v), max(v)) for k, v in sorted(sizes.items())})
     print("  outputs digest (order-free)", {t.split('.')[-2]: f"{v:016x}" for t, v in sorted(ctx.output.sums.items())})
+    latest = 0
+    for key, (_version, value) in ctx.output.latest.items():
+        latest ^= int.from_bytes(hashlib.blake2b(key + b"|" + value, digest_size=8).digest(), "big")
+    print(f"  violations, latest version of each id (order-free): {latest:016x} ({len(ctx.output.latest)} ids)")
 
 if __name__ == "__main__":
     from gpuledger import gctune
