@@ -26,8 +26,10 @@ Publishes the event mix (benchmarks/mix.py) ONCE to fresh raw topics on a local 
    correlated rows (the first version of each row to be stored). Then the worker's share
    apart from the sink's, by hop, from the records' Kafka CreateTime: raw → the route
    record that carried the event (route stage), → its first correlated record
-   (correlation stage); and the worker's CPU per event while live (small batches cost
-   more per event than phase 3's backlog). Then **restart**: the latency worker, stopped
+   (correlation stage); the worker's CPU per event while live (small batches cost
+   more per event than phase 3's backlog); and how busy the machine's cores were (and the
+   local broker's share): a live run that needs more than the machine has queues at every
+   hop, whatever the worker does. Then **restart**: the latency worker, stopped
    cleanly, is started again with 200 new events waiting; seconds from the process start
    to its first correlated batch (target under 5 s).
 5. **replay** — phase 3's raw topics again, new app id, new store: events/s, and per-table
@@ -178,6 +180,14 @@ def cpu_seconds(pid: int) -> dict[int, float]:
     return out
 
 
+def machine_busy() -> tuple[float, float]:
+    """(busy CPU seconds of the whole machine, elapsed CPU seconds) now, from /proc/stat's
+    first line: two readings tell how many of the machine's cores were busy in between."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / _CLK_TCK, sum(fields[:8]) / _CLK_TCK
+
+
 def cpu_split(before: dict[int, float], after: dict[int, float], root: int) -> tuple[float, float]:
     """(root's CPU seconds, its descendants') between two ``cpu_seconds`` readings."""
     own = after.get(root, 0.0) - before.get(root, 0.0)
@@ -284,8 +294,9 @@ def settle(service: ServiceProcess, url: str, reader: RemoteReader, expected: in
 # --- the phases ------------------------------------------------------------------
 
 class Bench:
-    def __init__(self, args, work: Path, bootstrap: str) -> None:
+    def __init__(self, args, work: Path, bootstrap: str, broker_pid: int | None = None) -> None:
         self.args = args
+        self.broker_pid = broker_pid  # the local broker this run started (None with --bootstrap)
         self.work = work
         self.bootstrap = bootstrap
         self.run_id = uuid.uuid4().hex[:6]
@@ -459,6 +470,8 @@ class Bench:
                        lambda: health(url).get("correlated_in", 0) >= RELEASES and stored_rows(reader) >= RELEASES, alive=service)
             since_ms = int(time.time() * 1000)
             worker_cpu = cpu_seconds(service.proc.pid)
+            broker_cpu = sum(cpu_seconds(self.broker_pid).values()) if self.broker_pid else None
+            busy = machine_busy()
             start, cpu, sent = time.monotonic(), time.process_time(), 0
             while (elapsed := time.monotonic() - start) < seconds:
                 due = int(rate * elapsed) - sent
@@ -469,6 +482,11 @@ class Bench:
                 time.sleep(0.005)
             wall = time.monotonic() - start
             achieved, publisher_cpu = sent / wall, (time.process_time() - cpu) / wall
+            # How saturated the machine was: a live run whose processes need more than its cores queues everywhere.
+            busy_now = machine_busy()
+            machine_cores = (busy_now[0] - busy[0]) / wall
+            cores = os.cpu_count() or 1
+            broker_cores = (sum(cpu_seconds(self.broker_pid).values()) - broker_cpu) / wall if self.broker_pid else None
             # CPU per event while live (small batches): what the latency depends on, beside phase 3's bulk figure.
             own, sink = cpu_split(worker_cpu, cpu_seconds(service.proc.pid), service.proc.pid)
             live_cpu = {"worker": own * 1000 / max(sent, 1), "sink": sink * 1000 / max(sent, 1)}
@@ -497,10 +515,13 @@ class Bench:
         worker = self.correlated_lag(cat.run(f"{cat.prefix}-app"), since_ms)
         out = {"target_rate": rate, "achieved_rate": achieved, "seconds": seconds, "published": sent, "rows": int(row["n"]),
                "complete": complete, "p50_s": row["p50"] / 1000, "p99_s": row["p99"] / 1000, "max_s": row["max"] / 1000,
-               "publisher_cpu_cores": publisher_cpu, "cpu_ms_per_event": live_cpu, "worker": worker}
+               "publisher_cpu_cores": publisher_cpu, "broker_cpu_cores": broker_cores, "machine_busy_cores": machine_cores,
+               "machine_cores": cores, "cpu_ms_per_event": live_cpu, "worker": worker}
         print(f"    p50 {out['p50_s']:.2f}s, p99 {out['p99_s']:.2f}s, max {out['max_s']:.2f}s over {out['rows']:,} rows "
               f"({achieved:,.0f} events/s achieved; the publisher used {publisher_cpu:.2f} of a core)", flush=True)
         print(f"    CPU per event while live: worker {live_cpu['worker']:.3f} ms, its sink {live_cpu['sink']:.3f} ms", flush=True)
+        broker_part = f" (the broker {broker_cores:.2f})" if broker_cores is not None else ""
+        print(f"    the machine was busy {machine_cores:.2f} of its {cores} cores while publishing{broker_part}", flush=True)
         if worker:
             hops = "".join(f"; {name} p50 {worker[name]['p50_s']:.2f}s p99 {worker[name]['p99_s']:.2f}s"
                            for name in ("route", "correlate") if worker.get(name))
@@ -694,7 +715,8 @@ def report(r: dict) -> str:
     if "latency" in r:
         lat = r["latency"]
         lines.append(f"event → queryable p50 = {lat['p50_s']:.2f} s, p99 = {lat['p99_s']:.2f} s at {lat['achieved_rate']:,.0f} events/s"
-                     f"  (target p99 < {TARGETS['latency_p99_s']:.0f} s)" + ("" if lat["complete"] else "  [not every row was stored]"))
+                     f"  (target p99 < {TARGETS['latency_p99_s']:.0f} s)" + ("" if lat["complete"] else "  [not every row was stored]")
+                     + (f"; machine busy {lat['machine_busy_cores']:.2f} of {lat['machine_cores']} cores" if lat.get("machine_busy_cores") is not None else ""))
     else:
         lines.append("event → queryable: not measured")
     if "restart" in r:
@@ -730,7 +752,7 @@ def main() -> int:
     try:
         if not args.bootstrap:
             broker = LocalKafka(work / "kafka", default_cache_dir(), log_level="WARN").start()
-        bench = Bench(args, work, args.bootstrap or broker.bootstrap)
+        bench = Bench(args, work, args.bootstrap or broker.bootstrap, broker.proc.pid if broker else None)
         results = bench.run()
         results["ratios"] = ratios(results)
         print("\n" + report(results))
