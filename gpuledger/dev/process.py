@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,11 +21,41 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a child service to listen on)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a child service to listen on).
+
+    Chosen at random *below* the kernel's ephemeral range: a port the kernel picked with
+    bind(0) is one it also hands to outgoing connections, and with a broker, a cluster and
+    their clients connecting all the time one of them took it before the child bound it
+    (Kueue: "bind: address already in use" on a port free_port had just returned). Below the
+    range only another explicit binder can collide; a random pick over ~20,000 ports, checked
+    by binding, and never the same twice in a process, makes that rare.
+    """
+    low = _ephemeral_range()[0]
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(10_000, low)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise OSError(f"no free TCP port on 127.0.0.1 in 10000-{low - 1} after 200 tries")
 
 
 class ServiceError(RuntimeError):
