@@ -152,6 +152,7 @@ class WorkerRun:
     settled: bool = False
     notes: list[str] = field(default_factory=list)
     cpu_ms_per_event: dict | None = None  # {"worker": ms, "sink": ms} over the rate's window
+    gc: dict | None = None  # the worker's and its sink's garbage collections so far (gpuledger.gctune.stats)
 
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -222,7 +223,13 @@ def stored_rows(reader: RemoteReader) -> int:
         return -1
 
 
-def follow_worker(service: ServiceProcess, url: str, reader: RemoteReader, expected: int, timeout: float) -> WorkerRun:
+def broker_seconds(pid: int | None) -> float | None:
+    """CPU seconds the local broker (``pid``) has used so far; None without one (``--bootstrap``)."""
+    return sum(cpu_seconds(pid).values()) if pid else None
+
+
+def follow_worker(service: ServiceProcess, url: str, reader: RemoteReader, expected: int, timeout: float,
+                  broker_pid: int | None = None) -> WorkerRun:
     """Correlated events/s (the first routed batch → every input correlated: the route
     stage's time counts, as the pass-through's first batch → last does), then the time
     from that first batch until ≥ 99 % of the inputs are queryable."""
@@ -234,7 +241,7 @@ def follow_worker(service: ServiceProcess, url: str, reader: RemoteReader, expec
         stats = health(url)
         n = stats.get("routed", 0)
         if n and not first:
-            cpu_first.append((cpu_seconds(service.proc.pid), stats.get("correlated_in", 0)))
+            cpu_first.append((cpu_seconds(service.proc.pid), stats.get("correlated_in", 0), broker_seconds(broker_pid)))
             first.append(stats.get("first_route_batch_at", time.monotonic()))
             # The events of the first routed batch only, as the pass-through leaves out its
             # first batch's (the route stage may have routed several batches by this look).
@@ -243,7 +250,7 @@ def follow_worker(service: ServiceProcess, url: str, reader: RemoteReader, expec
 
     wait_until(f"the worker to correlate {expected} events (health stats correlated_in)", timeout, correlated, alive=service)
     done = time.monotonic()
-    cpu_done = cpu_seconds(service.proc.pid)
+    cpu_done, broker_done = cpu_seconds(service.proc.pid), broker_seconds(broker_pid)
     rate = (expected - n_first[0]) / (done - first[0]) if done > first[0] and expected > n_first[0] else None
     cpu = None
     if cpu_first and expected > cpu_first[0][1]:
@@ -252,6 +259,8 @@ def follow_worker(service: ServiceProcess, url: str, reader: RemoteReader, expec
         own, sink = cpu_split(cpu_first[0][0], cpu_done, service.proc.pid)
         n_cpu = expected - cpu_first[0][1]
         cpu = {"worker": own * 1000 / n_cpu, "sink": sink * 1000 / n_cpu}
+        if broker_done is not None:
+            cpu["broker"] = (broker_done - cpu_first[0][2]) * 1000 / n_cpu
     queryable = None
     try:
         wait_until(f"≥ 99% of {expected} rows to be queryable in {DB}.correlated_events", timeout,
@@ -259,7 +268,9 @@ def follow_worker(service: ServiceProcess, url: str, reader: RemoteReader, expec
         queryable = time.monotonic() - first[0]
     except BenchError as exc:
         print(f"  ! {exc}", flush=True)
-    run = WorkerRun(events=expected, events_per_s=rate, correlated_s=done - first[0], queryable_s=queryable, cpu_ms_per_event=cpu)
+    gc_worker, gc_sink = health(url, "gc"), (health(url, "sink") or {}).get("gc") or {}
+    run = WorkerRun(events=expected, events_per_s=rate, correlated_s=done - first[0], queryable_s=queryable, cpu_ms_per_event=cpu,
+                    gc={"worker": gc_worker, "sink": gc_sink})
     if rate is None:
         run.notes.append("every input arrived in the first routed batch: too few events to measure a rate")
     return run
@@ -395,26 +406,29 @@ class Bench:
             except (OSError, ValueError):
                 return None
             if not cpu_first and s["batches"]:
-                cpu_first.append((cpu_seconds(child.proc.pid), s["events"]))
+                cpu_first.append((cpu_seconds(child.proc.pid), s["events"], broker_seconds(self.broker_pid)))
             return s if s["events"] >= expected else None
 
         try:
             s = wait_until(f"the Faust pass-through to process {expected} events", self.args.timeout, state, poll=0.2, alive=child)
-            cpu_done = cpu_seconds(child.proc.pid)
+            cpu_done, broker_done = cpu_seconds(child.proc.pid), broker_seconds(self.broker_pid)
         finally:
             self.stop(child)
-        cpu_ms = None
+        cpu_ms = broker_ms = None
         if cpu_first and s["events"] > cpu_first[0][1]:
             cpu_ms = sum(cpu_split(cpu_first[0][0], cpu_done, child.proc.pid)) * 1000 / (s["events"] - cpu_first[0][1])
+            if broker_done is not None:
+                broker_ms = (broker_done - cpu_first[0][2]) * 1000 / (s["events"] - cpu_first[0][1])
         written = end_offsets(self.bootstrap, [output]).get(output, 0)
         if written < expected:
             raise BenchError(f"pass-through reported {s['events']} events but {output} holds {written} records")
         span = s["last_batch_done"] - s["first_batch_done"]
         rate = (s["events"] - s["first_batch_events"]) / span if span > 0 else None
         print(f"    {fmt_rate(rate)} events/s ({s['events']:,} in {s['batches']} batches, {span:.1f}s after the first)", flush=True)
-        self.results["passthrough"] = {"events_per_s": rate, "seconds": span, "batches": s["batches"], "cpu_ms_per_event": cpu_ms}
+        self.results["passthrough"] = {"events_per_s": rate, "seconds": span, "batches": s["batches"], "cpu_ms_per_event": cpu_ms,
+                                       "broker_cpu_ms_per_event": broker_ms}
         if cpu_ms is not None:
-            print(f"    CPU {cpu_ms:.3f} ms per event", flush=True)
+            print(f"    CPU {cpu_ms:.3f} ms per event" + (f", the broker {broker_ms:.3f} ms" if broker_ms is not None else ""), flush=True)
         return rate
 
     def worker(self, name: str, app_id: str, data_dir: Path, expected: int, extra_env: dict | None = None,
@@ -424,7 +438,7 @@ class Bench:
         try:
             url = wait_for_worker(service, owner_file(store_dsn(data_dir)), timeout=120)
             reader = RemoteReader.from_owner(owner_file(store_dsn(data_dir)))
-            run = follow_worker(service, url, reader, expected, self.args.timeout)
+            run = follow_worker(service, url, reader, expected, self.args.timeout, self.broker_pid)
             # Settling takes seconds once 99 % is queryable; do not spend the whole --timeout on it.
             run.settled = settle(service, url, reader, expected, min(self.args.timeout, 180))
             if not run.settled:
@@ -436,8 +450,13 @@ class Bench:
         print(f"    {fmt_rate(run.events_per_s)} events/s correlated ({expected:,} in {run.correlated_s:.1f}s), "
               f"≥99% queryable {fmt_s(run.queryable_s)} after the first batch", flush=True)
         if run.cpu_ms_per_event:
-            print(f"    CPU per event: worker {run.cpu_ms_per_event['worker']:.3f} ms, its sink {run.cpu_ms_per_event['sink']:.3f} ms",
-                  flush=True)
+            broker = run.cpu_ms_per_event.get("broker")
+            print(f"    CPU per event: worker {run.cpu_ms_per_event['worker']:.3f} ms, its sink {run.cpu_ms_per_event['sink']:.3f} ms"
+                  + (f", the broker {broker:.3f} ms" if broker is not None else ""), flush=True)
+        for proc, stats in (run.gc or {}).items():
+            if stats.get("collections"):
+                print(f"    {proc}'s garbage collections since it started: {stats['seconds']:.2f}s in {stats['collections']} (young, middle, full)",
+                      flush=True)
         self.results[name] = asdict(run)
         return run
 
@@ -710,6 +729,11 @@ def report(r: dict) -> str:
         # process per correlated event against the pass-through's per passed event.
         lines.append(f"CPU per event: pass-through {pt_cpu:.3f} ms, worker {w_cpu['worker']:.3f} ms (+ sink {w_cpu['sink']:.3f} ms); "
                      f"pass-through / worker = {pt_cpu / w_cpu['worker'] * 100:.0f} %")
+        pt_broker, w_broker = r["passthrough"].get("broker_cpu_ms_per_event"), w_cpu.get("broker")
+        if pt_broker is not None and w_broker is not None:
+            # Both share the machine with the broker: what each costs it per event (2 cores in all).
+            lines.append(f"CPU per event, all processes: pass-through {pt_cpu + pt_broker:.3f} ms (broker {pt_broker:.3f}), "
+                         f"worker {w_cpu['worker'] + w_cpu['sink'] + w_broker:.3f} ms (broker {w_broker:.3f})")
     if "outputs" in r:
         lines.append(f"outputs per input event = {r['outputs']['per_input']:.2f}  (target ≤ {TARGETS['outputs_per_input']:.0f})")
     if "latency" in r:
