@@ -217,6 +217,8 @@ class SinkLoop:
     def __init__(self, settings, ctx, sinks: SinkWriters, topics: dict[str, list[str]]) -> None:
         from confluent_kafka import Consumer
 
+        from producers._kafka import BATCHED_FETCH
+
         conf = settings.clickhouse
         self.ctx, self.sinks, self.topics = ctx, sinks, topics
         self.kind = {name: kind for kind, names in topics.items() for name in names}
@@ -227,7 +229,8 @@ class SinkLoop:
         self.consumer = Consumer({**ctx.consumer_config, "group.id": f"{settings.streams.app_id}.sinks", "enable.auto.commit": False,
                                   "group.instance.id": f"{worker_instance_id(settings)}.sinks", "session.timeout.ms": 20_000,
                                   "auto.offset.reset": "earliest", "enable.partition.eof": False,
-                                  "max.poll.interval.ms": 600_000, "logger": logging.getLogger("librdkafka")})
+                                  "max.poll.interval.ms": 600_000, "logger": logging.getLogger("librdkafka"),
+                                  **BATCHED_FETCH})  # fewer, fuller fetches of a live stream (producers._kafka.BATCHED_FETCH)
         self.consumer.subscribe(sorted(self.kind))
         self._shapes: dict = {}
         self._stopping = False
