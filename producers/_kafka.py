@@ -183,8 +183,9 @@ def client_config(settings) -> dict:
 #: event -> queryable p99 5.9/4.1 s -> 3.8/2.2 s. A trickle waits at most 50 ms per fetch.
 #: A bulk read gets full fetches either way, but a fetch parked for its 64 KiB is re-checked
 #: by the broker at every append to its partitions: in the bulk throughput phase the broker's
-#: CPU per event was 0.096/0.117 ms with this against 0.065/0.073 without (throughput within
-#: the run-to-run noise, 3,030-3,840 events/s both ways).
+#: CPU per event was 0.096/0.117 ms with this against 0.065/0.073 without, and the worker
+#: correlated 3,688/3,030 events/s against 3,836/3,775 (its replay phase: 3,863/3,565 against
+#: 4,021/3,059) — inside this machine's run-to-run spread, but worth a look.
 BATCHED_FETCH = {"fetch.min.bytes": 64 * 1024, "fetch.wait.max.ms": 50}
 
 
