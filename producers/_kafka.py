@@ -174,19 +174,24 @@ def client_config(settings) -> dict:
     return {"bootstrap.servers": resolve_bootstrap(settings), **settings.kafka.client_config()}
 
 
-#: librdkafka fetch settings of the worker's long-lived consumers (the route stage's raw
-#: topics, the sink's): a fetch returns once 64 KiB are there or after 50 ms. With the
-#: defaults (1 byte, 500 ms) a consumer of a live stream sends the next fetch the moment the
-#: last returned, a few records each, as fast as the broker answers — and the broker spends
-#: its CPU on requests. ``make bench``'s live run at 2,400 events/s (two pairs of runs):
-#: the broker 0.59/0.55 of a core -> 0.44/0.42, the machine 1.85/1.84 of 2 busy -> 1.73/1.67,
-#: event -> queryable p99 5.9/4.1 s -> 3.8/2.2 s. A trickle waits at most 50 ms per fetch.
-#: A bulk read gets full fetches either way, but a fetch parked for its 64 KiB is re-checked
-#: by the broker at every append to its partitions: in the bulk throughput phase the broker's
-#: CPU per event was 0.096/0.117 ms with this against 0.065/0.073 without, and the worker
-#: correlated 3,688/3,030 events/s against 3,836/3,775 (its replay phase: 3,863/3,565 against
-#: 4,021/3,059) — inside this machine's run-to-run spread, but worth a look.
+#: librdkafka fetch settings of the worker's long-lived consumers: a fetch returns once
+#: enough bytes are there or after 50 ms. With the defaults (1 byte, 500 ms) a consumer of a
+#: live stream sends the next fetch the moment the last returned, a few records each, as fast
+#: as the broker answers — and the broker (on the same two cores in ``make bench``) spends its
+#: CPU on requests. A trickle waits at most 50 ms per fetch.
+#:
+#: The route stage's consumer of the raw topics (``BATCHED_FETCH``, 64 KiB): it reads ahead of
+#: everything else, a backlog in full fetches either way.
+#: The sink's consumer (``SINK_FETCH``, 16 KiB) trails the worker's outputs, so its fetches park
+#: on partitions the worker appends to all the time, and the broker re-checks a parked fetch at
+#: every such append: with 64 KiB the bulk phase of ``make bench`` cost the broker 0.11-0.12 ms
+#: per event (0.07 without) and the worker ran 3,030-3,690 events/s (3,780-3,840 without).
+#: Measured, live run at 2,400 events/s (two runs each), broker cores / event -> queryable p99:
+#: neither 0.59, 0.55 / 5.9, 4.1 s; only the route's 0.56, 0.56 / 5.8, 6.7 s; both at 64 KiB
+#: 0.44, 0.42, 0.42, 0.43 / 3.8, 2.2, 3.9, 2.4 s; route 64 + sink 16 KiB 0.46, 0.44 / 4.0, 3.3 s,
+#: with the bulk phase at 3,930-4,090 events/s (broker 0.09 ms/event).
 BATCHED_FETCH = {"fetch.min.bytes": 64 * 1024, "fetch.wait.max.ms": 50}
+SINK_FETCH = {"fetch.min.bytes": 16 * 1024, "fetch.wait.max.ms": 50}
 
 
 class EventPublisher:

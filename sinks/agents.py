@@ -217,7 +217,7 @@ class SinkLoop:
     def __init__(self, settings, ctx, sinks: SinkWriters, topics: dict[str, list[str]]) -> None:
         from confluent_kafka import Consumer
 
-        from producers._kafka import BATCHED_FETCH
+        from producers._kafka import SINK_FETCH
 
         conf = settings.clickhouse
         self.ctx, self.sinks, self.topics = ctx, sinks, topics
@@ -230,7 +230,7 @@ class SinkLoop:
                                   "group.instance.id": f"{worker_instance_id(settings)}.sinks", "session.timeout.ms": 20_000,
                                   "auto.offset.reset": "earliest", "enable.partition.eof": False,
                                   "max.poll.interval.ms": 600_000, "logger": logging.getLogger("librdkafka"),
-                                  **BATCHED_FETCH})  # fewer, fuller fetches of a live stream (producers._kafka.BATCHED_FETCH)
+                                  **SINK_FETCH})  # fewer, fuller fetches of a live stream (producers._kafka.SINK_FETCH)
         self.consumer.subscribe(sorted(self.kind))
         self._shapes: dict = {}
         self._stopping = False
