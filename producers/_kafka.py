@@ -180,7 +180,7 @@ def client_config(settings) -> dict:
 #: as the broker answers — and the broker (on the same two cores in ``make bench``) spends its
 #: CPU on requests. A trickle waits at most 50 ms per fetch.
 #:
-#: The route stage's consumer of the raw topics (``BATCHED_FETCH``, 64 KiB): it reads ahead of
+#: The route stage's consumer of the raw topics (``ROUTE_FETCH``, 64 KiB): it reads ahead of
 #: everything else, a backlog in full fetches either way.
 #: The sink's consumer (``SINK_FETCH``, 16 KiB) trails the worker's outputs, so its fetches park
 #: on partitions the worker appends to all the time, and the broker re-checks a parked fetch at
@@ -190,7 +190,7 @@ def client_config(settings) -> dict:
 #: neither 0.59, 0.55 / 5.9, 4.1 s; only the route's 0.56, 0.56 / 5.8, 6.7 s; both at 64 KiB
 #: 0.44, 0.42, 0.42, 0.43 / 3.8, 2.2, 3.9, 2.4 s; route 64 + sink 16 KiB 0.46, 0.44 / 4.0, 3.3 s,
 #: with the bulk phase at 3,930-4,090 events/s (broker 0.09 ms/event).
-BATCHED_FETCH = {"fetch.min.bytes": 64 * 1024, "fetch.wait.max.ms": 50}
+ROUTE_FETCH = {"fetch.min.bytes": 64 * 1024, "fetch.wait.max.ms": 50}
 SINK_FETCH = {"fetch.min.bytes": 16 * 1024, "fetch.wait.max.ms": 50}
 
 

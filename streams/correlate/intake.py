@@ -36,7 +36,7 @@ import time
 
 from confluent_kafka import KafkaError, TopicPartition
 
-from producers._kafka import BATCHED_FETCH
+from producers._kafka import ROUTE_FETCH
 from streams.runner import HARD_EXIT, STOP_GRACE_S, Epoch
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class RawIntake:
             # A batch returns records partition by partition as fetched; small per-partition
             # fetches make one batch span every raw topic (route_batch orders it by event time).
             "max.partition.fetch.bytes": PARTITION_FETCH_BYTES,
-            **BATCHED_FETCH,  # fewer, fuller fetches of a live stream (producers._kafka.BATCHED_FETCH)
+            **ROUTE_FETCH,  # fewer, fuller fetches of a live stream (producers._kafka.ROUTE_FETCH)
             "on_commit": self._on_commit,
             "logger": logging.getLogger("librdkafka"),
         })
