@@ -4,7 +4,7 @@
     REPO=/path/to/other/checkout EVERY=2 ...   # A/B another checkout; commit every EVERY batches
 
 Runs the bench mix (benchmarks/mix.py) through the real batch logic of the three stages —
-``Correlator.route_batch`` → ``Correlator.correlate_batch`` → ``Controller.evaluate_batch``,
+``Router.route_batch`` → ``Correlator.correlate_batch`` → ``Controller.evaluate_batch``,
 with epoch commits (the controls' violations produced, the changelogs written:
 ``Controller.emit_violations``, ``PartitionStore.write_changes``) — in one
 process, with the internal hops (route, controls) handed from stage to stage in memory
@@ -57,13 +57,18 @@ async def main(n, batch):
     from streams.app import WorkerContext
     s = Settings()
     ctx = WorkerContext.__new__(WorkerContext)
-    ctx.settings = s; ctx.catalogue = s.kafka.catalogue(); ctx.run = ctx.catalogue.run("harness")
+    ctx.settings = s; ctx.catalogue = s.kafka.catalogue(); ctx.run = ctx.catalogue.run(s.streams.app_id)
     ctx.output = Out(); from streams.correlate.directory import ReleaseDirectory
-    ctx.directory = ReleaseDirectory(); ctx.stats = {}; ctx._counters = {}; ctx._fault = None; ctx.epochs = {}; ctx.app = None
+    ctx.directory = ReleaseDirectory(); ctx.stats = {}; ctx._counters = {}; ctx.fault = lambda stage, point: None; ctx.epochs = {}; ctx.app = None
     ctx.consumer_config = {}
     from streams.correlate.agents import Correlator
     from streams.controls.agents import Controller
     corr = Correlator(ctx); ctrl = Controller(ctx)
+    try:  # the route stage's own process since 2026-12 (streams.correlate.route); before, the Correlator's
+        from streams.correlate.route import Router
+        route = Router(s, ctx.output).route_batch
+    except ImportError:
+        ctx._fault = None; route = corr.route_batch
     for st in (corr.store, ctrl.store):
         for p in range(ctx.run.partitions): st.parts[p] = {}; st._written[p] = {}
     evs = list(mix_events(n))
@@ -83,7 +88,7 @@ async def main(n, batch):
         return out
     for i in range(0, len(raw), batch):
         chunk = [Ev(Msg("raw", 0, j, None, v)) for j, (_, v) in enumerate(raw[i:i+batch], start=i)]
-        a = time.process_time(); await corr.route_batch(chunk); stage["route"] += time.process_time() - a
+        a = time.process_time(); await route(chunk); stage["route"] += time.process_time() - a
         # drain internal hops until quiet
         for _ in range(6):
             r = ctx.output.take(run.route)

@@ -1,7 +1,7 @@
 """The sink service: the process that stores a run's topics into ClickHouse and serves
 read-only queries of the store it writes.
 
-``gpuledger worker`` starts it as a child process (``SinkProcess``) and supervises it;
+``gpuledger worker`` starts it as a child process (``sink_process``, ``gpuledger.child``) and supervises it;
 its health page merges the sink's (``/gpuledger/health/`` here). Why a process of its
 own: the sink and the correlation agents shared one interpreter, and chDB holds the GIL
 for much of an insert — correlation ran at a fraction of its speed while the sink
@@ -33,16 +33,12 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import multiprocessing
-import multiprocessing.connection
-import os
 import secrets
 import signal
-import threading
-import time
 from collections import Counter
 
 from gpuledger import gctune
+from gpuledger.child import watch_parent
 
 log = logging.getLogger(__name__)
 
@@ -176,20 +172,6 @@ def query_app(settings, ctx: SinkContext, store, token: str):
     return app
 
 
-def _watch_parent(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
-    """Set ``stop`` when the parent process is gone (its sentinel becomes ready)."""
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def wait() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
-        log.warning("the worker that started this sink is gone; stopping")
-        loop.call_soon_threadsafe(stop.set)
-
-    threading.Thread(target=wait, name="parent-watch", daemon=True).start()
-
-
 async def serve(settings, port: int, worker_url: str) -> None:
     """Run the sink and its query endpoint until stopped (module docstring)."""
     from aiohttp import web
@@ -212,7 +194,7 @@ async def serve(settings, port: int, worker_url: str) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    _watch_parent(loop, stop)
+    watch_parent(loop, stop, "sink")
     task = asyncio.create_task(sink.run(), name="sink-loop")
     stopping = asyncio.create_task(stop.wait())
     try:
@@ -242,56 +224,8 @@ def sink_main(settings, port: int, worker_url: str, loglevel: str = "info") -> N
     asyncio.run(serve(settings, port, worker_url))
 
 
-class SinkProcess:
-    """The worker's handle on its sink process: start, health URL, restart, stop."""
+def sink_process(settings, worker_url: str, loglevel: str = "info"):
+    """The worker's handle on its sink process (``gpuledger.child.ChildProcess``)."""
+    from gpuledger.child import ChildProcess
 
-    def __init__(self, settings, worker_url: str, loglevel: str = "info") -> None:
-        from gpuledger.dev.process import free_port
-
-        self.settings, self.loglevel, self.worker_url = settings, loglevel, worker_url
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.process: multiprocessing.Process | None = None
-        self.restarts = 0
-        self._started_at = 0.0
-        self._stopping = False
-
-    def start(self) -> None:
-        # spawn, not fork: the worker's threads (librdkafka, Faust) must not be copied.
-        ctx = multiprocessing.get_context("spawn")
-        self.process = ctx.Process(target=sink_main, args=(self.settings, self.port, self.worker_url, self.loglevel), name="gpuledger-sink", daemon=False)
-        self.process.start()
-        self._started_at = time.monotonic()
-        log.info("sink process %d started (health and queries at %s)", self.process.pid, self.url)
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.is_alive()
-
-    def restart_if_dead(self) -> bool:
-        """Start a new sink if the last one ended; True when it did. Not more often than
-        every few seconds (a sink that cannot start must not spin)."""
-        if self._stopping or self.process is None or self.alive() or time.monotonic() - self._started_at < min(30.0, 2.0 * 2 ** min(self.restarts, 4)):
-            return False
-        log.error("sink process %d exited with %s; starting a new one", self.process.pid, self.process.exitcode)
-        self.restarts += 1
-        self.start()
-        return True
-
-    def signal_stop(self) -> None:
-        """Ask the sink to stop (SIGTERM); ``stop`` waits for it."""
-        self._stopping = True
-        if self.process is not None and self.process.exitcode is None and self.process.pid:
-            try:
-                os.kill(self.process.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-
-    def stop(self, within_s: float = SINK_STOP_S) -> None:
-        if self.process is None or self.process.exitcode is not None:
-            return
-        self.signal_stop()
-        self.process.join(within_s)
-        if self.process.exitcode is None:
-            log.warning("sink process %d did not stop within %.0fs; killing it (its batch was not committed)", self.process.pid, within_s)
-            self.process.kill()
-            self.process.join(2.0)
+    return ChildProcess("sink", sink_main, settings, (worker_url, loglevel), stop_s=SINK_STOP_S)

@@ -1,19 +1,20 @@
 """The one Faust app: correlate raw events, judge the controls, sink into ClickHouse.
 
 Input: the four raw topics (scheduler, gpu, release, alert), co-partitioned and keyed
-by the shared correlation key, read by the route stage's own consumer group
-(``<app id>.route``, ``streams.correlate.intake``); the Faust agents read the run's
-internal topics. Output, all in the run's own topics (``<prefix>.<app
+by the shared correlation key, read by the route stage (a process of its own, in its own
+consumer group ``<app id>.route``: ``streams.correlate.route``); the Faust agents read
+the run's internal topics. Output, all in the run's own topics (``<prefix>.<app
 id>.*``, ``schemas.topics.RunTopics``): correlated rows, enriched alerts, GPU
 allocation intervals, violations, dead letters — and, through the sink agents, the
 ClickHouse tables.
 
-Agents (each in the module that holds its logic):
-  - ``route_events`` (a task around a plain consumer of the raw topics:
-    ``streams.correlate.intake``), ``correlate_entities`` (``streams.correlate.agents``);
-  - ``evaluate_controls`` (``streams.controls.agents``);
-  - the sink, in a process of its own that the worker starts and supervises
-    (``sinks.service``: a plain consumer in its own group, ``<app id>.sinks``).
+Stages (each in the module that holds its logic), in three processes:
+  - ``route_events``, in a child process the worker starts and supervises
+    (``streams.correlate.route``: a plain consumer of the raw topics, ``streams.correlate.intake``);
+  - ``correlate_entities`` (``streams.correlate.agents``) and ``evaluate_controls``
+    (``streams.controls.agents``): Faust agents, in this process;
+  - the sink, in a child process too (``sinks.service``: a plain consumer in its own
+    group, ``<app id>.sinks``). The children: ``gpuledger.child``.
 
 Before the worker joins its consumer group it creates every topic it reads or writes
 and waits until the broker's metadata shows them (a consumer that subscribes to a
@@ -24,8 +25,8 @@ its consumer got the raw topics' (``assignment_health``); ``/gpuledger/health/``
 
 The worker's sink process owns the embedded store and serves the CLI's read-only
 queries (token-protected, recorded beside the data dir: ``sinks.service``). The
-worker's loopback web port serves ``/gpuledger/health/`` — the worker's and the sink's
-state in one page (``degraded`` while the sink does not answer); Faust's own pages
+worker's loopback web port serves ``/gpuledger/health/`` — the worker's, the route stage's
+and the sink's state in one page (``degraded`` while a child does not answer); Faust's own pages
 (tables, router, graph, stats) are off.
 """
 
@@ -40,6 +41,7 @@ import faust
 from faust.tables import TableManager
 
 from gpuledger import gctune
+from gpuledger.child import HealthClient
 from gpuledger.dev.process import free_port
 from gpuledger.telemetry import ComponentCounters
 from producers._kafka import client_config, ensure_specs, resolve_bootstrap
@@ -47,6 +49,7 @@ from streams.controls.agents import install_control_agents
 from streams.correlate.agents import install_correlate_agents
 from streams.correlate.directory import ReleaseDirectory
 from streams.output import BatchOutput
+from streams.runner import FaultInjection
 
 log = logging.getLogger(__name__)
 
@@ -65,27 +68,16 @@ class WorkerContext:
         self.directory = ReleaseDirectory()
         self.stats: dict = {}
         self.subscriptions: dict = {"ok": False, "problems": ["not assigned yet"]}  # the Faust agents' (route, controls)
-        self.intake = None  # streams.correlate.intake.RawIntake: the route stage's own consumer of the raw topics
+        self.route = None  # gpuledger.child.ChildProcess: the route stage's process (streams.correlate.route)
         self._counters: dict[str, ComponentCounters] = {}
         self.correlator = None
         self.controller = None
         self.epochs: dict = {}  # agent name -> streams.runner.Epoch
         self.app = None
-        self.sink = None  # sinks.service.SinkProcess, when this worker runs one
+        self.sink = None  # gpuledger.child.ChildProcess: the sink's process (sinks.service), when this worker runs one
+        self.health_client = HealthClient()
         self.recovery_lock = asyncio.Lock()  # the stores recover one at a time (streams.store.PartitionStore)
-        spec = settings.streams.fault
-        self._fault = [*spec.split(":")[:2], int(spec.split(":")[2])] if spec else None
-
-    def fault(self, stage: str, point: str) -> None:
-        """Fault injection (``GPULEDGER_STREAMS_FAULT``): end the process at once, as a
-        kill -9 would, the Nth time ``stage`` reaches ``point``."""
-        if self._fault is None or tuple(self._fault[:2]) != (stage, point):
-            return
-        self._fault[2] -= 1
-        if self._fault[2] == 0:
-            log.critical("fault injection: exiting at %s:%s", stage, point)
-            logging.shutdown()
-            os._exit(137)
+        self.fault = FaultInjection(settings.streams.fault)  # (stage, point): a kill -9 there, for the fault tier
 
     async def commit_state(self, stage: str, store) -> None:
         """An epoch commit of a stateful stage (``streams.runner``): every output produced so
@@ -112,10 +104,12 @@ class WorkerContext:
             self._counters[component] = ComponentCounters(component)
         return self._counters[component]
 
-    def health(self, sink: dict | None = None) -> dict:
-        """This worker's state, merged with its sink's health page (``sink``; None: the
-        sink did not answer, or this worker runs none)."""
-        subscriptions = self.assignment_health()
+    def health(self, pages: dict[str, dict | None] | None = None) -> dict:
+        """This worker's state, merged with its children's health pages (``pages``: child
+        name -> its page, None when it did not answer; ``children_health``)."""
+        pages = pages or {}
+        route = pages.get("route")
+        subscriptions = self.assignment_health(route)
         ok = subscriptions["ok"] and self.directory.ready.is_set()
         health = {
             "status": "ok" if ok else "degraded",
@@ -128,44 +122,62 @@ class WorkerContext:
             "stores": {a.store.name: a.store.health() for a in (self.correlator, self.controller) if a},
             "gc": gctune.stats(),
         }
-        if self.sink is not None:
-            health["sink"] = {"answering": sink is not None, "url": self.sink.url, "restarts": self.sink.restarts}
-            if sink is None:
+        for name, child in self.children().items():
+            page = pages.get(name)
+            health[name] = child.health(page)
+            if page is None:
                 health["status"] = "degraded"
-            else:
-                health["sink"]["store"] = sink.get("store")
-                health["sink"]["gc"] = sink.get("gc")
-                health["stats"].update(sink.get("stats", {}))
-                health["counters"].update(sink.get("counters", {}))
+                continue
+            health[name]["gc"] = page.get("gc")
+            if "store" in page:
+                health[name]["store"] = page["store"]
+            merge_stats(health["stats"], page.get("stats", {}))
+            health["counters"].update(page.get("counters", {}))
+            health["epochs"].update(page.get("epochs", {}))
         return health
 
-    def assignment_health(self) -> dict:
+    def children(self) -> dict:
+        """This worker's child processes (``gpuledger.child.ChildProcess``) by name."""
+        return {name: child for name, child in (("route", self.route), ("sink", self.sink)) if child is not None}
+
+    def assignment_health(self, route: dict | None = None) -> dict:
         """The Faust agents' assignment check (after their last rebalance) and the route
-        stage's (its own group over the raw topics): ``ok`` only when both are."""
+        stage's (its own group over the raw topics, from its health page ``route``): ``ok``
+        only when both are."""
+        from confluent_kafka import TopicPartition
+
         faust_side = self.subscriptions
-        if self.intake is None:
+        if self.route is None:
             return faust_side
-        held = self.intake.assigned()
-        if held is None:
+        held = None if route is None else route.get("raw_assigned")
+        if route is None:
+            raw = {"ok": False, "problems": ["not answering"], "partitions": []}
+        elif held is None:
             raw = {"ok": False, "problems": ["raw topics not assigned yet"], "partitions": []}
         else:
-            raw = check_assignment(held, dict.fromkeys(self.catalogue.raw_topics))
+            raw = check_assignment([TopicPartition(t, p) for t, p in held], dict.fromkeys(self.catalogue.raw_topics))
         raw["problems"] = [f"route stage: {problem}" for problem in raw["problems"]]
         return {"ok": faust_side["ok"] and raw["ok"], "problems": [*faust_side["problems"], *raw["problems"]],
                 "partitions": faust_side.get("partitions", []), "raw_partitions": raw["partitions"]}
 
-    async def sink_health(self) -> dict | None:
-        """The sink process's health page, or None when it does not answer within 2 s."""
-        import aiohttp
+    async def children_health(self) -> dict[str, dict | None]:
+        """Every child's health page (None: it did not answer within 2 s), asked at once."""
+        children = self.children()
+        pages = await asyncio.gather(*(self.health_client.fetch(child.url) for child in children.values()))
+        return dict(zip(children, pages))
 
-        if self.sink is None:
-            return None
-        try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
-                async with session.get(f"{self.sink.url}/gpuledger/health/") as resp:
-                    return await resp.json() if resp.status == 200 else None
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-            return None
+
+def merge_stats(into: dict, more: dict) -> None:
+    """A child's stats into the worker's: a number both count is summed (dead letters),
+    a per-topic count too (records produced)."""
+    for key, value in more.items():
+        mine = into.get(key)
+        if isinstance(mine, dict) and isinstance(value, dict):
+            into[key] = {k: mine.get(k, 0) + value.get(k, 0) for k in {*mine, *value}}
+        elif isinstance(mine, (int, float)) and isinstance(value, (int, float)) and not isinstance(mine, bool):
+            into[key] = mine + value
+        else:
+            into[key] = value
 
 
 def ensure_run_topics(settings) -> None:
@@ -255,7 +267,7 @@ def create_app(settings) -> faust.App:
     @app.page("/gpuledger/health/")
     class HealthView(faust.web.View):
         async def get(self, request):
-            return self.json(ctx.health(await ctx.sink_health()))
+            return self.json(ctx.health(await ctx.children_health()))
 
     @app.timer(max(0.05, conf.commit_interval_s / 2))
     async def _commit_idle_epochs():
@@ -272,9 +284,9 @@ def create_app(settings) -> faust.App:
                 await epoch.commit_if_due()
 
     @app.timer(1.0)
-    async def _supervise_sink():
-        if ctx.sink is not None:
-            ctx.sink.restart_if_dead()
+    async def _supervise_children():
+        for child in ctx.children().values():
+            child.restart_if_dead()
 
     app.gpuledger_web_url = f"http://127.0.0.1:{web_port}"
     return app
@@ -314,16 +326,17 @@ def check_assignment(assignment, expected: dict) -> dict:
 STOP_WITHIN_S = 8.0
 
 
-def stop_within(app: faust.App, worker, sink) -> None:
-    """On SIGTERM, tell the sink process to stop and stop as Faust does — and if that has
-    not finished within ``STOP_WITHIN_S`` (a broker outage can hold Faust's shutdown for
+def stop_within(app: faust.App, worker, children) -> None:
+    """On SIGTERM, tell the child processes (route stage, sink) to stop and stop as Faust
+    does — and if that has not finished within ``STOP_WITHIN_S`` (a broker outage can hold Faust's shutdown for
     minutes), exit 0 at once. That is safe at any instant: a batch is acked only after its
     outputs and state are acknowledged, so an unfinished batch is simply processed again
     after a restart; the sink commits only what it stored."""
 
     def hard_stop() -> None:
         log.warning("stop did not finish within %.0fs; exiting now (unfinished batches were not acked)", STOP_WITHIN_S)
-        sink.stop(within_s=1.0)
+        for child in children:  # told to stop at SIGTERM, STOP_WITHIN_S ago
+            child.stop(within_s=0.5)
         logging.shutdown()
         os._exit(0)
 
@@ -338,7 +351,8 @@ def stop_within(app: faust.App, worker, sink) -> None:
             timer = threading.Timer(STOP_WITHIN_S, hard_stop)
             timer.daemon = True
             timer.start()
-            sink.signal_stop()  # the sink stops (its batch stored and committed) while Faust does
+            for child in children:
+                child.signal_stop()  # each stops (its batch routed or stored, and committed) while Faust does
             # Faust's stop first waits until every message it handed out is acked, and its
             # timers (ours included) have stopped by then: the epochs commit here, beside it,
             # until the loop closes (a batch Faust had already buffered still arrives).
@@ -366,21 +380,26 @@ async def commit_epochs_while_stopping(ctx: WorkerContext) -> None:
 
 
 def run_worker(settings, loglevel: str = "info") -> None:
-    """Run the worker in this process, and its sink in a child process, until
-    SIGTERM/SIGINT.
+    """Run the worker in this process, and its route stage and sink in child processes,
+    until SIGTERM/SIGINT.
 
     The sink connects to the store lazily: the worker starts while ClickHouse is down,
     and the sink holds its offsets until it is back (migrations run on the first connect).
     """
     from gpuledger.telemetry import calm_logging
-    from sinks.service import SinkProcess
+    from sinks.service import sink_process
+    from streams.correlate.route import route_process
 
     calm_logging()
     gctune.tune()
     ensure_run_topics(settings)
     app = create_app(settings)
-    sink = app.gpuledger.sink = SinkProcess(settings, app.gpuledger_web_url, loglevel)
-    sink.start()
+    ctx = app.gpuledger
+    ctx.route = route_process(settings, loglevel)
+    ctx.sink = sink_process(settings, app.gpuledger_web_url, loglevel)
+    children = list(ctx.children().values())
+    for child in children:
+        child.start()
     profile = os.environ.get("GPULEDGER_PROFILE")  # benchmarks --profile
     profiler = None
     if profile:
@@ -390,14 +409,17 @@ def run_worker(settings, loglevel: str = "info") -> None:
         profiler.enable()
     try:
         worker = faust.Worker(app, loglevel=loglevel, quiet=True, redirect_stdouts=False, override_logging=False)
-        stop_within(app, worker, sink)
+        stop_within(app, worker, children)
         worker.execute_from_commandline()
     finally:
         if profiler:
             profiler.disable()
             profiler.dump_stats(profile)
-        left = app.gpuledger.output.close()
+        left = ctx.output.close()
         if left:
             log.warning("%d output record(s) were not acknowledged at exit (their batches were not acked either)", left)
-        sink.stop()
+        for child in children:
+            child.signal_stop()  # both stop at once, then each is waited for
+        for child in children:
+            child.stop()
 

@@ -56,6 +56,23 @@ STOP_GRACE_S = 5.0
 HARD_EXIT = 75  # EX_TEMPFAIL: stopped with a batch unfinished; restart re-processes it
 
 
+class FaultInjection:
+    """``GPULEDGER_STREAMS_FAULT`` (``stage:point:N``): end the process at once, as a kill -9
+    would, the Nth time ``stage`` reaches ``point`` (the fault tier, tests/streams/test_faults.py)."""
+
+    def __init__(self, spec: str | None) -> None:
+        self._fault = [*spec.split(":")[:2], int(spec.split(":")[2])] if spec else None
+
+    def __call__(self, stage: str, point: str) -> None:
+        if self._fault is None or tuple(self._fault[:2]) != (stage, point):
+            return
+        self._fault[2] -= 1
+        if self._fault[2] == 0:
+            log.critical("fault injection: exiting at %s:%s", stage, point)
+            logging.shutdown()
+            os._exit(137)
+
+
 def _tp(event) -> tuple[str, int]:
     return event.message.topic, event.message.partition
 

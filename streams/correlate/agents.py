@@ -1,7 +1,7 @@
-"""The correlation agents: route raw events to their entities, fold and join them.
+"""The correlation agents: fold routed events into their entities and join them.
 
-Input: the four raw topics (co-partitioned, keyed by the shared correlation key) and
-the run's internal route topic. Output: correlated rows (``<run>.correlated``),
+Input: the run's internal route topic (events routed by the route stage, links and
+expiries between entities). Output: correlated rows (``<run>.correlated``),
 enriched alerts, GPU allocation intervals, the control inputs (packed on
 ``<run>.controls``), links and expiries to other entities (packed on
 ``<run>.route``), and dead letters with reason and source offset.
@@ -9,9 +9,9 @@ enriched alerts, GPU allocation intervals, the control inputs (packed on
 Topology:
   - ``route_events`` validates each raw record once (pydantic; poison → dead letter),
     re-keys it to its entity (``routing.entity_key``) and packs it on the route topic,
-    addressed to the entity's partition. It reads the raw topics through a plain
-    consumer of its own group, not as a Faust agent (``streams.correlate.intake``: it is
-    stateless, and Faust's per-record path cost more than the whole correlation).
+    addressed to the entity's partition. It runs in a process of its own, beside the
+    worker (``streams.correlate.route``: it is stateless), reading the raw topics through
+    a plain consumer of its own group (``streams.correlate.intake``).
   - ``correlate_entities`` unpacks routed messages, folds them into the entities of a
     ``PartitionStore`` (recovered from the run's entity changelog on assignment),
     re-derives each touched entity once per batch (``entities.refresh``) — and the
@@ -33,17 +33,14 @@ import logging
 import time
 from collections import defaultdict
 from datetime import datetime, timedelta
-from operator import itemgetter
 
 import orjson
 
-from schemas import EventDecodeError, decode_event, encode_event
+from schemas import encode_event
 from schemas.outputs import dead_letter
 from streams.controls.rules import allocation_key, compact_allocation, compact_row, row_key
 from streams.correlate.directory import ReleaseDirectory, follow_release_topic
 from streams.correlate.entities import GpuMemo, expire, fold_event, fold_link, for_controls, iso, new_entity, refresh
-from streams.correlate.intake import RawIntake
-from streams.correlate.routing import entity_key, routed_form
 from streams.packing import Packer, kind_of, partition_for, unpack
 from streams.runner import Epoch, run_batches
 from streams.store import Chunks, DirectoryMarks, PartitionStore
@@ -142,44 +139,8 @@ class Correlator:
         self.memos: dict[str, GpuMemo] = {}  # node/GPU entity -> what its rows were derived from (in memory only)
         self.counters = ctx.counters("streams.correlate")
         self.stats = ctx.stats
-        for name in ("routed", "out_of_range", "correlated_in", "correlated_out", "conflicts", "parked", "entities"):
+        for name in ("correlated_in", "correlated_out", "conflicts", "parked", "entities"):
             self.stats.setdefault(name, 0)
-
-    # --- route ------------------------------------------------------------------------
-    async def route_batch(self, events: list) -> None:
-        out = self.ctx.output
-        in_range = self.ctx.settings.streams.in_range  # a replay's event-time range (`gpuledger replay --from/--to`)
-        skipped = 0
-        self.counters.add_received(len(events))
-        routed = []
-        for ev in events:
-            msg = ev.message
-            try:
-                event = decode_event(msg.value)
-                key = entity_key(event)
-            except EventDecodeError as exc:
-                self._dead(exc.reason, str(exc), "streams.route_events", msg)
-                continue
-            if not in_range(event.occurred_at):
-                skipped += 1
-                continue
-            routed.append((event.occurred_at, key, event, msg))
-        # In event-time order: a batch holds runs of records partition by partition (as
-        # they were fetched), and an entity that sees its history in order re-derives and
-        # re-emits less (an alert folded after its GPU's assignment is emitted once, not
-        # first unattributed). Any order gives the same latest rows (versions from history).
-        routed.sort(key=itemgetter(0))  # by occurred_at
-        for _at, key, event, msg in routed:
-            src = [msg.topic, msg.partition, msg.offset]
-            self.route.add(key, {"k": "event", "src": src, "event": routed_form(event)}, source=tuple(src))
-        self.route.drain_into(out)
-        if not self.stats.get("first_route_batch"):
-            # make bench's rate counts from the end of the first batch, as its pass-through's does
-            # (time.monotonic() is one clock for every process on the machine).
-            self.stats["first_route_batch"], self.stats["first_route_batch_at"] = len(events), time.monotonic()
-        self.stats["routed"] += len(events) - skipped
-        self.stats["out_of_range"] += skipped
-        self.runtime.last_input = time.monotonic()
 
     # --- correlate ----------------------------------------------------------------------
     async def correlate_batch(self, events: list) -> None:
@@ -266,18 +227,15 @@ class Correlator:
         self.controls.drain_into(out)
         self.ctx.fault("correlate", "during_outputs")
         self.stats["correlated_in"] += n_in
+        self.counters.add_received(n_in)
+        if n_in:
+            self.runtime.last_input = time.monotonic()  # input arrives: parked rows wait for their watermark
         self.stats["correlated_out"] += n_out
         self.stats["parked"] = self.runtime.parked_count()
         self.stats["entities"] = len(self.store) - len(self.runtime.marks.written)
         self.counters.add_sent(n_out)
         if refreshed:
             log.info("correlated %d message(s) for %d entit(ies) into %d row(s)", len(messages), len(refreshed), n_out)
-
-    async def commit_routes(self) -> None:
-        """The route stage's epoch commit: every routed record acknowledged (the intake
-        commits the epoch's offsets after this returns)."""
-        await self.ctx.output.flush()
-        self.ctx.fault("route", "after_outputs")
 
     async def commit_entities(self) -> None:
         """The correlation stage's epoch commit (``WorkerContext.commit_state``)."""
@@ -321,8 +279,7 @@ class Correlator:
         self.memos = {key: memo for key, memo in self.memos.items() if partition_for(key, n) not in partitions}
 
     async def dead(self, event, exc: BaseException) -> None:
-        self._dead("processing_error", f"{type(exc).__name__}: {exc}", f"streams.{'correlate_entities' if event.message.topic == self.ctx.run.route else 'route_events'}",
-                   event.message)
+        self._dead("processing_error", f"{type(exc).__name__}: {exc}", "streams.correlate_entities", event.message)
         await self.ctx.output.flush()
 
     def _dead(self, reason: str, error: str, stage: str, msg) -> None:
@@ -383,17 +340,8 @@ def install_correlate_agents(app, ctx, route_topic) -> Correlator:
     corr = Correlator(ctx)
     ctx.correlator = corr
     interval = ctx.settings.streams.commit_interval_s
-    intake = ctx.intake = RawIntake(ctx.settings, ctx.consumer_config, ctx.catalogue.raw_topics,
-                                    ("route_events", corr.route_batch, corr.reset, corr.dead, corr.commit_routes, interval))
-    ctx.epochs["route_events"] = intake.epoch
     entities = ctx.epochs["correlate_entities"] = Epoch("correlate_entities", corr.correlate_batch, corr.reset, corr.dead,
                                                         corr.commit_entities, interval)
-
-    @app.task
-    async def route_events():
-        """Decode raw events, dead-letter poison, re-key each event to its entity (a plain
-        consumer, not a Faust agent: ``streams.correlate.intake``)."""
-        await intake.run()
 
     @app.agent(route_topic, name="correlate_entities")
     async def correlate_entities(stream):
