@@ -15,7 +15,7 @@ Publishes the event mix (benchmarks/mix.py) ONCE to fresh raw topics on a local 
 3. **worker** — ``gpuledger worker`` (fresh app id, own chDB store): correlated events/s
    from its health stats (the end of its first routed batch, ``first_route_batch_at``,
    → ``correlated_in`` = all inputs; that batch's events left out, as phase 2's), the
-   CPU per event of the worker process and of its sink process apart, and the time until
+   CPU per event of the worker process, its route stage's and its sink's processes apart, and the time until
    ≥ 99 % of the inputs are queryable. Then, once the store is settled, the
    records it wrote to Kafka: every topic named ``<prefix>…`` except the raw inputs
    (outputs, route hops, changelogs — whatever the worker creates), per input event.
@@ -151,8 +151,8 @@ class WorkerRun:
     queryable_s: float | None
     settled: bool = False
     notes: list[str] = field(default_factory=list)
-    cpu_ms_per_event: dict | None = None  # {"worker": ms, "sink": ms} over the rate's window
-    gc: dict | None = None  # the worker's and its sink's garbage collections so far (gpuledger.gctune.stats)
+    cpu_ms_per_event: dict | None = None  # {"worker": ms, "route": ms, "sink": ms, "broker": ms} over the rate's window
+    gc: dict | None = None  # the worker's, its route stage's and its sink's garbage collections so far (gpuledger.gctune.stats)
 
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -194,6 +194,34 @@ def cpu_split(before: dict[int, float], after: dict[int, float], root: int) -> t
     own = after.get(root, 0.0) - before.get(root, 0.0)
     rest = sum(t - before.get(p, 0.0) for p, t in after.items() if p != root)
     return own, rest
+
+
+def worker_children(url: str) -> dict[str, int]:
+    """The worker's child processes, name -> pid, from its health page (route, sink)."""
+    try:
+        with urllib.request.urlopen(f"{url}/gpuledger/health/", timeout=5) as resp:
+            page = json.loads(resp.read())
+    except (OSError, ValueError):
+        return {}
+    return {name: page[name]["pid"] for name in ("route", "sink") if isinstance(page.get(name), dict) and page[name].get("pid")}
+
+
+def cpu_by_process(before: dict[int, float], after: dict[int, float], root: int, children: dict[str, int]) -> dict[str, float]:
+    """CPU seconds between two ``cpu_seconds`` readings: the worker's own process (``root``),
+    each named child, and any other descendant summed as ``other`` (none: left out)."""
+    out = {"worker": after.get(root, 0.0) - before.get(root, 0.0)}
+    named = {pid: name for name, pid in children.items()}
+    for pid, t in after.items():
+        if pid != root:
+            name = named.get(pid, "other")
+            out[name] = out.get(name, 0.0) + t - before.get(pid, 0.0)
+    return out
+
+
+def fmt_cpu(cpu: dict[str, float]) -> str:
+    """CPU ms per event by process: the worker, its route stage, its sink, the broker."""
+    names = {"worker": "worker", "route": "its route stage", "sink": "its sink", "other": "other children", "broker": "the broker"}
+    return ", ".join(f"{label} {cpu[name]:.3f} ms" for name, label in names.items() if name in cpu)
 
 
 def worker_env(bootstrap: str, prefix: str, app_id: str, data_dir: Path) -> dict[str, str]:
@@ -251,14 +279,14 @@ def follow_worker(service: ServiceProcess, url: str, reader: RemoteReader, expec
     wait_until(f"the worker to correlate {expected} events (health stats correlated_in)", timeout, correlated, alive=service)
     done = time.monotonic()
     cpu_done, broker_done = cpu_seconds(service.proc.pid), broker_seconds(broker_pid)
+    children = worker_children(url)
     rate = (expected - n_first[0]) / (done - first[0]) if done > first[0] and expected > n_first[0] else None
     cpu = None
     if cpu_first and expected > cpu_first[0][1]:
         # CPU per event correlated between the two looks: what a loaded machine disturbs far
-        # less than a rate (the worker's own process; its sink apart).
-        own, sink = cpu_split(cpu_first[0][0], cpu_done, service.proc.pid)
+        # less than a rate (the worker's own process; its route stage and its sink apart).
         n_cpu = expected - cpu_first[0][1]
-        cpu = {"worker": own * 1000 / n_cpu, "sink": sink * 1000 / n_cpu}
+        cpu = {name: s * 1000 / n_cpu for name, s in cpu_by_process(cpu_first[0][0], cpu_done, service.proc.pid, children).items()}
         if broker_done is not None:
             cpu["broker"] = (broker_done - cpu_first[0][2]) * 1000 / n_cpu
     queryable = None
@@ -268,9 +296,8 @@ def follow_worker(service: ServiceProcess, url: str, reader: RemoteReader, expec
         queryable = time.monotonic() - first[0]
     except BenchError as exc:
         print(f"  ! {exc}", flush=True)
-    gc_worker, gc_sink = health(url, "gc"), (health(url, "sink") or {}).get("gc") or {}
-    run = WorkerRun(events=expected, events_per_s=rate, correlated_s=done - first[0], queryable_s=queryable, cpu_ms_per_event=cpu,
-                    gc={"worker": gc_worker, "sink": gc_sink})
+    gc = {"worker": health(url, "gc"), **{name: (health(url, name) or {}).get("gc") or {} for name in ("route", "sink")}}
+    run = WorkerRun(events=expected, events_per_s=rate, correlated_s=done - first[0], queryable_s=queryable, cpu_ms_per_event=cpu, gc=gc)
     if rate is None:
         run.notes.append("every input arrived in the first routed batch: too few events to measure a rate")
     return run
@@ -450,9 +477,7 @@ class Bench:
         print(f"    {fmt_rate(run.events_per_s)} events/s correlated ({expected:,} in {run.correlated_s:.1f}s), "
               f"≥99% queryable {fmt_s(run.queryable_s)} after the first batch", flush=True)
         if run.cpu_ms_per_event:
-            broker = run.cpu_ms_per_event.get("broker")
-            print(f"    CPU per event: worker {run.cpu_ms_per_event['worker']:.3f} ms, its sink {run.cpu_ms_per_event['sink']:.3f} ms"
-                  + (f", the broker {broker:.3f} ms" if broker is not None else ""), flush=True)
+            print("    CPU per event: " + fmt_cpu(run.cpu_ms_per_event), flush=True)
         for proc, stats in (run.gc or {}).items():
             if stats.get("collections"):
                 print(f"    {proc}'s garbage collections since it started: {stats['seconds']:.2f}s in {stats['collections']} (young, middle, full)",
@@ -488,7 +513,7 @@ class Bench:
             wait_until("the latency worker to store the warm-up releases", 120,
                        lambda: health(url).get("correlated_in", 0) >= RELEASES and stored_rows(reader) >= RELEASES, alive=service)
             since_ms = int(time.time() * 1000)
-            worker_cpu = cpu_seconds(service.proc.pid)
+            worker_cpu, children = cpu_seconds(service.proc.pid), worker_children(url)
             broker_cpu = sum(cpu_seconds(self.broker_pid).values()) if self.broker_pid else None
             busy = machine_busy()
             start, cpu, sent = time.monotonic(), time.process_time(), 0
@@ -507,8 +532,8 @@ class Bench:
             cores = os.cpu_count() or 1
             broker_cores = (sum(cpu_seconds(self.broker_pid).values()) - broker_cpu) / wall if self.broker_pid else None
             # CPU per event while live (small batches): what the latency depends on, beside phase 3's bulk figure.
-            own, sink = cpu_split(worker_cpu, cpu_seconds(service.proc.pid), service.proc.pid)
-            live_cpu = {"worker": own * 1000 / max(sent, 1), "sink": sink * 1000 / max(sent, 1)}
+            live_cpu = {name: s * 1000 / max(sent, 1)
+                        for name, s in cpu_by_process(worker_cpu, cpu_seconds(service.proc.pid), service.proc.pid, children).items()}
             total = RELEASES + sent
             complete = True
             try:
@@ -538,7 +563,7 @@ class Bench:
                "machine_cores": cores, "cpu_ms_per_event": live_cpu, "worker": worker}
         print(f"    p50 {out['p50_s']:.2f}s, p99 {out['p99_s']:.2f}s, max {out['max_s']:.2f}s over {out['rows']:,} rows "
               f"({achieved:,.0f} events/s achieved; the publisher used {publisher_cpu:.2f} of a core)", flush=True)
-        print(f"    CPU per event while live: worker {live_cpu['worker']:.3f} ms, its sink {live_cpu['sink']:.3f} ms", flush=True)
+        print("    CPU per event while live: " + fmt_cpu(live_cpu), flush=True)
         broker_part = f" (the broker {broker_cores:.2f})" if broker_cores is not None else ""
         print(f"    the machine was busy {machine_cores:.2f} of its {cores} cores while publishing{broker_part}", flush=True)
         if worker:
@@ -727,13 +752,14 @@ def report(r: dict) -> str:
     if pt_cpu and w_cpu:
         # The same comparison in CPU (what a loaded machine disturbs least): the worker's own
         # process per correlated event against the pass-through's per passed event.
-        lines.append(f"CPU per event: pass-through {pt_cpu:.3f} ms, worker {w_cpu['worker']:.3f} ms (+ sink {w_cpu['sink']:.3f} ms); "
+        children = " + ".join(f"{name} {w_cpu[name]:.3f} ms" for name in ("route", "sink", "other") if name in w_cpu)
+        lines.append(f"CPU per event: pass-through {pt_cpu:.3f} ms, worker {w_cpu['worker']:.3f} ms (+ {children}); "
                      f"pass-through / worker = {pt_cpu / w_cpu['worker'] * 100:.0f} %")
         pt_broker, w_broker = r["passthrough"].get("broker_cpu_ms_per_event"), w_cpu.get("broker")
         if pt_broker is not None and w_broker is not None:
             # Both share the machine with the broker: what each costs it per event (2 cores in all).
             lines.append(f"CPU per event, all processes: pass-through {pt_cpu + pt_broker:.3f} ms (broker {pt_broker:.3f}), "
-                         f"worker {w_cpu['worker'] + w_cpu['sink'] + w_broker:.3f} ms (broker {w_broker:.3f})")
+                         f"worker {sum(w_cpu.values()):.3f} ms (broker {w_broker:.3f})")
     if "outputs" in r:
         lines.append(f"outputs per input event = {r['outputs']['per_input']:.2f}  (target ≤ {TARGETS['outputs_per_input']:.0f})")
     if "latency" in r:

@@ -77,7 +77,8 @@ class ChildProcess:
     def health(self, page: dict | None) -> dict:
         """What the worker's health page says of this child (``page``: its own health page,
         None when it did not answer)."""
-        return {"answering": page is not None, "url": self.url, "restarts": self.restarts, "last_exit": self.last_exit}
+        return {"answering": page is not None, "url": self.url, "pid": self.process.pid if self.process else None,
+                "restarts": self.restarts, "last_exit": self.last_exit}
 
     def signal_stop(self) -> None:
         """Ask the child to stop (SIGTERM); ``stop`` waits for it."""
