@@ -13,10 +13,12 @@ Publishes the event mix (benchmarks/mix.py) ONCE to fresh raw topics on a local 
    Faust's own ceiling; measured from its first processed batch to its last (the first
    batch's events left out), and its CPU per event (process tree, from /proc) over the same.
 3. **worker** — ``gpuledger worker`` (fresh app id, own chDB store): correlated events/s
-   from its health stats (the end of its first routed batch, ``first_route_batch_at``,
-   → ``correlated_in`` = all inputs; that batch's events left out, as phase 2's), the
-   CPU per event of the worker process, its route stage's and its sink's processes apart, and the time until
-   ≥ 99 % of the inputs are queryable. Then, once the store is settled, the
+   from its health stats (the end of its correlation agent's first batch,
+   ``first_correlate_batch_at``, → ``correlated_in`` = all inputs; that batch's events
+   left out, as phase 2's; how long after the route stage's first batch that was is
+   printed), the CPU per event of the worker process, its route stage's and its sink's
+   processes apart, and the time from the first routed batch until ≥ 99 % of the inputs
+   are queryable. Then, once the store is settled, the
    records it wrote to Kafka: every topic named ``<prefix>…`` except the raw inputs
    (outputs, route hops, changelogs — whatever the worker creates), per input event.
 4. **latency** — a fresh prefix and app id; the worker starts first and stores the mix's
@@ -148,6 +150,7 @@ class WorkerRun:
     events: int
     events_per_s: float | None
     correlated_s: float
+    after_route_s: float | None  # the first correlated batch ended this long after the first routed batch
     queryable_s: float | None
     settled: bool = False
     notes: list[str] = field(default_factory=list)
@@ -258,22 +261,25 @@ def broker_seconds(pid: int | None) -> float | None:
 
 def follow_worker(service: ServiceProcess, url: str, reader: RemoteReader, expected: int, timeout: float,
                   broker_pid: int | None = None) -> WorkerRun:
-    """Correlated events/s (the first routed batch → every input correlated: the route
-    stage's time counts, as the pass-through's first batch → last does), then the time
-    from that first batch until ≥ 99 % of the inputs are queryable."""
-    first: list[float] = []
+    """Correlated events/s (the end of the first batch that correlated events → every input
+    correlated, that batch's events left out: as the pass-through's first batch → last),
+    then the time from the first routed batch until ≥ 99 % of the inputs are queryable."""
+    first: list[float] = []  # the end of the first correlated batch
     n_first = [0]
+    routed_at: list[float] = []  # the end of the first routed batch
     cpu_first: list = []  # (CPU readings, correlated_in) at the first look that saw a routed batch
 
     def correlated():
         stats = health(url)
-        n = stats.get("routed", 0)
-        if n and not first:
+        if stats.get("routed", 0) and not cpu_first:
             cpu_first.append((cpu_seconds(service.proc.pid), stats.get("correlated_in", 0), broker_seconds(broker_pid)))
-            first.append(stats.get("first_route_batch_at", time.monotonic()))
-            # The events of the first routed batch only, as the pass-through leaves out its
-            # first batch's (the route stage may have routed several batches by this look).
-            n_first[0] = stats.get("first_route_batch", n)
+            routed_at.append(stats.get("first_route_batch_at", time.monotonic()))
+        if stats.get("correlated_in", 0) and not first:
+            # The route stage is a process of its own and may start routing before the
+            # correlation agent has its partitions: the clock starts when that agent has
+            # done its first batch, as the pass-through's starts at its agent's first.
+            first.append(stats.get("first_correlate_batch_at", time.monotonic()))
+            n_first[0] = stats.get("first_correlate_batch", stats["correlated_in"])
         return stats.get("correlated_in", 0) >= expected
 
     wait_until(f"the worker to correlate {expected} events (health stats correlated_in)", timeout, correlated, alive=service)
@@ -293,11 +299,12 @@ def follow_worker(service: ServiceProcess, url: str, reader: RemoteReader, expec
     try:
         wait_until(f"≥ 99% of {expected} rows to be queryable in {DB}.correlated_events", timeout,
                    lambda: stored_rows(reader) >= expected * 0.99, poll=0.2, alive=service)
-        queryable = time.monotonic() - first[0]
+        queryable = time.monotonic() - (routed_at or first)[0]
     except BenchError as exc:
         print(f"  ! {exc}", flush=True)
     gc = {"worker": health(url, "gc"), **{name: (health(url, name) or {}).get("gc") or {} for name in ("route", "sink")}}
-    run = WorkerRun(events=expected, events_per_s=rate, correlated_s=done - first[0], queryable_s=queryable, cpu_ms_per_event=cpu, gc=gc)
+    run = WorkerRun(events=expected, events_per_s=rate, correlated_s=done - first[0], queryable_s=queryable, cpu_ms_per_event=cpu, gc=gc,
+                    after_route_s=first[0] - routed_at[0] if routed_at else None)
     if rate is None:
         run.notes.append("every input arrived in the first routed batch: too few events to measure a rate")
     return run
@@ -474,8 +481,9 @@ class Bench:
                 after(service, url)
         finally:
             self.stop(service)
-        print(f"    {fmt_rate(run.events_per_s)} events/s correlated ({expected:,} in {run.correlated_s:.1f}s), "
-              f"≥99% queryable {fmt_s(run.queryable_s)} after the first batch", flush=True)
+        print(f"    {fmt_rate(run.events_per_s)} events/s correlated ({expected:,} in {run.correlated_s:.1f}s after the first correlated "
+              f"batch, which ended {fmt_s(run.after_route_s)} after the first routed one), "
+              f"≥99% queryable {fmt_s(run.queryable_s)} after the first routed batch", flush=True)
         if run.cpu_ms_per_event:
             print("    CPU per event: " + fmt_cpu(run.cpu_ms_per_event), flush=True)
         for proc, stats in (run.gc or {}).items():
@@ -738,7 +746,7 @@ def report(r: dict) -> str:
 
     rows = [("bare loop", rate("bare_loop"), "confluent-kafka → orjson → chDB, 10k-row inserts"),
             ("Faust pass-through", rate("passthrough"), "1 agent, take_events(1000, 0.2), librdkafka out"),
-            ("worker (correlated)", rate("worker"), f"≥99% queryable {fmt_s((r.get('worker') or {}).get('queryable_s'))} after the first batch"),
+            ("worker (correlated)", rate("worker"), f"≥99% queryable {fmt_s((r.get('worker') or {}).get('queryable_s'))} after the first routed batch"),
             ("replay", rate("replay"), "new app id + store, same raw topics")]
     lines = [f"{r['published']:,} input events, one run (prefix {r['config']['prefix']})", "",
              f"{'phase':<22}{'events/s':>10}   notes", "-" * 78]

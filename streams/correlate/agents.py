@@ -226,6 +226,10 @@ class Correlator:
         self.route.drain_into(out)
         self.controls.drain_into(out)
         self.ctx.fault("correlate", "during_outputs")
+        if n_in and not self.stats.get("first_correlate_batch"):
+            # make bench's rate counts from the end of the first batch that correlated events, as its
+            # pass-through's does (time.monotonic() is one clock for every process on the machine).
+            self.stats["first_correlate_batch"], self.stats["first_correlate_batch_at"] = n_in, time.monotonic()
         self.stats["correlated_in"] += n_in
         self.counters.add_received(n_in)
         if n_in:
