@@ -3,7 +3,9 @@
     .venv/bin/python benchmarks/bench.py [--events 50000] [--latency-seconds 60] [--json out.json]
 
 Publishes the event mix (benchmarks/mix.py) ONCE to fresh raw topics on a local broker
-(or ``--bootstrap``), then runs, one after the other over those topics:
+(or ``--bootstrap``), warms the broker up (phase 0, not measured: a worker over
+``--warmup-events`` of their own topics — a fresh JVM compiles its hot paths in its first
+minutes, and a broker in service is warm), then runs, one after the other over those topics:
 
 1. **bare loop** — a confluent-kafka consumer (own group) → ``orjson.loads`` → a
    clickhouse-connect insert of 10,000-row batches into a plain MergeTree table in its own
@@ -376,6 +378,35 @@ class Bench:
         self.results["published"] = n
         return n
 
+    def warm_up(self, n: int) -> None:
+        """Phase 0, not measured: a worker over ``n`` events of topics of their own. The local
+        broker is a fresh JVM that compiles its hot paths in its first minutes — its JIT
+        spent ~2 s of CPU inside phase 3 alone when phase 3 was the broker's first worker
+        (``jstat -compiler``), and phase 3 cost it twice the CPU per event that the replay,
+        the same work a minute later, did. A broker in service is warm; so is this one
+        before the measured phases."""
+        if n <= 0:
+            return
+        print(f"0/5 warm-up (not measured): a worker over {n:,} events of their own topics", flush=True)
+        cat = TopicCatalogue(prefix=f"benchwarm-{self.run_id}", raw_partitions=self.catalogue.raw_partitions)
+        ensure_topics({"bootstrap.servers": self.bootstrap}, cat)
+        pub = EventPublisher({"bootstrap.servers": self.bootstrap}, cat, "bench")
+        publish(pub, events(n))
+        pub.close()
+        data_dir = self.work / "warm"
+        broker = broker_seconds(self.broker_pid)
+        t = time.monotonic()
+        service = self.start(ServiceProcess(["worker"], worker_env(self.bootstrap, cat.prefix, f"{cat.prefix}-app", data_dir), data_dir / "worker.log"))
+        try:
+            url = wait_for_worker(service, owner_file(store_dsn(data_dir)), timeout=120)
+            wait_until(f"the warm-up worker to correlate {n} events", self.args.timeout,
+                       lambda: health(url).get("correlated_in", 0) >= n, alive=service)
+        finally:
+            self.stop(service)
+        used = broker_seconds(self.broker_pid)
+        print(f"    done in {time.monotonic() - t:.1f}s" + (f" (the broker used {used - broker:.1f} CPU s)" if broker is not None else ""),
+              flush=True)
+
     def bare_loop(self, expected: int) -> float:
         print("1/5 bare loop: confluent-kafka → orjson → chDB (10k-row inserts)", flush=True)
         client = connect(store_dsn(self.work / "bare"), "bench")
@@ -686,6 +717,7 @@ class Bench:
 
     def run(self) -> dict:
         n = self.publish_input()
+        self.warm_up(self.args.warmup_events)
         self.bare_loop(n)
         self.passthrough(n)
         print("3/5 worker: gpuledger worker over the same topics", flush=True)
@@ -791,6 +823,7 @@ def report(r: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--events", type=int, default=50_000, help="input events published once (default 50,000)")
+    ap.add_argument("--warmup-events", type=int, default=10_000, help="events of the unmeasured warm-up worker run (phase 0); 0 skips it (default 10,000)")
     ap.add_argument("--latency-seconds", type=float, default=60.0, help="duration of the live latency run; 0 skips it (default 60)")
     ap.add_argument("--latency-rate", type=float, default=None, help="events/s of the latency run (default: 80%% of phase 3's throughput)")
     ap.add_argument("--timeout", type=float, default=600.0, help="limit of every wait for processing, in seconds (default 600)")
