@@ -103,7 +103,8 @@ async def main(n, batch):
     a = time.process_time(); ctrl.emit_violations(); corr.store.write_changes(ctx.output); ctrl.store.write_changes(ctx.output); stage["commit"] += time.process_time() - a
     cpu = time.process_time() - t0
     prod = ctx.output.produced
-    print(f"events {n} batch {batch}: cpu {cpu:.2f}s = {1e3*cpu/n:.3f} ms/event; wall {time.perf_counter()-w0:.2f}s; gc {gc.get_threshold()}")
+    from gpuledger import gctune
+    print(f"events {n} batch {batch}: cpu {cpu:.2f}s = {1e3*cpu/n:.3f} ms/event; wall {time.perf_counter()-w0:.2f}s; gc {gc.get_threshold()} {gctune.stats()}")
     print("  stages ms/event:", {k: round(1e3*v/n, 3) for k, v in stage.items()})
     print("  records/input:", round(sum(prod.values())/n, 2), {t.split('.')[-2]: round(v/n, 2) for t, v in sorted(prod.items())})
     print("  bytes/input:", {t.split('.')[-2]: round(v/n) for t, v in sorted(ctx.output.bytes.items())})
