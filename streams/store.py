@@ -171,17 +171,26 @@ class _Layout:
     def __init__(self) -> None:
         self.member: dict[str, dict[str, str]] = {}    # field -> item id -> its chunk's tag ("rows3")
         self.chunks: dict[str, list[str]] = {}         # tag -> item ids, in state order
-        self.tokens: dict[str, tuple] = {}             # tag -> what its record was written from
+        self.tokens: dict[str, list] = {}              # tag -> what its record was written from
         self.head: bytes | None = None                 # digest of the head record written
         self.next = 0                                  # the next chunk's number
 
 
-def _token(chunks: Chunks, field: str, state: dict, ids: list[str]) -> tuple:
+def _token(chunks: Chunks, field: str, state: dict, ids: list[str]) -> list:
     """What a chunk's record depends on: each item object (compared by identity first, so
     this costs no encoding), its in-place fields and its companions' entries."""
     items, volatile = state[field], chunks.volatile.get(field, ())
     companions = [state.get(c) or {} for c in chunks.fields[field]]
-    return tuple((items[i], *(items[i].get(v) for v in volatile), *(c.get(i) for c in companions)) for i in ids)
+    # Every item of every chunk of a changed state is looked at on each write (a node/GPU
+    # entity's are many): the two shapes the stores use are spelled out, without a
+    # generator per item.
+    if len(volatile) == 2 and len(companions) == 1:  # an entity's rows: two in-place fields, one companion
+        a, b = volatile
+        companion = companions[0]
+        return [(item, item.get(a), item.get(b), companion.get(i)) for i in ids for item in (items[i],)]
+    if not volatile and not companions:  # an entity's links
+        return [items[i] for i in ids]
+    return [(items[i], *(items[i].get(v) for v in volatile), *(c.get(i) for c in companions)) for i in ids]
 
 
 def _chunk_value(chunks: Chunks, field: str, state: dict, ids: list[str]) -> bytes:

@@ -8,6 +8,7 @@ import asyncio
 import uuid
 
 import orjson
+import pytest
 
 from producers._kafka import ensure_specs
 from schemas.topics import TopicSpec
@@ -73,6 +74,8 @@ def test_unchanged_states_are_not_written_again_even_after_recovery(kafka_bootst
 # --- big states in chunks (Chunks) ------------------------------------------------------------
 
 CHUNKS = Chunks({"rows": ("sent",), "links": ()}, volatile={"rows": ("parked",)}, size=4)
+#: The entity store's shape (streams.correlate.agents.entity_chunks): two in-place fields per row.
+ENTITY_CHUNKS = Chunks({"rows": ("sent",), "links": ()}, volatile={"rows": ("parked", "expired")}, size=4)
 
 
 def _entity(n_rows: int, n_links: int) -> dict:
@@ -86,9 +89,10 @@ def _records(bootstrap: str, topic: str, n: int) -> list[tuple[str, object]]:
     return [(m.key().decode(), orjson.loads(m.value()) if m.value() is not None else None) for m in read_topic(bootstrap, topic, min_count=n)]
 
 
-def test_a_big_state_is_written_in_chunks_and_only_what_changed_is_written_again(kafka_bootstrap):
+@pytest.mark.parametrize("shape", [CHUNKS, ENTITY_CHUNKS], ids=["one-in-place-field", "entity-rows"])
+def test_a_big_state_is_written_in_chunks_and_only_what_changed_is_written_again(kafka_bootstrap, shape):
     topic, config, output = _setup(kafka_bootstrap)
-    store = PartitionStore("t", topic, config, chunks=CHUNKS)
+    store = PartitionStore("t", topic, config, chunks=shape)
     asyncio.run(store.ensure([0, 1]))
     small, big = _entity(3, 2), _entity(10, 5)
     small["key"] = "pod:ml/p1"
@@ -112,8 +116,11 @@ def test_a_big_state_is_written_in_chunks_and_only_what_changed_is_written_again
     big["links"]["pod:ml/p2"] = {"v": 7, "intervals": [{"start": "t2"}]}
     assert _write(store, output, {(0, "gpu:n1/GPU-1"): big}) == 4
     assert _write(store, output, {(0, "gpu:n1/GPU-1"): big}) == 0  # put again unchanged
+    if shape is ENTITY_CHUNKS:  # the second in-place field, changed alone, rewrites its chunk alone
+        big["rows"]["e5"]["expired"] = True
+        assert _write(store, output, {(0, "gpu:n1/GPU-1"): big}) == 1
 
-    recovered = PartitionStore("t", topic, config, chunks=CHUNKS)
+    recovered = PartitionStore("t", topic, config, chunks=shape)
     asyncio.run(recovered.ensure([0, 1]))
     state = recovered.get(0, "gpu:n1/GPU-1")
     assert state == big and list(state["rows"]) == list(big["rows"]) and list(state["links"]) == list(big["links"])
@@ -132,7 +139,7 @@ def test_a_big_state_is_written_in_chunks_and_only_what_changed_is_written_again
     assert [(k.replace(SEP, "#"), v is None) for k, v in tail] == [
         ("gpu:n1/GPU-1#rows0", True), ("gpu:n1/GPU-1#rows1", False),
         ("gpu:n1/GPU-1#rows1", True), ("gpu:n1/GPU-1#links2", True), ("gpu:n1/GPU-1", True)]
-    again = PartitionStore("t", topic, config, chunks=CHUNKS)
+    again = PartitionStore("t", topic, config, chunks=shape)
     asyncio.run(again.ensure([0, 1]))
     assert again.parts == {0: {}, 1: {"pod:ml/p1": small}}
 
