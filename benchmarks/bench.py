@@ -158,6 +158,7 @@ class WorkerRun:
     notes: list[str] = field(default_factory=list)
     cpu_ms_per_event: dict | None = None  # {"worker": ms, "route": ms, "sink": ms, "broker": ms} over the rate's window
     gc: dict | None = None  # the worker's, its route stage's and its sink's garbage collections so far (gpuledger.gctune.stats)
+    stolen_cores: float | None = None  # of the machine's CPU, what the hypervisor took for others meanwhile (machine_busy)
 
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -186,12 +187,15 @@ def cpu_seconds(pid: int) -> dict[int, float]:
     return out
 
 
-def machine_busy() -> tuple[float, float]:
-    """(busy CPU seconds of the whole machine, elapsed CPU seconds) now, from /proc/stat's
-    first line: two readings tell how many of the machine's cores were busy in between."""
+def machine_busy() -> tuple[float, float, float]:
+    """(busy CPU seconds of the whole machine, elapsed CPU seconds, of the busy ones stolen by
+    the hypervisor) now, from /proc/stat's first line: two readings tell how many of the
+    machine's cores were busy in between — and how much of that was not this machine's work
+    at all (``steal``: a virtual machine's neighbours; a run with much of it is a noisy one)."""
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / _CLK_TCK, sum(fields[:8]) / _CLK_TCK
+    steal = fields[7] if len(fields) > 7 else 0
+    return (sum(fields[:8]) - idle) / _CLK_TCK, sum(fields[:8]) / _CLK_TCK, steal / _CLK_TCK
 
 
 def cpu_split(before: dict[int, float], after: dict[int, float], root: int) -> tuple[float, float]:
@@ -274,7 +278,8 @@ def follow_worker(service: ServiceProcess, url: str, reader: RemoteReader, expec
     def correlated():
         stats = health(url)
         if stats.get("routed", 0) and not cpu_first:
-            cpu_first.append((cpu_seconds(service.proc.pid), stats.get("correlated_in", 0), broker_seconds(broker_pid)))
+            cpu_first.append((cpu_seconds(service.proc.pid), stats.get("correlated_in", 0), broker_seconds(broker_pid),
+                              machine_busy()[2], time.monotonic()))
             routed_at.append(stats.get("first_route_batch_at", time.monotonic()))
         if stats.get("correlated_in", 0) and not first:
             # The route stage is a process of its own and may start routing before the
@@ -286,8 +291,9 @@ def follow_worker(service: ServiceProcess, url: str, reader: RemoteReader, expec
 
     wait_until(f"the worker to correlate {expected} events (health stats correlated_in)", timeout, correlated, alive=service)
     done = time.monotonic()
-    cpu_done, broker_done = cpu_seconds(service.proc.pid), broker_seconds(broker_pid)
+    cpu_done, broker_done, stolen_done = cpu_seconds(service.proc.pid), broker_seconds(broker_pid), machine_busy()[2]
     children = worker_children(url)
+    stolen = (stolen_done - cpu_first[0][3]) / (done - cpu_first[0][4]) if cpu_first and done > cpu_first[0][4] else None
     rate = (expected - n_first[0]) / (done - first[0]) if done > first[0] and expected > n_first[0] else None
     cpu = None
     if cpu_first and expected > cpu_first[0][1]:
@@ -306,7 +312,7 @@ def follow_worker(service: ServiceProcess, url: str, reader: RemoteReader, expec
         print(f"  ! {exc}", flush=True)
     gc = {"worker": health(url, "gc"), **{name: (health(url, name) or {}).get("gc") or {} for name in ("route", "sink")}}
     run = WorkerRun(events=expected, events_per_s=rate, correlated_s=done - first[0], queryable_s=queryable, cpu_ms_per_event=cpu, gc=gc,
-                    after_route_s=first[0] - routed_at[0] if routed_at else None)
+                    after_route_s=first[0] - routed_at[0] if routed_at else None, stolen_cores=stolen)
     if rate is None:
         run.notes.append("every input arrived in the first routed batch: too few events to measure a rate")
     return run
@@ -471,15 +477,17 @@ class Bench:
             except (OSError, ValueError):
                 return None
             if not cpu_first and s["batches"]:
-                cpu_first.append((cpu_seconds(child.proc.pid), s["events"], broker_seconds(self.broker_pid)))
+                cpu_first.append((cpu_seconds(child.proc.pid), s["events"], broker_seconds(self.broker_pid), machine_busy()[2], time.monotonic()))
             return s if s["events"] >= expected else None
 
         try:
             s = wait_until(f"the Faust pass-through to process {expected} events", self.args.timeout, state, poll=0.2, alive=child)
-            cpu_done, broker_done = cpu_seconds(child.proc.pid), broker_seconds(self.broker_pid)
+            cpu_done, broker_done, stolen_done, done_at = cpu_seconds(child.proc.pid), broker_seconds(self.broker_pid), machine_busy()[2], time.monotonic()
         finally:
             self.stop(child)
-        cpu_ms = broker_ms = None
+        cpu_ms = broker_ms = stolen = None
+        if cpu_first and done_at > cpu_first[0][4]:
+            stolen = (stolen_done - cpu_first[0][3]) / (done_at - cpu_first[0][4])
         if cpu_first and s["events"] > cpu_first[0][1]:
             cpu_ms = sum(cpu_split(cpu_first[0][0], cpu_done, child.proc.pid)) * 1000 / (s["events"] - cpu_first[0][1])
             if broker_done is not None:
@@ -491,9 +499,10 @@ class Bench:
         rate = (s["events"] - s["first_batch_events"]) / span if span > 0 else None
         print(f"    {fmt_rate(rate)} events/s ({s['events']:,} in {s['batches']} batches, {span:.1f}s after the first)", flush=True)
         self.results["passthrough"] = {"events_per_s": rate, "seconds": span, "batches": s["batches"], "cpu_ms_per_event": cpu_ms,
-                                       "broker_cpu_ms_per_event": broker_ms}
+                                       "broker_cpu_ms_per_event": broker_ms, "stolen_cores": stolen}
         if cpu_ms is not None:
-            print(f"    CPU {cpu_ms:.3f} ms per event" + (f", the broker {broker_ms:.3f} ms" if broker_ms is not None else ""), flush=True)
+            print(f"    CPU {cpu_ms:.3f} ms per event" + (f", the broker {broker_ms:.3f} ms" if broker_ms is not None else "")
+                  + (f"; the hypervisor stole {stolen:.2f} of a core meanwhile" if stolen is not None else ""), flush=True)
         return rate
 
     def worker(self, name: str, app_id: str, data_dir: Path, expected: int, extra_env: dict | None = None,
@@ -516,7 +525,8 @@ class Bench:
               f"batch, which ended {fmt_s(run.after_route_s)} after the first routed one), "
               f"≥99% queryable {fmt_s(run.queryable_s)} after the first routed batch", flush=True)
         if run.cpu_ms_per_event:
-            print("    CPU per event: " + fmt_cpu(run.cpu_ms_per_event), flush=True)
+            print("    CPU per event: " + fmt_cpu(run.cpu_ms_per_event)
+                  + (f"; the hypervisor stole {run.stolen_cores:.2f} of a core meanwhile" if run.stolen_cores is not None else ""), flush=True)
         for proc, stats in (run.gc or {}).items():
             if stats.get("collections"):
                 print(f"    {proc}'s garbage collections since it started: {stats['seconds']:.2f}s in {stats['collections']} (young, middle, full)",
@@ -568,6 +578,7 @@ class Bench:
             # How saturated the machine was: a live run whose processes need more than its cores queues everywhere.
             busy_now = machine_busy()
             machine_cores = (busy_now[0] - busy[0]) / wall
+            stolen_cores = (busy_now[2] - busy[2]) / wall
             cores = os.cpu_count() or 1
             broker_cores = (sum(cpu_seconds(self.broker_pid).values()) - broker_cpu) / wall if self.broker_pid else None
             # CPU per event while live (small batches): what the latency depends on, beside phase 3's bulk figure.
@@ -599,12 +610,13 @@ class Bench:
         out = {"target_rate": rate, "achieved_rate": achieved, "seconds": seconds, "published": sent, "rows": int(row["n"]),
                "complete": complete, "p50_s": row["p50"] / 1000, "p99_s": row["p99"] / 1000, "max_s": row["max"] / 1000,
                "publisher_cpu_cores": publisher_cpu, "broker_cpu_cores": broker_cores, "machine_busy_cores": machine_cores,
-               "machine_cores": cores, "cpu_ms_per_event": live_cpu, "worker": worker}
+               "machine_stolen_cores": stolen_cores, "machine_cores": cores, "cpu_ms_per_event": live_cpu, "worker": worker}
         print(f"    p50 {out['p50_s']:.2f}s, p99 {out['p99_s']:.2f}s, max {out['max_s']:.2f}s over {out['rows']:,} rows "
               f"({achieved:,.0f} events/s achieved; the publisher used {publisher_cpu:.2f} of a core)", flush=True)
         print("    CPU per event while live: " + fmt_cpu(live_cpu), flush=True)
         broker_part = f" (the broker {broker_cores:.2f})" if broker_cores is not None else ""
-        print(f"    the machine was busy {machine_cores:.2f} of its {cores} cores while publishing{broker_part}", flush=True)
+        print(f"    the machine was busy {machine_cores:.2f} of its {cores} cores while publishing{broker_part}; "
+              f"{stolen_cores:.2f} of a core of that stolen by the hypervisor", flush=True)
         if worker:
             hops = "".join(f"; {name} p50 {worker[name]['p50_s']:.2f}s p99 {worker[name]['p99_s']:.2f}s"
                            for name in ("route", "correlate") if worker.get(name))
