@@ -43,7 +43,6 @@ it after a restart.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections import Counter, defaultdict
@@ -59,8 +58,14 @@ from streams.packing import kind_of, partition_for
 log = logging.getLogger(__name__)
 
 
-def _digest(value: bytes) -> bytes:
-    return hashlib.blake2b(value, digest_size=16).digest()
+def _digest(value: bytes) -> tuple[int, int]:
+    """What a changelog record holds, to tell a state put again unchanged — kept in memory
+    only, never written, so the interpreter's own hash serves: keyed per process (SipHash,
+    64 bits) and 4-5x cheaper than a blake2b digest, which a restart computed for every
+    record it read (a tenth of its time) and every epoch commit for every changed state.
+    A changed state whose encoding hashes like its last record (and length) would not be
+    written: 2^-64 per write."""
+    return len(value), hash(value)
 
 
 #: A changelog partition's offsets cannot be had *yet* (librdkafka does not flag all of these retriable).
@@ -172,7 +177,7 @@ class _Layout:
         self.member: dict[str, dict[str, str]] = {}    # field -> item id -> its chunk's tag ("rows3")
         self.chunks: dict[str, list[str]] = {}         # tag -> item ids, in state order
         self.tokens: dict[str, list] = {}              # tag -> what its record was written from
-        self.head: bytes | None = None                 # digest of the head record written
+        self.head: tuple | None = None                 # digest of the head record written
         self.next = 0                                  # the next chunk's number
 
 
@@ -315,9 +320,9 @@ class PartitionStore:
         self._on_load = on_load
         self.parts: dict[int, dict[str, dict]] = {}
         self._dirty: dict[int, set[str]] = defaultdict(set)
-        # What the changelog holds for each key (a 128-bit digest of the record's bytes): a
-        # key put again with the same state (re-evaluated, nothing changed) is not written again.
-        self._written: dict[int, dict[str, bytes]] = defaultdict(dict)
+        # What the changelog holds for each key (``_digest`` of the record's bytes): a key put
+        # again with the same state (re-evaluated, nothing changed) is not written again.
+        self._written: dict[int, dict[str, tuple]] = defaultdict(dict)
         self._layouts: dict[int, dict[str, _Layout]] = defaultdict(dict)  # with ``chunks``: instead of ``_written``
         self.unchanged_skipped = 0
         self.loaded_records = 0
