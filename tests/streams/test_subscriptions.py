@@ -23,3 +23,45 @@ def test_an_agent_topic_left_out_of_the_assignment_is_named():
 
 def test_no_partition_at_all_is_not_ok():
     assert check_assignment(set(), EXPECTED)["problems"][0] == "no partition of p.scheduler.v1 is assigned to this worker"
+
+
+def _worker_with_a_route_process(tmp_path):
+    from gpuledger.settings import KafkaSettings, Settings
+    from streams.app import WorkerContext
+    from streams.correlate.route import route_process
+
+    settings = Settings(data_dir=tmp_path, kafka=KafkaSettings(bootstrap="127.0.0.1:9", topic_prefix="p"))
+    ctx = WorkerContext(settings)
+    ctx.route = route_process(settings)  # not started: its health page is what each case passes
+    ctx.subscriptions = {"ok": True, "problems": [], "partitions": [0, 1, 2, 3]}
+    return ctx
+
+
+def test_the_route_process_not_answering_or_without_raw_partitions_degrades_the_worker(tmp_path):
+    """The route stage is a child process (streams.correlate.route): the worker's health is
+    ``ok`` only when its page answers and shows every raw topic's partitions held."""
+    ctx = _worker_with_a_route_process(tmp_path)
+    raw = ctx.catalogue.raw_topics
+    silent = ctx.health({"route": None})
+    assert silent["status"] == "degraded" and silent["route"]["answering"] is False
+    assert silent["subscriptions"]["problems"] == ["route stage: not answering"]
+    assert ctx.assignment_health({"raw_assigned": None})["problems"] == ["route stage: raw topics not assigned yet"]
+    partial = ctx.assignment_health({"raw_assigned": [[t, p] for t in raw[1:] for p in range(4)]})
+    assert not partial["ok"] and partial["problems"][0] == f"route stage: no partition of {raw[0]} is assigned to this worker"
+    held = ctx.assignment_health({"raw_assigned": [[t, p] for t in raw for p in range(4)]})
+    assert held == {"ok": True, "problems": [], "partitions": [0, 1, 2, 3], "raw_partitions": [0, 1, 2, 3]}
+
+
+def test_a_childs_stats_merge_into_the_workers_summing_what_both_count(tmp_path):
+    """Dead letters are counted by the route stage and the correlation stage alike: the page
+    shows their sum, and the records produced per topic summed too."""
+    ctx = _worker_with_a_route_process(tmp_path)
+    ctx.stats.update({"dead_letters": 2, "correlated_in": 10})
+    page = {"raw_assigned": [[t, p] for t in ctx.catalogue.raw_topics for p in range(4)], "gc": {"thresholds": [1, 2, 3]},
+            "stats": {"dead_letters": 1, "routed": 7, "first_route_batch_at": 12.5, "route_outputs_produced": {"p.app.route.v1": 3}},
+            "counters": {"streams.route": {"received": 8}}, "epochs": {"route_events": {"pending": 0, "commits": 2}}}
+    health = ctx.health({"route": page})
+    stats = health["stats"]
+    assert (stats["dead_letters"], stats["correlated_in"], stats["routed"], stats["first_route_batch_at"]) == (3, 10, 7, 12.5)
+    assert health["counters"]["streams.route"] == {"received": 8} and health["epochs"]["route_events"]["commits"] == 2
+    assert health["route"]["answering"] and health["route"]["gc"] == {"thresholds": [1, 2, 3]} and health["route"]["restarts"] == 0
