@@ -198,21 +198,9 @@ def machine_busy() -> tuple[float, float, float]:
     return (sum(fields[:8]) - idle) / _CLK_TCK, sum(fields[:8]) / _CLK_TCK, steal / _CLK_TCK
 
 
-def cpu_split(before: dict[int, float], after: dict[int, float], root: int) -> tuple[float, float]:
-    """(root's CPU seconds, its descendants') between two ``cpu_seconds`` readings."""
-    own = after.get(root, 0.0) - before.get(root, 0.0)
-    rest = sum(t - before.get(p, 0.0) for p, t in after.items() if p != root)
-    return own, rest
-
-
 def worker_children(url: str) -> dict[str, int]:
     """The worker's child processes, name -> pid, from its health page (route, sink)."""
-    try:
-        with urllib.request.urlopen(f"{url}/gpuledger/health/", timeout=5) as resp:
-            page = json.loads(resp.read())
-    except (OSError, ValueError):
-        return {}
-    return {name: page[name]["pid"] for name in ("route", "sink") if isinstance(page.get(name), dict) and page[name].get("pid")}
+    return {name: page["pid"] for name in ("route", "sink") if (page := health(url, name)).get("pid")}
 
 
 def cpu_by_process(before: dict[int, float], after: dict[int, float], root: int, children: dict[str, int]) -> dict[str, float]:
@@ -489,7 +477,8 @@ class Bench:
         if cpu_first and done_at > cpu_first[0][4]:
             stolen = (stolen_done - cpu_first[0][3]) / (done_at - cpu_first[0][4])
         if cpu_first and s["events"] > cpu_first[0][1]:
-            cpu_ms = sum(cpu_split(cpu_first[0][0], cpu_done, child.proc.pid)) * 1000 / (s["events"] - cpu_first[0][1])
+            # the pass-through's process tree, all of it
+            cpu_ms = sum(cpu_by_process(cpu_first[0][0], cpu_done, child.proc.pid, {}).values()) * 1000 / (s["events"] - cpu_first[0][1])
             if broker_done is not None:
                 broker_ms = (broker_done - cpu_first[0][2]) * 1000 / (s["events"] - cpu_first[0][1])
         written = end_offsets(self.bootstrap, [output]).get(output, 0)

@@ -4,10 +4,11 @@ what a child does to follow its parent.
 ``gpuledger worker`` runs three processes: the Faust worker (the stateful stages), the
 route stage (``streams.correlate.route``) and the sink (``sinks.service``). Each child
 serves a health page on a loopback port that the worker's ``/gpuledger/health/`` merges
-(``fetch_health``), is restarted when it ends (``ChildProcess.restart_if_dead``: not
+(``HealthClient``), is restarted when it ends (``ChildProcess.restart_if_dead``: not
 more often than every few seconds, so a child that cannot start does not spin), stops on
-SIGTERM between batches, and stops by itself when the worker is gone (``watch_parent``:
-a kill -9 of the worker ends its children too, each after the batch in hand).
+SIGTERM between batches, and stops by itself when the worker is gone (a kill -9 of the
+worker ends its children too, each after the batch in hand). In the child:
+``child_main`` (logging, garbage collector, its loop) and ``stop_requested``.
 
 Why processes and not threads: every stage is Python, and one interpreter runs one
 stage's Python at a time (the GIL) — a stage in its own process has its own core.
@@ -24,7 +25,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 
 log = logging.getLogger(__name__)
 
@@ -101,18 +102,34 @@ class ChildProcess:
             self.process.join(2.0)
 
 
-def watch_parent(loop: asyncio.AbstractEventLoop, stop: asyncio.Event, what: str) -> None:
-    """In a child: set ``stop`` when the parent process is gone (its sentinel becomes ready)."""
+def stop_requested(what: str) -> asyncio.Event:
+    """In a child's running loop: an event set on SIGTERM/SIGINT, or when the parent process
+    is gone (its sentinel becomes ready: a kill -9 of the worker)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     parent = multiprocessing.parent_process()
-    if parent is None:
-        return
+    if parent is not None:
+        def wait() -> None:
+            multiprocessing.connection.wait([parent.sentinel])
+            log.warning("the worker that started this %s is gone; stopping", what)
+            loop.call_soon_threadsafe(stop.set)
 
-    def wait() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
-        log.warning("the worker that started this %s is gone; stopping", what)
-        loop.call_soon_threadsafe(stop.set)
+        threading.Thread(target=wait, name="parent-watch", daemon=True).start()
+    return stop
 
-    threading.Thread(target=wait, name="parent-watch", daemon=True).start()
+
+def child_main(tag: str, loglevel: str, main: Coroutine) -> None:
+    """A child process's entry: its log lines tagged ``[tag]``, calm logging, the tuned
+    garbage collector, then ``main`` until it returns."""
+    from gpuledger import gctune
+    from gpuledger.telemetry import calm_logging
+
+    logging.basicConfig(level=loglevel.upper(), format=f"[%(asctime)s] [%(process)d] [%(levelname)s] [{tag}] %(name)s: %(message)s")
+    calm_logging()
+    gctune.tune()
+    asyncio.run(main)
 
 
 class HealthClient:

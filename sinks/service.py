@@ -34,11 +34,10 @@ import asyncio
 import hmac
 import logging
 import secrets
-import signal
 from collections import Counter
 
 from gpuledger import gctune
-from gpuledger.child import watch_parent
+from gpuledger.child import child_main, stop_requested
 
 log = logging.getLogger(__name__)
 
@@ -190,11 +189,7 @@ async def serve(settings, port: int, worker_url: str) -> None:
     url = f"http://127.0.0.1:{port}"
     if is_embedded(dsn):
         write_owner(dsn, url, token, health=worker_url)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    watch_parent(loop, stop, "sink")
+    stop = stop_requested("sink")
     task = asyncio.create_task(sink.run(), name="sink-loop")
     stopping = asyncio.create_task(stop.wait())
     try:
@@ -216,12 +211,7 @@ async def serve(settings, port: int, worker_url: str) -> None:
 
 def sink_main(settings, port: int, worker_url: str, loglevel: str = "info") -> None:
     """Entry point of the sink process (``multiprocessing``, spawn)."""
-    from gpuledger.telemetry import calm_logging
-
-    logging.basicConfig(level=loglevel.upper(), format="[%(asctime)s] [%(process)d] [%(levelname)s] [sink] %(name)s: %(message)s")
-    calm_logging()
-    gctune.tune()
-    asyncio.run(serve(settings, port, worker_url))
+    child_main("sink", loglevel, serve(settings, port, worker_url))
 
 
 def sink_process(settings, worker_url: str, loglevel: str = "info"):

@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 from operator import itemgetter
 
 from gpuledger import gctune
-from gpuledger.child import ChildProcess, watch_parent
+from gpuledger.child import ChildProcess, child_main, stop_requested
 from gpuledger.telemetry import ComponentCounters
 from schemas import EventDecodeError, decode_event, encode_event
 from schemas.outputs import dead_letter
@@ -123,13 +122,11 @@ class RouteStage:
         from streams.correlate.intake import RawIntake
         from streams.output import BatchOutput
 
-        run = settings.kafka.catalogue().run(settings.streams.app_id)
-        config = client_config(settings)
-        self.output = BatchOutput(config, f"gpuledger-{settings.streams.app_id}-route", run.deadletter)
-        self.router = Router(settings, self.output, FaultInjection(settings.streams.fault))
-        r = self.router
+        catalogue, config = settings.kafka.catalogue(), client_config(settings)
+        self.output = BatchOutput(config, f"gpuledger-{settings.streams.app_id}-route", catalogue.run(settings.streams.app_id).deadletter)
+        self.router = r = Router(settings, self.output, FaultInjection(settings.streams.fault))
         self.interval = settings.streams.commit_interval_s
-        self.intake = RawIntake(settings, config, settings.kafka.catalogue().raw_topics,
+        self.intake = RawIntake(settings, config, catalogue.raw_topics,
                                 ("route_events", r.route_batch, r.reset, r.dead, r.commit, self.interval))
 
     def health(self) -> dict:
@@ -166,11 +163,7 @@ async def serve(settings, port: int) -> None:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    watch_parent(loop, stop, "route stage")
+    stop = stop_requested("route stage")
     task = asyncio.create_task(stage.intake.run(), name="route-intake")
     idle = asyncio.create_task(stage.commit_idle(), name="route-commit-idle")
     stopping = asyncio.create_task(stop.wait())
@@ -193,12 +186,7 @@ async def serve(settings, port: int) -> None:
 
 def route_main(settings, port: int, loglevel: str = "info") -> None:
     """Entry point of the route process (``multiprocessing``, spawn)."""
-    from gpuledger.telemetry import calm_logging
-
-    logging.basicConfig(level=loglevel.upper(), format="[%(asctime)s] [%(process)d] [%(levelname)s] [route] %(name)s: %(message)s")
-    calm_logging()
-    gctune.tune()
-    asyncio.run(serve(settings, port))
+    child_main("route", loglevel, serve(settings, port))
 
 
 def route_process(settings, loglevel: str = "info") -> ChildProcess:
