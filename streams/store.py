@@ -47,6 +47,7 @@ import logging
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
+from operator import methodcaller
 
 import orjson
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
@@ -181,21 +182,20 @@ class _Layout:
         self.next = 0                                  # the next chunk's number
 
 
-def _token(chunks: Chunks, field: str, state: dict, ids: list[str]) -> list:
-    """What a chunk's record depends on: each item object (compared by identity first, so
-    this costs no encoding), its in-place fields and its companions' entries."""
-    items, volatile = state[field], chunks.volatile.get(field, ())
-    companions = [state.get(c) or {} for c in chunks.fields[field]]
-    # Every item of every chunk of a changed state is looked at on each write (a node/GPU
-    # entity's are many): the two shapes the stores use are spelled out, without a
-    # generator per item.
-    if len(volatile) == 2 and len(companions) == 1:  # an entity's rows: two in-place fields, one companion
-        a, b = volatile
-        companion = companions[0]
-        return [(item, item.get(a), item.get(b), companion.get(i)) for i in ids for item in (items[i],)]
-    if not volatile and not companions:  # an entity's links
-        return [items[i] for i in ids]
-    return [(items[i], *(items[i].get(v) for v in volatile), *(c.get(i) for c in companions)) for i in ids]
+def _token(chunks: Chunks, field: str, state: dict, ids: list[str]) -> list[tuple]:
+    """What a chunk's record depends on: its item objects (compared by identity first, so
+    this costs no encoding), each in-place field of them and its companions' entries — one
+    tuple each, gathered by ``map`` over the ids. Every sealed chunk of a changed state is
+    looked at on each write, and a node/GPU entity's are many: built item by item (a tuple
+    per item) this was the store's fastest-growing cost as history piled up."""
+    items = state[field]
+    objs = tuple(map(items.__getitem__, ids))
+    token = [objs]
+    for name in chunks.volatile.get(field, ()):
+        token.append(tuple(map(methodcaller("get", name), objs)))
+    for companion in chunks.fields[field]:
+        token.append(tuple(map((state.get(companion) or {}).get, ids)))
+    return token
 
 
 def _chunk_value(chunks: Chunks, field: str, state: dict, ids: list[str]) -> bytes:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 
@@ -59,6 +60,7 @@ class ReleaseDirectory:
         self.ever: dict[str, set[str]] = defaultdict(set)
         self.ready = asyncio.Event()
         self._counts: tuple[int, dict[str, int]] | None = None  # (len(seen), counts) (``counts``)
+        self._times: dict[str, list[str] | None] = {}  # release -> its history's event times (``_history_times``)
 
     # --- folding events ---------------------------------------------------------
     def apply(self, event) -> list[str]:
@@ -70,6 +72,7 @@ class ReleaseDirectory:
         state = self.releases.setdefault(rid, new_state(rid))
         before = self.interest_keys(rid)
         apply_release_event(state, event)
+        self._times.pop(rid, None)
         after = self.interest_keys(rid)
         manifest = self.manifest(rid)
         for key in before - after:
@@ -125,8 +128,21 @@ class ReleaseDirectory:
             return 0
         n = 1 + state["manifest_version"]
         if at_iso is not None:
-            n += state["dropped"] + sum(1 for entry in state["history"] if entry[0].split("|", 1)[0] <= at_iso)
+            times = self._history_times(rid, state)
+            n += state["dropped"] + (bisect_right(times, at_iso) if times is not None
+                                     else sum(1 for entry in state["history"] if entry[0].split("|", 1)[0] <= at_iso))
         return n
+
+    def _history_times(self, rid: str, state: dict) -> list[str] | None:
+        """The event times of the release's history, in its order — kept per release until its
+        next event, so ``version_at`` (asked for every release a node/GPU's holders ever ran,
+        per row derived) counts by bisection rather than walking the history. None when the
+        times are not in order (they are whenever every time carries its UTC offset, as the
+        schemas make them): then the walk."""
+        if rid not in self._times:
+            times = [entry[0].split("|", 1)[0] for entry in state["history"]]
+            self._times[rid] = times if all(a <= b for a, b in zip(times, times[1:])) else None
+        return self._times[rid]
 
     def candidates(self, interest: str) -> set[str]:
         """Every release that ever answered ``interest`` (``digest:…``, ``model:…``)."""
@@ -141,7 +157,13 @@ class ReleaseDirectory:
 
     def state_as_of(self, rid: str, at_iso: str) -> str | None:
         state = self.releases.get(rid)
-        return state_as_of(state, at_iso) if state else None
+        if not state:
+            return None
+        times = self._history_times(rid, state)
+        if times is None:
+            return state_as_of(state, at_iso)
+        k = bisect_right(times, at_iso)
+        return state["history"][k - 1][1] if k else None
 
     def latest_event(self, rid: str) -> str | None:
         state = self.releases.get(rid)

@@ -61,6 +61,8 @@ import hashlib
 from bisect import bisect_left, bisect_right, insort
 from collections import defaultdict
 from dataclasses import dataclass, field
+from itertools import accumulate, islice
+from operator import itemgetter
 
 import orjson
 
@@ -489,48 +491,123 @@ def _one_holding(group: list[dict]) -> dict:
 
 class Coverage:
     """Who held a node/GPU when: its links' intervals (every allocation of it, of each of
-    its MIG slices and time-slicing shares) indexed by start, built once per refresh.
+    its MIG slices and time-slicing shares) indexed by start.
 
     ``at(t)`` gives the allocations that held it at ``t``, the versions of every link that
     could have held it then (a link with an interval started by ``t``) and those
     intervals' releases. Why an index: asked per row of the entity, walking every link
     each time cost rows × links — a node/GPU keeps every alert and every holder it had
-    (measured: a restart's first batch, memos empty, spent 2 of its 3.4 s there)."""
+    (measured: a restart's first batch, memos empty, spent 2 of its 3.4 s there).
 
-    __slots__ = ("_starts", "_ivs", "_link_starts", "_link_versions", "_rid_starts", "_rids")
+    Kept up to date link by link (``set``, by the entity's ``GpuMemo``): a holder that
+    starts or ends changes one link, and rebuilding the index from every link at each
+    change was the fastest-growing cost of a long-running worker (engine_cpu, 200,000
+    events: a fifth of the correlation stage's growth). Intervals are ordered by (start,
+    allocation id, source), so an index built at once (a restart) and one kept up to date
+    hold them in the same order."""
 
-    def __init__(self, links: dict) -> None:
-        ivs: list[tuple[str, str | None, dict]] = []
-        firsts: list[tuple[str, int]] = []
-        rid_first: dict[str, str] = {}
-        for link in links.values():
+    __slots__ = ("_links", "_keys", "_starts", "_ends", "_ivs", "_firsts", "_first_starts", "_vs", "_cum", "_rid_starts", "_rid_index")
+
+    def __init__(self, links: dict | None = None) -> None:
+        self._links: dict[str, dict] = {}                 # source -> the link indexed
+        self._keys: list[tuple[str, str, str]] = []       # (start, allocation id, source) of every interval, sorted
+        self._starts: list[str] = []                      # in the order of _keys: each interval's start, end, itself
+        self._ends: list[str | None] = []
+        self._ivs: list[dict] = []
+        self._firsts: list[tuple[str, str]] = []          # (earliest start, source) of every link with intervals, sorted
+        self._first_starts: list[str] = []                # in the order of _firsts: the start, the link's version
+        self._vs: list[int] = []
+        self._cum: list[int] | None = None                # running sums of _vs (None: to compute)
+        self._rid_starts: dict[str, list[str]] = {}       # release -> the starts of the intervals naming it, sorted
+        self._rid_index: tuple[list[str], list[str]] | None = None  # (earliest starts, releases) sorted (None: to compute)
+        if links:
+            self._build(links)
+
+    def _build(self, links: dict) -> None:
+        """The index of ``links`` at once (as ``set`` of each would give it, sorting once)."""
+        entries: list[tuple[tuple[str, str, str], dict]] = []
+        firsts: list[tuple[tuple[str, str], int]] = []
+        for source, link in links.items():
+            self._links[source] = link
             intervals = link.get("intervals") or ()
             if not intervals:
                 continue
-            firsts.append((min(iv["start"] for iv in intervals), link.get("v", 0)))
+            firsts.append(((min(iv["start"] for iv in intervals), source), link.get("v", 0)))
             for iv in intervals:
-                ivs.append((iv["start"], iv["end"], iv))
+                entries.append(((iv["start"], iv.get("id") or "", source), iv))
                 rid = iv["identity"].get("release_id")
-                if rid and (rid not in rid_first or iv["start"] < rid_first[rid]):
-                    rid_first[rid] = iv["start"]
-        ivs.sort(key=lambda e: e[0])
-        self._starts = [e[0] for e in ivs]
-        self._ivs = ivs
-        firsts.sort(key=lambda e: e[0])
-        self._link_starts = [first for first, _v in firsts]
-        self._link_versions = [0]
-        for _first, v in firsts:
-            self._link_versions.append(self._link_versions[-1] + v)
-        by_start = sorted((start, rid) for rid, start in rid_first.items())
-        self._rid_starts = [start for start, _rid in by_start]
-        self._rids = [rid for _start, rid in by_start]
+                if rid:
+                    self._rid_starts.setdefault(rid, []).append(iv["start"])
+        entries.sort(key=itemgetter(0))  # stable: equal keys in link order, as inserting one by one leaves them
+        firsts.sort(key=itemgetter(0))
+        self._keys = [key for key, _iv in entries]
+        self._starts = [key[0] for key in self._keys]
+        self._ivs = [iv for _key, iv in entries]
+        self._ends = [iv["end"] for iv in self._ivs]
+        self._firsts = [first for first, _v in firsts]
+        self._first_starts = [first[0] for first in self._firsts]
+        self._vs = [v for _first, v in firsts]
+        for starts in self._rid_starts.values():
+            starts.sort()
+
+    def set(self, source: str, link: dict | None) -> None:
+        """``source``'s link is now ``link`` (None: gone)."""
+        old = self._links.pop(source, None)
+        if old is not None:
+            self._index(source, old, remove=True)
+        if link is not None:
+            self._links[source] = link
+            self._index(source, link, remove=False)
+
+    def _index(self, source: str, link: dict, remove: bool) -> None:
+        intervals = link.get("intervals") or ()
+        if not intervals:
+            return
+        for iv in intervals:
+            key = (iv["start"], iv.get("id") or "", source)
+            if remove:
+                k = bisect_left(self._keys, key)
+                while self._ivs[k] is not iv:  # equal keys (a link naming one allocation twice): this very interval
+                    k += 1
+                del self._keys[k], self._starts[k], self._ends[k], self._ivs[k]
+            else:
+                k = bisect_right(self._keys, key)
+                self._keys.insert(k, key)
+                self._starts.insert(k, iv["start"])
+                self._ends.insert(k, iv["end"])
+                self._ivs.insert(k, iv)
+            rid = iv["identity"].get("release_id")
+            if rid:
+                starts = self._rid_starts.setdefault(rid, [])
+                if remove:
+                    starts.remove(iv["start"])
+                    if not starts:
+                        del self._rid_starts[rid]
+                else:
+                    insort(starts, iv["start"])
+                self._rid_index = None
+        first = (min(iv["start"] for iv in intervals), source)
+        if remove:
+            k = bisect_left(self._firsts, first)
+            del self._firsts[k], self._first_starts[k], self._vs[k]
+        else:
+            k = bisect_right(self._firsts, first)
+            self._firsts.insert(k, first)
+            self._first_starts.insert(k, first[0])
+            self._vs.insert(k, link.get("v", 0))
+        self._cum = None
 
     def at(self, at: str) -> tuple[list[dict], int, tuple[str, ...]]:
-        early = self._ivs[:bisect_right(self._starts, at)]
-        holders = [iv for _start, end, iv in early if end is None or at < end]
-        version = self._link_versions[bisect_right(self._link_starts, at)]
-        rids = tuple(sorted(self._rids[:bisect_right(self._rid_starts, at)]))
-        return holders, version, rids
+        n = bisect_right(self._starts, at)
+        holders = [iv for iv, end in zip(islice(self._ivs, n), islice(self._ends, n)) if end is None or at < end]
+        if self._cum is None:
+            self._cum = list(accumulate(self._vs, initial=0))
+        version = self._cum[bisect_right(self._first_starts, at)]
+        if self._rid_index is None:
+            by_start = sorted((starts[0], rid) for rid, starts in self._rid_starts.items())
+            self._rid_index = ([start for start, _rid in by_start], [rid for _start, rid in by_start])
+        rid_starts, rids = self._rid_index
+        return holders, version, tuple(sorted(rids[:bisect_right(rid_starts, at)]))
 
 
 def select_holders(holders: list[dict], instance: dict | None) -> list[dict]:
@@ -700,12 +777,13 @@ class GpuMemo:
     directory (its generation), or rows that left, mean a full pass. The entity's interests
     are counted per row (``counts``), so they need no walk either."""
 
-    __slots__ = ("links", "stamp", "rows", "_prefixes", "low", "generation", "times", "watch", "counts", "devices", "coverage")
+    __slots__ = ("links", "stamp", "rows", "_order", "_prefixes", "low", "generation", "times", "watch", "counts", "devices", "coverage")
 
     def __init__(self) -> None:
         self.links: dict[str, tuple[dict, int, str | None]] = {}  # source -> (link object, its stamp, its earliest start)
         self.stamp = 0
         self.rows: dict[str, tuple] = {}                 # row id -> (deps, interests) when last derived
+        self._order: tuple[list, list[str], list[int]] = ([], [], [])  # (earliest start, stamp) of the links, sorted; its two columns
         self._prefixes: tuple[list[str], list[int]] | None = None
         self.low: str | None = None                      # earliest start of a link changed since the last refresh
         self.generation = -1                             # the directory's, at the last full pass
@@ -713,7 +791,7 @@ class GpuMemo:
         self.watch: set[str] = set()                     # parked rows
         self.counts: dict[str, int] = {}                 # interest -> rows that have it
         self.devices = False                             # a ``gpu.device`` row (a DRA device entity) is among the rows
-        self.coverage: Coverage | None = None            # of the current links (built when a row is derived)
+        self.coverage: Coverage | None = None            # of the current links (built when a row is first derived, then kept up to date)
 
     def _changed(self, *starts: str | None) -> None:
         for at in starts:
@@ -722,32 +800,38 @@ class GpuMemo:
 
     def prefixes(self, links: dict) -> tuple[list[str], list[int]]:
         """(earliest starts sorted, highest stamp of each prefix) of the current links —
-        computed again only when a link is new, replaced or gone (a live GPU entity is
-        refreshed batch after batch with the same links)."""
+        the order kept up to date link by link, as the ``coverage`` is, when a link is new,
+        replaced or gone (a live GPU entity is refreshed batch after batch with the same
+        links; sorting them all again at each change grew with its history)."""
         seen = self.links
-        changed = False
-        for src, link in links.items():
-            known = seen.get(src)
-            if known is None or known[0] is not link:
-                self.stamp += 1
-                first = min((iv["start"] for iv in link.get("intervals", ())), default=None)
-                self._changed(first, known[2] if known else None)
-                seen[src] = (link, self.stamp, first)
-                changed = True
-        if len(seen) != len(links):  # every source in links is in seen: more in seen means some are gone
-            for src in [s for s in seen if s not in links]:
-                self._changed(seen.pop(src)[2])
-            changed = True
+        changed = [src for src, link in links.items() if (known := seen.get(src)) is None or known[0] is not link]
+        new = sum(1 for src in changed if src not in seen)
+        if len(seen) + new != len(links):  # every source in links is in seen: more in seen means some are gone
+            changed += [src for src in seen if src not in links]
         if not changed and self._prefixes is not None:
             return self._prefixes
-        self.coverage = None
-        order = sorted((first, stamp) for _link, stamp, first in seen.values() if first is not None)
-        starts, top, high = [], [0], 0
-        for first, stamp in order:
-            starts.append(first)
-            high = max(high, stamp)
-            top.append(high)
-        self._prefixes = (starts, top)
+        order, starts, stamps = self._order
+        for src in changed:
+            link = links.get(src)
+            known = seen.pop(src, None)
+            if known is not None:
+                self._changed(known[2])
+                if known[2] is not None:
+                    k = bisect_left(order, (known[2], known[1]))
+                    del order[k], starts[k], stamps[k]
+            if link is not None:
+                self.stamp += 1
+                first = min((iv["start"] for iv in link.get("intervals", ())), default=None)
+                self._changed(first)
+                seen[src] = (link, self.stamp, first)
+                if first is not None:
+                    k = bisect_right(order, (first, self.stamp))
+                    order.insert(k, (first, self.stamp))
+                    starts.insert(k, first)
+                    stamps.insert(k, self.stamp)
+            if self.coverage is not None:
+                self.coverage.set(src, link)
+        self._prefixes = (starts, list(accumulate(stamps, max, initial=0)))
         return self._prefixes
 
     def candidates(self, rows: dict, generation: int) -> list[str] | None:

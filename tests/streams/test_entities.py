@@ -414,7 +414,10 @@ def test_coverage_answers_who_held_a_gpu_as_walking_every_link_does():
     """``entities.Coverage`` (the links' intervals indexed by start) against the definition,
     walked link by link: holders at t, the versions of the links with an interval started
     by t, and those intervals' releases — over random links, including open intervals,
-    intervals without a release and times before, between and after them."""
+    intervals without a release and times before, between and after them. Kept up to date
+    link by link (``set``: links new, replaced, gone — as a GPU entity's memo keeps it), it
+    answers as the definition does and as an index built at once from the same links,
+    holders in the same order."""
     from streams.correlate.entities import Coverage
 
     rng = random.Random(7)
@@ -422,18 +425,18 @@ def test_coverage_answers_who_held_a_gpu_as_walking_every_link_does():
     def t(i: int) -> str:
         return f"2026-11-01T00:{i // 60:02d}:{i % 60:02d}+00:00"
 
-    for _case in range(200):
-        links = {}
-        for n in range(rng.randint(0, 6)):
-            intervals = []
-            for j in range(rng.randint(0, 3)):
-                start = rng.randint(0, 200)
-                end = None if rng.random() < 0.3 else start + rng.randint(1, 60)
-                rid = rng.choice([None, "rel-a", "rel-b", "rel-c"])
-                intervals.append({"id": f"a{n}-{j}", "start": t(start), "end": t(end) if end is not None else None,
-                                  "identity": {"release_id": rid} if rid else {}})
-            links[f"pod:ns/p{n}"] = {"intervals": intervals, "v": rng.randint(1, 9)}
-        coverage = Coverage(links)
+    def random_link(n: int) -> dict:
+        intervals = []
+        for j in range(rng.randint(0, 3)):
+            start = rng.randint(0, 200)
+            end = None if rng.random() < 0.3 else start + rng.randint(1, 60)
+            rid = rng.choice([None, "rel-a", "rel-b", "rel-c"])
+            intervals.append({"id": f"a{n}-{j}", "start": t(start), "end": t(end) if end is not None else None,
+                              "identity": {"release_id": rid} if rid else {}})
+        return {"intervals": intervals, "v": rng.randint(1, 9)}
+
+    def check(coverage: Coverage, links: dict) -> None:
+        built = Coverage(links)
         for probe in range(0, 270, 7):
             at = t(probe)
             holders, version, rids = [], 0, set()
@@ -446,3 +449,20 @@ def test_coverage_answers_who_held_a_gpu_as_walking_every_link_does():
             got_holders, got_version, got_rids = coverage.at(at)
             assert sorted(iv["id"] for iv in got_holders) == sorted(holders), (links, at)
             assert (got_version, got_rids) == (version, tuple(sorted(rids))), (links, at)
+            assert [iv["id"] for iv in got_holders] == [iv["id"] for iv in built.at(at)[0]], (links, at)
+
+    for _case in range(200):
+        links = {f"pod:ns/p{n}": random_link(n) for n in range(rng.randint(0, 6))}
+        coverage = Coverage(links)
+        check(coverage, links)
+        kept = Coverage(links)
+        for _change in range(6):
+            n = rng.randint(0, 7)
+            source = f"pod:ns/p{n}"
+            if source in links and rng.random() < 0.3:
+                del links[source]
+                kept.set(source, None)
+            else:
+                links[source] = random_link(n)
+                kept.set(source, links[source])
+            check(kept, links)
