@@ -518,7 +518,8 @@ class Bench:
                   + (f"; the hypervisor stole {run.stolen_cores:.2f} of a core meanwhile" if run.stolen_cores is not None else ""), flush=True)
         for proc, stats in (run.gc or {}).items():
             if stats.get("collections"):
-                print(f"    {proc}'s garbage collections since it started: {stats['seconds']:.2f}s in {stats['collections']} (young, middle, full)",
+                print(f"    {proc}'s garbage collections since it started: {stats['seconds']:.2f}s in {stats['collections']} (young, middle, full)"
+                      f", {stats.get('collected', 0):,} unreachable objects freed",
                       flush=True)
         self.results[name] = asdict(run)
         return run

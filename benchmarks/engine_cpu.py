@@ -64,6 +64,7 @@ async def main(n, batch):
     from streams.correlate.agents import Correlator
     from streams.controls.agents import Controller
     corr = Correlator(ctx); ctrl = Controller(ctx)
+    from gpuledger import gctune
     try:  # the route stage's own process since 2026-12 (streams.correlate.route); before, the Correlator's
         from streams.correlate.route import Router
         route = Router(s, ctx.output).route_batch
@@ -107,10 +108,10 @@ async def main(n, batch):
             if not r and not c: break
         if (i // batch) % EVERY == EVERY - 1:  # an epoch commit every EVERY batches
             a = time.process_time(); ctrl.emit_violations(); corr.store.write_changes(ctx.output); ctrl.store.write_changes(ctx.output); stage["commit"] += time.process_time() - a
+            gctune.settle()  # as the worker's epoch commit does
     a = time.process_time(); ctrl.emit_violations(); corr.store.write_changes(ctx.output); ctrl.store.write_changes(ctx.output); stage["commit"] += time.process_time() - a
     cpu = time.process_time() - t0
     prod = ctx.output.produced
-    from gpuledger import gctune
     print(f"events {n} batch {batch}: cpu {cpu:.2f}s = {1e3*cpu/n:.3f} ms/event; wall {time.perf_counter()-w0:.2f}s; gc {gc.get_threshold()} {gctune.stats()}")
     print("  stages ms/event:", {k: round(1e3*v/n, 3) for k, v in stage.items()})
     print("  records/input:", round(sum(prod.values())/n, 2), {t.split('.')[-2]: round(v/n, 2) for t, v in sorted(prod.items())})

@@ -1,5 +1,6 @@
 """gpuledger.gctune.bulk: no collections and a short GIL switch interval while stores load
-(nested, from several threads), the loaded objects frozen when the last load ends."""
+(nested, from several threads), the loaded objects frozen when the last load ends;
+gctune.settle: what is alive is frozen at once (a worker's epoch commit)."""
 
 from __future__ import annotations
 
@@ -45,3 +46,14 @@ def test_a_load_that_loaded_nothing_freezes_nothing():
     with gctune.bulk(freeze=False):
         assert not gc.isenabled()
     assert gc.isenabled() and gc.get_freeze_count() == frozen_before
+
+
+def test_settle_freezes_what_is_alive_and_the_collector_no_longer_counts_it():
+    frozen_before = gc.get_freeze_count()
+    kept = [{"key": str(i), "rows": {}} for i in range(1000)]  # 1,001 tracked containers, alive
+    try:
+        gctune.settle()
+        assert gc.get_freeze_count() >= frozen_before + len(kept) + 1
+        assert gc.get_count()[0] < len(kept)  # the young generation no longer holds them
+    finally:
+        gc.unfreeze()

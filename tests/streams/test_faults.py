@@ -223,16 +223,20 @@ def test_a_state_is_written_once_per_epoch_however_many_batches_touched_it(kafka
 
 def test_the_worker_and_its_children_run_with_the_tuned_garbage_collector(reference):
     """gpuledger.gctune: the three processes' health pages (worker, route stage, sink) show
-    the raised thresholds, and the worker's and the sink's the young collections they ran
-    (and the seconds spent in them; the route stage keeps too little alive to need one in
-    a run this small)."""
+    the raised thresholds, and the sink's the young collections it ran (and the seconds spent
+    in them, the unreachable objects they freed; the route stage keeps too little alive to
+    need one in a run this small). The worker froze what its epoch commits left alive
+    (``gctune.settle``) — so often that in a run this small its young generation never
+    filled: it loaded no state (a fresh app id), so nothing else froze anything."""
     from gpuledger import gctune
 
     tuned = [gctune.GEN0, gctune.GEN1, gctune.GEN2]
     assert reference.health["route"]["gc"]["thresholds"] == tuned, reference.health["route"]
-    for gc_health in (reference.health["gc"], reference.health["sink"]["gc"]):
-        assert gc_health["thresholds"] == tuned, gc_health
-        assert gc_health["collections"][0] > 0 and gc_health["seconds"] >= 0, gc_health
+    sink = reference.health["sink"]["gc"]
+    assert sink["thresholds"] == tuned and sink["collections"][0] > 0 and sink["seconds"] >= 0 and sink["collected"] >= 0, sink
+    assert reference.health["gc"]["thresholds"] == tuned, reference.health["gc"]
+    assert reference.health["gc"]["frozen"] > 10_000, reference.health["gc"]
+    assert reference.health["stores"]["entities"]["recovered_records"] == 0, reference.health["stores"]
 
 
 def test_a_replay_rebuilds_every_table_identically(kafka_bootstrap, history, reference, tmp_path):
