@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import sys
 import threading
+import weakref
 
 from gpuledger import gctune
 
@@ -48,11 +49,19 @@ def test_a_load_that_loaded_nothing_freezes_nothing():
     assert gc.isenabled() and gc.get_freeze_count() == frozen_before
 
 
-def test_settle_freezes_what_is_alive_and_the_collector_no_longer_counts_it():
+def test_settle_frees_dead_cycles_then_freezes_what_is_alive():
+    class Node:
+        pass
+
     frozen_before = gc.get_freeze_count()
     kept = [{"key": str(i), "rows": {}} for i in range(1000)]  # 1,001 tracked containers, alive
+    dead = Node()
+    dead.me = dead  # a reference cycle: only the collector frees it
+    gone = weakref.ref(dead)
+    del dead
     try:
         gctune.settle()
+        assert gone() is None  # collected, not frozen for ever
         assert gc.get_freeze_count() >= frozen_before + len(kept) + 1
         assert gc.get_count()[0] < len(kept)  # the young generation no longer holds them
     finally:
