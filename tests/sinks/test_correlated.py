@@ -187,3 +187,30 @@ def test_writer_waits_while_another_process_owns_the_chdb_directory(tmp_path):
     finally:
         if holder.poll() is None:
             holder.kill()
+
+
+def test_a_record_read_loosely_takes_defaults_for_null_fields_and_names_what_is_missing(clickhouse_client, clickhouse_db):
+    """The sink reads the worker's records without pydantic (``sinks.agents.decode_loose``): a
+    null field reads as the model's default where it has one (summary '', payload_json '{}'),
+    else as None — also a null identity field, which the table stores as ''. A record missing
+    a required field is refused with its name."""
+    import orjson
+    import pytest
+
+    from schemas import CorrelatedEvent
+    from sinks.agents import _required, decode_loose
+
+    shape = _required(CorrelatedEvent)
+    record = {"correlation_id": "c-null", "version": 3, "event_type": "scheduler.scheduled", "occurred_at": "2026-11-01T00:01:41+00:00",
+              "attribution": "unattributed", "identity": {"namespace": "ml", "pod": "p-null", "release_id": None},
+              "release_state": None, "summary": None, "source_topic": "raw", "source_partition": 0, "source_offset": 7}
+    row = decode_loose(orjson.dumps(record), CorrelatedEvent, shape)
+    assert (row.summary, row.payload_json, row.release_state, row.identity.release_id, row.identity.gpu_id) == ("", "{}", None, None, None)
+    migrate(clickhouse_client, clickhouse_db)
+    asyncio.run(SinkWriters(clickhouse_client, clickhouse_db).store_correlated([row]))
+    stored = clickhouse_client.query(
+        f"SELECT summary, payload_json, release_state, release_id, pod FROM `{clickhouse_db}`.correlated_events FINAL "
+        "WHERE correlation_id = 'c-null'").result_rows
+    assert stored == [("", "{}", "", "", "p-null")]
+    with pytest.raises(ValueError, match="missing correlation_id"):
+        decode_loose(orjson.dumps({k: v for k, v in record.items() if k != "correlation_id"}), CorrelatedEvent, shape)
