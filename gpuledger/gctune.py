@@ -35,7 +35,8 @@ worker 0.158 → 0.144 ms/event, its collections 1.2 → 0.6 s. The price: a ref
 that was alive at a commit and dies later is never collected (one already dead is, by the
 collection before the freeze: ~1 % of engine_cpu's cyclic garbage was frozen without it).
 The worker makes few (``make bench``: ~460 unreachable objects freed by its collections in a
-50,000-event run), and the health page shows both ``frozen`` and ``collected`` to watch it.
+50,000-event run; the health page shows ``collected``). A cycle that outlives a commit is not
+visible there — it would show only as memory growing beyond what the store's keys explain.
 ``stats()`` is what the health pages show: collections per generation, the seconds spent in
 them and the unreachable objects they freed since the process started, and the objects frozen.
 """
@@ -112,12 +113,13 @@ def bulk(freeze: bool = True) -> Iterator[None]:
 
 
 def settle() -> None:
-    """Collect the young and middle generations — what was allocated since the last settle —
-    then exempt everything still alive from future collections (``gc.freeze``: O(1), it moves
-    the generations' lists into the permanent one). For a worker after each epoch commit, see
-    the module docstring: the collection first, so that a dead reference cycle not collected
-    yet is freed rather than frozen for ever."""
-    gc.collect(1)
+    """Collect every generation — what was allocated since the last settle: a collection never
+    walks the frozen objects — then exempt everything still alive from future collections
+    (``gc.freeze``: O(1), it moves the generations' lists into the permanent one). For a worker
+    after each epoch commit, see the module docstring: the collection first, so that a dead
+    reference cycle not collected yet is freed rather than frozen for ever, also one that an
+    automatic collection had moved to the oldest generation since the last settle."""
+    gc.collect()
     gc.freeze()
 
 

@@ -71,8 +71,8 @@ class ReleaseDirectory:
         rid = event.identity.release_id
         state = self.releases.setdefault(rid, new_state(rid))
         before = self.interest_keys(rid)
+        self._times.pop(rid, None)  # before the history changes: no stale times even if the fold fails half-way
         apply_release_event(state, event)
-        self._times.pop(rid, None)
         after = self.interest_keys(rid)
         manifest = self.manifest(rid)
         for key in before - after:

@@ -567,8 +567,10 @@ class Coverage:
             key = (iv["start"], iv.get("id") or "", source)
             if remove:
                 k = bisect_left(self._keys, key)
-                while self._ivs[k] is not iv:  # equal keys (a link naming one allocation twice): this very interval
+                while k < len(self._ivs) and self._keys[k] == key and self._ivs[k] is not iv:  # equal keys: this very interval
                     k += 1
+                if k == len(self._ivs) or self._keys[k] != key or self._ivs[k] is not iv:
+                    raise RuntimeError(f"Coverage: the link from {source} changed in place after it was indexed")
                 del self._keys[k], self._starts[k], self._ends[k], self._ivs[k]
             else:
                 k = bisect_right(self._keys, key)
@@ -589,6 +591,10 @@ class Coverage:
         first = (min(iv["start"] for iv in intervals), source)
         if remove:
             k = bisect_left(self._firsts, first)
+            if k == len(self._firsts) or self._firsts[k] != first:
+                # Only if a link's intervals were changed in place after it was indexed: links
+                # are replaced, never edited (fold_link) — loud rather than a wrong index.
+                raise RuntimeError(f"Coverage: the link from {source} changed in place after it was indexed")
             del self._firsts[k], self._first_starts[k], self._vs[k]
         else:
             k = bisect_right(self._firsts, first)

@@ -3,6 +3,7 @@
 import random
 
 import orjson
+import pytest
 
 from streams.correlate.entities import iso
 from streams.correlate.routing import routed_form
@@ -466,3 +467,15 @@ def test_coverage_answers_who_held_a_gpu_as_walking_every_link_does():
                 links[source] = random_link(n)
                 kept.set(source, links[source])
             check(kept, links)
+
+def test_coverage_refuses_a_link_changed_in_place_after_it_was_indexed():
+    """Links are replaced, never edited (``fold_link``); the kept-up index relies on it and
+    says so loudly rather than answering from a wrong index."""
+    from streams.correlate.entities import Coverage
+
+    link = {"intervals": [{"id": "a1", "start": "2026-11-01T00:00:10+00:00", "end": None, "identity": {"release_id": "r1"}}], "v": 1}
+    coverage = Coverage({"pod:ns/p1": link})
+    assert [iv["id"] for iv in coverage.at("2026-11-01T00:00:20+00:00")[0]] == ["a1"]
+    link["intervals"][0]["start"] = "2026-11-01T00:00:05+00:00"  # edited in place
+    with pytest.raises(RuntimeError, match="pod:ns/p1 changed in place"):
+        coverage.set("pod:ns/p1", {"intervals": [], "v": 2})
