@@ -108,7 +108,7 @@ async def main(n, batch):
             if not r and not c: break
         if (i // batch) % EVERY == EVERY - 1:  # an epoch commit every EVERY batches
             a = time.process_time(); ctrl.emit_violations(); corr.store.write_changes(ctx.output); ctrl.store.write_changes(ctx.output); stage["commit"] += time.process_time() - a
-            gctune.settle()  # as the worker's epoch commit does
+            gctune.freeze()  # as the worker's epoch commit does
     a = time.process_time(); ctrl.emit_violations(); corr.store.write_changes(ctx.output); ctrl.store.write_changes(ctx.output); stage["commit"] += time.process_time() - a
     cpu = time.process_time() - t0
     prod = ctx.output.produced

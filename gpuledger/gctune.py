@@ -25,8 +25,8 @@ shortens the GIL switch interval while a load runs in its thread: with the defau
 the event loop — which gives the GIL up at every poll and socket call — waited up to 5 ms
 to get it back each time (the convoy effect), and a restart's first batch, ready to run,
 waited for the other store's whole load.
-``settle()`` (a worker, after each epoch commit: ``streams.app.WorkerContext.commit_state``)
-collects what was allocated since the last one, then freezes what is still alive: the states of the batches just committed,
+``freeze()`` again in a worker, after each epoch commit (``streams.app.WorkerContext.commit_state``):
+it collects what was allocated since the last one, then freezes what is still alive: the states of the batches just committed,
 the bulk of what a worker allocates that lives on, never again traversed. Young and middle
 collections otherwise walked them, and every reference out of them into the older store —
 measured (benchmarks/engine_cpu.py, 100,000 events) 15–25 % of the engine's CPU, most of it
@@ -73,8 +73,13 @@ def tune() -> None:
 
 
 def freeze() -> None:
-    """Exempt everything alive now from future collections (call once a service has started)."""
-    gc.collect()  # what start-up left as garbage goes now, not frozen forever
+    """Exempt everything alive now from future collections: once a service has started, and in
+    a worker after each epoch commit (see the module docstring). Collected first — cheap after
+    the first time, a collection never walks frozen objects — so that a dead reference cycle
+    (from start-up, or one an automatic collection had moved to the oldest generation) is
+    freed rather than frozen for ever; ``gc.freeze`` itself is O(1) (it moves the
+    generations' lists into the permanent one)."""
+    gc.collect()
     gc.freeze()
 
 
@@ -110,17 +115,6 @@ def bulk(freeze: bool = True) -> Iterator[None]:
                     gc.freeze()
                 if _bulk.pop("enabled", True):
                     gc.enable()
-
-
-def settle() -> None:
-    """Collect every generation — what was allocated since the last settle: a collection never
-    walks the frozen objects — then exempt everything still alive from future collections
-    (``gc.freeze``: O(1), it moves the generations' lists into the permanent one). For a worker
-    after each epoch commit, see the module docstring: the collection first, so that a dead
-    reference cycle not collected yet is freed rather than frozen for ever, also one that an
-    automatic collection had moved to the oldest generation since the last settle."""
-    gc.collect()
-    gc.freeze()
 
 
 def stats() -> dict:

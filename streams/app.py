@@ -87,7 +87,7 @@ class WorkerContext:
         store.write_changes(self.output)
         await self.output.flush()
         self.fault(stage, "after_changelog")
-        gctune.settle()  # what this epoch left alive is the store's: not walked by the collector again
+        gctune.freeze()  # what this epoch left alive is the store's: not walked by the collector again
 
     def packed_batch(self) -> int:
         """Records per batch for an agent reading packed records."""

@@ -1,6 +1,6 @@
 """gpuledger.gctune.bulk: no collections and a short GIL switch interval while stores load
 (nested, from several threads), the loaded objects frozen when the last load ends;
-gctune.settle: what is alive is frozen at once (a worker's epoch commit)."""
+gctune.freeze: dead cycles collected, then what is alive frozen (a worker's epoch commit)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_a_load_that_loaded_nothing_freezes_nothing():
     assert gc.isenabled() and gc.get_freeze_count() == frozen_before
 
 
-def test_settle_frees_dead_cycles_then_freezes_what_is_alive():
+def test_freeze_frees_dead_cycles_then_freezes_what_is_alive():
     class Node:
         pass
 
@@ -61,7 +61,7 @@ def test_settle_frees_dead_cycles_then_freezes_what_is_alive():
     gc.collect(1)  # alive now: moved to the oldest generation, as an automatic collection during an epoch would
     del dead
     try:
-        gctune.settle()
+        gctune.freeze()
         assert gone() is None  # collected, not frozen for ever
         assert gc.get_freeze_count() >= frozen_before + len(kept) + 1
         assert gc.get_count()[0] < len(kept)  # the young generation no longer holds them

@@ -226,7 +226,7 @@ def test_the_worker_and_its_children_run_with_the_tuned_garbage_collector(refere
     the raised thresholds, and the sink's the young collections it ran (and the seconds spent
     in them, the unreachable objects they freed; the route stage keeps too little alive to
     need one in a run this small). The worker froze what its epoch commits left alive
-    (``gctune.settle``) — so often that in a run this small its young generation never
+    (``gctune.freeze``) — so often that in a run this small its young generation never
     filled: it loaded no state (a fresh app id), so nothing else froze anything."""
     from gpuledger import gctune
 
