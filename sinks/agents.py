@@ -160,11 +160,10 @@ class Loose:
     """
 
     def __init__(self, data: dict, defaults: dict) -> None:
-        # The fields become plain attributes (a null one reads as its default): the row
-        # builders read each several times, and a __getattr__ per read cost ~10 % of the sink.
-        # The object's fields as they come (a null one reads as None, as an absent one does),
-        # then the defaults where a field is null or absent: a walk over the few defaults, not
-        # a filtered copy of every field (that copy was ~a fifth of the sink's CPU in py-spy).
+        # The fields become plain attributes (the row builders read each several times, and a
+        # __getattr__ per read cost ~10 % of the sink), as they come, then the defaults where a
+        # field is null or absent (else null reads as None): a walk over the few defaults, not a
+        # filtered copy of every field (that copy was ~a fifth of the sink's CPU in py-spy).
         fields = self.__dict__
         fields.update(data)
         for name, value in defaults.items():
