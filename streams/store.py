@@ -28,9 +28,10 @@ per touch after 100,000 bench events, so ~8 KB of changelog per input event). Wi
 ``chunks`` the store writes the items of a state's big collections (entity rows, links)
 in *sealed chunks* of ``Chunks.size`` items, each its own changelog record
 (``<key>\x1f<field><n>``), written again only when one of its items changed; the newest
-items stay in the state's own record (the *head*), so a small state is still one record,
-byte for byte what it was without chunks. A touch then costs the head, the open items and
-a cheap comparison per sealed item. Within an epoch a key's chunks are produced before its
+items stay in the state's own record (the *head*). A collection is chunked only once it
+holds ``Chunks.seal_from`` items, so a small state (a pod's few rows) is still one
+record, byte for byte what it was without chunks. A touch then costs the head, the open
+items (fewer than ``size``) and a cheap comparison per sealed item. Within an epoch a key's chunks are produced before its
 head, on the same partition, by the idempotent producer: a crash leaves a prefix, and a
 recovery that finds an item in a chunk and in the head keeps the chunk's (the newer).
 
@@ -161,12 +162,17 @@ class Chunks:
     *companions* — other collections of the state keyed by the same ids, stored with the
     item (an entity row's ``sent`` entry). ``volatile``: per field, the keys of an item
     that may change in place (an entity row's ``parked``/``expired``); anything else about
-    an item changes only by replacing the item object. ``size``: items per sealed chunk."""
+    an item changes only by replacing the item object. ``size``: items per sealed chunk;
+    ``seal_from`` (default ``size``): a collection's items are sealed only once it holds at
+    least this many — the open items, re-encoded in the head at every touch, stay fewer
+    than ``size`` in a big state, while a small one is not split at all."""
 
-    def __init__(self, fields: dict[str, tuple[str, ...]], volatile: dict[str, tuple[str, ...]] | None = None, size: int = 16) -> None:
+    def __init__(self, fields: dict[str, tuple[str, ...]], volatile: dict[str, tuple[str, ...]] | None = None, size: int = 16,
+                 seal_from: int | None = None) -> None:
         self.fields = fields
         self.volatile = volatile or {}
         self.size = size
+        self.seal_from = max(size, seal_from or size)
 
 
 class _Layout:
@@ -230,8 +236,9 @@ def encode_chunked(chunks: Chunks, key: str, state: dict, layout: _Layout) -> li
                 layout.chunks[tag].remove(i)
                 changed.add(tag)
             open_ = [i for i in items if i not in member]
-        # Seal the oldest open items, a chunk at a time, while a whole chunk's worth is open.
-        while len(open_) >= chunks.size:
+        # Seal the oldest open items, a chunk at a time, while a whole chunk's worth is open
+        # (once the collection is big enough to be chunked at all).
+        while len(open_) >= chunks.size and len(items) >= chunks.seal_from:
             tag = f"{field}{layout.next}"
             layout.next += 1
             layout.chunks[tag] = open_[:chunks.size]

@@ -53,12 +53,13 @@ HOUSEKEEPING_S = 0.5
 LOCAL_PASSES = 3
 
 
-def entity_chunks(size: int) -> Chunks:
+def entity_chunks(size: int, seal_from: int | None = None) -> Chunks:
     """An entity's rows (with their last emitted version) and links are written to the
-    changelog in sealed chunks of ``size`` (``streams.store``; the ``state_chunk`` setting):
-    a node/GPU that collected thousands of alerts and holders costs one small record per
-    touch, not its whole history. Rows change in place only in ``parked``/``expired``."""
-    return Chunks({"rows": ("sent",), "links": ()}, volatile={"rows": ("parked", "expired")}, size=size)
+    changelog in sealed chunks of ``size`` (``streams.store``; the ``state_chunk`` setting)
+    once it holds ``seal_from`` of them (``state_chunk_from``): a node/GPU that collected
+    thousands of alerts and holders costs one small record per touch, not its whole
+    history. Rows change in place only in ``parked``/``expired``."""
+    return Chunks({"rows": ("sent",), "links": ()}, volatile={"rows": ("parked", "expired")}, size=size, seal_from=seal_from)
 
 
 class Runtime:
@@ -131,7 +132,8 @@ class Correlator:
         self.directory: ReleaseDirectory = ctx.directory
         self.runtime = Runtime(timedelta(seconds=ctx.settings.streams.park_ttl_s), ctx.settings.streams.park_idle_flush_s)
         self.store = PartitionStore("entities", run.entities_changelog, ctx.consumer_config, on_load=self.runtime.load,
-                                    chunks=entity_chunks(ctx.settings.streams.state_chunk), loading=getattr(ctx, "recovery_lock", None))
+                                    chunks=entity_chunks(ctx.settings.streams.state_chunk, ctx.settings.streams.state_chunk_from),
+                                    loading=getattr(ctx, "recovery_lock", None))
         pack_max = ctx.settings.streams.pack_max
         self.route = Packer(run.route, run.partitions, max_messages=pack_max)
         self.controls = Packer(run.controls, run.partitions, max_messages=pack_max)

@@ -51,7 +51,7 @@ T0 = datetime(2026, 11, 1, 6, tzinfo=timezone.utc)
 ENV = {"GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "1", "GPULEDGER_STREAMS_COMMIT_INTERVAL_S": "0.25", "GPULEDGER_STREAMS_BATCH_MAX": "10", "GPULEDGER_STREAMS_PACK_MAX": "10",
        "GPULEDGER_STREAMS_PACKED_BATCH_MESSAGES": "10",
        # a node/GPU's 5-6 alerts and holders go in sealed changelog chunks (streams.store.Chunks) that crashes cut between
-       "GPULEDGER_STREAMS_STATE_CHUNK": "2",
+       "GPULEDGER_STREAMS_STATE_CHUNK": "2", "GPULEDGER_STREAMS_STATE_CHUNK_FROM": "2",
        "GPULEDGER_CLICKHOUSE_BATCH_SECONDS": "0.2"}
 
 

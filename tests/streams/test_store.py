@@ -13,7 +13,7 @@ import pytest
 from producers._kafka import ensure_specs
 from schemas.topics import TopicSpec
 from streams.output import BatchOutput
-from streams.store import SEP, Chunks, PartitionStore, decode_chunked
+from streams.store import SEP, Chunks, PartitionStore, _Layout, decode_chunked, encode_chunked
 from tests.fixtures.kafka import read_topic
 
 
@@ -142,6 +142,39 @@ def test_a_big_state_is_written_in_chunks_and_only_what_changed_is_written_again
     again = PartitionStore("t", topic, config, chunks=shape)
     asyncio.run(again.ensure([0, 1]))
     assert again.parts == {0: {}, 1: {"pod:ml/p1": small}}
+
+
+def test_a_collection_is_chunked_only_once_it_holds_seal_from_items():
+    """``seal_from``: a small state stays one record (the state itself); once a collection
+    holds that many items it is sealed in chunks of ``size``, leaving fewer than ``size``
+    open items in the head — what every touch of a big entity re-encodes."""
+    shape = Chunks({"rows": ("sent",), "links": ()}, volatile={"rows": ("parked",)}, size=2, seal_from=6)
+    state, layout, written = _entity(5, 5), _Layout(), {}
+
+    def write() -> list[str]:
+        records = encode_chunked(shape, state["key"], state, layout)
+        written.update(records)
+        return [k.split(SEP)[1] if SEP in k else "head" for k, _ in records]
+
+    def add_row(i: int) -> None:
+        state["rows"][f"e{i}"], state["sent"][f"e{i}"] = {"id": f"e{i}", "parked": False, "payload": ""}, [i + 1, ""]
+
+    assert write() == ["head"] and orjson.loads(written[state["key"]]) == state  # 5 rows, 5 links: below 6
+    add_row(5)
+    assert write() == ["rows0", "rows1", "rows2", "head"]  # rows reached 6: all sealed; the 5 links stay open
+    head = orjson.loads(written[state["key"]])
+    assert head["rows"] == {} and head["sent"] == {} and list(head["links"]) == [f"pod:ml/p{i}" for i in range(5)]
+    add_row(6)
+    assert write() == ["head"]  # one open row: fewer than size
+    add_row(7)
+    assert write() == ["rows3", "head"]
+    assert list(orjson.loads(written[state["key"]])["rows"]) == []
+    parts = {k.split(SEP)[1]: v for k, v in written.items() if SEP in k}
+    recovered, _layout = decode_chunked(shape, written[state["key"]], parts)
+    assert recovered == state and list(recovered["rows"]) == list(state["rows"])
+    # without seal_from, the same state is sealed from the first whole chunk on (the default)
+    assert [k.split(SEP)[1] for k, _ in encode_chunked(Chunks(shape.fields, shape.volatile, size=2), state["key"], _entity(5, 5), _Layout())
+            if SEP in k] == ["rows0", "rows1", "links2", "links3"]
 
 
 def test_a_crash_between_a_chunk_and_its_head_recovers_the_newer_copy():
