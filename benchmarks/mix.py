@@ -28,17 +28,17 @@ RELEASES = 50
 T0 = datetime(2026, 11, 1, tzinfo=timezone.utc)
 
 
-def _mix(clock: Callable[[], datetime] | None) -> Iterator:
+def _mix(clock: Callable[[], datetime] | None, start: int = 0) -> Iterator:
     def at_(historical: datetime) -> datetime:
         return clock() if clock else historical
 
-    for r in range(RELEASES):
+    for r in range(min(start, RELEASES), RELEASES):
         at = at_(T0 + timedelta(seconds=r))
         yield ReleaseEvent(event_id=make_event_id("b", (r, "reg")), event_type="release.registered", occurred_at=at, observed_at=at,
                            source=SRC, identity=Identity(release_id=f"rel-{r}", model_name=f"m{r % 10}", model_version=str(r),
                                                          image_digest=f"sha256:{r:064x}", owner=f"team-{r % 5}", environment="prod"),
                            payload=ReleasePayload(actor="ci"))
-    for i in count():
+    for i in count(max(0, start - RELEASES)):
         p = i // 4
         ns, pod, node, gpu = "ml", f"pod-{p}", f"n{p % 64}", f"GPU-{p % 512:08d}"
         kind = i % 4
@@ -67,7 +67,8 @@ def _mix(clock: Callable[[], datetime] | None) -> Iterator:
                              payload=AlertPayload(alertname="XID", starts_at=at))
 
 
-def events(n: int | None = None, clock: Callable[[], datetime] | None = None) -> Iterator:
-    """The first ``n`` events of the mix (all of it, endlessly, when ``n`` is None)."""
-    stream = _mix(clock)
+def events(n: int | None = None, clock: Callable[[], datetime] | None = None, start: int = 0) -> Iterator:
+    """``n`` events of the mix from its ``start``-th (0: the first; all of it, endlessly,
+    when ``n`` is None). The events before ``start`` are not built."""
+    stream = _mix(clock, start)
     return stream if n is None else islice(stream, n)
