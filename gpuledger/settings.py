@@ -119,7 +119,7 @@ class ClickHouseSettings(BaseSettings):
                             json_schema_extra={"doc_default": "chdb://$GPULEDGER_DATA_DIR/clickhouse"})
     database: str = Field(default="gpuledger", description="Database holding gpuledger's tables.")
     batch_rows: int = Field(default=10_000, ge=1, description="Sink flushes a batch at this many rows...")
-    batch_seconds: float = Field(default=0.3, gt=0, description="...or after this many seconds, whichever comes first.")
+    batch_seconds: float = Field(default=0.3, gt=0, description="...or this many seconds after the previous batch closed, whichever comes first (what arrived while the previous batch was being stored is taken at once).")
     cluster: str | None = Field(default=None, description="ClickHouse cluster name for ON CLUSTER / Replicated tables.")
     query_timeout_s: float = Field(default=30.0, gt=0, description="Readers' queries (`trace`, `sql`, `audit`, the query endpoint) stop with an error after this many seconds (ClickHouse max_execution_time).")
     query_max_rows: int = Field(default=100_000, ge=1, description="A reader's query whose result has more rows fails with an error naming the limit (never a silently cut result).")
