@@ -141,7 +141,7 @@ class LiveLoad:
     producer (so configured as the collectors' are: lz4, the murmur2 partitioner, batches
     sized by the broker's record limit — a plain producer's uncompressed records cost the
     broker a third more CPU). Every record's delivery is checked (``close`` raises if any
-    failed)."""
+    failed). Memory: ~1 KB per event held (60 s at 3,000 events/s: ~180 MB, ~6 s to build)."""
 
     #: Stands for "now" in the encoded events (no event of the mix has it).
     STAMP = datetime(1999, 12, 31, 23, 59, 59, 999_999, tzinfo=timezone.utc)
@@ -157,14 +157,18 @@ class LiveLoad:
         self.producer, _limit = publisher._ready(30)  # noqa: SLF001 - the product's producer, as configured (above)
         self.sent, self.failed = 0, []
 
+    @staticmethod
+    def _now() -> bytes:
+        return b'"' + datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ").encode() + b'"'
+
     def _delivered(self, err, _msg) -> None:
         if err is not None:
             self.failed.append(err)
 
     def publish(self, k: int) -> int:
         """Publish the next ``k`` events (fewer when none are left), stamped now; returns how many."""
-        now = b'"' + datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ").encode() + b'"'
         produce, stamp, delivered = self.producer.produce, self.STAMP_BYTES, self._delivered
+        now = self._now()
         batch = self.records[self.sent:self.sent + k]
         for topic, key, value in batch:
             while True:
@@ -173,6 +177,7 @@ class LiveLoad:
                     break
                 except BufferError:
                     self.producer.poll(0.05)
+                    now = self._now()  # stamped when it is produced, not when it was first tried
         self.producer.poll(0)
         self.sent += len(batch)
         return len(batch)
@@ -601,9 +606,8 @@ class Bench:
         pub = EventPublisher({"bootstrap.servers": self.bootstrap}, cat, "bench")
         try:
             url = wait_for_worker(service, owner_file(store_dsn(data_dir)), timeout=120)
-            # Every live event encoded before the clock starts (LiveLoad); the restart's come after them.
+            # Every live event encoded before the clock starts (LiveLoad).
             load = LiveLoad(pub, math.ceil(rate * seconds), start=RELEASES)
-            live = events(clock=lambda: datetime.now(timezone.utc), start=RELEASES + len(load.records))
             # The releases first, as a warm-up: the clock starts once the worker has its
             # partitions and its sink has stored them (the sink opens the store and runs
             # its migrations on its first batch), not while either is still starting: the
@@ -629,6 +633,7 @@ class Bench:
                 # ms would cost the broker more than the input it carries.
                 time.sleep(0.01)
             load.close()
+            live = events(clock=lambda: datetime.now(timezone.utc), start=RELEASES + load.sent)  # the restart's: the next ones
             wall = time.monotonic() - start
             achieved, publisher_cpu = sent / wall, (time.process_time() - cpu) / wall
             # How saturated the machine was: a live run whose processes need more than its cores queues everywhere.

@@ -7,8 +7,9 @@ the same mix published twice is the same set of facts.
 
 ``events(n)`` is the historical form (event times from 2026-11-01 on, one pod per
 second). ``events(n, clock=...)`` stamps every event's ``occurred_at`` and
-``observed_at`` with ``clock()`` as it is generated — for the latency run, which
-generates each event right before publishing it.
+``observed_at`` with ``clock()`` as it is generated (the latency run's load stamps a
+placeholder, replaced by the time of sending: ``benchmarks/bench.py``, ``LiveLoad``);
+``events(n, start=s)`` is events ``s`` to ``s + n`` of the same stream.
 """
 
 from __future__ import annotations

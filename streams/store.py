@@ -31,7 +31,9 @@ in *sealed chunks* of ``Chunks.size`` items, each its own changelog record
 items stay in the state's own record (the *head*). A collection is chunked only once it
 holds ``Chunks.seal_from`` items, so a small state (a pod's few rows) is still one
 record, byte for byte what it was without chunks. A touch then costs the head, the open
-items (fewer than ``size``) and a cheap comparison per sealed item. Within an epoch a key's chunks are produced before its
+items (fewer than ``size`` once the collection is chunked; below ``seal_from`` items, or
+back below it after its oldest were detached, up to ``seal_from - 1``) and a cheap
+comparison per sealed item. Within an epoch a key's chunks are produced before its
 head, on the same partition, by the idempotent producer: a crash leaves a prefix, and a
 recovery that finds an item in a chunk and in the head keeps the chunk's (the newer).
 

@@ -27,6 +27,7 @@ def test_the_live_load_sends_the_mix_stamped_at_the_time_of_sending(kafka_bootst
     after = datetime.now(timezone.utc)
 
     expected = list(events(12, start=RELEASES))  # the historical form of the same 12 events
+    assert [e.event_id for e in expected] == [e.event_id for e in list(events(RELEASES + 12))[RELEASES:]]  # start= skips
     got = {}
     for family in {cat.for_family(e.event_type) for e in expected}:
         n = sum(1 for e in expected if cat.for_family(e.event_type) == family)
