@@ -31,13 +31,12 @@ minutes, and a broker in service is warm), then runs, one after the other over t
    of ``inserted_at − observed_at`` over the stored correlated rows (the first version of
    each row to be stored). Then the worker's share apart from the sink's, by hop, from
    the records' Kafka CreateTime: raw → the route record that carried the event (route
-   stage), → its first correlated record
-   (correlation stage); the worker's CPU per event while live (small batches cost
-   more per event than phase 3's backlog); and how busy the machine's cores were (and the
-   local broker's share): a live run that needs more than the machine has queues at every
-   hop, whatever the worker does. Then **restart**: the latency worker, stopped
-   cleanly, is started again with 200 new events waiting; seconds from the process start
-   to its first correlated batch (target under 5 s).
+   stage), → its first correlated record (correlation stage); the worker's CPU per event
+   while live (small batches cost more per event than phase 3's backlog); and how busy
+   the machine's cores were (and the local broker's share): a live run that needs more
+   than the machine has queues at every hop, whatever the worker does. Then **restart**:
+   the latency worker, stopped cleanly, is started again with 200 new events waiting;
+   seconds from the process start to its first correlated batch (target under 5 s).
 5. **replay** — phase 3's raw topics again, new app id, new store: events/s, and per-table
    checksums (sinks/checksum.py) compared with phase 3's store.
 
@@ -78,6 +77,7 @@ from benchmarks.mix import RELEASES, events  # noqa: E402
 from gpuledger.dev.localkafka import LocalKafka, LocalKafkaError  # noqa: E402
 from gpuledger.dev.process import ServiceError, ServiceProcess, wait_for_worker  # noqa: E402
 from gpuledger.settings import default_cache_dir  # noqa: E402
+from gpuledger.timefmt import iso_z  # noqa: E402
 from producers._errors import ProducerError  # noqa: E402
 from producers._kafka import EventPublisher, ensure_topics  # noqa: E402
 from schemas import encode_event  # noqa: E402
@@ -145,7 +145,7 @@ class LiveLoad:
 
     #: Stands for "now" in the encoded events (no event of the mix has it).
     STAMP = datetime(1999, 12, 31, 23, 59, 59, 999_999, tzinfo=timezone.utc)
-    STAMP_BYTES = b'"1999-12-31T23:59:59.999999Z"'
+    STAMP_BYTES = f'"{iso_z(STAMP, 6)}"'.encode()
 
     def __init__(self, publisher: EventPublisher, n: int, start: int) -> None:
         catalogue, self.records = publisher.catalogue, []
@@ -159,7 +159,7 @@ class LiveLoad:
 
     @staticmethod
     def _now() -> bytes:
-        return b'"' + datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ").encode() + b'"'
+        return f'"{iso_z(datetime.now(timezone.utc), 6)}"'.encode()
 
     def _delivered(self, err, _msg) -> None:
         if err is not None:

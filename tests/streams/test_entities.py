@@ -468,6 +468,7 @@ def test_coverage_answers_who_held_a_gpu_as_walking_every_link_does():
                 kept.set(source, links[source])
             check(kept, links)
 
+
 def test_coverage_refuses_a_link_changed_in_place_after_it_was_indexed():
     """Links are replaced, never edited (``fold_link``); the kept-up index relies on it and
     says so loudly rather than answering from a wrong index."""
