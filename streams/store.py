@@ -289,6 +289,26 @@ def _head(chunks: Chunks, state: dict, layout: _Layout) -> dict:
     return head
 
 
+def _number(tag: str) -> int:
+    return int(tag[len(tag.rstrip("0123456789")):])
+
+
+def orphaned(tags: Iterable[str]) -> _Layout:
+    """The layout of a key whose chunk records are in the changelog without a head: a crash
+    during the key's first write, after its chunks and before its head. There is no state
+    (the head is the state's record), so the key's input is processed again from scratch —
+    and its next write may seal fewer chunks (other batch boundaries, rows detached), which
+    would leave an old chunk under a name the new head does not overwrite, merged into the
+    state by a later recovery. So the orphans are kept as empty chunks: the key's next write
+    tombstones them (``encode_chunked`` drops an empty chunk) and numbers its own chunks
+    after them."""
+    layout = _Layout()
+    for tag in sorted(tags, key=_number):
+        layout.chunks[tag] = []
+        layout.next = max(layout.next, _number(tag) + 1)
+    return layout
+
+
 def decode_chunked(chunks: Chunks, head: bytes, parts: dict[str, bytes]) -> tuple[dict, _Layout]:
     """A state and its layout from its head record and its chunks' (``tag -> value``)."""
     state = orjson.loads(head)
@@ -299,10 +319,7 @@ def decode_chunked(chunks: Chunks, head: bytes, parts: dict[str, bytes]) -> tupl
     sealed: dict[str, dict] = {field: {} for field in chunks.fields}
     companions: dict[str, dict] = {c: {} for cs in chunks.fields.values() for c in cs}
 
-    def number(tag: str) -> int:
-        return int(tag[len(tag.rstrip("0123456789")):])
-
-    for tag in sorted(parts, key=number):
+    for tag in sorted(parts, key=_number):
         field = tag.rstrip("0123456789")
         if field not in chunks.fields:
             continue
@@ -314,7 +331,7 @@ def decode_chunked(chunks: Chunks, head: bytes, parts: dict[str, bytes]) -> tupl
         layout.chunks[tag] = ids
         for i in ids:
             layout.member.setdefault(field, {})[i] = tag
-        layout.next = max(layout.next, number(tag) + 1)
+        layout.next = max(layout.next, _number(tag) + 1)
     for field, items in sealed.items():
         # Sealed items first (they are the oldest); an item also in the head is a crash's
         # leftover from before it was sealed: the chunk's copy is the newer.
@@ -448,6 +465,8 @@ class PartitionStore:
         states, layouts = {}, {}
         for key, head in heads.items():
             states[key], layouts[key] = decode_chunked(self.chunks, head, parts.get(key, {}))
+        for key in parts.keys() - heads.keys():
+            layouts[key] = orphaned(parts[key])  # no state: tombstoned by the key's next write
         return states, layouts
 
     def drop(self, partitions: Iterable[int]) -> None:

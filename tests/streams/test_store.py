@@ -197,6 +197,53 @@ def test_a_crash_between_a_chunk_and_its_head_recovers_the_newer_copy():
     assert state["sent"] == {"e0": [5, ""], "e1": [2, ""], "e2": [3, ""], "e3": [1, ""]}
 
 
+class _Recorded:
+    """An output that keeps what a store's ``write_changes`` produced, in order (no broker needed)."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, bytes | None]] = []
+
+    def produce(self, topic, key, value, partition=None):
+        self.records.append((key.decode(), value))
+
+
+def test_chunks_left_without_a_head_by_a_crash_are_tombstoned_by_the_keys_next_write():
+    """A crash during a key's first write, after its chunks and before its head, leaves
+    chunk records with no state. The key is built again from its re-processed input and
+    may seal fewer chunks; the old ones must not survive under names the new write does
+    not overwrite (a later recovery would merge their rows into the state)."""
+    first = _entity(16, 0)  # sealed in rows0..rows3 (size 4)
+    crashed = [(k, v) for k, v in encode_chunked(CHUNKS, first["key"], first, _Layout()) if SEP in k]  # the head never made it
+    assert [k.split(SEP)[1] for k, _ in crashed] == ["rows0", "rows1", "rows2", "rows3"]
+
+    def recover(changelog: dict) -> PartitionStore:
+        store = PartitionStore("entities", "unused.changelog", {}, chunks=CHUNKS)  # decoding and writing: no broker
+        store.parts[0], store._layouts[0] = store._decode(changelog)
+        return store
+
+    def write(store: PartitionStore, state: dict | None) -> list[tuple[str, bytes | None]]:
+        if state is None:
+            store.parts[0].pop(first["key"], None)
+            store._dirty[0].add(first["key"])
+        else:
+            store.put(0, first["key"], state)
+        out = _Recorded()
+        store.write_changes(out)
+        return out.records
+
+    store = recover(dict(crashed))
+    assert store.parts[0] == {}  # no head, no state
+    again = _entity(8, 0)  # the re-processed input, cut otherwise: 8 rows
+    changelog = dict(crashed)
+    changelog.update(write(store, again))
+    changelog = {k: v for k, v in changelog.items() if v is not None}  # compaction
+    assert sorted(k.split(SEP)[1] for k in changelog if SEP in k) == ["rows4", "rows5"]  # the orphans tombstoned
+    assert recover(changelog).parts[0] == {again["key"]: again}
+
+    # a key deleted before it was ever written whole: its orphans go with its tombstone
+    assert sorted(write(recover(dict(crashed)), None)) == sorted([(k, None) for k, _ in crashed] + [(first["key"], None)])
+
+
 def test_a_partition_revoked_while_it_loads_is_not_kept(kafka_bootstrap):
     """A partition dropped (revoked) while its changelog is being read must not be installed
     when the read ends: by the time it is assigned again another worker may have changed it."""
