@@ -132,6 +132,8 @@ class WorkerContext:
             health[name]["gc"] = page.get("gc")
             if "store" in page:
                 health[name]["store"] = page["store"]
+            if "alignment" in page:
+                health[name]["alignment"] = page["alignment"]
             merge_stats(health["stats"], page.get("stats", {}))
             health["counters"].update(page.get("counters", {}))
             health["epochs"].update(page.get("epochs", {}))

@@ -29,10 +29,14 @@ without committing (``HARD_EXIT``), as safe as a crash.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import os
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
+from operator import attrgetter
 
 from confluent_kafka import KafkaError, TopicPartition
 
@@ -48,21 +52,152 @@ REPORT_EVERY_S = 60.0
 #: Bytes a fetch takes of one partition (librdkafka's default is 1 MiB, ~2,000 events: a
 #: whole batch of one topic's partition while the others wait for the next).
 PARTITION_FETCH_BYTES = 64 * 1024
+#: ``TimeAlignment``: records held of one partition before its fetching pauses, and the
+#: seconds the held records wait for a partition that is behind but delivers nothing.
+HOLD_PER_PARTITION = 1000
+HOLD_STALL_S = 0.5
 
 
 class RawRecord:
     """One raw Kafka record as the route stage reads it (the attribute names of a Faust
-    message, so ``route_batch`` and ``dead`` read both)."""
+    message, so ``route_batch`` and ``dead`` read both), with its Kafka timestamp (ms)."""
 
-    __slots__ = ("topic", "partition", "offset", "key", "value")
+    __slots__ = ("topic", "partition", "offset", "key", "value", "ts")
 
     def __init__(self, msg) -> None:
         self.topic, self.partition, self.offset = msg.topic(), msg.partition(), msg.offset()
         self.key, self.value = msg.key(), msg.value() or b""
+        self.ts = msg.timestamp()[1]  # -1 when the record has none
 
     @property
     def message(self) -> RawRecord:  # an epoch reads ``event.message`` (Faust's Event shape)
         return self
+
+
+class TimeAlignment:
+    """Hands the route stage a backlog of the raw topics in the order it was published.
+
+    Why: a pod's scheduling event and its GPU assignment are on different raw topics. Read
+    from a backlog (a restart, a replay, ``make bench``'s bulk phase), the consumer returns
+    what each fetch brought, partition by partition, and the topics drift apart in time
+    as they are read (a fetch takes the same bytes of every partition; one topic's bytes
+    span more time than another's): a pod's GPU assignment was routed batches before its
+    scheduling event, and the correlation emitted its allocation and alert rows first
+    unattributed, then again — the tables were right (versions from history), the records
+    were not (``make bench``: 2.5 to 4.5 outputs per input event from one run to another,
+    by how the backlog happened to be cut). Live, the topics arrive in publishing order.
+
+    How (Kafka Streams' stream-time synchronisation, which it configures with
+    ``max.task.idle.ms``): per partition, its records in offset order and the newest Kafka
+    timestamp read from it. A partition is *behind* while the broker holds records of it
+    that have not been read (its cached high watermark is beyond the next offset). Records
+    are released up to the *frontier*, the lowest newest-timestamp of the partitions behind
+    — whatever is still to come of those is at least that new — every record of a partition
+    that is not behind, and everything once nothing is behind. A partition's records leave
+    in offset order: one held holds every later one of its partition, so the offsets the
+    epoch commits never pass a held record (a crash re-reads it). A partition that holds
+    ``per_partition`` records is paused (``paused``), so that the consumer fetches the ones
+    behind — librdkafka drops what it had fetched of a paused partition and resumes it at
+    the next offset not yet read, so nothing is lost. If the frontier does not move for
+    ``stall_s`` while records are held (a partition behind that delivers nothing: its
+    leader is away), everything held is released: ordering is an optimisation, never a
+    stall. Timestamps are the producers' (CreateTime): publishing order, what a live run
+    sees. A partition not read since it was assigned has no position yet and counts as
+    not behind (an idle partition must not hold the others back)."""
+
+    def __init__(self, per_partition: int = HOLD_PER_PARTITION, stall_s: float = HOLD_STALL_S) -> None:
+        self.per_partition = per_partition
+        self.stall_s = stall_s
+        self.queues: dict[tuple[str, int], deque[RawRecord]] = {}
+        self.newest: dict[tuple[str, int], int] = {}     # the newest timestamp read of each partition
+        self.next_offset: dict[tuple[str, int], int] = {}
+        self.paused: set[tuple[str, int]] = set()
+        self.held = 0
+        self._frontier: float | None = None
+        self._moved_at = 0.0
+        self.stall_releases = 0
+        self.pauses = 0
+
+    def add(self, records: list[RawRecord]) -> None:
+        for rec in records:
+            tp = (rec.topic, rec.partition)
+            queue = self.queues.get(tp)
+            if queue is None:
+                queue = self.queues[tp] = deque()
+            queue.append(rec)
+            if rec.ts > self.newest.get(tp, -1):
+                self.newest[tp] = rec.ts
+            self.next_offset[tp] = rec.offset + 1
+        self.held += len(records)
+
+    def start(self, tp: tuple[str, int], offset: int) -> None:
+        """Where the consumer starts reading a newly assigned partition (its committed
+        offset): one not read yet is behind while its high watermark is beyond that."""
+        if offset >= 0 and tp not in self.next_offset:
+            self.next_offset[tp] = offset
+
+    def behind(self, high_watermark: Callable[[tuple[str, int]], int]) -> list[tuple[str, int]]:
+        """The partitions whose broker holds records not read yet (``high_watermark(tp)``:
+        the consumer's cached value, negative when unknown)."""
+        return [tp for tp, nxt in self.next_offset.items() if high_watermark(tp) > nxt]
+
+    def release(self, behind: list[tuple[str, int]], now: float) -> list[RawRecord]:
+        """The records that may be routed now, in timestamp order (see the class docstring)."""
+        if not self.held:
+            self._frontier = None
+            return []
+        # A partition behind that was not read yet: anything may come of it (-1 holds everything).
+        frontier = min((self.newest.get(tp, -1) for tp in behind), default=None)
+        if frontier is not None:
+            if frontier != self._frontier:
+                self._frontier, self._moved_at = frontier, now
+            elif now - self._moved_at >= self.stall_s:
+                frontier = None
+                self.stall_releases += 1
+        runs = []
+        for queue in self.queues.values():
+            if frontier is None:
+                run = list(queue)
+                queue.clear()
+            else:
+                run = []
+                while queue and queue[0].ts <= frontier:
+                    run.append(queue.popleft())
+            if run:
+                runs.append(run)
+        if frontier is None:
+            self._frontier = None
+        out = list(heapq.merge(*runs, key=attrgetter("ts"))) if len(runs) > 1 else (runs[0] if runs else [])
+        self.held -= len(out)
+        return out
+
+    def to_pause(self) -> list[tuple[str, int]]:
+        """Partitions to pause now (they hold ``per_partition`` records or more)."""
+        full = [tp for tp, q in self.queues.items() if len(q) >= self.per_partition and tp not in self.paused]
+        self.paused.update(full)
+        self.pauses += len(full)
+        return full
+
+    def to_resume(self) -> list[tuple[str, int]]:
+        """Paused partitions to resume now (below half of ``per_partition``)."""
+        low = [tp for tp in self.paused if len(self.queues.get(tp, ())) < self.per_partition // 2]
+        self.paused.difference_update(low)
+        return low
+
+    def forget(self, partitions) -> int:
+        """Drop what is held of revoked partitions (never routed, never committed: their next
+        owner reads them again); how many records that was."""
+        dropped = 0
+        for tp in partitions:
+            dropped += len(self.queues.pop(tp, ()))
+            self.newest.pop(tp, None)
+            self.next_offset.pop(tp, None)
+            self.paused.discard(tp)
+        self.held -= dropped
+        return dropped
+
+    def health(self) -> dict:
+        return {"held": self.held, "paused": len(self.paused), "pauses": self.pauses, "stall_releases": self.stall_releases}
 
 
 class RawIntake:
@@ -97,8 +232,10 @@ class RawIntake:
         })
         self.consumer.subscribe(list(self.topics), on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke)
         self.epoch = Epoch(*epoch_args, hold=None, release=self._release)
+        self.align = TimeAlignment()
         self.assignment: set[tuple[str, int]] = set()
         self.assigned_once = False
+        self._assigned_again = False  # set by the consumer's thread: resume what a pause may have left paused
         self._revoked: list[tuple[str, int]] = []  # appended by the consumer's thread, applied on the loop
         self._lock = threading.Lock()
         self._committed: dict[tuple[str, int], int] = {}
@@ -110,6 +247,7 @@ class RawIntake:
         with self._lock:
             self.assignment = {(tp.topic, tp.partition) for tp in partitions}
             self.assigned_once = True
+            self._assigned_again = True
         log.info("route stage: %d raw partition(s) assigned", len(partitions))
 
     def _on_revoke(self, _consumer, partitions) -> None:
@@ -140,11 +278,67 @@ class RawIntake:
             self._committed.update(offsets)
             self.consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()], asynchronous=True)
 
-    def _apply_revocations(self) -> None:
+    def _apply_revocations(self) -> list[TopicPartition]:
+        """Forget what revoked partitions held; after a new assignment, resume its partitions
+        and return them (``_starts`` is then asked where their reading starts)."""
         with self._lock:
             revoked, self._revoked = self._revoked, []
+            assigned_again, self._assigned_again = self._assigned_again, False
+            assignment = list(self.assignment)
         if revoked:
             self.epoch.forget(revoked)
+            self.align.forget(revoked)
+        if assigned_again and assignment:
+            tps = [TopicPartition(t, p) for t, p in assignment]
+            # librdkafka keeps a partition's pause across a revocation and a new assignment:
+            # a partition this stage paused, taken away and given back, would stay paused.
+            self.align.paused.difference_update(assignment)
+            self.consumer.resume(tps)
+            return tps
+        return []
+
+    def _starts(self, tps: list[TopicPartition]) -> None:
+        """Tell the alignment where reading starts on newly assigned partitions (their
+        committed offsets; one request): without it a partition not read yet would not
+        count as behind, and the first batches of a backlog would not wait for it."""
+        from confluent_kafka import KafkaException
+
+        fresh = [tp for tp in tps if (tp.topic, tp.partition) not in self.align.next_offset]
+        if not fresh:
+            return
+        try:
+            committed = self.consumer.committed(fresh, timeout=10)
+        except KafkaException as exc:  # alignment is an optimisation: read on without it
+            log.info("route stage: committed offsets not known (%s); the first batches are not aligned", exc)
+            return
+        for tp in committed:
+            offset = tp.offset
+            if offset < 0:  # nothing committed: reading starts at the low watermark (auto.offset.reset earliest)
+                try:
+                    offset = self.consumer.get_watermark_offsets(tp, timeout=5)[0]
+                except KafkaException:
+                    continue
+            self.align.start((tp.topic, tp.partition), offset)
+
+    def _high_watermark(self, tp: tuple[str, int]) -> int:
+        """The partition's high watermark as the consumer last heard it (no request; -1 unknown)."""
+        try:
+            return self.consumer.get_watermark_offsets(TopicPartition(*tp), cached=True)[1]
+        except Exception:  # noqa: BLE001 - a partition being revoked; unknown is "not behind"
+            return -1
+
+    def _aligned(self, records: list[RawRecord]) -> list[RawRecord]:
+        """``records`` held by ``TimeAlignment``, what may be routed now released, fetching
+        paused and resumed per partition as it says."""
+        align = self.align
+        align.add(records)
+        ready = align.release(align.behind(self._high_watermark), time.monotonic())
+        pause, resume = align.to_pause(), align.to_resume()
+        if pause:
+            self.consumer.pause([TopicPartition(t, p) for t, p in pause])
+        if resume:
+            self.consumer.resume([TopicPartition(t, p) for t, p in resume])
+        return ready
 
     def assigned(self) -> list[TopicPartition] | None:
         """The raw partitions this worker's route stage holds now; None before its first
@@ -164,7 +358,9 @@ class RawIntake:
                 pending = asyncio.ensure_future(asyncio.to_thread(self.consumer.consume, self.batch, WITHIN_S))
                 messages = await asyncio.shield(pending)
                 pending = None
-                self._apply_revocations()
+                assigned = self._apply_revocations()
+                if assigned:
+                    await asyncio.to_thread(self._starts, assigned)
                 records = []
                 for m in messages:
                     err = m.error()
@@ -172,8 +368,12 @@ class RawIntake:
                         records.append(RawRecord(m))
                     elif err.code() != KafkaError._PARTITION_EOF:
                         log.warning("route stage consumer: %s", err)
-                if records:  # an epoch whose input stopped is committed by the worker's timer, as the agents' are
-                    pending = asyncio.ensure_future(self.epoch.run_batch(records))
+                ready = self._aligned(records)
+                # What the alignment released at once (held records and the new) goes in batches
+                # of at most ``batch``, as consumed records would. An epoch whose input stopped is
+                # committed by the worker's timer, as the agents' are.
+                for start in range(0, len(ready), self.batch):
+                    pending = asyncio.ensure_future(self.epoch.run_batch(ready[start:start + self.batch]))
                     await asyncio.shield(pending)
                     pending = None
         except asyncio.CancelledError:

@@ -138,6 +138,7 @@ class RouteStage:
                       "route_output_dead_letters": self.output.dead_letters},
             "counters": {self.router.counters.component: self.router.counters.totals},
             "epochs": {"route_events": self.intake.epoch.health()},
+            "alignment": self.intake.align.health(),
             "gc": gctune.stats(),
         }
 
