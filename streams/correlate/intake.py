@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Callable
 from operator import attrgetter
 
-from confluent_kafka import KafkaError, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from producers._kafka import ROUTE_FETCH
 from streams.runner import HARD_EXIT, STOP_GRACE_S, Epoch
@@ -236,6 +236,7 @@ class RawIntake:
         self.assignment: set[tuple[str, int]] = set()
         self.assigned_once = False
         self._assigned_again = False  # set by the consumer's thread: resume what a pause may have left paused
+        self._resume_refused = False
         self._revoked: list[tuple[str, int]] = []  # appended by the consumer's thread, applied on the loop
         self._lock = threading.Lock()
         self._committed: dict[tuple[str, int], int] = {}
@@ -292,8 +293,17 @@ class RawIntake:
             tps = [TopicPartition(t, p) for t, p in assignment]
             # librdkafka keeps a partition's pause across a revocation and a new assignment:
             # a partition this stage paused, taken away and given back, would stay paused.
+            try:
+                self.consumer.resume(tps)
+            except KafkaException as exc:
+                if not self._resume_refused:  # once per state change, not per attempt
+                    log.warning("route stage: resuming the new assignment refused (%s); trying again", exc)
+                self._resume_refused = True
+                with self._lock:
+                    self._assigned_again = True
+                return []
+            self._resume_refused = False
             self.align.paused.difference_update(assignment)
-            self.consumer.resume(tps)
             return tps
         return []
 
@@ -301,8 +311,6 @@ class RawIntake:
         """Tell the alignment where reading starts on newly assigned partitions (their
         committed offsets; one request): without it a partition not read yet would not
         count as behind, and the first batches of a backlog would not wait for it."""
-        from confluent_kafka import KafkaException
-
         fresh = [tp for tp in tps if (tp.topic, tp.partition) not in self.align.next_offset]
         if not fresh:
             return
@@ -334,10 +342,23 @@ class RawIntake:
         align.add(records)
         ready = align.release(align.behind(self._high_watermark), time.monotonic())
         pause, resume = align.to_pause(), align.to_resume()
+        # Pausing is an optimisation; a partition left paused would stall. So the set of
+        # paused partitions follows what librdkafka accepted, and a refused resume is retried.
         if pause:
-            self.consumer.pause([TopicPartition(t, p) for t, p in pause])
+            try:
+                self.consumer.pause([TopicPartition(t, p) for t, p in pause])
+            except KafkaException as exc:
+                align.paused.difference_update(pause)
+                log.info("route stage: pausing %d partition(s) refused (%s)", len(pause), exc)
         if resume:
-            self.consumer.resume([TopicPartition(t, p) for t, p in resume])
+            try:
+                self.consumer.resume([TopicPartition(t, p) for t, p in resume])
+                self._resume_refused = False
+            except KafkaException as exc:
+                align.paused.update(resume)
+                if not self._resume_refused:  # once per state change, not per attempt
+                    log.warning("route stage: resuming %d partition(s) refused (%s); trying again", len(resume), exc)
+                self._resume_refused = True
         return ready
 
     def assigned(self) -> list[TopicPartition] | None:
