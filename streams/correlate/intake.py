@@ -90,20 +90,24 @@ class TimeAlignment:
     How (Kafka Streams' stream-time synchronisation, which it configures with
     ``max.task.idle.ms``): per partition, its records in offset order and the newest Kafka
     timestamp read from it. A partition is *behind* while the broker holds records of it
-    that have not been read (its cached high watermark is beyond the next offset). Records
-    are released up to the *frontier*, the lowest newest-timestamp of the partitions behind
-    — whatever is still to come of those is at least that new — every record of a partition
-    that is not behind, and everything once nothing is behind. A partition's records leave
-    in offset order: one held holds every later one of its partition, so the offsets the
-    epoch commits never pass a held record (a crash re-reads it). A partition that holds
+    that have not been read (its high watermark is beyond the next offset: the consumer's
+    cached value, or until a fetch brought one, the value asked for at assignment; a
+    partition not read yet counts from its committed offset). Records are released up to
+    the *frontier*, the lowest newest-timestamp of the partitions behind — whatever is
+    still to come of those is at least that new (-1 for one not read yet: anything may
+    come) — and everything once nothing is behind. A partition's records leave in offset
+    order: one held holds every later one of its partition, so the offsets the epoch
+    commits never pass a held record (a crash re-reads it). A partition that holds
     ``per_partition`` records is paused (``paused``), so that the consumer fetches the ones
     behind — librdkafka drops what it had fetched of a paused partition and resumes it at
     the next offset not yet read, so nothing is lost. If the frontier does not move for
-    ``stall_s`` while records are held (a partition behind that delivers nothing: its
-    leader is away), everything held is released: ordering is an optimisation, never a
-    stall. Timestamps are the producers' (CreateTime): publishing order, what a live run
-    sees. A partition not read since it was assigned has no position yet and counts as
-    not behind (an idle partition must not hold the others back)."""
+    ``stall_s`` while records wait (a partition behind that delivers nothing: its leader
+    is away, or its high watermark is out of the consumer's reach — a transaction marker
+    is never delivered), everything held is released, and the partitions behind then are
+    not waited for again until their next offset or high watermark changes: ordering is
+    an optimisation, never a stall, and a stuck partition costs one wait, not one per
+    batch. Timestamps are the producers' (CreateTime): publishing order, what a live run
+    sees."""
 
     def __init__(self, per_partition: int = HOLD_PER_PARTITION, stall_s: float = HOLD_STALL_S) -> None:
         self.per_partition = per_partition
@@ -111,6 +115,9 @@ class TimeAlignment:
         self.queues: dict[tuple[str, int], deque[RawRecord]] = {}
         self.newest: dict[tuple[str, int], int] = {}     # the newest timestamp read of each partition
         self.next_offset: dict[tuple[str, int], int] = {}
+        self.initial_high: dict[tuple[str, int], int] = {}  # asked at assignment, until a fetch brings one
+        self.stalled: dict[tuple[str, int], tuple[int, int]] = {}  # (next offset, high watermark) when it stalled
+        self._behind_at: dict[tuple[str, int], tuple[int, int]] = {}  # the same, as ``behind`` last saw them
         self.paused: set[tuple[str, int]] = set()
         self.held = 0
         self._frontier: float | None = None
@@ -130,16 +137,33 @@ class TimeAlignment:
             self.next_offset[tp] = rec.offset + 1
         self.held += len(records)
 
-    def start(self, tp: tuple[str, int], offset: int) -> None:
+    def start(self, tp: tuple[str, int], offset: int, high: int = -1) -> None:
         """Where the consumer starts reading a newly assigned partition (its committed
-        offset): one not read yet is behind while its high watermark is beyond that."""
+        offset) and its high watermark then: one not read yet is behind while that is beyond
+        its start (the consumer's cached high watermark is unknown until a fetch brings one)."""
         if offset >= 0 and tp not in self.next_offset:
             self.next_offset[tp] = offset
+            if high >= 0:
+                self.initial_high[tp] = high
 
     def behind(self, high_watermark: Callable[[tuple[str, int]], int]) -> list[tuple[str, int]]:
         """The partitions whose broker holds records not read yet (``high_watermark(tp)``:
-        the consumer's cached value, negative when unknown)."""
-        return [tp for tp, nxt in self.next_offset.items() if high_watermark(tp) > nxt]
+        the consumer's cached value, negative when unknown) — but for those that stalled the
+        frontier, as long as neither their next offset nor their high watermark changed."""
+        out, self._behind_at = [], {}
+        for tp, nxt in self.next_offset.items():
+            high = high_watermark(tp)
+            if high < 0:
+                high = self.initial_high.get(tp, -1)
+            if high > nxt:
+                mark = self.stalled.get(tp)
+                if mark is not None:
+                    if mark == (nxt, high):
+                        continue
+                    del self.stalled[tp]
+                out.append(tp)
+                self._behind_at[tp] = (nxt, high)
+        return out
 
     def release(self, behind: list[tuple[str, int]], now: float) -> list[RawRecord]:
         """The records that may be routed now, in timestamp order (see the class docstring)."""
@@ -154,6 +178,7 @@ class TimeAlignment:
             elif now - self._moved_at >= self.stall_s:
                 frontier = None
                 self.stall_releases += 1
+                self.stalled.update({tp: self._behind_at[tp] for tp in behind if tp in self._behind_at})
         runs = []
         for queue in self.queues.values():
             if frontier is None:
@@ -165,10 +190,10 @@ class TimeAlignment:
                     run.append(queue.popleft())
             if run:
                 runs.append(run)
-        if frontier is None:
-            self._frontier = None
         out = list(heapq.merge(*runs, key=attrgetter("ts"))) if len(runs) > 1 else (runs[0] if runs else [])
         self.held -= len(out)
+        if frontier is None or not self.held:
+            self._frontier = None  # the stall time counts from when records start to wait again
         return out
 
     def to_pause(self) -> list[tuple[str, int]]:
@@ -192,6 +217,8 @@ class TimeAlignment:
             dropped += len(self.queues.pop(tp, ()))
             self.newest.pop(tp, None)
             self.next_offset.pop(tp, None)
+            self.initial_high.pop(tp, None)
+            self.stalled.pop(tp, None)
             self.paused.discard(tp)
         self.held -= dropped
         return dropped
@@ -309,24 +336,24 @@ class RawIntake:
 
     def _starts(self, tps: list[TopicPartition]) -> None:
         """Tell the alignment where reading starts on newly assigned partitions (their
-        committed offsets; one request): without it a partition not read yet would not
-        count as behind, and the first batches of a backlog would not wait for it."""
+        committed offsets) and their high watermarks (a request each; the consumer's cached
+        ones come with its first fetch of each): without them a partition not read yet would
+        not count as behind, and the first batches of a backlog would not wait for it."""
         fresh = [tp for tp in tps if (tp.topic, tp.partition) not in self.align.next_offset]
         if not fresh:
             return
         try:
-            committed = self.consumer.committed(fresh, timeout=10)
+            committed = self.consumer.committed(fresh, timeout=5)
         except KafkaException as exc:  # alignment is an optimisation: read on without it
             log.info("route stage: committed offsets not known (%s); the first batches are not aligned", exc)
             return
         for tp in committed:
-            offset = tp.offset
-            if offset < 0:  # nothing committed: reading starts at the low watermark (auto.offset.reset earliest)
-                try:
-                    offset = self.consumer.get_watermark_offsets(tp, timeout=5)[0]
-                except KafkaException:
-                    continue
-            self.align.start((tp.topic, tp.partition), offset)
+            try:
+                low, high = self.consumer.get_watermark_offsets(tp, timeout=2)
+            except KafkaException:
+                continue
+            # Nothing committed: reading starts at the low watermark (auto.offset.reset earliest).
+            self.align.start((tp.topic, tp.partition), tp.offset if tp.offset >= 0 else low, high)
 
     def _high_watermark(self, tp: tuple[str, int]) -> int:
         """The partition's high watermark as the consumer last heard it (no request; -1 unknown)."""
@@ -380,8 +407,10 @@ class RawIntake:
                 messages = await asyncio.shield(pending)
                 pending = None
                 assigned = self._apply_revocations()
-                if assigned:
-                    await asyncio.to_thread(self._starts, assigned)
+                if assigned:  # tracked as ``pending``: a stop waits for it before closing the consumer
+                    pending = asyncio.ensure_future(asyncio.to_thread(self._starts, assigned))
+                    await asyncio.shield(pending)
+                    pending = None
                 records = []
                 for m in messages:
                     err = m.error()

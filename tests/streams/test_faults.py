@@ -246,8 +246,12 @@ def test_a_replay_rebuilds_every_table_identically(kafka_bootstrap, history, ref
     assert replay.stop_and_checksum() == reference.sums
 
 
+# A commit-point fault counts the stage's epoch commits (every 0.25 s here): the reference run's
+# correlation stage commits about six times, so the crash comes at the third, mid-run, with state
+# already durable (the fifth, as before, was within a commit of the end and on a loaded machine
+# sometimes never came).
 @pytest.mark.parametrize("fault", ["route:after_outputs:1", "correlate:before_outputs:3", "correlate:during_outputs:4", "correlate:after_outputs:3",
-                                   "correlate:after_changelog:5", "controls:during_outputs:2", "controls:after_outputs:3"])
+                                   "correlate:after_changelog:3", "controls:during_outputs:2", "controls:after_outputs:3"])
 def test_a_crash_at_any_point_of_a_batch_heals_to_the_uninterrupted_tables(kafka_bootstrap, history, reference, tmp_path, fault):
     cat, n = history
     run = Run(kafka_bootstrap, cat, tmp_path, f"{cat.prefix}-{fault.replace(':', '-').replace('_', '-')}")

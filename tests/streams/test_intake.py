@@ -84,6 +84,51 @@ def test_a_partition_behind_that_delivers_nothing_holds_the_others_only_for_stal
     assert align.health()["stall_releases"] == 1
 
 
+def test_a_stuck_partition_costs_one_wait_not_one_per_batch():
+    """A partition whose high watermark stays out of reach (a transaction marker is never
+    delivered) stalls the frontier once; it is not waited for again until it moves."""
+    align = TimeAlignment(per_partition=100, stall_s=0.5)
+    high = {A: 8, B: 100}  # A's records end at 7: offset 7 is a marker the consumer never gets
+    align.add(_recs("sched", 0, [10, 11, 12, 13, 14, 15, 16]))
+    assert [r.ts for r in align.release(align.behind(high.get), now=0.0)] == list(range(10, 17))
+    align.add(_recs("gpu", 0, [20]))
+    assert align.release(align.behind(high.get), now=0.1) == []  # waits for A
+    assert [r.ts for r in align.release(align.behind(high.get), now=0.6)] == [20]  # the stall
+    for i, now in enumerate((0.7, 0.8, 0.9)):  # live records of B go at once now
+        align.add(_recs("gpu", 0, [21 + i], first=1 + i))
+        assert [r.ts for r in align.release(align.behind(high.get), now=now)] == [21 + i]
+    high[A] = 9  # A moves: it is waited for again
+    align.add(_recs("gpu", 0, [30], first=4))
+    assert align.release(align.behind(high.get), now=1.0) == []
+    assert align.health()["stall_releases"] == 1
+
+
+def test_the_stall_time_counts_from_when_records_start_to_wait():
+    align = TimeAlignment(per_partition=100, stall_s=0.5)
+    high = {A: 5, B: 1}  # A behind, B read to its end
+    align.add(_recs("sched", 0, [10]))
+    align.add(_recs("gpu", 0, [5]))
+    assert [r.ts for r in align.release(align.behind(high.get), now=0.0)] == [5, 10]  # nothing left waiting
+    high[B] = 2
+    align.add(_recs("gpu", 0, [20], first=1))  # the same frontier (10), much later
+    assert align.release(align.behind(high.get), now=0.9) == []  # waits: a stall counts from now
+    assert [r.ts for r in align.release(align.behind(high.get), now=1.5)] == [20]
+
+
+def test_a_partition_not_fetched_yet_is_behind_by_the_high_watermark_asked_at_assignment():
+    align = TimeAlignment(per_partition=100, stall_s=60)
+    align.start(A, 0, high=50)  # the consumer has no cached high watermark for A before its first fetch
+    align.start(B, 0, high=0)
+    align.add(_recs("gpu", 0, [10, 20]))
+    def cached(_tp):
+        return -1001  # librdkafka's "unknown", for both
+
+    assert align.behind(cached) == [A]  # B's records were all read
+    assert align.release(align.behind(cached), now=0) == []  # A may hold older records
+    align.add(_recs("sched", 0, [15]))
+    assert [r.ts for r in align.release(align.behind(cached), now=1)] == [10, 15]
+
+
 def test_revoked_partitions_are_forgotten():
     align = TimeAlignment(per_partition=2, stall_s=60)
     align.add(_recs("gpu", 0, [10, 20, 30]))
