@@ -117,7 +117,6 @@ class TimeAlignment:
         self.next_offset: dict[tuple[str, int], int] = {}
         self.initial_high: dict[tuple[str, int], int] = {}  # asked at assignment, until a fetch brings one
         self.stalled: dict[tuple[str, int], tuple[int, int]] = {}  # (next offset, high watermark) when it stalled
-        self._behind_at: dict[tuple[str, int], tuple[int, int]] = {}  # the same, as ``behind`` last saw them
         self.paused: set[tuple[str, int]] = set()
         self.held = 0
         self._frontier: float | None = None
@@ -146,11 +145,12 @@ class TimeAlignment:
             if high >= 0:
                 self.initial_high[tp] = high
 
-    def behind(self, high_watermark: Callable[[tuple[str, int]], int]) -> list[tuple[str, int]]:
+    def behind(self, high_watermark: Callable[[tuple[str, int]], int]) -> dict[tuple[str, int], tuple[int, int]]:
         """The partitions whose broker holds records not read yet (``high_watermark(tp)``:
-        the consumer's cached value, negative when unknown) — but for those that stalled the
-        frontier, as long as neither their next offset nor their high watermark changed."""
-        out, self._behind_at = [], {}
+        the consumer's cached value, negative when unknown), each with its next offset and
+        high watermark — but for those that stalled the frontier, as long as neither of
+        those changed."""
+        out = {}
         for tp, nxt in self.next_offset.items():
             high = high_watermark(tp)
             if high < 0:
@@ -161,11 +161,10 @@ class TimeAlignment:
                     if mark == (nxt, high):
                         continue
                     del self.stalled[tp]
-                out.append(tp)
-                self._behind_at[tp] = (nxt, high)
+                out[tp] = (nxt, high)
         return out
 
-    def release(self, behind: list[tuple[str, int]], now: float) -> list[RawRecord]:
+    def release(self, behind: dict[tuple[str, int], tuple[int, int]], now: float) -> list[RawRecord]:
         """The records that may be routed now, in timestamp order (see the class docstring)."""
         if not self.held:
             self._frontier = None
@@ -178,7 +177,7 @@ class TimeAlignment:
             elif now - self._moved_at >= self.stall_s:
                 frontier = None
                 self.stall_releases += 1
-                self.stalled.update({tp: self._behind_at[tp] for tp in behind if tp in self._behind_at})
+                self.stalled.update(behind)
         runs = []
         for queue in self.queues.values():
             if frontier is None:
@@ -317,22 +316,29 @@ class RawIntake:
             self.epoch.forget(revoked)
             self.align.forget(revoked)
         if assigned_again and assignment:
-            tps = [TopicPartition(t, p) for t, p in assignment]
             # librdkafka keeps a partition's pause across a revocation and a new assignment:
             # a partition this stage paused, taken away and given back, would stay paused.
-            try:
-                self.consumer.resume(tps)
-            except KafkaException as exc:
-                if not self._resume_refused:  # once per state change, not per attempt
-                    log.warning("route stage: resuming the new assignment refused (%s); trying again", exc)
-                self._resume_refused = True
+            if not self._resume(assignment):
                 with self._lock:
                     self._assigned_again = True
                 return []
-            self._resume_refused = False
-            self.align.paused.difference_update(assignment)
-            return tps
+            return [TopicPartition(t, p) for t, p in assignment]
         return []
+
+    def _resume(self, partitions: list[tuple[str, int]]) -> bool:
+        """Resume ``partitions`` (unpaused ones are left as they are) and take them out of the
+        alignment's paused set; False if librdkafka refused (the caller tries again), logged
+        once per state change, not per attempt."""
+        try:
+            self.consumer.resume([TopicPartition(t, p) for t, p in partitions])
+        except KafkaException as exc:
+            if not self._resume_refused:
+                log.warning("route stage: resuming %d partition(s) refused (%s); trying again", len(partitions), exc)
+            self._resume_refused = True
+            return False
+        self._resume_refused = False
+        self.align.paused.difference_update(partitions)
+        return True
 
     def _starts(self, tps: list[TopicPartition]) -> None:
         """Tell the alignment where reading starts on newly assigned partitions (their
@@ -377,15 +383,8 @@ class RawIntake:
             except KafkaException as exc:
                 align.paused.difference_update(pause)
                 log.info("route stage: pausing %d partition(s) refused (%s)", len(pause), exc)
-        if resume:
-            try:
-                self.consumer.resume([TopicPartition(t, p) for t, p in resume])
-                self._resume_refused = False
-            except KafkaException as exc:
-                align.paused.update(resume)
-                if not self._resume_refused:  # once per state change, not per attempt
-                    log.warning("route stage: resuming %d partition(s) refused (%s); trying again", len(resume), exc)
-                self._resume_refused = True
+        if resume and not self._resume(resume):
+            align.paused.update(resume)  # still paused: resumed again next time
         return ready
 
     def assigned(self) -> list[TopicPartition] | None:
