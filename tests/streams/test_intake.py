@@ -178,6 +178,10 @@ def test_a_backlog_is_routed_in_publishing_order_exactly_once(kafka_bootstrap, c
 
     async def run() -> RawIntake:
         intake = RawIntake(settings, client_config(settings), topics, ("route_events", handle, nothing, nothing, nothing, 0.2))
+        # A loaded machine (CI runs four test workers beside the broker) can leave a fetch more
+        # than the production 0.5 s behind, and a stall release is out of order by design
+        # (tested above); here the order itself is proven, so the stall wait is out of reach.
+        intake.align = TimeAlignment(stall_s=120)
         task = asyncio.create_task(intake.run())
         deadline = time.monotonic() + 60
         while len(handled) < len(written) and time.monotonic() < deadline and not task.done():
@@ -192,7 +196,8 @@ def test_a_backlog_is_routed_in_publishing_order_exactly_once(kafka_bootstrap, c
     assert len(ids) == len(set(ids)) == len(written) and set(ids) == set(written)
     stamps = [r.ts for r in handled]
     inversions = sum(1 for a, b in zip(stamps, stamps[1:]) if b < a)
-    assert inversions == 0, f"{inversions} records routed after a newer one"
+    assert intake.align.stall_releases == 0
+    assert inversions == 0, f"{inversions} records routed after a newer one ({intake.align.health()})"
     assert intake.align.health()["pauses"] > 0  # the small records' partitions ran ahead and were paused
     ends = {}
     for (topic, partition, offset) in written:
