@@ -382,6 +382,20 @@ async def commit_epochs_while_stopping(ctx: WorkerContext) -> None:
         await asyncio.sleep(STOP_COMMIT_EVERY_S)
 
 
+def prepare_data_dir(settings) -> None:
+    """Create the worker's data dir with its parents (Faust creates only its own last
+    directory, and a missing parent ended the worker with a traceback); one that cannot be
+    created is a ``SettingsError`` naming it."""
+    from gpuledger.settings import SettingsError
+
+    where = settings.data_dir / "streams"
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SettingsError(f"cannot create the worker's data dir {where} (data_dir, GPULEDGER_DATA_DIR): "
+                            f"{exc.strerror or exc}") from exc
+
+
 def run_worker(settings, loglevel: str = "info") -> None:
     """Run the worker in this process, and its route stage and sink in child processes,
     until SIGTERM/SIGINT.
@@ -395,6 +409,7 @@ def run_worker(settings, loglevel: str = "info") -> None:
 
     calm_logging()
     gctune.tune()
+    prepare_data_dir(settings)
     ensure_run_topics(settings)
     app = create_app(settings)
     ctx = app.gpuledger

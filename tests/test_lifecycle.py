@@ -141,11 +141,11 @@ def receiver(stack: ExitStack, kafka_bootstrap: str, catalogue, tmp_path: Path) 
 
 
 def worker(stack: ExitStack, kafka_bootstrap: str, catalogue, tmp_path: Path) -> Component:
-    data = tmp_path / "worker"
+    data = tmp_path / "worker" / "data"  # not there yet, nor its parent: the worker creates both
     app_id = f"{catalogue.prefix}-lifecycle"
     env = {**base_env(kafka_bootstrap, catalogue, data), "GPULEDGER_CLICKHOUSE_DSN": f"chdb://{data / 'clickhouse'}",
            "GPULEDGER_CLICKHOUSE_BATCH_SECONDS": "0.3", "GPULEDGER_STREAMS_APP_ID": app_id}
-    service = ServiceProcess(["-v", "worker"], env, data / "worker.log")
+    service = ServiceProcess(["-v", "worker"], env, tmp_path / "worker.log")
     correlated = catalogue.run(app_id).correlated
 
     def busy() -> None:

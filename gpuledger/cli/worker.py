@@ -13,13 +13,14 @@ def worker(bootstrap: Optional[str] = BootstrapOpt, dsn: Optional[str] = DsnOpt,
            app_id: Optional[str] = typer.Option(None, "--app-id", help="Faust app id (consumer group)."),
            web_port: Optional[int] = typer.Option(None, "--web-port", help="Loopback port for health and read-only queries.")) -> None:
     """Run the Faust worker: correlate raw events and sink them into ClickHouse."""
+    from gpuledger.settings import SettingsError
     from producers._errors import ProducerError
     from sinks.errors import SinkError
     from streams.app import run_worker
     from streams.controls.policy import PolicyError
 
     settings = load_settings(bootstrap, dsn, streams={"app_id": app_id, "web_port": web_port})
-    with failing_on(PolicyError, code=2), failing_on(ProducerError, SinkError):
+    with failing_on(PolicyError, SettingsError, code=2), failing_on(ProducerError, SinkError):
         run_worker(settings)
 
 

@@ -234,6 +234,9 @@ class Controller:
         await self.ctx.commit_state("controls", self.store)
 
     async def reset(self, events: list) -> None:
+        """A failed batch: reload its partitions' state from the changelog, once everything
+        produced before the failure is acknowledged (``Correlator.reset`` says why)."""
+        await self.ctx.output.flush()
         self.packer.discard()
         self.forget({ev.message.partition for ev in events})
 

@@ -271,7 +271,14 @@ class Correlator:
     # --- failure handling ---------------------------------------------------------------
     async def reset(self, events: list) -> None:
         """Forget the in-memory state of the batch's partitions: reload it from the
-        changelog (what is durable is consistent with what was acknowledged)."""
+        changelog (what is durable is consistent with what was acknowledged).
+
+        Every record produced before the failure is acknowledged first (``flush``): a commit
+        that failed half-way may have left changelog records in the producer's queue, and
+        one landing after the reload had read the changelog would leave the reloaded layout
+        short of it — the key's next write would then tombstone chunks that record's head
+        refers to. Outputs acknowledged here are ahead of their state, never behind it."""
+        await self.ctx.output.flush()
         self.route.discard()
         self.controls.discard()
         self.forget({ev.message.partition for ev in events if ev.message.topic == self.ctx.run.route})

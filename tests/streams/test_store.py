@@ -265,3 +265,48 @@ def test_a_partition_revoked_while_it_loads_is_not_kept(kafka_bootstrap):
     assert recovering.parts == {0: {"a": {"n": 1}}}
     asyncio.run(recovering.ensure([1]))  # assigned again: read again
     assert recovering.parts == {0: {"a": {"n": 1}}, 1: {"b": {"n": 1}}}
+
+
+@pytest.mark.parametrize("stage", ["correlate", "controls"])
+def test_a_failed_batch_reloads_its_state_only_once_every_record_produced_before_is_acknowledged(kafka_bootstrap, catalogue, settings_for, stage):
+    """A commit that failed half-way (after ``write_changes``, before its flush) leaves
+    changelog records in the producer's queue. The agent's reset acknowledges them before it
+    drops the partition's state, so the reload reads a changelog that holds them (a record
+    landing after the reload would be missing from the reloaded layout)."""
+    from types import SimpleNamespace
+
+    from streams.app import WorkerContext, ensure_run_topics
+    from streams.controls.agents import Controller
+    from streams.correlate.agents import Correlator
+    from streams.correlate.entities import new_entity
+
+    settings = settings_for(catalogue)
+    settings.streams.app_id = f"reset-{uuid.uuid4().hex[:6]}"
+    ensure_run_topics(settings)
+    key = "pod/ml/p1"
+    if stage == "correlate":
+        state = {**new_entity(key), "interests": ["release/r1"]}
+    else:
+        state = {"rows": {"r1": {"at": "2026-11-01T08:00:00+00:00"}}, "interests": ["release/r1"]}
+
+    async def run():
+        ctx = WorkerContext(settings)
+        agent = Correlator(ctx) if stage == "correlate" else Controller(ctx)
+        topic = ctx.run.route if stage == "correlate" else ctx.run.controls
+        await agent.store.ensure({1})
+        agent.store.put(1, key, state)
+        written = agent.store.write_changes(ctx.output)  # the commit fails here, before its flush
+        queued = len(ctx.output._inflight)
+        await agent.reset([SimpleNamespace(message=SimpleNamespace(topic=topic, partition=1))])
+        left = len(ctx.output._inflight)
+        dropped = 1 not in agent.store.parts
+        await agent.store.ensure({1})
+        recovered = agent.store.get(1, key)
+        ctx.output.close()
+        return written, queued, left, dropped, recovered
+
+    written, queued, left, dropped, recovered = asyncio.run(run())
+    assert written >= 1 and queued >= written  # records were waiting for their acks when the batch failed
+    assert left == 0  # the reset waited for every one
+    assert dropped  # and the partition's state was reloaded from the changelog
+    assert recovered == state
