@@ -326,7 +326,7 @@ def test_watch_bookmarks_on_demand_and_periodic(ac):
     with FakeKubeApi(bookmark_interval=0.2) as api, api.api_client() as bac:
         v1 = client.CoreV1Api(bac)
         rv = api.resource_version
-        later(0.1, api.create, PODS, make_pod("ml", "p"))
+        api.create(PODS, make_pod("ml", "p"))  # replayed from rv when the watch opens, before any bookmark
         w = watch.Watch()
         seen = []
         for ev in w.stream(v1.list_pod_for_all_namespaces, resource_version=rv,
