@@ -48,7 +48,7 @@ SRC = Source(collector="fault-test")
 T0 = datetime(2026, 11, 1, 6, tzinfo=timezone.utc)
 # Small batches and packs: the ~1,000 events make many batches, so a fault at the Nth
 # batch falls in the middle of the run, with state already durable before it.
-ENV = {"GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "1", "GPULEDGER_STREAMS_COMMIT_INTERVAL_S": "0.25", "GPULEDGER_STREAMS_BATCH_MAX": "10", "GPULEDGER_STREAMS_PACK_MAX": "10",
+ENV = {"GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "1", "GPULEDGER_STREAMS_COMMIT_INTERVAL_S": "0.1", "GPULEDGER_STREAMS_BATCH_MAX": "10", "GPULEDGER_STREAMS_PACK_MAX": "10",
        "GPULEDGER_STREAMS_PACKED_BATCH_MESSAGES": "10",
        # a node/GPU's 5-6 alerts and holders go in sealed changelog chunks (streams.store.Chunks) that crashes cut between
        "GPULEDGER_STREAMS_STATE_CHUNK": "2", "GPULEDGER_STREAMS_STATE_CHUNK_FROM": "2",
@@ -246,14 +246,24 @@ def test_a_replay_rebuilds_every_table_identically(kafka_bootstrap, history, ref
     assert replay.stop_and_checksum() == reference.sums
 
 
-# A commit-point fault counts the stage's epoch commits (every 0.25 s here): the reference run's
-# correlation stage commits about six times, so the crash comes at the third, mid-run, with state
-# already durable (the fifth, as before, was within a commit of the end and on a loaded machine
-# sometimes never came).
+# A commit-point fault counts the stage's epoch commits (every 0.1 s here): the reference run's
+# correlation and controls stages commit about ten times each (~90 batches per commit), so the
+# crash comes at the third, mid-run, with state already durable. At 0.25 s they committed about
+# six times, and a faster machine would have brought the third near the end; the test checks
+# the reference's count first, so too few commits fail with that count, not with a fault that
+# never fired.
 @pytest.mark.parametrize("fault", ["route:after_outputs:1", "correlate:before_outputs:3", "correlate:during_outputs:4", "correlate:after_outputs:3",
                                    "correlate:after_changelog:3", "controls:during_outputs:2", "controls:after_outputs:3"])
 def test_a_crash_at_any_point_of_a_batch_heals_to_the_uninterrupted_tables(kafka_bootstrap, history, reference, tmp_path, fault):
     cat, n = history
+    stage, point, nth = fault.split(":")
+    if point in ("after_outputs", "after_changelog") and stage != "route":
+        # A commit-point fault counts the stage's epoch commits, which come by time: the
+        # uninterrupted run must have committed at least twice more, or the crash would fall
+        # at the end of the run (or never come) rather than in its middle.
+        agent = {"correlate": "correlate_entities", "controls": "evaluate_controls"}[stage]
+        commits = reference.health["epochs"][agent]["commits"]
+        assert commits >= int(nth) + 2, f"the reference run's {agent} committed {commits} time(s): too few for {fault}"
     run = Run(kafka_bootstrap, cat, tmp_path, f"{cat.prefix}-{fault.replace(':', '-').replace('_', '-')}")
     if fault.startswith("route:"):
         # The route stage is a child process of the worker (streams.correlate.route): it ends
