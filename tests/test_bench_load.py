@@ -46,3 +46,19 @@ def test_the_live_load_sends_the_mix_stamped_at_the_time_of_sending(kafka_bootst
         # apart from the times, the event the product's encoder gives
         assert encode_event(sent.model_copy(update={"occurred_at": e.occurred_at, "observed_at": e.observed_at,
                                                     "payload": payload})) == encode_event(e)
+
+
+def test_the_summary_sets_the_live_cpu_per_event_of_all_processes_beside_the_bulk_phases():
+    """``make bench``'s summary line for what the latency target asks of the machine: the live
+    run's CPU per event with the publisher's and the broker's share (cores / events/s), the bulk
+    phase's (its processes' and broker's ms per event), and the cores each kept busy."""
+    from benchmarks.bench import report
+
+    r = {"published": 1000, "config": {"prefix": "p"}, "ratios": {"worker_vs_passthrough_pct": None, "replay_vs_worker": None},
+         "worker": {"events_per_s": 5000.0, "cpu_ms_per_event": {"worker": 0.1, "route": 0.02, "sink": 0.08, "broker": 0.05}},
+         "latency": {"p50_s": 1.0, "p99_s": 2.5, "achieved_rate": 4000.0, "complete": True, "machine_busy_cores": 1.6, "machine_cores": 2,
+                     "cpu_ms_per_event": {"worker": 0.15, "route": 0.03, "sink": 0.1}, "broker_cpu_cores": 0.4, "publisher_cpu_cores": 0.08}}
+    line = next(x for x in report(r).splitlines() if x.startswith("CPU per event, all processes: live"))
+    # live: 0.15 + 0.03 + 0.1 + (0.4 + 0.08) / 4000 s = 0.28 + 0.12 ms; bulk: 0.25 ms
+    assert line == ("CPU per event, all processes: live 0.400 ms (publisher and broker included), bulk 0.250 ms; "
+                    "cores busy: live 1.60 at 4,000/s, bulk 1.25 at 5,000/s")
