@@ -53,6 +53,10 @@ from streams.runner import FaultInjection
 
 log = logging.getLogger(__name__)
 
+#: How long a rebalance waits for the records this worker produced before it to be
+#: acknowledged (``_revoked`` in ``create_app``): half the group session timeout (10 s).
+REVOKE_FLUSH_S = 5.0
+
 
 class WorkerContext:
     """What every agent of one worker shares: settings, the run's topics, the one
@@ -262,6 +266,16 @@ def create_app(settings) -> faust.App:
 
     @app.on_partitions_revoked.connect
     async def _revoked(sender, revoked, **kwargs):
+        # Faust has waited for the handed-out events to be acked (each ack follows an epoch
+        # commit, flushed) — unless that wait timed out, with a commit's changelog records
+        # still queued. They are acknowledged before the partitions go: landing after their
+        # next owner (or this worker, given them back) read the changelog, they would be
+        # missing from the layout it loaded (``Correlator.reset`` says what that costs).
+        try:
+            await asyncio.wait_for(ctx.output.flush(), REVOKE_FLUSH_S)
+        except asyncio.TimeoutError:
+            log.warning("rebalance: records produced before it still not acknowledged after %.0fs; giving the partitions up",
+                        REVOKE_FLUSH_S)
         for epoch in ctx.epochs.values():
             epoch.forget((tp.topic, tp.partition) for tp in revoked)
         ctx.correlator.forget({tp.partition for tp in revoked if tp.topic == run.route})

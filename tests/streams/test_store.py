@@ -310,3 +310,37 @@ def test_a_failed_batch_reloads_its_state_only_once_every_record_produced_before
     assert left == 0  # the reset waited for every one
     assert dropped  # and the partition's state was reloaded from the changelog
     assert recovered == state
+
+
+def test_a_rebalance_gives_partitions_up_only_once_every_record_produced_before_is_acknowledged(kafka_bootstrap, catalogue, settings_for):
+    """The worker's revocation handler (``streams.app.create_app``) acknowledges what this worker
+    produced before it drops the revoked partitions' state — here a changelog record queued by a
+    commit that Faust's own wait did not see through — so their next owner reads it."""
+    from faust.types import TP
+
+    from streams.app import create_app, ensure_run_topics
+
+    settings = settings_for(catalogue)
+    settings.streams.app_id = f"revoke-{uuid.uuid4().hex[:6]}"
+    ensure_run_topics(settings)
+    key, state = "pod/ml/p1", {"key": "pod/ml/p1", "rows": {}, "links": {}, "sent": {}, "allocs": {}, "fwd": {}, "interests": [],
+                               "detached": 0, "ctl": []}
+
+    async def run():
+        app = create_app(settings)
+        ctx = app.gpuledger
+        store = ctx.correlator.store
+        await store.ensure({2})
+        store.put(2, key, state)
+        written = store.write_changes(ctx.output)
+        queued = len(ctx.output._inflight)
+        await app.on_partitions_revoked.send({TP(ctx.run.route, 2)})
+        left, kept = len(ctx.output._inflight), 2 in store.parts
+        records = await asyncio.to_thread(read_topic, kafka_bootstrap, ctx.run.entities_changelog, 1, 10.0, 0.2)
+        ctx.output.close()
+        return written, queued, left, kept, records
+
+    written, queued, left, kept, records = asyncio.run(run())
+    assert written >= 1 and queued >= written
+    assert left == 0 and not kept  # acknowledged, then the partition's state dropped
+    assert [(m.partition(), m.key().decode()) for m in records] == [(2, key)]
