@@ -67,3 +67,24 @@ def test_freeze_frees_dead_cycles_then_freezes_what_is_alive():
         assert gc.get_count()[0] < len(kept)  # the young generation no longer holds them
     finally:
         gc.unfreeze()
+
+
+def test_the_frozen_count_is_counted_as_objects_are_frozen(monkeypatch):
+    """``stats()`` (every health page) reports the objects frozen since start, counted by each
+    freeze (an epoch commit's ``freeze``, the end of a ``bulk`` load) rather than by walking the
+    permanent generation at every call."""
+    before = gctune.stats()["frozen"]
+    kept = [[i] for i in range(5000)]
+    gctune.freeze()
+    after_freeze = gctune.stats()["frozen"]
+    assert after_freeze >= before + len(kept)
+    with gctune.bulk():
+        loaded = [[i] for i in range(3000)]  # lists: always tracked by the collector (a dict of ints is not)
+    assert gctune.stats()["frozen"] >= after_freeze + len(loaded)
+    assert gctune.stats()["frozen"] == gctune.stats()["frozen"]  # reading it changes nothing
+
+    def walk():
+        raise AssertionError("stats() walked the permanent generation")
+
+    monkeypatch.setattr(gc, "get_freeze_count", walk)
+    assert gctune.stats()["frozen"] >= after_freeze + len(loaded)
