@@ -319,12 +319,13 @@ def test_a_rebalance_gives_partitions_up_only_once_every_record_produced_before_
     from faust.types import TP
 
     from streams.app import create_app, ensure_run_topics
+    from streams.correlate.entities import new_entity
 
     settings = settings_for(catalogue)
     settings.streams.app_id = f"revoke-{uuid.uuid4().hex[:6]}"
     ensure_run_topics(settings)
-    key, state = "pod/ml/p1", {"key": "pod/ml/p1", "rows": {}, "links": {}, "sent": {}, "allocs": {}, "fwd": {}, "interests": [],
-                               "detached": 0, "ctl": []}
+    key = "pod/ml/p1"
+    state = new_entity(key)
 
     async def run():
         app = create_app(settings)
