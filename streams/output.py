@@ -72,16 +72,17 @@ class BatchOutput:
         self._trouble_reported = 0.0
 
     # --- producing ------------------------------------------------------------------
-    def produce(self, topic: str, key: bytes | None, value: bytes, partition: int | None = None, source: tuple | None = None) -> None:
+    def produce(self, topic: str, key: bytes | None, value: bytes, partition: int | None = None, source: tuple | None = None,
+                headers: list[tuple[str, bytes]] | None = None) -> None:
         seq = self._seq
         self._seq += 1
         self._inflight.add(seq)
-        self._send(seq, (topic, key, value, partition, source))
+        self._send(seq, (topic, key, value, partition, source, headers))
 
     def _send(self, seq: int, record: tuple) -> None:
         """Hand one record to librdkafka; ``seq`` stays in flight until it (or the dead
         letter that replaces it) is acknowledged."""
-        topic, key, value, partition, _source = record
+        topic, key, value, partition, _source, headers = record
 
         def on_delivery(err, _msg, seq=seq, record=record):
             if err is None:
@@ -92,9 +93,9 @@ class BatchOutput:
         while True:
             try:
                 if partition is None:
-                    self._producer.produce(topic, key=key, value=value, on_delivery=on_delivery)
+                    self._producer.produce(topic, key=key, value=value, on_delivery=on_delivery, headers=headers)
                 else:
-                    self._producer.produce(topic, key=key, value=value, partition=partition, on_delivery=on_delivery)
+                    self._producer.produce(topic, key=key, value=value, partition=partition, on_delivery=on_delivery, headers=headers)
                 self.produced[topic] += 1
                 return
             except BufferError:
@@ -104,7 +105,7 @@ class BatchOutput:
                 return
 
     def _dead(self, seq: int, record: tuple, err: KafkaError) -> None:
-        topic, key, value, _partition, source = record
+        topic, key, value, _partition, source, _headers = record
         src_topic, src_partition, src_offset = source if source else (None, None, None)
         letter = DeadLetter(
             reason="output_refused", stage=f"streams.output:{topic}",
@@ -115,7 +116,7 @@ class BatchOutput:
         )
         self.dead_letters += 1
         log.error("dead-lettered an output record for %s (%s, %d bytes) derived from %s", topic, err.name(), len(value), source)
-        self._send(seq, (self.deadletter_topic, key, encode_event(letter), None, None))
+        self._send(seq, (self.deadletter_topic, key, encode_event(letter), None, None, None))
 
     # --- waiting for acks ---------------------------------------------------------------
     async def flush(self) -> None:

@@ -129,6 +129,13 @@ class ControlRuntime:
         return changed
 
 
+def control_summary(state: dict) -> list:
+    """What ``Controller._loaded`` needs of a control key after a restart — its interests,
+    its deadline and its latest event time — written beside its state (``PartitionStore``'s
+    ``summarize``), so that the state itself stays encoded until a batch touches it."""
+    return [state.get("interests", []), state.get("deadline"), max_time(state)]
+
+
 class Controller:
     """The batch logic of the controls agent, driven by Faust or by a test."""
 
@@ -139,7 +146,7 @@ class Controller:
         self.policy_version = self.policy.fingerprint  # hashed once: the policy does not change in a running worker
         self.runtime = ControlRuntime()
         self.store = PartitionStore("controls", ctx.run.controls_changelog, ctx.consumer_config, on_load=self._loaded,
-                                    loading=getattr(ctx, "recovery_lock", None))
+                                    loading=getattr(ctx, "recovery_lock", None), summarize=control_summary)
         self.packer = Packer(ctx.run.controls, ctx.run.partitions, max_messages=ctx.settings.streams.pack_max)
         # The epoch's violation records, per input partition, the latest of each violation id
         # (``emit_violations``).
@@ -149,13 +156,11 @@ class Controller:
         for name in ("controls_in", "controls_keys", "violations_out", "control_conflicts"):
             self.stats.setdefault(name, 0)
 
-    def _loaded(self, partition: int, states: dict) -> None:
-        self.runtime.marks.loaded(partition, states)
-        for key, state in states.items():
-            if key == DIRECTORY_MARK:
-                continue
-            self.runtime.track(key, state.get("interests", []), _parse(state["deadline"]) if state.get("deadline") else None)
-            self.runtime.advance(max_time(state))
+    def _loaded(self, partition: int, summaries: dict) -> None:
+        self.runtime.marks.loaded(partition, self.store.get(partition, DIRECTORY_MARK))
+        for key, (interests, deadline, latest) in summaries.items():
+            self.runtime.track(key, interests, _parse(deadline) if deadline else None)
+            self.runtime.advance(latest)
 
     async def evaluate_batch(self, events: list) -> None:
         out = self.ctx.output

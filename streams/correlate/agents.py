@@ -43,7 +43,7 @@ from streams.correlate.directory import ReleaseDirectory, follow_release_topic
 from streams.correlate.entities import GpuMemo, expire, fold_event, fold_link, for_controls, iso, new_entity, refresh
 from streams.packing import Packer, kind_of, partition_for, unpack
 from streams.runner import Epoch, run_batches
-from streams.store import Chunks, DirectoryMarks, PartitionStore
+from streams.store import DIRECTORY_MARK, Chunks, DirectoryMarks, PartitionStore
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,14 @@ def entity_chunks(size: int, seal_from: int | None = None) -> Chunks:
     thousands of alerts and holders costs one small record per touch, not its whole
     history. Rows change in place only in ``parked``/``expired``."""
     return Chunks({"rows": ("sent",), "links": ()}, volatile={"rows": ("parked", "expired")}, size=size, seal_from=seal_from)
+
+
+def entity_summary(state: dict) -> list:
+    """What ``Runtime.load`` needs of an entity after a restart — its interests and its
+    parked rows (park time, row id) — written beside its state (``PartitionStore``'s
+    ``summarize``), so that the state itself stays encoded until a batch touches it."""
+    return [state.get("interests", []),
+            [[rec["starts_at"] or rec["at"], rec["id"]] for rec in state.get("rows", {}).values() if rec.get("parked")]]
 
 
 class Runtime:
@@ -89,13 +97,13 @@ class Runtime:
         for interest in interests:
             self.dependents[interest].add(key)
 
-    def load(self, partition: int, states: dict) -> None:
-        self.marks.loaded(partition, states)
-        for key, state in states.items():
-            self.index(key, state.get("interests", []))
-            for rec in state.get("rows", {}).values():
-                if rec.get("parked"):
-                    self.park(rec["starts_at"] or rec["at"], key, rec["id"])
+    def load(self, partition: int, summaries: dict, marker: dict | None) -> None:
+        """A partition recovered: its keys' summaries (``entity_summary``) and its directory mark."""
+        self.marks.loaded(partition, marker)
+        for key, (interests, parked) in summaries.items():
+            self.index(key, interests)
+            for at, row_id in parked:
+                self.park(at, key, row_id)
 
     def park(self, at_iso: str, key: str, row_id: str) -> None:
         if (key, row_id) in self._parked:
@@ -131,9 +139,9 @@ class Correlator:
         run = ctx.run
         self.directory: ReleaseDirectory = ctx.directory
         self.runtime = Runtime(timedelta(seconds=ctx.settings.streams.park_ttl_s), ctx.settings.streams.park_idle_flush_s)
-        self.store = PartitionStore("entities", run.entities_changelog, ctx.consumer_config, on_load=self.runtime.load,
+        self.store = PartitionStore("entities", run.entities_changelog, ctx.consumer_config, on_load=self._loaded,
                                     chunks=entity_chunks(ctx.settings.streams.state_chunk, ctx.settings.streams.state_chunk_from),
-                                    loading=getattr(ctx, "recovery_lock", None))
+                                    loading=getattr(ctx, "recovery_lock", None), summarize=entity_summary)
         pack_max = ctx.settings.streams.pack_max
         self.route = Packer(run.route, run.partitions, max_messages=pack_max)
         self.controls = Packer(run.controls, run.partitions, max_messages=pack_max)
@@ -269,6 +277,9 @@ class Correlator:
             self.controls.add(allocation_key(compact), {"k": "row", "row": compact})
 
     # --- failure handling ---------------------------------------------------------------
+    def _loaded(self, partition: int, summaries: dict) -> None:
+        self.runtime.load(partition, summaries, self.store.get(partition, DIRECTORY_MARK))
+
     async def reset(self, events: list) -> None:
         """Forget the in-memory state of the batch's partitions: reload it from the
         changelog (what is durable is consistent with what was acknowledged).

@@ -14,7 +14,7 @@ import pytest
 from producers._kafka import ensure_specs
 from schemas.topics import TopicSpec
 from streams.output import BatchOutput
-from streams.store import SEP, Chunks, PartitionStore, _Layout, decode_chunked, encode_chunked
+from streams.store import SEP, SUMMARY_HEADER, Chunks, PartitionStore, _Layout, decode_chunked, encode_chunked
 from tests.fixtures.kafka import read_topic
 
 
@@ -34,8 +34,7 @@ def _setup(bootstrap: str) -> tuple[str, dict, BatchOutput]:
 def _write(store: PartitionStore, output: BatchOutput, states: dict[tuple[int, str], dict | None]) -> int:
     for (p, key), state in states.items():
         if state is None:
-            store.parts[p].pop(key, None)
-            store._dirty[p].add(key)
+            store.delete(p, key)
         else:
             store.put(p, key, state)
     n = store.write_changes(output)
@@ -203,7 +202,7 @@ class _Recorded:
     def __init__(self) -> None:
         self.records: list[tuple[str, bytes | None]] = []
 
-    def produce(self, topic, key, value, partition=None):
+    def produce(self, topic, key, value, partition=None, headers=None):
         self.records.append((key.decode(), value))
 
 
@@ -218,13 +217,12 @@ def test_chunks_left_without_a_head_by_a_crash_are_tombstoned_by_the_keys_next_w
 
     def recover(changelog: dict) -> PartitionStore:
         store = PartitionStore("entities", "unused.changelog", {}, chunks=CHUNKS)  # decoding and writing: no broker
-        store.parts[0], store._layouts[0] = store._decode(changelog)
+        store.parts[0], store._cold[0], store._layouts[0], _summaries = store._decode(changelog, {})
         return store
 
     def write(store: PartitionStore, state: dict | None) -> list[tuple[str, bytes | None]]:
         if state is None:
-            store.parts[0].pop(first["key"], None)
-            store._dirty[0].add(first["key"])
+            store.delete(0, first["key"])
         else:
             store.put(0, first["key"], state)
         out = _Recorded()
@@ -242,6 +240,62 @@ def test_chunks_left_without_a_head_by_a_crash_are_tombstoned_by_the_keys_next_w
 
     # a key deleted before it was ever written whole: its orphans go with its tombstone
     assert sorted(write(recover(dict(crashed)), None)) == sorted([(k, None) for k, _ in crashed] + [(first["key"], None)])
+
+
+# --- cold states (summarize) ----------------------------------------------------------------
+
+def _summary(state: dict) -> list:
+    return [state.get("interests", []), sorted(r for r, v in state.get("rows", {}).items() if v.get("parked"))]
+
+
+@pytest.mark.parametrize("shape", [None, ENTITY_CHUNKS], ids=["whole-states", "entity-chunks"])
+def test_a_recovery_keeps_states_encoded_until_asked_for_and_hands_over_their_summaries(kafka_bootstrap, shape):
+    """With ``summarize``, a state's record carries its summary in a header: a recovery gives
+    ``on_load`` every key's summary — the same as summarizing the decoded state — and keeps
+    the states encoded until a batch asks for one. States in chunks, the directory mark and
+    records written without a summary (before it existed) are decoded as before."""
+    topic, config, output = _setup(kafka_bootstrap)
+    states = {(p, f"pod:ml/p{i}"): {"key": f"pod:ml/p{i}", "interests": [f"rid:r{i}"],
+                                    "rows": {f"e{i}": {"id": f"e{i}", "parked": i % 2 == 0}}} for i in range(6) for p in [i % 2]}
+    old = {(0, "pod:ml/old"): {"key": "pod:ml/old", "interests": ["rid:old"], "rows": {"x": {"id": "x", "parked": True}}}}
+    before = PartitionStore("t", topic, config, chunks=shape)  # no summary: as written before summaries existed
+    asyncio.run(before.ensure([0, 1]))
+    _write(before, output, old)
+    writer = PartitionStore("t", topic, config, chunks=shape, summarize=_summary)
+    asyncio.run(writer.ensure([0, 1]))
+    big = _entity(10, 0) if shape else None
+    mark = {(1, "~directory"): {"key": "~directory", "covered": {"r1": 3}}}
+    assert _write(writer, output, {**states, **mark, **({(0, big["key"]): big} if big else {})}) == 7 + (3 if big else 0)
+
+    loads = []
+    recovered = PartitionStore("t", topic, config, chunks=shape, summarize=_summary, on_load=lambda p, summaries: loads.append((p, summaries)))
+    asyncio.run(recovered.ensure([0, 1]))
+    everything = {**states, **old, **({(0, big["key"]): big} if big else {})}
+    assert sorted(loads, key=lambda x: x[0]) == [(p, {k: _summary(v) for (q, k), v in everything.items() if q == p}) for p in (0, 1)]
+    health = recovered.health()
+    assert health["keys"] == len(everything) + 1 and health["kinds"] == {"pod": 7, "~directory": 1, **({"gpu": 1} if big else {})}
+    assert health["cold"] == 6 and health["decoded_cold"] == 0  # the six with a summary, whole; not the old one, the mark or the big one
+    assert recovered.parts[1] == {"~directory": mark[(1, "~directory")]}  # decoded at once: the owner reads it in on_load
+
+    # asked for: decoded once, equal to what was written; written again only when it changed
+    assert recovered.get(0, "pod:ml/p2") == states[(0, "pod:ml/p2")] and recovered.health()["cold"] == 5
+    assert recovered.get(0, "pod:ml/p2") is recovered.get(0, "pod:ml/p2") and recovered.health()["decoded_cold"] == 1
+    assert recovered.get(0, "pod:ml/none") is None
+    assert _write(recovered, output, {(0, "pod:ml/p2"): recovered.get(0, "pod:ml/p2")}) == 0
+    # put over a cold state (never asked for): unchanged, nothing; changed or deleted, one record each, counted once
+    assert _write(recovered, output, {(0, "pod:ml/p0"): orjson.loads(orjson.dumps(states[(0, "pod:ml/p0")]))}) == 0
+    assert _write(recovered, output, {(1, "pod:ml/p1"): {"key": "pod:ml/p1", "interests": [], "rows": {}}, (1, "pod:ml/p3"): None}) == 2
+    assert recovered.health()["cold"] == 2 and recovered.health()["keys"] == len(everything)  # p4, p5 still cold
+    assert recovered.states(1) == {"~directory": mark[(1, "~directory")], "pod:ml/p1": {"key": "pod:ml/p1", "interests": [], "rows": {}},
+                                   "pod:ml/p5": states[(1, "pod:ml/p5")]}
+    recovered.drop([0, 1])
+    assert recovered.health()["keys"] == 0 and recovered.health()["cold"] == 0
+    output.close()
+
+    # the summaries went with the records, as headers
+    heads = {m.key().decode(): dict(m.headers() or []) for m in read_topic(kafka_bootstrap, topic, min_count=10) if m.value() is not None}
+    assert orjson.loads(heads["pod:ml/p4"][SUMMARY_HEADER]) == _summary(states[(0, "pod:ml/p4")])
+    assert SUMMARY_HEADER not in heads["~directory"] and SUMMARY_HEADER not in heads["pod:ml/old"]
 
 
 def test_a_partition_revoked_while_it_loads_is_not_kept(kafka_bootstrap):
