@@ -26,7 +26,11 @@ becomes committable then, and not before. A stage reading with a consumer of its
 that commits the epoch's offsets.
 
 Failures:
-- ``handle(events)`` processes a whole batch or raises; when it raises, the agent's
+- ``handle(events)`` processes a whole batch or raises. When it raises for a retriable
+  reason (``streams.store.StateUnavailable``: the state it needs could not be read from
+  its changelog), the batch is not the input's fault: it waits with back-off and is
+  handled again, whole, until it succeeds (``waiting_for_state`` in health counts the
+  attempts) — never dead-lettered. When it raises otherwise, the agent's
   in-memory state of the batch's partitions is reset (``reset``: the durable state is
   the truth) and the epoch's events of those partitions are handled again record by
   record, each followed by a state commit; a record that fails alone is
@@ -46,6 +50,8 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
+
+from sinks.retry import store_retrying  # the package's one back-off policy
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +127,7 @@ class Epoch:
         self.commits = 0
         self.acked = 0
         self.forgotten = 0
+        self.waiting_for_state = 0  # failed attempts of the batch in hand for a retriable reason
 
     # --- batches ----------------------------------------------------------------------
     async def run_batch(self, events: list) -> None:
@@ -137,9 +144,21 @@ class Epoch:
             if self._due():
                 await self._commit()
 
+    async def _handle_retrying(self, events: list) -> None:
+        """``handle(events)``, waited on and repeated while it fails for a retriable reason
+        (``StateUnavailable``: the state it needs could not be read; the store logs why, once
+        per outage) — ``waiting_for_state`` in health counts the attempts meanwhile."""
+        async for attempt in store_retrying(0.5, 5.0, self._waiting):
+            with attempt:
+                await self.handle(events)
+        self.waiting_for_state = 0
+
+    def _waiting(self, _retry_state) -> None:
+        self.waiting_for_state += 1
+
     async def _handle(self, events: list) -> None:
         try:
-            await self.handle(events)
+            await self._handle_retrying(events)
             return
         except Exception:  # noqa: BLE001 - retried record by record below
             log.exception("%s: a batch of %d failed; handling its partitions' epoch record by record", self.name, len(events))
@@ -148,7 +167,7 @@ class Epoch:
         await self.reset(redo)
         for event in redo:
             try:
-                await self.handle([event])
+                await self._handle_retrying([event])
                 await self.commit()  # durable now: a later record's reset must not take this one's state with it
             except Exception as exc:  # noqa: BLE001 - the record is dead-lettered with the error
                 log.exception("%s: record %s[%d]@%d failed on its own; dead-lettering it", self.name, event.message.topic,
@@ -190,7 +209,8 @@ class Epoch:
             self._since = None
 
     def health(self) -> dict:
-        return {"pending": len(self.pending), "batches": self.batches, "commits": self.commits, "acked": self.acked, "forgotten": self.forgotten}
+        return {"pending": len(self.pending), "batches": self.batches, "commits": self.commits, "acked": self.acked, "forgotten": self.forgotten,
+                "waiting_for_state": self.waiting_for_state}
 
 
 async def run_batches(stream, epoch: Epoch, batch: int = BATCH, within: float = WITHIN_S) -> None:

@@ -65,9 +65,10 @@ from operator import methodcaller
 
 import orjson
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
-from tenacity import retry, retry_if_exception, stop_after_delay, wait_exponential
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from gpuledger import gctune
+from sinks.retry import OutageLog
 from streams.packing import kind_of, partition_for
 
 log = logging.getLogger(__name__)
@@ -95,12 +96,21 @@ _TRANSIENT = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILAB
               KafkaError._TRANSPORT, KafkaError._TIMED_OUT}
 
 
-@retry(retry=retry_if_exception(lambda exc: isinstance(exc, KafkaException) and (exc.args[0].retriable() or exc.args[0].code() in _TRANSIENT)),
-       wait=wait_exponential(multiplier=0.05, max=1), stop=stop_after_delay(30), reraise=True)
-def _watermarks(consumer: Consumer, tp: TopicPartition) -> tuple[int, int]:
-    """A changelog partition's offsets — retried while its leader moves or is not known yet
-    (a just-created topic, a broker restarting); a lasting failure fails the load."""
-    return consumer.get_watermark_offsets(tp, timeout=30)
+def _watermarks(consumer: Consumer, tp: TopicPartition, within_s: float = 30.0) -> tuple[int, int]:
+    """A changelog partition's offsets — retried for ``within_s`` while its leader moves or is
+    not known yet (a just-created topic, a broker restarting); a lasting failure fails the load."""
+    retrying = Retrying(retry=retry_if_exception(lambda exc: isinstance(exc, KafkaException)
+                                                 and (exc.args[0].retriable() or exc.args[0].code() in _TRANSIENT)),
+                        wait=wait_exponential(multiplier=0.05, max=1), stop=stop_after_delay(within_s), reraise=True)
+    return retrying(consumer.get_watermark_offsets, tp, timeout=within_s)
+
+
+class StateUnavailable(RuntimeError):
+    """A partition's state could not be read from its changelog (the broker away, the topic
+    missing, a record that does not decode). Not the input's fault: the batch that needed
+    the state waits and is handled again (``streams.runner``: retriable), never dead-lettered."""
+
+    retriable = True
 
 
 #: A stateful stage's bookkeeping key, one per partition of its store: the release-directory
@@ -359,8 +369,10 @@ def decode_chunked(chunks: Chunks, head: bytes, parts: dict[str, bytes]) -> tupl
 class PartitionStore:
     def __init__(self, name: str, changelog: str, consumer_config: dict, on_load: Callable[[int, dict], None] | None = None,
                  chunks: Chunks | None = None, loading: asyncio.Lock | None = None,
-                 summarize: Callable[[dict], object] | None = None) -> None:
+                 summarize: Callable[[dict], object] | None = None, read_within_s: float = 30.0) -> None:
         self.name = name
+        self.read_within_s = read_within_s  # how long a changelog's offsets are asked for before a load fails
+        self.outage = OutageLog(log, f"{name} store: reading {changelog}")  # a failing read: logged once per outage
         self.chunks = chunks
         self.changelog = changelog
         self._consumer_config = consumer_config
@@ -406,7 +418,14 @@ class PartitionStore:
             if missing:
                 drops = dict(self._drops)
                 async with self._reading:
-                    loaded = await asyncio.to_thread(self._read, missing)
+                    try:
+                        loaded = await asyncio.to_thread(self._read, missing)
+                    except Exception as exc:  # noqa: BLE001 - whatever failed, the state is not there: the batch must wait
+                        failure = StateUnavailable(f"{self.name} store: reading {self.changelog} partition(s) {missing} failed: "
+                                                   f"{type(exc).__name__}: {exc}")
+                        self.outage.failed(failure)
+                        raise failure from exc
+                self.outage.succeeded()
                 for p in missing:
                     if self._drops.get(p) != drops.get(p):
                         # Revoked while it loaded: what was read may be stale by the time the
@@ -444,7 +463,7 @@ class PartitionStore:
         try:
             ends, starts = {}, {}
             for p in partitions:
-                low, high = _watermarks(consumer, TopicPartition(self.changelog, p))
+                low, high = _watermarks(consumer, TopicPartition(self.changelog, p), self.read_within_s)
                 if high > low:
                     ends[p], starts[p] = high, low
             if ends:
@@ -592,7 +611,8 @@ class PartitionStore:
         recovering them cost: changelog records read, seconds (loads of several partitions at
         once count once), the partitions loaded."""
         return {"keys": len(self), "kinds": {k: n for k, n in sorted(self._kinds.items()) if n > 0}, "partitions": sorted(self.parts),
-                "cold": sum(map(len, self._cold.values())), "decoded_cold": self.decoded_cold, "recovered_records": self.loaded_records,
+                "cold": sum(map(len, self._cold.values())), "decoded_cold": self.decoded_cold, "read_failures": self.outage.failed_attempts,
+                "recovered_records": self.loaded_records,
                 "recovery_seconds": round(self.load_seconds, 3), "last_loaded_at": self.last_loaded_at}
 
     def __len__(self) -> int:

@@ -46,7 +46,7 @@ from schemas import encode_event
 from streams.controls.rules import Context, digest, fold_link, fold_row, max_time, new_state, step
 from streams.packing import Packer, unpack
 from streams.runner import Epoch, run_batches
-from streams.store import DIRECTORY_MARK, DirectoryMarks, PartitionStore
+from streams.store import DIRECTORY_MARK, DirectoryMarks, PartitionStore, StateUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +270,10 @@ class Controller:
             return
         # Dependents are indexed as partitions load: load every assigned one before a
         # release change is matched against them (else the change would find nobody).
-        await self.store.ensure(self.ctx.assigned(self.ctx.run.controls))
+        try:
+            await self.store.ensure(self.ctx.assigned(self.ctx.run.controls))
+        except StateUnavailable:
+            return  # the store logged why; the next round tries again
         runtime = self.runtime
         marks = runtime.release_marks(self.directory)
         targets: set[str] = set()

@@ -43,7 +43,7 @@ from streams.correlate.directory import ReleaseDirectory, follow_release_topic
 from streams.correlate.entities import GpuMemo, expire, fold_event, fold_link, for_controls, iso, new_entity, refresh
 from streams.packing import Packer, kind_of, partition_for, unpack
 from streams.runner import Epoch, run_batches
-from streams.store import DIRECTORY_MARK, Chunks, DirectoryMarks, PartitionStore
+from streams.store import DIRECTORY_MARK, Chunks, DirectoryMarks, PartitionStore, StateUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +319,10 @@ class Correlator:
             return
         # Dependents are indexed as partitions load: load every assigned one before a
         # release change is matched against them (else the change would find nobody).
-        await self.store.ensure(self.ctx.assigned(self.ctx.run.route))
+        try:
+            await self.store.ensure(self.ctx.assigned(self.ctx.run.route))
+        except StateUnavailable:
+            return  # the store logged why; the next round tries again
         runtime = self.runtime
         targets: set[str] = set()
         # What the directory holds now: every change it applied has been signalled (the

@@ -298,6 +298,46 @@ def test_a_recovery_keeps_states_encoded_until_asked_for_and_hands_over_their_su
     assert SUMMARY_HEADER not in heads["~directory"] and SUMMARY_HEADER not in heads["pod:ml/old"]
 
 
+def test_a_batch_whose_state_cannot_be_read_waits_for_it_and_is_never_dead_lettered(kafka_bootstrap):
+    """A changelog that cannot be read (here: its topic does not exist yet) is not the
+    input's fault: the batch that needs the state waits, with back-off, and is handled whole
+    once the state can be read — no record is dead-lettered, none acked before."""
+    from types import SimpleNamespace
+
+    from streams.runner import Epoch
+    from streams.store import StateUnavailable
+
+    name = f"store-{uuid.uuid4().hex[:8]}.changelog"
+    store = PartitionStore("t", name, {"bootstrap.servers": kafka_bootstrap}, read_within_s=0.5)
+    handled, dead, acked = [], [], []
+
+    async def handle(events):
+        await store.ensure({ev.message.partition for ev in events})
+        handled.extend(events)
+
+    async def nothing(*_args):
+        return None
+
+    events = [SimpleNamespace(message=SimpleNamespace(topic="in", partition=p, offset=o)) for p in (0, 1) for o in range(3)]
+    epoch = Epoch("t", handle, nothing, lambda ev, exc: dead.append((ev, exc)) or nothing(), nothing, interval_s=0.0, hold=None,
+                  release=acked.extend)
+
+    async def scenario():
+        batch = asyncio.ensure_future(epoch.run_batch(events))
+        while epoch.health()["waiting_for_state"] < 2:  # failed twice, waiting to try again
+            assert not batch.done(), batch.exception()
+            await asyncio.sleep(0.05)
+        assert store.health()["read_failures"] >= 2 and not handled and not acked
+        with pytest.raises(StateUnavailable, match=f"reading {name} partition"):
+            await store.ensure([0])
+        ensure_specs({"bootstrap.servers": kafka_bootstrap}, [TopicSpec(name, 2, "key", -1, "compact", "internal")], 1)
+        await asyncio.wait_for(batch, 60)
+
+    asyncio.run(scenario())
+    assert handled == events and acked == events and dead == []
+    assert epoch.health()["waiting_for_state"] == 0 and store.health()["read_failures"] == 0 and store.health()["partitions"] == [0, 1]
+
+
 def test_a_partition_revoked_while_it_loads_is_not_kept(kafka_bootstrap):
     """A partition dropped (revoked) while its changelog is being read must not be installed
     when the read ends: by the time it is assigned again another worker may have changed it."""
