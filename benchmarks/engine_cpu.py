@@ -30,7 +30,7 @@ class Out:
     def __init__(self):
         self.recs = collections.defaultdict(list); self.produced = collections.Counter(); self.bytes = collections.Counter(); self.dead_letters = 0
         self.sums = collections.defaultdict(int); self.latest = {}
-    def produce(self, topic, key, value, partition=None, source=None):
+    def produce(self, topic, key, value, partition=None, source=None, headers=None):
         self.produced[topic] += 1; self.bytes[topic] += len(value or b"")
         if topic.endswith((".route.v1", ".controls.v1")) and "changelog" not in topic:
             self.recs[topic].append((partition, key, value))
@@ -71,7 +71,7 @@ async def main(n, batch):
     except ImportError:
         ctx._fault = None; route = corr.route_batch
     for st in (corr.store, ctrl.store):
-        for p in range(ctx.run.partitions): st.parts[p] = {}; st._written[p] = {}
+        st.start_empty(range(ctx.run.partitions))
     evs = list(mix_events(n))
     raw = [(e, encode_event(e)) for e in evs]
     for e, _ in raw:

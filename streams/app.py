@@ -141,6 +141,8 @@ class WorkerContext:
             merge_stats(health["stats"], page.get("stats", {}))
             health["counters"].update(page.get("counters", {}))
             health["epochs"].update(page.get("epochs", {}))
+        if any(epoch.get("waiting_for_state") for epoch in health["epochs"].values()):
+            health["status"] = "degraded"  # a stage waits for a state it cannot read (streams.runner)
         return health
 
     def children(self) -> dict:

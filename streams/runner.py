@@ -30,7 +30,9 @@ Failures:
   reason (``streams.store.StateUnavailable``: the state it needs could not be read from
   its changelog), the batch is not the input's fault: it waits with back-off and is
   handled again, whole, until it succeeds (``waiting_for_state`` in health counts the
-  attempts) — never dead-lettered. When it raises otherwise, the agent's
+  attempts; the worker's status is ``degraded`` meanwhile) — never dead-lettered; after
+  ``STATE_WAIT_S`` the process exits as a crash would and its restart reads afresh.
+  When it raises otherwise, the agent's
   in-memory state of the batch's partitions is reset (``reset``: the durable state is
   the truth) and the epoch's events of those partitions are handled again record by
   record, each followed by a state commit; a record that fails alone is
@@ -60,6 +62,7 @@ WITHIN_S = 0.1
 COMMIT_INTERVAL_S = 1.0
 STOP_GRACE_S = 5.0
 HARD_EXIT = 75  # EX_TEMPFAIL: stopped with a batch unfinished; restart re-processes it
+STATE_WAIT_S = 60.0  # how long a batch waits for a state that cannot be read before the process restarts
 
 
 class FaultInjection:
@@ -147,14 +150,28 @@ class Epoch:
     async def _handle_retrying(self, events: list) -> None:
         """``handle(events)``, waited on and repeated while it fails for a retriable reason
         (``StateUnavailable``: the state it needs could not be read; the store logs why, once
-        per outage) — ``waiting_for_state`` in health counts the attempts meanwhile."""
-        async for attempt in store_retrying(0.5, 5.0, self._waiting):
-            with attempt:
-                await self.handle(events)
-        self.waiting_for_state = 0
+        per outage) — ``waiting_for_state`` in health counts the attempts meanwhile. After
+        ``STATE_WAIT_S`` the process ends as a crash would (``HARD_EXIT``, nothing acked):
+        a batch that holds its acks blocks every rebalance (Faust waits for them), and a
+        restart creates a missing topic and reads the changelog afresh."""
+        started = time.monotonic()
+        try:
+            async for attempt in store_retrying(0.5, 5.0, self._waiting):
+                with attempt:
+                    await self.handle(events)
+        finally:
+            self.waiting_for_state = 0
+        waited = time.monotonic() - started
+        if waited > 1.0:
+            log.info("%s: the batch's state could be read again after %.1fs", self.name, waited)
 
-    def _waiting(self, _retry_state) -> None:
+    def _waiting(self, retry_state) -> None:
         self.waiting_for_state += 1
+        if time.monotonic() - retry_state.start_time >= STATE_WAIT_S:
+            log.critical("%s: a batch's state could not be read for %.0fs (%s); exiting without acking it, to start afresh",
+                         self.name, STATE_WAIT_S, retry_state.outcome.exception())
+            logging.shutdown()
+            os._exit(HARD_EXIT)
 
     async def _handle(self, events: list) -> None:
         try:

@@ -495,7 +495,7 @@ class PartitionStore:
             out = {p: self._decode(records, summaries[p]) for p, records in raw.items()}
         self.load_seconds += time.monotonic() - started
         self.last_loaded_at = time.monotonic()
-        log.info("%s: recovered %d key(s) of partition(s) %s from %s in %.1fs", self.name, sum(len(v[0]) for v in out.values()),
+        log.info("%s: recovered %d key(s) of partition(s) %s from %s in %.1fs", self.name, sum(len(v[0]) + len(v[1]) for v in out.values()),
                  partitions, self.changelog, time.monotonic() - started)
         return out
 
@@ -561,12 +561,29 @@ class PartitionStore:
             self._layouts.pop(p, None)
 
     # --- access ---------------------------------------------------------------------------
+    def start_empty(self, partitions: Iterable[int]) -> None:
+        """Take ``partitions`` as loaded with no state (a tool or benchmark without a changelog)."""
+        for p in partitions:
+            self.parts[p], self._cold[p] = {}, {}
+            if self.chunks is None:
+                self._written[p] = {}
+            else:
+                self._layouts[p] = {}
+
     def get(self, partition: int, key: str) -> dict | None:
         state = self.parts[partition].get(key)
         if state is None and self._cold[partition]:
-            value = self._warm(partition, key)
+            value = self._cold[partition].get(key)
             if value is not None:
-                state = self.parts[partition][key] = orjson.loads(value)
+                try:
+                    decoded = orjson.loads(value)
+                except orjson.JSONDecodeError as exc:  # the state is not there: not the input's fault (the batch waits)
+                    failure = StateUnavailable(f"{self.name} store: the recovered state of {key!r} ({self.changelog}[{partition}]) "
+                                               f"does not decode: {exc}")
+                    self.outage.failed(failure)
+                    raise failure from exc
+                self._warm(partition, key)
+                state = self.parts[partition][key] = decoded
                 self.decoded_cold += 1
         return state
 
@@ -669,8 +686,9 @@ class PartitionStore:
                     if not records:
                         self.unchanged_skipped += 1
                         continue
+                whole = state is not None and not layouts[key].chunks  # a head with sealed chunks is decoded at recovery: no summary
                 for name, value in records:
-                    headers = self._headers(key, state) if name == key else None
+                    headers = self._headers(key, state) if name == key and whole else None
                     output.produce(self.changelog, name.encode(), value, partition=p, headers=headers)
                     n += 1
         self._dirty.clear()

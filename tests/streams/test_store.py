@@ -14,7 +14,7 @@ import pytest
 from producers._kafka import ensure_specs
 from schemas.topics import TopicSpec
 from streams.output import BatchOutput
-from streams.store import SEP, SUMMARY_HEADER, Chunks, PartitionStore, _Layout, decode_chunked, encode_chunked
+from streams.store import SEP, SUMMARY_HEADER, Chunks, PartitionStore, StateUnavailable, _Layout, decode_chunked, encode_chunked
 from tests.fixtures.kafka import read_topic
 
 
@@ -296,6 +296,19 @@ def test_a_recovery_keeps_states_encoded_until_asked_for_and_hands_over_their_su
     heads = {m.key().decode(): dict(m.headers() or []) for m in read_topic(kafka_bootstrap, topic, min_count=10) if m.value() is not None}
     assert orjson.loads(heads["pod:ml/p4"][SUMMARY_HEADER]) == _summary(states[(0, "pod:ml/p4")])
     assert SUMMARY_HEADER not in heads["~directory"] and SUMMARY_HEADER not in heads["pod:ml/old"]
+    if big:  # a head beside sealed chunks is decoded at recovery: no summary to write (nor to keep right)
+        assert SUMMARY_HEADER not in heads[big["key"]]
+
+    # a cold record that does not decode: the state is not there — the batch waits (StateUnavailable), the record stays
+    output = BatchOutput(config, "store-test", f"{topic}.dead")
+    output.produce(topic, b"pod:ml/bad", b"{not json", partition=0, headers=[(SUMMARY_HEADER, b'[[], []]')])
+    asyncio.run(output.flush())
+    output.close()
+    broken = PartitionStore("t", topic, config, chunks=shape, summarize=_summary)
+    asyncio.run(broken.ensure([0]))
+    with pytest.raises(StateUnavailable, match="pod:ml/bad"):
+        broken.get(0, "pod:ml/bad")
+    assert broken.health()["read_failures"] == 1 and "pod:ml/bad" in broken._cold[0]
 
 
 def test_a_batch_whose_state_cannot_be_read_waits_for_it_and_is_never_dead_lettered(kafka_bootstrap):
@@ -305,7 +318,6 @@ def test_a_batch_whose_state_cannot_be_read_waits_for_it_and_is_never_dead_lette
     from types import SimpleNamespace
 
     from streams.runner import Epoch
-    from streams.store import StateUnavailable
 
     name = f"store-{uuid.uuid4().hex[:8]}.changelog"
     store = PartitionStore("t", name, {"bootstrap.servers": kafka_bootstrap}, read_within_s=0.5)
