@@ -311,12 +311,14 @@ def test_a_recovery_keeps_states_encoded_until_asked_for_and_hands_over_their_su
     assert broken.health()["read_failures"] == 1 and "pod:ml/bad" in broken._cold[0]
 
 
-def test_a_batch_whose_state_cannot_be_read_waits_for_it_and_is_never_dead_lettered(kafka_bootstrap):
+def test_a_batch_whose_state_cannot_be_read_waits_for_it_and_is_never_dead_lettered(kafka_bootstrap, catalogue, settings_for):
     """A changelog that cannot be read (here: its topic does not exist yet) is not the
     input's fault: the batch that needs the state waits, with back-off, and is handled whole
-    once the state can be read — no record is dead-lettered, none acked before."""
+    once the state can be read — no record is dead-lettered, none acked before; the worker's
+    health says ``degraded`` meanwhile."""
     from types import SimpleNamespace
 
+    from streams.app import WorkerContext
     from streams.runner import Epoch
 
     name = f"store-{uuid.uuid4().hex[:8]}.changelog"
@@ -334,12 +336,19 @@ def test_a_batch_whose_state_cannot_be_read_waits_for_it_and_is_never_dead_lette
     epoch = Epoch("t", handle, nothing, lambda ev, exc: dead.append((ev, exc)) or nothing(), nothing, interval_s=0.0, hold=None,
                   release=acked.extend)
 
+    ctx = WorkerContext(settings_for(catalogue))
+    ctx.epochs["t"] = epoch
+    ctx.subscriptions = {"ok": True, "problems": [], "partitions": [0, 1]}
+    ctx.directory.ready.set()
+
     async def scenario():
+        assert ctx.health()["status"] == "ok"
         batch = asyncio.ensure_future(epoch.run_batch(events))
         while epoch.health()["waiting_for_state"] < 2:  # failed twice, waiting to try again
             assert not batch.done(), batch.exception()
             await asyncio.sleep(0.05)
         assert store.health()["read_failures"] >= 2 and not handled and not acked
+        assert ctx.health()["status"] == "degraded" and ctx.health()["epochs"]["t"]["waiting_for_state"] >= 2
         with pytest.raises(StateUnavailable, match=f"reading {name} partition"):
             await store.ensure([0])
         ensure_specs({"bootstrap.servers": kafka_bootstrap}, [TopicSpec(name, 2, "key", -1, "compact", "internal")], 1)
@@ -348,6 +357,8 @@ def test_a_batch_whose_state_cannot_be_read_waits_for_it_and_is_never_dead_lette
     asyncio.run(scenario())
     assert handled == events and acked == events and dead == []
     assert epoch.health()["waiting_for_state"] == 0 and store.health()["read_failures"] == 0 and store.health()["partitions"] == [0, 1]
+    assert ctx.health()["status"] == "ok"
+    ctx.output.close()
 
 
 def test_a_partition_revoked_while_it_loads_is_not_kept(kafka_bootstrap):
