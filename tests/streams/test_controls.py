@@ -167,8 +167,13 @@ def test_a_worker_killed_after_opening_violations_closes_them_after_restart(kafk
     open_id = by_control(got)[1][0].violation_id
     first.service.kill()
     publish(kafka_bootstrap, catalogue, SECOND)
-    worker_factory(catalogue, data_dir=data, extra_env=FAST)  # same group, same store: state from the changelog
+    again = worker_factory(catalogue, data_dir=data, extra_env=FAST)  # same group, same store: state from the changelog
     got = wait_until(kafka_bootstrap, catalogue, lambda got: got.get(open_id) is not None and got[open_id].closed_at is not None
                      and 8 in by_control(got))
     assert (got[open_id].opened_at, got[open_id].closed_at) == (at(10), at(20))
     assert {v.control_id for v in got.values() if not is_withdrawn(v)} == {1, 2, 6, 7, 8}
+    # the restart recovered both stores' states without decoding them: the keys the second batch
+    # did not touch are still cold (streams.store: cold states), and were judged right all the same
+    with urllib.request.urlopen(f"{again.url}/gpuledger/health/", timeout=5) as resp:
+        stores = json.loads(resp.read())["stores"]
+    assert stores["entities"]["cold"] > 0 and stores["controls"]["cold"] > 0, stores
