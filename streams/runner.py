@@ -154,16 +154,12 @@ class Epoch:
         ``STATE_WAIT_S`` the process ends as a crash would (``HARD_EXIT``, nothing acked):
         a batch that holds its acks blocks every rebalance (Faust waits for them), and a
         restart creates a missing topic and reads the changelog afresh."""
-        started = time.monotonic()
         try:
             async for attempt in store_retrying(0.5, 5.0, self._waiting):
                 with attempt:
                     await self.handle(events)
         finally:
             self.waiting_for_state = 0
-        waited = time.monotonic() - started
-        if waited > 1.0:
-            log.info("%s: the batch's state could be read again after %.1fs", self.name, waited)
 
     def _waiting(self, retry_state) -> None:
         self.waiting_for_state += 1

@@ -503,53 +503,47 @@ class PartitionStore:
         """(decoded states, cold states, marks, summaries) of one partition's last records.
         A state is left cold (its bytes) when its record carries its summary and is the whole
         state (not split in chunks); anything else is decoded and summarized here."""
-        summarize = self._summarize
-        states: dict[str, dict] = {}
-        cold: dict[str, bytes] = {}
-        out_summaries: dict = {}
-
-        def place(key: str, value: bytes, decode: Callable[[], dict]) -> None:
-            summary = summaries.get(key) if summarize is not None and key != DIRECTORY_MARK else None
-            if summary is not None:
-                cold[key] = value
-                out_summaries[key] = orjson.loads(summary)
-            else:
-                states[key] = decode()
-                if summarize is not None and key != DIRECTORY_MARK:
-                    out_summaries[key] = summarize(states[key])
-
-        if self.chunks is None:
-            marks = {}
-            for key, value in records.items():
-                if value is not None:
-                    place(key, value, lambda value=value: orjson.loads(value))
-                    if key in states:  # a cold key's mark is taken when it is decoded (``_mark``)
-                        marks[key] = _digest(value)
-            return states, cold, marks, out_summaries
         heads: dict[str, bytes] = {}
         parts: dict[str, dict[str, bytes]] = defaultdict(dict)
         for key, value in records.items():
-            base, sep, tag = key.rpartition(SEP)
+            base, sep, tag = key.rpartition(SEP) if self.chunks is not None else ("", "", "")
             if not sep:
                 if value is not None:
                     heads[key] = value
             elif value is not None:
                 parts[base][tag] = value
-        layouts = {}
+        summarize = self._summarize
+        states: dict[str, dict] = {}
+        cold: dict[str, bytes] = {}
+        marks: dict = {}
+        out_summaries: dict = {}
         for key, head in heads.items():
             key_parts = parts.get(key)
-            if key_parts:  # a state in chunks: decoded now (its summary may be older than a chunk a crash left newer)
-                states[key], layouts[key] = decode_chunked(self.chunks, head, key_parts)
-                if summarize is not None and key != DIRECTORY_MARK:
-                    out_summaries[key] = summarize(states[key])
+            summarized = summarize is not None and key != DIRECTORY_MARK
+            # A state in chunks is decoded now: its head's summary may be older than a chunk a crash left newer.
+            summary = summaries.get(key) if summarized and not key_parts else None
+            if summary is not None:
+                cold[key] = head  # its mark is taken when it is decoded (``_warm``)
+                out_summaries[key] = orjson.loads(summary)
+                continue
+            if key_parts:
+                states[key], marks[key] = decode_chunked(self.chunks, head, key_parts)
             else:
-                place(key, head, lambda head=head: orjson.loads(head))
-                if key in states:
-                    layouts[key] = _Layout()
-                    layouts[key].head = _digest(head)
+                states[key], marks[key] = orjson.loads(head), self._mark(head)
+            if summarized:
+                out_summaries[key] = summarize(states[key])
         for key in parts.keys() - heads.keys():
-            layouts[key] = orphaned(parts[key])  # no state: tombstoned by the key's next write
-        return states, cold, layouts, out_summaries
+            marks[key] = orphaned(parts[key])  # no state: tombstoned by the key's next write
+        return states, cold, marks, out_summaries
+
+    def _mark(self, value: bytes):
+        """What the store remembers of a key whose changelog record is ``value``: its digest,
+        or with ``chunks`` a layout with that head and no sealed chunk."""
+        if self.chunks is None:
+            return _digest(value)
+        layout = _Layout()
+        layout.head = _digest(value)
+        return layout
 
     def drop(self, partitions: Iterable[int]) -> None:
         for p in partitions:
@@ -592,11 +586,7 @@ class PartitionStore:
         cold), remembering what its record holds, as a recovery does for a decoded state."""
         value = self._cold[partition].pop(key, None)
         if value is not None:
-            if self.chunks is None:
-                self._written[partition][key] = _digest(value)
-            else:
-                layout = self._layouts[partition][key] = _Layout()
-                layout.head = _digest(value)
+            (self._written if self.chunks is None else self._layouts)[partition][key] = self._mark(value)
         return value
 
     def put(self, partition: int, key: str, state: dict) -> None:
