@@ -50,6 +50,12 @@ def test_mlflow_registrations_tags_and_a_rollback_by_alias_arrive_as_mlflow_send
         for v in range(1, 16):  # MLflow numbers versions itself: 14 and 15 are the 14th and 15th
             client.create_model_version(model, source=f"s3://models/{model}/{v}",
                                         tags={"artifact_digest": f"sha256:{v:064x}", "owner": "risk-ml"})
+        # The events' times are the webhook bodies' timestamps, set by MLflow, which delivers
+        # asynchronously: twice under CI's load a tag set right after its version's creation was
+        # stamped before the creation. The approval comes once the registrations are stored, as a
+        # reviewer's would.
+        wait_for(lambda: len([r for r in history(worker, model) if r["event_type"] == "release.registered"]) == 15,
+                 120, "15 registrations stored")
         client.set_model_version_tag(model, "15", "approved", "true")
         wait_for(lambda: len([r for r in history(worker, model) if r["event_type"] in ("release.registered", "release.approved")]) == 16,
                  120, "15 registrations and the approval stored")
