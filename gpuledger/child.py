@@ -79,7 +79,14 @@ class ChildProcess:
         """What the worker's health page says of this child (``page``: its own health page,
         None when it did not answer)."""
         return {"answering": page is not None, "url": self.url, "pid": self.process.pid if self.process else None,
-                "restarts": self.restarts, "last_exit": self.last_exit}
+                "nice": self._nice(), "restarts": self.restarts, "last_exit": self.last_exit}
+
+    def _nice(self) -> int | None:
+        """The child's niceness as the kernel has it (None when it is not running)."""
+        try:
+            return os.getpriority(os.PRIO_PROCESS, self.process.pid) if self.alive() else None
+        except OSError:
+            return None
 
     def signal_stop(self) -> None:
         """Ask the child to stop (SIGTERM); ``stop`` waits for it."""
@@ -120,13 +127,18 @@ def stop_requested(what: str) -> asyncio.Event:
     return stop
 
 
-def child_main(tag: str, loglevel: str, main: Coroutine) -> None:
-    """A child process's entry: its log lines tagged ``[tag]``, calm logging, the tuned
-    garbage collector, then ``main`` until it returns."""
+def child_main(tag: str, loglevel: str, main: Coroutine, nice: int = 0) -> None:
+    """A child process's entry: its priority lowered by ``nice`` (before any thread starts,
+    so every thread of the child has it: Linux keeps a niceness per thread, and a new thread
+    takes its creator's), its log lines tagged ``[tag]``, calm logging, the tuned garbage
+    collector, then ``main`` until it returns."""
     from gpuledger import gctune
     from gpuledger.telemetry import calm_logging
 
     logging.basicConfig(level=loglevel.upper(), format=f"[%(asctime)s] [%(process)d] [%(levelname)s] [{tag}] %(name)s: %(message)s")
+    if nice:
+        os.nice(nice)
+        log.info("running at niceness %d", os.getpriority(os.PRIO_PROCESS, 0))
     calm_logging()
     gctune.tune()
     asyncio.run(main)

@@ -211,7 +211,7 @@ async def serve(settings, port: int, worker_url: str) -> None:
 
 def sink_main(settings, port: int, worker_url: str, loglevel: str = "info") -> None:
     """Entry point of the sink process (``multiprocessing``, spawn)."""
-    child_main("sink", loglevel, serve(settings, port, worker_url))
+    child_main("sink", loglevel, serve(settings, port, worker_url), nice=settings.streams.sink_nice)
 
 
 def sink_process(settings, worker_url: str, loglevel: str = "info"):

@@ -120,6 +120,42 @@ def _running(pid: int) -> bool:
         return False
 
 
+def _nice_of_threads(pid: int) -> dict[int, tuple[int, str]]:
+    """thread id -> (its niceness as the kernel has it, its name): /proc/PID/task/TID/stat field 19, comm."""
+    import os
+
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat") as stat_file, open(f"/proc/{pid}/task/{tid}/comm") as comm:
+            out[int(tid)] = (int(stat_file.read().rsplit(")", 1)[1].split()[16]), comm.read().strip())
+    return out
+
+
+def test_the_sink_and_its_store_engine_run_below_the_workers_priority(kafka_bootstrap, catalogue, worker_factory):
+    import os
+
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    lowered = min(19, ours + 10)
+    worker = worker_factory(catalogue)
+    pub = EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, "test")
+    pub.publish_batch(_releases("nice", 3))
+    pub.close()
+    poll(lambda: _raw_count(worker.reader, "nice") == 3, "rows stored", 90)  # the store engine's threads are running
+    sink = json.loads(owner_file(worker.dsn).read_text())["pid"]
+    threads = _nice_of_threads(sink)
+    by_name: dict[str, set[int]] = {}
+    for nice, name in threads.values():
+        by_name.setdefault(name, set()).add(nice)
+    # The interpreter's, librdkafka's and the engine's working threads (inserts, merges) —
+    # all but the engine's memory sampler, which ClickHouse itself sets to -20.
+    assert {"python", "rdk:main", "MergeMutate", "ThreadPool"} <= set(by_name), by_name
+    assert {name for name, nices in by_name.items() if nices != {lowered}} <= {"MemoryWorker"}, by_name
+    assert {nice for nice, _name in _nice_of_threads(worker.service.proc.pid).values()} == {ours}
+    page = _health(worker.url)
+    assert page["sink"]["nice"] == lowered and page["sink"]["pid"] == sink, page["sink"]
+    assert page["route"]["nice"] == ours, page["route"]
+
+
 def test_a_killed_sink_is_restarted_and_a_killed_worker_takes_its_sink_along(kafka_bootstrap, catalogue, worker_factory):
     import os
     import signal
