@@ -462,3 +462,46 @@ def test_a_rebalance_gives_partitions_up_only_once_every_record_produced_before_
     assert written >= 1 and queued >= written
     assert left == 0 and not kept  # acknowledged, then the partition's state dropped
     assert [(m.partition(), m.key().decode()) for m in records] == [(2, key)]
+
+
+STATE_WAIT_SCRIPT = r"""
+import asyncio, sys
+from types import SimpleNamespace
+import streams.runner
+from streams.runner import Epoch
+from streams.store import PartitionStore
+
+streams.runner.STATE_WAIT_S = 2.0  # the bound under test (60 s in the worker)
+bootstrap, changelog = sys.argv[1], sys.argv[2]
+store = PartitionStore("t", changelog, {"bootstrap.servers": bootstrap}, read_within_s=0.2)
+
+async def handle(events):
+    await store.ensure({ev.message.partition for ev in events})
+    print("HANDLED", flush=True)
+
+async def nothing(*_args):
+    return None
+
+def release(events):
+    print("ACKED", len(events), flush=True)
+
+events = [SimpleNamespace(message=SimpleNamespace(topic="in", partition=0, offset=o)) for o in range(3)]
+epoch = Epoch("t", handle, nothing, lambda ev, exc: print("DEAD", flush=True) or nothing(), nothing, interval_s=0.0, hold=None,
+              release=release)
+asyncio.run(epoch.run_batch(events))
+print("RETURNED", flush=True)
+"""
+
+
+def test_a_batch_that_waits_for_its_state_past_the_bound_ends_the_process_without_acking(kafka_bootstrap):
+    """A waiting batch holds its acks, and Faust's rebalance waits for them: the wait is bounded
+    (``STATE_WAIT_S``), after which the process exits as a crash would — code 75, nothing
+    acked, nothing dead-lettered — and its restart reads the changelog afresh."""
+    import subprocess
+    import sys
+
+    name = f"store-{uuid.uuid4().hex[:8]}.changelog"  # never created: the state can never be read
+    proc = subprocess.run([sys.executable, "-c", STATE_WAIT_SCRIPT, kafka_bootstrap, name], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 75, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    assert proc.stdout == "", proc.stdout  # not handled, not acked, not dead-lettered, never returned
+    assert "a batch's state could not be read for 2s" in proc.stderr and name in proc.stderr, proc.stderr[-2000:]
