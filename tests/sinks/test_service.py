@@ -146,9 +146,9 @@ def test_the_sink_and_its_store_engine_run_below_the_workers_priority(kafka_boot
     by_name: dict[str, set[int]] = {}
     for nice, name in threads.values():
         by_name.setdefault(name, set()).add(nice)
-    # The interpreter's, librdkafka's and the engine's working threads (inserts, merges) —
-    # all but the engine's memory sampler, which ClickHouse itself sets to -20.
-    assert {"python", "rdk:main", "MergeMutate", "ThreadPool"} <= set(by_name), by_name
+    # The interpreter's (the main thread's id is the pid), librdkafka's and the engine's working
+    # threads (inserts, merges) — all but the engine's memory sampler, which ClickHouse itself sets to -20.
+    assert threads[sink][0] == lowered and {"rdk:main", "MergeMutate", "ThreadPool"} <= set(by_name), by_name
     assert {name for name, nices in by_name.items() if nices != {lowered}} <= {"MemoryWorker"}, by_name
     assert {nice for nice, _name in _nice_of_threads(worker.service.proc.pid).values()} == {ours}
     page = _health(worker.url)
