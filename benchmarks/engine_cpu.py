@@ -87,7 +87,7 @@ async def main(n, batch):
         for p, k, v in recs:
             off += 1; out.append(Ev(Msg(topic, p or 0, off, k, v)))
         return out
-    SEG = max(batch, n // 5)  # marginal cost per fifth of the run: a cost that grows with history shows as a rising row
+    SEG = max(batch, n // 5 // batch * batch)  # marginal cost per fifth of the run: a cost that grows with history shows as a rising row
     seg_t, seg_stage = time.process_time(), collections.Counter()
     for i in range(0, len(raw), batch):
         if i and i % SEG == 0:

@@ -204,7 +204,12 @@ class Correlator:
                 outcome = refresh(state, self.directory, memo=memo)
                 self.store.put(p, key, state)
                 refreshed.add(key)
-                self.runtime.index(key, state["interests"])
+                if memo is None or memo.indexed is not state["interests"]:
+                    # (a node/GPU's interests — every release its holders ran — are indexed again
+                    # only when its refresh changed them: ``dependents`` only ever grows)
+                    self.runtime.index(key, state["interests"])
+                    if memo is not None:
+                        memo.indexed = state["interests"]
                 for at_iso, row_id in outcome.parked:
                     self.runtime.park(at_iso, key, row_id)
                 for row in outcome.correlated:

@@ -621,9 +621,22 @@ def select_holders(holders: list[dict], instance: dict | None) -> list[dict]:
     if it was held whole, else every slice/share holder; an alert naming a MIG instance
     (``GPU_I_ID``/``GPU_I_PROFILE``) only that instance's holder — by instance id where
     the slice's is known, else by profile. Sorted by (start, allocation id)."""
-    whole = [h for h in holders if not h.get("slice")]
-    if whole and not instance:
-        return [max(whole, key=lambda h: (h["start"], h["id"]))]
+    if not instance:
+        # The latest-starting whole holder (``max`` by (start, allocation id): the first of
+        # equal ones). ``holders`` come sorted by (start, allocation id, source)
+        # (``Coverage.at``), so it is the last whole one, or the first of its key just
+        # before it — found from the end, not by walking every holder a node/GPU ever had.
+        for k in range(len(holders) - 1, -1, -1):
+            if not holders[k].get("slice"):
+                latest = holders[k]
+                key = (latest["start"], latest["id"])
+                for j in range(k - 1, -1, -1):
+                    h = holders[j]
+                    if (h["start"], h["id"]) != key:
+                        break
+                    if not h.get("slice"):
+                        latest = h
+                return [latest]
     parts = [h for h in holders if h.get("slice")]
     if instance:
         by_gi = [h for h in parts if instance.get("gi") and h.get("gi") == instance["gi"]]
@@ -762,6 +775,29 @@ def _derive_row(state: dict, record: dict, directory, res: Resolution, park: boo
         out.correlated.append(content)
 
 
+class JournaledLinks(dict):
+    """A node/GPU entity's links while its ``GpuMemo`` follows them: the sources set or
+    deleted since the memo last looked (``changed``), so that a refresh finds the changed
+    links without comparing every one. Links change only by ``fold_link`` (an item set, or
+    deleted past ``MAX_LINKS``); any other change in place is refused, so none can go
+    unnoted. Encoded (orjson, the store) as the plain dict it is."""
+
+    __slots__ = ("changed",)
+
+    def __setitem__(self, key, value) -> None:
+        dict.__setitem__(self, key, value)
+        self.changed.add(key)
+
+    def __delitem__(self, key) -> None:
+        dict.__delitem__(self, key)
+        self.changed.add(key)
+
+    def _refused(self, *_args, **_kwargs):
+        raise TypeError("an entity's links change only item by item (fold_link), so that its GpuMemo notes every change")
+
+    pop = popitem = clear = update = setdefault = __ior__ = _refused
+
+
 class GpuMemo:
     """What a node/GPU entity's rows depended on when they were last derived, so a refresh
     re-derives only the rows whose inputs changed (in memory only; ``Correlator`` keeps one
@@ -783,7 +819,8 @@ class GpuMemo:
     directory (its generation), or rows that left, mean a full pass. The entity's interests
     are counted per row (``counts``), so they need no walk either."""
 
-    __slots__ = ("links", "stamp", "rows", "_order", "_prefixes", "low", "generation", "times", "watch", "counts", "devices", "coverage")
+    __slots__ = ("links", "stamp", "rows", "_order", "_prefixes", "low", "generation", "times", "watch", "counts", "devices", "coverage",
+                 "_followed", "indexed")
 
     def __init__(self) -> None:
         self.links: dict[str, tuple[dict, int, str | None]] = {}  # source -> (link object, its stamp, its earliest start)
@@ -798,22 +835,37 @@ class GpuMemo:
         self.counts: dict[str, int] = {}                 # interest -> rows that have it
         self.devices = False                             # a ``gpu.device`` row (a DRA device entity) is among the rows
         self.coverage: Coverage | None = None            # of the current links (built when a row is first derived, then kept up to date)
+        self._followed: JournaledLinks | None = None     # the state's links, as last seen (``prefixes``)
+        self.indexed: list[str] | None = None            # the interests the runtime last indexed the entity under (``Correlator``)
 
     def _changed(self, *starts: str | None) -> None:
         for at in starts:
             if at is not None and (self.low is None or at < self.low):
                 self.low = at
 
-    def prefixes(self, links: dict) -> tuple[list[str], list[int]]:
-        """(earliest starts sorted, highest stamp of each prefix) of the current links —
-        the order kept up to date link by link, as the ``coverage`` is, when a link is new,
-        replaced or gone (a live GPU entity is refreshed batch after batch with the same
-        links; sorting them all again at each change grew with its history)."""
+    def prefixes(self, state: dict) -> tuple[list[str], list[int]]:
+        """(earliest starts sorted, highest stamp of each prefix) of the entity's current
+        links — the order kept up to date link by link, as the ``coverage`` is, when a link
+        is new, replaced or gone (a live GPU entity is refreshed batch after batch with the
+        same links; sorting them all again at each change grew with its history).
+
+        Which links changed: the ones its ``JournaledLinks`` noted since the last refresh.
+        The first time (or when the state's links are another object: a state loaded again)
+        every link is compared with what the memo saw, and the state's links are then
+        replaced by a ``JournaledLinks`` of the same items — comparing every link at every
+        refresh was a node/GPU's fastest-growing cost (engine_cpu, 400,000 events: a tenth
+        of the engine's CPU by the end, and growing with its holders)."""
+        links = state["links"]
         seen = self.links
-        changed = [src for src, link in links.items() if (known := seen.get(src)) is None or known[0] is not link]
-        new = sum(1 for src in changed if src not in seen)
-        if len(seen) + new != len(links):  # every source in links is in seen: more in seen means some are gone
-            changed += [src for src in seen if src not in links]
+        if links is self._followed:
+            changed = [src for src in links.changed if (known := seen.get(src)) is None or known[0] is not links.get(src)]
+        else:
+            changed = [src for src, link in links.items() if (known := seen.get(src)) is None or known[0] is not link]
+            new = sum(1 for src in changed if src not in seen)
+            if len(seen) + new != len(links):  # every source in links is in seen: more in seen means some are gone
+                changed += [src for src in seen if src not in links]
+            links = state["links"] = self._followed = JournaledLinks(links)
+        links.changed = set()
         if not changed and self._prefixes is not None:
             return self._prefixes
         order, starts, stamps = self._order
@@ -948,7 +1000,7 @@ def for_controls(state: dict, directory, rows: list[dict]) -> list[dict]:
 def _refresh_gpu(state: dict, directory, park: bool, memo: GpuMemo, out: Outcome) -> Outcome:
     """``refresh`` of a node/GPU entity with its memo: only the candidate rows (``GpuMemo``)."""
     rows = state["rows"]
-    starts, top = memo.prefixes(state["links"])
+    starts, top = memo.prefixes(state)
     generation = len(directory.seen)
     picked = memo.candidates(rows, generation)
     memo.low = None
@@ -986,7 +1038,9 @@ def _refresh_gpu(state: dict, directory, park: bool, memo: GpuMemo, out: Outcome
             assert previous.get(rid) == (deps, tuple(res.interests)) and after == deps and len(out.correlated) == emitted, \
                 f"GpuMemo skipped a row that changed: {rid}"
         memo.derived(record, after, tuple(res.interests))
-    state["interests"] = sorted(memo.counts)
+    interests = sorted(memo.counts)
+    if interests != state["interests"]:  # the same list while they do not change (``Correlator`` indexes a new one)
+        state["interests"] = interests
     if memo.devices:  # (device_link walks every row: not for the node/GPUs of alerts, which have none)
         _refresh_device(state, out)
     return out

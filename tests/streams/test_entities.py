@@ -480,3 +480,36 @@ def test_coverage_refuses_a_link_changed_in_place_after_it_was_indexed():
     link["intervals"][0]["start"] = "2026-11-01T00:00:05+00:00"  # edited in place
     with pytest.raises(RuntimeError, match="pod:ns/p1 changed in place"):
         coverage.set("pod:ns/p1", {"intervals": [], "v": 2})
+
+
+def test_a_gpu_memo_finds_changed_links_by_their_journal_and_refuses_unnoted_changes():
+    """A followed node/GPU's links note every source set or deleted (``JournaledLinks``):
+    the memo's order of links follows additions, replacements and evictions past
+    ``MAX_LINKS`` without comparing every link, and a change that would go unnoted is refused."""
+    import orjson
+
+    from streams.correlate import entities
+    from streams.correlate.entities import GpuMemo, JournaledLinks, fold_link, new_entity
+
+    def link(second: int, v: int = 1) -> dict:
+        start = f"2026-11-01T00:{second // 60:02d}:{second % 60:02d}+00:00"
+        return {"intervals": [{"id": f"a{second}", "start": start, "end": None, "identity": {}}], "v": v}
+
+    state, memo = new_entity("gpu:n1/GPU-1"), GpuMemo()
+    fold_link(state, "pod:ns/a", link(10))
+    assert memo.prefixes(state)[0] == ["2026-11-01T00:00:10+00:00"]
+    assert type(state["links"]) is JournaledLinks
+    fold_link(state, "pod:ns/b", link(5))
+    fold_link(state, "pod:ns/a", link(20, v=2))  # replaced
+    assert memo.prefixes(state)[0] == ["2026-11-01T00:00:05+00:00", "2026-11-01T00:00:20+00:00"]
+    for i in range(entities.MAX_LINKS):  # later holders evict the earliest (b, then a)
+        fold_link(state, f"pod:ns/p{i}", link(30 + i))
+    starts = memo.prefixes(state)[0]
+    assert len(starts) == entities.MAX_LINKS and starts[0] == "2026-11-01T00:00:30+00:00"
+    assert starts == sorted(iv["start"] for lk in state["links"].values() for iv in lk["intervals"])
+    with pytest.raises(TypeError, match="item by item"):
+        state["links"].update({"pod:ns/z": link(1)})
+    # Encoded as the plain dict it is; a state loaded again is compared link by link once
+    loaded = orjson.loads(orjson.dumps(state))
+    assert type(loaded["links"]) is dict and loaded["links"] == dict(state["links"])
+    assert memo.prefixes(loaded)[0] == starts and type(loaded["links"]) is JournaledLinks
