@@ -149,7 +149,7 @@ class TableWriter:
         """One blocking insert; raises StoreUnavailable (retriable) or RowsRejected.
 
         Rows travel as one ``JSONCompactEachRow`` block (a JSON array per row, in the
-        insert's column order) that ClickHouse parses itself: measured ~7x faster than
+        insert's column order, comma-separated) that ClickHouse parses itself: measured ~7x faster than
         clickhouse-connect's typed insert, which serialises every value in Python (the sink
         was the slowest stage of the worker); arrays rather than ``JSONEachRow`` objects
         spare building a dict per row (13 % of the sink's CPU in py-spy). A value ClickHouse
@@ -158,7 +158,11 @@ class TableWriter:
         client = self.store.get()  # raises StoreUnavailable / StoreLocked while unreachable
         columns = self.columns
         dumps = orjson.dumps
-        block = b"\n".join([dumps(row, default=str) for row in rows])
+        # One dumps of every row, its brackets stripped: the rows separated by commas, which
+        # ClickHouse's JSON*EachRow readers skip between rows as they skip whitespace. A
+        # dumps per row then a join cost ~4 us a row (each result allocated and kept until
+        # the join), one dumps of the block ~0.6 (py-spy: the sink's costliest line).
+        block = dumps(rows, default=str)[1:-1]
         with driver_call() as report:
             try:
                 client.raw_insert(self.table, column_names=columns, insert_block=block, fmt="JSONCompactEachRow",
