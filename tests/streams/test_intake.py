@@ -208,3 +208,90 @@ def test_a_backlog_is_routed_in_publishing_order_exactly_once(kafka_bootstrap, c
     finally:
         reader.close()
     assert {(tp.topic, tp.partition): tp.offset for tp in committed} == ends
+
+
+def test_a_paused_partition_taken_away_and_given_back_is_read_again(kafka_bootstrap, catalogue, settings_for):
+    """librdkafka keeps a partition's pause across a revocation and a new assignment, while the
+    alignment forgets what it held of it: a partition the route stage paused, revoked by a
+    rebalance and assigned again must be resumed, or it is never read again.
+
+    Made deterministic with an open transaction: the alert topic's partitions hold a record that
+    is not delivered until the transaction commits, so they stay behind, nothing of the
+    scheduler topic is released, and its partitions pause once they hold ``per_partition``
+    records. A second member joins and leaves the route group (a rebalance that revokes and
+    assigns every partition again) before the transaction commits."""
+    settings = settings_for(catalogue)
+    settings.streams.app_id = f"resume-{uuid.uuid4().hex[:6]}"
+    sched, alert = catalogue.scheduler, catalogue.alert
+    parts = catalogue.raw_partitions
+    written: dict[tuple[str, int, int], int] = {}
+
+    def sent(err, msg):
+        assert err is None, err
+        written[(msg.topic(), msg.partition(), msg.offset())] = msg.timestamp()[1]
+
+    base = int(time.time() * 1000) - 100_000
+    txn = Producer({"bootstrap.servers": kafka_bootstrap, "transactional.id": f"{settings.streams.app_id}-txn"})
+    txn.init_transactions(30)
+    txn.begin_transaction()
+    for p in range(parts):
+        txn.produce(alert, value=b"held", partition=p, timestamp=base, on_delivery=sent)
+    assert txn.flush(30) == 0
+    plain = Producer({"bootstrap.servers": kafka_bootstrap, "enable.idempotence": True})
+    for i in range(100 * parts):
+        plain.produce(sched, value=b"s" * 100, partition=i % parts, timestamp=base + 1 + i, on_delivery=sent)
+    assert plain.flush(30) == 0
+    handled: list = []
+
+    async def handle(events):
+        handled.extend(events)
+
+    async def nothing(*_args):
+        return None
+
+    async def until(what: str, probe, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not probe():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            await asyncio.sleep(0.05)
+
+    async def run() -> RawIntake:
+        intake = RawIntake(settings, client_config(settings), (sched, alert), ("route_events", handle, nothing, nothing, nothing, 0.2))
+        intake.align = TimeAlignment(per_partition=20, stall_s=600)
+        task = asyncio.create_task(intake.run())
+        sched_parts = {(sched, p) for p in range(parts)}
+        await until("the scheduler partitions to pause", lambda: sched_parts <= intake.align.paused)
+        assert handled == []  # held: the alert partitions are behind
+        pauses = intake.align.pauses
+        other = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"{settings.streams.app_id}.route",
+                          "partition.assignment.strategy": "range", "enable.auto.commit": False})
+        other.subscribe([sched, alert])
+        deadline = time.monotonic() + 60
+        while not other.assignment():
+            assert time.monotonic() < deadline, "the second member got no partitions"
+            await asyncio.to_thread(other.poll, 0.2)
+        await asyncio.to_thread(other.close)  # leaves the group: every partition goes back to the route stage
+        await until("every raw partition back with the route stage", lambda: len(intake.assignment) == 2 * parts)
+        await asyncio.to_thread(txn.commit_transaction, 30)
+        # The commit marker after each held record is never delivered (the partition would look
+        # behind until the stall wait): a later record after it ends the alert partitions.
+        for p in range(parts):
+            plain.produce(alert, value=b"after", partition=p, timestamp=base + 1000 * parts, on_delivery=sent)
+        assert await asyncio.to_thread(plain.flush, 30) == 0
+        await until("every record routed", lambda: {(r.topic, r.partition, r.offset) for r in handled} >= set(written))
+        await intake.epoch.commit_now()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert intake.align.pauses >= pauses  # (paused again as they refilled, and resumed as they drained)
+        return intake
+
+    asyncio.run(run())
+    ends: dict[tuple[str, int], int] = {}
+    for (topic, partition, offset) in written:
+        ends[(topic, partition)] = max(ends.get((topic, partition), 0), offset + 1)
+    reader = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"{settings.streams.app_id}.route"})
+    try:
+        committed = reader.committed([TopicPartition(t, p) for t, p in ends], timeout=10)
+    finally:
+        reader.close()
+    assert {(tp.topic, tp.partition): tp.offset for tp in committed} == ends
