@@ -160,6 +160,24 @@ def _produce_backlog(bootstrap: str, topics: tuple[str, str], n: int) -> dict[tu
     return written
 
 
+def _ends(written) -> dict[tuple[str, int], int]:
+    """Each partition's offset after the last record written to it."""
+    ends: dict[tuple[str, int], int] = {}
+    for (topic, partition, offset) in written:
+        ends[(topic, partition)] = max(ends.get((topic, partition), 0), offset + 1)
+    return ends
+
+
+def _committed(bootstrap: str, group: str, written) -> dict[tuple[str, int], int]:
+    """The group's committed offsets of the partitions written to."""
+    reader = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    try:
+        committed = reader.committed([TopicPartition(t, p) for t, p in _ends(written)], timeout=10)
+    finally:
+        reader.close()
+    return {(tp.topic, tp.partition): tp.offset for tp in committed}
+
+
 def test_a_backlog_is_routed_in_publishing_order_exactly_once(kafka_bootstrap, catalogue, settings_for):
     """The route stage's intake over a real backlog: every record handed to the epoch once, in
     timestamp order across both topics (without alignment the small records' topic runs ahead
@@ -199,15 +217,7 @@ def test_a_backlog_is_routed_in_publishing_order_exactly_once(kafka_bootstrap, c
     assert intake.align.stall_releases == 0
     assert inversions == 0, f"{inversions} records routed after a newer one ({intake.align.health()})"
     assert intake.align.health()["pauses"] > 0  # the small records' partitions ran ahead and were paused
-    ends = {}
-    for (topic, partition, offset) in written:
-        ends[(topic, partition)] = max(ends.get((topic, partition), 0), offset + 1)
-    reader = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"{settings.streams.app_id}.route"})
-    try:
-        committed = reader.committed([TopicPartition(t, p) for t, p in ends], timeout=10)
-    finally:
-        reader.close()
-    assert {(tp.topic, tp.partition): tp.offset for tp in committed} == ends
+    assert _committed(kafka_bootstrap, f"{settings.streams.app_id}.route", written) == _ends(written)
 
 
 def test_a_paused_partition_taken_away_and_given_back_is_read_again(kafka_bootstrap, catalogue, settings_for):
@@ -286,12 +296,4 @@ def test_a_paused_partition_taken_away_and_given_back_is_read_again(kafka_bootst
         return intake
 
     asyncio.run(run())
-    ends: dict[tuple[str, int], int] = {}
-    for (topic, partition, offset) in written:
-        ends[(topic, partition)] = max(ends.get((topic, partition), 0), offset + 1)
-    reader = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"{settings.streams.app_id}.route"})
-    try:
-        committed = reader.committed([TopicPartition(t, p) for t, p in ends], timeout=10)
-    finally:
-        reader.close()
-    assert {(tp.topic, tp.partition): tp.offset for tp in committed} == ends
+    assert _committed(kafka_bootstrap, f"{settings.streams.app_id}.route", written) == _ends(written)
