@@ -58,6 +58,7 @@ rows that fit are kept; what is detached is counted in ``state["detached"]``).
 from __future__ import annotations
 
 import hashlib
+import heapq
 from bisect import bisect_left, bisect_right, insort
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -212,7 +213,9 @@ def fold_link(state: dict, source: str, link: dict) -> bool:
         # (a function of the link set, so the survivors do not depend on arrival order).
         def newest(item):
             return max((iv["start"] for iv in item[1].get("intervals", [])), default=""), item[0]
-        for src, _link in sorted(state["links"].items(), key=newest)[: len(state["links"]) - MAX_LINKS]:
+        # (the few least by key, not a sort of every link at each holder past the cap; keys are
+        # unique — the source is in them — so this is exactly the sort's first ones)
+        for src, _link in heapq.nsmallest(len(state["links"]) - MAX_LINKS, state["links"].items(), key=newest):
             del state["links"][src]
             state["detached"] += 1
     return source in state["links"]
