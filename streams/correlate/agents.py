@@ -204,7 +204,7 @@ class Correlator:
                 outcome = refresh(state, self.directory, memo=memo)
                 self.store.put(p, key, state)
                 refreshed.add(key)
-                if memo is None or memo.indexed is not state["interests"]:
+                if memo is None or memo.indexed != state["interests"]:
                     # (a node/GPU's interests — every release its holders ran — are indexed again
                     # only when its refresh changed them: ``dependents`` only ever grows)
                     self.runtime.index(key, state["interests"])

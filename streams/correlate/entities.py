@@ -861,7 +861,8 @@ class GpuMemo:
         links = state["links"]
         seen = self.links
         if links is self._followed:
-            changed = [src for src in links.changed if (known := seen.get(src)) is None or known[0] is not links.get(src)]
+            # (the memo's link object is not the current one; None for absent on either side)
+            changed = [src for src in links.changed if (seen[src][0] if src in seen else None) is not links.get(src)]
         else:
             changed = [src for src, link in links.items() if (known := seen.get(src)) is None or known[0] is not link]
             new = sum(1 for src in changed if src not in seen)
@@ -1041,9 +1042,7 @@ def _refresh_gpu(state: dict, directory, park: bool, memo: GpuMemo, out: Outcome
             assert previous.get(rid) == (deps, tuple(res.interests)) and after == deps and len(out.correlated) == emitted, \
                 f"GpuMemo skipped a row that changed: {rid}"
         memo.derived(record, after, tuple(res.interests))
-    interests = sorted(memo.counts)
-    if interests != state["interests"]:  # the same list while they do not change (``Correlator`` indexes a new one)
-        state["interests"] = interests
+    state["interests"] = sorted(memo.counts)
     if memo.devices:  # (device_link walks every row: not for the node/GPUs of alerts, which have none)
         _refresh_device(state, out)
     return out
