@@ -37,6 +37,8 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Awaitable
+
 import faust
 from faust.tables import TableManager
 
@@ -48,7 +50,7 @@ from producers._kafka import client_config, ensure_specs, resolve_bootstrap
 from streams.controls.agents import install_control_agents
 from streams.correlate.agents import install_correlate_agents
 from streams.correlate.directory import ReleaseDirectory
-from streams.output import BatchOutput
+from streams.output import BatchOutput, Deferred
 from streams.runner import FaultInjection
 
 log = logging.getLogger(__name__)
@@ -83,13 +85,23 @@ class WorkerContext:
         self.recovery_lock = asyncio.Lock()  # the stores recover one at a time (streams.store.PartitionStore)
         self.fault = FaultInjection(settings.streams.fault)  # (stage, point): a kill -9 there, for the fault tier
 
-    async def commit_state(self, stage: str, store) -> None:
-        """An epoch commit of a stateful stage (``streams.runner``): every output produced so
-        far acknowledged, then ``store``'s changed states' changelog, acknowledged."""
-        await self.output.flush()
+    async def commit_state(self, stage: str, store) -> Awaitable[None]:
+        """An epoch commit of a stateful stage (``streams.runner``), taken now, made durable by
+        the tail it returns: ``store``'s changed states are encoded now (the state the epoch
+        left), and the tail waits until every output produced so far is acknowledged, then
+        produces that changelog and waits for it. The agent's next batches run while the tail
+        waits (``Epoch`` acks the epoch's input when the tail is done, and runs the tails in
+        order): their outputs are not waited for, and states they change are the next
+        commit's."""
+        mark = self.output.mark()
+        changes = Deferred()
+        store.write_changes(changes)
+        return self._durable(stage, mark, changes)
+
+    async def _durable(self, stage: str, mark: set[int], changes: Deferred) -> None:
+        await self.output.flush(mark)
         self.fault(stage, "after_outputs")
-        store.write_changes(self.output)
-        await self.output.flush()
+        await self.output.flush(self.output.produce_all(changes))
         self.fault(stage, "after_changelog")
         gctune.freeze()  # what this epoch left alive is the store's: not walked by the collector again
 
@@ -266,6 +278,11 @@ def create_app(settings) -> faust.App:
             log.warning("recovering state after the rebalance failed (%s); the first batch that needs it loads it again",
                         task.exception())
 
+    async def _settled_then_flushed() -> None:
+        for epoch in ctx.epochs.values():
+            await epoch.settle()  # an epoch's tail still to write its changelog writes it now
+        await ctx.output.flush()
+
     @app.on_partitions_revoked.connect
     async def _revoked(sender, revoked, **kwargs):
         # Faust has waited for the handed-out events to be acked (each ack follows an epoch
@@ -274,7 +291,7 @@ def create_app(settings) -> faust.App:
         # next owner (or this worker, given them back) read the changelog, they would be
         # missing from the layout it loaded (``Correlator.reset`` says what that costs).
         try:
-            await asyncio.wait_for(ctx.output.flush(), REVOKE_FLUSH_S)
+            await asyncio.wait_for(_settled_then_flushed(), REVOKE_FLUSH_S)
         except asyncio.TimeoutError:
             log.warning("rebalance: records produced before it still not acknowledged after %.0fs; giving the partitions up",
                         REVOKE_FLUSH_S)

@@ -47,6 +47,19 @@ MAX_DEAD_VALUE = 64 * 1024
 REPORT_EVERY_S = 60.0
 
 
+class Deferred:
+    """Records to produce later, collected through ``produce``'s signature: an epoch commit
+    encodes its changed states when it is taken (the state as it is then) and produces them
+    once the epoch's outputs are acknowledged (``WorkerContext.commit_state``)."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple] = []
+
+    def produce(self, topic: str, key: bytes | None, value: bytes | None, partition: int | None = None, source: tuple | None = None,
+                headers: list[tuple[str, bytes]] | None = None) -> None:
+        self.records.append((topic, key, value, partition, source, headers))
+
+
 class BatchOutput:
     def __init__(self, config: dict, client_id: str, deadletter_topic: str, max_message_bytes: int = 1_000_000) -> None:
         self._producer = Producer({
@@ -119,12 +132,25 @@ class BatchOutput:
         self._send(seq, (self.deadletter_topic, key, encode_event(letter), None, None, None))
 
     # --- waiting for acks ---------------------------------------------------------------
-    async def flush(self) -> None:
-        """Wait until every record produced *before this call* is acknowledged (retrying
-        what can be retried). Records other agents produce meanwhile are not waited for:
-        with several agents producing all the time, "until the queue is empty" could
-        wait for ever (measured: correlation batches stalled for seconds)."""
-        mine = set(self._inflight)
+    def mark(self) -> set[int]:
+        """The records produced so far and not yet acknowledged: ``flush(mark)`` waits for
+        these only (an epoch's tail, ``streams.runner``, waits for its own epoch's outputs
+        while later batches go on producing)."""
+        return set(self._inflight)
+
+    def produce_all(self, records: Deferred) -> set[int]:
+        """Produce ``records`` (collected by a ``Deferred``) and return their mark."""
+        first = self._seq
+        for topic, key, value, partition, source, headers in records.records:
+            self.produce(topic, key, value, partition=partition, source=source, headers=headers)
+        return set(range(first, self._seq))  # produce is synchronous: the seqs in between are these
+
+    async def flush(self, mark: set[int] | None = None) -> None:
+        """Wait until every record produced *before this call* (or every record of ``mark``)
+        is acknowledged (retrying what can be retried). Records other agents produce
+        meanwhile are not waited for: with several agents producing all the time, "until the
+        queue is empty" could wait for ever (measured: correlation batches stalled for seconds)."""
+        mine = set(self._inflight) if mark is None else mark
         waited = 0.0
         while True:
             if self._failed:

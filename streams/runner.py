@@ -106,7 +106,15 @@ class Epoch:
 
     ``handle(events)``, ``reset(events)``, ``dead(event, exc)`` are the agent's batch
     logic; ``commit()`` waits for the outputs produced so far, writes the changed
-    states' changelog and waits for it (no acks: the epoch acks after it returns).
+    states' changelog and waits for it (no acks: the epoch acks after it returns) — or
+    takes the commit (encodes the changed states as they are) and returns its *tail*, an
+    awaitable that does the waiting and the writing (``WorkerContext.commit_state``).
+    A tail runs as a task of its own while the next batches are handled (a commit no
+    longer stops the agent for two round trips to the broker each second); the next
+    commit waits for it (one tail at a time, in commit order), and an epoch's events are
+    acked when its tail is done; a tail that fails ends the process as a crash would. ``settle()`` waits for the tails taken so far: before a failed batch's
+    partitions are reset (their durable state must be all there is), at a stop, and before
+    partitions are given up.
     """
 
     def __init__(self, name: str, handle: Callable[[list], Awaitable[None]], reset: Callable[[list], Awaitable[None]],
@@ -125,6 +133,7 @@ class Epoch:
         self.release = release
         self.pending: list = []
         self._since: float | None = None
+        self._tail: asyncio.Future | None = None  # the last commit's tail, while it runs
         self._lock = asyncio.Lock()
         self.batches = 0
         self.commits = 0
@@ -175,13 +184,16 @@ class Epoch:
             return
         except Exception:  # noqa: BLE001 - retried record by record below
             log.exception("%s: a batch of %d failed; handling its partitions' epoch record by record", self.name, len(events))
+        await self.settle()  # the commits taken before the failure are durable (and acked): not re-done
         parts = {_tp(ev) for ev in events}
         redo = [ev for ev in self.pending if _tp(ev) in parts] + list(events)
         await self.reset(redo)
         for event in redo:
             try:
                 await self._handle_retrying([event])
-                await self.commit()  # durable now: a later record's reset must not take this one's state with it
+                tail = await self.commit()  # durable now: a later record's reset must not take this one's state with it
+                if tail is not None:
+                    await tail
             except Exception as exc:  # noqa: BLE001 - the record is dead-lettered with the error
                 log.exception("%s: record %s[%d]@%d failed on its own; dead-lettering it", self.name, event.message.topic,
                               event.message.partition, event.message.offset)
@@ -200,16 +212,46 @@ class Epoch:
                     await self._commit()
 
     async def commit_now(self) -> None:
+        """Commit what is pending and wait until every commit taken is durable and acked."""
         async with self._lock:
             if self.pending:
                 await self._commit()
+        await self.settle()
 
     async def _commit(self) -> None:
-        await self.commit()
+        # One tail at a time: the previous commit's changelog goes first (a key's records stay
+        # in commit order), and an agent whose tails cannot finish (Kafka away) stops at its
+        # next commit rather than piling up encoded states.
+        await self.settle()
+        tail = await self.commit()
         pending, self.pending, self._since = self.pending, [], None
+        if tail is None:
+            self._acked(pending)
+        else:
+            self._tail = asyncio.ensure_future(self._durable(tail, pending))
+
+    async def _durable(self, tail: Awaitable[None], pending: list) -> None:
+        try:
+            await tail
+        except Exception:  # noqa: BLE001 - the state this commit took may never be written: end as a crash would
+            log.critical("%s: a commit could not be made durable; exiting without acking its %d event(s)", self.name, len(pending),
+                         exc_info=True)
+            logging.shutdown()
+            os._exit(HARD_EXIT)
+        self._acked(pending)
+
+    def _acked(self, pending: list) -> None:
         self.release(pending)
         self.commits += 1
         self.acked += len(pending)
+
+    async def settle(self) -> None:
+        """Wait until the tail of every commit taken so far is done (its events acked)."""
+        while self._tail is not None:
+            tail = self._tail
+            await asyncio.shield(tail)  # a caller cancelled (stop) does not cancel the tail with it
+            if self._tail is tail:
+                self._tail = None
 
     def forget(self, partitions: Iterable[tuple[str, int]]) -> None:
         """Drop the revoked partitions' events without acking them (their next owner —
@@ -222,7 +264,7 @@ class Epoch:
             self._since = None
 
     def health(self) -> dict:
-        return {"pending": len(self.pending), "batches": self.batches, "commits": self.commits, "acked": self.acked, "forgotten": self.forgotten,
+        return {"pending": len(self.pending), "committing": self._tail is not None and not self._tail.done(), "batches": self.batches, "commits": self.commits, "acked": self.acked, "forgotten": self.forgotten,
                 "waiting_for_state": self.waiting_for_state}
 
 

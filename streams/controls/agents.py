@@ -39,6 +39,7 @@ from __future__ import annotations
 import heapq
 import logging
 from collections import defaultdict
+from collections.abc import Awaitable
 from datetime import datetime
 
 from streams.controls.policy import PolicySettings
@@ -231,12 +232,13 @@ class Controller:
         self.stats["violations_out"] += n
         return n
 
-    async def commit(self) -> None:
+    async def commit(self) -> Awaitable[None]:
         """The epoch commit (``WorkerContext.commit_state``): the epoch's violations first,
-        acknowledged with every other output before the changelog is written."""
+        acknowledged with every other output before the changelog is written (by the tail
+        returned)."""
         self.emit_violations()
         self.runtime.marks.write(self.store)
-        await self.ctx.commit_state("controls", self.store)
+        return await self.ctx.commit_state("controls", self.store)
 
     async def reset(self, events: list) -> None:
         """A failed batch: reload its partitions' state from the changelog, once everything

@@ -32,6 +32,7 @@ import heapq
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Awaitable
 from datetime import datetime, timedelta
 
 import orjson
@@ -256,10 +257,10 @@ class Correlator:
         if refreshed:
             log.info("correlated %d message(s) for %d entit(ies) into %d row(s)", len(messages), len(refreshed), n_out)
 
-    async def commit_entities(self) -> None:
-        """The correlation stage's epoch commit (``WorkerContext.commit_state``)."""
+    async def commit_entities(self) -> Awaitable[None]:
+        """The correlation stage's epoch commit (``WorkerContext.commit_state``): returns its tail."""
         self.runtime.marks.write(self.store)
-        await self.ctx.commit_state("correlate", self.store)
+        return await self.ctx.commit_state("correlate", self.store)
 
     def _emit(self, rows, control_rows, allocs) -> None:
         out = self.ctx.output

@@ -1,0 +1,114 @@
+"""The epoch runner (``streams.runner.Epoch``) with commits that return a tail: the agent
+handles its next batches while a commit's tail waits, an epoch's events are acked only when
+its tail is done, tails run one at a time in commit order, and a failed batch's partitions
+are reset only once every commit taken before the failure is durable.
+
+The runner's own ordering, driven by plain asyncio (its tails here are gates the test
+opens); the tail of the real worker (``WorkerContext.commit_state``: outputs acknowledged,
+then the changelog) is proven against the broker by the fault tier (tests/streams/test_faults.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from streams.runner import Epoch
+
+
+def _events(name: str, n: int) -> list:
+    return [SimpleNamespace(message=SimpleNamespace(topic="in", partition=0, offset=f"{name}{i}")) for i in range(n)]
+
+
+class Agent:
+    """Batch logic whose every commit returns a tail that waits for its own gate."""
+
+    def __init__(self, fail_on: str | None = None) -> None:
+        self.log: list[str] = []
+        self.gates: list[asyncio.Event] = []
+        self.fail_on = fail_on
+
+    async def handle(self, events) -> None:
+        if self.fail_on is not None and len(events) > 1 and events[0].message.offset.startswith(self.fail_on):
+            self.log.append(f"failed {events[0].message.offset}")
+            raise ValueError("a bad batch")
+        self.log.append("handled " + ",".join(e.message.offset for e in events))
+
+    async def reset(self, events) -> None:
+        self.log.append(f"reset {len(events)}")
+
+    async def dead(self, event, exc) -> None:
+        self.log.append(f"dead {event.message.offset}")
+
+    async def commit(self):
+        gate = asyncio.Event()
+        self.gates.append(gate)
+        n = len(self.gates)
+        self.log.append(f"commit {n} taken")
+
+        async def tail():
+            await gate.wait()
+            self.log.append(f"commit {n} durable")
+
+        return tail()
+
+
+async def _until(predicate, what: str) -> None:
+    for _ in range(1000):
+        if predicate():
+            return
+        await asyncio.sleep(0)  # one turn of the loop: the tasks under test run
+    raise AssertionError(f"never: {what}")
+
+
+def test_the_next_batches_are_handled_while_a_commit_waits_and_acks_follow_the_commits_in_order():
+    agent, acked = Agent(), []
+    epoch = Epoch("t", agent.handle, agent.reset, agent.dead, agent.commit, interval_s=0.0, hold=None, release=acked.extend)
+    first, second = _events("a", 2), _events("b", 1)
+
+    async def scenario():
+        await epoch.run_batch(first)  # handled, commit 1 taken: its tail waits for its gate
+        assert agent.log == ["handled a0,a1", "commit 1 taken"] and acked == [] and epoch.health()["committing"]
+        handling = asyncio.ensure_future(epoch.run_batch(second))
+        await _until(lambda: "handled b0" in agent.log, "the second batch handled while commit 1 waits")
+        assert not handling.done() and acked == []  # its own commit waits for commit 1's tail: one tail at a time
+        agent.gates[0].set()
+        await handling
+        assert acked == first and agent.log[-2:] == ["commit 1 durable", "commit 2 taken"]
+        stopping = asyncio.ensure_future(epoch.commit_now())  # a stop: nothing pending, but commit 2 still waits
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not stopping.done() and acked == first
+        agent.gates[1].set()
+        await stopping
+        assert acked == first + second and not epoch.health()["committing"]
+        assert epoch.health()["commits"] == 2 and epoch.health()["acked"] == 3
+
+    asyncio.run(scenario())
+    assert agent.log == ["handled a0,a1", "commit 1 taken", "handled b0", "commit 1 durable", "commit 2 taken", "commit 2 durable"]
+
+
+def test_a_failed_batch_is_reset_only_once_the_commits_taken_before_it_are_durable():
+    agent, acked = Agent(fail_on="b"), []
+    epoch = Epoch("t", agent.handle, agent.reset, agent.dead, agent.commit, interval_s=0.0, hold=None, release=acked.extend)
+    first, bad = _events("a", 1), _events("b", 2)
+
+    async def scenario():
+        await epoch.run_batch(first)  # commit 1 taken, its tail waiting
+        failing = asyncio.ensure_future(epoch.run_batch(bad))
+        await _until(lambda: "failed b0" in agent.log, "the bad batch failed")
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not any(line.startswith("reset") for line in agent.log)  # not while commit 1 is not durable
+        agent.gates[0].set()
+        while not failing.done() or epoch.health()["committing"]:  # the redo's commits, each waited for, then the batch's own
+            for gate in agent.gates:
+                gate.set()
+            await asyncio.sleep(0)
+        failing.result()
+
+    asyncio.run(scenario())
+    assert agent.log[:5] == ["handled a0", "commit 1 taken", "failed b0", "commit 1 durable", "reset 2"]
+    assert agent.log[5:] == ["handled b0", "commit 2 taken", "commit 2 durable", "handled b1", "commit 3 taken", "commit 3 durable",
+                             "commit 4 taken", "commit 4 durable"]
+    assert acked == first + bad
