@@ -96,11 +96,20 @@ class WorkerContext:
         mark = self.output.mark()
         changes = Deferred()
         store.write_changes(changes)
-        return self._durable(stage, mark, changes)
+        return self._durable(stage, mark, changes, store, store.drops())
 
-    async def _durable(self, stage: str, mark: set[int], changes: Deferred) -> None:
+    async def _durable(self, stage: str, mark: set[int], changes: Deferred, store, drops: dict[int, int]) -> None:
         await self.output.flush(mark)
         self.fault(stage, "after_outputs")
+        # A partition given up while this tail waited (its revocation could not wait any
+        # longer) is its next owner's: none of its records are written from here (and the
+        # epoch does not ack its events: ``Epoch.forget``).
+        now = store.drops()
+        stale = {p for p in {r[3] for r in changes.records} if now.get(p, 0) != drops.get(p, 0)}
+        if stale:
+            log.warning("%s: partition(s) %s were given up before this commit's changelog was written; leaving it to their next owner",
+                        stage, sorted(stale))
+            changes.records = [r for r in changes.records if r[3] not in stale]
         await self.output.flush(self.output.produce_all(changes))
         self.fault(stage, "after_changelog")
         gctune.freeze()  # what this epoch left alive is the store's: not walked by the collector again

@@ -134,6 +134,7 @@ class Epoch:
         self.pending: list = []
         self._since: float | None = None
         self._tail: asyncio.Future | None = None  # the last commit's tail, while it runs
+        self._tail_events: list = []  # the events that tail acks when it is done
         self._lock = asyncio.Lock()
         self.batches = 0
         self.commits = 0
@@ -228,6 +229,7 @@ class Epoch:
         if tail is None:
             self._acked(pending)
         else:
+            self._tail_events = pending  # forget() takes revoked partitions' events out of it
             self._tail = asyncio.ensure_future(self._durable(tail, pending))
 
     async def _durable(self, tail: Awaitable[None], pending: list) -> None:
@@ -257,6 +259,10 @@ class Epoch:
         """Drop the revoked partitions' events without acking them (their next owner —
         maybe this worker again — re-processes them from the committed offset)."""
         revoked = set(partitions)
+        if self._tail is not None and not self._tail.done():  # a tail still waiting does not ack them either
+            kept = [ev for ev in self._tail_events if _tp(ev) not in revoked]
+            self.forgotten += len(self._tail_events) - len(kept)
+            self._tail_events[:] = kept
         kept = [ev for ev in self.pending if _tp(ev) not in revoked]
         self.forgotten += len(self.pending) - len(kept)
         self.pending = kept

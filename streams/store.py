@@ -545,6 +545,10 @@ class PartitionStore:
         layout.head = _digest(value)
         return layout
 
+    def drops(self) -> dict[int, int]:
+        """How often each partition was dropped so far (a write taken before a drop is stale after it)."""
+        return dict(self._drops)
+
     def drop(self, partitions: Iterable[int]) -> None:
         for p in partitions:
             self._drops[p] += 1

@@ -112,3 +112,19 @@ def test_a_failed_batch_is_reset_only_once_the_commits_taken_before_it_are_durab
     assert agent.log[5:] == ["handled b0", "commit 2 taken", "commit 2 durable", "handled b1", "commit 3 taken", "commit 3 durable",
                              "commit 4 taken", "commit 4 durable"]
     assert acked == first + bad
+
+
+def test_partitions_revoked_while_a_commit_waits_are_not_acked_by_it():
+    agent, acked = Agent(), []
+    epoch = Epoch("t", agent.handle, agent.reset, agent.dead, agent.commit, interval_s=0.0, hold=None, release=acked.extend)
+    mine = _events("a", 2)
+    theirs = [SimpleNamespace(message=SimpleNamespace(topic="in", partition=1, offset="b0"))]
+
+    async def scenario():
+        await epoch.run_batch(mine + theirs)  # commit 1 taken, waiting
+        epoch.forget([("in", 1)])  # revoked meanwhile: its next owner re-processes b0
+        agent.gates[0].set()
+        await epoch.settle()
+
+    asyncio.run(scenario())
+    assert acked == mine and epoch.health()["forgotten"] == 1

@@ -505,3 +505,35 @@ def test_a_batch_that_waits_for_its_state_past_the_bound_ends_the_process_withou
     assert proc.returncode == 75, (proc.returncode, proc.stdout, proc.stderr[-2000:])
     assert proc.stdout == "", proc.stdout  # not handled, not acked, not dead-lettered, never returned
     assert "a batch's state could not be read for 2s" in proc.stderr and name in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_commit_tail_writes_no_changelog_for_a_partition_given_up_while_it_waited(kafka_bootstrap, catalogue, settings_for):
+    """A commit is taken (states encoded), its tail then waits for the epoch's outputs; if a
+    revocation gives one of its partitions up meanwhile (``store.drop``), the tail writes the
+    other partitions' records and none of that one's: it is its next owner's, who recovers
+    from what was durable and re-processes the un-acked input."""
+    from streams.app import WorkerContext, ensure_run_topics
+    from streams.correlate.agents import Correlator
+    from streams.correlate.entities import new_entity
+
+    settings = settings_for(catalogue)
+    settings.streams.app_id = f"tail-{uuid.uuid4().hex[:6]}"
+    ensure_run_topics(settings)
+    kept, given_up = "pod/ml/kept", "pod/ml/given-up"
+
+    async def run():
+        ctx = WorkerContext(settings)
+        corr = Correlator(ctx)
+        await corr.store.ensure({0, 1})
+        corr.store.put(0, kept, {**new_entity(kept), "interests": ["release/r1"]})
+        corr.store.put(1, given_up, {**new_entity(given_up), "interests": ["release/r2"]})
+        tail = await ctx.commit_state("correlate", corr.store)  # taken: both encoded
+        corr.forget({1})  # the revocation, before the tail ran
+        await tail
+        ctx.output.close()
+
+    asyncio.run(run())
+    topic = settings.kafka.catalogue().run(settings.streams.app_id).entities_changelog
+    keys = {(m.partition(), m.key().decode()) for m in read_topic(kafka_bootstrap, topic, min_count=1)}
+    assert (0, kept) in keys
+    assert not any(key == given_up for _p, key in keys)
