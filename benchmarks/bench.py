@@ -465,9 +465,11 @@ class Bench:
         event that the replay, the same work a minute later, did. A broker in service is warm;
         so is this one before the measured phases: a round that did not cost the broker at
         least ``WARM_STEADY`` times less CPU than the one before ends the warm-up (at most
-        ``WARM_ROUNDS``). One round was not always enough: on a cold machine phase 3 then ran
-        at half the replay's rate (the broker 0.12 ms per event against 0.02), and the
-        worker / pass-through ratio printed 44 % where a warm run of the same code printed 94 %."""
+        ``WARM_ROUNDS``). Why rounds: after one round the broker was not always warm — the
+        second round usually costs it a third less CPU than the first — and on a cold machine
+        one round left phase 3 at half the replay's rate (the broker 0.12 ms per event against
+        0.02; worker / pass-through printed 44 % where warm runs of the same code printed
+        76-94 %). That more rounds cure such a run is not shown: the machine was not cold again."""
         if n <= 0:
             return
         print(f"0/5 warm-up (not measured): a worker over {n:,} events of their own topics, until the broker is warm", flush=True)
