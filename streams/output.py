@@ -28,7 +28,6 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from functools import partial
 from datetime import datetime, timezone
 
 from confluent_kafka import KafkaError, KafkaException, Producer
@@ -89,33 +88,21 @@ class BatchOutput:
     def produce(self, topic: str, key: bytes | None, value: bytes, partition: int | None = None, source: tuple | None = None,
                 headers: list[tuple[str, bytes]] | None = None) -> None:
         seq = self._seq
-        self._seq = seq + 1
+        self._seq += 1
         self._inflight.add(seq)
-        record = (topic, key, value, partition, source, headers)
-        # The common case inline (a worker produces ~2.5 records per input event: measured
-        # 4.35 -> 3.9 us per record, librdkafka's own produce being 1.3); a full queue or
-        # a refused record takes the loop in ``_send``.
-        try:
-            if partition is None:
-                self._producer.produce(topic, value, key, on_delivery=partial(self._delivered, seq, record), headers=headers)
-            else:
-                self._producer.produce(topic, value, key, partition, on_delivery=partial(self._delivered, seq, record), headers=headers)
-        except (BufferError, KafkaException):
-            self._send(seq, record)
-            return
-        self.produced[topic] += 1
-
-    def _delivered(self, seq: int, record: tuple, err, _msg) -> None:
-        if err is None:
-            self._inflight.discard(seq)
-        else:
-            self._failed.append((seq, record, err))
+        self._send(seq, (topic, key, value, partition, source, headers))
 
     def _send(self, seq: int, record: tuple) -> None:
         """Hand one record to librdkafka; ``seq`` stays in flight until it (or the dead
         letter that replaces it) is acknowledged."""
         topic, key, value, partition, _source, headers = record
-        on_delivery = partial(self._delivered, seq, record)
+
+        def on_delivery(err, _msg, seq=seq, record=record):
+            if err is None:
+                self._inflight.discard(seq)
+            else:
+                self._failed.append((seq, record, err))
+
         while True:
             try:
                 if partition is None:
