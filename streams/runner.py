@@ -112,9 +112,10 @@ class Epoch:
     A tail runs as a task of its own while the next batches are handled (a commit no
     longer stops the agent for two round trips to the broker each second); the next
     commit waits for it (one tail at a time, in commit order), and an epoch's events are
-    acked when its tail is done; a tail that fails ends the process as a crash would. ``settle()`` waits for the tails taken so far: before a failed batch's
-    partitions are reset (their durable state must be all there is), at a stop, and before
-    partitions are given up.
+    acked when its tail is done; a tail that fails ends the process as a crash would.
+    ``settle()`` waits for the tails taken so far: before a failed batch's partitions are
+    reset (their durable state must be all there is), at a stop, and before partitions
+    are given up.
     """
 
     def __init__(self, name: str, handle: Callable[[list], Awaitable[None]], reset: Callable[[list], Awaitable[None]],
@@ -229,18 +230,18 @@ class Epoch:
         if tail is None:
             self._acked(pending)
         else:
-            self._tail_events = pending  # forget() takes revoked partitions' events out of it
-            self._tail = asyncio.ensure_future(self._durable(tail, pending))
+            self._tail_events = pending  # what the tail acks when it is done (forget() takes revoked partitions' out)
+            self._tail = asyncio.ensure_future(self._durable(tail))
 
-    async def _durable(self, tail: Awaitable[None], pending: list) -> None:
+    async def _durable(self, tail: Awaitable[None]) -> None:
         try:
             await tail
         except Exception:  # noqa: BLE001 - the state this commit took may never be written: end as a crash would
-            log.critical("%s: a commit could not be made durable; exiting without acking its %d event(s)", self.name, len(pending),
-                         exc_info=True)
+            log.critical("%s: a commit could not be made durable; exiting without acking its %d event(s)", self.name,
+                         len(self._tail_events), exc_info=True)
             logging.shutdown()
             os._exit(HARD_EXIT)
-        self._acked(pending)
+        self._acked(self._tail_events)
 
     def _acked(self, pending: list) -> None:
         self.release(pending)
@@ -262,7 +263,7 @@ class Epoch:
         if self._tail is not None and not self._tail.done():  # a tail still waiting does not ack them either
             kept = [ev for ev in self._tail_events if _tp(ev) not in revoked]
             self.forgotten += len(self._tail_events) - len(kept)
-            self._tail_events[:] = kept
+            self._tail_events = kept
         kept = [ev for ev in self.pending if _tp(ev) not in revoked]
         self.forgotten += len(self.pending) - len(kept)
         self.pending = kept
@@ -270,8 +271,8 @@ class Epoch:
             self._since = None
 
     def health(self) -> dict:
-        return {"pending": len(self.pending), "committing": self._tail is not None and not self._tail.done(), "batches": self.batches, "commits": self.commits, "acked": self.acked, "forgotten": self.forgotten,
-                "waiting_for_state": self.waiting_for_state}
+        return {"pending": len(self.pending), "committing": self._tail is not None and not self._tail.done(), "batches": self.batches,
+                "commits": self.commits, "acked": self.acked, "forgotten": self.forgotten, "waiting_for_state": self.waiting_for_state}
 
 
 async def run_batches(stream, epoch: Epoch, batch: int = BATCH, within: float = WITHIN_S) -> None:

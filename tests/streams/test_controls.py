@@ -17,6 +17,7 @@ from confluent_kafka import Consumer, TopicPartition
 from producers._kafka import EventPublisher
 from schemas import Violation
 from streams.controls.rules import is_withdrawn
+from streams.progress import RunProgress, wait_caught_up, worker_health
 from tests.fixtures.kafka import read_topic
 from tests.streams.harness import at, gpu_event
 from tests.streams.test_controls_rules import firing, rel, released, sched
@@ -139,33 +140,6 @@ def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
         consumer.close()
 
 
-def committed(bootstrap: str, group: str, topic: str) -> dict[int, int]:
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
-    try:
-        parts = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-        return {tp.partition: max(tp.offset, 0) for tp in consumer.committed([TopicPartition(topic, p) for p in parts], timeout=10)}
-    finally:
-        consumer.close()
-
-
-def wait_all_committed(bootstrap: str, cat, url: str, timeout: float = 60.0) -> None:
-    """Until the worker has nothing pending or committing and its consumer groups have committed
-    every record of the topics they read (the route stage's the raw topics; the Faust agents'
-    the route and controls topics)."""
-    app = f"{cat.prefix}-app"
-    run = cat.run(app)
-    reads = [(f"{app}.route", t) for t in cat.raw_topics] + [(app, run.route), (app, run.controls)]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with urllib.request.urlopen(f"{url}/gpuledger/health/", timeout=5) as resp:
-            epochs = json.loads(resp.read())["epochs"]
-        idle = all(not e["pending"] and not e.get("committing") for e in epochs.values())
-        if idle and all(committed(bootstrap, group, topic) == end_offsets(bootstrap, topic) for group, topic in reads):
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"the worker's input was not all committed within {timeout:.0f}s: {epochs}")
-
-
 def read_from(bootstrap: str, topic: str, offsets: dict[int, int]) -> dict[str, Violation]:
     """Latest violation per id among the records after ``offsets``."""
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"reader-{uuid.uuid4().hex}", "enable.auto.commit": False})
@@ -195,8 +169,9 @@ def test_a_worker_killed_after_opening_violations_closes_them_after_restart(kafk
     # The cold-state check below needs the first worker's work all durable when it is killed:
     # input it had not acked yet is handled again after the restart (by design), which decodes
     # the states it touches. Kill timing at every point of a commit is the fault tier's
-    # (test_faults.py); here the kill comes once every input is committed.
-    wait_all_committed(kafka_bootstrap, catalogue, first.url)
+    # (test_faults.py); here the kill comes once the run has caught up (streams.progress).
+    with RunProgress({"bootstrap.servers": kafka_bootstrap}, catalogue, f"{catalogue.prefix}-app") as progress:
+        wait_caught_up(progress, lambda: worker_health(first.url), timeout=60)
     first.service.kill()
     publish(kafka_bootstrap, catalogue, SECOND)
     again = worker_factory(catalogue, data_dir=data, extra_env=FAST)  # same group, same store: state from the changelog
