@@ -471,8 +471,12 @@ class ExerciseRunner:
         time.sleep(3 * POLL_INTERVAL_S + 0.5)  # the last kubelet change reaches its collector
         started = time.monotonic()
         consumer = Consumer({**client, "group.id": f"gpuledger-exercise-drain-{self.run_id}", "enable.auto.commit": False})
-        # Only asked for its committed offsets; never subscribes, so it does not join the worker's group.
-        worker_group = Consumer({**client, "group.id": app_id, "enable.auto.commit": False})
+        from streams.progress import worker_groups
+
+        # The group that reads the controls topic (the controls process's); only asked for its
+        # committed offsets, never subscribes, so it does not join it.
+        controls_group = next(group for group, topics in worker_groups(catalogue, app_id).items() if catalogue.run(app_id).controls in topics)
+        worker_group = Consumer({**client, "group.id": controls_group, "enable.auto.commit": False})
         try:
             parts = []
             for topic in catalogue.raw_topics:

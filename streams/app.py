@@ -1,32 +1,34 @@
-"""The one Faust app: correlate raw events, judge the controls, sink into ClickHouse.
+"""The worker: correlate raw events, judge the controls, sink into ClickHouse.
 
 Input: the four raw topics (scheduler, gpu, release, alert), co-partitioned and keyed
 by the shared correlation key, read by the route stage (a process of its own, in its own
-consumer group ``<app id>.route``: ``streams.correlate.route``); the Faust agents read
-the run's internal topics. Output, all in the run's own topics (``<prefix>.<app
-id>.*``, ``schemas.topics.RunTopics``): correlated rows, enriched alerts, GPU
-allocation intervals, violations, dead letters — and, through the sink agents, the
-ClickHouse tables.
+consumer group ``<app id>.route``: ``streams.correlate.route``); the correlation agent
+(Faust) reads the run's internal route topic, the controls stage its controls topic.
+Output, all in the run's own topics (``<prefix>.<app id>.*``,
+``schemas.topics.RunTopics``): correlated rows, enriched alerts, GPU allocation
+intervals, violations, dead letters — and, through the sink, the ClickHouse tables.
 
-Stages (each in the module that holds its logic), in three processes:
+Stages (each in the module that holds its logic), in four processes:
   - ``route_events``, in a child process the worker starts and supervises
     (``streams.correlate.route``: a plain consumer of the raw topics, ``streams.correlate.intake``);
-  - ``correlate_entities`` (``streams.correlate.agents``) and ``evaluate_controls``
-    (``streams.controls.agents``): Faust agents, in this process;
+  - ``correlate_entities`` (``streams.correlate.agents``): the Faust agent, in this process;
+  - ``evaluate_controls`` (``streams.controls.agents``), in a child process too
+    (``streams.controls.service``: a plain consumer of the controls topic in the group
+    ``<app id>.controls``, at a lower priority);
   - the sink, in a child process too (``sinks.service``: a plain consumer in its own
     group, ``<app id>.sinks``). The children: ``gpuledger.child``.
 
 Before the worker joins its consumer group it creates every topic it reads or writes
 and waits until the broker's metadata shows them (a consumer that subscribes to a
 topic the broker does not show yet ignores it for the life of the process). After
-every rebalance it checks that each agent got its partitions, and the route stage that
-its consumer got the raw topics' (``assignment_health``); ``/gpuledger/health/`` says
+every rebalance it checks that its agent got its partitions, the route stage that its
+consumer got the raw topics' and the controls stage the controls topic's (``assignment_health``); ``/gpuledger/health/`` says
 ``degraded`` (and names the topic) when one did not.
 
 The worker's sink process owns the embedded store and serves the CLI's read-only
 queries (token-protected, recorded beside the data dir: ``sinks.service``). The
-worker's loopback web port serves ``/gpuledger/health/`` — the worker's, the route stage's
-and the sink's state in one page (``degraded`` while a child does not answer); Faust's own pages
+worker's loopback web port serves ``/gpuledger/health/`` — the worker's and its
+children's state in one page (``degraded`` while a child does not answer); Faust's own pages
 (tables, router, graph, stats) are off.
 """
 
@@ -37,7 +39,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Awaitable
+from typing import NamedTuple
 
 import faust
 from faust.tables import TableManager
@@ -45,13 +47,10 @@ from faust.tables import TableManager
 from gpuledger import gctune
 from gpuledger.child import HealthClient
 from gpuledger.dev.process import free_port
-from gpuledger.telemetry import ComponentCounters
-from producers._kafka import client_config, ensure_specs, resolve_bootstrap
-from streams.controls.agents import install_control_agents
+from producers._kafka import client_config, ensure_specs
+from streams.context import StageContext
+from streams.controls.policy import PolicySettings
 from streams.correlate.agents import install_correlate_agents
-from streams.correlate.directory import ReleaseDirectory
-from streams.output import BatchOutput, Deferred
-from streams.runner import FaultInjection
 
 log = logging.getLogger(__name__)
 
@@ -60,64 +59,21 @@ log = logging.getLogger(__name__)
 REVOKE_FLUSH_S = 5.0
 
 
-class WorkerContext:
-    """What every agent of one worker shares: settings, the run's topics, the one
-    batched producer, the release directory, the counters."""
+class WorkerContext(StageContext):
+    """What the Faust worker's agents share (``StageContext``: settings, the run's topics, the
+    one batched producer, the release directory, the counters), with the Faust app, its
+    child processes and the health page that merges theirs."""
 
     def __init__(self, settings) -> None:
-        self.settings = settings
-        self.catalogue = settings.kafka.catalogue()
-        self.run = self.catalogue.run(settings.streams.app_id)
-        self.bootstrap = resolve_bootstrap(settings)
-        self.consumer_config = client_config(settings)
-        self.output = BatchOutput(self.consumer_config, f"gpuledger-{settings.streams.app_id}", self.run.deadletter)
-        self.directory = ReleaseDirectory()
-        self.stats: dict = {}
-        self.subscriptions: dict = {"ok": False, "problems": ["not assigned yet"]}  # the Faust agents' (route, controls)
+        super().__init__(settings)
+        self.subscriptions: dict = {"ok": False, "problems": ["not assigned yet"]}  # the Faust agent's (route topic)
         self.route = None  # gpuledger.child.ChildProcess: the route stage's process (streams.correlate.route)
-        self._counters: dict[str, ComponentCounters] = {}
+        self.controls = None  # gpuledger.child.ChildProcess: the controls stage's process (streams.controls.service)
         self.correlator = None
-        self.controller = None
         self.epochs: dict = {}  # agent name -> streams.runner.Epoch
         self.app = None
         self.sink = None  # gpuledger.child.ChildProcess: the sink's process (sinks.service), when this worker runs one
         self.health_client = HealthClient()
-        self.recovery_lock = asyncio.Lock()  # the stores recover one at a time (streams.store.PartitionStore)
-        self.fault = FaultInjection(settings.streams.fault)  # (stage, point): a kill -9 there, for the fault tier
-
-    async def commit_state(self, stage: str, store) -> Awaitable[None]:
-        """An epoch commit of a stateful stage (``streams.runner``), taken now, made durable by
-        the tail it returns: ``store``'s changed states are encoded now (the state the epoch
-        left), and the tail waits until every output produced so far is acknowledged, then
-        produces that changelog and waits for it. The agent's next batches run while the tail
-        waits (``Epoch`` acks the epoch's input when the tail is done, and runs the tails in
-        order): their outputs are not waited for, and states they change are the next
-        commit's."""
-        mark = self.output.mark()
-        changes = Deferred()
-        store.write_changes(changes)
-        return self._durable(stage, mark, changes, store, store.drops())
-
-    async def _durable(self, stage: str, mark: set[int], changes: Deferred, store, drops: dict[int, int]) -> None:
-        await self.output.flush(mark)
-        self.fault(stage, "after_outputs")
-        # A partition given up while this tail waited (its revocation could not wait any
-        # longer) is its next owner's: none of its records are written from here (and the
-        # epoch does not ack its events: ``Epoch.forget``).
-        now = store.drops()
-        stale = {p for p in {r[3] for r in changes.records} if now.get(p, 0) != drops.get(p, 0)}
-        if stale:
-            log.warning("%s: partition(s) %s were given up before this commit's changelog was written; leaving it to their next owner",
-                        stage, sorted(stale))
-            changes.records = [r for r in changes.records if r[3] not in stale]
-        await self.output.flush(self.output.produce_all(changes))
-        self.fault(stage, "after_changelog")
-        gctune.freeze()  # what this epoch left alive is the store's: not walked by the collector again
-
-    def packed_batch(self) -> int:
-        """Records per batch for an agent reading packed records."""
-        conf = self.settings.streams
-        return max(1, conf.packed_batch_messages // conf.pack_max)
 
     def assigned(self, topic: str) -> set[int]:
         """The partitions of ``topic`` assigned to this worker right now."""
@@ -125,27 +81,21 @@ class WorkerContext:
             return set()
         return {tp.partition for tp in self.app.consumer.assignment() if tp.topic == topic}
 
-    def counters(self, component: str) -> ComponentCounters:
-        if component not in self._counters:
-            self._counters[component] = ComponentCounters(component)
-        return self._counters[component]
-
     def health(self, pages: dict[str, dict | None] | None = None) -> dict:
         """This worker's state, merged with its children's health pages (``pages``: child
         name -> its page, None when it did not answer; ``children_health``)."""
         pages = pages or {}
-        route = pages.get("route")
-        subscriptions = self.assignment_health(route)
+        subscriptions = self.assignment_health(pages.get("route"), pages.get("controls"))
         ok = subscriptions["ok"] and self.directory.ready.is_set()
         health = {
             "status": "ok" if ok else "degraded",
             "subscriptions": subscriptions,
             "release_directory": {"ready": self.directory.ready.is_set(), "releases": len(self.directory.releases)},
             "stats": {**self.stats, "outputs_produced": dict(self.output.produced), "output_dead_letters": self.output.dead_letters,
-                      "changelog_unchanged_skipped": sum(a.store.unchanged_skipped for a in (self.correlator, self.controller) if a)},
+                      "changelog_unchanged_skipped": self.correlator.store.unchanged_skipped if self.correlator else 0},
             "counters": {name: c.totals for name, c in self._counters.items()},
             "epochs": {name: epoch.health() for name, epoch in self.epochs.items()},
-            "stores": {a.store.name: a.store.health() for a in (self.correlator, self.controller) if a},
+            "stores": {self.correlator.store.name: self.correlator.store.health()} if self.correlator else {},
             "gc": gctune.stats(),
         }
         for name, child in self.children().items():
@@ -162,39 +112,51 @@ class WorkerContext:
             merge_stats(health["stats"], page.get("stats", {}))
             health["counters"].update(page.get("counters", {}))
             health["epochs"].update(page.get("epochs", {}))
+            health["stores"].update(page.get("stores", {}))
         if any(epoch.get("waiting_for_state") for epoch in health["epochs"].values()):
             health["status"] = "degraded"  # a stage waits for a state it cannot read (streams.runner)
         return health
 
     def children(self) -> dict:
         """This worker's child processes (``gpuledger.child.ChildProcess``) by name."""
-        return {name: child for name, child in (("route", self.route), ("sink", self.sink)) if child is not None}
+        return {name: child for name, child in (("route", self.route), ("controls", self.controls), ("sink", self.sink))
+                if child is not None}
 
-    def assignment_health(self, route: dict | None = None) -> dict:
-        """The Faust agents' assignment check (after their last rebalance) and the route
-        stage's (its own group over the raw topics, from its health page ``route``): ``ok``
-        only when both are."""
-        from confluent_kafka import TopicPartition
-
-        faust_side = self.subscriptions
-        if self.route is None:
-            return faust_side
-        held = None if route is None else route.get("raw_assigned")
-        if route is None:
-            raw = {"ok": False, "problems": ["not answering"], "partitions": []}
-        elif held is None:
-            raw = {"ok": False, "problems": ["raw topics not assigned yet"], "partitions": []}
-        else:
-            raw = check_assignment([TopicPartition(t, p) for t, p in held], dict.fromkeys(self.catalogue.raw_topics))
-        raw["problems"] = [f"route stage: {problem}" for problem in raw["problems"]]
-        return {"ok": faust_side["ok"] and raw["ok"], "problems": [*faust_side["problems"], *raw["problems"]],
-                "partitions": faust_side.get("partitions", []), "raw_partitions": raw["partitions"]}
+    def assignment_health(self, route: dict | None = None, controls: dict | None = None) -> dict:
+        """The Faust agent's assignment check (after its last rebalance), the route stage's
+        (its own group over the raw topics, from its health page ``route``) and the controls
+        stage's (its own group over the controls topic, from ``controls``): ``ok`` only when
+        all are."""
+        out = dict(self.subscriptions)
+        for name, child, page, field, topics in (
+                ("route stage", self.route, route, "raw_assigned", self.catalogue.raw_topics),
+                ("controls stage", self.controls, controls, "controls_assigned", (self.run.controls,))):
+            if child is None:
+                continue
+            held = None if page is None else page.get(field)
+            if page is None:
+                got = {"ok": False, "problems": ["not answering"], "partitions": []}
+            elif held is None:
+                got = {"ok": False, "problems": [f"{'raw topics' if field == 'raw_assigned' else 'controls topic'} not assigned yet"],
+                       "partitions": []}
+            else:
+                got = check_assignment([_TP(t, p) for t, p in held], dict.fromkeys(topics))
+            out["ok"] = out["ok"] and got["ok"]
+            out["problems"] = [*out["problems"], *(f"{name}: {problem}" for problem in got["problems"])]
+            out["raw_partitions" if field == "raw_assigned" else "controls_partitions"] = got["partitions"]
+        out.setdefault("partitions", [])
+        return out
 
     async def children_health(self) -> dict[str, dict | None]:
         """Every child's health page (None: it did not answer within 2 s), asked at once."""
         children = self.children()
         pages = await asyncio.gather(*(self.health_client.fetch(child.url) for child in children.values()))
         return dict(zip(children, pages))
+
+
+class _TP(NamedTuple):
+    topic: str
+    partition: int
 
 
 def merge_stats(into: dict, more: dict) -> None:
@@ -263,10 +225,11 @@ def create_app(settings) -> faust.App:
         return app.topic(*names, key_serializer="raw", value_serializer="raw", partitions=partitions)
 
     route = topic(run.route, partitions=run.partitions)
-    controls = topic(run.controls, partitions=run.partitions)
     install_correlate_agents(app, ctx, route)
-    install_control_agents(app, ctx, controls)
-    expected = {t: cat.raw_partitions for t in (run.route, run.controls)}
+    # The controls stage runs in a process of its own (streams.controls.service); a bad
+    # policy stops the worker here, before anything is consumed, all the same.
+    app.gpuledger_policy = PolicySettings().load()
+    expected = {run.route: cat.raw_partitions}
 
     @app.on_rebalance_complete.connect
     async def _check_subscriptions(sender, **kwargs):
@@ -278,9 +241,8 @@ def create_app(settings) -> faust.App:
         # first batch waited for both, one after the other). A partition revoked before its
         # load ends is not kept (PartitionStore.ensure).
         assignment = app.consumer.assignment()
-        for store, topic in ((ctx.correlator.store, run.route), (ctx.controller.store, run.controls)):
-            prefetch = asyncio.ensure_future(store.ensure({tp.partition for tp in assignment if tp.topic == topic}))
-            prefetch.add_done_callback(_prefetched)
+        prefetch = asyncio.ensure_future(ctx.correlator.store.ensure({tp.partition for tp in assignment if tp.topic == run.route}))
+        prefetch.add_done_callback(_prefetched)
 
     def _prefetched(task: asyncio.Future) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -307,7 +269,6 @@ def create_app(settings) -> faust.App:
         for epoch in ctx.epochs.values():
             epoch.forget((tp.topic, tp.partition) for tp in revoked)
         ctx.correlator.forget({tp.partition for tp in revoked if tp.topic == run.route})
-        ctx.controller.forget({tp.partition for tp in revoked if tp.topic == run.controls})
 
     @app.page("/gpuledger/health/")
     class HealthView(faust.web.View):
@@ -447,6 +408,7 @@ def run_worker(settings, loglevel: str = "info") -> None:
     """
     from gpuledger.telemetry import calm_logging
     from sinks.service import sink_process
+    from streams.controls.service import controls_process
     from streams.correlate.route import route_process
 
     calm_logging()
@@ -456,6 +418,7 @@ def run_worker(settings, loglevel: str = "info") -> None:
     app = create_app(settings)
     ctx = app.gpuledger
     ctx.route = route_process(settings, loglevel)
+    ctx.controls = controls_process(settings, loglevel)
     ctx.sink = sink_process(settings, app.gpuledger_web_url, loglevel)
     children = list(ctx.children().values())
     for child in children:

@@ -6,9 +6,9 @@ offsets — and the worker's health page (``/gpuledger/health/``). Output:
 one definition of "this run has processed everything published before we asked",
 used by ``gpuledger replay`` and the tests that compare whole runs.
 
-A worker run reads through three consumer groups (``worker_groups``): the route stage's
-(``<app id>.route``: the raw topics), the Faust agents' (the app id: the internal route
-and controls hops) and the sink loop's (``<app id>.sinks``: raw topics, dead letters and
+A worker run reads through four consumer groups (``worker_groups``): the route stage's
+(``<app id>.route``: the raw topics), the Faust agent's (the app id: the internal route
+hop), the controls stage's (``<app id>.controls``: the internal controls hop) and the sink loop's (``<app id>.sinks``: raw topics, dead letters and
 the run's outputs). Caught up, all of:
   - on every catalogue topic a group reads (the raw topics, the edge dead-letter topic)
     its committed offset reached the end offset captured when the ``RunProgress`` was
@@ -58,8 +58,9 @@ def worker_groups(catalogue: TopicCatalogue, app_id: str) -> dict[str, tuple[str
     partition loads, never committed)."""
     run = catalogue.run(app_id)
     return {
-        app_id: (run.route, run.controls),
+        app_id: (run.route,),
         f"{app_id}.route": tuple(catalogue.raw_topics),
+        f"{app_id}.controls": (run.controls,),
         f"{app_id}.sinks": (*catalogue.raw_topics, catalogue.deadletter, run.correlated, run.allocations, run.violations, run.deadletter),
     }
 

@@ -1,25 +1,27 @@
-"""The control agents: the eight ownership-gap controls, continuously, in the Faust worker.
+"""The controls stage's logic: the eight ownership-gap controls, continuously.
+
+It runs in a process of its own beside the worker (``streams.controls.service``: its
+consumer, its loop, its health page); this module is the batch logic it drives.
 
 Input: the ``correlated`` topic (one row per input event, superseded by higher
-versions) and the ``allocations`` topic (GPU allocation intervals), the worker's
-``ReleaseDirectory`` and the policy (``GPULEDGER_POLICY_FILE``, see
+versions) and the ``allocations`` topic (GPU allocation intervals) as the correlation stage
+packs them on the controls topic, the process's ``ReleaseDirectory`` and the policy (``GPULEDGER_POLICY_FILE``, see
 ``streams/controls/policy.py``). Output: ``Violation`` records on the ``violations`` topic,
 keyed by violation_id — opened, then the same id with ``closed_at`` and
 ``version + 1`` when it ends (or withdrawn when later history no longer supports it).
 
 Topology:
-  - ``route_to_controls`` / ``route_allocations_to_controls`` keep what a control reads
-    from each correlated row / allocation and re-key it to its *control key* (pod — an
-    allocation goes to its pod's —, workload, release, alert fingerprint:
-    ``streams.controls.rules``) on the
-    internal topic ``<prefix>.<app id>.controls.v1`` (co-partitioned).
-  - ``evaluate_controls`` folds those messages into the changelog-backed ``controls``
-    table (keyed by the internal topic's key), re-derives the violations of every
+  - the correlation stage keeps what a control reads of each correlated row / allocation
+    (``rules.compact_row``) and re-keys it to its *control key* (pod — an allocation goes
+    to its pod's —, workload, release, alert fingerprint: ``streams.controls.rules``) on
+    the internal topic ``<prefix>.<app id>.controls.v1``.
+  - ``evaluate_controls`` (``Controller.evaluate_batch``) folds those messages into the
+    changelog-backed ``controls`` store (keyed by the internal topic's key), re-derives the violations of every
     touched key once per batch, emits what changed, and forwards what other keys need
     (a pod's rows to its workload, running intervals and allocations to their release
     once its lifecycle makes a control read them — ``rules.holdings_read`` — and
     preemptions to the preemptor) on the same internal topic.
-  - ``control_housekeeping`` (timer) re-evaluates keys whose releases changed in the
+  - housekeeping (``Controller.housekeeping``, every ``HOUSEKEEPING_S``) re-evaluates keys whose releases changed in the
     directory and keys whose deadline (grace period, window end) the event-time
     watermark has passed, and after a (re)start or rebalance re-emits every key's
     current violations (the state may have been committed while the outputs were lost;
@@ -46,7 +48,6 @@ from streams.controls.policy import PolicySettings
 from schemas import encode_event
 from streams.controls.rules import Context, digest, fold_link, fold_row, max_time, new_state, step
 from streams.packing import Packer, unpack
-from streams.runner import Epoch, run_batches
 from streams.store import DIRECTORY_MARK, DirectoryMarks, PartitionStore, StateUnavailable
 
 log = logging.getLogger(__name__)
@@ -291,26 +292,3 @@ class Controller:
             self.packer.drain_into(self.ctx.output)
             await self.ctx.output.flush()
         runtime.marks.done(caught_up, marks)
-
-
-def install_control_agents(app, ctx, controls_topic) -> Controller:
-    """Register the controls agent and its housekeeping timer on ``app``."""
-    controller = Controller(ctx)
-    ctx.controller = controller
-    epoch = ctx.epochs["evaluate_controls"] = Epoch("evaluate_controls", controller.evaluate_batch, controller.reset, controller.dead,
-                                                     controller.commit, ctx.settings.streams.commit_interval_s)
-    app.gpuledger_policy = controller.policy
-
-    @app.agent(controls_topic, name="evaluate_controls")
-    async def evaluate_controls(stream):
-        """Fold control inputs into state; emit changed violations; forward links."""
-        await controller.directory.ready.wait()
-        await run_batches(stream, epoch, batch=ctx.packed_batch())
-
-    @app.timer(interval=HOUSEKEEPING_S)
-    async def control_housekeeping():
-        if app.rebalancing:
-            return
-        await controller.housekeeping()
-
-    return controller

@@ -5,25 +5,11 @@ per worker, ``<instance>.route``, as the sink's). Output: what ``Correlator.rout
 produces (routed events packed on ``<run>.route``, dead letters), and the group's
 committed offsets.
 
-Why not a Faust agent: a Faust agent pays Faust's per-record path for every raw record
-(aiokafka's fetcher, a Message, an Event and the stream's ack bookkeeping per record) —
-measured as Faust's pass-through ceiling, ~0.28 ms a record, more than the whole
-correlation of an event costs (``benchmarks/engine_cpu.py``). The route stage needs none
-of what that buys: it is stateless (decode, re-key, pack), so it needs neither Faust's
-co-partitioned assignment nor its tables; the stateful stages behind it keep reading
-their packed records (many messages a record) through Faust. librdkafka reads a batch
-in one call (``make bench``'s bare loop and the sink have this shape).
-
-Guarantees — the runner's epochs (``streams.runner.Epoch``), with the offsets committed
-by this consumer instead of by Faust: a batch is handled (routed messages produced), and
-at every epoch commit every output produced so far is acknowledged first, then the
-epoch's offsets are committed. A crash anywhere re-delivers input whose routed messages
-may already be on the route topic; the correlation folds are idempotent (an event id
-folds once), so a re-routed event changes nothing. A commit may fail (a rebalance took
-the partition away): the next owner re-routes from the last committed offset, again
-idempotently. Stop (Faust cancels the task): the batch in hand finishes and the epoch
-commits within ``STOP_GRACE_S`` each, then the group is left; otherwise the process exits
-without committing (``HARD_EXIT``), as safe as a crash.
+Why a plain consumer and not a Faust agent, and the guarantees (the runner's epochs, the
+offsets committed by this consumer once the routed messages are acknowledged):
+``streams.intake``. The route stage is stateless (decode, re-key, pack): a revocation only
+drops what the alignment held of the partitions. What this module adds is the time
+alignment of a backlog (``TimeAlignment``).
 """
 
 from __future__ import annotations
@@ -31,26 +17,20 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
-import os
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from operator import attrgetter
 
-from confluent_kafka import KafkaError, KafkaException, TopicPartition
+from confluent_kafka import KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from producers._kafka import ROUTE_FETCH
-from streams.runner import HARD_EXIT, STOP_GRACE_S, Epoch
+from streams.intake import Intake, Record
 
 log = logging.getLogger(__name__)
 
-#: Seconds a consume call waits for its batch to fill (the Faust agents' ``take_events``
-#: window, ``streams.runner.WITHIN_S``).
-WITHIN_S = 0.1
-REPORT_EVERY_S = 60.0
 #: Bytes a fetch takes of one partition (librdkafka's default is 1 MiB, ~2,000 events: a
 #: whole batch of one topic's partition while the others wait for the next).
 PARTITION_FETCH_BYTES = 64 * 1024
@@ -58,22 +38,6 @@ PARTITION_FETCH_BYTES = 64 * 1024
 #: seconds the held records wait for a partition that is behind but delivers nothing.
 HOLD_PER_PARTITION = 1000
 HOLD_STALL_S = 0.5
-
-
-class RawRecord:
-    """One raw Kafka record as the route stage reads it (the attribute names of a Faust
-    message, so ``route_batch`` and ``dead`` read both), with its Kafka timestamp (ms)."""
-
-    __slots__ = ("topic", "partition", "offset", "key", "value", "ts")
-
-    def __init__(self, msg) -> None:
-        self.topic, self.partition, self.offset = msg.topic(), msg.partition(), msg.offset()
-        self.key, self.value = msg.key(), msg.value() or b""
-        self.ts = msg.timestamp()[1]  # -1 when the record has none
-
-    @property
-    def message(self) -> RawRecord:  # an epoch reads ``event.message`` (Faust's Event shape)
-        return self
 
 
 class TimeAlignment:
@@ -114,7 +78,7 @@ class TimeAlignment:
     def __init__(self, per_partition: int = HOLD_PER_PARTITION, stall_s: float = HOLD_STALL_S) -> None:
         self.per_partition = per_partition
         self.stall_s = stall_s
-        self.queues: dict[tuple[str, int], deque[RawRecord]] = {}
+        self.queues: dict[tuple[str, int], deque[Record]] = {}
         self.newest: dict[tuple[str, int], int] = {}     # the newest timestamp read of each partition
         self.next_offset: dict[tuple[str, int], int] = {}
         self.initial_high: dict[tuple[str, int], int] = {}  # asked at assignment, until a fetch brings one
@@ -126,7 +90,7 @@ class TimeAlignment:
         self.stall_releases = 0
         self.pauses = 0
 
-    def add(self, records: list[RawRecord]) -> None:
+    def add(self, records: list[Record]) -> None:
         for rec in records:
             tp = (rec.topic, rec.partition)
             queue = self.queues.get(tp)
@@ -166,7 +130,7 @@ class TimeAlignment:
                 out[tp] = (nxt, high)
         return out
 
-    def release(self, behind: dict[tuple[str, int], tuple[int, int]], now: float) -> list[RawRecord]:
+    def release(self, behind: dict[tuple[str, int], tuple[int, int]], now: float) -> list[Record]:
         """The records that may be routed now, in timestamp order (see the class docstring)."""
         if not self.held:
             self._frontier = None
@@ -228,109 +192,40 @@ class TimeAlignment:
         return {"held": self.held, "paused": len(self.paused), "pauses": self.pauses, "stall_releases": self.stall_releases}
 
 
-class RawIntake:
-    """The raw topics' consumer and the route stage's epoch loop."""
+class RawIntake(Intake):
+    """The raw topics' consumer (group ``<app id>.route``) and the route stage's epoch loop
+    (``streams.intake.Intake``), its batches time-aligned (``TimeAlignment``)."""
+
+    label = "route stage"
 
     def __init__(self, settings, consumer_config: dict, topics: tuple[str, ...], epoch_args: tuple) -> None:
-        from confluent_kafka import Consumer  # looked up at construction (tests/streams/test_progress.py records it)
-
-        from gpuledger.settings import worker_instance_id
-
-        self.topics = tuple(topics)
-        self.batch = settings.streams.batch_max
         # Asks the watermarks at assignment (``_starts``). Made now, and asked for the cluster's
         # description (a future nobody waits for), so that its connection and metadata are up
         # by the time the first assignment comes.
         self._admin = AdminClient({**consumer_config, "logger": logging.getLogger("librdkafka")})
         self._admin.describe_cluster(request_timeout=10)
-        self.consumer = Consumer({
-            **consumer_config,
-            "group.id": f"{settings.streams.app_id}.route",
-            # Static membership: a restarted worker gets its partitions back without a rebalance.
-            "group.instance.id": f"{worker_instance_id(settings)}.route",
-            "session.timeout.ms": 10_000,
-            "heartbeat.interval.ms": 1_000,
-            "enable.auto.commit": False,
-            "auto.offset.reset": "earliest",
-            "enable.partition.eof": False,
-            # Co-partitioned topics: each member gets the same partition numbers of every raw topic.
-            "partition.assignment.strategy": "range",
-            "max.poll.interval.ms": 600_000,
+        super().__init__(settings, consumer_config, topics, epoch_args, "route", extra={
             # A batch returns records partition by partition as fetched; small per-partition
             # fetches make one batch span every raw topic (route_batch orders it by event time).
             "max.partition.fetch.bytes": PARTITION_FETCH_BYTES,
             **ROUTE_FETCH,  # fewer, fuller fetches of a live stream (producers._kafka.ROUTE_FETCH)
-            "on_commit": self._on_commit,
-            "logger": logging.getLogger("librdkafka"),
         })
-        self.consumer.subscribe(list(self.topics), on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke)
-        self.epoch = Epoch(*epoch_args, hold=None, release=self._release)
         self.align = TimeAlignment()
-        self.assignment: set[tuple[str, int]] = set()
-        self.assigned_once = False
-        self._assigned_again = False  # set by the consumer's thread: resume what a pause may have left paused
         self._resume_refused = False
-        self._revoked: list[tuple[str, int]] = []  # appended by the consumer's thread, applied on the loop
-        self._lock = threading.Lock()
-        self._committed: dict[tuple[str, int], int] = {}
-        self._commit_reported = 0.0
-        self.commit_failures = 0
 
-    # --- the consumer's callbacks (called from inside consume(), in its thread) -------------
-    def _on_assign(self, _consumer, partitions) -> None:
-        with self._lock:
-            self.assignment = {(tp.topic, tp.partition) for tp in partitions}
-            self.assigned_once = True
-            self._assigned_again = True
-        log.info("route stage: %d raw partition(s) assigned", len(partitions))
+    def forget(self, revoked: list[tuple[str, int]]) -> None:
+        self.align.forget(revoked)
 
-    def _on_revoke(self, _consumer, partitions) -> None:
-        with self._lock:
-            gone = {(tp.topic, tp.partition) for tp in partitions}
-            self.assignment -= gone
-            self._revoked.extend(gone)
+    def reassigned(self, assignment: list[tuple[str, int]]) -> bool:
+        # librdkafka keeps a partition's pause across a revocation and a new assignment:
+        # a partition this stage paused, taken away and given back, would stay paused.
+        return self._resume(assignment)
 
-    def _on_commit(self, err, partitions) -> None:
-        if err is None:
-            return
-        # A commit refused by a rebalance is expected: the next owner re-routes (idempotently).
-        self.commit_failures += 1
-        now = time.monotonic()
-        if now - self._commit_reported >= REPORT_EVERY_S:
-            self._commit_reported = now
-            log.warning("route stage: offset commit failed (%s; %d so far); the records are routed again from the last "
-                        "committed offset", err, self.commit_failures)
+    async def assigned_now(self, partitions: list[TopicPartition]) -> None:
+        await asyncio.to_thread(self._starts, partitions)
 
-    # --- the epoch's release: offsets committed once the outputs are acknowledged -----------
-    def _release(self, records: list[RawRecord]) -> None:
-        offsets: dict[tuple[str, int], int] = {}
-        for rec in records:
-            tp = (rec.topic, rec.partition)
-            if rec.offset + 1 > offsets.get(tp, -1):
-                offsets[tp] = rec.offset + 1
-        if offsets:
-            self._committed.update(offsets)
-            self.consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()], asynchronous=True)
-
-    def _apply_revocations(self) -> list[TopicPartition]:
-        """Forget what revoked partitions held; after a new assignment, resume its partitions
-        and return them (``_starts`` is then asked where their reading starts)."""
-        with self._lock:
-            revoked, self._revoked = self._revoked, []
-            assigned_again, self._assigned_again = self._assigned_again, False
-            assignment = list(self.assignment)
-        if revoked:
-            self.epoch.forget(revoked)
-            self.align.forget(revoked)
-        if assigned_again and assignment:
-            # librdkafka keeps a partition's pause across a revocation and a new assignment:
-            # a partition this stage paused, taken away and given back, would stay paused.
-            if not self._resume(assignment):
-                with self._lock:
-                    self._assigned_again = True
-                return []
-            return [TopicPartition(t, p) for t, p in assignment]
-        return []
+    def received(self, records: list[Record]) -> list[Record]:
+        return self._aligned(records)
 
     def _resume(self, partitions: list[tuple[str, int]]) -> bool:
         """Resume ``partitions`` (unpaused ones are left as they are) and take them out of the
@@ -401,7 +296,7 @@ class RawIntake:
         except Exception:  # noqa: BLE001 - a partition being revoked; unknown is "not behind"
             return -1
 
-    def _aligned(self, records: list[RawRecord]) -> list[RawRecord]:
+    def _aligned(self, records: list[Record]) -> list[Record]:
         """``records`` held by ``TimeAlignment``, what may be routed now released, fetching
         paused and resumed per partition as it says."""
         align = self.align
@@ -419,69 +314,3 @@ class RawIntake:
         if resume and not self._resume(resume):
             align.paused.update(resume)  # still paused: resumed again next time
         return ready
-
-    def assigned(self) -> list[TopicPartition] | None:
-        """The raw partitions this worker's route stage holds now; None before its first
-        assignment (``streams.app.WorkerContext.assignment_health`` checks them)."""
-        with self._lock:
-            if not self.assigned_once:
-                return None
-            return [TopicPartition(t, p) for t, p in self.assignment]
-
-    # --- the loop ------------------------------------------------------------------------------
-    async def run(self) -> None:
-        """Route batches until cancelled (the worker stops): then the batch in hand and the
-        epoch are finished, the last offsets committed and the group left."""
-        pending: asyncio.Future | None = None
-        try:
-            while True:
-                pending = asyncio.ensure_future(asyncio.to_thread(self.consumer.consume, self.batch, WITHIN_S))
-                messages = await asyncio.shield(pending)
-                pending = None
-                assigned = self._apply_revocations()
-                if assigned:  # tracked as ``pending``: a stop waits for it before closing the consumer
-                    pending = asyncio.ensure_future(asyncio.to_thread(self._starts, assigned))
-                    await asyncio.shield(pending)
-                    pending = None
-                records = []
-                for m in messages:
-                    err = m.error()
-                    if err is None:
-                        records.append(RawRecord(m))
-                    elif err.code() != KafkaError._PARTITION_EOF:
-                        log.warning("route stage consumer: %s", err)
-                ready = self._aligned(records)
-                # What the alignment released at once (held records and the new) goes in batches
-                # of at most ``batch``, as consumed records would. An epoch whose input stopped is
-                # committed by the worker's timer, as the agents' are.
-                for start in range(0, len(ready), self.batch):
-                    pending = asyncio.ensure_future(self.epoch.run_batch(ready[start:start + self.batch]))
-                    await asyncio.shield(pending)
-                    pending = None
-        except asyncio.CancelledError:
-            await self._stop(pending)
-            raise
-
-    async def _stop(self, pending: asyncio.Future | None) -> None:
-        try:
-            if pending is not None:
-                await asyncio.wait_for(pending, STOP_GRACE_S)
-            await asyncio.wait_for(self.epoch.commit_now(), STOP_GRACE_S)
-            if self._committed:
-                offsets = [TopicPartition(t, p, o) for (t, p), o in self._committed.items()]
-                await asyncio.wait_for(asyncio.to_thread(self._commit_sync, offsets), STOP_GRACE_S)
-            await asyncio.wait_for(asyncio.to_thread(self.consumer.close), STOP_GRACE_S)
-        except BaseException:  # noqa: BLE001 - any way the batch, its commit or the leave did not finish
-            log.critical("route stage: stopping with a batch or commit unfinished; exiting without committing it")
-            logging.shutdown()
-            os._exit(HARD_EXIT)
-
-    def _commit_sync(self, offsets: list[TopicPartition]) -> None:
-        """The last offsets again, synchronously, before leaving (an asynchronous commit may
-        still be in flight); a refusal (the partitions moved) only means re-routing."""
-        from confluent_kafka import KafkaException
-
-        try:
-            self.consumer.commit(offsets=offsets, asynchronous=False)
-        except KafkaException as exc:
-            log.info("route stage: last offset commit refused (%s); the next owner re-routes from the one before", exc)

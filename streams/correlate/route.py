@@ -31,11 +31,12 @@ import time
 from operator import itemgetter
 
 from gpuledger import gctune
-from gpuledger.child import ChildProcess, child_main, stop_requested
+from gpuledger.child import ChildProcess, child_main
 from gpuledger.telemetry import ComponentCounters
 from schemas import EventDecodeError, decode_event, encode_event
 from schemas.outputs import dead_letter
 from streams.correlate.routing import entity_key, routed_form
+from streams.intake import serve_stage
 from streams.packing import Packer
 from streams.runner import FaultInjection
 
@@ -152,37 +153,8 @@ class RouteStage:
 
 async def serve(settings, port: int) -> None:
     """Run the route stage and its health page until SIGTERM or the worker is gone."""
-    from aiohttp import web
-
     stage = RouteStage(settings)
-
-    async def health(request):
-        return web.json_response(stage.health())
-
-    app = web.Application()
-    app.router.add_get("/gpuledger/health/", health)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    stop = stop_requested("route stage")
-    task = asyncio.create_task(stage.intake.run(), name="route-intake")
-    idle = asyncio.create_task(stage.commit_idle(), name="route-commit-idle")
-    stopping = asyncio.create_task(stop.wait())
-    try:
-        await asyncio.wait({task, idle, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        for done in (task, idle):
-            if done.done():
-                done.result()  # a loop ended on its own: an error, raised here
-        # The batch in hand finishes and the epoch commits (RawIntake's stop; bounded,
-        # and by the worker's ROUTE_STOP_S, after which it kills this process).
-        idle.cancel()
-        task.cancel()
-        await asyncio.gather(task, idle, return_exceptions=True)
-    finally:
-        left = await asyncio.to_thread(stage.output.close)
-        if left:
-            log.warning("%d routed record(s) were not acknowledged at exit (their offsets were not committed)", left)
-        await runner.cleanup()
+    await serve_stage("route stage", stage, port, stage.intake.run(), {"idle commits": stage.commit_idle()})
 
 
 def route_main(settings, port: int, loglevel: str = "info") -> None:

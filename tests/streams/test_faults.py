@@ -265,12 +265,13 @@ def test_a_crash_at_any_point_of_a_batch_heals_to_the_uninterrupted_tables(kafka
         commits = reference.health["epochs"][agent]["commits"]
         assert commits >= int(nth) + 2, f"the reference run's {agent} committed {commits} time(s): too few for {fault}"
     run = Run(kafka_bootstrap, cat, tmp_path, f"{cat.prefix}-{fault.replace(':', '-').replace('_', '-')}")
-    if fault.startswith("route:"):
-        # The route stage is a child process of the worker (streams.correlate.route): it ends
-        # alone, and the worker starts a new one (without the fault: gpuledger.child).
+    if stage in ("route", "controls"):
+        # The route and controls stages are child processes of the worker
+        # (streams.correlate.route, streams.controls.service): one ends alone, and the worker
+        # starts a new one (without the fault: gpuledger.child).
         run.start(fault)
         with run.stopped_on_failure():
-            assert run.wait_child_restarted("route")["last_exit"] == 137
+            assert run.wait_child_restarted(stage)["last_exit"] == 137
     else:
         assert run.start(fault).wait_crashed() == 137
         run.start()  # same data dir, same consumer group: state from the changelogs

@@ -1,4 +1,4 @@
-"""streams.progress: the caught-up check reads exactly the groups and topics the worker, its route stage and its sink read."""
+"""streams.progress: the caught-up check reads exactly the groups and topics the worker, its route and controls stages and its sink read."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ from gpuledger.settings import KafkaSettings, Settings
 from sinks.clickhouse import migrated_store
 from sinks.service import SinkContext, build_sink
 from streams.app import create_app
+from streams.controls.service import ControlsStage
 from streams.correlate.route import RouteStage
 from streams.progress import Look, worker_groups
 
 
 class RecordingConsumer:
-    """Stands in for the route stage's and the sink loop's consumers: records their group and subscription."""
+    """Stands in for the route and controls stages' and the sink loop's consumers: records their group and subscription."""
 
     made: list = []
 
@@ -30,6 +31,7 @@ def test_the_groups_and_topics_are_the_ones_the_worker_reads(tmp_path, monkeypat
     settings = Settings(data_dir=tmp_path, kafka=KafkaSettings(bootstrap="127.0.0.1:9", topic_prefix="p"))
     app = create_app(settings)
     RouteStage(settings)  # what the route process builds
+    ControlsStage(settings)  # what the controls process builds
     build_sink(settings, SinkContext(settings), migrated_store(f"chdb://{tmp_path / 'ch'}", "gpuledger"))  # lazy: nothing is opened
     read = {settings.streams.app_id: {t for agent in app.agents.values() for t in agent.channel.topics}}
     read.update({c.group: set(c.topics) for c in RecordingConsumer.made})

@@ -65,3 +65,27 @@ def test_a_childs_stats_merge_into_the_workers_summing_what_both_count(tmp_path)
     assert (stats["dead_letters"], stats["correlated_in"], stats["routed"], stats["first_route_batch_at"]) == (3, 10, 7, 12.5)
     assert health["counters"]["streams.route"] == {"received": 8} and health["epochs"]["route_events"]["commits"] == 2
     assert health["route"]["answering"] and health["route"]["gc"] == {"thresholds": [1, 2, 3]} and health["route"]["restarts"] == 0
+
+
+def test_the_controls_process_not_answering_or_without_its_partitions_degrades_the_worker(tmp_path):
+    """The controls stage is a child process too (streams.controls.service): the worker's
+    health is ``ok`` only when its page answers and shows the controls topic's partitions held."""
+    from streams.controls.service import controls_process
+
+    ctx = _worker_with_a_route_process(tmp_path)
+    ctx.controls = controls_process(ctx.settings)  # not started either
+    raw = {"raw_assigned": [[t, p] for t in ctx.catalogue.raw_topics for p in range(4)]}
+    silent = ctx.health({"route": raw, "controls": None})
+    assert silent["status"] == "degraded" and silent["controls"]["answering"] is False
+    assert silent["subscriptions"]["problems"] == ["controls stage: not answering"]
+    assert ctx.assignment_health(raw, {"controls_assigned": None})["problems"] == ["controls stage: controls topic not assigned yet"]
+    half = ctx.assignment_health(raw, {"controls_assigned": [[ctx.run.controls, p] for p in (0, 1)]})
+    assert half["ok"] and half["controls_partitions"] == [0, 1]  # a second worker holds the others: the group is the judge
+    none = ctx.assignment_health(raw, {"controls_assigned": []})
+    assert not none["ok"] and none["problems"] == [f"controls stage: no partition of {ctx.run.controls} is assigned to this worker"]
+    page = {"controls_assigned": [[ctx.run.controls, p] for p in range(4)], "stats": {"controls_in": 5, "violations_out": 2},
+            "epochs": {"evaluate_controls": {"pending": 0, "commits": 3}}, "stores": {"controls": {"keys": 7}}}
+    health = ctx.health({"route": raw, "controls": page})
+    assert health["subscriptions"] == {"ok": True, "problems": [], "partitions": [0, 1, 2, 3], "raw_partitions": [0, 1, 2, 3],
+                                       "controls_partitions": [0, 1, 2, 3]}
+    assert (health["stats"]["controls_in"], health["epochs"]["evaluate_controls"]["commits"], health["stores"]["controls"]) == (5, 3, {"keys": 7})
