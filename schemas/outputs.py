@@ -103,7 +103,7 @@ class DeadLetter(Frozen):
     source_topic: str | None = Field(default=None, description="Topic the record came from.")
     source_partition: int | None = Field(default=None, description="Its partition.")
     source_offset: int | None = Field(default=None, description="Its offset.")
-    key: str | None = Field(default=None, description="Record key, decoded as UTF-8 with replacement.")
+    key: str | None = Field(default=None, description="Record key, decoded as UTF-8 with replacement (an output record refused by Kafka: its first 1 KiB).")
     value: str = Field(description="Record value, decoded as UTF-8 with replacement (truncated to 64 KiB).")
     failed_at: UtcDatetime = Field(description="When it was rejected.")
 

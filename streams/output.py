@@ -44,6 +44,7 @@ REFUSED = frozenset({
     KafkaError.INVALID_MSG_SIZE, KafkaError.INVALID_MSG,
 })
 MAX_DEAD_VALUE = 64 * 1024
+MAX_DEAD_KEY = 1024  # bytes of a refused record's key kept in its dead letter (and as the letter's own key)
 REPORT_EVERY_S = 60.0
 
 
@@ -114,22 +115,30 @@ class BatchOutput:
             except BufferError:
                 self._producer.poll(0.05)
             except KafkaException as exc:  # refused before it left: too large for message.max.bytes
+                if topic == self.deadletter_topic:
+                    # A dead letter is small by construction (value and key cut): one refused
+                    # means the dead-letter topic itself refuses it. Loud, never a loop.
+                    raise RuntimeError(f"the dead letter for a refused output record could not be produced to {topic}: "
+                                       f"{exc.args[0].str()}") from exc
                 self._dead(seq, record, exc.args[0])
                 return
 
     def _dead(self, seq: int, record: tuple, err: KafkaError) -> None:
         topic, key, value, _partition, source, _headers = record
+        value = value or b""  # a refused tombstone has none
         src_topic, src_partition, src_offset = source if source else (None, None, None)
         letter = DeadLetter(
             reason="output_refused", stage=f"streams.output:{topic}",
             error=f"Kafka refused a {len(value)}-byte record for {topic}: {err.str()} ({err.name()})",
             source_topic=src_topic, source_partition=src_partition, source_offset=src_offset,
-            key=key.decode("utf-8", "replace") if key else None,
+            key=key[:MAX_DEAD_KEY].decode("utf-8", "replace") if key else None,
             value=bytes(value[:MAX_DEAD_VALUE]).decode("utf-8", "replace"), failed_at=datetime.now(timezone.utc),
         )
         self.dead_letters += 1
         log.error("dead-lettered an output record for %s (%s, %d bytes) derived from %s", topic, err.name(), len(value), source)
-        self._send(seq, (self.deadletter_topic, key, encode_event(letter), None, None, None))
+        # The letter's own key is cut as its value is: a key too large for the broker was
+        # the refusal's cause as often as a value (the letter names it, cut too).
+        self._send(seq, (self.deadletter_topic, key[:MAX_DEAD_KEY] if key else None, encode_event(letter), None, None, None))
 
     # --- waiting for acks ---------------------------------------------------------------
     def mark(self) -> set[int]:

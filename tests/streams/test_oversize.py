@@ -61,3 +61,34 @@ def test_a_record_too_large_to_forward_is_dead_lettered_and_its_batch_is_not_los
     raw = worker.reader.query("SELECT count() AS n FROM gpuledger.raw_events FINAL").dicts()[0]["n"]
     assert raw == len(small) + 2
     assert worker.service.alive()
+
+
+def test_an_output_record_whose_key_alone_is_too_large_is_dead_lettered_with_its_key_cut(kafka_bootstrap, catalogue):
+    """The worker's producer refuses a record whose key alone passes the record limit: its dead
+    letter carries the first 1 KiB of that key (as its own Kafka key too) — before, the letter
+    kept the whole key, was refused in turn, and dead-lettering it again recursed without end.
+    A tombstone refused alike is dead-lettered as an empty value."""
+    import asyncio
+    import uuid
+
+    from schemas.outputs import DeadLetter
+    from streams.output import MAX_DEAD_KEY, BatchOutput
+    from tests.fixtures.kafka import read_topic
+
+    run = catalogue.run(f"keys-{uuid.uuid4().hex[:6]}")
+    from producers._kafka import ensure_specs
+
+    ensure_specs({"bootstrap.servers": kafka_bootstrap}, run.specs(), 1)
+    out = BatchOutput({"bootstrap.servers": kafka_bootstrap}, "test-oversize-key", run.deadletter, max_message_bytes=4096)
+    huge = b"k" * 10_000
+    out.produce(run.correlated, huge, b"{}", source=(run.route, 1, 42))
+    out.produce(run.correlated, huge, None)
+    asyncio.run(out.flush())
+    out.close()
+    assert out.dead_letters == 2 and out.produced[run.deadletter] == 2, (out.dead_letters, out.produced)
+    records = read_topic(kafka_bootstrap, run.deadletter, 2, 30.0, 0.5)
+    letters = [DeadLetter.model_validate_json(m.value()) for m in records]
+    assert [m.key() for m in records] == [huge[:MAX_DEAD_KEY]] * 2
+    assert {(d.reason, d.key, d.source_offset) for d in letters} == {("output_refused", "k" * MAX_DEAD_KEY, 42),
+                                                                      ("output_refused", "k" * MAX_DEAD_KEY, None)}
+    assert sorted(d.value for d in letters) == ["", "{}"] and all("MSG_SIZE_TOO_LARGE" in d.error for d in letters), letters
