@@ -136,14 +136,16 @@ class Intake:
             # from another thread waits until this callback has returned (librdkafka), and
             # would then be refused (the group's generation moved on).
             self._in_rebalance = True
-            done = asyncio.run_coroutine_threadsafe(self._revoking(gone), self._loop)
+            done = None
             try:
+                done = asyncio.run_coroutine_threadsafe(self._revoking(gone), self._loop)  # (a closed loop raises)
                 done.result(REVOKE_WAIT_S + 1.0)
             except Exception as exc:  # noqa: BLE001 - the partitions go all the same; their next owner re-reads
-                done.cancel()
+                if done is not None:
+                    done.cancel()
                 self.revocations_unsettled += 1
                 log.warning("%s: the epoch of %d revoked partition(s) was not committed before they went (%s); their next owner "
-                            "processes it again", self.label, len(gone), exc or type(exc).__name__)
+                            "processes it again", self.label, len(gone), str(exc) or type(exc).__name__)
             finally:
                 self._in_rebalance = False
             self._commit_sync([TopicPartition(t, p, o) for (t, p), o in self._committed.items()])
