@@ -961,7 +961,7 @@ def main() -> int:
     ok = False
     try:
         if not args.bootstrap:
-            broker = LocalKafka(work / "kafka", default_cache_dir(), log_level="WARN").start()
+            broker = LocalKafka(work / "kafka", default_cache_dir(), log_level="WARN", with_parent=True).start()
         bench = Bench(args, work, args.bootstrap or broker.bootstrap, broker.proc.pid if broker else None)
         results = bench.run()
         results["ratios"] = ratios(results)

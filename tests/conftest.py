@@ -54,7 +54,8 @@ def pytest_configure(config):
     from gpuledger.dev.localkafka import LocalKafka
     from gpuledger.settings import default_cache_dir
 
-    broker = LocalKafka(Path(tempfile.mkdtemp(prefix="gpuledger-kafka-")), default_cache_dir())
+    # with_parent: a run killed before its teardown (a timeout, ^C twice) takes its broker with it
+    broker = LocalKafka(Path(tempfile.mkdtemp(prefix="gpuledger-kafka-")), default_cache_dir(), with_parent=True)
     broker.__enter__()
     config._gpuledger_shared_broker = broker
     os.environ[SHARED_BOOTSTRAP_ENV] = broker.bootstrap

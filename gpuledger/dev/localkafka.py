@@ -78,10 +78,14 @@ class LocalKafka:
     """Context manager around one broker process. ``bootstrap`` is ``127.0.0.1:PORT``."""
 
     def __init__(self, data_dir: Path, cache_dir: Path, port: int | None = None, log_level: str = "INFO",
-                 sasl_users: dict[str, str] | None = None) -> None:
+                 sasl_users: dict[str, str] | None = None, with_parent: bool = False) -> None:
         """``sasl_users`` (user -> password) makes the client listener SASL_PLAINTEXT with
-        the PLAIN mechanism, to test clients against an authenticating broker."""
+        the PLAIN mechanism, to test clients against an authenticating broker.
+        ``with_parent``: the broker ends when the thread that started it ends, however that
+        ends (a test run killed before its teardown left its broker running for hours);
+        not for ``gpuledger kafka up``, whose broker outlives the command."""
         self.sasl_users = sasl_users
+        self.with_parent = with_parent
         self.data_dir = Path(data_dir)
         self.cache_dir = Path(cache_dir)
         self.port = port or free_port()
@@ -154,8 +158,9 @@ class LocalKafka:
             if fmt.returncode != 0:
                 raise LocalKafkaError(f"formatting Kafka storage failed:\n{fmt.stdout[-2000:]}{fmt.stderr[-2000:]}")
         logf = open(self.log_file, "ab")
-        self.proc = subprocess.Popen(self._java(lib, "kafka.Kafka", str(config)), stdout=logf, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(_with_parent(self._java(lib, "kafka.Kafka", str(config))) if self.with_parent
+                                     else self._java(lib, "kafka.Kafka", str(config)),
+                                     stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         logf.close()
         self._wait_ready(timeout)
         log.info("local Kafka %s ready at %s (pid %s, log %s)", KAFKA_VERSION, self.bootstrap, self.proc.pid, self.log_file)
@@ -208,6 +213,16 @@ class LocalKafka:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _with_parent(command: list[str]) -> list[str]:
+    """``command`` run so that it gets SIGTERM when the process that started it ends: Linux's
+    parent-death signal, set by util-linux's ``setpriv --pdeathsig`` before it execs the
+    command (the same process: its pid is the broker's). Not through ``preexec_fn``, which is
+    unsafe in a process with threads (librdkafka's, in a test run). Without ``setpriv`` (not
+    Linux) the command runs as it is."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--", *command] if setpriv else command
 
 
 def stop_pid(pid: int, timeout: float = 20.0) -> None:

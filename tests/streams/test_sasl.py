@@ -22,7 +22,7 @@ USERS = {"admin": "admin-secret", "gpuledger": "s3cret"}
 
 @pytest.fixture(scope="module")
 def sasl_broker():
-    with LocalKafka(Path(tempfile.mkdtemp(prefix="gpuledger-sasl-")), default_cache_dir(), sasl_users=USERS, log_level="WARN") as broker:
+    with LocalKafka(Path(tempfile.mkdtemp(prefix="gpuledger-sasl-")), default_cache_dir(), sasl_users=USERS, log_level="WARN", with_parent=True) as broker:
         yield broker
 
 

@@ -33,3 +33,46 @@ def test_up_status_down(tmp_path):
     assert down.returncode == 0 and "stopped" in down.stdout
     after = gl("kafka", "status", env=env)
     assert after.returncode == 3 and "no local Kafka" in after.stdout
+
+
+STARTER = r"""
+import os, sys
+from pathlib import Path
+from gpuledger.dev.localkafka import LocalKafka
+from gpuledger.settings import default_cache_dir
+broker = LocalKafka(Path(sys.argv[1]), default_cache_dir(), log_level="WARN", with_parent=sys.argv[2] == "1").start()
+print(broker.proc.pid, broker.bootstrap, flush=True)
+os._exit(0)  # gone without stopping it, as a killed test run is
+"""
+
+
+def test_a_broker_started_with_its_parent_ends_when_the_parent_is_killed_and_the_daemon_one_stays(tmp_path):
+    """The tests' brokers (``with_parent``) end with the process that started them, however it
+    ends; ``gpuledger kafka up``'s outlives its command."""
+    import time
+
+    from gpuledger.dev.localkafka import stop_pid
+
+    pids = {}
+    for mode in ("1", "0"):
+        out = subprocess.run([sys.executable, "-c", STARTER, str(tmp_path / mode), mode], capture_output=True, text=True, timeout=180)
+        assert out.returncode == 0, out.stderr[-2000:]
+        pids[mode] = int(out.stdout.split()[0])
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and running(pids["1"]):
+            time.sleep(0.2)
+        assert not running(pids["1"]), "the broker outlived the process that started it with_parent"
+        assert running(pids["0"])  # the daemon kind stays (stopped below)
+    finally:
+        for pid in pids.values():
+            stop_pid(pid)
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (one whose new parent has not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

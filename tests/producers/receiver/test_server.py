@@ -490,7 +490,7 @@ def test_concurrent_alert_posts_lose_nothing_and_duplicate_nothing(receiver, cat
 @pytest.fixture
 def own_broker():
     """A broker of the test's own, so stopping it bothers no other test."""
-    broker = LocalKafka(Path(tempfile.mkdtemp(prefix="gpuledger-rx-kafka-")), default_cache_dir(), log_level="WARN").start()
+    broker = LocalKafka(Path(tempfile.mkdtemp(prefix="gpuledger-rx-kafka-")), default_cache_dir(), log_level="WARN", with_parent=True).start()
     yield broker
     broker.stop()
 
@@ -516,7 +516,7 @@ def test_broker_down_answers_503_then_recovers(own_broker, tmp_path):
         started = time.monotonic()
         assert rx.request("GET", "/healthz")[0] == 200 and time.monotonic() - started < 1
 
-        restarted = LocalKafka(own_broker.data_dir, own_broker.cache_dir, port=own_broker.port, log_level="WARN").start()
+        restarted = LocalKafka(own_broker.data_dir, own_broker.cache_dir, port=own_broker.port, log_level="WARN", with_parent=True).start()
         try:
             deadline = time.monotonic() + 30
             while True:
