@@ -283,9 +283,13 @@ def machine_busy() -> tuple[float, float, float]:
     return (sum(fields[:8]) - idle) / _CLK_TCK, sum(fields[:8]) / _CLK_TCK, steal / _CLK_TCK
 
 
+#: The worker's child processes as its health page names them (gpuledger.child).
+CHILDREN = ("route", "controls", "sink")
+
+
 def worker_children(url: str) -> dict[str, int]:
     """The worker's child processes, name -> pid, from its health page (route, controls, sink)."""
-    return {name: page["pid"] for name in ("route", "controls", "sink") if (page := health(url, name)).get("pid")}
+    return {name: page["pid"] for name in CHILDREN if (page := health(url, name)).get("pid")}
 
 
 def cpu_by_process(before: dict[int, float], after: dict[int, float], root: int, children: dict[str, int]) -> dict[str, float]:
@@ -384,7 +388,7 @@ def follow_worker(service: ServiceProcess, url: str, reader: RemoteReader, expec
         queryable = time.monotonic() - (routed_at or first)[0]
     except BenchError as exc:
         print(f"  ! {exc}", flush=True)
-    gc = {"worker": health(url, "gc"), **{name: (health(url, name) or {}).get("gc") or {} for name in ("route", "controls", "sink")}}
+    gc = {"worker": health(url, "gc"), **{name: (health(url, name) or {}).get("gc") or {} for name in CHILDREN}}
     run = WorkerRun(events=expected, events_per_s=rate, correlated_s=done - first[0], queryable_s=queryable, cpu_ms_per_event=cpu, gc=gc,
                     after_route_s=first[0] - routed_at[0] if routed_at else None, stolen_cores=stolen)
     if rate is None:
@@ -900,7 +904,7 @@ def report(r: dict) -> str:
     if pt_cpu and w_cpu:
         # The same comparison in CPU (what a loaded machine disturbs least): the worker's own
         # process per correlated event against the pass-through's per passed event.
-        children = " + ".join(f"{name} {w_cpu[name]:.3f} ms" for name in ("route", "controls", "sink", "other") if name in w_cpu)
+        children = " + ".join(f"{name} {w_cpu[name]:.3f} ms" for name in (*CHILDREN, "other") if name in w_cpu)
         lines.append(f"CPU per event: pass-through {pt_cpu:.3f} ms, worker {w_cpu['worker']:.3f} ms (+ {children}); "
                      f"pass-through / worker = {pt_cpu / w_cpu['worker'] * 100:.0f} %")
         pt_broker, w_broker = r["passthrough"].get("broker_cpu_ms_per_event"), w_cpu.get("broker")

@@ -51,12 +51,14 @@ from producers._kafka import client_config, ensure_specs
 from streams.context import StageContext
 from streams.controls.policy import PolicySettings
 from streams.correlate.agents import install_correlate_agents
+from streams.intake import REVOKE_WAIT_S
 
 log = logging.getLogger(__name__)
 
 #: How long a rebalance waits for the records this worker produced before it to be
-#: acknowledged (``_revoked`` in ``create_app``): half the group session timeout (10 s).
-REVOKE_FLUSH_S = 5.0
+#: acknowledged (``_revoked`` in ``create_app``): half the group session timeout (10 s), the
+#: bound the stages outside Faust have too (``streams.intake.REVOKE_WAIT_S``).
+REVOKE_FLUSH_S = REVOKE_WAIT_S
 
 
 class WorkerContext(StageContext):
@@ -128,22 +130,24 @@ class WorkerContext(StageContext):
         stage's (its own group over the controls topic, from ``controls``): ``ok`` only when
         all are."""
         out = dict(self.subscriptions)
-        for name, child, page, field, topics in (
-                ("route stage", self.route, route, "raw_assigned", self.catalogue.raw_topics),
-                ("controls stage", self.controls, controls, "controls_assigned", (self.run.controls,))):
+        # child, its page, the page's field of held partitions, the topics it must hold (and
+        # what they are called), the field of this answer that lists them
+        for name, child, page, field, topics, what, listed in (
+                ("route stage", self.route, route, "raw_assigned", self.catalogue.raw_topics, "raw topics", "raw_partitions"),
+                ("controls stage", self.controls, controls, "controls_assigned", (self.run.controls,), "controls topic",
+                 "controls_partitions")):
             if child is None:
                 continue
             held = None if page is None else page.get(field)
             if page is None:
                 got = {"ok": False, "problems": ["not answering"], "partitions": []}
             elif held is None:
-                got = {"ok": False, "problems": [f"{'raw topics' if field == 'raw_assigned' else 'controls topic'} not assigned yet"],
-                       "partitions": []}
+                got = {"ok": False, "problems": [f"{what} not assigned yet"], "partitions": []}
             else:
                 got = check_assignment([_TP(t, p) for t, p in held], dict.fromkeys(topics))
             out["ok"] = out["ok"] and got["ok"]
             out["problems"] = [*out["problems"], *(f"{name}: {problem}" for problem in got["problems"])]
-            out["raw_partitions" if field == "raw_assigned" else "controls_partitions"] = got["partitions"]
+            out[listed] = got["partitions"]
         out.setdefault("partitions", [])
         return out
 
@@ -238,16 +242,8 @@ def create_app(settings) -> faust.App:
             log.error("after the rebalance some agents have no partitions: %s", "; ".join(ctx.subscriptions["problems"]))
         # Recover the assigned partitions' state now, while the release directory loads and
         # the route stage starts, rather than when the first batch needs it (a restart's
-        # first batch waited for both, one after the other). A partition revoked before its
-        # load ends is not kept (PartitionStore.ensure).
-        assignment = app.consumer.assignment()
-        prefetch = asyncio.ensure_future(ctx.correlator.store.ensure({tp.partition for tp in assignment if tp.topic == run.route}))
-        prefetch.add_done_callback(_prefetched)
-
-    def _prefetched(task: asyncio.Future) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("recovering state after the rebalance failed (%s); the first batch that needs it loads it again",
-                        task.exception())
+        # first batch waited for both, one after the other).
+        ctx.correlator.store.prefetch({tp.partition for tp in app.consumer.assignment() if tp.topic == run.route})
 
     async def _settled_then_flushed() -> None:
         for epoch in ctx.epochs.values():

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 WITHIN_S = 0.1
 REPORT_EVERY_S = 60.0
 #: How long a revocation waits for the stage's ``revoking`` (its epoch committed): half the
-#: group session timeout, as the Faust worker's (``streams.app.REVOKE_FLUSH_S``).
+#: group session timeout (10 s); the Faust worker's revocation has the same bound.
 REVOKE_WAIT_S = 5.0
 
 
@@ -72,20 +72,22 @@ class Record:
 class Intake:
     """A stage's consumer and its epoch loop (see the module docstring). ``label`` names the
     stage in log lines; ``epoch_args`` are ``Epoch``'s (name, handle, reset, dead, commit,
-    interval); ``extra`` adds consumer settings; ``revoking(partitions)`` is awaited before
-    partitions are given up; ``forget(partitions)`` drops a stage's state of partitions gone."""
-
-    label = "stage"
+    interval); ``extra`` adds consumer settings. A stateful stage passes its hooks:
+    ``revoking(partitions)`` is awaited before partitions are given up, ``forget(partitions)``
+    drops its state of partitions gone, ``assigned(partitions)`` hears of a new assignment
+    (a subclass may override ``forget`` and ``assigned_now`` instead: ``RawIntake``)."""
 
     def __init__(self, settings, consumer_config: dict, topics: tuple[str, ...], epoch_args: tuple, stage: str,
-                 batch: int | None = None, extra: dict | None = None,
+                 label: str, batch: int | None = None, extra: dict | None = None,
                  revoking: Callable[[list[tuple[str, int]]], Awaitable[None]] | None = None,
-                 forget: Callable[[list[tuple[str, int]]], None] | None = None) -> None:
+                 forget: Callable[[list[tuple[str, int]]], None] | None = None,
+                 assigned: Callable[[list[TopicPartition]], Awaitable[None]] | None = None) -> None:
         from confluent_kafka import Consumer  # looked up at construction (tests/streams/test_progress.py records it)
 
         from gpuledger.settings import worker_instance_id
 
         self.topics = tuple(topics)
+        self.label = label
         self.batch = batch or settings.streams.batch_max
         self.consumer = Consumer({
             **consumer_config,
@@ -108,6 +110,7 @@ class Intake:
         self.epoch = Epoch(*epoch_args, hold=None, release=self._release)
         self._revoking = revoking
         self._forget_state = forget
+        self._on_assigned = assigned
         self._loop: asyncio.AbstractEventLoop | None = None
         self._in_rebalance = False  # the consumer's thread waits in ``_on_revoke`` for ``revoking``
         self.assignment: set[tuple[str, int]] = set()
@@ -215,6 +218,8 @@ class Intake:
 
     async def assigned_now(self, partitions: list[TopicPartition]) -> None:
         """Told of a new assignment's partitions (on the loop, before the next batch)."""
+        if self._on_assigned is not None:
+            await self._on_assigned(partitions)
 
     def received(self, records: list[Record]) -> list[Record]:
         """The records of a consume call that may be handled now (all of them by default)."""

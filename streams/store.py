@@ -409,6 +409,20 @@ class PartitionStore:
         self._drops: dict[int, int] = defaultdict(int)  # per partition: how often it was dropped
 
     # --- recovery -----------------------------------------------------------------------
+    def prefetch(self, partitions: Iterable[int]) -> asyncio.Future:
+        """``ensure(partitions)`` in the background: a stage recovers a new assignment's state
+        while it starts, rather than when its first batch needs it. A failure is logged; the
+        first batch that needs the state loads it again. A partition revoked before its load
+        ends is not kept (``ensure``)."""
+        task = asyncio.ensure_future(self.ensure(partitions))
+        task.add_done_callback(self._prefetched)
+        return task
+
+    def _prefetched(self, task: asyncio.Future) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("%s store: recovering state after the rebalance failed (%s); the first batch that needs it loads it again",
+                        self.name, task.exception())
+
     async def ensure(self, partitions: Iterable[int]) -> None:
         """Load every partition in ``partitions`` that is not in memory yet."""
         if not set(partitions) - set(self.parts):

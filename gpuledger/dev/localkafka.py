@@ -158,9 +158,9 @@ class LocalKafka:
             if fmt.returncode != 0:
                 raise LocalKafkaError(f"formatting Kafka storage failed:\n{fmt.stdout[-2000:]}{fmt.stderr[-2000:]}")
         logf = open(self.log_file, "ab")
-        self.proc = subprocess.Popen(_with_parent(self._java(lib, "kafka.Kafka", str(config))) if self.with_parent
-                                     else self._java(lib, "kafka.Kafka", str(config)),
-                                     stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        command = self._java(lib, "kafka.Kafka", str(config))
+        self.proc = subprocess.Popen(_with_parent(command) if self.with_parent else command, stdout=logf, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
         logf.close()
         self._wait_ready(timeout)
         log.info("local Kafka %s ready at %s (pid %s, log %s)", KAFKA_VERSION, self.bootstrap, self.proc.pid, self.log_file)
@@ -216,7 +216,7 @@ class LocalKafka:
 
 
 def _with_parent(command: list[str]) -> list[str]:
-    """``command`` run so that it gets SIGTERM when the process that started it ends: Linux's
+    """``command`` run so that it gets SIGTERM when the thread that started it ends: Linux's
     parent-death signal, set by util-linux's ``setpriv --pdeathsig`` before it execs the
     command (the same process: its pid is the broker's). Not through ``preexec_fn``, which is
     unsafe in a process with threads (librdkafka's, in a test run). Without ``setpriv`` (not

@@ -21,6 +21,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
+def pid_running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (one whose parent has not reaped it
+    yet: a grandchild, or an orphan its new parent has not reaped, still shows in /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # the state follows "(comm)"
+    except OSError:
+        return False
+
+
 def _ephemeral_range() -> tuple[int, int]:
     try:
         low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()

@@ -58,9 +58,8 @@ class ControlsStage(StageContext):
         self.interval = settings.streams.commit_interval_s
         self.intake = Intake(settings, self.consumer_config, (self.run.controls,),
                              ("evaluate_controls", c.evaluate_batch, c.reset, c.dead, c.commit, self.interval), "controls",
-                             batch=self.packed_batch(), extra=dict(ROUTE_FETCH), revoking=self._revoking, forget=self._forget)
-        self.intake.label = "controls stage"
-        self.intake.assigned_now = self._prefetch
+                             "controls stage", batch=self.packed_batch(), extra=dict(ROUTE_FETCH), revoking=self._revoking,
+                             forget=self._forget, assigned=self._prefetch)
 
     def assigned(self, topic: str) -> set[int]:
         held = self.intake.assigned() or []
@@ -82,10 +81,9 @@ class ControlsStage(StageContext):
         self.controller.forget({p for t, p in partitions if t == self.run.controls})
 
     async def _prefetch(self, partitions) -> None:
-        """Recover the newly assigned partitions' state now, in the background, rather than
-        when the first batch needs it (as the worker does after a rebalance)."""
-        task = asyncio.ensure_future(self.controller.store.ensure({tp.partition for tp in partitions if tp.topic == self.run.controls}))
-        task.add_done_callback(_prefetched)
+        """Recover the newly assigned partitions' state now, in the background (as the worker does
+        after a rebalance)."""
+        self.controller.store.prefetch({tp.partition for tp in partitions if tp.topic == self.run.controls})
 
     def health(self) -> dict:
         held = self.intake.assigned()
@@ -126,11 +124,6 @@ class ControlsStage(StageContext):
     async def follow_releases(self) -> None:
         await follow_release_topic(self.bootstrap, self.catalogue.release, self.directory, lambda _keys: None,
                                    signal_initial=False, client_config=self.settings.kafka.aiokafka_config())
-
-
-def _prefetched(task: asyncio.Future) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("recovering state after the rebalance failed (%s); the first batch that needs it loads it again", task.exception())
 
 
 async def serve(settings, port: int) -> None:

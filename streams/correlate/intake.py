@@ -196,15 +196,13 @@ class RawIntake(Intake):
     """The raw topics' consumer (group ``<app id>.route``) and the route stage's epoch loop
     (``streams.intake.Intake``), its batches time-aligned (``TimeAlignment``)."""
 
-    label = "route stage"
-
     def __init__(self, settings, consumer_config: dict, topics: tuple[str, ...], epoch_args: tuple) -> None:
         # Asks the watermarks at assignment (``_starts``). Made now, and asked for the cluster's
         # description (a future nobody waits for), so that its connection and metadata are up
         # by the time the first assignment comes.
         self._admin = AdminClient({**consumer_config, "logger": logging.getLogger("librdkafka")})
         self._admin.describe_cluster(request_timeout=10)
-        super().__init__(settings, consumer_config, topics, epoch_args, "route", extra={
+        super().__init__(settings, consumer_config, topics, epoch_args, "route", "route stage", extra={
             # A batch returns records partition by partition as fetched; small per-partition
             # fetches make one batch span every raw topic (route_batch orders it by event time).
             "max.partition.fetch.bytes": PARTITION_FETCH_BYTES,

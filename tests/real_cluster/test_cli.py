@@ -15,6 +15,7 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
 from gpuledger.dev.cluster import DEFAULT_NODES, down
+from gpuledger.dev.process import pid_running
 from tests.real_cluster.conftest import REAL_CLUSTER, wait_for
 
 pytestmark = REAL_CLUSTER
@@ -23,17 +24,6 @@ pytestmark = REAL_CLUSTER
 def gpuledger(*args: str, data_dir: Path, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "gpuledger.cli", *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "GPULEDGER_DATA_DIR": str(data_dir)})
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # our grandchild is not ours to reap, but a zombie is not running
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def get_json(url: str, body: dict | None = None):
@@ -89,6 +79,6 @@ def test_dev_cluster_up_prints_a_working_kubeconfig_and_its_peers_and_down_stops
         stopped = gpuledger("dev", "cluster", "down", data_dir=data)
         assert stopped.returncode == 0 and "stopped the local cluster" in stopped.stdout
         assert gpuledger("dev", "cluster", "status", data_dir=data).returncode == 3
-        assert not [name for name, pid in pids.items() if alive(pid)], "processes left running after down"
+        assert not [name for name, pid in pids.items() if pid_running(pid)], "processes left running after down"
     finally:
         down(data)

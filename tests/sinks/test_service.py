@@ -17,6 +17,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
+from gpuledger.dev.process import pid_running
 from producers._kafka import EventPublisher
 from schemas import Identity, ReleaseEvent, Source, make_event_id
 from schemas.release import ReleasePayload
@@ -111,15 +112,6 @@ def _health(url: str) -> dict:
         return {}
 
 
-def _running(pid: int) -> bool:
-    """The process exists and is not a zombie waiting to be reaped."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _nice_of_threads(pid: int) -> dict[int, tuple[int, str]]:
     """thread id -> (its niceness as the kernel has it, its name): /proc/PID/task/TID/stat field 19, comm."""
     import os
@@ -162,11 +154,11 @@ def test_a_killed_sink_is_restarted_and_a_killed_worker_takes_its_sink_along(kaf
 
     worker = worker_factory(catalogue)
     first = json.loads(owner_file(worker.dsn).read_text())["pid"]
-    assert first != worker.service.proc.pid and _running(first)
+    assert first != worker.service.proc.pid and pid_running(first)
     os.kill(first, signal.SIGKILL)
     poll(lambda: (h := _health(worker.url)).get("sink", {}).get("restarts") == 1 and h["sink"]["answering"], "the sink restarted", 90)
     second = json.loads(owner_file(worker.dsn).read_text())["pid"]
-    assert second != first and _running(second)
+    assert second != first and pid_running(second)
     pub = EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, "test")
     pub.publish_batch(_releases("again", 5))
     pub.close()
@@ -175,4 +167,4 @@ def test_a_killed_sink_is_restarted_and_a_killed_worker_takes_its_sink_along(kaf
 
     worker.service.proc.kill()  # kill -9 of the worker
     worker.service.proc.wait(10)
-    poll(lambda: not _running(second), "the orphaned sink to exit", 30)
+    poll(lambda: not pid_running(second), "the orphaned sink to exit", 30)

@@ -52,6 +52,7 @@ def test_a_broker_started_with_its_parent_ends_when_the_parent_is_killed_and_the
     import time
 
     from gpuledger.dev.localkafka import stop_pid
+    from gpuledger.dev.process import pid_running
 
     pids = {}
     for mode in ("1", "0"):
@@ -60,19 +61,10 @@ def test_a_broker_started_with_its_parent_ends_when_the_parent_is_killed_and_the
         pids[mode] = int(out.stdout.split()[0])
     try:
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and running(pids["1"]):
+        while time.monotonic() < deadline and pid_running(pids["1"]):
             time.sleep(0.2)
-        assert not running(pids["1"]), "the broker outlived the process that started it with_parent"
-        assert running(pids["0"])  # the daemon kind stays (stopped below)
+        assert not pid_running(pids["1"]), "the broker outlived the process that started it with_parent"
+        assert pid_running(pids["0"])  # the daemon kind stays (stopped below)
     finally:
         for pid in pids.values():
             stop_pid(pid)
-
-
-def running(pid: int) -> bool:
-    """The process exists and is not a zombie (one whose new parent has not reaped it yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
