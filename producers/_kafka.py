@@ -194,6 +194,56 @@ ROUTE_FETCH = {"fetch.min.bytes": 64 * 1024, "fetch.wait.max.ms": 50}
 SINK_FETCH = {"fetch.min.bytes": 16 * 1024, "fetch.wait.max.ms": 50}
 
 
+class ConsumerLag:
+    """How far a confluent-kafka consumer's group is behind, per assigned partition: the
+    records between the partition's end (its last stable offset) and the group's committed
+    offset — what a stage still has to make durable, as ``kafka-consumer-groups`` shows it.
+
+    Read from librdkafka's own statistics (``statistics.interval.ms``, delivered to
+    ``stats_cb`` from inside the consumer's poll, in its thread): no request of our own to
+    the broker, and no call into the consumer from another thread (which can block while it
+    polls). ``consumer_config()`` goes into the consumer's configuration; ``health()`` is
+    what a health page shows: ``total`` over the partitions whose lag is known, per
+    partition ``topic[p]`` → lag (None while librdkafka does not know the end or the
+    committed offset: a group that never committed), and the statistics' age.
+    Why not the group's offsets from the admin API (``streams.progress``): that is a round trip
+    per look, and a health page is polled by probes."""
+
+    #: librdkafka's statistics interval: how stale the lag may be.
+    INTERVAL_MS = 5_000
+
+    def __init__(self, interval_ms: int = INTERVAL_MS) -> None:
+        self.interval_ms = interval_ms
+        self._partitions: dict[str, int | None] = {}
+        self._at: float | None = None
+
+    def consumer_config(self) -> dict:
+        return {"statistics.interval.ms": self.interval_ms, "stats_cb": self._on_stats}
+
+    def _on_stats(self, raw: str) -> None:
+        import orjson
+
+        try:
+            stats = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return
+        partitions: dict[str, int | None] = {}
+        for topic, t in (stats.get("topics") or {}).items():
+            for number, part in (t.get("partitions") or {}).items():
+                # "-1" is librdkafka's internal unassigned partition; "desired" marks the assigned ones
+                if number == "-1" or not part.get("desired"):
+                    continue
+                lag = part.get("consumer_lag", -1)
+                partitions[f"{topic}[{number}]"] = lag if isinstance(lag, int) and lag >= 0 else None
+        self._partitions, self._at = partitions, time.monotonic()  # one assignment: read whole by health()
+
+    def health(self) -> dict:
+        partitions = self._partitions
+        return {"total": sum(v for v in partitions.values() if v is not None), "partitions": dict(sorted(partitions.items())),
+                "unknown": sum(v is None for v in partitions.values()),
+                "age_s": None if self._at is None else round(time.monotonic() - self._at, 1)}
+
+
 class EventPublisher:
     """Publishes contract events to their raw topics; thread-safe (librdkafka is).
 

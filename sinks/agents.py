@@ -223,19 +223,21 @@ class SinkLoop:
     def __init__(self, settings, ctx, sinks: SinkWriters, topics: dict[str, list[str]]) -> None:
         from confluent_kafka import Consumer
 
-        from producers._kafka import SINK_FETCH
+        from producers._kafka import SINK_FETCH, ConsumerLag
 
         conf = settings.clickhouse
         self.ctx, self.sinks, self.topics = ctx, sinks, topics
         self.kind = {name: kind for kind, names in topics.items() for name in names}
         self.rows_max, self.within = conf.batch_rows, conf.batch_seconds
         self.in_range = settings.streams.in_range  # a replay's event-time range (`gpuledger replay --from/--to`)
+        self.lag = ConsumerLag()  # how far the tables are behind the topics, for the sink's health page
         from gpuledger.settings import worker_instance_id
 
         self.consumer = Consumer({**ctx.consumer_config, "group.id": f"{settings.streams.app_id}.sinks", "enable.auto.commit": False,
                                   "group.instance.id": f"{worker_instance_id(settings)}.sinks", "session.timeout.ms": 20_000,
                                   "auto.offset.reset": "earliest", "enable.partition.eof": False,
                                   "max.poll.interval.ms": 600_000, "logger": logging.getLogger("librdkafka"),
+                                  **self.lag.consumer_config(),
                                   **SINK_FETCH})  # fewer, fuller fetches of a live stream (producers._kafka.SINK_FETCH)
         self.consumer.subscribe(sorted(self.kind))
         self._shapes: dict = {}

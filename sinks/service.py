@@ -70,6 +70,7 @@ class SinkContext:
         self.stats: Counter = Counter({key: 0 for key in ("stored", "allocations_stored", "raw_stored", "raw_skipped", "raw_out_of_range",
                                                           "violations_stored", "store_rejected", "queries", "queries_refused")})
         self.sinks = None
+        self.loop = None  # sinks.agents.SinkLoop, once built
 
     def health(self, store) -> dict:
         return {
@@ -77,6 +78,7 @@ class SinkContext:
             "store": {"connected": store.connected},
             "stats": {**self.stats, "sink_outputs_produced": dict(self.output.produced), "sink_output_dead_letters": self.output.dead_letters},
             "counters": {"sinks": self.sinks.counters.totals if self.sinks else {}},
+            "lag": self.loop.lag.health() if self.loop else None,
             "gc": gctune.stats(),
         }
 
@@ -100,7 +102,8 @@ def build_sink(settings, ctx: SinkContext, store):
         ctx.output.produce(ctx.run.deadletter, row.source.key if row.source else None, encode_event(row.dead_letter()))
 
     ctx.sinks = SinkWriters(store, conf.database, conf.cluster, on_rejected=dead_letter_rejected)
-    return SinkLoop(settings, ctx, ctx.sinks, sink_topics(settings))
+    ctx.loop = SinkLoop(settings, ctx, ctx.sinks, sink_topics(settings))
+    return ctx.loop
 
 
 class QueryGate:

@@ -111,6 +111,8 @@ class WorkerContext(StageContext):
                 health[name]["store"] = page["store"]
             if "alignment" in page:
                 health[name]["alignment"] = page["alignment"]
+            if "lag" in page:
+                health[name]["lag"] = page["lag"]
             merge_stats(health["stats"], page.get("stats", {}))
             health["counters"].update(page.get("counters", {}))
             health["epochs"].update(page.get("epochs", {}))

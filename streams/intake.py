@@ -40,6 +40,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
+from producers._kafka import ConsumerLag
 from streams.runner import HARD_EXIT, STOP_GRACE_S, Epoch
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class Intake:
         self.topics = tuple(topics)
         self.label = label
         self.batch = batch or settings.streams.batch_max
+        self.lag = ConsumerLag()  # the group's lag on this stage's partitions, for its health page
         self.consumer = Consumer({
             **consumer_config,
             "group.id": f"{settings.streams.app_id}.{stage}",
@@ -103,6 +105,7 @@ class Intake:
             "partition.assignment.strategy": "range",
             "max.poll.interval.ms": 600_000,
             **(extra or {}),
+            **self.lag.consumer_config(),
             "on_commit": self._on_commit,
             "logger": logging.getLogger("librdkafka"),
         })

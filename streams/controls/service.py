@@ -99,6 +99,7 @@ class ControlsStage(StageContext):
             "counters": {name: c.totals for name, c in self._counters.items()},
             "epochs": {"evaluate_controls": self.intake.epoch.health()},
             "stores": {store.name: store.health()},
+            "lag": self.intake.lag.health(),
             "gc": gctune.stats(),
         }
 

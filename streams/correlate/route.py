@@ -140,6 +140,7 @@ class RouteStage:
             "counters": {self.router.counters.component: self.router.counters.totals},
             "epochs": {"route_events": self.intake.epoch.health()},
             "alignment": self.intake.align.health(),
+            "lag": self.intake.lag.health(),
             "gc": gctune.stats(),
         }
 

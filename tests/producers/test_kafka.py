@@ -165,3 +165,59 @@ def test_async_batches_are_acknowledged_while_a_thread_publishes_on_the_same_pro
         assert publisher.counters.totals["sent"] == len(events)
     finally:
         publisher.close(5)
+
+
+def test_consumer_lag_counts_what_the_group_has_not_committed_per_assigned_partition(kafka_bootstrap):
+    """ConsumerLag (the health pages' ``lag``): from librdkafka's statistics, the records
+    between each assigned partition's end and the group's committed offset."""
+    from confluent_kafka import Consumer, Producer, TopicPartition
+
+    from producers._kafka import ConsumerLag
+
+    topic = f"lag-{uuid.uuid4().hex[:8]}"
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    for future in admin.create_topics([NewTopic(topic, 2, 1)]).values():
+        future.result(30)
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    for i in range(10):
+        producer.produce(topic, b"x", partition=0)
+    for i in range(3):
+        producer.produce(topic, b"y", partition=1)
+    assert producer.flush(30) == 0
+    lag = ConsumerLag(interval_ms=200)
+    consumer = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"g-{topic}", "enable.auto.commit": False,
+                         "auto.offset.reset": "earliest", **lag.consumer_config()})
+    try:
+        assert lag.health() == {"total": 0, "partitions": {}, "unknown": 0, "age_s": None}  # no statistics yet
+        consumer.subscribe([topic])
+        read = 0
+        deadline = time.monotonic() + 30
+        while read < 13 and time.monotonic() < deadline:
+            read += sum(1 for m in consumer.consume(20, 0.5) if not m.error())
+        assert read == 13
+        # nothing committed yet: the lag is not known (not 0, not the whole partition)
+        deadline = time.monotonic() + 10
+        while lag.health()["unknown"] != 2 and time.monotonic() < deadline:
+            consumer.poll(0.1)
+        assert lag.health()["partitions"] == {f"{topic}[0]": None, f"{topic}[1]": None}
+        consumer.commit(offsets=[TopicPartition(topic, 0, 4), TopicPartition(topic, 1, 3)], asynchronous=False)
+
+        def seen() -> dict:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                consumer.poll(0.1)
+                health = lag.health()
+                if health["unknown"] == 0 and health["partitions"]:
+                    return health
+            return lag.health()
+
+        first = seen()
+        assert first["partitions"] == {f"{topic}[0]": 6, f"{topic}[1]": 0} and first["total"] == 6, first
+        assert first["age_s"] is not None and first["age_s"] < 5
+        consumer.commit(offsets=[TopicPartition(topic, 0, 10)], asynchronous=False)
+        deadline = time.monotonic() + 10
+        while lag.health()["total"] != 0 and time.monotonic() < deadline:
+            consumer.poll(0.1)
+        assert lag.health()["partitions"] == {f"{topic}[0]": 0, f"{topic}[1]": 0}
+    finally:
+        consumer.close()

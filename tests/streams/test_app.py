@@ -55,6 +55,12 @@ def test_scenario_matches_the_join_rules_and_replay_from_zero_equals_live(kafka_
     wait_for(live.reader, want)
     allocs = live.reader.query("SELECT count() AS n FROM gpuledger.correlated_events FINAL WHERE attribution = 'gpu_assignment'").dicts()
     assert allocs[0]["n"] == 2
+    # Everything read is committed: each child's group lag (health ``lag``) comes down to 0.
+    lag = wait_lag_zero(live.url)
+    run = catalogue.run(f"{catalogue.prefix}-app")
+    assert {p.rsplit("[", 1)[0] for p, v in lag["controls"]["partitions"].items() if v is not None} == {run.controls}
+    assert {p.rsplit("[", 1)[0] for p, v in lag["route"]["partitions"].items() if v is not None} <= set(catalogue.raw_topics)
+    assert run.correlated in {p.rsplit("[", 1)[0] for p, v in lag["sink"]["partitions"].items() if v is not None}
     # A fresh consumer group + fresh store replays the topics from offset zero.
     replay = worker_factory(catalogue, app_id=f"{catalogue.prefix}-replay", extra_env=FAST)
     assert wait_for(replay.reader, want) == stored(live.reader)
@@ -129,6 +135,23 @@ def test_a_clean_stop_commits_the_open_epochs_and_leaves_without_the_hard_stop(k
         ends = progress._offsets(progress._partitions({run.route, run.controls}), OffsetSpec.latest())
     assert look.done == look.total and look.inputs_left == 0, look.describe()
     assert {tp: committed.get(tp, 0) for tp in ends} == ends and any(ends.values()), ends
+
+
+def wait_lag_zero(url: str, timeout: float = 60.0) -> dict:
+    """Until the route, controls and sink processes each report a group lag of 0 on a
+    partition they know the lag of (librdkafka's statistics: every 5 s); their ``lag``."""
+    import json
+    import urllib.request
+
+    deadline, lag = time.monotonic() + timeout, {}
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{url}/gpuledger/health/", timeout=5) as resp:
+            page = json.loads(resp.read())
+        lag = {name: (page.get(name) or {}).get("lag") or {} for name in ("route", "controls", "sink")}
+        if all(v.get("total") == 0 and any(n is not None for n in v.get("partitions", {}).values()) for v in lag.values()):
+            return lag
+        time.sleep(0.5)
+    raise AssertionError(f"the children's lag never came down to 0: {lag}")
 
 
 def wait_quiet(url: str, quiet_s: float = 2.0, timeout: float = 60.0) -> None:
