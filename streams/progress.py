@@ -148,6 +148,25 @@ class RunProgress:
         stats = (health or {}).get("stats", {})
         return Look(done, self.total, left, lag, stats.get("parked"), (health or {}).get("status"))
 
+    def group_lag(self) -> dict[str, dict]:
+        """Per consumer group of the run, now: the topics it reads, their ``partitions``, the
+        ``lag`` (records between each partition's end and the group's committed offset — from
+        the first retained record where it never committed, as the group would read it) and
+        ``never_committed``, the partitions holding records the group has not committed on."""
+        committed = self.committed()
+        parts = self._partitions({t for topics in self.groups.values() for t in topics})
+        first, ends = self._offsets(parts, OffsetSpec.earliest()), self._offsets(parts, OffsetSpec.latest())
+        out = {}
+        for group, topics in self.groups.items():
+            mine = [tp for tp in ends if tp[0] in topics]
+            offsets = committed.get(group, {})
+            out[group] = {
+                "topics": list(topics), "partitions": len(mine),
+                "lag": sum(max(ends[tp] - max(offsets.get(tp, first[tp]), first[tp]), 0) for tp in mine),
+                "never_committed": sum(1 for tp in mine if tp not in offsets and ends[tp] > first[tp]),
+            }
+        return out
+
     def close(self) -> None:
         for consumer in self.consumers.values():
             consumer.close()

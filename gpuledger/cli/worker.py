@@ -1,12 +1,14 @@
-"""`gpuledger worker`: the Faust worker (correlate, judge, store)."""
+"""`gpuledger worker`: the Faust worker (correlate, judge, store); `gpuledger status`: how it is doing."""
 
 from __future__ import annotations
 
+import json
+from enum import Enum
 from typing import Optional
 
 import typer
 
-from gpuledger.cli._common import BootstrapOpt, DsnOpt, failing_on, load_settings
+from gpuledger.cli._common import BootstrapOpt, DsnOpt, console, failing_on, load_settings
 
 
 def worker(bootstrap: Optional[str] = BootstrapOpt, dsn: Optional[str] = DsnOpt,
@@ -24,5 +26,88 @@ def worker(bootstrap: Optional[str] = BootstrapOpt, dsn: Optional[str] = DsnOpt,
         run_worker(settings)
 
 
+class StatusFormat(str, Enum):
+    table = "table"
+    json = "json"
+
+
+def worker_url(settings, url: str | None) -> str | None:
+    """The worker's web address: ``url``, else the one its sink recorded in the embedded
+    store's owner file, else the configured ``GPULEDGER_STREAMS_WEB_PORT`` on loopback."""
+    from sinks.clickhouse import is_embedded
+    from sinks.read.query import current_owner
+
+    if url:
+        return url.rstrip("/")
+    dsn = settings.clickhouse.dsn
+    owner = current_owner(dsn) if is_embedded(dsn) else None
+    if owner and owner.get("health"):
+        return owner["health"]
+    port = settings.streams.web_port
+    return f"http://127.0.0.1:{port}" if port else None
+
+
+def status(bootstrap: Optional[str] = BootstrapOpt, dsn: Optional[str] = DsnOpt,
+           app_id: Optional[str] = typer.Option(None, "--app-id", help="The worker's app id (default: GPULEDGER_STREAMS_APP_ID)."),
+           url: Optional[str] = typer.Option(None, "--url", help="The worker's web address (default: from the embedded store's owner "
+                                                                  "file, else 127.0.0.1:GPULEDGER_STREAMS_WEB_PORT)."),
+           fmt: StatusFormat = typer.Option(StatusFormat.table, "--format", help="table (for people) or json (for tools).")) -> None:
+    """Is the worker well and how far behind is it: its health page (status, problems, its
+    processes) and, from Kafka, every consumer group of the run with the records it has not
+    committed yet. Exit 0 when the worker says ok and Kafka answered, 1 otherwise."""
+    from confluent_kafka import KafkaException
+    from rich.table import Table
+
+    from producers._kafka import client_config
+    from sinks.read.text import markup
+    from streams.progress import RunProgress, worker_health
+
+    settings = load_settings(bootstrap, dsn, streams={"app_id": app_id})
+    app = settings.streams.app_id
+    base = worker_url(settings, url)
+    page = worker_health(base) if base else None
+    groups, kafka_error = None, None
+    try:
+        with RunProgress(client_config(settings), settings.kafka.catalogue(), app) as progress:
+            groups = progress.group_lag()
+    except (KafkaException, LookupError) as exc:
+        kafka_error = str(exc)
+    ok = page is not None and page.get("status") == "ok" and kafka_error is None
+    if fmt is StatusFormat.json:
+        print(json.dumps({"app_id": app, "url": base, "health": page, "groups": groups, "kafka_error": kafka_error}, indent=2))
+        raise typer.Exit(0 if ok else 1)
+    if base is None:
+        console.print(f"worker {markup(app)}: [red]not found[/] (no owner file for the store, GPULEDGER_STREAMS_WEB_PORT unset: pass --url)")
+    elif page is None:
+        console.print(f"worker {markup(app)}: [red]not answering[/] at {markup(base)}")
+    else:
+        colour = "green" if page.get("status") == "ok" else "yellow"
+        console.print(f"worker {markup(app)}: [{colour}]{markup(str(page.get('status')))}[/] at {markup(base)}")
+        for problem in (page.get("subscriptions") or {}).get("problems") or []:
+            console.print(f"  problem: {markup(str(problem))}")
+        directory = page.get("release_directory") or {}
+        console.print(f"  release directory: {'ready' if directory.get('ready') else 'loading'}, {directory.get('releases', 0):,} releases;"
+                      f" parked rows: {(page.get('stats') or {}).get('parked', 0):,}")
+        procs = Table("process", "pid", "answering", "nice", "restarts", "last exit", "lag (not committed)")
+        for name in ("route", "controls", "sink"):
+            child = page.get(name) or {}
+            lag = child.get("lag") or {}
+            procs.add_row(name, str(child.get("pid") or "-"), "yes" if child.get("answering") else "[red]no[/]", str(child.get("nice", "-")),
+                          str(child.get("restarts", 0)), str(child.get("last_exit") if child.get("last_exit") is not None else "-"),
+                          f"{lag['total']:,}" if lag else "-")
+        console.print(procs)
+    if kafka_error is not None:
+        console.print(f"consumer groups: [red]Kafka did not answer[/]: {markup(kafka_error)}")
+    else:
+        table = Table("consumer group", "reads", "partitions", "lag (records not committed)", "never committed")
+        for group, g in groups.items():
+            topics = g["topics"]
+            reads = ", ".join(topics) if len(topics) <= 2 else f"{topics[0]} and {len(topics) - 1} more"
+            table.add_row(markup(group), markup(reads), str(g["partitions"]), f"{g['lag']:,}", str(g["never_committed"]))
+        console.print(table)
+    raise typer.Exit(0 if ok else 1)
+
+
 def register(root: typer.Typer) -> None:
     root.command("worker")(worker)
+    root.command("status")(status)

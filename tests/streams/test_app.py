@@ -5,6 +5,7 @@ are checked on their own in test_entities.py."""
 
 from __future__ import annotations
 
+import json
 import time
 
 from producers._kafka import EventPublisher
@@ -61,6 +62,24 @@ def test_scenario_matches_the_join_rules_and_replay_from_zero_equals_live(kafka_
     assert {p.rsplit("[", 1)[0] for p, v in lag["controls"]["partitions"].items() if v is not None} == {run.controls}
     assert {p.rsplit("[", 1)[0] for p, v in lag["route"]["partitions"].items() if v is not None} <= set(catalogue.raw_topics)
     assert run.correlated in {p.rsplit("[", 1)[0] for p, v in lag["sink"]["partitions"].items() if v is not None}
+    # ... and `gpuledger status` says so, from the health page and from Kafka's committed offsets.
+    # (The Faust group commits on its own second-long timer, and housekeeping may route a
+    # message meanwhile: looked at until every group has committed everything.)
+    groups = {g: (0, 0) for g in (f"{catalogue.prefix}-app", f"{catalogue.prefix}-app.route", f"{catalogue.prefix}-app.controls",
+                                  f"{catalogue.prefix}-app.sinks")}
+    deadline, got = time.monotonic() + 30, {}
+    while time.monotonic() < deadline:
+        status = status_of(kafka_bootstrap, catalogue, live, "--format", "json")
+        assert status.exit_code == 0, status.output
+        got = json.loads(status.stdout)
+        if {g: (v["lag"], v["never_committed"]) for g, v in got["groups"].items()} == groups:
+            break
+        time.sleep(0.5)
+    assert {g: (v["lag"], v["never_committed"]) for g, v in got["groups"].items()} == groups, got["groups"]
+    assert got["health"]["status"] == "ok" and got["url"] == live.url
+    table = status_of(kafka_bootstrap, catalogue, live)
+    assert table.exit_code == 0 and f"worker {catalogue.prefix}-app: ok" in table.stdout, table.output
+    assert all(f"{catalogue.prefix}-app.{g}" in table.stdout for g in ("route", "controls", "sinks")), table.stdout
     # A fresh consumer group + fresh store replays the topics from offset zero.
     replay = worker_factory(catalogue, app_id=f"{catalogue.prefix}-replay", extra_env=FAST)
     assert wait_for(replay.reader, want) == stored(live.reader)
@@ -135,6 +154,34 @@ def test_a_clean_stop_commits_the_open_epochs_and_leaves_without_the_hard_stop(k
         ends = progress._offsets(progress._partitions({run.route, run.controls}), OffsetSpec.latest())
     assert look.done == look.total and look.inputs_left == 0, look.describe()
     assert {tp: committed.get(tp, 0) for tp in ends} == ends and any(ends.values()), ends
+
+
+def status_of(bootstrap, cat, worker, *args):
+    from typer.testing import CliRunner
+
+    from gpuledger.cli import app as cli_app
+
+    env = {"GPULEDGER_KAFKA_BOOTSTRAP": bootstrap, "GPULEDGER_KAFKA_TOPIC_PREFIX": cat.prefix,
+           "GPULEDGER_KAFKA_RAW_PARTITIONS": str(cat.raw_partitions), "GPULEDGER_CLICKHOUSE_DSN": worker.dsn,
+           "GPULEDGER_DATA_DIR": str(worker.data_dir), "GPULEDGER_STREAMS_APP_ID": f"{cat.prefix}-app", "COLUMNS": "200"}
+    return CliRunner().invoke(cli_app, ["status", *args], env=env)
+
+
+def test_status_of_a_worker_that_does_not_answer_exits_1_and_still_shows_the_groups(kafka_bootstrap, catalogue, tmp_path):
+    """No worker at the address: `gpuledger status` says so, exits 1, and the run's groups
+    come from Kafka all the same (nothing committed: the published records are their lag)."""
+    from gpuledger.dev.process import free_port
+
+    publish(kafka_bootstrap, catalogue, SCENARIO[:5])
+    nobody = type("W", (), {"dsn": f"chdb://{tmp_path / 'clickhouse'}", "data_dir": tmp_path})
+    out = status_of(kafka_bootstrap, catalogue, nobody, "--url", f"http://127.0.0.1:{free_port()}", "--format", "json")
+    assert out.exit_code == 1, out.output
+    got = json.loads(out.stdout)
+    assert got["health"] is None and got["kafka_error"] is None
+    assert got["groups"][f"{catalogue.prefix}-app.route"]["lag"] == 5
+    assert got["groups"][f"{catalogue.prefix}-app.sinks"]["lag"] == 5  # the raw topics; the run's own are empty
+    table = status_of(kafka_bootstrap, catalogue, nobody, "--url", "http://127.0.0.1:1")
+    assert table.exit_code == 1 and "not answering at http://127.0.0.1:1" in table.stdout, table.output
 
 
 def wait_lag_zero(url: str, timeout: float = 60.0) -> dict:
