@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from schemas.outputs import GpuAllocation, Violation
-from sinks.correlated import IDENTITY_FIELDS
+from sinks.correlated import IDENTITY_FIELDS, identity_values
 
 ALLOCATION_IDENTITY = ("release_id", "model_name", "model_version", "artifact_digest", "image_digest", "config_digest",
                        "dataset_ref", "environment", "workload_id", "pod_uid", "owner", "data_class")
@@ -29,13 +29,13 @@ VIOLATION_COLUMNS = (
 def allocation_rows(batch: Sequence[GpuAllocation]) -> list[list]:
     return [[
         a.allocation_id, a.version, a.node, a.gpu_id, a.gpu or "", a.mig_instance or "", a.resource_name, a.namespace, a.pod,
-        a.container or "", *[getattr(a.identity, f) or "" for f in ALLOCATION_IDENTITY], a.attribution, a.started_at,
+        a.container or "", *identity_values(a.identity, ALLOCATION_IDENTITY), a.attribution, a.started_at,
         a.ended_at, a.end_reason or "", a.start_event_id, a.end_event_id or "",
     ] for a in batch]
 
 
 def violation_rows(batch: Sequence[Violation]) -> list[list]:
     return [[
-        v.violation_id, v.version, v.control_id, v.title, v.severity, *[getattr(v.identity, f) or "" for f in IDENTITY_FIELDS],
+        v.violation_id, v.version, v.control_id, v.title, v.severity, *identity_values(v.identity, IDENTITY_FIELDS),
         list(v.evidence), v.owner or "", v.opened_at, v.closed_at, v.detail, v.policy_version,
     ] for v in batch]
