@@ -236,6 +236,13 @@ class Intake:
                 return None
             return [TopicPartition(t, p) for t, p in self.assignment]
 
+    async def commit_idle(self) -> None:
+        """Commit an epoch whose input stopped before it was due, every half commit interval
+        (the Faust agents' timer does this in the worker): a task beside ``run``."""
+        while True:
+            await asyncio.sleep(max(0.05, self.epoch.interval_s / 2))
+            await self.epoch.commit_if_due()
+
     # --- the loop ------------------------------------------------------------------------------
     async def run(self) -> None:
         """Handle batches until cancelled (the worker stops): then the batch in hand and the

@@ -144,7 +144,7 @@ class RunProgress:
             if tp[0] in self.raw:
                 done += min(min(at), end) - first[tp]
         for tp, end in ends.items():
-            lag += sum(max(end - max(offsets.get(tp, 0), first[tp]), 0) for group, offsets in committed.items() if tp[0] in self.groups[group])
+            lag += sum(_behind(end, offsets, tp, first) for group, offsets in committed.items() if tp[0] in self.groups[group])
         stats = (health or {}).get("stats", {})
         return Look(done, self.total, left, lag, stats.get("parked"), (health or {}).get("status"))
 
@@ -155,14 +155,15 @@ class RunProgress:
         ``never_committed``, the partitions holding records the group has not committed on."""
         committed = self.committed()
         parts = self._partitions({t for topics in self.groups.values() for t in topics})
-        first, ends = self._offsets(parts, OffsetSpec.earliest()), self._offsets(parts, OffsetSpec.latest())
+        first = {**self.first, **self._offsets([tp for tp in parts if (tp.topic, tp.partition) not in self.first], OffsetSpec.earliest())}
+        ends = self._offsets(parts, OffsetSpec.latest())
         out = {}
         for group, topics in self.groups.items():
             mine = [tp for tp in ends if tp[0] in topics]
             offsets = committed.get(group, {})
             out[group] = {
                 "topics": list(topics), "partitions": len(mine),
-                "lag": sum(max(ends[tp] - max(offsets.get(tp, first[tp]), first[tp]), 0) for tp in mine),
+                "lag": sum(_behind(ends[tp], offsets, tp, first) for tp in mine),
                 "never_committed": sum(1 for tp in mine if tp not in offsets and ends[tp] > first[tp]),
             }
         return out
@@ -176,6 +177,13 @@ class RunProgress:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _behind(end: int, offsets: dict[tuple[str, int], int], tp: tuple[str, int], first: dict[tuple[str, int], int]) -> int:
+    """Records of partition ``tp`` up to ``end`` that a group has not committed: from its committed
+    offset (``offsets``), or from the first retained record where it never committed or its
+    offset was trimmed away (``first``) — where the group reads from."""
+    return max(end - max(offsets.get(tp, 0), first[tp]), 0)
 
 
 def worker_health(url: str, timeout: float = 5.0) -> dict | None:

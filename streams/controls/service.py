@@ -55,9 +55,8 @@ class ControlsStage(StageContext):
     def __init__(self, settings) -> None:
         super().__init__(settings, role="controls")
         self.controller = c = Controller(self)
-        self.interval = settings.streams.commit_interval_s
         self.intake = Intake(settings, self.consumer_config, (self.run.controls,),
-                             ("evaluate_controls", c.evaluate_batch, c.reset, c.dead, c.commit, self.interval), "controls",
+                             ("evaluate_controls", c.evaluate_batch, c.reset, c.dead, c.commit, settings.streams.commit_interval_s), "controls",
                              "controls stage", batch=self.packed_batch(), extra=dict(ROUTE_FETCH), revoking=self._revoking,
                              forget=self._forget, assigned=self._prefetch)
 
@@ -103,12 +102,6 @@ class ControlsStage(StageContext):
             "gc": gctune.stats(),
         }
 
-    async def commit_idle(self) -> None:
-        """Commit an epoch whose input stopped before it was due."""
-        while True:
-            await asyncio.sleep(max(0.05, self.interval / 2))
-            await self.intake.epoch.commit_if_due()
-
     async def housekeeping(self) -> None:
         """Re-evaluate dependents of changed releases and keys whose deadline passed
         (``Controller.housekeeping``), every ``HOUSEKEEPING_S``."""
@@ -131,7 +124,7 @@ async def serve(settings, port: int) -> None:
     """Run the controls stage and its health page until SIGTERM or the worker is gone."""
     stage = ControlsStage(settings)
     await serve_stage("controls stage", stage, port, stage.consume(),
-                      {"idle commits": stage.commit_idle(), "housekeeping": stage.housekeeping(), "releases": stage.follow_releases()})
+                      {"idle commits": stage.intake.commit_idle(), "housekeeping": stage.housekeeping(), "releases": stage.follow_releases()})
 
 
 def controls_main(settings, port: int, loglevel: str = "info") -> None:

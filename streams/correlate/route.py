@@ -25,7 +25,6 @@ nothing. The worker restarts the process when it ends (``ChildProcess.restart_if
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from operator import itemgetter
@@ -126,9 +125,8 @@ class RouteStage:
         catalogue, config = settings.kafka.catalogue(), client_config(settings)
         self.output = BatchOutput(config, f"gpuledger-{settings.streams.app_id}-route", catalogue.run(settings.streams.app_id).deadletter)
         self.router = r = Router(settings, self.output, FaultInjection(settings.streams.fault))
-        self.interval = settings.streams.commit_interval_s
         self.intake = RawIntake(settings, config, catalogue.raw_topics,
-                                ("route_events", r.route_batch, r.reset, r.dead, r.commit, self.interval))
+                                ("route_events", r.route_batch, r.reset, r.dead, r.commit, settings.streams.commit_interval_s))
 
     def health(self) -> dict:
         held = self.intake.assigned()
@@ -144,18 +142,11 @@ class RouteStage:
             "gc": gctune.stats(),
         }
 
-    async def commit_idle(self) -> None:
-        """Commit an epoch whose input stopped before it was due (the Faust agents' timer
-        does this in the worker)."""
-        while True:
-            await asyncio.sleep(max(0.05, self.interval / 2))
-            await self.intake.epoch.commit_if_due()
-
 
 async def serve(settings, port: int) -> None:
     """Run the route stage and its health page until SIGTERM or the worker is gone."""
     stage = RouteStage(settings)
-    await serve_stage("route stage", stage, port, stage.intake.run(), {"idle commits": stage.commit_idle()})
+    await serve_stage("route stage", stage, port, stage.intake.run(), {"idle commits": stage.intake.commit_idle()})
 
 
 def route_main(settings, port: int, loglevel: str = "info") -> None:

@@ -187,13 +187,11 @@ def test_status_of_a_worker_that_does_not_answer_exits_1_and_still_shows_the_gro
 def wait_lag_zero(url: str, timeout: float = 60.0) -> dict:
     """Until the route, controls and sink processes each report a group lag of 0 on a
     partition they know the lag of (librdkafka's statistics: every 5 s); their ``lag``."""
-    import json
-    import urllib.request
+    from streams.progress import worker_health
 
     deadline, lag = time.monotonic() + timeout, {}
     while time.monotonic() < deadline:
-        with urllib.request.urlopen(f"{url}/gpuledger/health/", timeout=5) as resp:
-            page = json.loads(resp.read())
+        page = worker_health(url) or {}
         lag = {name: (page.get(name) or {}).get("lag") or {} for name in ("route", "controls", "sink")}
         if all(v.get("total") == 0 and any(n is not None for n in v.get("partitions", {}).values()) for v in lag.values()):
             return lag
