@@ -127,11 +127,11 @@ def stop_requested(what: str) -> asyncio.Event:
     return stop
 
 
-def child_main(tag: str, loglevel: str, main: Coroutine, nice: int = 0) -> None:
+def child_main(tag: str, loglevel: str, main: Coroutine, nice: int = 0, gc_young: int | None = None) -> None:
     """A child process's entry: its priority lowered by ``nice`` (before any thread starts,
     so every thread of the child has it: Linux keeps a niceness per thread, and a new thread
     takes its creator's), its log lines tagged ``[tag]``, calm logging, the tuned garbage
-    collector, then ``main`` until it returns."""
+    collector (young threshold ``gc_young``, default ``gctune.GEN0``), then ``main`` until it returns."""
     from gpuledger import gctune
     from gpuledger.telemetry import calm_logging
 
@@ -140,7 +140,7 @@ def child_main(tag: str, loglevel: str, main: Coroutine, nice: int = 0) -> None:
         os.nice(nice)
         log.info("running at niceness %d", os.getpriority(os.PRIO_PROCESS, 0))
     calm_logging()
-    gctune.tune()
+    gctune.tune(gc_young or gctune.GEN0)
     asyncio.run(main)
 
 

@@ -4,7 +4,8 @@
 retriable sink errors (``SinkError.retriable``) are retried forever with capped
 exponential back-off and full jitter, sleeping with ``asyncio.sleep`` so the event loop
 (and Faust's heartbeats) keep running; any other exception — a rejection, a
-cancellation — passes through at once.
+cancellation — passes through at once. ``call_retrying`` is how a hot path uses it: the
+call is tried once on its own, and only a retriable failure builds the retry loop.
 
 ``OutageLog`` turns a stream of failed attempts into a few lines: one WARNING when a
 component starts failing (with the error), at most one WARNING summary per
@@ -17,11 +18,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from tenacity import AsyncRetrying, retry_if_exception, stop_never, wait_random_exponential
 
 from sinks.errors import first_line
+
+T = TypeVar("T")
 
 
 def _retriable(exc: BaseException) -> bool:
@@ -39,6 +43,32 @@ def store_retrying(initial_backoff_s: float, max_backoff_s: float, before_sleep:
         before_sleep=before_sleep,
         reraise=True,
     )
+
+
+async def call_retrying(call: Callable[[], Awaitable[T]], initial_backoff_s: float, max_backoff_s: float,
+                        before_sleep: Callable | None = None) -> T:
+    """``await call()``, retried as ``store_retrying`` retries when it fails for a retriable reason.
+
+    The first attempt runs outside tenacity: an ``AsyncRetrying`` and its attempt state are
+    a web of reference cycles (~35 objects: closures over the retrying object, a
+    ``concurrent.futures.Future`` with its lock and condition), and building one per batch
+    or per insert left that much cyclic garbage behind every time — most of what a worker's
+    garbage collections ever found (``gpuledger.gctune``). On a retriable failure the retry
+    loop starts with that failure as its first attempt (its ``before_sleep``, its back-off),
+    exactly as if tenacity had made the call."""
+    try:
+        return await call()
+    except Exception as exc:  # noqa: BLE001 - sorted just below, as the retry loop would
+        if not _retriable(exc):
+            raise
+        first: BaseException | None = exc
+    async for attempt in store_retrying(initial_backoff_s, max_backoff_s, before_sleep):
+        with attempt:
+            if first is not None:
+                failed, first = first, None
+                raise failed
+            return await call()
+    raise AssertionError("unreachable: store_retrying retries forever")  # pragma: no cover
 
 
 class OutageLog:

@@ -43,7 +43,7 @@ from gpuledger.telemetry import ComponentCounters
 from schemas.outputs import DeadLetter
 from sinks.clickhouse import StoreConnection, driver_call
 from sinks.errors import RowsRejected, classify_insert_error
-from sinks.retry import OutageLog, store_retrying
+from sinks.retry import OutageLog, call_retrying
 
 log = logging.getLogger(__name__)
 
@@ -179,13 +179,14 @@ class TableWriter:
 
     async def _insert_held(self, rows: list[list]) -> None:
         """Insert, retrying retriable failures forever; RowsRejected passes through."""
+        async def attempt() -> None:
+            self.attempts += 1
+            # The insert is blocking I/O (HTTP or in-process engine): keep the event
+            # loop (and Faust's heartbeats) alive while it runs.
+            await asyncio.to_thread(self.insert_once, rows)
+
         try:
-            async for attempt in store_retrying(self.initial_backoff_s, self.max_backoff_s, self._before_sleep):
-                with attempt:
-                    self.attempts += 1
-                    # The insert is blocking I/O (HTTP or in-process engine): keep the event
-                    # loop (and Faust's heartbeats) alive while it runs.
-                    await asyncio.to_thread(self.insert_once, rows)
+            await call_retrying(attempt, self.initial_backoff_s, self.max_backoff_s, self._before_sleep)
         except RowsRejected:
             self.outage.succeeded()  # the store answered: the outage, if any, is over
             raise

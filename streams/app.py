@@ -410,7 +410,7 @@ def run_worker(settings, loglevel: str = "info") -> None:
     from streams.correlate.route import route_process
 
     calm_logging()
-    gctune.tune()
+    gctune.tune(gctune.GEN0_STATEFUL)  # the correlation stage freezes what each epoch commit leaves alive
     prepare_data_dir(settings)
     ensure_run_topics(settings)
     app = create_app(settings)

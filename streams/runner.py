@@ -53,7 +53,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
 
-from sinks.retry import store_retrying  # the package's one back-off policy
+from sinks.retry import call_retrying  # the package's one back-off policy
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +142,7 @@ class Epoch:
         self.acked = 0
         self.forgotten = 0
         self.waiting_for_state = 0  # failed attempts of the batch in hand for a retriable reason
+        self._handling_since = 0.0  # when the batch in hand was first tried (its STATE_WAIT_S runs from there)
 
     # --- batches ----------------------------------------------------------------------
     async def run_batch(self, events: list) -> None:
@@ -165,16 +166,15 @@ class Epoch:
         ``STATE_WAIT_S`` the process ends as a crash would (``HARD_EXIT``, nothing acked):
         a batch that holds its acks blocks every rebalance (Faust waits for them), and a
         restart creates a missing topic and reads the changelog afresh."""
+        self._handling_since = time.monotonic()
         try:
-            async for attempt in store_retrying(0.5, 5.0, self._waiting):
-                with attempt:
-                    await self.handle(events)
+            await call_retrying(lambda: self.handle(events), 0.5, 5.0, self._waiting)
         finally:
             self.waiting_for_state = 0
 
     def _waiting(self, retry_state) -> None:
         self.waiting_for_state += 1
-        if time.monotonic() - retry_state.start_time >= STATE_WAIT_S:
+        if time.monotonic() - self._handling_since >= STATE_WAIT_S:
             log.critical("%s: a batch's state could not be read for %.0fs (%s); exiting without acking it, to start afresh",
                          self.name, STATE_WAIT_S, retry_state.outcome.exception())
             logging.shutdown()

@@ -129,7 +129,10 @@ async def serve(settings, port: int) -> None:
 
 def controls_main(settings, port: int, loglevel: str = "info") -> None:
     """Entry point of the controls process (``multiprocessing``, spawn)."""
-    child_main("controls", loglevel, serve(settings, port), nice=settings.streams.controls_nice)
+    from gpuledger import gctune
+
+    child_main("controls", loglevel, serve(settings, port), nice=settings.streams.controls_nice,
+               gc_young=gctune.GEN0_STATEFUL)  # it freezes what each epoch commit leaves alive
 
 
 def controls_process(settings, loglevel: str = "info") -> ChildProcess:
