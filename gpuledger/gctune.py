@@ -27,25 +27,22 @@ the event loop — which gives the GIL up at every poll and socket call — wait
 to get it back each time (the convoy effect), and a restart's first batch, ready to run,
 waited for the other store's whole load.
 ``freeze()`` again in a worker, after each epoch commit (``streams.app.WorkerContext.commit_state``):
-it freezes what is alive: the states of the batches just committed, the bulk of what a
-worker allocates that lives on, never again traversed. Young and middle collections
-otherwise walked them, and every reference out of them into the older store — measured
-(benchmarks/engine_cpu.py, 100,000 events) 15–25 % of the engine's CPU, most of it not in
-the collections' own time but in the cache misses they left behind; ``make bench``'s worker
-0.158 → 0.144 ms/event, its collections 1.2 → 0.6 s. Before it freezes, it collects when a
-dead cycle may be among them (see ``freeze``: when a collection since the last freeze found
-cyclic garbage, and at every ``AUDIT_EVERY``-th freeze anyway): a dead cycle frozen is
-never freed. The price: a reference cycle that was alive at a commit and dies later is
-never collected, nor one that died after the epoch's last young collection at a freeze
-that did not look. The worker makes few (``make bench``: tens of unreachable objects per
-commit, all of them a per-batch tenacity retry loop, which ``sinks.retry.call_retrying``
-no longer builds; the health page shows ``collected`` and ``unchecked_freezes``). A cycle
-that outlives a commit is not visible there — it would show only as memory growing beyond
-what the store's keys explain.
+it collects, then freezes what is still alive: the states of the batches just committed,
+the bulk of what a worker allocates that lives on, never again traversed. Young and middle
+collections otherwise walked them, and every reference out of them into the older store —
+measured (benchmarks/engine_cpu.py, 100,000 events) 15–25 % of the engine's CPU, most of it
+not in the collections' own time but in the cache misses they left behind; ``make bench``'s
+worker 0.158 → 0.144 ms/event, its collections 1.2 → 0.6 s. The collection walks what the
+epoch left alive once — the two stateful processes' higher young threshold
+(``GEN0_STATEFUL``) spares them a second walk by the epoch's young collections. The price:
+a reference cycle that was alive at a commit and dies later is never collected. The worker
+makes few (``make bench``: tens of unreachable objects per commit, most of them — a
+tenacity retry loop per batch — gone since ``sinks.retry.call_retrying``; the health page
+shows ``collected``). A cycle that outlives a commit is not visible there — it would show
+only as memory growing beyond what the store's keys explain.
 ``stats()`` is what the health pages show: collections per generation, the CPU seconds the
 collecting thread spent in them and the unreachable objects they freed since the process
-started, the freezes that did not collect first, and the objects frozen (read at most once
-a minute).
+started, and the objects frozen (read at most once a minute).
 """
 
 from __future__ import annotations
@@ -60,15 +57,15 @@ from contextlib import contextmanager
 GEN0, GEN1, GEN2 = 50_000, 20, 50
 #: The young threshold of a process that freezes after every epoch commit (the worker, its
 #: controls stage): what an epoch leaves alive — a bulk epoch of the bench ~100,000 tracked
-#: objects, its states — is then frozen before a young collection walks it (``freeze`` no
-#: longer walks it either, unless it looks for cycles). With ``GEN0`` the epoch's young
-#: collections walked all of it once: 30 collections, ~1.3 s of CPU in a 50,000-event bench
-#: run, a fifth of the worker's. Measured (benchmarks/engine_cpu.py): 50,000 → 250,000 cut
-#: the engine's collections from 0.9-1.0 s to 0.6 s of 5.3-5.9 s. A collection that does
-#: run (an epoch whose commit waits long) walks up to this many objects at once.
+#: objects, its states — is then walked once, by the freeze's collection, rather than by the
+#: epoch's young collections as well: with ``GEN0`` those were ~30 in a 50,000-event bench
+#: run, ~1.3 s of the worker's CPU. Measured (benchmarks/engine_cpu.py, 50,000 events, three
+#: runs each): 50,000 → 200,000 cut the engine's collections from 1.4 s to 1.0 s and its CPU
+#: from 0.131 to 0.121-0.126 ms/event. A young collection that
+#: does run (an epoch whose commit waits long) walks up to this many objects at once.
 GEN0_STATEFUL = 200_000
 
-_stats = {"collections": [0, 0, 0], "seconds": 0.0, "collected": 0, "unchecked_freezes": 0}
+_stats = {"collections": [0, 0, 0], "seconds": 0.0, "collected": 0}
 _started: list[float] = [0.0]
 
 
@@ -91,43 +88,21 @@ def tune(young: int = GEN0) -> None:
         gc.callbacks.append(_measure)
 
 
-#: A freeze collects first at least every this many freezes (``freeze``), garbage or not.
-AUDIT_EVERY = 10
-
-_audit = {"unchecked": 0, "found": 0, "seen": 0}
-
-
-def _found_so_far() -> int:
-    """Unreachable objects found by every collection of this process so far — automatic or
-    not, whether ``tune`` ran or not (CPython's own per-generation counters, O(1))."""
-    return sum(generation["collected"] for generation in gc.get_stats())
-
-
 def freeze() -> None:
     """Exempt everything alive now from future collections: once a service has started, and in
-    a worker after each epoch commit (see the module docstring); ``gc.freeze`` itself is O(1)
+    a worker after each epoch commit (see the module docstring). Collected first, so that a
+    dead reference cycle is freed rather than frozen for ever; ``gc.freeze`` itself is O(1)
     (it moves the generations' lists into the permanent one).
 
-    A dead reference cycle frozen is never freed, so a freeze collects first — but only when
-    there may be one to find: when a collection since the last freeze (an automatic one, or
-    that freeze's own) found cyclic garbage, and otherwise every ``AUDIT_EVERY``-th freeze.
-    That collection walks every object allocated since the last freeze that is still alive —
-    in a worker, the states its epoch wrote: measured (benchmarks/engine_cpu.py) 13-15 % of
-    the correlation engine's CPU, to find, at every commit, the same ~35 objects of one
-    tenacity retry loop per batch (no longer built: ``sinks.retry.call_retrying``) and
-    nothing else. A process that makes cyclic garbage steadily has its young collections
-    find some and collects at every freeze, as before; one that makes none collects at
-    every ``AUDIT_EVERY``-th. What is frozen without a look is a cycle that died after the
-    last young collection of an epoch in which no collection found any — bounded by what the
-    process makes between audits, and ``stats()`` counts the freezes that did not look."""
-    found = _found_so_far()
-    if found > _audit["seen"] or _audit["found"] or _audit["unchecked"] >= AUDIT_EVERY - 1:
-        _audit["found"] = gc.collect()
-        _audit["unchecked"] = 0
-    else:
-        _audit["unchecked"] += 1
-        _stats["unchecked_freezes"] += 1
-    _audit["seen"] = _found_so_far()
+    The collection walks what is alive since the last freeze — in a worker, the states its
+    epoch wrote — once: with ``GEN0_STATEFUL`` no young collection walked it before. It must
+    look every time: a worker makes cyclic garbage at unpredictable moments (every closed
+    HTTP connection of a health probe leaves its transport in a reference cycle), and one
+    frozen is never freed. Tried and dropped (2026-12): collecting only when a collection
+    since the last freeze had found cycles — under ``make bench``'s health polling every
+    freeze looked anyway, and with sparse probes each probe's transport would have been
+    frozen for ever."""
+    gc.collect()
     gc.freeze()
 
 
@@ -136,8 +111,8 @@ def freeze() -> None:
 #: (measured: 34 ms for 2 M objects, holding the GIL), and a worker's health page — polled by
 #: probes, and by ``make bench`` many times a second — called it every time (4 % of a bulk
 #: worker's CPU in py-spy); counting what each freeze moved instead (``gc.get_objects`` of
-#: every generation) cost a freeze that does not collect more than the freeze itself (~10 ms
-#: per epoch of the bench). So the count is read at most every ``FROZEN_EVERY_S``.
+#: every generation) cost ~10 ms per epoch of the bench, a tenth of the freeze's collection.
+#: So the count is read at most every ``FROZEN_EVERY_S``.
 FROZEN_EVERY_S = 60.0
 _frozen: list = [0, None]
 
@@ -185,4 +160,4 @@ def bulk(freeze: bool = True) -> Iterator[None]:
 
 def stats() -> dict:
     return {"thresholds": list(gc.get_threshold()), "frozen": _frozen_count(), "collections": list(_stats["collections"]),
-            "seconds": round(_stats["seconds"], 3), "collected": _stats["collected"], "unchecked_freezes": _stats["unchecked_freezes"]}
+            "seconds": round(_stats["seconds"], 3), "collected": _stats["collected"]}

@@ -1,7 +1,7 @@
 """gpuledger.gctune.bulk: no collections and a short GIL switch interval while stores load
 (nested, from several threads), the loaded objects frozen when the last load ends;
-gctune.freeze: dead cycles collected when there may be some, then what is alive frozen (a
-worker's epoch commit); gctune.stats: the frozen count read at most once a minute."""
+gctune.freeze: dead cycles collected, then what is alive frozen (a worker's epoch commit);
+gctune.stats: the frozen count read at most once a minute."""
 
 from __future__ import annotations
 
@@ -50,69 +50,24 @@ def test_a_load_that_loaded_nothing_freezes_nothing():
     assert gc.isenabled() and gc.get_freeze_count() == frozen_before
 
 
-def _node_cycle():
+def test_freeze_frees_dead_cycles_then_freezes_what_is_alive():
     class Node:
         pass
 
-    dead = Node()
-    dead.me = dead  # a reference cycle: only the collector frees it
-    return dead
-
-
-def _quiet(monkeypatch, unchecked: int = 0) -> None:
-    """The audit state of a process whose collections have found nothing since the last freeze."""
-    gc.collect()
-    monkeypatch.setattr(gctune, "_audit", {"unchecked": unchecked, "found": 0, "seen": gctune._found_so_far()})
-
-
-def test_freeze_frees_dead_cycles_when_a_collection_found_some_then_freezes_what_is_alive(monkeypatch):
-    _quiet(monkeypatch)
     frozen_before = gc.get_freeze_count()
     kept = [{"key": str(i), "rows": {}} for i in range(1000)]  # 1,001 tracked containers, alive
-    _node_cycle()
-    assert gc.collect(0) > 0  # a young collection of this epoch found cyclic garbage ...
-    dead = _node_cycle()
+    dead = Node()
+    dead.me = dead  # a reference cycle: only the collector frees it
     gone = weakref.ref(dead)
     gc.collect(1)  # alive now: moved to the oldest generation, as an automatic collection during an epoch would
     del dead
     try:
         gctune.freeze()
-        assert gone() is None  # ... so the freeze collected first: this cycle is freed, not frozen for ever
+        assert gone() is None  # collected, not frozen for ever
         assert gc.get_freeze_count() >= frozen_before + len(kept) + 1
         assert gc.get_count()[0] < len(kept)  # the young generation no longer holds them
     finally:
         gc.unfreeze()
-
-
-def test_freeze_without_garbage_found_looks_only_every_audit_every_th_time(monkeypatch):
-    """No collection since the last freeze found a cycle: the freeze does not walk what the
-    epoch left alive (counted in ``unchecked_freezes``) — but every ``AUDIT_EVERY``-th does,
-    and a cycle that died by then is freed; having found one, the next freeze looks too."""
-    _quiet(monkeypatch)
-    before = gctune.stats()["unchecked_freezes"]
-    frozen: list = []
-    try:
-        for i in range(gctune.AUDIT_EVERY - 1):
-            frozen.append(_node_cycle())
-            gctune.freeze()
-            assert gctune.stats()["unchecked_freezes"] == before + i + 1
-        kept = frozen[-1]
-        dead = _node_cycle()
-        gone = weakref.ref(dead)
-        del dead
-        gctune.freeze()  # the audit: collects before it freezes
-        assert gone() is None and gctune.stats()["unchecked_freezes"] == before + gctune.AUDIT_EVERY - 1
-        gctune.freeze()  # the audit found a cycle: this one looks as well
-        assert gctune.stats()["unchecked_freezes"] == before + gctune.AUDIT_EVERY - 1
-        dead = _node_cycle()
-        gone = weakref.ref(dead)
-        del dead
-        gctune.freeze()  # nothing found by the last look: this one does not (the cycle is frozen, for ever)
-        assert gone() is not None and gctune.stats()["unchecked_freezes"] == before + gctune.AUDIT_EVERY
-        assert kept.me is kept  # frozen objects stay usable
-    finally:
-        gc.unfreeze()
-        gc.collect()
 
 
 def test_the_frozen_count_is_read_at_most_once_a_minute(monkeypatch):
