@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -41,6 +42,40 @@ def _ephemeral_range() -> tuple[int, int]:
 
 _handed_out: set[int] = set()
 
+#: Ports handed out by any process on this machine, one file each holding the pid that took it.
+PORTS_DIR = Path(tempfile.gettempdir()) / "gpuledger-ports"
+
+
+def _reserve(port: int) -> bool:
+    """Claim ``port`` for this process among every process that uses ``free_port`` here: the
+    test runner's parallel workers each chose ports at random from the same range, and a
+    port one had just checked free was bound by another's child first (a real cluster's
+    controller manager: "bind: address already in use"), because the check and the child's
+    bind are seconds apart. A claim lasts until the claiming process is gone."""
+    PORTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = PORTS_DIR / str(port)
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                owner = int(path.read_text() or 0)
+            except (OSError, ValueError):
+                owner = 0
+            if owner == os.getpid():
+                return True
+            if owner and pid_running(owner):
+                return False
+            try:
+                path.unlink()  # its owner is gone (or it was never written): claim it again
+            except FileNotFoundError:
+                pass
+            continue
+        with os.fdopen(fd, "w") as claim:
+            claim.write(str(os.getpid()))
+        return True
+    return False
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for a child service to listen on).
@@ -50,7 +85,8 @@ def free_port() -> int:
     their clients connecting all the time one of them took it before the child bound it
     (Kueue: "bind: address already in use" on a port free_port had just returned). Below the
     range only another explicit binder can collide; a random pick over ~20,000 ports, checked
-    by binding, and never the same twice in a process, makes that rare.
+    by binding, never the same twice in a process and claimed among this machine's processes
+    (``_reserve``), makes that a process that is not ours.
     """
     low = _ephemeral_range()[0]
     rng = random.SystemRandom()
@@ -63,6 +99,8 @@ def free_port() -> int:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
+        if not _reserve(port):
+            continue
         _handed_out.add(port)
         return port
     raise OSError(f"no free TCP port on 127.0.0.1 in 10000-{low - 1} after 200 tries")

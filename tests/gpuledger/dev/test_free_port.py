@@ -23,3 +23,34 @@ def test_free_ports_are_distinct_listenable_and_below_the_ephemeral_range():
     finally:
         for sock in listeners:
             sock.close()
+
+
+def test_ports_claimed_by_another_live_process_are_not_handed_out_and_a_dead_ones_are(tmp_path, monkeypatch):
+    """Parallel test workers pick from the same range: a port one of them handed out (its child
+    may bind it seconds later) is never handed out by another while the first lives."""
+    import os
+    import subprocess
+    import sys
+
+    from gpuledger.dev import process
+
+    monkeypatch.setattr(process, "PORTS_DIR", tmp_path)
+    # Another live process claims every port but one, in a range narrowed to 12 ports.
+    low = 10_000
+    monkeypatch.setattr(process, "_ephemeral_range", lambda: (low + 12, 60999))
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for port in range(low, low + 12):
+            if port != low + 7:
+                (tmp_path / str(port)).write_text(str(other.pid))
+        monkeypatch.setattr(process, "_handed_out", set())
+        assert process.free_port() == low + 7  # the only port nobody alive has claimed
+        assert (tmp_path / str(low + 7)).read_text() == str(os.getpid())
+        other.kill()
+        other.wait()
+        monkeypatch.setattr(process, "_handed_out", {low + 7})
+        freed = process.free_port()  # its claimer is gone: its ports are free to claim again
+        assert freed != low + 7 and (tmp_path / str(freed)).read_text() == str(os.getpid())
+    finally:
+        other.kill()
+        other.wait()
