@@ -57,13 +57,17 @@ from contextlib import contextmanager
 GEN0, GEN1, GEN2 = 50_000, 20, 50
 #: The young threshold of a process that freezes after every epoch commit (the worker, its
 #: controls stage): what an epoch leaves alive — a bulk epoch of the bench ~100,000 tracked
-#: objects, its states — is then walked once, by the freeze's collection, rather than by the
-#: epoch's young collections as well: with ``GEN0`` those were ~30 in a 50,000-event bench
-#: run, ~1.3 s of the worker's CPU. Measured (benchmarks/engine_cpu.py, 50,000 events, three
-#: runs each): 50,000 → 200,000 cut the engine's collections from 1.4 s to 1.0 s and its CPU
-#: from 0.131 to 0.121-0.126 ms/event. A young collection that
-#: does run (an epoch whose commit waits long) walks up to this many objects at once.
-GEN0_STATEFUL = 200_000
+#: objects, its states — and what a batch holds while it runs (every decoded message of a
+#: 10,000-event batch: ~10 tracked objects each) are then walked once, by the freeze's
+#: collection, rather than by young collections first: with ``GEN0`` those were ~30 in a
+#: 50,000-event bench run, ~1.3 s of the worker's CPU. Measured (benchmarks/engine_cpu.py,
+#: 50,000 events): 50,000 → 200,000 → 1,000,000 took the engine from 0.131 to 0.122 to
+#: 0.106 ms/event with epochs of 7 batches of 1,000 (collections 1.4 → 1.0 → 0.64 s), and
+#: from 0.123 to 0.111 ms/event at 200,000 vs 1,000,000 with one commit per 10,000-event
+#: batch (collections 1.6 → 1.05 s). A young collection that does run — a bulk batch of
+#: tens of thousands of events, an epoch whose commit waits long — walks up to this many
+#: objects at once (~0.5 s); a live epoch (~10,000 events a commit) stays well below it.
+GEN0_STATEFUL = 1_000_000
 
 _stats = {"collections": [0, 0, 0], "seconds": 0.0, "collected": 0}
 _started: list[float] = [0.0]
