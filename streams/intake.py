@@ -110,7 +110,7 @@ class Intake:
             "logger": logging.getLogger("librdkafka"),
         })
         self.consumer.subscribe(list(self.topics), on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost)
-        self.epoch = Epoch(*epoch_args, hold=None, release=self._release)
+        self.epoch = Epoch(*epoch_args, max_events=settings.streams.commit_max_records, hold=None, release=self._release)
         self._revoking = revoking
         self._forget_state = forget
         self._on_assigned = assigned

@@ -374,7 +374,7 @@ def install_correlate_agents(app, ctx, route_topic) -> Correlator:
     ctx.correlator = corr
     interval = ctx.settings.streams.commit_interval_s
     entities = ctx.epochs["correlate_entities"] = Epoch("correlate_entities", corr.correlate_batch, corr.reset, corr.dead,
-                                                        corr.commit_entities, interval)
+                                                        corr.commit_entities, interval, max_events=ctx.settings.streams.commit_max_records)
 
     @app.agent(route_topic, name="correlate_entities")
     async def correlate_entities(stream):

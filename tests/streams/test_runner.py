@@ -128,3 +128,23 @@ def test_partitions_revoked_while_a_commit_waits_are_not_acked_by_it():
 
     asyncio.run(scenario())
     assert acked == mine and epoch.health()["forgotten"] == 1
+
+
+def test_an_epoch_is_committed_after_the_batch_that_brought_it_to_max_events_whatever_the_clock():
+    """``commit_max_records`` (``Epoch.max_events``): with a commit interval that never comes,
+    an epoch commits after the batch that made it hold ``max_events`` input records — so a
+    stage's commits follow its input, not how fast the machine went through it."""
+    async def main() -> tuple[list[str], dict]:
+        agent = Agent()
+        epoch = Epoch("t", agent.handle, agent.reset, agent.dead, agent.commit, interval_s=3600, max_events=5,
+                      hold=None, release=lambda events: None)
+        for name in ("a", "b", "c", "d", "e"):
+            await epoch.run_batch(_events(name, 2))
+            if agent.gates:
+                agent.gates[-1].set()
+        await epoch.settle()
+        return [line for line in agent.log if "durable" not in line], epoch.health()
+
+    log, health = asyncio.run(main())
+    assert log == ["handled a0,a1", "handled b0,b1", "handled c0,c1", "commit 1 taken", "handled d0,d1", "handled e0,e1"]
+    assert health["commits"] == 1 and health["acked"] == 6 and health["pending"] == 4  # d and e: 4 records, under 5
