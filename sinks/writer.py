@@ -109,8 +109,16 @@ class RejectedRow:
         )
 
 
-#: How ClickHouse reads the JSON rows: times as orjson writes them (RFC 3339 with offset).
-JSON_INSERT_SETTINGS = {"date_time_input_format": "best_effort"}
+#: How ClickHouse reads the JSON rows: times as orjson writes them (RFC 3339 with offset) —
+#: and what an insert of a few thousand rows does not need, which cost the sink a quarter of
+#: its CPU (``benchmarks/sink_cpu.py``: 0.091-0.103 -> 0.065-0.083 ms per bench event; an
+#: insert of 2,000 correlated rows 18.5 -> 14 ms of CPU; the embedded store's inserts are
+#: most of the sink's CPU): a single thread per insert (``max_threads``) and no parallel
+#: parsing (it splits the input among threads it starts for each insert), and no
+#: ``optimize_on_insert`` — the ReplacingMergeTree collapsing the block's duplicate keys at
+#: insert time, which merges and ``FINAL`` do anyway (every reader reads with FINAL or takes
+#: the highest version: a re-delivered batch is another insert, never collapsed at insert).
+JSON_INSERT_SETTINGS = {"date_time_input_format": "best_effort", "max_threads": 1, "input_format_parallel_parsing": 0, "optimize_on_insert": 0}
 
 
 class TableWriter:
