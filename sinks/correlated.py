@@ -172,20 +172,17 @@ def enriched_alert_row(ev: CorrelatedEvent, counters: ComponentCounters | None =
     ]
 
 
-def family_rows(batch: Sequence[CorrelatedEvent],
-                counters: ComponentCounters | None = None) -> dict[str, tuple[list[list], list[int]]]:
-    """Split a correlated batch into the rows of every table it feeds: per table, the
-    rows and, for each row, the index of its event in ``batch`` (so the writer can name
-    the record a rejected row came from).
+def derived_rows(batch: Sequence[CorrelatedEvent],
+                 counters: ComponentCounters | None = None) -> dict[str, tuple[list[list], list[int]]]:
+    """Split a correlated batch into the rows of the tables derived from it (``correlated_events``
+    takes every event as it is: ``correlated_rows``): per table, the rows and, for each row, the
+    index of its event in ``batch`` (so the writer can name the record a rejected row came from).
 
     Scheduler rows go to ``workload_timeline`` only once their workload is known: the
     table is keyed by workload_id, and a row that later gains one would otherwise stay
     behind under the empty key (see sinks/migrations.py).
     """
-    out: dict[str, tuple[list[list], list[int]]] = {
-        "correlated_events": (correlated_rows(batch), list(range(len(batch)))),
-        "release_history": ([], []), "workload_timeline": ([], []), "enriched_alerts": ([], []),
-    }
+    out: dict[str, tuple[list[list], list[int]]] = {"release_history": ([], []), "workload_timeline": ([], []), "enriched_alerts": ([], [])}
 
     def add(table: str, row: list, index: int) -> None:
         out[table][0].append(row)
