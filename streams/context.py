@@ -41,6 +41,10 @@ class StageContext:
         self._counters: dict[str, ComponentCounters] = {}
         self.recovery_lock = asyncio.Lock()  # the stores recover one at a time (streams.store.PartitionStore)
         self.fault = FaultInjection(settings.streams.fault)  # (stage, point): a kill -9 there, for the fault tier
+        if settings.streams.verify_journal:  # the tests: every chunk looked at too (streams.store.VERIFY_JOURNAL)
+            from streams import store
+
+            store.VERIFY_JOURNAL = True
 
     async def commit_state(self, stage: str, store) -> Awaitable[None]:
         """An epoch commit of a stateful stage (``streams.runner``), taken now, made durable by

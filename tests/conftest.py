@@ -19,6 +19,14 @@ from pathlib import Path
 
 import pytest
 
+#: Every entity store in the tests — in-process and in the workers they start — looks at every
+#: sealed chunk at every write as well, and fails a write whose chunk changed without its journal
+#: saying so (``streams.store.VERIFY_JOURNAL``; the setting ``streams.verify_journal``).
+os.environ["GPULEDGER_STREAMS_VERIFY_JOURNAL"] = "1"
+import streams.store  # noqa: E402
+
+streams.store.VERIFY_JOURNAL = True
+
 #: xdist's workers start with COLUMNS=80 and LINES=24 in their environment, whatever the controller
 #: had; gpuledger's rich consoles fix their width from COLUMNS when the CLI module is imported, so
 #: CLI output would wrap at 80 columns under xdist only (a test's COLUMNS=250 then comes too late).

@@ -59,8 +59,12 @@ def entity_chunks(size: int, seal_from: int | None = None) -> Chunks:
     changelog in sealed chunks of ``size`` (``streams.store``; the ``state_chunk`` setting)
     once it holds ``seal_from`` of them (``state_chunk_from``): a node/GPU that collected
     thousands of alerts and holders costs one small record per touch, not its whole
-    history. Rows change in place only in ``parked``/``expired``."""
-    return Chunks({"rows": ("sent",), "links": ()}, volatile={"rows": ("parked", "expired")}, size=size, seal_from=seal_from)
+    history. Rows change in place only in ``parked``/``expired`` (and say so: ``store.touched``).
+    The store journals the rows and their sent versions itself; the links are journaled once a
+    ``GpuMemo`` follows them (``JournaledLinks``) — the store never replaces them, the memo's
+    coverage holds them."""
+    return Chunks({"rows": ("sent",), "links": ()}, volatile={"rows": ("parked", "expired")}, size=size, seal_from=seal_from,
+                  journal=("rows", "sent"))
 
 
 def entity_summary(state: dict) -> list:

@@ -72,6 +72,7 @@ from schemas import Identity
 from streams.correlate.directory import interests_for
 from streams.correlate.release import segments, summarize
 from streams.packing import kind_of
+from streams.store import Journal, touched
 
 MAX_ROWS = 2000
 MAX_LINKS = 256
@@ -228,6 +229,7 @@ def expire(state: dict, row_ids: list[str]) -> bool:
         rec = state["rows"].get(rid)
         if rec and rec["parked"] and not rec["expired"]:
             rec["expired"] = True
+            touched(state["rows"], rid)  # (in place: the store's journal is told)
             changed = True
     return changed
 
@@ -764,9 +766,12 @@ def _derive_row(state: dict, record: dict, directory, res: Resolution, park: boo
     if park and unresolved and not record["expired"]:
         if not record["parked"]:
             record["parked"] = True
+            touched(state["rows"], record["id"])  # (in place: the store's journal is told)
             out.parked.append((record["starts_at"] or record["at"], record["id"]))
         return
-    record["parked"] = False
+    if record["parked"]:
+        record["parked"] = False
+        touched(state["rows"], record["id"])
     version = 1 + res.version(directory, record["at"])
     last = state["sent"].get(record["id"])
     if last is not None and version <= last[0] and not VERIFY_UNCHANGED:
@@ -778,21 +783,22 @@ def _derive_row(state: dict, record: dict, directory, res: Resolution, park: boo
         out.correlated.append(content)
 
 
-class JournaledLinks(dict):
+class JournaledLinks(Journal):
     """A node/GPU entity's links while its ``GpuMemo`` follows them: the sources set or
     deleted since the memo last looked (``changed``), so that a refresh finds the changed
-    links without comparing every one. Links change only by ``fold_link`` (an item set, or
-    deleted past ``MAX_LINKS``); any other change in place is refused, so none can go
-    unnoted. Encoded (orjson, the store) as the plain dict it is."""
+    links without comparing every one — and, as a store ``Journal``, since the store last
+    wrote them. Links change only by ``fold_link`` (an item set, or deleted past
+    ``MAX_LINKS``); any other change in place is refused, so none can go unnoted. Encoded
+    (orjson, the store) as the plain dict it is."""
 
     __slots__ = ("changed",)
 
     def __setitem__(self, key, value) -> None:
-        dict.__setitem__(self, key, value)
+        Journal.__setitem__(self, key, value)
         self.changed.add(key)
 
     def __delitem__(self, key) -> None:
-        dict.__delitem__(self, key)
+        Journal.__delitem__(self, key)
         self.changed.add(key)
 
     def _refused(self, *_args, **_kwargs):

@@ -182,6 +182,54 @@ def test_a_collection_is_chunked_only_once_it_holds_seal_from_items():
             if SEP in k] == ["rows0", "rows1", "links2", "links3"]
 
 
+def test_a_journaled_state_is_looked_at_only_in_the_chunks_its_journals_noted(monkeypatch):
+    """With ``Chunks.journal``, the store makes a ``Journal`` of the rows and their sent versions
+    at a state's first write; later writes look only at the sealed chunks holding an id the
+    journals noted — set, deleted, popped, or changed in place and ``touched`` — and write the
+    same records as looking at every chunk would. A change in place nobody noted is caught by
+    ``VERIFY_JOURNAL`` (on in the tests) rather than left unwritten."""
+    import streams.store as store
+
+    journaled = Chunks(ENTITY_CHUNKS.fields, ENTITY_CHUNKS.volatile, size=2, journal=("rows", "sent"))
+    plain = Chunks(ENTITY_CHUNKS.fields, ENTITY_CHUNKS.volatile, size=2)
+    state, twin = _entity(12, 4), _entity(12, 4)  # twin: plain dicts, every chunk looked at
+    layout, twin_layout = _Layout(), _Layout()
+    looked: list[int] = []
+    token = store._token
+    monkeypatch.setattr(store, "_token", lambda chunks, field, st, ids: looked.append(len(ids)) or token(chunks, field, st, ids))
+
+    def write(change=None) -> list[str]:
+        if change:
+            change(state)
+            change(twin)
+        looked.clear()
+        records = encode_chunked(journaled, state["key"], state, layout)
+        seen = list(looked)
+        assert records == encode_chunked(plain, twin["key"], twin, twin_layout)  # the same records either way
+        looked[:] = seen
+        return [k.split(SEP)[1] if SEP in k else "head" for k, _ in records]
+
+    assert write() == ["rows0", "rows1", "rows2", "rows3", "rows4", "rows5", "links6", "links7", "head"]
+    assert type(state["rows"]) is store.Journal and type(state["sent"]) is store.Journal and type(state["links"]) is dict
+    monkeypatch.setattr(store, "VERIFY_JOURNAL", False)  # the worker's path
+    assert write() == [] and looked == [2, 2]  # nothing noted: only the plain links' chunks are looked at
+    assert write(lambda st: st["sent"].__setitem__("e3", [40, ""])) == ["rows1"] and looked == [2, 2, 2]
+
+    def park(st: dict) -> None:
+        st["rows"]["e0"]["parked"] = True
+        store.touched(st["rows"], "e0")
+    assert write(park) == ["rows0"]
+    assert write(lambda st: st["rows"].__setitem__("e5", {**st["rows"]["e5"], "payload": "new"})) == ["rows2"]
+    assert write(lambda st: (st["rows"].pop("e11"), st["sent"].pop("e11"))) == ["rows5"]  # without e11
+    # a change in place that nobody noted: not written on the worker's path — the tests' path fails it
+    state["rows"]["e7"]["expired"] = True
+    assert encode_chunked(journaled, state["key"], state, layout) == []
+    monkeypatch.setattr(store, "VERIFY_JOURNAL", True)
+    state["rows"]["e8"]["expired"] = True
+    with pytest.raises(AssertionError, match="rows3 changed without its journal noting it"):  # e7's, the first found
+        encode_chunked(journaled, state["key"], state, layout)
+
+
 def test_a_crash_between_a_chunk_and_its_head_recovers_the_newer_copy():
     """Chunks are produced before their head, on one partition, by the idempotent producer:
     a crash can leave a chunk written and the head not (the head still holding the chunk's
