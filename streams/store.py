@@ -60,8 +60,9 @@ import asyncio
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from operator import methodcaller
+from types import MappingProxyType
 
 import orjson
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
@@ -271,6 +272,9 @@ class Journal(dict):
         dict.clear(self)
 
 
+_NOTHING: Mapping = MappingProxyType({})  # (one shared empty ``_Layout.seen``: most states are never chunked)
+
+
 def touched(collection, key) -> None:
     """Note that ``collection[key]`` changed in place (a no-op for a plain dict, which the store
     looks at whole)."""
@@ -288,7 +292,7 @@ class _Layout:
         self.member: dict[str, dict[str, str]] = {}    # field -> item id -> its chunk's tag ("rows3")
         self.chunks: dict[str, list[str]] = {}         # tag -> item ids, in state order
         self.tokens: dict[str, list] = {}              # tag -> what its record was written from
-        self.seen: dict[str, Journal] = {}             # collection -> the Journal it was at the last write (cleared then)
+        self.seen: Mapping[str, Journal] = _NOTHING    # collection -> the Journal it was at the last write (cleared then)
         self.head: int | None = None                   # digest of the head record written
         self.next = 0                                  # the next chunk's number
 
@@ -400,8 +404,13 @@ def _noted(chunks: Chunks, state: dict, layout: _Layout) -> dict[str, set[str]]:
 
 def _journal_written(chunks: Chunks, state: dict, layout: _Layout) -> None:
     """After a write: clear the journals it read; make a ``Journal`` of each collection the store
-    journals itself (``Chunks.journal``) that is a plain dict (between batches: nobody holds it)."""
-    layout.seen = {}
+    journals itself (``Chunks.journal``) that is a plain dict (between batches: nobody holds it) —
+    in a state with sealed chunks only: a small one (a pod's) is looked at whole at no cost, and
+    a journal (a set) for each of a hundred thousand of them would cost memory for nothing."""
+    if not layout.chunks:
+        layout.seen = _NOTHING
+        return
+    seen: dict[str, Journal] = {}
     for field, companions in chunks.fields.items():
         for name in (field, *companions):
             collection = state.get(name)
@@ -409,7 +418,8 @@ def _journal_written(chunks: Chunks, state: dict, layout: _Layout) -> None:
                 collection = state[name] = Journal(collection)
             if isinstance(collection, Journal):
                 collection.journal.clear()
-                layout.seen[name] = collection
+                seen[name] = collection
+    layout.seen = seen
 
 
 def _head(chunks: Chunks, state: dict, layout: _Layout) -> dict:
