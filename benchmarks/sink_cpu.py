@@ -30,15 +30,6 @@ from benchmarks.mix import events as mix_events  # noqa: E402
 from schemas import encode_event  # noqa: E402
 
 
-class Rec:
-    """What ``SinkLoop.store`` reads of a consumed message (``sinks.agents._Record``)."""
-
-    __slots__ = ("topic", "partition", "offset", "key", "value")
-
-    def __init__(self, topic, partition, offset, key, value):
-        self.topic, self.partition, self.offset, self.key, self.value = topic, partition, offset, key, value
-
-
 def engine_outputs(n: int) -> dict[str, list[tuple[bytes | None, bytes]]]:
     """topic -> (key, value) of every record the engine produced for ``n`` bench events."""
     kept: dict[str, list] = collections.defaultdict(list)
@@ -72,7 +63,7 @@ class NoKafka:
         return None
 
 
-async def store_all(records: list[Rec], batch: int, data_dir: str) -> tuple[float, float, dict]:
+async def store_all(records: list, batch: int, data_dir: str) -> tuple[float, float, dict]:
     from gpuledger.settings import Settings
     from sinks.agents import SinkLoop, SinkWriters
     from sinks.clickhouse import migrated_store
@@ -100,6 +91,8 @@ async def store_all(records: list[Rec], batch: int, data_dir: str) -> tuple[floa
 
 
 def main(n: int, batch: int) -> None:
+    """(The records are engine_cpu's ``Msg``: what ``SinkLoop.store`` reads of a consumed message,
+    ``sinks.agents._Record``.)"""
     from gpuledger.settings import Settings
 
     raw_topic = Settings().kafka.catalogue().raw_topics[0]
@@ -110,7 +103,7 @@ def main(n: int, batch: int) -> None:
     for topic, recs in outputs.items():
         streams.append([(topic, k, v) for k, v in recs])
     merged = sorted(((j / len(s), t, k, v) for s in streams for j, (t, k, v) in enumerate(s)), key=lambda r: r[0])
-    records = [Rec(t, 0, i, k, v) for i, (_pos, t, k, v) in enumerate(merged)]
+    records = [engine_cpu.Msg(t, 0, i, k, v) for i, (_pos, t, k, v) in enumerate(merged)]
     by_topic = collections.Counter(r.topic.rsplit(".", 2)[-2] for r in records)
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:  # (the engine may still be merging)
         cpu, wall, counts = asyncio.run(store_all(records, batch, tmp))

@@ -114,11 +114,7 @@ class SinkWriters:
         has it, and building the derived rows first held that insert back (a third of the
         batch's row building)."""
         rejected = await self._write("correlated_events", correlated_rows(batch), sources)
-        derived = derived_rows(batch, self.counters)
-        for table in CORRELATED_FAMILY:
-            if table == "correlated_events":
-                continue
-            rows, index = derived[table]
+        for table, (rows, index) in derived_rows(batch, self.counters).items():  # (in CORRELATED_FAMILY's order)
             rejected += await self._write(table, rows, None if sources is None else [sources[i] for i in index])
         return rejected
 
