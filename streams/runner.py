@@ -276,6 +276,13 @@ class Epoch:
 
 
 async def run_batches(stream, epoch: Epoch, batch: int = BATCH, within: float = WITHIN_S) -> None:
+    """Run a Faust agent's stream in batches of at most ``batch`` events (``Epoch.run_batch``).
+
+    ``within`` is how long Faust's ``take_events`` waits for ``batch`` events after the
+    previous batch was handled — whether or not records are already waiting — before it
+    yields what it has: a live stream that never fills a batch waits that long after every
+    batch. The correlation stage passes a short one (``streams.correlate_within_s``): what
+    arrived while a batch ran is taken at once."""
     async for events in stream.take_events(batch, within=within):
         task = asyncio.ensure_future(epoch.run_batch(events))
         try:

@@ -24,3 +24,33 @@ def test_the_worker_consumes_through_its_transport_with_a_short_fetch_wait(kafka
     assert kafka_consumer._fetch_max_wait_ms == FETCH_MAX_WAIT_MS == 100
     # everything else as Faust builds it (its group, its bootstrap)
     assert kafka_consumer._group_id == app.conf.id and kafka_consumer._client._bootstrap_servers == [kafka_bootstrap]
+
+
+def test_the_correlation_agent_takes_its_batches_with_the_configured_short_wait(kafka_bootstrap, monkeypatch, tmp_path):
+    """Faust's ``take_events`` waits ``within`` after every batch unless a whole batch is
+    waiting (streams.runner.run_batches): the correlation agent passes
+    ``streams.correlate_within_s`` (default 0.01 s, not the runner's 0.1 s)."""
+    from streams.correlate import agents
+    from streams.runner import WITHIN_S
+
+    monkeypatch.setenv("GPULEDGER_KAFKA_BOOTSTRAP", kafka_bootstrap)
+    monkeypatch.setenv("GPULEDGER_DATA_DIR", str(tmp_path))
+    taken: list[tuple] = []
+
+    async def run_batches(stream, epoch, batch, within):
+        taken.append((stream, epoch.name, batch, within))
+
+    monkeypatch.setattr(agents, "run_batches", run_batches)
+
+    async def drive(settings):
+        app = create_app(settings)
+        app.gpuledger.directory.ready.set()
+        [agent] = [a for name, a in app.agents.items() if name.endswith("correlate_entities")]
+        await agent.fun("the stream")
+
+    asyncio.run(drive(Settings()))
+    monkeypatch.setenv("GPULEDGER_STREAMS_CORRELATE_WITHIN_S", "0.25")
+    asyncio.run(drive(Settings()))
+    assert Settings().streams.correlate_within_s == 0.25 and WITHIN_S == 0.1
+    assert taken == [("the stream", "correlate_entities", Settings().streams.packed_batch_messages // Settings().streams.pack_max, 0.01),
+                     ("the stream", "correlate_entities", 50, 0.25)]
