@@ -62,7 +62,7 @@ import heapq
 from bisect import bisect_left, bisect_right, insort
 from collections import defaultdict
 from dataclasses import dataclass, field
-from itertools import accumulate, islice
+from itertools import accumulate
 from operator import itemgetter
 
 import orjson
@@ -494,6 +494,10 @@ def _one_holding(group: list[dict]) -> dict:
     return merged
 
 
+#: An interval that has not ended, in ``Coverage``'s running max of ends: after every timestamp.
+OPEN_END = "\uffff"
+
+
 class Coverage:
     """Who held a node/GPU when: its links' intervals (every allocation of it, of each of
     its MIG slices and time-slicing shares) indexed by start.
@@ -511,7 +515,8 @@ class Coverage:
     allocation id, source), so an index built at once (a restart) and one kept up to date
     hold them in the same order."""
 
-    __slots__ = ("_links", "_keys", "_starts", "_ends", "_ivs", "_firsts", "_first_starts", "_vs", "_cum", "_rid_starts", "_rid_index")
+    __slots__ = ("_links", "_keys", "_starts", "_ends", "_ivs", "_reach", "_firsts", "_first_starts", "_vs", "_cum", "_rid_starts",
+                 "_rid_index")
 
     def __init__(self, links: dict | None = None) -> None:
         self._links: dict[str, dict] = {}                 # source -> the link indexed
@@ -519,6 +524,7 @@ class Coverage:
         self._starts: list[str] = []                      # in the order of _keys: each interval's start, end, itself
         self._ends: list[str | None] = []
         self._ivs: list[dict] = []
+        self._reach: list[str] | None = None              # running max of _ends, an open end as OPEN_END (None: to compute)
         self._firsts: list[tuple[str, str]] = []          # (earliest start, source) of every link with intervals, sorted
         self._first_starts: list[str] = []                # in the order of _firsts: the start, the link's version
         self._vs: list[int] = []
@@ -583,6 +589,7 @@ class Coverage:
                 self._starts.insert(k, iv["start"])
                 self._ends.insert(k, iv["end"])
                 self._ivs.insert(k, iv)
+            self._reach = None
             rid = iv["identity"].get("release_id")
             if rid:
                 starts = self._rid_starts.setdefault(rid, [])
@@ -609,8 +616,24 @@ class Coverage:
         self._cum = None
 
     def at(self, at: str) -> tuple[list[dict], int, tuple[str, ...]]:
+        # The intervals started by ``at`` that have not ended by then, found from the latest
+        # start back, as far as one of the earlier ones could still reach past ``at`` (the
+        # running max of their ends): a GPU's holders mostly follow one another, so that is
+        # the last one or two, not every holder it ever had (walking them all, per alert,
+        # grew with its history).
         n = bisect_right(self._starts, at)
-        holders = [iv for iv, end in zip(islice(self._ivs, n), islice(self._ends, n)) if end is None or at < end]
+        reach = self._reach
+        if reach is None:
+            reach = self._reach = list(accumulate((OPEN_END if end is None else end for end in self._ends), max))
+        ends, ivs = self._ends, self._ivs
+        holders = []
+        k = n - 1
+        while k >= 0 and reach[k] > at:
+            end = ends[k]
+            if end is None or at < end:
+                holders.append(ivs[k])
+            k -= 1
+        holders.reverse()
         if self._cum is None:
             self._cum = list(accumulate(self._vs, initial=0))
         version = self._cum[bisect_right(self._first_starts, at)]
