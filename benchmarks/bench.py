@@ -34,7 +34,9 @@ broker in service is warm), then runs, one after the other over those topics:
    each row to be stored). Then the worker's share apart from the sink's, by hop, from
    the records' Kafka CreateTime: raw → the route record that carried the event (route
    stage), → its first correlated record (correlation stage); the worker's CPU per event
-   while live (small batches cost more per event than phase 3's backlog); and how busy
+   while live (small batches cost more per event than phase 3's backlog); how much of the
+   run each stage's event loop was held (health ``busy_s``: batches, taking commits — and the
+   correlation process's collections): a stage near 100 % queues every pause; and how busy
    the machine's cores were (and the local broker's share): a live run that needs more
    than the machine has queues at every hop, whatever the worker does (the summary sets the
    live CPU per event of all processes, publisher and broker included, beside the bulk
@@ -328,6 +330,23 @@ def health(url: str, part: str = "stats") -> dict:
             return json.loads(resp.read())[part]
     except (OSError, ValueError, KeyError):
         return {}
+
+
+def stage_busy(before: tuple[dict, dict], after: tuple[dict, dict], wall: float) -> dict:
+    """Per stage (epoch name): the share of ``wall`` its event loop spent handling batches and
+    taking commits (health ``epochs``/``busy_s``) — and for the correlation stage, whose process
+    is the worker's own, its garbage collections (the freeze after each commit: health ``gc``)."""
+    (epochs0, gc0), (epochs1, gc1) = before, after
+    out = {}
+    for name, epoch in epochs1.items():
+        b0, b1 = (epochs0.get(name) or {}).get("busy_s"), epoch.get("busy_s")
+        if not b0 or not b1 or wall <= 0:
+            continue
+        shares = {part: (b1[part] - b0[part]) / wall for part in ("batches", "commits")}
+        if name == "correlate_entities" and "seconds" in gc0 and "seconds" in gc1:
+            shares["collections"] = (gc1["seconds"] - gc0["seconds"]) / wall
+        out[name] = {"total": sum(shares.values()), **shares}
+    return out
 
 
 def stored_rows(reader: RemoteReader) -> int:
@@ -662,6 +681,7 @@ class Bench:
             worker_cpu, children = cpu_seconds(service.proc.pid), worker_children(url)
             broker_cpu = sum(cpu_seconds(self.broker_pid).values()) if self.broker_pid else None
             busy = machine_busy()
+            stages_before = (health(url, "epochs"), health(url, "gc"))
             start, cpu, sent = time.monotonic(), time.process_time(), 0
             start_wall = time.time()
             while (elapsed := time.monotonic() - start) < seconds:
@@ -671,6 +691,7 @@ class Bench:
                 if not service.alive():
                     raise BenchError(f"latency worker exited with {service.proc.returncode}:\n{service.log_tail()}")
                 time.sleep(LiveLoad.TICK_S)  # a tick (LiveLoad): the wait is in the lag, by the events' stamps
+            stages = stage_busy(stages_before, (health(url, "epochs"), health(url, "gc")), time.monotonic() - start)
             load.close()
             live = events(clock=lambda: datetime.now(timezone.utc), start=RELEASES + load.sent)  # the restart's: the next ones
             wall = time.monotonic() - start
@@ -710,7 +731,8 @@ class Bench:
         out = {"target_rate": rate, "achieved_rate": achieved, "seconds": seconds, "published": sent, "rows": int(row["n"]),
                "complete": complete, "p50_s": row["p50"] / 1000, "p99_s": row["p99"] / 1000, "max_s": row["max"] / 1000,
                "publisher_cpu_cores": publisher_cpu, "broker_cpu_cores": broker_cores, "machine_busy_cores": machine_cores,
-               "machine_stolen_cores": stolen_cores, "machine_cores": cores, "cpu_ms_per_event": live_cpu, "worker": worker}
+               "machine_stolen_cores": stolen_cores, "machine_cores": cores, "cpu_ms_per_event": live_cpu, "worker": worker,
+               "stage_busy": stages}
         print(f"    p50 {out['p50_s']:.2f}s, p99 {out['p99_s']:.2f}s, max {out['max_s']:.2f}s over {out['rows']:,} rows "
               f"({achieved:,.0f} events/s achieved; the publisher used {publisher_cpu:.2f} of a core)", flush=True)
         print("    CPU per event while live: " + fmt_cpu(live_cpu), flush=True)
@@ -722,6 +744,12 @@ class Bench:
                            for name in ("route", "correlate") if worker.get(name))
             print(f"    of which the worker (event → its first correlated record on Kafka): p50 {worker['p50_s']:.2f}s, "
                   f"p99 {worker['p99_s']:.2f}s{hops}; the rest is the sink", flush=True)
+        if stages:
+            # A stage whose loop is busy most of the time queues its input: every pause (a commit,
+            # a collection) comes back as a backlog that takes pause / (1 - busy) to drain.
+            print("    how much of the run each stage's event loop was held: " + "; ".join(
+                f"{name} {b['total']:.0%} (batches {b['batches']:.0%}, taking commits {b['commits']:.0%}"
+                + (f", collections {b['collections']:.0%}" if "collections" in b else "") + ")" for name, b in stages.items()), flush=True)
         self.results["latency"] = out
         self.restart(cat, data_dir, live)
         return out

@@ -143,6 +143,10 @@ class Epoch:
         self.forgotten = 0
         self.waiting_for_state = 0  # failed attempts of the batch in hand for a retriable reason
         self._handling_since = 0.0  # when the batch in hand was first tried (its STATE_WAIT_S runs from there)
+        # Wall-clock seconds the agent spent handling batches and taking commits (its event
+        # loop held): against the time that passed, how saturated the stage is (health ``busy_s``).
+        self.batch_s = 0.0
+        self.commit_s = 0.0
 
     # --- batches ----------------------------------------------------------------------
     async def run_batch(self, events: list) -> None:
@@ -151,7 +155,9 @@ class Epoch:
         async with self._lock:
             if self.hold is not None:
                 self.hold(events)
+            started = time.monotonic()
             await self._handle(events)
+            self.batch_s += time.monotonic() - started
             self.batches += 1
             self.pending.extend(events)
             if self._since is None:
@@ -225,7 +231,9 @@ class Epoch:
         # in commit order), and an agent whose tails cannot finish (Kafka away) stops at its
         # next commit rather than piling up encoded states.
         await self.settle()
+        started = time.monotonic()
         tail = await self.commit()
+        self.commit_s += time.monotonic() - started
         pending, self.pending, self._since = self.pending, [], None
         if tail is None:
             self._acked(pending)
@@ -272,7 +280,8 @@ class Epoch:
 
     def health(self) -> dict:
         return {"pending": len(self.pending), "committing": self._tail is not None and not self._tail.done(), "batches": self.batches,
-                "commits": self.commits, "acked": self.acked, "forgotten": self.forgotten, "waiting_for_state": self.waiting_for_state}
+                "commits": self.commits, "acked": self.acked, "forgotten": self.forgotten, "waiting_for_state": self.waiting_for_state,
+                "busy_s": {"batches": round(self.batch_s, 3), "commits": round(self.commit_s, 3)}}
 
 
 async def run_batches(stream, epoch: Epoch, batch: int = BATCH, within: float = WITHIN_S) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import uuid
 from datetime import datetime, timedelta, timezone
 
+import pytest
+
 from benchmarks.bench import LiveLoad
 from benchmarks.mix import RELEASES, events
 from producers._kafka import EventPublisher, ensure_topics
@@ -63,3 +65,23 @@ def test_the_summary_sets_the_live_cpu_per_event_of_all_processes_beside_the_bul
     # live: 0.15 + 0.03 + 0.1 + (0.4 + 0.08) / 4000 s = 0.28 + 0.12 ms; bulk: 0.25 ms
     assert line == ("CPU per event, all processes: live 0.400 ms (publisher and broker included), bulk 0.250 ms; "
                     "cores busy: live 1.60 at 4,000/s, bulk 1.25 at 5,000/s")
+
+
+def test_each_stage_busy_share_is_its_loops_held_time_over_the_run_and_the_correlations_collections():
+    """``stage_busy``: per stage, the change of its health ``busy_s`` over the live run's wall
+    time; the correlation stage (the worker's own process) adds its collections (health ``gc``)."""
+    from benchmarks.bench import stage_busy
+
+    before = ({"correlate_entities": {"busy_s": {"batches": 10.0, "commits": 1.0}},
+               "route_events": {"busy_s": {"batches": 3.0, "commits": 0.5}},
+               "evaluate_controls": {"batches": 4}},  # an older worker: no busy_s, left out
+              {"seconds": 2.0})
+    after = ({"correlate_entities": {"busy_s": {"batches": 55.0, "commits": 7.0}},
+              "route_events": {"busy_s": {"batches": 15.0, "commits": 0.5}},
+              "evaluate_controls": {"batches": 9}},
+             {"seconds": 5.0})
+    busy = stage_busy(before, after, 60.0)
+    assert sorted(busy) == ["correlate_entities", "route_events"]
+    assert busy["correlate_entities"] == pytest.approx({"total": (45 + 6 + 3) / 60, "batches": 45 / 60, "commits": 6 / 60,
+                                                        "collections": 3 / 60})
+    assert busy["route_events"] == pytest.approx({"total": 12 / 60, "batches": 12 / 60, "commits": 0.0})

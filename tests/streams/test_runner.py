@@ -148,3 +148,39 @@ def test_an_epoch_is_committed_after_the_batch_that_brought_it_to_max_events_wha
     log, health = asyncio.run(main())
     assert log == ["handled a0,a1", "handled b0,b1", "handled c0,c1", "commit 1 taken", "handled d0,d1", "handled e0,e1"]
     assert health["commits"] == 1 and health["acked"] == 6 and health["pending"] == 4  # d and e: 4 records, under 5
+
+
+def test_busy_seconds_count_handling_and_taking_commits_not_waiting_for_a_tail(monkeypatch):
+    """``busy_s`` in an epoch's health: the time its batches and the taking of its commits held
+    the agent (how saturated the stage is, against the time that passed) — not the time a
+    commit waited for the previous commit's tail, when the agent could have taken input."""
+    import streams.runner as runner
+
+    now = [100.0]
+    monkeypatch.setattr(runner.time, "monotonic", lambda: now[0])
+
+    class Timed(Agent):
+        async def handle(self, events) -> None:
+            now[0] += 2.0 * len(events)  # a batch's work: 2 s per event
+            await super().handle(events)
+
+        async def commit(self):
+            now[0] += 0.5  # taking a commit: encoding the epoch's states
+            return await super().commit()
+
+    agent, acked = Timed(), []
+    epoch = runner.Epoch("t", agent.handle, agent.reset, agent.dead, agent.commit, interval_s=0.0, hold=None, release=acked.extend)
+
+    async def scenario():
+        await epoch.run_batch(_events("a", 2))  # 4 s of batch, 0.5 s of commit; its tail waits
+        assert epoch.health()["busy_s"] == {"batches": 4.0, "commits": 0.5}
+        second = asyncio.ensure_future(epoch.run_batch(_events("b", 1)))
+        await _until(lambda: "handled b0" in agent.log, "the second batch handled while commit 1 waits")
+        now[0] += 30.0  # the second commit waits this long for commit 1's tail: not busy
+        agent.gates[0].set()
+        await second
+        agent.gates[1].set()
+        await epoch.settle()
+        assert epoch.health()["busy_s"] == {"batches": 6.0, "commits": 1.0} and len(acked) == 3
+
+    asyncio.run(scenario())
