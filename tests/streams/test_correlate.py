@@ -1,5 +1,7 @@
-"""Release state (manifest + history) is the same whatever order events arrive in."""
+"""Release state (manifest + history) is the same whatever order events arrive in; a correlation
+batch derives a node/GPU once when it brings the GPU's alert and its new holder together."""
 
+import asyncio
 import itertools
 
 from streams.correlate.directory import ReleaseDirectory
@@ -40,3 +42,73 @@ def test_reapplying_an_event_changes_nothing():
     d = ReleaseDirectory()
     assert d.apply(EVENTS[0])
     assert d.apply(EVENTS[0]) == []
+
+
+def test_a_batch_with_a_gpus_alert_and_its_new_holder_derives_the_gpu_once(kafka_bootstrap, settings_for, monkeypatch):
+    """The correlation batch (``Correlator.correlate_batch``, through the route stage's packing,
+    on the real broker): a GPU's XID alert and the assignment of the pod that now holds the GPU
+    arrive in one batch. Node/GPU entities are derived after the batch's other entities, so the
+    link the new holder sends is folded in first: the GPU is derived once (not first with its
+    previous holder, then again with the link next round) and its alert goes out attributed to
+    the new holder."""
+    import uuid
+    from types import SimpleNamespace
+
+    import orjson
+
+    from producers._kafka import ensure_topics
+    from schemas import encode_event
+    from schemas.topics import TopicCatalogue
+    from streams.app import WorkerContext, ensure_run_topics
+    from streams.correlate import agents
+    from streams.correlate.route import Router
+    from tests.fixtures.kafka import read_topic
+    from tests.streams.harness import alert, gpu_event, pod_event
+
+    cat = TopicCatalogue(prefix=f"t{uuid.uuid4().hex[:10]}", raw_partitions=1)  # one partition: every entity of a batch is local
+    ensure_topics({"bootstrap.servers": kafka_bootstrap}, cat)
+    settings = settings_for(cat)
+    settings.streams.app_id = f"once-{uuid.uuid4().hex[:6]}"
+    ensure_run_topics(settings)
+    gpu = "gpu:n1/GPU-1111"
+    derived: list[str] = []
+    real_refresh = agents.refresh
+
+    def refresh(state, directory, **kwargs):
+        derived.append(state["key"])
+        return real_refresh(state, directory, **kwargs)
+
+    monkeypatch.setattr(agents, "refresh", refresh)
+
+    class Packed:  # what the route stage packs for the route topic (its records, before they are produced)
+        def __init__(self) -> None:
+            self.records: list = []
+
+        def produce(self, topic, key, value, partition=None, source=None, headers=None) -> None:
+            self.records.append(SimpleNamespace(message=SimpleNamespace(topic=topic, partition=partition, offset=len(self.records),
+                                                                        key=key, value=value)))
+
+    async def run():
+        ctx = WorkerContext(settings)
+        for rid in ("r1", "r2"):
+            ctx.directory.apply(release("release.registered", 0, rid=rid))
+        corr = agents.Correlator(ctx)
+        for batch in ([pod_event("scheduler.scheduled", 0, pod="a", release_id="r1"), gpu_event("gpu.assigned", 1, pod="a")],
+                      [pod_event("scheduler.scheduled", 9, pod="b", release_id="r2"), gpu_event("gpu.assigned", 10, pod="b"),
+                       alert(11, fp="xid-1", node="n1", gpu_id="GPU-1111")]):
+            packed = Packed()
+            raw = [SimpleNamespace(message=SimpleNamespace(topic=cat.gpu, partition=0, offset=i, key=None, value=encode_event(e)))
+                   for i, e in enumerate(batch)]
+            await Router(settings, packed).route_batch(raw)
+            derived.clear()
+            await corr.correlate_batch(packed.records)
+        await ctx.output.flush()
+        ctx.output.close()
+        return list(derived)
+
+    second_batch = asyncio.run(run())
+    assert second_batch.count(gpu) == 1, second_batch
+    rows = [orjson.loads(m.value()) for m in read_topic(kafka_bootstrap, settings.kafka.catalogue().run(settings.streams.app_id).correlated, 5)]
+    xid = max((r for r in rows if r["identity"].get("alert_fingerprint") == "xid-1"), key=lambda r: r["version"])
+    assert (xid["identity"]["pod"], xid["identity"]["release_id"], xid["attribution"]) == ("b", "r2", "gpu_assignment")
+    assert sum(1 for r in rows if r["identity"].get("alert_fingerprint") == "xid-1") == 1  # emitted once
