@@ -75,9 +75,10 @@ def entity_summary(state: dict) -> list:
             [[rec["starts_at"] or rec["at"], rec["id"]] for rec in state.get("rows", {}).values() if rec.get("parked")]]
 
 
-def _gpu_last(item: tuple[str, object]) -> bool:
-    """Sort key of a batch's touched entities: node/GPU entities after the others (stable)."""
-    return kind_of(item[0]) == "gpu"
+def _gpu_last(touched: dict[str, tuple[int, dict]]) -> list[tuple[str, tuple[int, dict]]]:
+    """A round's touched entities in their order, node/GPU entities (``gpu:`` keys) after the others."""
+    items = list(touched.items())
+    return [item for item in items if not item[0].startswith("gpu:")] + [item for item in items if item[0].startswith("gpu:")]
 
 
 class Runtime:
@@ -215,7 +216,7 @@ class Correlator:
             # were such seconds on the bench mix). A link to an entity of this round not yet
             # refreshed is folded into it and waits for its refresh in this round.
             unrefreshed = set(touched)
-            for key, (p, state) in sorted(touched.items(), key=_gpu_last):
+            for key, (p, state) in _gpu_last(touched):
                 unrefreshed.discard(key)
                 memo = self.memos.setdefault(key, GpuMemo()) if kind_of(key) == "gpu" else None
                 outcome = refresh(state, self.directory, memo=memo)
