@@ -230,6 +230,77 @@ def test_a_journaled_state_is_looked_at_only_in_the_chunks_its_journals_noted(mo
         encode_chunked(journaled, state["key"], state, layout)
 
 
+def test_a_state_journaled_whole_is_written_from_its_noted_chunks_alone(monkeypatch):
+    """When every chunked collection of a state is journaled (a node/GPU's rows, sent versions
+    and — followed by its memo — links), a write on the worker's path takes only the chunks
+    sealed or emptied now and those holding a noted id (no other chunk's token is computed, nor
+    is any other chunk visited) and writes what looking at every chunk writes: new chunks,
+    changed ones, tombstones of emptied ones, the head."""
+    import streams.store as store
+
+    journaled = Chunks(ENTITY_CHUNKS.fields, ENTITY_CHUNKS.volatile, size=2, journal=("rows", "sent", "links"))
+    plain = Chunks(ENTITY_CHUNKS.fields, ENTITY_CHUNKS.volatile, size=2)
+    state, twin = _entity(12, 6), _entity(12, 6)
+    layout, twin_layout = _Layout(), _Layout()
+    visited: list[str] = []
+    token = store._token
+    monkeypatch.setattr(store, "_token", lambda chunks, field, st, ids: visited.append(ids[0]) or token(chunks, field, st, ids))
+
+    def write(change=None) -> list[str]:
+        if change:
+            change(state)
+            change(twin)
+        monkeypatch.setattr(store, "VERIFY_JOURNAL", False)  # the worker's path
+        visited.clear()
+        records = encode_chunked(journaled, state["key"], state, layout)
+        seen = list(visited)
+        monkeypatch.setattr(store, "VERIFY_JOURNAL", True)
+        assert records == encode_chunked(plain, twin["key"], twin, twin_layout)  # every chunk looked at
+        visited[:] = seen
+        return [k.split(SEP)[1] if SEP in k else "head" for k, _ in records]
+
+    assert write() == ["rows0", "rows1", "rows2", "rows3", "rows4", "rows5", "links6", "links7", "links8", "head"]
+    assert all(type(state[name]) is store.Journal for name in ("rows", "sent", "links"))
+    assert write() == [] and visited == []  # nothing noted: no chunk visited
+    assert write(lambda st: st["sent"].__setitem__("e3", [40, ""])) == ["rows1"] and visited == ["e2"]
+    assert write(lambda st: st["links"].__setitem__("pod:ml/p4", {"v": 9, "intervals": []})) == ["links8"] and visited == ["pod:ml/p4"]
+
+    def add(st: dict) -> None:
+        for i in (12, 13, 14):
+            st["rows"][f"e{i}"], st["sent"][f"e{i}"] = {"id": f"e{i}", "parked": False, "payload": ""}, [i + 1, ""]
+    assert write(add) == ["rows9", "head"] and visited == ["e12"]  # one chunk sealed, e14 open in the head
+
+    def drop(st: dict) -> None:
+        for i in (0, 1):
+            st["rows"].pop(f"e{i}"), st["sent"].pop(f"e{i}")
+    assert write(drop) == ["rows0"] and visited == []  # emptied: its tombstone, nothing looked at
+    assert write() == [] and visited == []
+
+
+def test_a_big_states_head_holds_the_entries_of_its_open_items_whatever_order_its_companions_have(monkeypatch):
+    """The head of a chunked state is built from its open items (``encode_chunked`` finds them
+    from the end of each field), not by walking every item the state keeps: its companions'
+    entries are those of the open items — also when a companion's entries came in another
+    order (a parked row's sent version set after later rows') — and recovery gives the state
+    back. A companion entry of an item its field does not hold breaks that rule: the tests'
+    verification (``VERIFY_JOURNAL``) fails the write rather than leave the entry out."""
+    import streams.store as store
+
+    shape = Chunks(ENTITY_CHUNKS.fields, ENTITY_CHUNKS.volatile, size=2)
+    state, layout, written = _entity(7, 3), _Layout(), {}
+    state["sent"] = {i: v for i, v in reversed(list(state["sent"].items()))}  # e6 first: another order than the rows'
+    written.update(encode_chunked(shape, state["key"], state, layout))
+    head = orjson.loads(written[state["key"]])
+    assert list(head["rows"]) == ["e6"] and head["sent"] == {"e6": [7, ""]} and list(head["links"]) == ["pod:ml/p2"]
+    parts = {k.split(SEP)[1]: v for k, v in written.items() if SEP in k}
+    recovered, _layout = decode_chunked(shape, written[state["key"]], parts)
+    assert recovered == state
+    state["sent"]["gone"] = [1, ""]  # an entry of no row
+    monkeypatch.setattr(store, "VERIFY_JOURNAL", True)
+    with pytest.raises(AssertionError, match="the head's sent is not the entries outside its sealed chunks"):
+        encode_chunked(shape, state["key"], state, layout)
+
+
 def test_a_crash_between_a_chunk_and_its_head_recovers_the_newer_copy():
     """Chunks are produced before their head, on one partition, by the idempotent producer:
     a crash can leave a chunk written and the head not (the head still holding the chunk's
