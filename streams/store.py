@@ -452,12 +452,11 @@ def _head(chunks: Chunks, state: dict, layout: _Layout, open_ids: dict[str, list
     head = dict(state)
     for field, companions in chunks.fields.items():
         ids = open_ids[field]
-        member = layout.member.get(field, {})
         for name in (field, *companions):
             if name in state:
                 collection = state[name]
                 head[name] = {i: collection[i] for i in ids if i in collection}
-                if VERIFY_JOURNAL and head[name] != {i: v for i, v in collection.items() if i not in member}:
+                if VERIFY_JOURNAL and head[name] != {i: v for i, v in collection.items() if i not in layout.member.get(field, {})}:
                     raise AssertionError(f"{state.get('key')}: the head's {name} is not the entries outside its sealed chunks "
                                          "(an entry of an item that is not in its field?)")
     return head

@@ -76,9 +76,11 @@ def entity_summary(state: dict) -> list:
 
 
 def _gpu_last(touched: dict[str, tuple[int, dict]]) -> list[tuple[str, tuple[int, dict]]]:
-    """A round's touched entities in their order, node/GPU entities (``gpu:`` keys) after the others."""
-    items = list(touched.items())
-    return [item for item in items if not item[0].startswith("gpu:")] + [item for item in items if item[0].startswith("gpu:")]
+    """A round's touched entities in their order, node/GPU entities after the others."""
+    others, gpus = [], []
+    for item in touched.items():
+        (gpus if kind_of(item[0]) == "gpu" else others).append(item)
+    return others + gpus
 
 
 class Runtime:

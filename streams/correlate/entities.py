@@ -589,7 +589,6 @@ class Coverage:
                 self._starts.insert(k, iv["start"])
                 self._ends.insert(k, iv["end"])
                 self._ivs.insert(k, iv)
-            self._reach = None
             rid = iv["identity"].get("release_id")
             if rid:
                 starts = self._rid_starts.setdefault(rid, [])
@@ -614,6 +613,7 @@ class Coverage:
             self._first_starts.insert(k, first[0])
             self._vs.insert(k, link.get("v", 0))
         self._cum = None
+        self._reach = None
 
     def at(self, at: str) -> tuple[list[dict], int, tuple[str, ...]]:
         # The intervals started by ``at`` that have not ended by then, found from the latest
