@@ -246,6 +246,7 @@ class WorkerRun:
     cpu_ms_per_event: dict | None = None  # {"worker": ms, "route": ms, "sink": ms, "broker": ms} over the rate's window
     gc: dict | None = None  # the worker's, its route stage's and its sink's garbage collections so far (gpuledger.gctune.stats)
     stolen_cores: float | None = None  # of the machine's CPU, what the hypervisor took for others meanwhile (machine_busy)
+    stage_busy: dict | None = None  # each stage's event loop held over the rate's window (stage_busy)
 
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -349,6 +350,11 @@ def stage_busy(before: tuple[dict, dict], after: tuple[dict, dict], wall: float)
     return out
 
 
+def fmt_busy(stages: dict) -> str:
+    return "; ".join(f"{name} {b['total']:.0%} (batches {b['batches']:.0%}, taking commits {b['commits']:.0%}"
+                     + (f", collections {b['collections']:.0%}" if "collections" in b else "") + ")" for name, b in stages.items())
+
+
 def stored_rows(reader: RemoteReader) -> int:
     """Inputs with a queryable row; -1 while the worker's query endpoint does not answer."""
     try:
@@ -376,7 +382,7 @@ def follow_worker(service: ServiceProcess, url: str, reader: RemoteReader, expec
         stats = health(url)
         if stats.get("routed", 0) and not cpu_first:
             cpu_first.append((cpu_seconds(service.proc.pid), stats.get("correlated_in", 0), broker_seconds(broker_pid),
-                              machine_busy()[2], time.monotonic()))
+                              machine_busy()[2], time.monotonic(), (health(url, "epochs"), health(url, "gc"))))
             routed_at.append(stats.get("first_route_batch_at", time.monotonic()))
         if stats.get("correlated_in", 0) and not first:
             # The route stage is a process of its own and may start routing before the
@@ -389,6 +395,7 @@ def follow_worker(service: ServiceProcess, url: str, reader: RemoteReader, expec
     wait_until(f"the worker to correlate {expected} events (health stats correlated_in)", timeout, correlated, alive=service)
     done = time.monotonic()
     cpu_done, broker_done, stolen_done = cpu_seconds(service.proc.pid), broker_seconds(broker_pid), machine_busy()[2]
+    busy = stage_busy(cpu_first[0][5], (health(url, "epochs"), health(url, "gc")), done - cpu_first[0][4]) if cpu_first else None
     children = worker_children(url)
     stolen = (stolen_done - cpu_first[0][3]) / (done - cpu_first[0][4]) if cpu_first and done > cpu_first[0][4] else None
     rate = (expected - n_first[0]) / (done - first[0]) if done > first[0] and expected > n_first[0] else None
@@ -409,7 +416,7 @@ def follow_worker(service: ServiceProcess, url: str, reader: RemoteReader, expec
         print(f"  ! {exc}", flush=True)
     gc = {"worker": health(url, "gc"), **{name: (health(url, name) or {}).get("gc") or {} for name in CHILDREN}}
     run = WorkerRun(events=expected, events_per_s=rate, correlated_s=done - first[0], queryable_s=queryable, cpu_ms_per_event=cpu, gc=gc,
-                    after_route_s=first[0] - routed_at[0] if routed_at else None, stolen_cores=stolen)
+                    after_route_s=first[0] - routed_at[0] if routed_at else None, stolen_cores=stolen, stage_busy=busy)
     if rate is None:
         run.notes.append("every input arrived in the first routed batch: too few events to measure a rate")
     return run
@@ -641,6 +648,8 @@ class Bench:
         if run.cpu_ms_per_event:
             print("    CPU per event: " + fmt_cpu(run.cpu_ms_per_event)
                   + (f"; the hypervisor stole {run.stolen_cores:.2f} of a core meanwhile" if run.stolen_cores is not None else ""), flush=True)
+        if run.stage_busy:
+            print("    how much of it each stage's event loop was held: " + fmt_busy(run.stage_busy), flush=True)
         for proc, stats in (run.gc or {}).items():
             if stats.get("collections"):
                 print(f"    {proc}'s garbage collections since it started: {stats['seconds']:.2f}s in {stats['collections']} (young, middle, full)"
@@ -747,9 +756,7 @@ class Bench:
         if stages:
             # A stage whose loop is busy most of the time queues its input: every pause (a commit,
             # a collection) comes back as a backlog that takes pause / (1 - busy) to drain.
-            print("    how much of the run each stage's event loop was held: " + "; ".join(
-                f"{name} {b['total']:.0%} (batches {b['batches']:.0%}, taking commits {b['commits']:.0%}"
-                + (f", collections {b['collections']:.0%}" if "collections" in b else "") + ")" for name, b in stages.items()), flush=True)
+            print("    how much of the run each stage's event loop was held: " + fmt_busy(stages), flush=True)
         self.results["latency"] = out
         self.restart(cat, data_dir, live)
         return out

@@ -113,17 +113,17 @@ def iso(value: str | None) -> str | None:
     return utc_isoformat(value) if value else None
 
 
-def fold_event(state: dict, event: dict, src: tuple[str, int, int]) -> bool:
-    """Fold one event (its JSON envelope as a dict) into ``state``; False when it was
-    already folded (re-delivery)."""
+def event_row(event: dict, kind: str, src) -> dict:
+    """The row an event becomes in the state of its entity (``kind``: the entity key's,
+    ``kind_of``; ``src``: the raw record's topic, partition and offset) — a function of the
+    event alone (its routed form, ``routing.routed_event``), so the route stage builds it
+    (``streams.correlate.route``: a process of its own, while the correlation process is
+    the worker's busiest) and the correlation stage only folds it in (``fold_row``)."""
     eid = event["event_id"]
-    if eid in state["rows"]:
-        return False
     etype = event["event_type"]
     at = iso(event["occurred_at"])
     ident = {k: v for k, v in (event.get("identity") or {}).items() if v not in (None, "")}
     payload = event.get("payload") or {}
-    kind = kind_of(state["key"])
     facts = {}
     gpu = None
     if kind in ENTITY_FACTS:
@@ -133,21 +133,40 @@ def fold_event(state: dict, event: dict, src: tuple[str, int, int]) -> bool:
         if etype in ("gpu.assigned", "gpu.released"):
             gpu = [f"{payload.get('node')}|{payload.get('device_id')}|{payload.get('container') or ''}|{payload.get('resource_name')}",
                    "a" if etype == "gpu.assigned" else "r", payload.get("gpu"), payload.get("mig_instance")]
-    state["rows"][eid] = {
+    row = {
         "id": eid, "type": etype, "at": at, "key": f"{at}|{eid}", "identity": ident, "facts": facts, "gpu": gpu,
         "summary": summarize(etype, payload), "topic": src[0], "partition": src[1], "offset": src[2],
         "payload": bounded_payload(payload), "starts_at": iso(payload.get("starts_at")) if etype.startswith("alert.") else None,
         "expired": False, "parked": False,
     }
     if etype.startswith("alert.") and (instance := gpu_instance(payload.get("labels") or {})):
-        state["rows"][eid]["gpu_instance"] = instance
+        row["gpu_instance"] = instance
     if etype == "gpu.device":
-        state["rows"][eid]["device"] = {"gpu": payload.get("gpu"), "mig": payload.get("mig_instance"), "profile": payload.get("profile")}
+        row["device"] = {"gpu": payload.get("gpu"), "mig": payload.get("mig_instance"), "profile": payload.get("profile")}
     if etype in CLAIM_EVENTS:
-        state["rows"][eid]["claim"] = [f"{payload.get('node')}|{payload.get('device_id')}|{payload.get('resource_name')}",
-                                       CLAIM_EVENTS[etype], payload.get("reason")]
+        row["claim"] = [f"{payload.get('node')}|{payload.get('device_id')}|{payload.get('resource_name')}",
+                        CLAIM_EVENTS[etype], payload.get("reason")]
+    return row
+
+
+def fold_row(state: dict, row: dict) -> bool:
+    """Fold one event's row (``event_row``, for this entity's kind; a dict of its own, which
+    the state keeps and changes in place) into ``state``; False when it was already folded
+    (re-delivery)."""
+    rows = state["rows"]
+    if row["id"] in rows:
+        return False
+    rows[row["id"]] = row
     _bound(state)
     return True
+
+
+def fold_event(state: dict, event: dict, src: tuple[str, int, int]) -> bool:
+    """Fold one event (its routed form, ``routing.routed_event``) into ``state``; False when
+    it was already folded (re-delivery)."""
+    if event["event_id"] in state["rows"]:
+        return False
+    return fold_row(state, event_row(event, kind_of(state["key"]), src))
 
 
 #: dcgm-exporter's labels for a MIG instance: ``UUID`` names the physical GPU, these the slice.

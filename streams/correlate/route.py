@@ -1,8 +1,9 @@
 """The route stage, in a process of its own: decode each raw record once, dead-letter
-poison, re-key the event to its entity and pack it on the run's route topic.
+poison, re-key the event to its entity, build the row it becomes in that entity's state
+(``entities.event_row``) and pack it on the run's route topic.
 
 Input: the four raw topics, through ``RawIntake`` (``streams.correlate.intake``: a plain
-consumer in the group ``<app id>.route``). Output: routed events packed on
+consumer in the group ``<app id>.route``). Output: routed rows packed on
 ``<run>.route``, addressed to their entity's partition (``streams.packing``), dead
 letters (poison, with reason and source offset) on ``<run>.deadletter``, and the route
 group's committed offsets. Health: ``/gpuledger/health/`` on a loopback port, merged into
@@ -34,9 +35,10 @@ from gpuledger.child import ChildProcess, child_main
 from gpuledger.telemetry import ComponentCounters
 from schemas import EventDecodeError, decode_event, encode_event
 from schemas.outputs import dead_letter
-from streams.correlate.routing import entity_key, routed_form
+from streams.correlate.entities import event_row
+from streams.correlate.routing import entity_key, routed_event
 from streams.intake import serve_stage
-from streams.packing import Packer
+from streams.packing import Packer, kind_of
 from streams.runner import FaultInjection
 
 log = logging.getLogger(__name__)
@@ -82,8 +84,10 @@ class Router:
         # first unattributed). Any order gives the same latest rows (versions from history).
         routed.sort(key=itemgetter(0))  # by occurred_at
         for _at, key, event, msg in routed:
-            src = [msg.topic, msg.partition, msg.offset]
-            self.packer.add(key, {"k": "event", "src": src, "event": routed_form(event)}, source=tuple(src))
+            # The row the event becomes in its entity's state, built here: a function of the
+            # event alone, and this process has room while the correlation's is the busiest.
+            src = (msg.topic, msg.partition, msg.offset)
+            self.packer.add(key, {"k": "row", "row": event_row(routed_event(event), kind_of(key), src)}, source=src)
         self.packer.drain_into(self.output)
         if not self.stats.get("first_route_batch"):
             # make bench's rate counts from the end of the first batch, as its pass-through's does

@@ -22,6 +22,8 @@ routing agent re-keys each event to its entity key on the internal route topic:
 
 from __future__ import annotations
 
+from datetime import timezone
+
 import orjson
 
 
@@ -54,15 +56,14 @@ def entity_key(event) -> str:
     return f"fp:{ident.alert_fingerprint}"
 
 
-def routed_form(event) -> orjson.Fragment:
-    """A validated event as it travels to its entity: what the correlation stage reads of
-    it (``entities.fold_event``) and nothing else — id, type, time, the identity's set
-    fields and the payload as pydantic's serializer writes it (that JSON becomes the
-    stored row's ``payload_json``). The envelope's other fields (source, observed_at,
-    trace) and the identity's empty ones were half of every routed message's bytes.
-    The correlation stage normalises the times (``entities.iso``)."""
-    return orjson.Fragment(orjson.dumps({
-        "event_id": event.event_id, "event_type": event.event_type, "occurred_at": event.occurred_at,
+def routed_event(event) -> dict:
+    """A validated event as its entity reads it (``entities.event_row``): id, type, time (as
+    ``entities.iso`` writes it), the identity's set fields and the payload as pydantic's
+    serializer writes it, decoded (that JSON becomes the stored row's ``payload_json``).
+    The envelope's other fields (source, observed_at, trace) are not read."""
+    return {
+        "event_id": event.event_id, "event_type": event.event_type,
+        "occurred_at": event.occurred_at.astimezone(timezone.utc).isoformat(),
         "identity": {k: v for k, v in event.identity.__dict__.items() if v},
-        "payload": orjson.Fragment(event.payload.model_dump_json()),
-    }))
+        "payload": orjson.loads(event.payload.model_dump_json()),
+    }

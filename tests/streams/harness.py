@@ -19,7 +19,7 @@ import streams.correlate.entities
 from producers.podresources.snapshot import parse_device_id
 from streams.correlate.directory import ReleaseDirectory
 from streams.correlate.entities import GpuMemo, expire, fold_event, fold_link, for_controls, new_entity, refresh
-from streams.correlate.routing import entity_key, routed_form
+from streams.correlate.routing import entity_key, routed_event
 
 streams.correlate.entities.VERIFY_UNCHANGED = True  # the tests catch a content change without a version change
 T0 = datetime(2026, 11, 1, 8, tzinfo=timezone.utc)
@@ -103,7 +103,7 @@ class Driver:
     def _apply(self, key: str, msg: dict) -> None:
         state = self._state(key)
         if msg["k"] == "event":
-            fold_event(state, orjson.loads(orjson.dumps(routed_form(msg["event"]))), ("raw", 0, msg["offset"]))
+            fold_event(state, routed_event(msg["event"]), ("raw", 0, msg["offset"]))
         elif msg["k"] == "link":
             fold_link(state, msg["from"], msg["link"])
         elif msg["k"] == "expire":

@@ -112,3 +112,79 @@ def test_a_batch_with_a_gpus_alert_and_its_new_holder_derives_the_gpu_once(kafka
     xid = max((r for r in rows if r["identity"].get("alert_fingerprint") == "xid-1"), key=lambda r: r["version"])
     assert (xid["identity"]["pod"], xid["identity"]["release_id"], xid["attribution"]) == ("b", "r2", "gpu_assignment")
     assert sum(1 for r in rows if r["identity"].get("alert_fingerprint") == "xid-1") == 1  # emitted once
+
+
+def test_routed_rows_and_routed_events_correlate_alike(kafka_bootstrap, settings_for):
+    """The route stage builds each event's row itself (``entities.event_row``: the correlation
+    process only folds it in); a route topic written before that carries the events, which the
+    correlation stage still folds (``fold_event``). The same raw events either way — the bench
+    mix, through ``Router`` on one side and the old packing on the other, on the real broker —
+    leave identical entity states and identical correlated records."""
+    import uuid
+    from types import SimpleNamespace
+
+    import orjson
+
+    from benchmarks.mix import events as mix_events
+    from producers._kafka import ensure_topics
+    from schemas import decode_event, encode_event
+    from schemas.topics import TopicCatalogue
+    from streams.app import WorkerContext, ensure_run_topics
+    from streams.correlate import agents
+    from streams.correlate.route import Router
+    from streams.correlate.routing import entity_key, routed_event
+    from streams.packing import Packer
+    from tests.fixtures.kafka import read_topic
+
+    cat = TopicCatalogue(prefix=f"t{uuid.uuid4().hex[:10]}", raw_partitions=2)
+    ensure_topics({"bootstrap.servers": kafka_bootstrap}, cat)
+    mix = list(mix_events(600))
+
+    class Packed:  # the route records as produced (before they reach the broker)
+        def __init__(self) -> None:
+            self.records: list = []
+
+        def produce(self, topic, key, value, partition=None, source=None, headers=None) -> None:
+            self.records.append(SimpleNamespace(message=SimpleNamespace(topic=topic, partition=partition, offset=len(self.records),
+                                                                        key=key, value=value)))
+
+    def raw(batch, start):
+        return [SimpleNamespace(message=SimpleNamespace(topic=cat.gpu, partition=0, offset=start + i, key=None, value=encode_event(e)))
+                for i, e in enumerate(batch)]
+
+    async def correlate(settings, legacy: bool):
+        ctx = WorkerContext(settings)
+        for e in mix:
+            if e.event_type.startswith("release."):
+                ctx.directory.apply(e)
+        corr = agents.Correlator(ctx)
+        corr.store.start_empty(range(ctx.run.partitions))
+        for start in range(0, len(mix), 100):
+            packed = Packed()
+            if legacy:  # what the route stage packed before it built the rows
+                packer = Packer(ctx.run.route, ctx.run.partitions)
+                for m in raw(mix[start:start + 100], start):
+                    event = decode_event(m.message.value)
+                    src = [m.message.topic, m.message.partition, m.message.offset]
+                    packer.add(entity_key(event), {"k": "event", "src": src, "event": routed_event(event)})
+                packer.drain_into(packed)
+            else:
+                await Router(settings, packed).route_batch(raw(mix[start:start + 100], start))
+            await corr.correlate_batch(packed.records)
+        await ctx.output.flush()
+        ctx.output.close()
+        return {key: orjson.dumps(state, option=orjson.OPT_SORT_KEYS) for _p, key, state in corr.store.items()}
+
+    results = []
+    for legacy in (False, True):
+        settings = settings_for(cat)
+        settings.streams.app_id = f"alike-{uuid.uuid4().hex[:6]}"
+        ensure_run_topics(settings)
+        states = asyncio.run(correlate(settings, legacy))
+        topic = settings.kafka.catalogue().run(settings.streams.app_id).correlated
+        records = sorted(m.value() for m in read_topic(kafka_bootstrap, topic, 600))
+        results.append((states, records))
+    (states, records), (old_states, old_records) = results
+    assert len(states) > 100 and len(records) >= 600
+    assert states == old_states
+    assert records == old_records
