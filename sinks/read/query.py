@@ -300,6 +300,6 @@ def open_reader(settings):
         if owner:
             return RemoteReader(owner["url"], owner.get("token", ""), settings.clickhouse.query_timeout_s + 10)
         client = connect(dsn, settings.clickhouse.database)
-        migrate(client, settings.clickhouse.database)
+        migrate(client, settings.clickhouse.database, packed=True)
         return DirectReader(client, QueryLimits.of(settings.clickhouse))
     return DirectReader(connect(dsn, settings.clickhouse.database, create=False), QueryLimits.of(settings.clickhouse))
