@@ -85,3 +85,8 @@ def test_each_stage_busy_share_is_its_loops_held_time_over_the_run_and_the_corre
     assert busy["correlate_entities"] == pytest.approx({"total": (45 + 6 + 3) / 60, "batches": 45 / 60, "commits": 6 / 60,
                                                         "collections": 3 / 60})
     assert busy["route_events"] == pytest.approx({"total": 12 / 60, "batches": 12 / 60, "commits": 0.0})
+    # the line the bulk and the live phase print (fmt_busy): collections only where measured
+    from benchmarks.bench import fmt_busy
+
+    assert fmt_busy(busy) == ("correlate_entities 90% (batches 75%, taking commits 10%, collections 5%); "
+                              "route_events 20% (batches 20%, taking commits 0%)")
