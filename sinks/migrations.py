@@ -409,9 +409,11 @@ def rendered(database: str, cluster: str | None = None, ttl_days: int | None = N
     return out
 
 
-def migrate(client, database: str, cluster: str | None = None, ttl_days: int | None = None, packed: bool = False) -> list[int]:
-    """Apply pending migrations in order, then the configured TTL (and, with ``packed`` — the
-    embedded store — its small parts packed: ``apply_packed_parts``); return the versions applied."""
+def migrate(client, database: str, cluster: str | None = None, ttl_days: int | None = None, packed: bool = False,
+            retention: bool = True) -> list[int]:
+    """Apply pending migrations in order, then the configured TTL (not with ``retention=False``:
+    a reader, which must not change what the worker's configuration keeps) and, with ``packed`` —
+    the embedded store — its small parts packed (``apply_packed_parts``); return the versions applied."""
     for sql in bootstrap_statements(database, cluster):
         client.command(sql)
     done = {row[0] for row in client.query(f"SELECT version FROM `{database}`.schema_migrations FINAL").result_rows}
@@ -426,7 +428,8 @@ def migrate(client, database: str, cluster: str | None = None, ttl_days: int | N
         client.insert(f"{database}.schema_migrations", [[migration.version, migration.name]], column_names=["version", "name"])
         applied.append(migration.version)
         log.info("applied migration %d: %s", migration.version, migration.name)
-    apply_ttl(client, database, ttl_days, cluster)
+    if retention:
+        apply_ttl(client, database, ttl_days, cluster)
     if packed:
         apply_packed_parts(client, database)
     return applied

@@ -300,6 +300,8 @@ def open_reader(settings):
         if owner:
             return RemoteReader(owner["url"], owner.get("token", ""), settings.clickhouse.query_timeout_s + 10)
         client = connect(dsn, settings.clickhouse.database)
-        migrate(client, settings.clickhouse.database, packed=True)
+        # (the tables it reads, if missing; not the retention: a responder's shell without the
+        # worker's GPULEDGER_CLICKHOUSE_TTL_DAYS removed the TTL from every event table)
+        migrate(client, settings.clickhouse.database, packed=True, retention=False)
         return DirectReader(client, QueryLimits.of(settings.clickhouse))
     return DirectReader(connect(dsn, settings.clickhouse.database, create=False), QueryLimits.of(settings.clickhouse))

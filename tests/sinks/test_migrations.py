@@ -96,6 +96,30 @@ def test_the_embedded_stores_small_parts_are_packed_from_the_next_start_on(click
     assert apply_packed_parts(client, db) == []  # already set: no ALTER
 
 
+def test_a_reader_opening_the_embedded_store_leaves_its_retention_alone(clickhouse_dsn, clickhouse_client, clickhouse_db, monkeypatch):
+    """``gpuledger trace``/``sql`` open the embedded store themselves when no worker owns it
+    (``open_reader``), creating any missing table — but the retention is the worker's
+    configuration: a reader whose environment lacks ``GPULEDGER_CLICKHOUSE_TTL_DAYS`` used to
+    remove the TTL from every event table."""
+    import pytest
+
+    from gpuledger.settings import Settings
+    from sinks.clickhouse import is_embedded
+    from sinks.read.query import open_reader
+
+    if not is_embedded(clickhouse_dsn):
+        pytest.skip("a reader opens the embedded store only")
+    migrate(clickhouse_client, clickhouse_db, ttl_days=30)
+    monkeypatch.setenv("GPULEDGER_CLICKHOUSE_DSN", clickhouse_dsn)
+    monkeypatch.setenv("GPULEDGER_CLICKHOUSE_DATABASE", clickhouse_db)
+    monkeypatch.delenv("GPULEDGER_CLICKHOUSE_TTL_DAYS", raising=False)
+    reader = open_reader(Settings())
+    assert reader.query(f"SELECT count() AS n FROM `{clickhouse_db}`.correlated_events").rows[0][0] == 0
+    tables = _tables(clickhouse_client, clickhouse_db)
+    for table, column in TTL_COLUMNS.items():
+        assert f"TTL {column} + toIntervalDay(30)" in tables[table], tables[table]
+
+
 def test_cluster_rendering_comes_from_the_same_definitions():
     single = [sql for _, sql in rendered("gl")]
     cluster = [sql for _, sql in rendered("gl", "prod", ttl_days=14)]
