@@ -41,7 +41,7 @@ from schemas import encode_event
 from schemas.outputs import dead_letter
 from streams.controls.rules import allocation_key, compact_allocation, compact_row, row_key
 from streams.correlate.directory import ReleaseDirectory, follow_release_topic
-from streams.correlate.entities import GpuMemo, expire, fold_event, fold_link, fold_row, for_controls, iso, new_entity, refresh
+from streams.correlate.entities import GpuMemo, event_row, expire, fold_link, fold_row, for_controls, new_entity, refresh
 from streams.packing import Packer, kind_of, partition_for, unpack
 from streams.runner import Epoch, run_batches
 from streams.store import DIRECTORY_MARK, Chunks, DirectoryMarks, PartitionStore, StateUnavailable
@@ -184,16 +184,12 @@ class Correlator:
                 if kind in ("refresh", "expire"):
                     continue
                 state = new_entity(key)
-            if kind == "row":
+            if kind in ("row", "event"):
                 n_in += 1
-                row = body["row"]
+                # (a route stage before 2026-12 routed the event itself: its row is built here)
+                row = body["row"] if kind == "row" else event_row(body["event"], kind_of(key), body["src"])
                 if fold_row(state, row):
                     at = row["at"]
-                    watermark = at if watermark is None or at > watermark else watermark
-            elif kind == "event":  # as a route stage before 2026-12 routed events: the row built here
-                n_in += 1
-                if fold_event(state, body["event"], tuple(body["src"])):
-                    at = iso(body["event"]["occurred_at"])
                     watermark = at if watermark is None or at > watermark else watermark
             elif kind == "link":
                 if not fold_link(state, body["from"], body["link"]) and key not in touched:

@@ -161,14 +161,6 @@ def fold_row(state: dict, row: dict) -> bool:
     return True
 
 
-def fold_event(state: dict, event: dict, src: tuple[str, int, int]) -> bool:
-    """Fold one event (its routed form, ``routing.routed_event``) into ``state``; False when
-    it was already folded (re-delivery)."""
-    if event["event_id"] in state["rows"]:
-        return False
-    return fold_row(state, event_row(event, kind_of(state["key"]), src))
-
-
 #: dcgm-exporter's labels for a MIG instance: ``UUID`` names the physical GPU, these the slice.
 GPU_INSTANCE_LABELS = {"gi": "GPU_I_ID", "profile": "GPU_I_PROFILE"}
 

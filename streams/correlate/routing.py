@@ -22,8 +22,6 @@ routing agent re-keys each event to its entity key on the internal route topic:
 
 from __future__ import annotations
 
-from datetime import timezone
-
 import orjson
 
 
@@ -63,7 +61,7 @@ def routed_event(event) -> dict:
     The envelope's other fields (source, observed_at, trace) are not read."""
     return {
         "event_id": event.event_id, "event_type": event.event_type,
-        "occurred_at": event.occurred_at.astimezone(timezone.utc).isoformat(),
+        "occurred_at": event.occurred_at.isoformat(),  # a UtcDatetime: already UTC
         "identity": {k: v for k, v in event.identity.__dict__.items() if v},
         "payload": orjson.loads(event.payload.model_dump_json()),
     }

@@ -8,7 +8,6 @@ from __future__ import annotations
 import random
 from datetime import datetime, timedelta, timezone
 
-import orjson
 
 from schemas import AlertEvent, CorrelatedEvent, GpuAllocation, GpuEvent, Identity, ReleaseEvent, SchedulerEvent, Source, encode_event, make_event_id
 from schemas.alert import AlertPayload
@@ -18,8 +17,9 @@ from schemas.scheduler import SchedulerPayload
 import streams.correlate.entities
 from producers.podresources.snapshot import parse_device_id
 from streams.correlate.directory import ReleaseDirectory
-from streams.correlate.entities import GpuMemo, expire, fold_event, fold_link, for_controls, new_entity, refresh
+from streams.correlate.entities import GpuMemo, event_row, expire, fold_link, fold_row, for_controls, new_entity, refresh
 from streams.correlate.routing import entity_key, routed_event
+from streams.packing import kind_of
 
 streams.correlate.entities.VERIFY_UNCHANGED = True  # the tests catch a content change without a version change
 T0 = datetime(2026, 11, 1, 8, tzinfo=timezone.utc)
@@ -103,7 +103,7 @@ class Driver:
     def _apply(self, key: str, msg: dict) -> None:
         state = self._state(key)
         if msg["k"] == "event":
-            fold_event(state, routed_event(msg["event"]), ("raw", 0, msg["offset"]))
+            fold_row(state, event_row(routed_event(msg["event"]), kind_of(key), ("raw", 0, msg["offset"])))
         elif msg["k"] == "link":
             fold_link(state, msg["from"], msg["link"])
         elif msg["k"] == "expire":

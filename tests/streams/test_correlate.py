@@ -117,7 +117,7 @@ def test_a_batch_with_a_gpus_alert_and_its_new_holder_derives_the_gpu_once(kafka
 def test_routed_rows_and_routed_events_correlate_alike(kafka_bootstrap, settings_for):
     """The route stage builds each event's row itself (``entities.event_row``: the correlation
     process only folds it in); a route topic written before that carries the events, which the
-    correlation stage still folds (``fold_event``). The same raw events either way — the bench
+    correlation stage still folds (building the row itself). The same raw events either way — the bench
     mix, through ``Router`` on one side and the old packing on the other, on the real broker —
     leave identical entity states and identical correlated records."""
     import uuid
