@@ -99,6 +99,14 @@ BARE_BATCH = 10_000
 POLL_S = 0.1
 WARM_ROUNDS = 4  # phase 0's rounds at most (Bench.warm_up)
 WARM_STEADY = 1.2  # a warm-up round not this many times cheaper for the broker than the one before: warm
+#: Seconds the latency run measures its worker and the broker at rest — warmed up, no input —
+#: before it publishes: the floor of CPU its processes use whatever the rate (poll loops, the
+#: store's background work, the broker's idle requests), which the live CPU per event includes.
+#: Measured 2026-12: 0.20 of the 2 cores, 0.11 of it the broker. Not in it: what a batch costs
+#: whatever its size once input flows — at 200 events/s the same processes kept ~0.6 of a core
+#: busy, the sink ~0.23 of it (a chDB insert costs 2-6 ms of CPU with a single row, and each
+#: sink batch inserts into up to seven tables, ~3 batches a second).
+REST_S = 5.0
 TARGETS = {"worker_vs_passthrough_pct": 75.0, "outputs_per_input": 3.0, "latency_p99_s": 2.0, "restart_s": 5.0}
 _QUIET = logging.getLogger("librdkafka.bench")
 
@@ -305,6 +313,20 @@ def cpu_by_process(before: dict[int, float], after: dict[int, float], root: int,
             name = named.get(pid, "other")
             out[name] = out.get(name, 0.0) + t - before.get(pid, 0.0)
     return out
+
+
+def fmt_cores(cores: dict[str, float]) -> str:
+    """Cores busy by process (``cpu_by_process`` over a wall time, and the broker)."""
+    names = {"worker": "worker", "route": "its route stage", "controls": "its controls stage", "sink": "its sink",
+             "other": "other children", "broker": "the broker"}
+    return ", ".join(f"{label} {cores[name]:.2f}" for name, label in names.items() if name in cores)
+
+
+def above_rest(live_ms: dict[str, float], rest_cores: dict[str, float], rate: float) -> dict[str, float]:
+    """The live CPU ms per event of each process less its at-rest floor's share at ``rate``
+    events/s (what each further event cost): ``rest_cores`` cores are ``1000 * cores / rate``
+    ms of every event."""
+    return {name: ms - rest_cores.get(name, 0.0) * 1000 / rate for name, ms in live_ms.items()}
 
 
 def fmt_cpu(cpu: dict[str, float]) -> str:
@@ -686,8 +708,20 @@ class Bench:
             reader = RemoteReader.from_owner(owner_file(store_dsn(data_dir)))
             wait_until("the latency worker to store the warm-up releases", 120,
                        lambda: health(url).get("correlated_in", 0) >= RELEASES and stored_rows(reader) >= RELEASES, alive=service)
+            children = worker_children(url)
+            # The floor: what the warmed-up worker and the broker use with no input (a window
+            # measured, not a wait for a condition).
+            rest_cpu, rest_broker, rest_start = cpu_seconds(service.proc.pid), broker_seconds(self.broker_pid), time.monotonic()
+            time.sleep(REST_S)
+            rest_wall = time.monotonic() - rest_start
+            rest = {name: s / rest_wall for name, s in
+                    cpu_by_process(rest_cpu, cpu_seconds(service.proc.pid), service.proc.pid, children).items()}
+            if rest_broker is not None:
+                rest["broker"] = (broker_seconds(self.broker_pid) - rest_broker) / rest_wall
+            print(f"    at rest first ({REST_S:.0f}s warmed up, no input), cores busy: {fmt_cores(rest)}; "
+                  f"{sum(rest.values()):.2f} in all", flush=True)
             since_ms = int(time.time() * 1000)
-            worker_cpu, children = cpu_seconds(service.proc.pid), worker_children(url)
+            worker_cpu = cpu_seconds(service.proc.pid)
             broker_cpu = sum(cpu_seconds(self.broker_pid).values()) if self.broker_pid else None
             busy = machine_busy()
             stages_before = (health(url, "epochs"), health(url, "gc"))
@@ -741,10 +775,12 @@ class Bench:
                "complete": complete, "p50_s": row["p50"] / 1000, "p99_s": row["p99"] / 1000, "max_s": row["max"] / 1000,
                "publisher_cpu_cores": publisher_cpu, "broker_cpu_cores": broker_cores, "machine_busy_cores": machine_cores,
                "machine_stolen_cores": stolen_cores, "machine_cores": cores, "cpu_ms_per_event": live_cpu, "worker": worker,
-               "stage_busy": stages}
+               "stage_busy": stages, "rest_cores": rest}
         print(f"    p50 {out['p50_s']:.2f}s, p99 {out['p99_s']:.2f}s, max {out['max_s']:.2f}s over {out['rows']:,} rows "
               f"({achieved:,.0f} events/s achieved; the publisher used {publisher_cpu:.2f} of a core)", flush=True)
         print("    CPU per event while live: " + fmt_cpu(live_cpu), flush=True)
+        print("      less the at-rest floor's share of each event (what each further event cost): "
+              + fmt_cpu(above_rest(live_cpu, rest, achieved)), flush=True)
         broker_part = f" (the broker {broker_cores:.2f})" if broker_cores is not None else ""
         print(f"    the machine was busy {machine_cores:.2f} of its {cores} cores while publishing{broker_part}; "
               f"{stolen_cores:.2f} of a core of that stolen by the hypervisor", flush=True)
@@ -965,6 +1001,10 @@ def report(r: dict) -> str:
             lines.append(f"CPU per event, all processes: live {live_ms:.3f} ms (publisher and broker included), bulk {bulk_ms:.3f} ms; "
                          f"cores busy: live {lat['achieved_rate'] * live_ms / 1000:.2f} at {lat['achieved_rate']:,.0f}/s, "
                          f"bulk {bulk_rate * bulk_ms / 1000:.2f} at {bulk_rate:,.0f}/s")
+        if lat.get("rest_cores"):
+            rest = lat["rest_cores"]
+            lines.append(f"at rest (warmed up, no input): {sum(rest.values()):.2f} of {lat.get('machine_cores', '?')} cores busy "
+                         f"({fmt_cores(rest)})")
     else:
         lines.append("event → queryable: not measured")
     if "restart" in r:

@@ -90,3 +90,20 @@ def test_each_stage_busy_share_is_its_loops_held_time_over_the_run_and_the_corre
 
     assert fmt_busy(busy) == ("correlate_entities 90% (batches 75%, taking commits 10%, collections 5%); "
                               "route_events 20% (batches 20%, taking commits 0%)")
+
+
+def test_the_at_rest_floor_is_taken_out_of_the_live_cpu_per_event_and_summed_in_the_summary():
+    """The latency run measures its processes with no input first (``REST_S``): the live CPU per
+    event less that floor's share at the achieved rate is what each further event cost, and the
+    summary gives the floor in cores."""
+    from benchmarks.bench import above_rest, report
+
+    # 0.2 of a core at rest is 0.05 ms of each of 4,000 events/s; a process not measured at rest keeps its figure
+    assert above_rest({"worker": 0.15, "sink": 0.1, "route": 0.03}, {"worker": 0.2, "sink": 0.3}, 4000.0) == \
+        pytest.approx({"worker": 0.1, "sink": 0.025, "route": 0.03})
+    r = {"published": 1000, "config": {"prefix": "p"}, "ratios": {"worker_vs_passthrough_pct": None, "replay_vs_worker": None},
+         "latency": {"p50_s": 1.0, "p99_s": 2.5, "achieved_rate": 4000.0, "complete": True, "machine_cores": 2,
+                     "rest_cores": {"worker": 0.1, "route": 0.02, "sink": 0.25, "broker": 0.2}}}
+    line = next(x for x in report(r).splitlines() if x.startswith("at rest"))
+    assert line == ("at rest (warmed up, no input): 0.57 of 2 cores busy "
+                    "(worker 0.10, its route stage 0.02, its sink 0.25, the broker 0.20)")
