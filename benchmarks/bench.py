@@ -793,6 +793,9 @@ class Bench:
             # A stage whose loop is busy most of the time queues its input: every pause (a commit,
             # a collection) comes back as a backlog that takes pause / (1 - busy) to drain.
             print("    how much of the run each stage's event loop was held: " + fmt_busy(stages), flush=True)
+        else:  # (health reads give {} when the page does not answer: say so rather than leave the line out)
+            print("    how much of the run each stage's event loop was held: not read — the worker's health page did not "
+                  "answer within 5s before or after the run (its event loop held that long: a saturated stage)", flush=True)
         self.results["latency"] = out
         self.restart(cat, data_dir, live)
         return out
