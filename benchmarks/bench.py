@@ -102,7 +102,7 @@ WARM_STEADY = 1.2  # a warm-up round not this many times cheaper for the broker 
 #: Seconds the latency run measures its worker and the broker at rest — warmed up, no input —
 #: before it publishes: the floor of CPU its processes use whatever the rate (poll loops, the
 #: store's background work, the broker's idle requests), which the live CPU per event includes.
-#: Measured 2026-12: 0.20 of the 2 cores, 0.11 of it the broker. Not in it: what a batch costs
+#: Measured 2026-12: 0.14-0.20 of the 2 cores, 0.08-0.11 of it the broker. Not in it: what a batch costs
 #: whatever its size once input flows — at 200 events/s the same processes kept ~0.6 of a core
 #: busy, the sink ~0.23 of it (a chDB insert costs 2-6 ms of CPU with a single row, and each
 #: sink batch inserts into up to seven tables, ~3 batches a second).
@@ -315,11 +315,14 @@ def cpu_by_process(before: dict[int, float], after: dict[int, float], root: int,
     return out
 
 
+#: How the bench's lines name each process (``cpu_by_process``'s keys and the broker), in their order.
+PROCESS_LABELS = {"worker": "worker", "route": "its route stage", "controls": "its controls stage", "sink": "its sink",
+                  "other": "other children", "broker": "the broker"}
+
+
 def fmt_cores(cores: dict[str, float]) -> str:
     """Cores busy by process (``cpu_by_process`` over a wall time, and the broker)."""
-    names = {"worker": "worker", "route": "its route stage", "controls": "its controls stage", "sink": "its sink",
-             "other": "other children", "broker": "the broker"}
-    return ", ".join(f"{label} {cores[name]:.2f}" for name, label in names.items() if name in cores)
+    return ", ".join(f"{label} {cores[name]:.2f}" for name, label in PROCESS_LABELS.items() if name in cores)
 
 
 def above_rest(live_ms: dict[str, float], rest_cores: dict[str, float], rate: float) -> dict[str, float]:
@@ -331,9 +334,7 @@ def above_rest(live_ms: dict[str, float], rest_cores: dict[str, float], rate: fl
 
 def fmt_cpu(cpu: dict[str, float]) -> str:
     """CPU ms per event by process: the worker, its route and controls stages, its sink, the broker."""
-    names = {"worker": "worker", "route": "its route stage", "controls": "its controls stage", "sink": "its sink",
-             "other": "other children", "broker": "the broker"}
-    return ", ".join(f"{label} {cpu[name]:.3f} ms" for name, label in names.items() if name in cpu)
+    return ", ".join(f"{label} {cpu[name]:.3f} ms" for name, label in PROCESS_LABELS.items() if name in cpu)
 
 
 def worker_env(bootstrap: str, prefix: str, app_id: str, data_dir: Path) -> dict[str, str]:
@@ -722,7 +723,7 @@ class Bench:
                   f"{sum(rest.values()):.2f} in all", flush=True)
             since_ms = int(time.time() * 1000)
             worker_cpu = cpu_seconds(service.proc.pid)
-            broker_cpu = sum(cpu_seconds(self.broker_pid).values()) if self.broker_pid else None
+            broker_cpu = broker_seconds(self.broker_pid)
             busy = machine_busy()
             stages_before = (health(url, "epochs"), health(url, "gc"))
             start, cpu, sent = time.monotonic(), time.process_time(), 0
@@ -744,7 +745,7 @@ class Bench:
             machine_cores = (busy_now[0] - busy[0]) / wall
             stolen_cores = (busy_now[2] - busy[2]) / wall
             cores = os.cpu_count() or 1
-            broker_cores = (sum(cpu_seconds(self.broker_pid).values()) - broker_cpu) / wall if self.broker_pid else None
+            broker_cores = (broker_seconds(self.broker_pid) - broker_cpu) / wall if broker_cpu is not None else None
             # CPU per event while live (small batches): what the latency depends on, beside phase 3's bulk figure.
             live_cpu = {name: s * 1000 / max(sent, 1)
                         for name, s in cpu_by_process(worker_cpu, cpu_seconds(service.proc.pid), service.proc.pid, children).items()}
