@@ -128,5 +128,5 @@ async def main(n, batch):
 if __name__ == "__main__":
     from gpuledger import gctune
 
-    gctune.tune()  # as the worker does
+    gctune.tune(int(os.environ.get("GEN0", gctune.GEN0_STATEFUL)))  # as the worker does
     asyncio.run(main(int(sys.argv[1]) if len(sys.argv) > 1 else 20000, int(sys.argv[2]) if len(sys.argv) > 2 else 1000))

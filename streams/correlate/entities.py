@@ -9,8 +9,8 @@ alert fingerprint. An entity keeps
 - ``links``: identity forwarded by related entities (a pod's intervals to its
   node/GPU, a pod's release to its workload, a workload's release to its pods), each
   with the sender's version; the highest version of a link wins;
-- ``sent`` / ``allocs`` / ``fwd``: the (version, digest) last emitted per row,
-  allocation and forward;
+- ``sent`` / ``allocs`` / ``fwd``: the version last emitted per row, allocation and
+  forward (``sent_version``; with its digest when the tests verify: ``VERIFY_UNCHANGED``);
 - ``ctl``: the alert fingerprints whose rows go to the controls stage (below).
 
 Facts (pod uid, workload, node, image digest, release/model labels, …) are derived
@@ -775,19 +775,33 @@ def _emit(sent: dict, key: str, version: int, content: dict, out: Outcome) -> in
     content change without a version change fails them (``Outcome.conflicts``)."""
     last = sent.get(key)
     if not VERIFY_UNCHANGED:
-        if last is not None and version <= last[0]:
+        if last is not None and version <= sent_version(last):
             return None
-        sent[key] = [version, ""]
+        sent[key] = version
         return version
     d = digest({k: v for k, v in content.items() if k != "version"})
     if last is not None:
-        if version <= last[0]:
-            if d == last[1]:
+        before = sent_version(last)
+        if version <= before:
+            if type(last) is int or d == last[1]:  # (no digest kept: written by a worker, which trusts the versions)
                 return None
             out.conflicts += 1
-            version = last[0] + 1
+            version = before + 1
     sent[key] = [version, d]
     return version
+
+
+def sent_version(entry) -> int:
+    """The version of a ``sent``/``allocs``/``fwd`` entry: a bare int as the worker keeps it,
+    ``[version, digest]`` as the tests' ``VERIFY_UNCHANGED`` does (and workers did before
+    2026-12: a changelog written then still holds that form).
+
+    Why a bare int: every emitted row, allocation and forward keeps one, and each such
+    entry alive after an epoch commit is walked by its freeze's collection
+    (``gpuledger.gctune.freeze``) — a two-item list is a tracked container, an int is not, and a
+    dict holding only ints is not tracked at all. ``benchmarks/engine_cpu.py``: these lists were
+    17 % of the objects each freeze walked (2 per input event)."""
+    return entry if type(entry) is int else entry[0]
 
 
 # --- the step ---------------------------------------------------------------------------
@@ -808,7 +822,7 @@ def _derive_row(state: dict, record: dict, directory, res: Resolution, park: boo
         touched(state["rows"], record["id"])
     version = 1 + res.version(directory, record["at"])
     last = state["sent"].get(record["id"])
-    if last is not None and version <= last[0] and not VERIFY_UNCHANGED:
+    if last is not None and version <= sent_version(last) and not VERIFY_UNCHANGED:
         return
     content = render_row(record, directory, res, version)
     emitted = _emit(state["sent"], record["id"], version, content, out)
@@ -1037,7 +1051,7 @@ def for_controls(state: dict, directory, rows: list[dict]) -> list[dict]:
                     or _fingerprint(record["identity"], record["id"]) != fp):
                 continue
             # Not in this output: its version did not grow since it was emitted.
-            out.append(render_row(record, directory, resolve_row(state, record, directory, entity_res, coverage), sent[0]))
+            out.append(render_row(record, directory, resolve_row(state, record, directory, entity_res, coverage), sent_version(sent)))
     return out
 
 
@@ -1063,7 +1077,7 @@ def _refresh_gpu(state: dict, directory, park: bool, memo: GpuMemo, out: Outcome
     def inputs(record: dict, k: int) -> tuple:
         """What the row's outputs depend on (``GpuMemo``)."""
         sent = state["sent"].get(record["id"])
-        return generation, k, top[k], record["parked"], record["expired"], sent[0] if sent else None
+        return generation, k, top[k], record["parked"], record["expired"], None if sent is None else sent_version(sent)
 
     for rid in ids:
         record = rows[rid]

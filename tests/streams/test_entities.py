@@ -513,3 +513,29 @@ def test_a_gpu_memo_finds_changed_links_by_their_journal_and_refuses_unnoted_cha
     loaded = orjson.loads(orjson.dumps(state))
     assert type(loaded["links"]) is dict and loaded["links"] == dict(state["links"])
     assert memo.prefixes(loaded)[0] == starts and type(loaded["links"]) is JournaledLinks
+
+
+def test_a_state_an_older_worker_wrote_with_version_digest_pairs_goes_on_as_one_with_bare_versions(monkeypatch):
+    """The worker keeps a bare int per emitted row, allocation and forward (``sent_version``:
+    no tracked container for the collector to walk); a worker before 2026-12 kept
+    ``[version, digest]``, and its changelog still holds them. Read back, such a state emits
+    exactly what a state of bare versions emits: nothing again at a version already sent (the
+    Driver asserts every emission's version grows), and the same latest rows and versions."""
+    import streams.correlate.entities as entities
+
+    monkeypatch.setattr(entities, "VERIFY_UNCHANGED", False)  # the worker's path
+    events = _busy_gpu()
+    half = len(events) // 2
+    reference = Driver().feed(events).flush_parked()
+    d = Driver().feed(events[:half])
+    pairs = 0
+    for state in d.entities.values():
+        for name in ("sent", "allocs", "fwd"):
+            assert all(type(v) is int for v in state[name].values())  # what this worker writes
+            state[name] = {k: [v, ""] for k, v in state[name].items()}  # what an older one wrote
+            pairs += len(state[name])
+    assert pairs > 50
+    d.feed(events[:half]).feed(events[half:]).flush_parked()  # the first half again (a re-delivery), then the rest
+    assert d.latest(versions=True) == reference.latest(versions=True)
+    assert d.latest_allocations(versions=True) == reference.latest_allocations(versions=True)
+    assert d.conflicts == 0
