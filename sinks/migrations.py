@@ -413,7 +413,7 @@ def migrate(client, database: str, cluster: str | None = None, ttl_days: int | N
             retention: bool = True) -> list[int]:
     """Apply pending migrations in order, then the configured TTL (not with ``retention=False``:
     a reader, which must not change what the worker's configuration keeps) and, with ``packed`` —
-    the embedded store — its small parts packed (``apply_packed_parts``); return the versions applied."""
+    the embedded store — its small parts packed and its merges wider (``apply_embedded_settings``); return the versions applied."""
     for sql in bootstrap_statements(database, cluster):
         client.command(sql)
     done = {row[0] for row in client.query(f"SELECT version FROM `{database}`.schema_migrations FINAL").result_rows}
@@ -431,7 +431,7 @@ def migrate(client, database: str, cluster: str | None = None, ttl_days: int | N
     if retention:
         apply_ttl(client, database, ttl_days, cluster)
     if packed:
-        apply_packed_parts(client, database)
+        apply_embedded_settings(client, database)
     return applied
 
 
@@ -480,22 +480,41 @@ def apply_ttl(client, database: str, ttl_days: int | None, cluster: str | None =
 #: would be a compact part. Not set on a ClickHouse server: a server older than the format cannot read
 #: packed parts (no downgrade), an operator's decision (docs/store.md).
 PACKED_PART_BYTES = 10 * 1024 * 1024
-_PACKED_RE = re.compile(r"\bmin_bytes_for_full_part_storage\s*=\s*(\d+)")
+#: In the embedded store, how many parts of about one size a merge waits for before it merges them
+#: (ClickHouse's ``merge_selector_base``, default 5): the wider a merge, the fewer times a row is
+#: rewritten by merges on its way into one large part (about log_base of the parts an insert size
+#: makes). Every insert of the sink is a small part, so merges were a fifth of the sink's CPU
+#: (``perf``: the MergeMutate thread). Measured (benchmarks/sink_cpu.py's store phase, then until
+#: no merge runs): in batches of 5,000 records 0.064-0.079 -> 0.050-0.069 ms per event, in batches
+#: of 1,000 0.136-0.157 -> 0.103-0.111; 20 was no better than 10. The price: more active parts
+#: between merges (after 60,000 events 44 instead of 20, all tables), which a ``FINAL`` read merges
+#: as it reads — at these counts nothing a query notices. Not set on a ClickHouse server: its
+#: operator's decision, as packed parts are.
+MERGE_SELECTOR_BASE = 10
+#: The MergeTree settings of every table of the embedded store (``apply_embedded_settings``).
+EMBEDDED_TABLE_SETTINGS = {"min_bytes_for_full_part_storage": PACKED_PART_BYTES, "merge_selector_base": MERGE_SELECTOR_BASE}
 
 
-def apply_packed_parts(client, database: str) -> list[str]:
-    """Set ``min_bytes_for_full_part_storage`` to ``PACKED_PART_BYTES`` on every MergeTree table of
-    ``database`` that does not have it (a table an older version created included); return the tables
-    changed. A metadata change: the parts already written keep their storage until merged."""
+def _setting_of(engine_full: str, name: str) -> str | None:
+    match = re.search(rf"\b{name}\s*=\s*([^,\s]+)", engine_full or "")
+    return match.group(1).strip("'") if match else None
+
+
+def apply_embedded_settings(client, database: str) -> list[str]:
+    """Set the embedded store's MergeTree settings (``EMBEDDED_TABLE_SETTINGS``: packed small
+    parts, wider merges) on every MergeTree table of ``database`` that does not have them (a table
+    an older version created included); return the tables changed. A metadata change: the parts
+    already written keep their storage until merged, and merges from now on follow the new base."""
     rows = client.query("SELECT name, engine_full FROM system.tables WHERE database = {db:String} AND engine LIKE '%MergeTree'",
                         parameters={"db": database}).result_rows
     changed = []
     for name, engine_full in rows:
-        match = _PACKED_RE.search(engine_full or "")
-        if match and int(match.group(1)) == PACKED_PART_BYTES:
+        missing = {k: v for k, v in EMBEDDED_TABLE_SETTINGS.items() if _setting_of(engine_full, k) != str(v)}
+        if not missing:
             continue
-        client.command(f"ALTER TABLE `{database}`.`{name}` MODIFY SETTING min_bytes_for_full_part_storage = {PACKED_PART_BYTES}")
+        client.command(f"ALTER TABLE `{database}`.`{name}` MODIFY SETTING " + ", ".join(f"{k} = {v}" for k, v in missing.items()))
         changed.append(name)
     if changed:
-        log.info("small parts of %s.%s written packed from now on", database, ", ".join(changed))
+        log.info("tables %s.%s: small parts written packed, merges %d parts wide, from now on", database, ", ".join(changed),
+                 MERGE_SELECTOR_BASE)
     return changed

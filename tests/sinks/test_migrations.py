@@ -11,7 +11,8 @@ import sys
 from sinks.agents import CORRELATED_FAMILY
 from sinks.allocations import GPU_ALLOCATION_COLUMNS, VIOLATION_COLUMNS
 from sinks.correlated import DEAD_LETTER_COLUMNS
-from sinks.migrations import MIGRATIONS, PACKED_PART_BYTES, SHARD_KEYS, TTL_COLUMNS, apply_packed_parts, apply_ttl, migrate, rendered
+from sinks.migrations import (MERGE_SELECTOR_BASE, MIGRATIONS, PACKED_PART_BYTES, SHARD_KEYS, TTL_COLUMNS, apply_embedded_settings, apply_ttl,
+                              migrate, rendered)
 from sinks.raw import RAW_EVENT_COLUMNS
 
 TABLES = ("correlated_events", "dead_letters", "raw_events", "gpu_allocations", "release_history", "workload_timeline",
@@ -67,33 +68,37 @@ def test_ttl_is_configuration_applied_only_when_it_changes(clickhouse_client, cl
     assert apply_ttl(clickhouse_client, clickhouse_db, None) == []
 
 
-def test_the_embedded_stores_small_parts_are_packed_from_the_next_start_on(clickhouse_dsn, clickhouse_client, clickhouse_db):
-    """A store whose tables an earlier version created (every part a directory of files) gets
-    ``min_bytes_for_full_part_storage`` when the worker's store connects (``migrated_store`` on a
-    chdb:// DSN): the parts inserted before stay as they are, the next insert is one packed file,
-    and FINAL reads both. Applied once; ``migrate`` without ``packed`` (a server) never sets it."""
+def test_the_embedded_stores_small_parts_are_packed_and_merged_wider_from_the_next_start_on(clickhouse_dsn, clickhouse_client,
+                                                                                              clickhouse_db):
+    """A store whose tables an earlier version created (every part a directory of files, merges
+    of ClickHouse's default width) gets ``min_bytes_for_full_part_storage`` and
+    ``merge_selector_base`` when the worker's store connects (``migrated_store`` on a chdb:// DSN):
+    the parts inserted before stay as they are, the next insert is one packed file, and FINAL
+    reads both. Applied once; ``migrate`` without ``packed`` (a server) never sets them."""
     import pytest
 
     from sinks.clickhouse import is_embedded, migrated_store
 
     if not is_embedded(clickhouse_dsn):
-        pytest.skip("packed parts are set on the embedded store only")
+        pytest.skip("these settings are set on the embedded store only")
     db = clickhouse_db
-    migrate(clickhouse_client, db)  # as before: nothing packed
+    packed, wider = f"min_bytes_for_full_part_storage = {PACKED_PART_BYTES}", f"merge_selector_base = {MERGE_SELECTOR_BASE}"
+    migrate(clickhouse_client, db)  # as before: nothing packed, default merges
     insert = (f"INSERT INTO `{db}`.dead_letters (reason, error, stage, source_topic, source_partition, source_offset, value, failed_at) "
               "VALUES ('validation', 'e', 'sinks.test', 'raw', 0, {offset}, '{n}', '2026-12-05 10:00:00')")
     clickhouse_client.command(insert.format(n="before", offset=1))
-    assert all(f"min_bytes_for_full_part_storage = {PACKED_PART_BYTES}" not in engine for engine in _tables(clickhouse_client, db).values())
+    assert all(packed not in engine and wider not in engine for engine in _tables(clickhouse_client, db).values())
 
     client = migrated_store(clickhouse_dsn, db).get()
-    assert all(f"min_bytes_for_full_part_storage = {PACKED_PART_BYTES}" in engine for engine in _tables(client, db).values()), _tables(client, db)
+    assert all(packed in engine and wider in engine for engine in _tables(client, db).values()), _tables(client, db)
+    assert client.command("SELECT value FROM system.merge_tree_settings WHERE name = 'merge_selector_base'") != str(MERGE_SELECTOR_BASE)
     client.command(insert.format(n="after", offset=2))
     parts = client.query("SELECT part_storage_type, path FROM system.parts WHERE database = {db:String} AND table = 'dead_letters' "
                          "AND active ORDER BY min_block_number", parameters={"db": db}).result_rows
     assert [kind for kind, _ in parts] == ["Full", "Packed"]
     assert os.listdir(parts[1][1]) == ["data.packed"] and len(os.listdir(parts[0][1])) > 5
     assert sorted(r[0] for r in client.query(f"SELECT value FROM `{db}`.dead_letters FINAL").result_rows) == ["after", "before"]
-    assert apply_packed_parts(client, db) == []  # already set: no ALTER
+    assert apply_embedded_settings(client, db) == []  # already set: no ALTER
 
 
 def test_a_reader_opening_the_embedded_store_leaves_its_retention_alone(clickhouse_dsn, clickhouse_client, clickhouse_db, monkeypatch):
