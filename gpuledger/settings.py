@@ -118,7 +118,11 @@ class ClickHouseSettings(BaseSettings):
     dsn: str | None = Field(default=None, description="chdb:///path (embedded, default under the data dir) or http(s)://user:pass@host:8123/db.",
                             json_schema_extra={"doc_default": "chdb://$GPULEDGER_DATA_DIR/clickhouse"})
     database: str = Field(default="gpuledger", description="Database holding gpuledger's tables.")
-    batch_rows: int = Field(default=10_000, ge=1, description="Sink flushes a batch at this many rows...")
+    # 30,000 rather than 10,000: a batch's inserts cost ~60 ms of CPU however few rows they carry
+    # (docs/store.md), and only a backlog (a bulk load, a catch-up after downtime) fills a batch
+    # before its window closes: benchmarks/sink_cpu.py, 60,000 events, 0.055-0.056 -> 0.050-0.051
+    # ms/event (live batches close on time, well under either).
+    batch_rows: int = Field(default=30_000, ge=1, description="Sink flushes a batch at this many rows...")
     batch_seconds: float = Field(default=0.3, gt=0, description="...or this many seconds after the previous batch closed, whichever comes first (what arrived while the previous batch was being stored is taken at once).")
     cluster: str | None = Field(default=None, description="ClickHouse cluster name for ON CLUSTER / Replicated tables.")
     query_timeout_s: float = Field(default=30.0, gt=0, description="Readers' queries (`trace`, `sql`, `audit`, the query endpoint) stop with an error after this many seconds (ClickHouse max_execution_time).")
