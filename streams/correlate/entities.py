@@ -219,18 +219,34 @@ def fold_link(state: dict, source: str, link: dict) -> bool:
             return False
         if link.get("v", 0) == current.get("v", 0) and digest(link) <= digest(current):
             return False  # same version: keep one deterministically
-    state["links"][source] = link
-    if len(state["links"]) > MAX_LINKS:
+    links = state["links"]
+    links[source] = link
+    if len(links) > MAX_LINKS:
         # The links that can matter least: those whose latest interval started earliest
         # (a function of the link set, so the survivors do not depend on arrival order).
-        def newest(item):
-            return max((iv["start"] for iv in item[1].get("intervals", [])), default=""), item[0]
-        # (the few least by key, not a sort of every link at each holder past the cap; keys are
-        # unique — the source is in them — so this is exactly the sort's first ones)
-        for src, _link in heapq.nsmallest(len(state["links"]) - MAX_LINKS, state["links"].items(), key=newest):
-            del state["links"][src]
+        if type(links) is JournaledLinks:
+            # (a followed node/GPU — the entities that reach the cap, holder after holder —
+            # keeps its links in that order as they change: finding the least by walking every
+            # link's intervals at each new holder past the cap made each fold cost the whole
+            # cap — a long live run's correlation fell behind once its GPUs had 256 holders)
+            least = links.least(len(links) - MAX_LINKS)
+        else:
+            # (the few least by key, not a sort of every link; keys are unique — the source is
+            # in them — so these are exactly the sort's first ones, as ``least`` gives them)
+            least = [src for src, _link in heapq.nsmallest(len(links) - MAX_LINKS, links.items(), key=_newest_item)]
+        for src in least:
+            del links[src]
             state["detached"] += 1
-    return source in state["links"]
+    return source in links
+
+
+def _link_newest(link: dict) -> str:
+    """When the latest interval a link holds started ("" for none): what ``fold_link`` keeps by."""
+    return max((iv["start"] for iv in link.get("intervals", ())), default="")
+
+
+def _newest_item(item: tuple[str, dict]) -> tuple[str, str]:
+    return _link_newest(item[1]), item[0]
 
 
 def expire(state: dict, row_ids: list[str]) -> bool:
@@ -839,15 +855,44 @@ class JournaledLinks(Journal):
     ``MAX_LINKS``); any other change in place is refused, so none can go unnoted. Encoded
     (orjson, the store) as the plain dict it is."""
 
-    __slots__ = ("changed",)
+    __slots__ = ("changed", "_order")
+
+    def __init__(self, items=(), /) -> None:
+        super().__init__(items)
+        self.changed: set = set()
+        # (when the latest interval started, source) of every link, sorted — what ``fold_link``
+        # evicts by past ``MAX_LINKS`` — built on the first ``least`` and kept up to date item by
+        # item from then on (None: not built, or dropped when a link turned out changed in place)
+        self._order: list[tuple[str, str]] | None = None
 
     def __setitem__(self, key, value) -> None:
+        if self._order is not None:
+            if key in self:
+                self._unorder(key, dict.__getitem__(self, key))
+            if self._order is not None:
+                insort(self._order, (_link_newest(value), key))
         Journal.__setitem__(self, key, value)
         self.changed.add(key)
 
     def __delitem__(self, key) -> None:
+        if self._order is not None and key in self:
+            self._unorder(key, dict.__getitem__(self, key))
         Journal.__delitem__(self, key)
         self.changed.add(key)
+
+    def _unorder(self, key: str, link: dict) -> None:
+        entry = (_link_newest(link), key)
+        k = bisect_left(self._order, entry)
+        if k < len(self._order) and self._order[k] == entry:
+            del self._order[k]
+        else:
+            self._order = None  # a link changed in place after it was ordered: built again when next needed
+
+    def least(self, n: int) -> list[str]:
+        """The ``n`` sources whose links ``fold_link`` evicts first (``_newest_item`` order)."""
+        if self._order is None:
+            self._order = sorted((_link_newest(link), src) for src, link in self.items())
+        return [src for _newest, src in self._order[:n]]
 
     def _refused(self, *_args, **_kwargs):
         raise TypeError("an entity's links change only item by item (fold_link), so that its GpuMemo notes every change")

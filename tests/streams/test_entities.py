@@ -539,3 +539,39 @@ def test_a_state_an_older_worker_wrote_with_version_digest_pairs_goes_on_as_one_
     assert d.latest(versions=True) == reference.latest(versions=True)
     assert d.latest_allocations(versions=True) == reference.latest_allocations(versions=True)
     assert d.conflicts == 0
+
+
+def test_a_followed_gpu_past_the_link_cap_keeps_exactly_the_links_a_plain_one_keeps(monkeypatch):
+    """Past ``MAX_LINKS`` a node/GPU keeps the links whose latest interval started latest. A
+    followed one (``JournaledLinks``) keeps them in that order as links come, are replaced by
+    higher versions (a holder's interval ending, or a later one starting) and are evicted,
+    instead of walking every link at each fold: under any arrival order it keeps the same
+    links, versions and eviction count as a plain dict of links does."""
+    from streams.correlate import entities
+    from streams.correlate.entities import GpuMemo, JournaledLinks, fold_link, new_entity
+
+    monkeypatch.setattr(entities, "MAX_LINKS", 6)
+
+    def link(v: int, *seconds: int) -> dict:
+        return {"intervals": [{"id": f"a{s}", "start": f"2026-11-01T00:{s // 60:02d}:{s % 60:02d}+00:00", "end": None, "identity": {}}
+                              for s in seconds], "v": v}
+
+    # 20 holders; some get a second version with a later interval (or, for p3, none at all)
+    arrivals = [(f"pod:ns/p{i}", link(1, (37 * i) % 200)) for i in range(20)]
+    arrivals += [(f"pod:ns/p{i}", link(2, (37 * i) % 200, 100 + 7 * i)) for i in range(0, 20, 4)]
+    arrivals += [("pod:ns/p3", link(3))]
+    for seed in range(8):
+        order = list(arrivals)
+        random.Random(seed).shuffle(order)
+        order.sort(key=lambda a: a[1]["v"])  # a source's versions in order (one partition of the route topic)
+        plain, followed, memo = new_entity("gpu:n1/GPU-1"), new_entity("gpu:n1/GPU-1"), GpuMemo()
+        for n, (source, lk) in enumerate(order):
+            fold_link(plain, source, lk)
+            fold_link(followed, source, lk)
+            if n == 3:
+                memo.prefixes(followed)  # from now on its links are followed
+                assert type(followed["links"]) is JournaledLinks
+        assert type(followed["links"]) is JournaledLinks and followed["links"]._order is not None
+        assert dict(followed["links"]) == plain["links"] and len(plain["links"]) == 6, f"seed {seed}"
+        assert followed["detached"] == plain["detached"] > 0, f"seed {seed}"
+        assert followed["links"].least(6) == [src for src, _ in sorted(plain["links"].items(), key=entities._newest_item)]
