@@ -916,13 +916,14 @@ class GpuMemo:
 
     Which rows to look at, without walking them all (a node/GPU keeps every alert it had):
     the rows that are new since the last refresh (appended to ``rows``), the rows still
-    parked, and the rows at or after ``low`` — the earliest start of any link that is new,
-    replaced or gone since (a row before it has the same prefix as before). A change of the
+    parked, and the rows at or after ``low`` — the earliest start of any link that is new or
+    replaced since (a row before it has the same prefix as before; a link *gone* — detached
+    past ``MAX_LINKS`` — moves no row: ``prefixes`` says why). A change of the
     directory (its generation), or rows that left, mean a full pass. The entity's interests
     are counted per row (``counts``), so they need no walk either."""
 
     __slots__ = ("links", "stamp", "rows", "_order", "_prefixes", "low", "generation", "times", "watch", "counts", "devices", "coverage",
-                 "_followed", "indexed")
+                 "_followed", "indexed", "gone")
 
     def __init__(self) -> None:
         self.links: dict[str, tuple[dict, int, str | None]] = {}  # source -> (link object, its stamp, its earliest start)
@@ -939,6 +940,7 @@ class GpuMemo:
         self.coverage: Coverage | None = None            # of the current links (built when a row is first derived, then kept up to date)
         self._followed: JournaledLinks | None = None     # the state's links, as last seen (``prefixes``)
         self.indexed: list[str] | None = None            # the interests the runtime last indexed the entity under (``Correlator``)
+        self.gone: str | None = None                     # earliest start of a link detached since the last refresh (``prefixes``)
 
     def _changed(self, *starts: str | None) -> None:
         for at in starts:
@@ -976,7 +978,20 @@ class GpuMemo:
             link = links.get(src)
             known = seen.pop(src, None)
             if known is not None:
-                self._changed(known[2])
+                if link is not None:
+                    self._changed(known[2])  # replaced: the rows from its start may derive otherwise
+                elif known[2] is not None and (self.gone is None or known[2] < self.gone):
+                    # Gone — detached past MAX_LINKS, the only way a followed link leaves: the
+                    # rows after its start are not derived again for it. The link is the one whose
+                    # latest interval started earliest, long before the rows that keep arriving;
+                    # without it a later row's link versions only fall and its holder (if the link
+                    # was it) goes — it would emit nothing (never above the version already sent),
+                    # only park and, its deadline long passed, expire. Deriving them all again at
+                    # every new holder past the cap was a node/GPU's full history per holder
+                    # (engine_cpu 640,000 events: ~258 row derivations per detachment, none
+                    # emitting; the correlation ~25x per event). A row derived later for another
+                    # reason (a link before it, the directory) sees the link gone then.
+                    self.gone = known[2]
                 if known[2] is not None:
                     k = bisect_left(order, (known[2], known[1]))
                     del order[k], starts[k], stamps[k]
@@ -1106,7 +1121,7 @@ def _refresh_gpu(state: dict, directory, park: bool, memo: GpuMemo, out: Outcome
     starts, top = memo.prefixes(state)
     generation = len(directory.seen)
     picked = memo.candidates(rows, generation)
-    memo.low = None
+    memo.low, gone, memo.gone = None, memo.gone, None
     if VERIFY_UNCHANGED:
         # The tests derive every row and check that each one the memo would have skipped is
         # unchanged (same inputs, same interests, nothing emitted).
@@ -1138,8 +1153,13 @@ def _refresh_gpu(state: dict, directory, park: bool, memo: GpuMemo, out: Outcome
         _derive_row(state, record, directory, res, park, out)
         after = inputs(record, k)
         if VERIFY_UNCHANGED and rid in skipped:
-            assert previous.get(rid) == (deps, tuple(res.interests)) and after == deps and len(out.correlated) == emitted, \
-                f"GpuMemo skipped a row that changed: {rid}"
+            if gone is not None and (record["starts_at"] or record["at"]) >= gone:
+                # skipped as a detached link's only change (``GpuMemo.prefixes``): it may derive
+                # otherwise (a lower version, no holder: parked), but it must emit nothing
+                assert len(out.correlated) == emitted, f"GpuMemo skipped a row after a detached link that emits: {rid}"
+            else:
+                assert previous.get(rid) == (deps, tuple(res.interests)) and after == deps and len(out.correlated) == emitted, \
+                    f"GpuMemo skipped a row that changed: {rid}"
         memo.derived(record, after, tuple(res.interests))
     state["interests"] = sorted(memo.counts)
     if memo.devices:  # (device_link walks every row: not for the node/GPUs of alerts, which have none)

@@ -575,3 +575,32 @@ def test_a_followed_gpu_past_the_link_cap_keeps_exactly_the_links_a_plain_one_ke
         assert dict(followed["links"]) == plain["links"] and len(plain["links"]) == 6, f"seed {seed}"
         assert followed["detached"] == plain["detached"] > 0, f"seed {seed}"
         assert followed["links"].least(6) == [src for src, _ in sorted(plain["links"].items(), key=entities._newest_item)]
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_gpu_past_its_link_cap_does_not_derive_its_history_again_per_holder_and_emits_the_same(monkeypatch, verify):
+    """Past ``MAX_LINKS`` every new holder detaches the link whose latest interval started
+    earliest. The memo does not derive the rows after it again for that (they would only fall
+    in version, or park: never emit): in any order, the rows, versions and allocations are the
+    ones deriving every row every time gives in that order — with the tests' check of every
+    skipped row (``verify``: it must emit nothing) and without (the worker's path).
+
+    (In that order: past the cap the latest versions depend on the order the holders came in —
+    a row derived before a detachment keeps the version it had — with or without the memo;
+    the closing note of 2026-12-05 says so.)"""
+    import streams.correlate.entities as entities
+
+    monkeypatch.setattr(entities, "MAX_LINKS", 8)  # 30 holders of one GPU: 22 detachments
+    monkeypatch.setattr(entities, "VERIFY_UNCHANGED", verify)
+    events = _busy_gpu()
+    for seed in range(10):
+        order = list(events)
+        random.Random(seed).shuffle(order)
+        reference = Driver(seed=seed, memos=False).feed(order).flush_parked()
+        assert reference.entities["gpu:n1/GPU-9"]["detached"] > 0 and len(reference.entities["gpu:n1/GPU-9"]["links"]) == 8
+        d = Driver(seed=seed).feed(order).flush_parked()
+        assert d.latest(versions=True) == reference.latest(versions=True), f"seed {seed}"
+        assert d.latest_allocations(versions=True) == reference.latest_allocations(versions=True), f"seed {seed}"
+        # (with ``verify`` every row is derived and compared: a detachment changes rows' content
+        # with no version growth — the cap's known gap, counted as conflicts — the same ones either way)
+        assert d.conflicts == reference.conflicts, f"seed {seed}"
