@@ -419,7 +419,7 @@ def test_coverage_answers_who_held_a_gpu_as_walking_every_link_does():
     link by link (``set``: links new, replaced, gone — as a GPU entity's memo keeps it), it
     answers as the definition does and as an index built at once from the same links,
     holders in the same order."""
-    from streams.correlate.entities import Coverage
+    from streams.correlate.entities import Coverage, select_holders
 
     rng = random.Random(7)
 
@@ -429,11 +429,16 @@ def test_coverage_answers_who_held_a_gpu_as_walking_every_link_does():
     def random_link(n: int) -> dict:
         intervals = []
         for j in range(rng.randint(0, 3)):
-            start = rng.randint(0, 200)
+            shared = rng.random() < 0.2  # one allocation reported by two sources: equal (start, id) in two links
+            start = 100 + j if shared else rng.randint(0, 200)
             end = None if rng.random() < 0.3 else start + rng.randint(1, 60)
             rid = rng.choice([None, "rel-a", "rel-b", "rel-c"])
-            intervals.append({"id": f"a{n}-{j}", "start": t(start), "end": t(end) if end is not None else None,
-                              "identity": {"release_id": rid} if rid else {}})
+            iv = {"id": f"shared{j}" if shared else f"a{n}-{j}", "start": t(start), "end": t(end) if end is not None else None,
+                  "identity": {"release_id": rid} if rid else {}}
+            if rng.random() < 0.3:  # a MIG slice / time-slicing share of the GPU
+                iv.update({"slice": f"MIG-{n}-{j}", "gi": rng.choice(["1", "2"]), "profile": rng.choice(["1g.10gb", "3g.40gb"]),
+                           "resource": "nvidia.com/mig"})
+            intervals.append(iv)
         return {"intervals": intervals, "v": rng.randint(1, 9)}
 
     def check(coverage: Coverage, links: dict) -> None:
@@ -451,6 +456,9 @@ def test_coverage_answers_who_held_a_gpu_as_walking_every_link_does():
             assert sorted(iv["id"] for iv in got_holders) == sorted(holders), (links, at)
             assert (got_version, got_rids) == (version, tuple(sorted(rids))), (links, at)
             assert [iv["id"] for iv in got_holders] == [iv["id"] for iv in built.at(at)[0]], (links, at)
+            # as a row resolves them: the holders select_holders picks (the latest whole one, or the slices)
+            for instance in (None, {"gi": "1"}, {"profile": "1g.10gb"}):
+                assert coverage.selected(at, instance) == (select_holders(got_holders, instance), got_version, got_rids), (links, at)
 
     for _case in range(200):
         links = {f"pod:ns/p{n}": random_link(n) for n in range(rng.randint(0, 6))}
