@@ -228,6 +228,6 @@ def migrated_store(dsn: str, database: str, cluster: str | None = None, ttl_days
     """
     def on_connect(client: Client) -> None:
         # (also applies or removes the TTL, and sets the embedded store's packed parts and wider merges)
-        migrate(client, database, cluster, ttl_days, packed=is_embedded(dsn))
+        migrate(client, database, cluster, ttl_days, embedded=is_embedded(dsn))
 
     return StoreConnection.from_dsn(dsn, database, on_connect=on_connect)

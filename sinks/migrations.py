@@ -409,10 +409,10 @@ def rendered(database: str, cluster: str | None = None, ttl_days: int | None = N
     return out
 
 
-def migrate(client, database: str, cluster: str | None = None, ttl_days: int | None = None, packed: bool = False,
+def migrate(client, database: str, cluster: str | None = None, ttl_days: int | None = None, embedded: bool = False,
             retention: bool = True) -> list[int]:
     """Apply pending migrations in order, then the configured TTL (not with ``retention=False``:
-    a reader, which must not change what the worker's configuration keeps) and, with ``packed`` —
+    a reader, which must not change what the worker's configuration keeps) and, with ``embedded`` —
     the embedded store — its small parts packed and its merges wider (``apply_embedded_settings``); return the versions applied."""
     for sql in bootstrap_statements(database, cluster):
         client.command(sql)
@@ -430,7 +430,7 @@ def migrate(client, database: str, cluster: str | None = None, ttl_days: int | N
         log.info("applied migration %d: %s", migration.version, migration.name)
     if retention:
         apply_ttl(client, database, ttl_days, cluster)
-    if packed:
+    if embedded:
         apply_embedded_settings(client, database)
     return applied
 

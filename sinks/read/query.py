@@ -302,6 +302,6 @@ def open_reader(settings):
         client = connect(dsn, settings.clickhouse.database)
         # (the tables it reads, if missing; not the retention: a responder's shell without the
         # worker's GPULEDGER_CLICKHOUSE_TTL_DAYS removed the TTL from every event table)
-        migrate(client, settings.clickhouse.database, packed=True, retention=False)
+        migrate(client, settings.clickhouse.database, embedded=True, retention=False)
         return DirectReader(client, QueryLimits.of(settings.clickhouse))
     return DirectReader(connect(dsn, settings.clickhouse.database, create=False), QueryLimits.of(settings.clickhouse))

@@ -642,58 +642,49 @@ class Coverage:
         self._cum = None
         self._reach = None
 
-    def at(self, at: str) -> tuple[list[dict], int, tuple[str, ...]]:
-        # The intervals started by ``at`` that have not ended by then, found from the latest
-        # start back, as far as one of the earlier ones could still reach past ``at`` (the
-        # running max of their ends): a GPU's holders mostly follow one another, so that is
-        # the last one or two, not every holder it ever had (walking them all, per alert,
-        # grew with its history).
-        n = bisect_right(self._starts, at)
-        reach = self._reaches()
-        ends, ivs = self._ends, self._ivs
-        holders = []
-        k = n - 1
-        while k >= 0 and reach[k] > at:
+    def _covering(self, at: str):
+        """The intervals that hold it at ``at`` (started by ``at``, not ended by then), latest
+        start first — walked back only as far as one of the earlier ones could still reach past
+        ``at`` (the running max of their ends): a GPU's holders mostly follow one another, so
+        that is the last one or two, not every holder it ever had (walking them all, per alert,
+        grew with its history)."""
+        reach, ends, ivs = self._reaches(), self._ends, self._ivs
+        for k in range(bisect_right(self._starts, at) - 1, -1, -1):
+            if reach[k] <= at:
+                return
             end = ends[k]
             if end is None or at < end:
-                holders.append(ivs[k])
-            k -= 1
+                yield ivs[k]
+
+    def at(self, at: str) -> tuple[list[dict], int, tuple[str, ...]]:
+        """Its holders at ``at`` (by start), the versions of the links with an interval started
+        by ``at``, and those intervals' releases."""
+        holders = list(self._covering(at))
         holders.reverse()
         return (holders, *self._prefix(at))
 
     def selected(self, at: str, instance: dict | None) -> tuple[list[dict], int, tuple[str, ...]]:
         """``at`` with its holders as ``select_holders(holders, instance)`` picks them. For an
-        alert naming no GPU instance that is the latest-starting whole holder, found walking
-        back from the latest start and stopping there — not every holder open at ``at``: a
-        GPU whose holders never release it (the bench mix's pods never do) keeps them all
-        open, and walking them per alert grew with its history (engine_cpu, 100,000 →
-        480,000 events: ``Coverage.at`` 3 % → 10 % of the engine's samples)."""
+        alert naming no GPU instance that is the latest-starting whole holder, and the walk back
+        from the latest start stops at it (with the holders of its (start, allocation id), which
+        ``select_holders`` chooses among) — not every holder open at ``at``: a GPU whose holders
+        never release it (the bench mix's pods never do) keeps them all open, and walking them
+        per alert grew with its history (engine_cpu, 100,000 → 480,000 events: ``Coverage.at``
+        3 % → 10 % of the engine's samples)."""
         if instance:
             holders, version, rids = self.at(at)
             return select_holders(holders, instance), version, rids
-        n = bisect_right(self._starts, at)
-        reach = self._reaches()
-        ends, ivs = self._ends, self._ivs
-        parts = []
-        k = n - 1
-        while k >= 0 and reach[k] > at:
-            end = ends[k]
-            if end is None or at < end:
-                iv = ivs[k]
-                if not iv.get("slice"):
-                    # (of equal (start, allocation id) the first whole one, as select_holders picks)
-                    latest, key = iv, (iv["start"], iv["id"])
-                    for j in range(k - 1, -1, -1):
-                        other = ivs[j]
-                        if (other["start"], other["id"]) != key:
-                            break
-                        if (ends[j] is None or at < ends[j]) and not other.get("slice"):
-                            latest = other
-                    return ([latest], *self._prefix(at))
-                parts.append(iv)
-            k -= 1
-        parts.reverse()
-        return (sorted(parts, key=lambda h: (h["start"], h["id"])), *self._prefix(at))
+        latest: list[dict] = []  # the holders from the latest start back to the first whole one's key
+        whole = None
+        for iv in self._covering(at):
+            key = (iv["start"], iv["id"])
+            if whole is not None and key != whole:
+                break
+            latest.append(iv)
+            if whole is None and not iv.get("slice"):
+                whole = key
+        latest.reverse()
+        return (select_holders(latest, None), *self._prefix(at))
 
     def _reaches(self) -> list[str]:
         if self._reach is None:

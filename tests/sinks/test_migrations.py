@@ -74,7 +74,7 @@ def test_the_embedded_stores_small_parts_are_packed_and_merged_wider_from_the_ne
     of ClickHouse's default width) gets ``min_bytes_for_full_part_storage`` and
     ``merge_selector_base`` when the worker's store connects (``migrated_store`` on a chdb:// DSN):
     the parts inserted before stay as they are, the next insert is one packed file, and FINAL
-    reads both. Applied once; ``migrate`` without ``packed`` (a server) never sets them."""
+    reads both. Applied once; ``migrate`` without ``embedded`` (a server) never sets them."""
     import pytest
 
     from sinks.clickhouse import is_embedded, migrated_store
