@@ -88,6 +88,9 @@ def status(bootstrap: Optional[str] = BootstrapOpt, dsn: Optional[str] = DsnOpt,
         directory = page.get("release_directory") or {}
         console.print(f"  release directory: {'ready' if directory.get('ready') else 'loading'}, {directory.get('releases', 0):,} releases;"
                       f" parked rows: {(page.get('stats') or {}).get('parked', 0):,}")
+        capped = {kind: n for kind, n in ((page.get("stats") or {}).get("capped") or {}).items() if n}
+        if capped:  # a state bound bit: exactness ends there (docs/architecture.md, Bounds)
+            console.print("  [yellow]state bounds hit[/] since start: " + ", ".join(f"{kind.replace('_', ' ')} {n:,}" for kind, n in sorted(capped.items())))
         procs = Table("process", "pid", "answering", "nice", "restarts", "last exit", "lag (not committed)")
         for name in ("route", "controls", "sink"):
             child = page.get(name) or {}

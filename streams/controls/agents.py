@@ -44,6 +44,7 @@ from collections import defaultdict
 from collections.abc import Awaitable
 from datetime import datetime
 
+from streams import caps
 from streams.controls.policy import PolicySettings
 from schemas import encode_event
 from streams.controls.rules import Context, digest, fold_link, fold_row, max_time, new_state, step
@@ -157,6 +158,7 @@ class Controller:
         self.stats = ctx.stats
         for name in ("controls_in", "controls_keys", "violations_out", "control_conflicts"):
             self.stats.setdefault(name, 0)
+        self.stats["capped"] = caps.counts()  # (kept up to date batch by batch: ``streams.caps``)
 
     def _loaded(self, partition: int, summaries: dict) -> None:
         self.runtime.marks.loaded(partition, self.store.get(partition, DIRECTORY_MARK))
@@ -208,6 +210,7 @@ class Controller:
         self.packer.drain_into(out)
         self.ctx.fault("controls", "during_outputs")
         self.stats["controls_in"] += len(messages)
+        self.stats["capped"] = caps.counts()
         self.stats["controls_keys"] = len(self.store) - len(self.runtime.marks.written)
         if touched:
             log.info("controls evaluated %d message(s) for %d key(s) into %d violation version(s) (produced at the epoch commit)", len(messages), len(touched), n_out)

@@ -55,6 +55,7 @@ from datetime import datetime, timedelta, timezone
 
 import orjson
 
+from streams.caps import capped
 from streams.controls.policy import ACTION_OF_EVENT, CONTROL_TITLES, Policy
 from streams.packing import kind_of
 from gpuledger.timefmt import format_duration, quick_utc_isoformat
@@ -184,8 +185,10 @@ def fold_row(state: dict, row: dict) -> bool:
     if len(state["rows"]) > MAX_ROWS:
         # Drop the oldest; closed allocations go before open ones (an open one still holds a GPU).
         ordered = sorted(state["rows"].values(), key=lambda r: (r.get("end", "") is None, r.get("at") or r.get("start"), r["id"]))
-        for old in ordered[: len(state["rows"]) - MAX_ROWS]:
+        dropped = ordered[: len(state["rows"]) - MAX_ROWS]
+        for old in dropped:
             del state["rows"][old["id"]]
+        capped("control_rows_dropped", len(dropped), state["key"], f"its oldest rows dropped past {MAX_ROWS:,} (MAX_ROWS)")
     return True
 
 

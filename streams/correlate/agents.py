@@ -39,6 +39,7 @@ import orjson
 
 from schemas import encode_event
 from schemas.outputs import dead_letter
+from streams import caps
 from streams.controls.rules import allocation_key, compact_allocation, compact_row, row_key
 from streams.correlate.directory import ReleaseDirectory, follow_release_topic
 from streams.correlate.entities import GpuMemo, event_row, expire, fold_link, fold_row, for_controls, new_entity, refresh
@@ -164,6 +165,7 @@ class Correlator:
         self.stats = ctx.stats
         for name in ("correlated_in", "correlated_out", "conflicts", "parked", "entities"):
             self.stats.setdefault(name, 0)
+        self.stats["capped"] = caps.counts()  # (kept up to date batch by batch: ``streams.caps``)
 
     # --- correlate ----------------------------------------------------------------------
     async def correlate_batch(self, events: list) -> None:
@@ -273,6 +275,7 @@ class Correlator:
             self.runtime.last_input = time.monotonic()  # input arrives: parked rows wait for their watermark
         self.stats["correlated_out"] += n_out
         self.stats["parked"] = self.runtime.parked_count()
+        self.stats["capped"] = caps.counts()
         self.stats["entities"] = len(self.store) - len(self.runtime.marks.written)
         self.counters.add_sent(n_out)
         if refreshed:

@@ -52,7 +52,8 @@ a function of its identity, which comes from the labels the fingerprint hashes. 
 written before ``ctl`` existed sends every alert row (as it did then).
 
 Bounds: ``MAX_ROWS`` rows per entity and ``MAX_STATE_BYTES`` of row text (the newest
-rows that fit are kept; what is detached is counted in ``state["detached"]``).
+rows that fit are kept; what is detached is counted in ``state["detached"]``, and in the
+process's health, ``streams.caps``).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ import orjson
 
 from gpuledger.timefmt import utc_isoformat
 from schemas import Identity
+from streams.caps import capped
 from streams.correlate.directory import interests_for
 from streams.correlate.release import segments, summarize
 from streams.packing import kind_of
@@ -136,7 +138,7 @@ def event_row(event: dict, kind: str, src) -> dict:
     row = {
         "id": eid, "type": etype, "at": at, "key": f"{at}|{eid}", "identity": ident, "facts": facts, "gpu": gpu,
         "summary": summarize(etype, payload), "topic": src[0], "partition": src[1], "offset": src[2],
-        "payload": bounded_payload(payload), "starts_at": iso(payload.get("starts_at")) if etype.startswith("alert.") else None,
+        "payload": bounded_payload(payload, f"{src[0]}[{src[1]}]@{src[2]} ({etype} {eid})"), "starts_at": iso(payload.get("starts_at")) if etype.startswith("alert.") else None,
         "expired": False, "parked": False,
     }
     if etype.startswith("alert.") and (instance := gpu_instance(payload.get("labels") or {})):
@@ -171,12 +173,14 @@ def gpu_instance(labels: dict) -> dict | None:
     return found or None
 
 
-def bounded_payload(payload: dict) -> str:
+def bounded_payload(payload: dict, source: str = "") -> str:
     """The payload as JSON, at most MAX_ROW_PAYLOAD bytes: a larger one keeps its short
-    top-level fields and says how much was left out (the raw event log keeps it whole)."""
+    top-level fields and says how much was left out (the raw event log keeps it whole;
+    counted: ``streams.caps``, ``source`` names the event)."""
     text = orjson.dumps(payload).decode()
     if len(text) <= MAX_ROW_PAYLOAD:
         return text
+    capped("payloads_truncated", 1, source, f"a payload of {len(text):,} bytes cut to {MAX_ROW_PAYLOAD:,} (MAX_ROW_PAYLOAD)")
     kept = {k: v for k, v in payload.items() if len(orjson.dumps(v)) <= 1024}
     kept["_truncated_bytes"] = len(text)
     small = orjson.dumps(kept).decode()
@@ -203,6 +207,8 @@ def _bound(state: dict) -> None:
                 del rows[old["id"]]
                 state["sent"].pop(old["id"], None)
             state["detached"] += len(ordered) - i
+            capped("rows_detached", len(ordered) - i, state["key"],
+                   f"its oldest rows detached past {MAX_ROWS:,} rows or {MAX_STATE_BYTES:,} bytes of row text (MAX_ROWS, MAX_STATE_BYTES)")
             state["bytes"] = MAX_STATE_BYTES - budget - _row_bytes(rec)
             if state.get("ctl"):  # the fingerprints sent to the controls stay bounded with the rows
                 kept = {_fingerprint(r["identity"], r["id"]) for r in rows.values() if r["type"].startswith("alert.")}
@@ -237,6 +243,8 @@ def fold_link(state: dict, source: str, link: dict) -> bool:
         for src in least:
             del links[src]
             state["detached"] += 1
+        capped("links_detached", len(least), state["key"], f"links detached past {MAX_LINKS} (MAX_LINKS): those whose latest"
+               " interval started earliest (a node/GPU's oldest holders) go first")
     return source in links
 
 

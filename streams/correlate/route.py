@@ -35,6 +35,7 @@ from gpuledger.child import ChildProcess, child_main
 from gpuledger.telemetry import ComponentCounters
 from schemas import EventDecodeError, decode_event, encode_event
 from schemas.outputs import dead_letter
+from streams import caps
 from streams.correlate.entities import event_row
 from streams.correlate.routing import entity_key, routed_event
 from streams.intake import serve_stage
@@ -59,7 +60,7 @@ class Router:
         self.fault = fault or FaultInjection(None)
         self.packer = Packer(self.run.route, self.run.partitions, max_messages=settings.streams.pack_max)
         self.counters = ComponentCounters("streams.route")
-        self.stats: dict = {"routed": 0, "out_of_range": 0, "dead_letters": 0}
+        self.stats: dict = {"routed": 0, "out_of_range": 0, "dead_letters": 0, "capped": caps.counts()}  # (``streams.caps``)
 
     async def route_batch(self, events: list) -> None:
         in_range = self.settings.streams.in_range  # a replay's event-time range (`gpuledger replay --from/--to`)
@@ -95,6 +96,7 @@ class Router:
             self.stats["first_route_batch"], self.stats["first_route_batch_at"] = len(events), time.monotonic()
         self.stats["routed"] += len(events) - skipped
         self.stats["out_of_range"] += skipped
+        self.stats["capped"] = caps.counts()
         self.counters.add_sent(len(routed))
 
     async def commit(self) -> None:

@@ -612,3 +612,44 @@ def test_a_gpu_past_its_link_cap_does_not_derive_its_history_again_per_holder_an
         # (with ``verify`` every row is derived and compared: a detachment changes rows' content
         # with no version growth — the cap's known gap, counted as conflicts — the same ones either way)
         assert d.conflicts == reference.conflicts, f"seed {seed}"
+
+
+def test_every_state_bound_that_bites_is_counted_for_the_health_page_and_logged_once(monkeypatch, caplog):
+    """What a bound lets go is counted by kind (``streams.caps``: the health page's
+    ``stats.capped``) — as many as the entities themselves say they detached — and the first
+    of each kind in a process is logged with its entity, the rest only counted."""
+    import logging
+    from collections import Counter
+
+    import streams.correlate.entities as entities
+    from streams import caps
+    from streams.controls import rules
+
+    monkeypatch.setattr(caps, "CAPPED", Counter())  # this test's counts only
+    monkeypatch.setattr(entities, "MAX_LINKS", 8)  # 30 holders of one GPU
+    monkeypatch.setattr(entities, "MAX_ROWS", 20)  # 45 alerts on it
+    assert caps.counts() == {"rows_detached": 0, "links_detached": 0, "payloads_truncated": 0, "control_rows_dropped": 0}
+    with caplog.at_level(logging.WARNING, logger="streams.caps"):
+        d = Driver().feed(_busy_gpu()).flush_parked()
+    gpu = d.entities["gpu:n1/GPU-9"]
+    assert len(gpu["links"]) == 8 and len(gpu["rows"]) == 20
+    counted = caps.counts()
+    assert counted["links_detached"] >= 22 and counted["rows_detached"] == 25, counted
+    assert counted["links_detached"] + counted["rows_detached"] == sum(s["detached"] for s in d.entities.values())
+    # (the workload's pods are its links too: 30 of them)
+    assert [(r.getMessage().split(": ")[0], r.getMessage().rsplit(".", 1)[-1]) for r in caplog.records] == [
+        ("wl:ml/Job/train", "links_detached"), ("gpu:n1/GPU-9", "rows_detached")]
+
+    # a payload cut to MAX_ROW_PAYLOAD where the row is built (the route stage)
+    big = alert(1, fp="big", labels={"note": "x" * (entities.MAX_ROW_PAYLOAD + 10)})
+    row = entities.event_row(routed_event(big), "alert", ("raw.alerts", 3, 17))
+    assert orjson.loads(row["payload"])["_truncated_bytes"] > entities.MAX_ROW_PAYLOAD
+    assert caps.counts()["payloads_truncated"] == 1
+    assert "raw.alerts[3]@17 (alert.firing" in caplog.records[-1].getMessage()
+
+    # a control key's oldest rows past its bound
+    monkeypatch.setattr(rules, "MAX_ROWS", 3)
+    state = rules.new_state("wl:ml/Job/j")
+    for i in range(5):
+        rules.fold_row(state, {"id": f"r{i}", "v": 1, "at": f"2026-11-01T00:00:0{i}+00:00"})
+    assert sorted(state["rows"]) == ["r2", "r3", "r4"] and caps.counts()["control_rows_dropped"] == 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 from datetime import datetime, timedelta, timezone
 
 from producers._kafka import EventPublisher
@@ -64,6 +65,14 @@ def test_a_record_too_large_to_forward_is_dead_lettered_and_its_batch_is_not_los
     raw = worker.reader.query("SELECT count() AS n FROM gpuledger.raw_events FINAL").dicts()[0]["n"]
     assert raw == len(small) + 2
     assert worker.service.alive()
+    # both payloads were cut where their rows were built (the route stage), and the health page says so
+    with urllib.request.urlopen(f"{worker.url}/gpuledger/health/", timeout=10) as resp:
+        capped = json.load(resp)["stats"]["capped"]
+    assert capped == {"payloads_truncated": 2, "rows_detached": 0, "links_detached": 0, "control_rows_dropped": 0}, capped
+    from tests.streams.test_app import status_of
+
+    status = status_of(kafka_bootstrap, catalogue, worker)
+    assert "state bounds hit since start: payloads truncated 2\n" in status.stdout, status.output
 
 
 def test_an_output_record_whose_key_alone_is_too_large_is_dead_lettered_with_its_key_cut(kafka_bootstrap, catalogue):
