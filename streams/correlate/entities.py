@@ -52,8 +52,9 @@ a function of its identity, which comes from the labels the fingerprint hashes. 
 written before ``ctl`` existed sends every alert row (as it did then).
 
 Bounds: ``MAX_ROWS`` rows per entity and ``MAX_STATE_BYTES`` of row text (the newest
-rows that fit are kept; what is detached is counted in ``state["detached"]``, and in the
-process's health, ``streams.caps``).
+rows that fit are kept), ``MAX_LINKS`` links (those whose latest interval started earliest
+go; what they added to the versions stays: ``_let_go``); what is detached is counted in
+``state["detached"]``, and in the process's health (``streams.caps``).
 """
 
 from __future__ import annotations
@@ -226,6 +227,14 @@ def fold_link(state: dict, source: str, link: dict) -> bool:
         if link.get("v", 0) == current.get("v", 0) and digest(link) <= digest(current):
             return False  # same version: keep one deterministically
     links = state["links"]
+    if current is None and len(links) >= MAX_LINKS and (_link_newest(link), source) < _least_key(links):
+        # It would go at once, the least of all: not attached, and not counted in ``gone`` —
+        # mostly a detached holder's link forwarded again (a release event makes every pod of
+        # the release forward its links again); counted, it would raise the version of every
+        # row after ``gone["w"]`` again at each such event, and re-emit them (``_let_go``).
+        state["detached"] += 1
+        capped("links_detached", 1, state["key"], _DETACHED)
+        return False
     links[source] = link
     if len(links) > MAX_LINKS:
         # The links that can matter least: those whose latest interval started earliest
@@ -240,12 +249,53 @@ def fold_link(state: dict, source: str, link: dict) -> bool:
             # (the few least by key, not a sort of every link; keys are unique — the source is
             # in them — so these are exactly the sort's first ones, as ``least`` gives them)
             least = [src for src, _link in heapq.nsmallest(len(links) - MAX_LINKS, links.items(), key=_newest_item)]
+        gone = state.get("gone")
+        if gone is None:
+            gone = state["gone"] = {"v": 0, "w": "", "rids": []}
         for src in least:
+            _let_go(gone, links[src])
             del links[src]
             state["detached"] += 1
-        capped("links_detached", len(least), state["key"], f"links detached past {MAX_LINKS} (MAX_LINKS): those whose latest"
-               " interval started earliest (a node/GPU's oldest holders) go first")
+        capped("links_detached", len(least), state["key"], _DETACHED)
     return source in links
+
+
+_DETACHED = f"links detached past {MAX_LINKS} (MAX_LINKS): those whose latest interval started earliest (a node/GPU's oldest holders) go first"
+
+
+def _least_key(links: dict) -> tuple[str, str]:
+    """The ``_newest_item`` key of the link ``fold_link`` would evict first."""
+    if type(links) is JournaledLinks:
+        src = links.least(1)[0]
+        return _link_newest(links[src]), src
+    return min(_newest_item(item) for item in links.items())
+
+
+def _let_go(gone: dict, link: dict) -> None:
+    """What a detached link added to the versions of its entity's rows, kept (``state["gone"]``):
+    its version (``v``: summed), until when its intervals could hold the node/GPU (``w``: the
+    latest end of any detached link's intervals, ``OPEN_END`` once one still open went) and the
+    releases it named (``rids``). A row no detached link could have held — a node/GPU's row at
+    or after ``w``, any row of a pod or workload — counts them as the link did: letting a link
+    go changes neither its version nor its content, so the row's version does not depend on
+    whether it was derived before or after the detachment (``resolve_row``, ``resolve_entity``),
+    and a replay that batches otherwise stores the same versions. Bounded: two values and the
+    releases the entity's detached links ran (the directory's releases at most).
+
+    Where it is not exact (docs/architecture.md, Bounds): a node/GPU's row before ``w`` (a
+    detached holder may have held it: derived after the detachment it does without it and
+    without ``gone``, so with a lower version — a replay that derives it then stores that); all of
+    a node/GPU's rows once a holder that never reported its end went (``w`` is then after every
+    time: as before ``gone`` existed); a link that arrives after MAX_LINKS holders that started
+    after it (``fold_link`` does not attach it: not counted, where a run that got it in time
+    counted it); and a link forwarded again between a run's detachment of it and another's."""
+    gone["v"] += link.get("v", 0)
+    reach = _link_reach(link)
+    if reach > gone["w"]:
+        gone["w"] = reach
+    rids = {iv["identity"].get("release_id") for iv in link.get("intervals", ())} | {link.get("release_id")}
+    for rid in sorted(rid for rid in rids if rid and rid not in gone["rids"]):
+        insort(gone["rids"], rid)
 
 
 def _link_newest(link: dict) -> str:
@@ -255,6 +305,12 @@ def _link_newest(link: dict) -> str:
 
 def _newest_item(item: tuple[str, dict]) -> tuple[str, str]:
     return _link_newest(item[1]), item[0]
+
+
+def _link_reach(link: dict) -> str:
+    """Until when a link's intervals may hold its node/GPU: the latest end, ``OPEN_END`` while
+    one has not ended ("" for a link without intervals: a workload's pods)."""
+    return max((OPEN_END if iv["end"] is None else iv["end"] for iv in link.get("intervals", ())), default="")
 
 
 def expire(state: dict, row_ids: list[str]) -> bool:
@@ -333,7 +389,8 @@ def resolve_entity(state: dict, directory) -> Resolution:
     env = f.get("environment")
     lookups = interests_for(f.get("image_digest"), f.get("model_name"), f.get("model_version"))
     linked = sorted((src, link["release_id"]) for src, link in state["links"].items() if link.get("release_id"))
-    named = tuple(sorted(({f["release_id"]} if f.get("release_id") else set()) | {rid for _, rid in linked}))
+    gone = state.get("gone")
+    named = tuple(sorted(({f["release_id"]} if f.get("release_id") else set()) | {rid for _, rid in linked} | set(gone["rids"] if gone else ())))
     rid, how, unknown = None, "unattributed", None
     if f.get("release_id"):
         rid, how = f["release_id"], "release_label"
@@ -348,7 +405,8 @@ def resolve_entity(state: dict, directory) -> Resolution:
     elif f.get("model_name") and (match := directory.by_model_version(f["model_name"], f.get("model_version"), env)):
         rid, how = match, "model_version_match"
     interests = lookups + [f"rid:{r}" for r in named] + ([f"rid:{rid}"] if rid and rid not in named else [])
-    return Resolution(f, how, rid, interests, named, tuple(lookups), fv + links_version(state["links"]), fv, unknown)
+    return Resolution(f, how, rid, interests, named, tuple(lookups), fv + links_version(state["links"]) + (gone["v"] if gone else 0), fv,
+                      unknown)
 
 
 def own_release(state: dict, directory, facts: dict) -> tuple[str | None, str]:
@@ -768,6 +826,10 @@ def resolve_row(state: dict, record: dict, directory, entity_res: Resolution, co
         return _own_fallback(own, directory, entity_res, entity_res.release_id) if entity_res.unresolved(directory) else entity_res
     if kind == "gpu":
         holders, version, rids = (coverage or Coverage(state["links"])).selected(at, record.get("gpu_instance"))
+        gone = state.get("gone")
+        if gone and at >= gone["w"]:  # no detached holder could have held it: it counts them as it did (``_let_go``)
+            version += gone["v"]
+            rids = tuple(sorted({*rids, *gone["rids"]}))
         interests = [f"rid:{r}" for r in rids]
         if not holders:
             return Resolution({}, "unattributed", None, interests, rids, (), version)
@@ -962,7 +1024,7 @@ class GpuMemo:
     are counted per row (``counts``), so they need no walk either."""
 
     __slots__ = ("links", "stamp", "rows", "_order", "_prefixes", "low", "generation", "times", "watch", "counts", "devices", "coverage",
-                 "_followed", "indexed", "gone")
+                 "_followed", "indexed", "gone", "w")
 
     def __init__(self) -> None:
         self.links: dict[str, tuple[dict, int, str | None]] = {}  # source -> (link object, its stamp, its earliest start)
@@ -979,7 +1041,8 @@ class GpuMemo:
         self.coverage: Coverage | None = None            # of the current links (built when a row is first derived, then kept up to date)
         self._followed: JournaledLinks | None = None     # the state's links, as last seen (``prefixes``)
         self.indexed: list[str] | None = None            # the interests the runtime last indexed the entity under (``Correlator``)
-        self.gone: str | None = None                     # earliest start of a link detached since the last refresh (``prefixes``)
+        self.gone: str | None = None                     # the earliest row time a detachment since the last refresh touched (``prefixes``)
+        self.w: str | None = None                        # the state's ``gone["w"]`` at the last refresh
 
     def _changed(self, *starts: str | None) -> None:
         for at in starts:
@@ -1019,18 +1082,23 @@ class GpuMemo:
             if known is not None:
                 if link is not None:
                     self._changed(known[2])  # replaced: the rows from its start may derive otherwise
-                elif known[2] is not None and (self.gone is None or known[2] < self.gone):
+                elif known[2] is not None:
                     # Gone — detached past MAX_LINKS, the only way a followed link leaves: the
-                    # rows after its start are not derived again for it. The link is the one whose
-                    # latest interval started earliest, long before the rows that keep arriving;
-                    # without it a later row's link versions only fall and its holder (if the link
-                    # was it) goes — it would emit nothing (never above the version already sent),
-                    # only park and, its deadline long passed, expire. Deriving them all again at
-                    # every new holder past the cap was a node/GPU's full history per holder
-                    # (engine_cpu 640,000 events: ~258 row derivations per detachment, none
-                    # emitting; the correlation ~25x per event). A row derived later for another
-                    # reason (a link before it, the directory) sees the link gone then.
-                    self.gone = known[2]
+                    # rows after its start (or after the previous detachments' ``gone["w"]``,
+                    # if earlier) are not derived again for it. The link is the one whose latest
+                    # interval started earliest, long before the rows that keep arriving. A row at
+                    # or after the new ``gone["w"]`` derives exactly what it did (the link's
+                    # version and releases moved into ``gone``: ``_let_go``); one before it now
+                    # does without the link and without ``gone`` — its version only falls and its
+                    # holder (if the link was it) goes: it would emit nothing (never above the
+                    # version already sent), only park and, its deadline long passed, expire.
+                    # Deriving them all again at every new holder past the cap was a node/GPU's
+                    # full history per holder (engine_cpu 640,000 events: ~258 row derivations per
+                    # detachment, none emitting; the correlation ~25x per event). A row derived
+                    # later for another reason (a link before it, the directory) sees it then.
+                    since = min(known[2], self.w) if self.w else known[2]
+                    if self.gone is None or since < self.gone:
+                        self.gone = since
                 if known[2] is not None:
                     k = bisect_left(order, (known[2], known[1]))
                     del order[k], starts[k], stamps[k]
@@ -1201,6 +1269,7 @@ def _refresh_gpu(state: dict, directory, park: bool, memo: GpuMemo, out: Outcome
                     f"GpuMemo skipped a row that changed: {rid}"
         memo.derived(record, after, tuple(res.interests))
     state["interests"] = sorted(memo.counts)
+    memo.w = state["gone"]["w"] if state.get("gone") else None
     if memo.devices:  # (device_link walks every row: not for the node/GPUs of alerts, which have none)
         _refresh_device(state, out)
     return out

@@ -588,14 +588,14 @@ def test_a_followed_gpu_past_the_link_cap_keeps_exactly_the_links_a_plain_one_ke
 @pytest.mark.parametrize("verify", [False, True])
 def test_a_gpu_past_its_link_cap_does_not_derive_its_history_again_per_holder_and_emits_the_same(monkeypatch, verify):
     """Past ``MAX_LINKS`` every new holder detaches the link whose latest interval started
-    earliest. The memo does not derive the rows after it again for that (they would only fall
-    in version, or park: never emit): in any order, the rows, versions and allocations are the
-    ones deriving every row every time gives in that order — with the tests' check of every
-    skipped row (``verify``: it must emit nothing) and without (the worker's path).
+    earliest. The memo does not derive the rows after it again for that (they derive the same,
+    or fall in version, or park: never emit): in any order, the rows, versions and allocations
+    are the ones deriving every row every time gives in that order — with the tests' check of
+    every skipped row (``verify``: it must emit nothing) and without (the worker's path).
 
-    (In that order: past the cap the latest versions depend on the order the holders came in —
-    a row derived before a detachment keeps the version it had — with or without the memo;
-    the closing note of 2026-12-05 says so.)"""
+    (In that order: these holders never report an end, so no row is after ``gone["w"]`` and the
+    versions depend on the order the holders came in — a row derived before a detachment keeps
+    the version it had. For holders that end, the next test.)"""
     import streams.correlate.entities as entities
 
     monkeypatch.setattr(entities, "MAX_LINKS", 8)  # 30 holders of one GPU: 22 detachments
@@ -653,3 +653,59 @@ def test_every_state_bound_that_bites_is_counted_for_the_health_page_and_logged_
     for i in range(5):
         rules.fold_row(state, {"id": f"r{i}", "v": 1, "at": f"2026-11-01T00:00:0{i}+00:00"})
     assert sorted(state["rows"]) == ["r2", "r3", "r4"] and caps.counts()["control_rows_dropped"] == 2
+
+
+def _sequential_gpu() -> list:
+    """One GPU held by 30 pods one after another (each released before the next is assigned;
+    every fourth of another release; one whose release label is corrected), with 45 alerts on it."""
+    events = [*RELEASES, release("release.registered", 0, rid="r2", model="n", version="1", digest="sha256:" + "d" * 64)]
+    for i in range(30):
+        pod = f"b{i}"
+        events += [pod_event("scheduler.scheduled", 10 + 3 * i, pod=pod, release_id="r2" if i % 4 == 0 else "r1"),
+                   gpu_event("gpu.assigned", 11 + 3 * i, pod=pod, device="GPU-9"),
+                   gpu_event("gpu.released", 13 + 3 * i, pod=pod, device="GPU-9")]
+    events += [pod_event("scheduler.queued", 30, pod="b7", release_id="r3"), pod_event("scheduler.running", 33, pod="b7", release_id="r1")]
+    events += [alert(5 + 2 * j, fp=f"x{j}", node="n1", gpu_id="GPU-9") for j in range(45)]
+    return events
+
+
+def test_a_gpu_past_its_link_cap_gives_its_later_rows_the_same_versions_whatever_the_holders_order(monkeypatch):
+    """Past ``MAX_LINKS`` a node/GPU lets its oldest holders go; what their links added to the
+    versions of its rows is kept (``state["gone"]``), so a row after the end of every detached
+    holder's interval (``gone["w"]``: none of them could have held it) comes out with the same
+    content *and version* whether it was derived before or after the detachments — in any order
+    the events come in near their time (the releases first, as a cluster sees them), as in event
+    order. Before, a row derived after a detachment had a lower version than one derived before
+    it, so a replay, batching otherwise, stored other versions for every GPU past the cap."""
+    import streams.correlate.entities as entities
+
+    monkeypatch.setattr(entities, "MAX_LINKS", 8)  # 30 holders of one GPU: 22 detachments
+    events = _sequential_gpu()
+    releases = [e for e in events if e.event_type.startswith("release.")]
+    rest = sorted((e for e in events if not e.event_type.startswith("release.")), key=lambda e: e.occurred_at)
+    reference = Driver(memos=False).feed(releases).feed(rest).flush_parked()
+    gpu = reference.entities["gpu:n1/GPU-9"]
+    w = at(13 + 3 * 21)  # b21, the last detached, released the GPU then
+    assert gpu["detached"] == 22 and gpu["gone"]["w"] == iso(w.isoformat()) and gpu["gone"]["rids"] == ["r1", "r2"]
+    latest = reference.latest(versions=True)
+    later = {cid: row for cid, row in latest.items()
+             if not (row["identity"].get("gpu_id") == "GPU-9" and row["event_type"].startswith("alert.") and row["occurred_at"] < w)}
+    alerts = [row for row in later.values() if row["event_type"].startswith("alert.")]
+    assert len(alerts) == 9 and {row["identity"]["pod"] for row in alerts} >= {"b22", "b27"}  # alerts at 77..93 min
+    assert len(later) == len(latest) - 36  # every other row: the pods', their allocations' and the releases'
+    # A release event that changes r1's manifest makes every pod of r1 forward its links again,
+    # the detached holders' too: those come and go at once, not counted again (they would raise
+    # every later row's version, at every such event).
+    again = Driver(memos=False).feed(releases).feed(rest).feed([release("release.approved", 200, model="m-renamed", actor="bob")])
+    assert again.entities["gpu:n1/GPU-9"]["detached"] > 22 and again.entities["gpu:n1/GPU-9"]["gone"] == gpu["gone"]
+    for seed in range(12):
+        rng = random.Random(seed)
+        near = sorted(rest, key=lambda e: e.occurred_at.timestamp() + rng.uniform(0, 600))  # each within 10 min of its time
+        d = Driver(seed=seed).feed(releases)
+        for k in range(0, len(near), 4):
+            d.feed(near[k:k + 4])
+        d.flush_parked()
+        got = d.latest(versions=True)
+        assert {cid: got[cid] for cid in later} == later, f"seed {seed}"
+        assert d.latest_allocations(versions=True) == reference.latest_allocations(versions=True), f"seed {seed}"
+        assert d.entities["gpu:n1/GPU-9"]["gone"] == gpu["gone"], f"seed {seed}"
