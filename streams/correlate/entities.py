@@ -79,6 +79,8 @@ from streams.store import Journal, touched
 
 MAX_ROWS = 2000
 MAX_LINKS = 256
+#: Steps of a node/GPU's detached links' versions kept (``_let_go``).
+MAX_GONE_STEPS = 64
 MAX_STATE_BYTES = 600_000
 MAX_ROW_PAYLOAD = 32 * 1024
 #: Re-render rows whose version did not grow, to catch a content change without one (a
@@ -227,13 +229,13 @@ def fold_link(state: dict, source: str, link: dict) -> bool:
         if link.get("v", 0) == current.get("v", 0) and digest(link) <= digest(current):
             return False  # same version: keep one deterministically
     links = state["links"]
-    if current is None and len(links) >= MAX_LINKS and (_link_newest(link), source) < _least_key(links):
-        # It would go at once, the least of all: not attached, and not counted in ``gone`` —
+    gpu = state["key"].startswith("gpu:")
+    if gpu and current is None and len(links) == MAX_LINKS and (_link_newest(link), source) < _least_key(links):
+        # It would go at once, the least of all: not attached, and not kept in ``gone`` —
         # mostly a detached holder's link forwarded again (a release event makes every pod of
-        # the release forward its links again); counted, it would raise the version of every
-        # row after ``gone["w"]`` again at each such event, and re-emit them (``_let_go``).
+        # the release forward its links again); kept, it would count twice (``_let_go``).
         state["detached"] += 1
-        capped("links_detached", 1, state["key"], _DETACHED)
+        capped("links_detached", 1, state["key"], _detached())
         return False
     links[source] = link
     if len(links) > MAX_LINKS:
@@ -249,18 +251,18 @@ def fold_link(state: dict, source: str, link: dict) -> bool:
             # (the few least by key, not a sort of every link; keys are unique — the source is
             # in them — so these are exactly the sort's first ones, as ``least`` gives them)
             least = [src for src, _link in heapq.nsmallest(len(links) - MAX_LINKS, links.items(), key=_newest_item)]
-        gone = state.get("gone")
-        if gone is None:
-            gone = state["gone"] = {"v": 0, "w": "", "rids": []}
+        gone = (state.get("gone") or state.setdefault("gone", {"steps": [], "rids": {}})) if gpu else None
         for src in least:
-            _let_go(gone, links[src])
+            if gone is not None:
+                _let_go(gone, links[src])
             del links[src]
             state["detached"] += 1
-        capped("links_detached", len(least), state["key"], _DETACHED)
+        capped("links_detached", len(least), state["key"], _detached())
     return source in links
 
 
-_DETACHED = f"links detached past {MAX_LINKS} (MAX_LINKS): those whose latest interval started earliest (a node/GPU's oldest holders) go first"
+def _detached() -> str:
+    return f"links detached past {MAX_LINKS} (MAX_LINKS): those whose latest interval started earliest (a node/GPU's oldest holders) go first"
 
 
 def _least_key(links: dict) -> tuple[str, str]:
@@ -272,30 +274,48 @@ def _least_key(links: dict) -> tuple[str, str]:
 
 
 def _let_go(gone: dict, link: dict) -> None:
-    """What a detached link added to the versions of its entity's rows, kept (``state["gone"]``):
-    its version (``v``: summed), until when its intervals could hold the node/GPU (``w``: the
-    latest end of any detached link's intervals, ``OPEN_END`` once one still open went) and the
-    releases it named (``rids``). A row no detached link could have held — a node/GPU's row at
-    or after ``w``, any row of a pod or workload — counts them as the link did: letting a link
-    go changes neither its version nor its content, so the row's version does not depend on
-    whether it was derived before or after the detachment (``resolve_row``, ``resolve_entity``),
-    and a replay that batches otherwise stores the same versions. Bounded: two values and the
-    releases the entity's detached links ran (the directory's releases at most).
+    """What a node/GPU's detached link added to its rows, kept (``state["gone"]``), so that
+    letting the link go changes no row's version: ``steps``, per detached link its earliest
+    start, its version and the latest end of its intervals (``OPEN_END`` while one is open) —
+    a row counts the versions of the steps started by its time, as it counted the links
+    (``gone_prefix``), and a row inside a step's span that finds no holder lost it with that
+    link: it keeps what it emitted (``resolve_row``: ``forgotten``); ``rids``, per release the
+    earliest start of a detached interval naming it (a row names those started by its time, as
+    it did through the links). A row's version then does not depend on whether it was derived
+    before or after a detachment, and a replay that batches otherwise stores the same rows and
+    versions (docs/architecture.md, Bounds).
 
-    Where it is not exact (docs/architecture.md, Bounds): a node/GPU's row before ``w`` (a
-    detached holder may have held it: derived after the detachment it does without it and
-    without ``gone``, so with a lower version — a replay that derives it then stores that); all of
-    a node/GPU's rows once a holder that never reported its end went (``w`` is then after every
-    time: as before ``gone`` existed); a link that arrives after MAX_LINKS holders that started
-    after it (``fold_link`` does not attach it: not counted, where a run that got it in time
-    counted it); and a link forwarded again between a run's detachment of it and another's."""
-    gone["v"] += link.get("v", 0)
-    reach = _link_reach(link)
-    if reach > gone["w"]:
-        gone["w"] = reach
-    rids = {iv["identity"].get("release_id") for iv in link.get("intervals", ())} | {link.get("release_id")}
-    for rid in sorted(rid for rid in rids if rid and rid not in gone["rids"]):
-        insort(gone["rids"], rid)
+    Bounded: at most ``MAX_GONE_STEPS`` steps — past it the oldest step's version joins the
+    next one's, and the rows between their starts no longer count it: their versions fall and
+    they emit nothing more (as every row after a detached link did before ``gone``); its span
+    stays (``cut``: the latest end of the steps joined) — and one entry per release.
+    """
+    intervals = link.get("intervals") or ()
+    if not intervals:
+        return
+    steps = gone["steps"]
+    insort(steps, [min(iv["start"] for iv in intervals), link.get("v", 0), _link_reach(link)])
+    if len(steps) > MAX_GONE_STEPS:
+        _t0, v0, reach0 = steps.pop(0)
+        steps[0][1] += v0
+        gone["cut"] = max(gone.get("cut", ""), reach0)  # its span: a row in it without a holder still keeps what it emitted
+    rids = gone["rids"]
+    for iv in intervals:
+        rid = iv["identity"].get("release_id")
+        if rid and (rid not in rids or iv["start"] < rids[rid]):
+            rids[rid] = iv["start"]
+
+
+def gone_prefix(gone: dict, at: str) -> tuple[int, list[str], bool]:
+    """What a row at ``at`` counts of the detached links (``_let_go``): their versions and the
+    releases they named by then, and whether one of them spanned ``at`` (may have held it)."""
+    version, spanned = 0, at < gone.get("cut", "")
+    for start, v, reach in gone["steps"]:
+        if start > at:
+            break
+        version += v
+        spanned = spanned or at < reach
+    return version, [rid for rid, start in gone["rids"].items() if start <= at], spanned
 
 
 def _link_newest(link: dict) -> str:
@@ -358,6 +378,7 @@ class Resolution:
     base: int = 0                      # facts + links components
     facts_version: int = 0
     unknown_named: str | None = None   # the release id a label names that no release event describes (a fallback rule attributed it)
+    forgotten: bool = False            # a node/GPU row with no holder inside a detached link's span: it may have held it (``_let_go``)
 
     def unresolved(self, directory) -> bool:
         return self.attribution == "unattributed" or (self.release_id is not None and not directory.known(self.release_id))
@@ -389,8 +410,7 @@ def resolve_entity(state: dict, directory) -> Resolution:
     env = f.get("environment")
     lookups = interests_for(f.get("image_digest"), f.get("model_name"), f.get("model_version"))
     linked = sorted((src, link["release_id"]) for src, link in state["links"].items() if link.get("release_id"))
-    gone = state.get("gone")
-    named = tuple(sorted(({f["release_id"]} if f.get("release_id") else set()) | {rid for _, rid in linked} | set(gone["rids"] if gone else ())))
+    named = tuple(sorted(({f["release_id"]} if f.get("release_id") else set()) | {rid for _, rid in linked}))
     rid, how, unknown = None, "unattributed", None
     if f.get("release_id"):
         rid, how = f["release_id"], "release_label"
@@ -405,8 +425,7 @@ def resolve_entity(state: dict, directory) -> Resolution:
     elif f.get("model_name") and (match := directory.by_model_version(f["model_name"], f.get("model_version"), env)):
         rid, how = match, "model_version_match"
     interests = lookups + [f"rid:{r}" for r in named] + ([f"rid:{rid}"] if rid and rid not in named else [])
-    return Resolution(f, how, rid, interests, named, tuple(lookups), fv + links_version(state["links"]) + (gone["v"] if gone else 0), fv,
-                      unknown)
+    return Resolution(f, how, rid, interests, named, tuple(lookups), fv + links_version(state["links"]), fv, unknown)
 
 
 def own_release(state: dict, directory, facts: dict) -> tuple[str | None, str]:
@@ -826,13 +845,15 @@ def resolve_row(state: dict, record: dict, directory, entity_res: Resolution, co
         return _own_fallback(own, directory, entity_res, entity_res.release_id) if entity_res.unresolved(directory) else entity_res
     if kind == "gpu":
         holders, version, rids = (coverage or Coverage(state["links"])).selected(at, record.get("gpu_instance"))
-        gone = state.get("gone")
-        if gone and at >= gone["w"]:  # no detached holder could have held it: it counts them as it did (``_let_go``)
-            version += gone["v"]
-            rids = tuple(sorted({*rids, *gone["rids"]}))
+        spanned = False
+        if gone := state.get("gone"):  # what the detached links added, as the links did (``_let_go``)
+            gone_v, gone_rids, spanned = gone_prefix(gone, at)
+            version += gone_v
+            if gone_rids:
+                rids = tuple(sorted({*rids, *gone_rids}))
         interests = [f"rid:{r}" for r in rids]
         if not holders:
-            return Resolution({}, "unattributed", None, interests, rids, (), version)
+            return Resolution({}, "unattributed", None, interests, rids, (), version, forgotten=spanned)
         ident = shared_identity(holders)
         if len(holders) > 1 or holders[0].get("slice"):
             # The alert names the physical GPU; the device a pod held is a slice/share of it.
@@ -925,6 +946,8 @@ def sent_version(entry) -> int:
 
 def _derive_row(state: dict, record: dict, directory, res: Resolution, park: bool, out: Outcome) -> None:
     """Park, skip or emit one row under its resolution ``res``."""
+    if res.forgotten and record["id"] in state["sent"]:
+        return  # its holder may have gone with a detached link: it keeps what it emitted (``_let_go``)
     # Unresolved = no release, or a release named (label) that no release event has
     # described yet: wait for the manifest rather than emit a half-filled row.
     unresolved = res.unresolved(directory) and not record["type"].startswith(("release.", "gpu.allocatable", "gpu.device"))
@@ -1024,7 +1047,7 @@ class GpuMemo:
     are counted per row (``counts``), so they need no walk either."""
 
     __slots__ = ("links", "stamp", "rows", "_order", "_prefixes", "low", "generation", "times", "watch", "counts", "devices", "coverage",
-                 "_followed", "indexed", "gone", "w")
+                 "_followed", "indexed", "gone", "floor")
 
     def __init__(self) -> None:
         self.links: dict[str, tuple[dict, int, str | None]] = {}  # source -> (link object, its stamp, its earliest start)
@@ -1042,7 +1065,7 @@ class GpuMemo:
         self._followed: JournaledLinks | None = None     # the state's links, as last seen (``prefixes``)
         self.indexed: list[str] | None = None            # the interests the runtime last indexed the entity under (``Correlator``)
         self.gone: str | None = None                     # the earliest row time a detachment since the last refresh touched (``prefixes``)
-        self.w: str | None = None                        # the state's ``gone["w"]`` at the last refresh
+        self.floor: str | None = None                    # the earliest start of the state's ``gone`` steps at the last refresh
 
     def _changed(self, *starts: str | None) -> None:
         for at in starts:
@@ -1084,19 +1107,19 @@ class GpuMemo:
                     self._changed(known[2])  # replaced: the rows from its start may derive otherwise
                 elif known[2] is not None:
                     # Gone — detached past MAX_LINKS, the only way a followed link leaves: the
-                    # rows after its start (or after the previous detachments' ``gone["w"]``,
-                    # if earlier) are not derived again for it. The link is the one whose latest
-                    # interval started earliest, long before the rows that keep arriving. A row at
-                    # or after the new ``gone["w"]`` derives exactly what it did (the link's
-                    # version and releases moved into ``gone``: ``_let_go``); one before it now
-                    # does without the link and without ``gone`` — its version only falls and its
-                    # holder (if the link was it) goes: it would emit nothing (never above the
-                    # version already sent), only park and, its deadline long passed, expire.
+                    # rows after its start are not derived again for it (nor, when the detachment
+                    # made the oldest of ``gone``'s steps join the next, the rows after that step's
+                    # start). The link is the one whose latest interval started earliest, long
+                    # before the rows that keep arriving. A row after its start derives the same
+                    # version (the link's version and releases moved into ``gone``: ``_let_go``);
+                    # its content can change only if the link held it — then it finds no holder
+                    # and keeps what it emitted (``forgotten``), or one never emitted parks — and
+                    # a row whose step joined the next falls in version: none of them emits.
                     # Deriving them all again at every new holder past the cap was a node/GPU's
                     # full history per holder (engine_cpu 640,000 events: ~258 row derivations per
                     # detachment, none emitting; the correlation ~25x per event). A row derived
                     # later for another reason (a link before it, the directory) sees it then.
-                    since = min(known[2], self.w) if self.w else known[2]
+                    since = min(known[2], self.floor) if self.floor else known[2]
                     if self.gone is None or since < self.gone:
                         self.gone = since
                 if known[2] is not None:
@@ -1269,7 +1292,7 @@ def _refresh_gpu(state: dict, directory, park: bool, memo: GpuMemo, out: Outcome
                     f"GpuMemo skipped a row that changed: {rid}"
         memo.derived(record, after, tuple(res.interests))
     state["interests"] = sorted(memo.counts)
-    memo.w = state["gone"]["w"] if state.get("gone") else None
+    memo.floor = state["gone"]["steps"][0][0] if state.get("gone") and state["gone"]["steps"] else None
     if memo.devices:  # (device_link walks every row: not for the node/GPUs of alerts, which have none)
         _refresh_device(state, out)
     return out

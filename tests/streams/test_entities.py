@@ -135,7 +135,8 @@ def test_any_processing_order_yields_the_same_latest_rows_and_versions():
         if seed % 3 == 0:  # re-deliveries (a crash replays part of the input) change nothing
             order += order[: len(order) // 2]
         d = Driver(seed=seed).feed(order).flush_parked()
-        assert d.latest(versions=True) == ref_rows, f"seed {seed}"
+        got = d.latest(versions=True)
+        assert {cid: got[cid] for cid in ref_rows} == ref_rows and len(got) == len(reference.latest()), f"seed {seed}"
         assert d.latest_allocations(versions=True) == ref_allocs, f"seed {seed}"
         assert d.conflicts == 0, f"seed {seed}: a content change without a version change"
 
@@ -174,7 +175,8 @@ def test_a_busy_gpu_derives_the_same_rows_incrementally_as_in_full(monkeypatch):
         order = list(events)
         random.Random(seed).shuffle(order)
         d = Driver(seed=seed).feed(order).flush_parked()
-        assert d.latest(versions=True) == ref_rows, f"seed {seed}"
+        got = d.latest(versions=True)
+        assert {cid: got[cid] for cid in ref_rows} == ref_rows and len(got) == len(reference.latest()), f"seed {seed}"
         assert d.entities["gpu:n1/GPU-9"]["interests"] == reference.entities["gpu:n1/GPU-9"]["interests"] == ["rid:r1", "rid:r2"]
 
 
@@ -247,7 +249,8 @@ def assert_order_independent(events: list, allocations: int, seeds: int = 16) ->
         if seed % 4 == 0:
             order += order[: len(order) // 3]
         d = Driver(seed=seed).feed(order).flush_parked()
-        assert d.latest(versions=True) == ref_rows, f"seed {seed}"
+        got = d.latest(versions=True)
+        assert {cid: got[cid] for cid in ref_rows} == ref_rows and len(got) == len(reference.latest()), f"seed {seed}"
         assert d.latest_allocations(versions=True) == ref_allocs, f"seed {seed}"
         assert d.conflicts == 0, f"seed {seed}: a content change without a version change"
 
@@ -669,35 +672,39 @@ def _sequential_gpu() -> list:
     return events
 
 
-def test_a_gpu_past_its_link_cap_gives_its_later_rows_the_same_versions_whatever_the_holders_order(monkeypatch):
-    """Past ``MAX_LINKS`` a node/GPU lets its oldest holders go; what their links added to the
-    versions of its rows is kept (``state["gone"]``), so a row after the end of every detached
-    holder's interval (``gone["w"]``: none of them could have held it) comes out with the same
-    content *and version* whether it was derived before or after the detachments — in any order
-    the events come in near their time (the releases first, as a cluster sees them), as in event
-    order. Before, a row derived after a detachment had a lower version than one derived before
-    it, so a replay, batching otherwise, stored other versions for every GPU past the cap."""
+@pytest.mark.parametrize("verify,steps", [(False, 64), (True, 64), (True, 4)])
+def test_a_gpu_past_its_link_cap_stores_the_same_rows_and_versions_whatever_the_holders_order(monkeypatch, verify, steps):
+    """Past ``MAX_LINKS`` a node/GPU lets its oldest holders go; what their links added to its
+    rows' versions is kept (``state["gone"]``), so a row's version does not depend on whether
+    it was derived before or after a detachment, and a row whose holder went keeps what it
+    emitted: in any order the events come in near their time (each within 10 minutes; the
+    releases first, as a cluster sees them) the rows, versions and allocations are those of
+    event order — with the tests' check that no content changes without its version
+    (``verify``). Before, a row derived after a detachment had a lower version than one
+    derived before it: a replay, batching otherwise, stored other versions for every GPU past
+    the cap. (``steps``: with 4, the oldest of the 22 detached links' steps join the next.)"""
     import streams.correlate.entities as entities
 
     monkeypatch.setattr(entities, "MAX_LINKS", 8)  # 30 holders of one GPU: 22 detachments
+    monkeypatch.setattr(entities, "MAX_GONE_STEPS", steps)
+    monkeypatch.setattr(entities, "VERIFY_UNCHANGED", verify)
     events = _sequential_gpu()
     releases = [e for e in events if e.event_type.startswith("release.")]
     rest = sorted((e for e in events if not e.event_type.startswith("release.")), key=lambda e: e.occurred_at)
     reference = Driver(memos=False).feed(releases).feed(rest).flush_parked()
     gpu = reference.entities["gpu:n1/GPU-9"]
-    w = at(13 + 3 * 21)  # b21, the last detached, released the GPU then
-    assert gpu["detached"] == 22 and gpu["gone"]["w"] == iso(w.isoformat()) and gpu["gone"]["rids"] == ["r1", "r2"]
-    latest = reference.latest(versions=True)
-    later = {cid: row for cid, row in latest.items()
-             if not (row["identity"].get("gpu_id") == "GPU-9" and row["event_type"].startswith("alert.") and row["occurred_at"] < w)}
-    alerts = [row for row in later.values() if row["event_type"].startswith("alert.")]
-    assert len(alerts) == 9 and {row["identity"]["pod"] for row in alerts} >= {"b22", "b27"}  # alerts at 77..93 min
-    assert len(later) == len(latest) - 36  # every other row: the pods', their allocations' and the releases'
-    # A release event that changes r1's manifest makes every pod of r1 forward its links again,
-    # the detached holders' too: those come and go at once, not counted again (they would raise
-    # every later row's version, at every such event).
-    again = Driver(memos=False).feed(releases).feed(rest).feed([release("release.approved", 200, model="m-renamed", actor="bob")])
-    assert again.entities["gpu:n1/GPU-9"]["detached"] > 22 and again.entities["gpu:n1/GPU-9"]["gone"] == gpu["gone"]
+    assert gpu["detached"] == 22 and len(gpu["gone"]["steps"]) == min(22, steps) and reference.conflicts == 0
+    assert gpu["gone"]["rids"] == {"r2": iso(at(11).isoformat()), "r1": iso(at(14).isoformat())}  # b0 (r2), b1 (r1)
+    assert gpu["gone"]["steps"][-1][2] == iso(at(13 + 3 * 21).isoformat())  # b21, the last detached, released the GPU then
+    assert "gone" not in reference.entities["wl:ml/Job/train"]  # (its 30 pods past the cap: it keeps no ``gone``)
+    # With steps joined, a GPU row before the earliest kept step no longer counts the joined
+    # ones: its version falls (it emits nothing more), so it keeps whatever version it had when
+    # it was last emitted — an order's — and only the rows from that step on are exact.
+    exact_from = gpu["gone"]["steps"][0][0] if steps < 22 else ""
+    ref_rows = {cid: row for cid, row in reference.latest(versions=True).items()
+                if not (row["identity"].get("gpu_id") == "GPU-9" and iso(row["occurred_at"].isoformat()) < exact_from)}
+    held = {row["identity"].get("pod") for row in ref_rows.values() if row["event_type"].startswith("alert.")}
+    assert {"b22", "b27"} <= held and (steps < 22 or {"b0", "b10", "b21"} <= held)  # alerts held by detached holders and by kept ones
     for seed in range(12):
         rng = random.Random(seed)
         near = sorted(rest, key=lambda e: e.occurred_at.timestamp() + rng.uniform(0, 600))  # each within 10 min of its time
@@ -706,6 +713,39 @@ def test_a_gpu_past_its_link_cap_gives_its_later_rows_the_same_versions_whatever
             d.feed(near[k:k + 4])
         d.flush_parked()
         got = d.latest(versions=True)
-        assert {cid: got[cid] for cid in later} == later, f"seed {seed}"
+        assert {cid: got[cid] for cid in ref_rows} == ref_rows and len(got) == len(reference.latest()), f"seed {seed}"
         assert d.latest_allocations(versions=True) == reference.latest_allocations(versions=True), f"seed {seed}"
-        assert d.entities["gpu:n1/GPU-9"]["gone"] == gpu["gone"], f"seed {seed}"
+        assert d.entities["gpu:n1/GPU-9"]["gone"] == gpu["gone"] and d.conflicts == 0, f"seed {seed}"
+
+
+def test_a_gpu_past_its_link_cap_renders_a_release_change_on_the_rows_of_its_kept_holders_only(monkeypatch):
+    """A release event that changes r1's manifest makes every pod of r1 forward its links again,
+    the detached holders' too: those come and go at once, not kept again in ``gone`` (they would
+    count twice). The GPU's rows held by kept holders show the change; those whose holder went
+    keep what they emitted, attributed (not ``unattributed``: the holder is forgotten, not wrong)."""
+    import streams.correlate.entities as entities
+
+    monkeypatch.setattr(entities, "MAX_LINKS", 8)
+    events = _sequential_gpu()
+    releases = [e for e in events if e.event_type.startswith("release.")]
+    rest = sorted((e for e in events if not e.event_type.startswith("release.")), key=lambda e: e.occurred_at)
+    d = Driver(memos=False).feed(releases).feed(rest).flush_parked()
+    gone = orjson.loads(orjson.dumps(d.entities["gpu:n1/GPU-9"]["gone"]))
+    before = {cid: row for cid, row in d.latest(versions=True).items() if row["event_type"].startswith("alert.")}
+    # (every park deadline passed too: the rows of detached holders still name them)
+    assert {row["identity"].get("pod") for row in before.values()} >= {"b1", "b10", "b21", "b22", "b27"}
+    d.feed([release("release.approved", 200, model="m-renamed", actor="bob")]).flush_parked()  # (and every park deadline passed)
+    gpu = d.entities["gpu:n1/GPU-9"]
+    assert gpu["detached"] > 22 and gpu["gone"] == gone
+    after = {cid: row for cid, row in d.latest(versions=True).items() if row["event_type"].startswith("alert.")}
+    kept = {f"b{i}" for i in range(22, 30)}
+    for cid, row in after.items():
+        was = before[cid]
+        pod = was["identity"].get("pod")
+        if was["identity"].get("release_id") != "r1":
+            continue
+        if pod in kept:
+            assert row["identity"]["model_name"] == "m-renamed" and row["version"] > was["version"], row
+        else:
+            assert row == was and row["identity"]["model_name"] == "m" and row["attribution"] == "gpu_assignment", row
+    assert {row["identity"]["pod"] for row in after.values() if row["identity"].get("model_name") == "m-renamed"} >= {"b23", "b27"}
