@@ -79,8 +79,9 @@ from streams.store import Journal, touched
 
 MAX_ROWS = 2000
 MAX_LINKS = 256
-#: Steps of a node/GPU's detached links' versions kept (``_let_go``).
+#: Steps of a node/GPU's detached links' versions, and releases they named, kept (``_let_go``).
 MAX_GONE_STEPS = 64
+MAX_GONE_RIDS = 64
 MAX_STATE_BYTES = 600_000
 MAX_ROW_PAYLOAD = 32 * 1024
 #: Re-render rows whose version did not grow, to catch a content change without one (a
@@ -288,7 +289,9 @@ def _let_go(gone: dict, link: dict) -> None:
     Bounded: at most ``MAX_GONE_STEPS`` steps — past it the oldest step's version joins the
     next one's, and the rows between their starts no longer count it: their versions fall and
     they emit nothing more (as every row after a detached link did before ``gone``); its span
-    stays (``cut``: the latest end of the steps joined) — and one entry per release.
+    stays (``cut``: the latest end of the steps joined) — and ``MAX_GONE_RIDS`` releases (past
+    it the one named earliest goes, and the rows after it fall likewise: a row names every
+    release of ``rids`` started by its time, each a version component and an interest).
     """
     intervals = link.get("intervals") or ()
     if not intervals:
@@ -298,23 +301,30 @@ def _let_go(gone: dict, link: dict) -> None:
     if len(steps) > MAX_GONE_STEPS:
         _t0, v0, reach0 = steps.pop(0)
         steps[0][1] += v0
-        gone["cut"] = max(gone.get("cut", ""), reach0)  # its span: a row in it without a holder still keeps what it emitted
+        if reach0 < OPEN_END:  # its span: a row in it without a holder still keeps what it emitted
+            gone["cut"] = max(gone.get("cut", ""), reach0)
     rids = gone["rids"]
     for iv in intervals:
         rid = iv["identity"].get("release_id")
         if rid and (rid not in rids or iv["start"] < rids[rid]):
             rids[rid] = iv["start"]
+    if len(rids) > MAX_GONE_RIDS:  # the release named earliest goes: the rows after it no longer count it (they fall)
+        del rids[min(rids, key=lambda rid: (rids[rid], rid))]
 
 
 def gone_prefix(gone: dict, at: str) -> tuple[int, list[str], bool]:
     """What a row at ``at`` counts of the detached links (``_let_go``): their versions and the
-    releases they named by then, and whether one of them spanned ``at`` (may have held it)."""
+    releases they named by then, and whether one of them that ended spanned ``at`` (held it, unless
+    holders overlapped). A detached link that never reported its end spans every later time: a
+    row there that finds no holder is derived as it is (unattributed), not kept as it was — it may
+    have been held by a holder whose end came later (kept, it would name a holder known to have
+    ended before it)."""
     version, spanned = 0, at < gone.get("cut", "")
     for start, v, reach in gone["steps"]:
         if start > at:
             break
         version += v
-        spanned = spanned or at < reach
+        spanned = spanned or at < reach < OPEN_END
     return version, [rid for rid, start in gone["rids"].items() if start <= at], spanned
 
 
@@ -1229,19 +1239,25 @@ def for_controls(state: dict, directory, rows: list[dict]) -> list[dict]:
             continue
         if row["attribution"] != "unattributed" or row["identity"].get("release_id"):
             continue  # joined: control 6 cannot fire on this fingerprint (yet)
-        tracked.append(fp)
-        out.append(row)
         emitted = {r["correlation_id"] for r in rows}
         kind = kind_of(state["key"])
         entity_res = resolve_entity(state, directory) if kind in ("pod", "wl") else UNATTRIBUTED
         coverage = Coverage(state["links"]) if kind == "gpu" else None
+        earlier = []
         for record in state["rows"].values():
             sent = state["sent"].get(record["id"])
             if (sent is None or record["id"] in emitted or not record["type"].startswith("alert.")
                     or _fingerprint(record["identity"], record["id"]) != fp):
                 continue
             # Not in this output: its version did not grow since it was emitted.
-            out.append(render_row(record, directory, resolve_row(state, record, directory, entity_res, coverage), sent_version(sent)))
+            earlier.append((record, resolve_row(state, record, directory, entity_res, coverage), sent_version(sent)))
+        if any(res.forgotten for _record, res, _v in earlier):
+            # One went out joined, to a holder since detached (it keeps what it emitted, which
+            # this cannot render again): the fingerprint joined — control 6 cannot fire on it.
+            continue
+        tracked.append(fp)
+        out.append(row)
+        out.extend(render_row(record, directory, res, version) for record, res, version in earlier)
     return out
 
 

@@ -753,3 +753,71 @@ def test_a_gpu_past_its_link_cap_renders_a_release_change_on_the_rows_of_its_kep
         else:
             assert row == was and row["identity"]["model_name"] == "m" and row["attribution"] == "gpu_assignment", row
     assert {row["identity"]["pod"] for row in after.values() if row["identity"].get("model_name") == "m-renamed"} >= {"b23", "b27"}
+
+
+def _holder(pod: str, start: int, end: int | None = None, rid: str = "r1") -> list:
+    events = [pod_event("scheduler.scheduled", start - 1, pod=pod, release_id=rid), gpu_event("gpu.assigned", start, pod=pod, device="GPU-9")]
+    return events + ([gpu_event("gpu.released", end, pod=pod, device="GPU-9")] if end is not None else [])
+
+
+def test_a_gpu_row_without_holder_after_a_detached_holder_that_never_ended_is_derived_as_it_is(monkeypatch):
+    """A row keeps what it emitted when its holder went (``forgotten``) only inside the span of a
+    detached holder that ended: one that never reported its end spans every later time, and a
+    row there may have been held by another holder whose end came late — kept, it would name a
+    holder known to have ended before it. Here: d never ends and goes past the cap; h held the
+    GPU 20-30 but its end comes after the alert at 35, which first names h — then, its park
+    deadline passed, the alert is unattributed, not h's."""
+    import streams.correlate.entities as entities
+
+    monkeypatch.setattr(entities, "MAX_LINKS", 3)
+    alert35 = alert(35, fp="A", node="n1", gpu_id="GPU-9")
+    d = Driver().feed([*RELEASES, *R2]).feed(_holder("d", 10) + _holder("h", 20, rid="r2") + [alert35])
+    def row_at(minutes):
+        return next(r for r in d.rows.values() if r.identity.alert_fingerprint == "A" and r.occurred_at == at(minutes))
+
+    assert row_at(35).identity.pod == "h"
+    d.feed(_holder("x", 40, 45) + _holder("y", 50, 55) + [gpu_event("gpu.released", 30, pod="h", device="GPU-9")]).flush_parked()
+    gone = d.entities["gpu:n1/GPU-9"]["gone"]
+    assert [step[2] for step in gone["steps"]] == ["\uffff"]  # d: detached, never ended
+    row = row_at(35)
+    assert row.attribution == "unattributed" and row.identity.pod is None and row.identity.release_id is None
+
+
+def test_an_alert_fingerprint_with_a_row_kept_for_a_detached_holder_is_joined_for_the_controls(monkeypatch):
+    """Control 6 (an alert none of whose rows joined a release) reads a fingerprint's rows only
+    once one goes out unjoined (``for_controls``), with the ones emitted before rendered again.
+    A row kept as it was emitted, joined, for a holder since detached (``forgotten``) cannot be
+    rendered again — and the fingerprint did join: its later unjoined row does not send it to the
+    controls stage."""
+    import streams.correlate.entities as entities
+
+    monkeypatch.setattr(entities, "MAX_LINKS", 3)
+    early, late = alert(12, fp="A", node="n1", gpu_id="GPU-9"), alert(70, fp="A", node="n1", gpu_id="GPU-9")
+
+    def row_at(minutes):
+        return next(r for r in d.rows.values() if r.identity.alert_fingerprint == "A" and r.occurred_at == at(minutes))
+
+    d = Driver().feed(RELEASES).feed(_holder("d", 10, 15) + [early] + _holder("h", 20, 30) + _holder("x", 40, 45) + _holder("y", 50, 55))
+    assert d.entities["gpu:n1/GPU-9"]["gone"]["steps"] and row_at(12).identity.pod == "d"
+    d.feed([late]).flush_parked()  # no holder at 70: unattributed, the fingerprint's first unjoined row
+    assert row_at(12).identity.pod == "d" and row_at(70).attribution == "unattributed"
+    assert "A" not in d.entities["gpu:n1/GPU-9"]["ctl"]
+    assert not [r for r in d.controls.values() if r.identity.alert_fingerprint == "A"]
+
+
+def test_what_a_gpu_keeps_of_its_detached_links_is_bounded():
+    """``gone`` keeps ``MAX_GONE_STEPS`` steps (the oldest joins the next: versions summed, its
+    span kept as ``cut``) and ``MAX_GONE_RIDS`` releases (the one named earliest goes)."""
+    import streams.correlate.entities as entities
+
+    gone = {"steps": [], "rids": {}}
+    n = max(entities.MAX_GONE_STEPS, entities.MAX_GONE_RIDS) + 6
+    for i in range(n):
+        start, end = f"2026-11-01T{i // 60:02d}:{i % 60:02d}:00+00:00", f"2026-11-01T{i // 60:02d}:{i % 60:02d}:30+00:00"
+        entities._let_go(gone, {"intervals": [{"id": f"a{i}", "start": start, "end": end, "identity": {"release_id": f"r{i:03d}"}}], "v": 2})
+    assert len(gone["steps"]) == entities.MAX_GONE_STEPS and sum(v for _s, v, _e in gone["steps"]) == 2 * n
+    j = n - entities.MAX_GONE_STEPS - 1  # the last link whose step joined the next
+    assert gone["cut"] == f"2026-11-01T{j // 60:02d}:{j % 60:02d}:30+00:00" and gone["steps"][0][0] == f"2026-11-01T{(j + 1) // 60:02d}:{(j + 1) % 60:02d}:00+00:00"
+    assert sorted(gone["rids"]) == [f"r{i:03d}" for i in range(n - entities.MAX_GONE_RIDS, n)]
+    version, rids, spanned = entities.gone_prefix(gone, "2026-11-01T00:00:10+00:00")  # before every kept step, in the cut
+    assert (version, rids, spanned) == (0, [], True)
