@@ -238,6 +238,13 @@ def fold_link(state: dict, source: str, link: dict) -> bool:
         state["detached"] += 1
         capped("links_detached", 1, state["key"], _detached())
         return False
+    if gpu and current is None and (gone := state.get("gone")):
+        # A detached holder's link that comes back (a later allocation of the GPU to the same
+        # pod): its step leaves ``gone`` — the link counts again, not twice.
+        for k, step in enumerate(gone["steps"]):
+            if step[3] == source:
+                del gone["steps"][k]
+                break
     links[source] = link
     if len(links) > MAX_LINKS:
         # The links that can matter least: those whose latest interval started earliest
@@ -255,7 +262,7 @@ def fold_link(state: dict, source: str, link: dict) -> bool:
         gone = (state.get("gone") or state.setdefault("gone", {"steps": [], "rids": {}})) if gpu else None
         for src in least:
             if gone is not None:
-                _let_go(gone, links[src])
+                _let_go(gone, src, links[src])
             del links[src]
             state["detached"] += 1
         capped("links_detached", len(least), state["key"], _detached())
@@ -274,22 +281,23 @@ def _least_key(links: dict) -> tuple[str, str]:
     return min(_newest_item(item) for item in links.items())
 
 
-def _let_go(gone: dict, link: dict) -> None:
+def _let_go(gone: dict, source: str, link: dict) -> None:
     """What a node/GPU's detached link added to its rows, kept (``state["gone"]``), so that
     letting the link go changes no row's version: ``steps``, per detached link its earliest
-    start, its version and the latest end of its intervals (``OPEN_END`` while one is open) —
-    a row counts the versions of the steps started by its time, as it counted the links
-    (``gone_prefix``), and a row inside a step's span that finds no holder lost it with that
-    link: it keeps what it emitted (``resolve_row``: ``forgotten``); ``rids``, per release the
-    earliest start of a detached interval naming it (a row names those started by its time, as
-    it did through the links). A row's version then does not depend on whether it was derived
-    before or after a detachment, and a replay that batches otherwise stores the same rows and
-    versions (docs/architecture.md, Bounds).
+    start, its version, the spans of its intervals that ended and its source (a link from it that
+    comes back takes its step out: ``fold_link``) — a row counts the versions of
+    the steps started by its time, as it counted the links (``gone_prefix``), and a row inside a
+    span held (or shared) its time with that link: it keeps what it emitted (``resolve_row``:
+    ``forgotten``; never emitted — it came after the link went — it is derived as it is);
+    ``rids``, per release the earliest start of a detached interval naming it (a row names those
+    started by its time, as it did through the links). A row's version then does not depend on
+    whether it was derived before or after a detachment, and a replay that batches otherwise
+    stores the same rows and versions (docs/architecture.md, Bounds).
 
     Bounded: at most ``MAX_GONE_STEPS`` steps — past it the oldest step's version joins the
     next one's, and the rows between their starts no longer count it: their versions fall and
-    they emit nothing more (as every row after a detached link did before ``gone``); its span
-    stays (``cut``: the latest end of the steps joined) — and ``MAX_GONE_RIDS`` releases (past
+    they emit nothing more (as every row after a detached link did before ``gone``); its spans
+    stay (``cut``: the latest end of the steps joined) — and ``MAX_GONE_RIDS`` releases (past
     it the one named earliest goes, and the rows after it fall likewise: a row names every
     release of ``rids`` started by its time, each a version component and an interest).
     """
@@ -297,12 +305,13 @@ def _let_go(gone: dict, link: dict) -> None:
     if not intervals:
         return
     steps = gone["steps"]
-    insort(steps, [min(iv["start"] for iv in intervals), link.get("v", 0), _link_reach(link)])
+    spans = sorted([iv["start"], iv["end"]] for iv in intervals if iv["end"] is not None)
+    insort(steps, [min(iv["start"] for iv in intervals), link.get("v", 0), spans, source])
     if len(steps) > MAX_GONE_STEPS:
-        _t0, v0, reach0 = steps.pop(0)
+        _t0, v0, spans0, _source = steps.pop(0)
         steps[0][1] += v0
-        if reach0 < OPEN_END:  # its span: a row in it without a holder still keeps what it emitted
-            gone["cut"] = max(gone.get("cut", ""), reach0)
+        if spans0:  # its spans: a row in them still keeps what it emitted
+            gone["cut"] = max(gone.get("cut", ""), max(end for _start, end in spans0))
     rids = gone["rids"]
     for iv in intervals:
         rid = iv["identity"].get("release_id")
@@ -314,17 +323,17 @@ def _let_go(gone: dict, link: dict) -> None:
 
 def gone_prefix(gone: dict, at: str) -> tuple[int, list[str], bool]:
     """What a row at ``at`` counts of the detached links (``_let_go``): their versions and the
-    releases they named by then, and whether one of them that ended spanned ``at`` (held it, unless
-    holders overlapped). A detached link that never reported its end spans every later time: a
-    row there that finds no holder is derived as it is (unattributed), not kept as it was — it may
-    have been held by a holder whose end came later (kept, it would name a holder known to have
-    ended before it)."""
+    releases they named by then, and whether an interval of one of them that ended spanned ``at``
+    (so held it, or shared it: the row keeps what it emitted). An interval that never reported its
+    end spans every later time: a row there is derived as it is (with no other holder,
+    unattributed) — kept, it could name a holder whose end came late, one known to have ended
+    before it."""
     version, spanned = 0, at < gone.get("cut", "")
-    for start, v, reach in gone["steps"]:
+    for start, v, spans, _source in gone["steps"]:
         if start > at:
             break
         version += v
-        spanned = spanned or at < reach < OPEN_END
+        spanned = spanned or any(s <= at < e for s, e in spans)
     return version, [rid for rid, start in gone["rids"].items() if start <= at], spanned
 
 
@@ -335,12 +344,6 @@ def _link_newest(link: dict) -> str:
 
 def _newest_item(item: tuple[str, dict]) -> tuple[str, str]:
     return _link_newest(item[1]), item[0]
-
-
-def _link_reach(link: dict) -> str:
-    """Until when a link's intervals may hold its node/GPU: the latest end, ``OPEN_END`` while
-    one has not ended ("" for a link without intervals: a workload's pods)."""
-    return max((OPEN_END if iv["end"] is None else iv["end"] for iv in link.get("intervals", ())), default="")
 
 
 def expire(state: dict, row_ids: list[str]) -> bool:
@@ -388,7 +391,7 @@ class Resolution:
     base: int = 0                      # facts + links components
     facts_version: int = 0
     unknown_named: str | None = None   # the release id a label names that no release event describes (a fallback rule attributed it)
-    forgotten: bool = False            # a node/GPU row with no holder inside a detached link's span: it may have held it (``_let_go``)
+    forgotten: bool = False            # a node/GPU row inside a detached holder's interval: it keeps what it emitted (``_let_go``)
 
     def unresolved(self, directory) -> bool:
         return self.attribution == "unattributed" or (self.release_id is not None and not directory.known(self.release_id))
@@ -862,6 +865,7 @@ def resolve_row(state: dict, record: dict, directory, entity_res: Resolution, co
             if gone_rids:
                 rids = tuple(sorted({*rids, *gone_rids}))
         interests = [f"rid:{r}" for r in rids]
+        # (``forgotten``: a detached holder held or shared its time — it keeps what it emitted)
         if not holders:
             return Resolution({}, "unattributed", None, interests, rids, (), version, forgotten=spanned)
         ident = shared_identity(holders)
@@ -871,7 +875,7 @@ def resolve_row(state: dict, record: dict, directory, entity_res: Resolution, co
         rid = ident.get("release_id")
         # Several holders of different releases (slices/shares of one GPU): joined, to all of them, not to one release.
         how = "gpu_assignment" if rid else ("gpu_shared" if len(holders) > 1 else "unattributed")
-        return Resolution(ident, how, rid, interests, rids, (), version)
+        return Resolution(ident, how, rid, interests, rids, (), version, forgotten=spanned)
     if kind == "model":
         name, version = own.get("model_name"), own.get("model_version")
         rid = directory.by_model_version(name, version, own.get("environment"))

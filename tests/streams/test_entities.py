@@ -695,7 +695,7 @@ def test_a_gpu_past_its_link_cap_stores_the_same_rows_and_versions_whatever_the_
     gpu = reference.entities["gpu:n1/GPU-9"]
     assert gpu["detached"] == 22 and len(gpu["gone"]["steps"]) == min(22, steps) and reference.conflicts == 0
     assert gpu["gone"]["rids"] == {"r2": iso(at(11).isoformat()), "r1": iso(at(14).isoformat())}  # b0 (r2), b1 (r1)
-    assert gpu["gone"]["steps"][-1][2] == iso(at(13 + 3 * 21).isoformat())  # b21, the last detached, released the GPU then
+    assert gpu["gone"]["steps"][-1][2] == [[iso(at(11 + 3 * 21).isoformat()), iso(at(13 + 3 * 21).isoformat())]]  # b21, the last detached
     assert "gone" not in reference.entities["wl:ml/Job/train"]  # (its 30 pods past the cap: it keeps no ``gone``)
     # With steps joined, a GPU row before the earliest kept step no longer counts the joined
     # ones: its version falls (it emits nothing more), so it keeps whatever version it had when
@@ -778,7 +778,7 @@ def test_a_gpu_row_without_holder_after_a_detached_holder_that_never_ended_is_de
     assert row_at(35).identity.pod == "h"
     d.feed(_holder("x", 40, 45) + _holder("y", 50, 55) + [gpu_event("gpu.released", 30, pod="h", device="GPU-9")]).flush_parked()
     gone = d.entities["gpu:n1/GPU-9"]["gone"]
-    assert [step[2] for step in gone["steps"]] == ["\uffff"]  # d: detached, never ended
+    assert [step[2] for step in gone["steps"]] == [[]]  # d: detached, never ended
     row = row_at(35)
     assert row.attribution == "unattributed" and row.identity.pod is None and row.identity.release_id is None
 
@@ -814,10 +814,53 @@ def test_what_a_gpu_keeps_of_its_detached_links_is_bounded():
     n = max(entities.MAX_GONE_STEPS, entities.MAX_GONE_RIDS) + 6
     for i in range(n):
         start, end = f"2026-11-01T{i // 60:02d}:{i % 60:02d}:00+00:00", f"2026-11-01T{i // 60:02d}:{i % 60:02d}:30+00:00"
-        entities._let_go(gone, {"intervals": [{"id": f"a{i}", "start": start, "end": end, "identity": {"release_id": f"r{i:03d}"}}], "v": 2})
-    assert len(gone["steps"]) == entities.MAX_GONE_STEPS and sum(v for _s, v, _e in gone["steps"]) == 2 * n
+        entities._let_go(gone, f"pod:ns/p{i}", {"intervals": [{"id": f"a{i}", "start": start, "end": end, "identity": {"release_id": f"r{i:03d}"}}], "v": 2})
+    assert len(gone["steps"]) == entities.MAX_GONE_STEPS and sum(step[1] for step in gone["steps"]) == 2 * n
     j = n - entities.MAX_GONE_STEPS - 1  # the last link whose step joined the next
     assert gone["cut"] == f"2026-11-01T{j // 60:02d}:{j % 60:02d}:30+00:00" and gone["steps"][0][0] == f"2026-11-01T{(j + 1) // 60:02d}:{(j + 1) % 60:02d}:00+00:00"
     assert sorted(gone["rids"]) == [f"r{i:03d}" for i in range(n - entities.MAX_GONE_RIDS, n)]
     version, rids, spanned = entities.gone_prefix(gone, "2026-11-01T00:00:10+00:00")  # before every kept step, in the cut
     assert (version, rids, spanned) == (0, [], True)
+
+
+def test_a_gpu_row_whose_holder_went_while_an_older_one_still_covers_it_keeps_its_holder(monkeypatch):
+    """Two whole holders at once (a double allocation, or an end that never came): a held the
+    GPU 10-40 (and again 60-70), b 20-30 — the alert at 25 is b's, the latest to start. b goes
+    past the cap while a stays (a's latest interval started later): the alert does not fall
+    back to a at the same version (the content changing without its version, which the worker
+    would never emit and a replay might store) — it keeps b, as emitted."""
+    import streams.correlate.entities as entities
+
+    monkeypatch.setattr(entities, "MAX_LINKS", 2)
+    monkeypatch.setattr(entities, "VERIFY_UNCHANGED", True)  # a content change without its version is counted
+    a_twice = _holder("a", 10, 40) + [gpu_event("gpu.assigned", 60, pod="a", device="GPU-9"), gpu_event("gpu.released", 70, pod="a", device="GPU-9")]
+    d = Driver().feed(RELEASES).feed(a_twice + _holder("b", 20, 30) + [alert(25, fp="A", node="n1", gpu_id="GPU-9")])
+    row = next(r for r in d.rows.values() if r.identity.alert_fingerprint == "A")
+    assert row.identity.pod == "b"
+    d.feed(_holder("c", 80, 85)).flush_parked()
+    gpu = d.entities["gpu:n1/GPU-9"]
+    assert sorted(gpu["links"]) == ["pod:ml/a", "pod:ml/c"] and gpu["gone"]["steps"][0][2] == [[iso(at(20).isoformat()), iso(at(30).isoformat())]]
+    row = next(r for r in d.rows.values() if r.identity.alert_fingerprint == "A")
+    assert row.identity.pod == "b" and d.conflicts == 0
+
+
+def test_a_detached_holder_that_holds_the_gpu_again_counts_once(monkeypatch):
+    """A pod whose link went past the cap and that is given the GPU again comes back with both
+    allocations: its step leaves ``gone``, so its version counts once — the rows of the holders
+    it keeps (a's and d's) store what the same events give with no cap at all (those of b and c,
+    which went, keep what they emitted before: the versions they had then)."""
+    import streams.correlate.entities as entities
+
+    events = [*RELEASES, *_holder("a", 10, 12), *_holder("b", 20, 22), *_holder("c", 30, 32),
+              gpu_event("gpu.assigned", 40, pod="a", device="GPU-9"), gpu_event("gpu.released", 42, pod="a", device="GPU-9"),
+              *_holder("d", 50, 52), *[alert(m, fp=f"x{m}", node="n1", gpu_id="GPU-9") for m in (11, 21, 31, 41, 51)]]
+    events.sort(key=lambda e: e.occurred_at)
+    uncapped = Driver().feed(events).flush_parked()
+    monkeypatch.setattr(entities, "MAX_LINKS", 2)
+    capped = Driver().feed(events).flush_parked()
+    gpu = capped.entities["gpu:n1/GPU-9"]
+    assert sorted(gpu["links"]) == ["pod:ml/a", "pod:ml/d"] and [step[3] for step in gpu["gone"]["steps"]] == ["pod:ml/b", "pod:ml/c"]
+    kept = {cid: row for cid, row in uncapped.latest(versions=True).items() if row["identity"].get("pod") in ("a", "d")}
+    assert {row["occurred_at"] for row in kept.values() if row["event_type"].startswith("alert.")} == {at(11), at(41), at(51)}
+    got = capped.latest(versions=True)
+    assert {cid: got[cid] for cid in kept} == kept
