@@ -41,7 +41,8 @@ Time: every rule uses event time. Grace periods and windows end on the *watermar
 (the latest event time seen): a deadline that the watermark has not passed yet is
 returned in ``Outcome.deadline`` so the caller re-evaluates the key when it has.
 
-Limits: ``MAX_ROWS`` rows per key (oldest dropped), ``MAX_EVIDENCE`` event ids per
+Limits: ``MAX_ROWS`` rows per key (oldest dropped; their versions stay in the key's:
+``fold_row``), ``MAX_EVIDENCE`` event ids per
 violation; preemption rows of one workload less than ``PREEMPTION_CLUSTER`` apart are
 one preemption.
 """
@@ -67,6 +68,7 @@ START = frozenset({"scheduler.admitted", "scheduler.scheduled", "scheduler.runni
 STOP = frozenset({"scheduler.preempted", "scheduler.evicted", "scheduler.finished", "scheduler.deleted", "scheduler.requeued"})
 SCHEDULER_KEPT = START | STOP
 MAX_ROWS = 1000
+MAX_DROPPED_IDS = 256
 MAX_EVIDENCE = 50
 PREEMPTION_CLUSTER = timedelta(minutes=2)
 WITHDRAWN = "withdrawn: "
@@ -176,20 +178,47 @@ def new_state(key: str) -> dict:
     return {"key": key, "rows": {}, "links": {}, "emitted": {}, "fwd": {}}
 
 
+def _drop_order(row: dict) -> tuple:
+    """What ``fold_row`` drops by past ``MAX_ROWS`` (the least first): closed allocations
+    before open ones (an open one still holds a GPU), then the oldest."""
+    return row.get("end", "") is None, row.get("at") or row.get("start"), row["id"]
+
+
 def fold_row(state: dict, row: dict) -> bool:
-    """Keep the highest version of a row (correlated row or allocation); False if older/equal."""
-    current = state["rows"].get(row["id"])
+    """Keep the highest version of a row (correlated row or allocation); False if older/equal.
+
+    Past ``MAX_ROWS`` the least (``_drop_order``) go, and their versions stay in the key's version
+    (``state["dropped"]``: their sum, and the ids of the last ``MAX_DROPPED_IDS`` with theirs — one
+    that comes back counts once), so dropping a row lowers no violation's version: the latest
+    version stays a function of the history, not of when the drop happened. A row that would go at
+    once — one seen again after it went (a re-delivery), or one older than every row the key keeps
+    — is not kept and not counted (counted, a re-delivery would raise every violation's version)."""
+    rows = state["rows"]
+    current = rows.get(row["id"])
     if current is not None and current["v"] >= row["v"]:
         return False
-    state["rows"][row["id"]] = row
-    if len(state["rows"]) > MAX_ROWS:
-        # Drop the oldest; closed allocations go before open ones (an open one still holds a GPU).
-        ordered = sorted(state["rows"].values(), key=lambda r: (r.get("end", "") is None, r.get("at") or r.get("start"), r["id"]))
-        dropped = ordered[: len(state["rows"]) - MAX_ROWS]
-        for old in dropped:
-            del state["rows"][old["id"]]
-        capped("control_rows_dropped", len(dropped), state["key"], f"its oldest rows dropped past {MAX_ROWS:,} (MAX_ROWS)")
+    if current is None and len(rows) >= MAX_ROWS and _drop_order(row) < min(map(_drop_order, rows.values())):
+        capped("control_rows_dropped", 1, state["key"], _dropped_text())
+        return False
+    dropped = state.get("dropped")
+    if current is None and dropped and row["id"] in dropped["ids"]:
+        dropped["v"] -= dropped["ids"].pop(row["id"])  # back: counted once, at its new version
+    rows[row["id"]] = row
+    if len(rows) > MAX_ROWS:
+        gone = sorted(rows.values(), key=_drop_order)[: len(rows) - MAX_ROWS]
+        dropped = state.setdefault("dropped", {"v": 0, "ids": {}})
+        for old in gone:
+            del rows[old["id"]]
+            dropped["v"] += old["v"]
+            dropped["ids"][old["id"]] = old["v"]
+        while len(dropped["ids"]) > MAX_DROPPED_IDS:
+            del dropped["ids"][next(iter(dropped["ids"]))]
+        capped("control_rows_dropped", len(gone), state["key"], _dropped_text())
     return True
+
+
+def _dropped_text() -> str:
+    return f"its oldest rows dropped past {MAX_ROWS:,} (MAX_ROWS)"
 
 
 def fold_link(state: dict, source: str, link: dict) -> bool:
@@ -522,11 +551,12 @@ def _forward_allocations(allocs: list[dict], forwards: dict, interests: set, ctx
 def key_version(state: dict, ctx: Context, clock: Clock) -> int:
     """The version of everything a key's evaluation read — rows and links (their own
     versions, which come from history), the releases it looked at (their event counts)
-    and the deadlines the watermark has passed. It grows with history and not with
-    processing, so a violation's latest version is the same in every run."""
+    and the deadlines the watermark has passed, the rows dropped past ``MAX_ROWS`` included
+    (``fold_row``). It grows with history and not with processing, so a violation's latest
+    version is the same in every run."""
     rids = {r for r in ctx.accessed if r}
-    return (sum(r["v"] for r in state["rows"].values()) + sum(link.get("v", 0) for link in state["links"].values())
-            + sum(ctx.directory.count(r) for r in rids) + clock.passed_count)
+    return (sum(r["v"] for r in state["rows"].values()) + (state["dropped"]["v"] if state.get("dropped") else 0)
+            + sum(link.get("v", 0) for link in state["links"].values()) + sum(ctx.directory.count(r) for r in rids) + clock.passed_count)
 
 
 def _artifact_digests(rows: list[dict], found: Findings, ctx: Context, key: str) -> None:

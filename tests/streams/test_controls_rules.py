@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from datetime import timedelta
 
+import orjson
 import pytest
 
 from streams.controls.policy import Policy, Role
@@ -484,3 +485,38 @@ def test_the_fingerprints_sent_to_the_controls_are_bounded_with_the_entitys_rows
     assert len(state["rows"]) == 3 and state["detached"] == 3
     assert sorted(state["ctl"]) == sorted(r["identity"]["alert_fingerprint"] for r in state["rows"].values()) == ["x3", "x4", "x5"]
     assert {r.identity.alert_fingerprint for r in driver.controls.values() if r.event_type.startswith("alert.")} == {f"x{i}" for i in range(6)}
+
+
+def test_a_control_key_past_its_row_bound_keeps_the_dropped_rows_versions(monkeypatch):
+    """Past ``MAX_ROWS`` a control key drops its oldest rows and keeps their versions
+    (``state["dropped"]``, counted in ``key_version``): the key's version is the same whether a
+    row was dropped before or after the others came — in event order, near it, with rows
+    delivered again (a row seen again after it went is not kept, nor counted twice) — and a
+    dropped row that comes back at a higher version counts once, at that version."""
+    from streams.controls import rules
+
+    monkeypatch.setattr(rules, "MAX_ROWS", 3)
+    rows = [{"id": f"r{i}", "v": i + 1, "at": f"2026-11-01T00:00:{i:02d}+00:00"} for i in range(6)]
+
+    def folded(order):
+        state = rules.new_state("alert:x")
+        for row in order:
+            rules.fold_row(state, dict(row))
+        return state, sum(r["v"] for r in state["rows"].values()) + state["dropped"]["v"]
+
+    near = [rows[1], rows[0], rows[3], rows[2], rows[5], rows[4]]
+    for order in (rows, near, rows + rows[:3], rows[:4] + rows[:2] + rows[4:]):
+        state, version = folded(order)
+        assert sorted(state["rows"]) == ["r3", "r4", "r5"] and version == 21, (order, state)
+    state, _ = folded(rows)
+    rules.fold_row(state, {"id": "r2", "v": 10, "at": "2026-11-01T00:00:09+00:00"})
+    assert sorted(state["rows"]) == ["r2", "r4", "r5"]
+    assert sum(r["v"] for r in state["rows"].values()) + state["dropped"]["v"] == 21 - 3 + 10
+    # the key's version counts them (what every violation of the key is emitted at)
+    from types import SimpleNamespace
+
+    ctx, clock = SimpleNamespace(accessed=set(), directory=None), SimpleNamespace(passed_count=0)
+    assert rules.key_version(state, ctx, clock) == 28
+    # a row older than every row kept, never seen: it would go at once — not kept, not counted
+    before = orjson.loads(orjson.dumps(state))
+    assert rules.fold_row(state, {"id": "old", "v": 7, "at": "2026-10-31T00:00:00+00:00"}) is False and state == before
