@@ -231,7 +231,7 @@ def fold_link(state: dict, source: str, link: dict) -> bool:
             return False  # same version: keep one deterministically
     links = state["links"]
     gpu = state["key"].startswith("gpu:")
-    if gpu and current is None and len(links) == MAX_LINKS and (_link_newest(link), source) < _least_key(links):
+    if gpu and current is None and len(links) == MAX_LINKS and (_link_newest(link), source) < _least(links, 1)[0]:
         # It would go at once, the least of all: not attached, and not kept in ``gone`` —
         # mostly a detached holder's link forwarded again (a release event makes every pod of
         # the release forward its links again); kept, it would count twice (``_let_go``).
@@ -249,17 +249,8 @@ def fold_link(state: dict, source: str, link: dict) -> bool:
     if len(links) > MAX_LINKS:
         # The links that can matter least: those whose latest interval started earliest
         # (a function of the link set, so the survivors do not depend on arrival order).
-        if type(links) is JournaledLinks:
-            # (a followed node/GPU — the entities that reach the cap, holder after holder —
-            # keeps its links in that order as they change: finding the least by walking every
-            # link's intervals at each new holder past the cap made each fold cost the whole
-            # cap — a long live run's correlation fell behind once its GPUs had 256 holders)
-            least = links.least(len(links) - MAX_LINKS)
-        else:
-            # (the few least by key, not a sort of every link; keys are unique — the source is
-            # in them — so these are exactly the sort's first ones, as ``least`` gives them)
-            least = [src for src, _link in heapq.nsmallest(len(links) - MAX_LINKS, links.items(), key=_newest_item)]
-        gone = (state.get("gone") or state.setdefault("gone", {"steps": [], "rids": {}})) if gpu else None
+        least = [src for _newest, src in _least(links, len(links) - MAX_LINKS)]
+        gone = state.setdefault("gone", {"steps": [], "rids": {}}) if gpu else None
         for src in least:
             if gone is not None:
                 _let_go(gone, src, links[src])
@@ -273,12 +264,17 @@ def _detached() -> str:
     return f"links detached past {MAX_LINKS} (MAX_LINKS): those whose latest interval started earliest (a node/GPU's oldest holders) go first"
 
 
-def _least_key(links: dict) -> tuple[str, str]:
-    """The ``_newest_item`` key of the link ``fold_link`` would evict first."""
+def _least(links: dict, n: int) -> list[tuple[str, str]]:
+    """The ``_newest_item`` keys of the ``n`` links ``fold_link`` evicts first, least first."""
     if type(links) is JournaledLinks:
-        src = links.least(1)[0]
-        return _link_newest(links[src]), src
-    return min(_newest_item(item) for item in links.items())
+        # (a followed node/GPU — the entities that reach the cap, holder after holder — keeps
+        # its links in that order as they change: finding the least by walking every link's
+        # intervals at each new holder past the cap made each fold cost the whole cap — a long
+        # live run's correlation fell behind once its GPUs had 256 holders)
+        return links.least_keys(n)
+    # (the few least by key, not a sort of every link; keys are unique — the source is in them —
+    # so these are exactly the sort's first ones, as ``least_keys`` gives them)
+    return heapq.nsmallest(n, map(_newest_item, links.items()))
 
 
 def _let_go(gone: dict, source: str, link: dict) -> None:
@@ -999,7 +995,7 @@ class JournaledLinks(Journal):
         super().__init__(items)
         self.changed: set = set()
         # (when the latest interval started, source) of every link, sorted — what ``fold_link``
-        # evicts by past ``MAX_LINKS`` — built on the first ``least`` and kept up to date item by
+        # evicts by past ``MAX_LINKS`` — built on the first ``least_keys`` and kept up to date item by
         # item from then on (None: not built, or dropped when a link turned out changed in place)
         self._order: list[tuple[str, str]] | None = None
 
@@ -1026,11 +1022,12 @@ class JournaledLinks(Journal):
         else:
             self._order = None  # a link changed in place after it was ordered: built again when next needed
 
-    def least(self, n: int) -> list[str]:
-        """The ``n`` sources whose links ``fold_link`` evicts first (``_newest_item`` order)."""
+    def least_keys(self, n: int) -> list[tuple[str, str]]:
+        """The ``_newest_item`` keys of the ``n`` links ``fold_link`` evicts first."""
         if self._order is None:
             self._order = sorted((_link_newest(link), src) for src, link in self.items())
-        return [src for _newest, src in self._order[:n]]
+        return self._order[:n]
+
 
     def _refused(self, *_args, **_kwargs):
         raise TypeError("an entity's links change only item by item (fold_link), so that its GpuMemo notes every change")
