@@ -85,7 +85,9 @@ async def store_all(records: list, batch: int, data_dir: str) -> tuple[float, fl
         await loop.store(records[i:i + batch])
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     client = store.get()
-    counts = {t: client.command(f"SELECT count() FROM {conf.database}.{t}") for t in sorted(ctx.sinks.writers)}
+    from sinks.migrations import table_names
+
+    counts = {t: client.command(f"SELECT count() FROM {conf.database}.{t}") for t in sorted(table_names())}
     client.close()
     return cpu, wall, counts
 

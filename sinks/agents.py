@@ -2,9 +2,10 @@
 sink process, ``sinks/service.py``).
 
 Input: the correlated, allocations, dead-letter and raw topics (and violations, when
-the app passes that topic). Output: one columnar insert per table per batch —
-correlated → ``correlated_events`` + ``release_history`` / ``workload_timeline`` /
-``enriched_alerts`` by family; allocations → ``gpu_allocations``; raw →
+the app passes that topic). Output: one insert per table per batch — correlated → the
+records as they are into ``correlated_intake``, whose views write ``correlated_events`` +
+``release_history`` / ``workload_timeline`` / ``enriched_alerts`` by family
+(``sinks/migrations.py``, migration 4); allocations → ``gpu_allocations``; raw →
 ``raw_events`` (only the events of the run's replay range, when it has one:
 ``GPULEDGER_STREAMS_REPLAY_FROM/TO``); dead letters → ``dead_letters``; violations →
 ``violations``.
@@ -28,7 +29,9 @@ letter would come back to the same table. The batch logic lives in ``SinkWriters
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
@@ -43,9 +46,7 @@ from sinks.correlated import (
     ENRICHED_ALERT_COLUMNS,
     RELEASE_HISTORY_COLUMNS,
     WORKLOAD_TIMELINE_COLUMNS,
-    correlated_rows,
     dead_letter_rows,
-    derived_rows,
 )
 from sinks.migrations import table_name
 from sinks.raw import RAW_EVENT_COLUMNS, NotAnEnvelope, raw_event_row
@@ -55,14 +56,17 @@ log = logging.getLogger(__name__)
 
 RAW_OCCURRED_AT = RAW_EVENT_COLUMNS.index("occurred_at")
 
-#: table -> insert columns. Order of the correlated family matters: the source of
-#: truth first, so a crash between inserts leaves the derived tables behind, never ahead.
+#: table -> columns of the correlated family: the tables the store builds from the intake of
+#: correlated records (sinks/migrations.py, migration 4), each through its view.
 CORRELATED_FAMILY = {
     "correlated_events": CORRELATED_COLUMNS,
     "release_history": RELEASE_HISTORY_COLUMNS,
     "workload_timeline": WORKLOAD_TIMELINE_COLUMNS,
     "enriched_alerts": ENRICHED_ALERT_COLUMNS,
 }
+#: The table the sink inserts correlated records into, as they are (ENGINE = Null: its views
+#: write the CORRELATED_FAMILY tables).
+CORRELATED_INTAKE = "correlated_intake"
 
 
 #: What SinkWriters does with a row the store rejected (e.g. send its dead letter).
@@ -91,7 +95,11 @@ class SinkWriters:
             return TableWriter(self.store, database, table_name(table, cluster), columns, f"sinks.{table}",
                                max_backoff_s=max_backoff_s, initial_backoff_s=initial_backoff_s, insert_settings=insert_settings)
 
-        self.writers = {table: writer(table, cols) for table, cols in CORRELATED_FAMILY.items()}
+        # The correlated family's one writer: the records into the intake, named after the table
+        # that is the source of truth (its stage ``sinks.correlated_events`` names a refused record).
+        self.writers = {"correlated_events": TableWriter(
+            self.store, database, CORRELATED_INTAKE, ("record",), "sinks.correlated_events", max_backoff_s=max_backoff_s,
+            initial_backoff_s=initial_backoff_s, insert_settings=insert_settings, records=True)}
         self.writers["gpu_allocations"] = writer("gpu_allocations", GPU_ALLOCATION_COLUMNS)
         self.writers["raw_events"] = writer("raw_events", RAW_EVENT_COLUMNS)
         self.writers["dead_letters"] = writer("dead_letters", DEAD_LETTER_COLUMNS)
@@ -100,6 +108,8 @@ class SinkWriters:
 
     async def _write(self, table: str, rows: list[list], sources: Sources) -> list[RejectedRow]:
         rejected = await self.writers[table].write(rows, sources)
+        if rejected and table == "correlated_events":
+            rejected = [_refused_by_view(row) for row in rejected]
         if rejected and table == "dead_letters":
             log.error("%d dead letter(s) rejected by %s and dropped (first: %s[%s]@%s: %s)", len(rejected),
                       self.writers[table].table, *_coordinates(rejected[0]), rejected[0].error)
@@ -108,15 +118,36 @@ class SinkWriters:
                 await self.on_rejected(row)
         return rejected
 
-    async def store_correlated(self, batch: list[CorrelatedEvent], sources: Sources = None) -> list[RejectedRow]:
-        """Source of truth first, then the derived tables (see CORRELATED_FAMILY) — whose rows
-        are built after it is stored: a correlated row is queryable once ``correlated_events``
-        has it, and building the derived rows first held that insert back (a third of the
-        batch's row building)."""
-        rejected = await self._write("correlated_events", correlated_rows(batch), sources)
-        for table, (rows, index) in derived_rows(batch, self.counters).items():  # (in CORRELATED_FAMILY's order)
-            rejected += await self._write(table, rows, None if sources is None else [sources[i] for i in index])
-        return rejected
+    async def store_correlated(self, batch: Sequence[CorrelatedEvent | bytes], sources: Sources = None) -> list[RejectedRow]:
+        """Correlated records into the intake (``CORRELATED_INTAKE``), from which the store builds
+        every table of the correlated family in the same insert: a record is the worker's JSON as it
+        came from Kafka (bytes), or a ``CorrelatedEvent``, encoded here. The intake's constraints
+        refuse a record without its required fields, and a view a value out of its column's range:
+        either comes back as a rejected row of ``correlated_events`` (its stage), naming the
+        constraint or the view.
+
+        Why not rows built in Python: parsing the records and building the four tables' rows was
+        most of the sink's CPU (``benchmarks/sink_cpu.py``: ~22 us per correlated record, against
+        ~5 for the store to do the same from the JSON)."""
+        from schemas import encode_event
+
+        rows = [[item if isinstance(item, bytes) else encode_event(item)] for item in batch]
+        # A record with nothing in it (a tombstone) would be no row at all in a JSONEachRow block:
+        # refused here, by name, rather than skipped without a word.
+        empty = [i for i, (value,) in enumerate(rows) if not value.strip()]
+        if not empty:
+            return await self._write("correlated_events", rows, sources)
+        writer = self.writers["correlated_events"]
+        refused = [RejectedRow(writer.table, writer.component, "an empty record (not a correlated event)", EMPTY_HINT, rows[i],
+                               tuple(writer.columns), None, None if sources is None else sources[i]) for i in empty]
+        writer.rows_rejected += len(refused)
+        writer.counters.add_rejected("store_rejected", len(refused))
+        for row in refused:
+            if self.on_rejected is not None:
+                await self.on_rejected(row)
+        keep = [i for i in range(len(rows)) if i not in set(empty)]
+        return refused + await self._write("correlated_events", [rows[i] for i in keep],
+                                           None if sources is None else [sources[i] for i in keep])
 
     async def store_allocations(self, batch: list[GpuAllocation], sources: Sources = None) -> list[RejectedRow]:
         return await self._write("gpu_allocations", allocation_rows(batch), sources)
@@ -148,6 +179,21 @@ class SinkWriters:
             self.counters.add_rejected("not_an_envelope", skipped)
         await self._write("raw_events", rows, sources)
         return skipped
+
+
+EMPTY_HINT = "the correlated topic carries one JSON object per record: find what produced an empty one"
+_VIEW_RE = re.compile(r"while pushing to view (\S+?)_mv\b")
+
+
+def _refused_by_view(row: RejectedRow) -> RejectedRow:
+    """A correlated record one of the intake's views refused (``while pushing to view
+    <db>.<table>_mv``) is named after that view's table — its stage ``sinks.<table>`` — as
+    a row that table refused was; one the intake itself refused keeps ``correlated_events``."""
+    match = _VIEW_RE.search(row.error)
+    if match is None:
+        return row
+    table = match.group(1).replace("`", "")
+    return dataclasses.replace(row, table=table, stage=f"sinks.{table.rsplit('.', 1)[-1]}")
 
 
 def _coordinates(row: RejectedRow) -> tuple:
@@ -278,7 +324,7 @@ class SinkLoop:
         self._stopping = True
 
     async def store(self, records: list[_Record]) -> None:
-        from schemas import CorrelatedEvent, DeadLetter, GpuAllocation, Violation
+        from schemas import DeadLetter, GpuAllocation, Violation
 
         by_kind: dict[str, list[_Record]] = {}
         for rec in records:
@@ -287,9 +333,10 @@ class SinkLoop:
         # The tables responders query first, the raw event log last: each insert is a round
         # trip, and the correlated rows of a batch must not wait for the raw log's.
         if "correlated" in by_kind:
-            batch, sources = await self._decode(by_kind["correlated"], CorrelatedEvent, "sinks.store_correlated")
-            await self.sinks.store_correlated(batch, sources)
-            stats["stored"] += len(batch)
+            # As they came: the store reads them (SinkWriters.store_correlated).
+            records = by_kind["correlated"]
+            rejected = await self.sinks.store_correlated([r.value for r in records], records)
+            stats["stored"] += len(records) - len(rejected)
         if "allocations" in by_kind:
             batch, sources = await self._decode(by_kind["allocations"], GpuAllocation, "sinks.store_allocations")
             await self.sinks.store_allocations(batch, sources)

@@ -103,6 +103,43 @@ def _distributed(table: str) -> str:
             "ENGINE = Distributed({cluster_name}, {db_name}, '%s', %s)") % (table, table, table, SHARD_KEYS[table])
 
 
+#: The identity block's fields (``schemas.Identity``), as the intake of migration 4 reads them.
+#: A copy, not an import: an applied migration's text must not change when the schema does.
+_INTAKE_FIELDS = ("release_id", "model_name", "model_version", "artifact_digest", "image_digest", "config_digest", "dataset_ref",
+                  "environment", "workload_id", "pod_uid", "namespace", "pod", "node", "gpu_id", "owner", "data_class",
+                  "alert_fingerprint")
+_INTAKE_IDENTITY = ", ".join(f"{f} String" for f in _INTAKE_FIELDS)
+_MANIFEST_FIELDS = ("model_name", "model_version", "artifact_digest", "image_digest", "config_digest", "dataset_ref",
+                    "environment", "owner", "data_class")
+
+
+def _identity_select(fields: tuple[str, ...]) -> str:
+    # tupleElement, not ``identity.name``: the view's query is analysed at every insert, and a
+    # compound name costs the analyser several times more to resolve (benchmarks: the views'
+    # fixed cost per insert about halved).
+    return ", ".join(f"tupleElement(identity, '{f}') AS {f}" for f in fields)
+
+
+def _uint32(value: str, column: str) -> str:
+    """``value`` (a Nullable(Int64)) as ``column``, a Nullable(UInt32): out of its range, the
+    record is refused with an error naming the column (ClickHouse's own cast would wrap around,
+    and ``accurateCast``'s message names neither column nor value)."""
+    return (f"if(isNull({value}) OR ({value} >= 0 AND {value} <= 4294967295), CAST({value}, 'Nullable(UInt32)'), "
+            f"CAST(throwIf(isNotNull({value}), '{column}: out of the range of UInt32'), 'Nullable(UInt32)')) AS {column}")
+
+
+def _view(table: str, select: str, where: str, payload: str | None = None) -> str:
+    """The materialized view that fills ``table`` from ``correlated_intake`` (migration 4):
+    ``select`` over the intake's columns and, with ``payload`` (a named Tuple type), ``p``:
+    the record's payload parsed once into it."""
+    source = "{db}.correlated_intake"
+    if payload:
+        source = f"(SELECT *, JSONExtract(payload_json, '{payload}') AS p FROM {{db}}.correlated_intake WHERE {where})"
+        where = "1"
+    return (f"CREATE MATERIALIZED VIEW IF NOT EXISTS {{db}}.{table}_mv {{on_cluster}} TO {{db}}.{table}{{dist}} AS\n"
+            f"SELECT {select}\nFROM {source}" + ("" if where == "1" else f"\nWHERE {where}"))
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "correlated events and dead letters", (
         """CREATE TABLE IF NOT EXISTS {db}.correlated_events {on_cluster} (
@@ -333,6 +370,90 @@ ORDER BY violation_id""",
         "{cluster_only}ALTER TABLE {db}.violations_dist {on_cluster} ADD COLUMN IF NOT EXISTS policy_version LowCardinality(String) "
         "DEFAULT '' AFTER detail",
     )),
+    Migration(4, "the correlated family built by the store: an intake table and a view per table", (
+        # The sink inserts the worker's correlated records into this Null table as they are
+        # (JSON, one object per record: ``sinks/agents.py``), and four materialized views
+        # build the rows of the correlated family from them — ClickHouse parsing JSON, not
+        # Python building rows (the sink's costliest work: benchmarks/sink_cpu.py). Nothing is
+        # stored here (ENGINE = Null). Its constraints are the record's required fields, checked
+        # before any view runs: a record without them is refused whole (and dead-lettered by
+        # the sink, naming the constraint). The views run in the order they were created
+        # (alphabetical too): correlated_events first, so a view further down that refuses a
+        # record (a value out of its column's range) leaves its correlated_events row stored,
+        # as a table written before the derived ones did. On a cluster the views write into
+        # the ``_dist`` tables ({dist}); the intake is local to the node the sink inserts on.
+        """CREATE TABLE IF NOT EXISTS {db}.correlated_intake {on_cluster} (
+    correlation_id String,
+    version Nullable(UInt64),
+    event_type String,
+    occurred_at Nullable(DateTime64(3, 'UTC')),
+    attribution String,
+    identity Tuple(""" + _INTAKE_IDENTITY + """),
+    release_state String,
+    summary String,
+    source_topic String,
+    source_partition Nullable(UInt32),
+    source_offset Nullable(UInt64),
+    payload_json String DEFAULT '{}',
+    CONSTRAINT has_correlation_id CHECK correlation_id != '',
+    CONSTRAINT has_version CHECK version IS NOT NULL,
+    CONSTRAINT has_event_type CHECK event_type != '',
+    CONSTRAINT has_occurred_at CHECK occurred_at IS NOT NULL,
+    CONSTRAINT has_attribution CHECK attribution != '',
+    CONSTRAINT has_source CHECK source_topic != '' AND source_partition IS NOT NULL AND source_offset IS NOT NULL
+) ENGINE = Null""",
+        _view("correlated_events", """correlation_id, assumeNotNull(version) AS version, event_type, assumeNotNull(occurred_at) AS occurred_at,
+    attribution, """ + _identity_select(_INTAKE_FIELDS) + """, release_state, summary,
+    source_topic, assumeNotNull(source_partition) AS source_partition, assumeNotNull(source_offset) AS source_offset, payload_json""",
+              "1"),
+        # The payload's fields as typed columns, each payload parsed once (``JSONExtract`` into a
+        # named tuple): a field that is absent, null or of another JSON type reads as empty (a
+        # number into a string column as its text), as the rows built in Python did. A count out
+        # of its column's range (a reservation of -5 GPUs) refuses the record, naming the column
+        # (``_uint32``), rather than wrapping around.
+        _view("release_history", """tupleElement(identity, 'release_id') AS release_id, assumeNotNull(occurred_at) AS occurred_at, correlation_id,
+    assumeNotNull(version) AS version, event_type, """ + _identity_select(_MANIFEST_FIELDS) + """,
+    tupleElement(p, 'actor') AS actor, tupleElement(p, 'approval_id') AS approval_id, tupleElement(p, 'reason') AS reason, tupleElement(p, 'to_environment') AS to_environment,
+    tupleElement(p, 'superseded_release_id') AS superseded_release_id, tupleElement(tupleElement(p, 'reservation'), 'reservation_id') AS reservation_id,
+    """ + _uint32("tupleElement(tupleElement(p, 'reservation'), 'gpus')", "reservation_gpus") + """, tupleElement(tupleElement(p, 'reservation'), 'pool') AS reservation_pool,
+    parseDateTime64BestEffortOrNull(tupleElement(tupleElement(p, 'reservation'), 'window_start'), 3, 'UTC') AS reservation_window_start,
+    parseDateTime64BestEffortOrNull(tupleElement(tupleElement(p, 'reservation'), 'window_end'), 3, 'UTC') AS reservation_window_end, tupleElement(p, 'target') AS target,
+    parseDateTime64BestEffortOrNull(tupleElement(p, 'expires_at'), 3, 'UTC') AS expires_at, tupleElement(p, 'tags') AS tags, release_state, summary,
+    source_topic, assumeNotNull(source_partition) AS source_partition, assumeNotNull(source_offset) AS source_offset, payload_json""",
+              "splitByChar('.', event_type)[1] = 'release' AND tupleElement(identity, 'release_id') != ''",
+              "Tuple(actor String, approval_id String, reason String, to_environment String, superseded_release_id String, "
+              "reservation Tuple(reservation_id String, gpus Nullable(Int64), pool String, window_start String, window_end String), "
+              "target String, expires_at String, tags Map(String, String))"),
+        # Scheduler (and admission) rows of known workloads. An admission decision without a
+        # reason reads as ``decision:rule``.
+        _view("workload_timeline", """tupleElement(identity, 'workload_id') AS workload_id, assumeNotNull(occurred_at) AS occurred_at, correlation_id,
+    assumeNotNull(version) AS version, event_type, attribution,
+    """ + _identity_select(tuple(f for f in _INTAKE_FIELDS if f != "workload_id")) + """, release_state,
+    tupleElement(p, 'object_kind') AS object_kind, tupleElement(p, 'queue') AS queue, tupleElement(p, 'cluster_queue') AS cluster_queue, tupleElement(p, 'priority_class') AS priority_class,
+    tupleElement(p, 'priority') AS priority,
+    if(tupleElement(p, 'reason') = '' AND event_type = 'admission.decided', concat(tupleElement(p, 'decision'), ':', tupleElement(p, 'rule')), tupleElement(p, 'reason')) AS reason,
+    tupleElement(p, 'message') AS message, tupleElement(p, 'phase') AS phase, """ + _uint32("tupleElement(p, 'gpus_requested')", "gpus_requested") + """,
+    tupleElement(p, 'image_digests') AS image_digests, tupleElement(tupleElement(p, 'preemptor'), 'kind') AS preemptor_kind, tupleElement(tupleElement(p, 'preemptor'), 'namespace') AS preemptor_namespace,
+    tupleElement(tupleElement(p, 'preemptor'), 'name') AS preemptor_name, tupleElement(tupleElement(p, 'preemptor'), 'uid') AS preemptor_uid, tupleElement(tupleElement(p, 'victim'), 'kind') AS victim_kind,
+    tupleElement(tupleElement(p, 'victim'), 'namespace') AS victim_namespace, tupleElement(tupleElement(p, 'victim'), 'name') AS victim_name, tupleElement(p, 'labels') AS labels, tupleElement(p, 'flavors') AS flavors, summary,
+    source_topic, assumeNotNull(source_partition) AS source_partition, assumeNotNull(source_offset) AS source_offset, payload_json""",
+              "splitByChar('.', event_type)[1] IN ('scheduler', 'admission') AND tupleElement(identity, 'workload_id') != ''",
+              "Tuple(object_kind String, queue String, cluster_queue String, priority_class String, priority Nullable(Int64), "
+              "reason String, decision String, rule String, message String, phase String, gpus_requested Nullable(Int64), "
+              "image_digests Array(String), preemptor Tuple(kind String, namespace String, name String, uid String), "
+              "victim Tuple(kind String, namespace String, name String), labels Map(String, String), flavors Map(String, String))"),
+        _view("enriched_alerts", """tupleElement(identity, 'alert_fingerprint') AS alert_fingerprint, assumeNotNull(occurred_at) AS occurred_at, correlation_id,
+    assumeNotNull(version) AS version, event_type, attribution,
+    """ + _identity_select(tuple(f for f in _INTAKE_FIELDS if f != "alert_fingerprint")) + """, release_state,
+    tupleElement(p, 'alertname') AS alertname, tupleElement(p, 'severity') AS severity,
+    ifNull(parseDateTime64BestEffortOrNull(tupleElement(p, 'starts_at'), 3, 'UTC'), assumeNotNull(occurred_at)) AS starts_at,
+    parseDateTime64BestEffortOrNull(tupleElement(p, 'ends_at'), 3, 'UTC') AS ends_at, tupleElement(p, 'labels') AS labels, tupleElement(p, 'annotations') AS annotations,
+    tupleElement(p, 'generator_url') AS generator_url, tupleElement(p, 'receiver') AS receiver, tupleElement(p, 'group_key') AS group_key, summary,
+    source_topic, assumeNotNull(source_partition) AS source_partition, assumeNotNull(source_offset) AS source_offset""",
+              "splitByChar('.', event_type)[1] = 'alert' AND tupleElement(identity, 'alert_fingerprint') != ''",
+              "Tuple(alertname String, severity String, starts_at String, ends_at String, labels Map(String, String), "
+              "annotations Map(String, String), generator_url String, receiver String, group_key String)"),
+    )),
 )
 
 _CREATE_RE = re.compile(r"^CREATE TABLE IF NOT EXISTS \{db\}\.(\w+) ")
@@ -340,9 +461,9 @@ _CREATE_RE = re.compile(r"^CREATE TABLE IF NOT EXISTS \{db\}\.(\w+) ")
 
 def table_names() -> tuple[str, ...]:
     """Every table the migrations create, in creation order (no ``_dist`` tables, no
-    ``schema_migrations`` bookkeeping)."""
+    ``schema_migrations`` bookkeeping, no intake: a Null table stores nothing)."""
     return tuple(m.group(1) for migration in MIGRATIONS for statement in migration.statements
-                 if (m := _CREATE_RE.match(statement)))
+                 if (m := _CREATE_RE.match(statement)) and not statement.endswith("ENGINE = Null"))
 
 
 def table_name(table: str, cluster: str | None) -> str:
@@ -375,6 +496,7 @@ def render(statement: str, database: str, cluster: str | None = None) -> str | N
     values = {
         "db": f"`{database}`",
         "on_cluster": f"ON CLUSTER `{cluster}`" if cluster else "",
+        "dist": "_dist" if cluster else "",
         "cluster_name": _quote_string(cluster or ""),
         "db_name": _quote_string(database),
         **_engines(cluster),

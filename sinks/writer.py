@@ -72,6 +72,11 @@ class RecordSource:
                    value if isinstance(value, bytes) else str(value).encode())
 
 
+def _text(value) -> str:
+    """A row value orjson does not serialize, as text (a record's bytes decoded)."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
 @dataclass(frozen=True)
 class RejectedRow:
     """A row the store refused, with why and where it came from.
@@ -98,7 +103,7 @@ class RejectedRow:
         if src is not None:
             value = src.value[:MAX_DEAD_VALUE].decode("utf-8", "replace")
         else:
-            value = orjson.dumps(dict(zip(self.columns, self.row)), default=str).decode()[:MAX_DEAD_VALUE]
+            value = orjson.dumps(dict(zip(self.columns, self.row)), default=_text).decode()[:MAX_DEAD_VALUE]
         return DeadLetter(
             reason="store_rejected", error=f"{self.table} rejected the row: {self.error}. Hint: {self.hint}"[:MAX_DEAD_ERROR],
             stage=self.stage,
@@ -133,10 +138,14 @@ class TableWriter:
 
     def __init__(self, store, database: str, table: str, columns: Sequence[str], component: str,
                  max_backoff_s: float = 10.0, initial_backoff_s: float = 0.2, insert_settings: dict | None = None,
-                 summary_every_s: float = 60.0) -> None:
+                 summary_every_s: float = 60.0, records: bool = False) -> None:
         self.store = StoreConnection.of(store)
         self.table = f"{database}.{table}"
         self.columns = list(columns)
+        #: ``records``: the rows are JSON objects already (bytes, one per Kafka record), inserted as
+        #: they are into a table whose columns take the objects' fields by name (an intake table:
+        #: sinks/migrations.py, migration 4); ``columns`` then only names the row in a RejectedRow.
+        self.records = records
         self.component = component
         self.counters = ComponentCounters(component)
         self.max_backoff_s = max_backoff_s
@@ -164,17 +173,21 @@ class TableWriter:
         cannot parse is refused with its code (CANNOT_PARSE_*), classified like any rejection.
         """
         client = self.store.get()  # raises StoreUnavailable / StoreLocked while unreachable
-        columns = self.columns
-        dumps = orjson.dumps
-        # One dumps of every row, its brackets stripped: the rows separated by commas, which
-        # ClickHouse's JSON*EachRow readers skip between rows as they skip whitespace. A
-        # dumps per row then a join cost ~4 us a row (each result allocated and kept until
-        # the join), one dumps of the block ~0.6 (py-spy: the sink's costliest line).
-        block = dumps(rows, default=str)[1:-1]
+        if self.records:
+            # The records as they came (``JSONEachRow``: one object per line, fields by name;
+            # fields the table lacks are skipped, as a newer worker's would be).
+            columns, block, fmt = None, b"\n".join(row[0] for row in rows), "JSONEachRow"
+            settings = {**JSON_INSERT_SETTINGS, "input_format_skip_unknown_fields": 1, **self.insert_settings}
+        else:
+            # One dumps of every row, its brackets stripped: the rows separated by commas, which
+            # ClickHouse's JSON*EachRow readers skip between rows as they skip whitespace. A
+            # dumps per row then a join cost ~4 us a row (each result allocated and kept until
+            # the join), one dumps of the block ~0.6 (py-spy: the sink's costliest line).
+            columns, block, fmt = self.columns, orjson.dumps(rows, default=str)[1:-1], "JSONCompactEachRow"
+            settings = {**JSON_INSERT_SETTINGS, **self.insert_settings}
         with driver_call() as report:
             try:
-                client.raw_insert(self.table, column_names=columns, insert_block=block, fmt="JSONCompactEachRow",
-                                  settings={**JSON_INSERT_SETTINGS, **self.insert_settings})
+                client.raw_insert(self.table, column_names=columns, insert_block=block, fmt=fmt, settings=settings)
             except Exception as exc:  # noqa: BLE001 - driver errors vary by backend; classified below
                 error = classify_insert_error(exc, self.table, len(rows), report.serialization_failed)
                 if isinstance(error, RowsRejected) and report.column:

@@ -57,7 +57,9 @@ def _counts(reader, ids: list[str]) -> dict[str, int]:
         "enriched_alerts": "SELECT count() AS n FROM gpuledger.enriched_alerts FINAL WHERE correlation_id IN {ids:Array(String)}",
         "gpu_allocations": "SELECT count() AS n FROM gpuledger.gpu_allocations FINAL",
         "raw_events": "SELECT count() AS n FROM gpuledger.raw_events FINAL",
-        "sink_dead_letters": "SELECT count() AS n FROM gpuledger.dead_letters FINAL WHERE stage = 'sinks.store_correlated'",
+        # The record that is not a correlated event: refused by the intake's constraint, named.
+        "sink_dead_letters": "SELECT count() AS n FROM gpuledger.dead_letters FINAL WHERE stage = 'sinks.correlated_events' "
+                             "AND reason = 'store_rejected' AND position(error, 'has_correlation_id') > 0",
         "store_rejected": "SELECT count() AS n FROM gpuledger.dead_letters FINAL WHERE stage = 'sinks.release_history' "
                           "AND reason = 'store_rejected' AND position(value, 'poison-release') > 0",
     }
@@ -108,11 +110,12 @@ def test_sink_agents_store_every_output_once_through_a_real_worker(kafka_bootstr
         assert time.monotonic() < deadline, f"stats {stats}\ncounts {counts}\nexpected {expected}\n{worker.service.log_tail()}"
         time.sleep(0.3)
     assert stats["raw_skipped"] == 1  # the record that is not an envelope: skipped, counted (and dead-lettered upstream)
-    assert stats["store_rejected"] == 1
+    assert stats["store_rejected"] == 2  # the poison release (by its view) and the record that is not one (by the intake)
     letter = worker.reader.query(
-        "SELECT source_topic, key, error FROM gpuledger.dead_letters FINAL WHERE reason = 'store_rejected'", {}).dicts()
+        "SELECT source_topic, key, error FROM gpuledger.dead_letters FINAL WHERE reason = 'store_rejected' "
+        "AND stage = 'sinks.release_history'", {}).dicts()
     assert [(d["source_topic"], d["key"]) for d in letter] == [(run.correlated, "poison")]
-    assert "reservation_gpus" in letter[0]["error"] and "Hint:" in letter[0]["error"]
+    assert "reservation_gpus" in letter[0]["error"] and "release_history_mv" in letter[0]["error"] and "Hint:" in letter[0]["error"]
 
     # The chain read through the worker's endpoint equals the one read from the direct write.
     through_worker = trace(worker.reader, "gpuledger", "alert", inc.FP, at=AT)

@@ -189,28 +189,125 @@ def test_writer_waits_while_another_process_owns_the_chdb_directory(tmp_path):
             holder.kill()
 
 
-def test_a_record_read_loosely_takes_defaults_for_null_fields_and_names_what_is_missing(clickhouse_client, clickhouse_db):
-    """The sink reads the worker's records without pydantic (``sinks.agents.decode_loose``): a
-    null field reads as the model's default where it has one (summary '', payload_json '{}'),
-    else as None — also a null identity field, which the table stores as ''. A record missing
-    a required field is refused with its name."""
-    import orjson
-    import pytest
-
-    from schemas import CorrelatedEvent
-    from sinks.agents import _required, decode_loose
-
-    shape = _required(CorrelatedEvent)
+def _record(**changes) -> dict:
     record = {"correlation_id": "c-null", "version": 3, "event_type": "scheduler.scheduled", "occurred_at": "2026-11-01T00:01:41+00:00",
               "attribution": "unattributed", "identity": {"namespace": "ml", "pod": "p-null", "release_id": None},
               "release_state": None, "summary": None, "source_topic": "raw", "source_partition": 0, "source_offset": 7}
-    row = decode_loose(orjson.dumps(record), CorrelatedEvent, shape)
-    assert (row.summary, row.payload_json, row.release_state, row.identity.release_id, row.identity.gpu_id) == ("", "{}", None, None, None)
+    record.update(changes)
+    return {k: v for k, v in record.items() if v is not _MISSING}
+
+
+_MISSING = object()
+
+
+def test_the_store_reads_records_with_null_fields_as_defaults_and_refuses_one_without_a_required_field_by_name(
+        clickhouse_client, clickhouse_db):
+    """The sink hands the worker's JSON to the store as it is (``correlated_intake``): a null
+    field reads as its default (summary '', payload_json '{}', release_state ''), a null or absent
+    identity field as ''. A record without a required field — or that is not a JSON object, or
+    whose identity is not one — is refused on its own, its error naming what is wrong, and the
+    rest of its batch is stored."""
+    import orjson
+
+    from sinks.writer import RecordSource
+
     migrate(clickhouse_client, clickhouse_db)
-    asyncio.run(SinkWriters(clickhouse_client, clickhouse_db).store_correlated([row]))
+    required = {"correlation_id": "has_correlation_id", "version": "has_version", "event_type": "has_event_type",
+                "occurred_at": "has_occurred_at", "attribution": "has_attribution", "source_topic": "has_source",
+                "source_offset": "has_source"}
+    good = [orjson.dumps(_record()), orjson.dumps(_record(correlation_id="c-other", identity=None, payload_json=None))]
+    bad = [orjson.dumps(_record(**{"correlation_id": f"c-no-{field}", field: _MISSING})) for field in required]
+    bad += [orjson.dumps(_record(correlation_id="c-null-version", version=None)), orjson.dumps(_record(correlation_id="c-neg", version=-1)),
+            b"[1, 2]", orjson.dumps(_record(correlation_id="c-ident", identity="not an object"))]
+    batch = [good[0], *bad, good[1]]
+    sources = [RecordSource("t.correlated.v1", 0, i, None, value) for i, value in enumerate(batch)]
+    rejected = asyncio.run(SinkWriters(clickhouse_client, clickhouse_db).store_correlated(batch, sources))
+
     stored = clickhouse_client.query(
-        f"SELECT summary, payload_json, release_state, release_id, pod FROM `{clickhouse_db}`.correlated_events FINAL "
-        "WHERE correlation_id = 'c-null'").result_rows
-    assert stored == [("", "{}", "", "", "p-null")]
-    with pytest.raises(ValueError, match="missing correlation_id"):
-        decode_loose(orjson.dumps({k: v for k, v in record.items() if k != "correlation_id"}), CorrelatedEvent, shape)
+        f"SELECT correlation_id, summary, payload_json, release_state, release_id, pod FROM `{clickhouse_db}`.correlated_events FINAL "
+        "ORDER BY correlation_id").result_rows
+    assert stored == [("c-null", "", "{}", "", "", "p-null"), ("c-other", "", "{}", "", "", "")]
+    assert [r.source.offset for r in rejected] == list(range(1, len(bad) + 1))
+    assert all(r.stage == "sinks.correlated_events" and r.hint for r in rejected)
+    for r, name in zip(rejected, [*required.values(), "has_version"]):
+        assert r.code == 469 and f"`{name}`" in r.error, (name, r.error)
+    assert [r.code for r in rejected[len(required) + 1:]] == [72, 27, 27]  # CANNOT_PARSE_NUMBER, CANNOT_PARSE_INPUT_ASSERTION_FAILED
+
+
+def test_payload_fields_of_every_family_become_typed_columns_as_the_store_reads_them(clickhouse_client, clickhouse_db):
+    """The typed columns the intake's views take from each payload, past the incident's: a
+    reservation and its window, tags, an expiry; an admission decision with no reason (read as
+    decision:rule); gpus requested, digests, a victim, labels; an alert with no start (its event
+    time) and an end. A number where text is expected reads as its text; a payload that is not
+    JSON, or a row of another family, leaves the typed columns empty."""
+    import orjson
+
+    migrate(clickhouse_client, clickhouse_db)
+
+    def rec(cid: str, event_type: str, identity: dict, payload) -> bytes:
+        return orjson.dumps(_record(correlation_id=cid, event_type=event_type, identity=identity,
+                                    payload_json=payload if isinstance(payload, str) else orjson.dumps(payload).decode()))
+
+    batch = [
+        rec("r1", "release.reservation_created", {"release_id": "rel-1", "model_name": "m", "owner": "team"},
+            {"actor": "alice", "reservation": {"reservation_id": "res-1", "gpus": 8, "pool": "a100", "window_start": "2026-11-01T00:00:00Z",
+                                               "window_end": "2026-11-02T00:00:00+02:00"},
+             "tags": {"ticket": "T-1", "n": 5}, "expires_at": "2026-12-01T00:00:00Z", "target": 42}),
+        rec("r2", "release.registered", {"release_id": "rel-2"}, "not json"),
+        rec("a1", "admission.decided", {"workload_id": "ml/Job/j1", "release_id": "rel-1"}, {"decision": "deny", "outcome": "deny", "rule": "no-approval"}),
+        rec("w1", "scheduler.submitted", {"workload_id": "ml/Job/j1"},
+            {"object_kind": "Workload", "queue": "q", "priority": 7, "gpus_requested": 4, "image_digests": ["sha256:1", "sha256:2"],
+             "victim": {"kind": "Workload", "namespace": "ml", "name": "other"}, "labels": {"team": "a"}, "reason": "Pending"}),
+        rec("w2", "scheduler.scheduled", {"pod": "no-workload"}, {"reason": "x"}),
+        rec("f1", "alert.resolved", {"alert_fingerprint": "fp-1"},
+            {"alertname": "Quality", "severity": "warning", "ends_at": "2026-11-01T00:05:00Z", "labels": {"pod": "p"},
+             "annotations": {"summary": "s"}, "generator_url": "http://g", "receiver": "team", "group_key": "{}:{}"}),
+    ]
+    assert asyncio.run(SinkWriters(clickhouse_client, clickhouse_db).store_correlated(batch)) == []
+    db = clickhouse_db
+    q = clickhouse_client.query
+    assert q(f"SELECT correlation_id, actor, reservation_id, reservation_gpus, reservation_pool, toString(reservation_window_start), "
+             f"toString(reservation_window_end), tags, toString(expires_at), target, model_name, owner FROM `{db}`.release_history FINAL "
+             "ORDER BY correlation_id").result_rows == [
+        ("r1", "alice", "res-1", 8, "a100", "2026-11-01 00:00:00.000", "2026-11-01 22:00:00.000", {"ticket": "T-1", "n": "5"},
+         "2026-12-01 00:00:00.000", "42", "m", "team"),
+        ("r2", "", "", None, "", None, None, {}, None, "", "", "")]
+    assert q(f"SELECT correlation_id, reason, object_kind, queue, priority, gpus_requested, image_digests, victim_kind, victim_name, "
+             f"labels FROM `{db}`.workload_timeline FINAL ORDER BY correlation_id").result_rows == [
+        ("a1", "deny:no-approval", "", "", None, None, [], "", "", {}),
+        ("w1", "Pending", "Workload", "q", 7, 4, ["sha256:1", "sha256:2"], "Workload", "other", {"team": "a"})]
+    assert q(f"SELECT alert_fingerprint, alertname, severity, toString(starts_at), toString(ends_at), labels, annotations, generator_url, "
+             f"receiver, group_key FROM `{db}`.enriched_alerts FINAL").result_rows == [
+        ("fp-1", "Quality", "warning", "2026-11-01 00:01:41.000", "2026-11-01 00:05:00.000", {"pod": "p"}, {"summary": "s"},
+         "http://g", "team", "{}:{}")]
+    assert q(f"SELECT count() FROM `{db}`.correlated_events FINAL").result_rows == [(len(batch),)]
+    # A count past its column's range refuses the record, naming the column; the rest is stored.
+    huge = rec("w-huge", "scheduler.submitted", {"workload_id": "ml/Job/j2"}, {"gpus_requested": 2 ** 33})
+    rejected = asyncio.run(SinkWriters(clickhouse_client, clickhouse_db).store_correlated([huge, rec("w3", "scheduler.submitted", {"workload_id": "ml/Job/j3"}, {})]))
+    assert [(r.stage, r.code) for r in rejected] == [("sinks.workload_timeline", 395)]
+    assert "gpus_requested: out of the range of UInt32" in rejected[0].error
+    assert q(f"SELECT correlation_id FROM `{db}`.workload_timeline FINAL WHERE correlation_id IN ('w-huge', 'w3')").result_rows == [("w3",)]
+
+
+def test_an_empty_correlated_record_is_refused_by_name_not_skipped(clickhouse_client, clickhouse_db):
+    """A JSONEachRow block would read an empty record as no row at all: it is refused before the
+    insert, with its source, and the records around it are stored."""
+    import orjson
+
+    from sinks.writer import RecordSource
+
+    migrate(clickhouse_client, clickhouse_db)
+    batch = [orjson.dumps(_record(correlation_id="e1")), b"", b" \n", orjson.dumps(_record(correlation_id="e2"))]
+    sources = [RecordSource("t.correlated.v1", 1, 10 + i, None, v) for i, v in enumerate(batch)]
+    handed = []
+
+    async def on_rejected(row):
+        handed.append(row)
+
+    writers = SinkWriters(clickhouse_client, clickhouse_db, on_rejected=on_rejected)
+    rejected = asyncio.run(writers.store_correlated(batch, sources))
+    assert [r.source.offset for r in rejected] == [11, 12] and handed == rejected
+    assert all("empty record" in r.error and r.stage == "sinks.correlated_events" for r in rejected)
+    assert rejected[0].dead_letter().reason == "store_rejected" and writers.writers["correlated_events"].rows_rejected == 2
+    assert clickhouse_client.query(f"SELECT correlation_id FROM `{clickhouse_db}`.correlated_events FINAL ORDER BY 1").result_rows == [
+        ("e1",), ("e2",)]

@@ -20,7 +20,9 @@ TABLES = ("correlated_events", "dead_letters", "raw_events", "gpu_allocations", 
 
 
 def _tables(client, db: str) -> dict[str, str]:
-    rows = client.query("SELECT name, engine_full FROM system.tables WHERE database = {db:String}", parameters={"db": db}).result_rows
+    """The tables that store rows (not the intake, a Null table, nor its views)."""
+    rows = client.query("SELECT name, engine_full FROM system.tables WHERE database = {db:String} AND engine LIKE '%MergeTree'",
+                        parameters={"db": db}).result_rows
     return dict(rows)
 
 
@@ -53,6 +55,13 @@ def test_insert_columns_match_the_tables(clickhouse_client, clickhouse_db):
             parameters={"db": clickhouse_db, "t": table}).result_rows}
         assert set(columns) <= have, f"{table}: {set(columns) - have} not in the table"
         assert len(columns) == len(set(columns)), table
+    # The correlated family's tables are written by the intake's views: each writes exactly the
+    # columns the family's list names (sinks/correlated.py), which readers and docs go by.
+    for table, columns in CORRELATED_FAMILY.items():
+        view = {r[0] for r in clickhouse_client.query(
+            "SELECT name FROM system.columns WHERE database = {db:String} AND table = {t:String}",
+            parameters={"db": clickhouse_db, "t": f"{table}_mv"}).result_rows}
+        assert view == set(columns), (table, view ^ set(columns))
 
 
 def test_ttl_is_configuration_applied_only_when_it_changes(clickhouse_client, clickhouse_db):
@@ -129,9 +138,15 @@ def test_cluster_rendering_comes_from_the_same_definitions():
     single = [sql for _, sql in rendered("gl")]
     cluster = [sql for _, sql in rendered("gl", "prod", ttl_days=14)]
     creates = [s for s in cluster if s.startswith("CREATE TABLE")]
-    local = [s for s in creates if "_dist" not in s.split("(")[0]]
+    local = [s for s in creates if "_dist" not in s.split("(")[0] and not s.endswith("ENGINE = Null")]
     # Every local table: ON CLUSTER and a Replicated engine whose path names shard and replica.
-    assert len(local) == len([s for s in single if s.startswith("CREATE TABLE")])
+    assert len(local) == len([s for s in single if s.startswith("CREATE TABLE") and not s.endswith("ENGINE = Null")])
+    # The intake stores nothing (local, on every node); its views write into the Distributed tables.
+    assert [s.split("(")[0] for s in creates if s.endswith("ENGINE = Null")] == ["CREATE TABLE IF NOT EXISTS `gl`.correlated_intake ON CLUSTER `prod` "]
+    views = [s for s in cluster if s.startswith("CREATE MATERIALIZED VIEW")]
+    assert [re.search(r"TO (\S+) AS", s).group(1) for s in views] == [f"`gl`.{t}_dist" for t in CORRELATED_FAMILY]
+    assert [re.search(r"TO (\S+) AS", s).group(1) for s in single if s.startswith("CREATE MATERIALIZED VIEW")] == [
+        f"`gl`.{t}" for t in CORRELATED_FAMILY]
     for sql in local:
         assert "ON CLUSTER `prod`" in sql, sql
         assert re.search(r"ENGINE = Replicated\w+MergeTree\('/clickhouse/tables/\{shard\}/\{database\}/\{table\}', '\{replica\}'", sql), sql
