@@ -51,8 +51,9 @@ This relies on a fingerprint's rows living in one entity: the entity key of an a
 a function of its identity, which comes from the labels the fingerprint hashes. A state
 written before ``ctl`` existed sends every alert row (as it did then).
 
-Bounds: ``MAX_ROWS`` rows per entity and ``MAX_STATE_BYTES`` of row text (the newest
-rows that fit are kept), ``MAX_LINKS`` links (those whose latest interval started earliest
+Bounds: ``MAX_ROWS`` rows per entity and ``MAX_STATE_BYTES`` of row text (``_bound``: the
+rows not yet emitted, then the entity's own, then its alerts, newest first; what the rows let go
+added to the versions stays), ``MAX_LINKS`` links (those whose latest interval started earliest
 go; what they added to the versions stays: ``_let_go``); what is detached is counted in
 ``state["detached"]``, and in the process's health (``streams.caps``).
 """
@@ -195,30 +196,67 @@ def _row_bytes(rec: dict) -> int:
     return len(rec["payload"]) + len(rec["summary"]) + 256
 
 
+def _keep_rank(sent: dict):
+    """What ``_bound`` keeps first: the rows not yet emitted (a row must go out once: one let go
+    before it is derived — a late event older than every kept row — was never emitted at all),
+    then the entity's own rows (scheduler, GPU, admission: the pod's facts and holding intervals,
+    which every row of it is attributed through), then alerts; the newest first in each. An
+    alert-heavy pod — one flapping alert on a long-lived inference pod is a row per state change —
+    lets its oldest alerts go, not its assignment (which detached made its allocation and every
+    later alert unattributed)."""
+    def rank(rec: dict) -> tuple:
+        return rec["id"] not in sent, not rec["type"].startswith("alert."), rec["key"]
+    return rank
+
+
+def _teaching(rec: dict) -> bool:
+    """An alert row that can teach a MIG slice its physical GPU (``learned_parents``)."""
+    return bool(rec.get("gpu_instance")) and rec["identity"].get("gpu_id", "").startswith("GPU-")
+
+
 def _bound(state: dict) -> None:
-    """Keep the newest rows within MAX_ROWS and MAX_STATE_BYTES (a function of the row
-    set, so the kept rows do not depend on arrival order)."""
+    """Keep the rows within MAX_ROWS and MAX_STATE_BYTES, in ``_keep_rank``'s order (a function of
+    the row set and of what was emitted, so which rows stay does not depend on arrival order once
+    all are out); a row not yet emitted is never let go (the state may exceed the bound by the
+    rows of a batch, and parked ones, until they go out). What the rows let go added to the
+    versions stays (``state["gone_facts"]``: the runs of facts they took with them;
+    ``state["gone_teach"]``: the MIG-teaching alerts among them), so letting rows go lowers no
+    row's version (else a re-derived row went out below its earlier version, and the stale one
+    won in the tables)."""
     rows = state["rows"]
     state["bytes"] = state.get("bytes", 0) + _row_bytes(rows[next(reversed(rows))])
-    if len(rows) <= MAX_ROWS and state["bytes"] <= MAX_STATE_BYTES:
+    trim(state)
+
+
+def trim(state: dict) -> None:
+    """``_bound`` without a new row: after a refresh emitted the rows ``_bound`` had to keep."""
+    rows = state["rows"]
+    if len(rows) <= MAX_ROWS and state.get("bytes", 0) <= MAX_STATE_BYTES:
         return
-    budget, kept = MAX_STATE_BYTES, 0
-    ordered = sorted(rows.values(), key=lambda r: r["key"], reverse=True)
+    budget = MAX_STATE_BYTES
+    sent = state["sent"]
+    ordered = sorted(rows.values(), key=_keep_rank(sent), reverse=True)
     for i, rec in enumerate(ordered):
-        budget -= _row_bytes(rec)
-        if i >= MAX_ROWS or budget < 0:
-            for old in ordered[i:]:
+        if i >= MAX_ROWS or budget - _row_bytes(rec) < 0:
+            going = [old for old in ordered[i:] if old["id"] in sent]
+            if not going:
+                return
+            facts_before = facts_of(state)[1]
+            for old in going:
                 del rows[old["id"]]
-                state["sent"].pop(old["id"], None)
-            state["detached"] += len(ordered) - i
-            capped("rows_detached", len(ordered) - i, state["key"],
+                sent.pop(old["id"], None)
+            state["gone_facts"] = state.get("gone_facts", 0) + facts_before - facts_of(state)[1]
+            if taught := sum(_teaching(old) for old in going):
+                state["gone_teach"] = state.get("gone_teach", 0) + taught
+            state["detached"] += len(going)
+            capped("rows_detached", len(going), state["key"],
                    f"its oldest rows detached past {MAX_ROWS:,} rows or {MAX_STATE_BYTES:,} bytes of row text (MAX_ROWS, MAX_STATE_BYTES)")
-            state["bytes"] = MAX_STATE_BYTES - budget - _row_bytes(rec)
+            state["bytes"] = sum(_row_bytes(r) for r in rows.values())
             if state.get("ctl"):  # the fingerprints sent to the controls stay bounded with the rows
                 kept = {_fingerprint(r["identity"], r["id"]) for r in rows.values() if r["type"].startswith("alert.")}
                 state["ctl"] = [fp for fp in state["ctl"] if fp in kept]
             return
-        kept += 1
+        budget -= _row_bytes(rec)
 
 
 def fold_link(state: dict, source: str, link: dict) -> bool:
@@ -363,7 +401,7 @@ def facts_of(state: dict) -> tuple[dict, int]:
     for rec in state["rows"].values():
         for name, value in rec["facts"].items():
             per[name].append([rec["key"], value])
-    facts, version = {}, 0
+    facts, version = {}, state.get("gone_facts", 0)  # (what rows let go took with them: ``_bound``)
     for name, entries in per.items():
         version += segments(entries)
         facts[name] = entries[-1][1]
@@ -457,8 +495,7 @@ def learned_parents(state: dict, spans: list[dict]) -> tuple[dict[str, dict], in
     that pod held exactly one MIG device on the alert's node at its ``startsAt`` (of
     that profile, when the profile is named), that device is a slice of that GPU.
     The latest alert wins (sort key), so the answer is independent of arrival order."""
-    teaching = sorted((r for r in state["rows"].values() if r.get("gpu_instance") and r["identity"].get("gpu_id", "").startswith("GPU-")),
-                      key=lambda r: r["key"])
+    teaching = sorted((r for r in state["rows"].values() if _teaching(r)), key=lambda r: r["key"])
     out: dict[str, dict] = {}
     for rec in teaching:
         at, node, inst = rec["starts_at"] or rec["at"], rec["identity"].get("node"), rec["gpu_instance"]
@@ -467,7 +504,7 @@ def learned_parents(state: dict, spans: list[dict]) -> tuple[dict[str, dict], in
                 and (not inst.get("profile") or iv["resource"].endswith(inst["profile"]))}
         if len(held) == 1:
             out[held.pop()] = {"gpu": rec["identity"]["gpu_id"], **inst, "source": "dcgm_alert"}
-    return out, len(teaching)
+    return out, len(teaching) + state.get("gone_teach", 0)  # (teaching rows let go still count: ``_bound``)
 
 
 def dra_devices(state: dict) -> dict[str, dict]:
@@ -1199,7 +1236,9 @@ def refresh(state: dict, directory, park: bool = True, memo: GpuMemo | None = No
     if kind != "gpu":
         memo = None
     if memo is not None:
-        return _refresh_gpu(state, directory, park, memo, out)
+        out = _refresh_gpu(state, directory, park, memo, out)
+        trim(state)  # (the rows ``_bound`` kept until they went out)
+        return out
     entity_res = resolve_entity(state, directory) if kind in ("pod", "wl") else UNATTRIBUTED
     coverage = Coverage(state["links"]) if kind == "gpu" else None
     interests = set(entity_res.interests)
@@ -1214,6 +1253,7 @@ def refresh(state: dict, directory, park: bool = True, memo: GpuMemo | None = No
         _refresh_pod(state, directory, entity_res, out)
     elif kind == "wl":
         _refresh_workload(state, entity_res, out)
+    trim(state)  # (the rows ``_bound`` kept until they went out)
     return out
 
 

@@ -864,3 +864,75 @@ def test_a_detached_holder_that_holds_the_gpu_again_counts_once(monkeypatch):
     assert {row["occurred_at"] for row in kept.values() if row["event_type"].startswith("alert.")} == {at(11), at(41), at(51)}
     got = capped.latest(versions=True)
     assert {cid: got[cid] for cid in kept} == kept
+
+
+def _alert_heavy_pod() -> list:
+    """A long-lived pod with one GPU and many alert state changes of its own (a flapping alert on
+    an inference pod: a row per change), more than its entity keeps."""
+    return [*RELEASES, pod_event("scheduler.scheduled", 5, release_id="r1"), gpu_event("gpu.assigned", 6),
+            *[alert(10 + i * 0.5, fp=f"flap{i % 7}", namespace="ml", pod="p1", node="n1" if i % 3 else "n2") for i in range(40)],
+            pod_event("scheduler.running", 40, release_id="r1", node="n3")]
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_pod_past_its_row_cap_lets_its_oldest_alerts_go_not_what_attributes_it_and_emits_every_row(monkeypatch, verify):
+    """Past ``MAX_ROWS`` a pod entity keeps its own rows (scheduled, assigned: its facts and its
+    interval) and lets its oldest alerts go: its allocation and every alert stay attributed to its
+    release. (Before: the oldest rows went whatever they were — the assignment first — and the
+    allocation and every later alert turned unattributed.) A row is never let go before it went
+    out: in any order — an old alert arriving after the cap filled — every event has its row,
+    with the same content as in event order; no version falls (the harness asserts every row's
+    versions grow), and with VERIFY no content changes without its version."""
+    import streams.correlate.entities as entities
+
+    monkeypatch.setattr(entities, "MAX_ROWS", 12)
+    monkeypatch.setattr(entities, "VERIFY_UNCHANGED", verify)
+    events = _alert_heavy_pod()
+    reference = Driver().feed(events).flush_parked()
+    pod = reference.entities["pod:ml/p1"]
+    assert len(pod["rows"]) == 12 and pod["detached"] == len(events) - len(RELEASES) - 12
+    kept = sorted(r["type"] for r in pod["rows"].values())
+    assert kept.count("gpu.assigned") == 1 and kept.count("scheduler.scheduled") == 1 and kept.count("scheduler.running") == 1
+    [alloc] = reference.allocations.values()
+    assert (alloc.attribution, alloc.identity.release_id, alloc.ended_at) == ("release_label", "r1", None)
+    # Letting rows go lowers no version: the pod's facts component (runs of its facts, here the
+    # alerts' alternating nodes) never falls as the rows go, event after event.
+    stepwise, components = Driver(), []
+    for ev in events:
+        stepwise.feed([ev])
+        if (state := stepwise.entities.get("pod:ml/p1")) is not None:
+            components.append(entities.facts_of(state)[1])
+    assert components == sorted(components) and stepwise.entities["pod:ml/p1"]["detached"] > 0
+    alerts = [r for r in reference.rows.values() if r.event_type.startswith("alert.")]
+    assert len(alerts) == 40 and {(r.attribution, r.identity.release_id, r.identity.workload_id) for r in alerts} == {
+        ("release_label", "r1", "ml/Job/train")}
+    for seed in range(12):
+        order = list(events)
+        random.Random(seed).shuffle(order)
+        d = Driver(seed=seed).feed(order).flush_parked()
+        assert d.latest() == reference.latest(), f"seed {seed}"
+        assert d.latest_allocations() == reference.latest_allocations(), f"seed {seed}"
+        assert len(d.entities["pod:ml/p1"]["rows"]) == 12, f"seed {seed}"
+        assert d.conflicts == 0, f"seed {seed}"
+
+
+def test_a_mig_slices_learned_parent_survives_its_teaching_alerts_going_past_the_row_cap(monkeypatch):
+    """The alerts that taught a pod which physical GPU its MIG slice is a part of (``learned_parents``)
+    are alerts like any other past ``MAX_ROWS``: the latest still teaches it, and the ones let go
+    still count in the slice interval's version (``state["gone_teach"]``), which never falls."""
+    import streams.correlate.entities as entities
+
+    monkeypatch.setattr(entities, "MAX_ROWS", 6)
+    events = [*RELEASES, pod_event("scheduler.scheduled", 5, pod="m1", node="n2", release_id="r1"),
+              gpu_event("gpu.assigned", 6, pod="m1", node="n2", device=MIG_A, resource=MIG_RES),
+              *[alert(8 + i, fp=f"m1-temp{i}", namespace="ml", pod="m1", node="n2", gpu_id="GPU-Q",
+                      labels={"UUID": "GPU-Q", "GPU_I_ID": "7", "GPU_I_PROFILE": "1g.10gb"}) for i in range(10)]]
+    d, versions = Driver(), []
+    for ev in events:
+        d.feed([ev])
+        if (state := d.entities.get("pod:ml/m1")) is not None and (spans := entities.intervals(state)):
+            [span] = spans
+            versions.append(span["v"])
+    assert d.entities["pod:ml/m1"]["detached"] > 0 and versions == sorted(versions) and versions[-1] >= 10
+    [alloc] = d.flush_parked().allocations.values()
+    assert (alloc.gpu, alloc.identity.release_id) == ("GPU-Q", "r1")
