@@ -83,6 +83,8 @@ MAX_LINKS = 256
 #: Steps of a node/GPU's detached links' versions, and releases they named, kept (``_let_go``).
 MAX_GONE_STEPS = 64
 MAX_GONE_RIDS = 64
+#: Sources of another entity's detached links whose versions are kept one by one (``_gone_link``).
+MAX_GONE_LINKS = 1024
 MAX_STATE_BYTES = 600_000
 MAX_ROW_PAYLOAD = 32 * 1024
 #: Re-render rows whose version did not grow, to catch a content change without one (a
@@ -276,6 +278,12 @@ def fold_link(state: dict, source: str, link: dict) -> bool:
         state["detached"] += 1
         capped("links_detached", 1, state["key"], _detached())
         return False
+    if not gpu and current is None and len(links) == MAX_LINKS and (_link_newest(link), source) < _least(links, 1)[0]:
+        # Another entity's link (a workload's pods, by name: they hold no intervals) that would go
+        # at once: not attached; its version is kept (``_gone_link``) — a True when it grew.
+        state["detached"] += 1
+        capped("links_detached", 1, state["key"], _detached())
+        return _gone_link(state, source, link.get("v", 0))
     if gpu and current is None and (gone := state.get("gone")):
         # A detached holder's link that comes back (a later allocation of the GPU to the same
         # pod): its step leaves ``gone`` — the link counts again, not twice.
@@ -292,10 +300,34 @@ def fold_link(state: dict, source: str, link: dict) -> bool:
         for src in least:
             if gone is not None:
                 _let_go(gone, src, links[src])
+            else:
+                _gone_link(state, src, links[src].get("v", 0))
             del links[src]
             state["detached"] += 1
         capped("links_detached", len(least), state["key"], _detached())
     return source in links
+
+
+def _gone_link(state: dict, source: str, v: int) -> bool:
+    """Keep the version of a link let go past ``MAX_LINKS`` by an entity other than a node/GPU (a
+    workload's pods): ``state["gone_links"]``, per source the highest version it had (``{"v": …}``),
+    counted in the entity's version as the link was (``links_version``) — so letting it go lowers
+    no version, and one forwarded again (every pod of a release forwards again after a release
+    event) counts its newer version once. A workload's links go by name (they hold no intervals),
+    so a pod let go is let go whatever the order: the kept links and the versions are those of the
+    whole link set. At most ``MAX_GONE_LINKS`` sources are kept by name (the least by name go
+    first; their versions stay in ``extra``): one of those forwarded again counts its version again
+    — a version too high, never one too low. True when the versions grew."""
+    gone = state.setdefault("gone_links", {"v": {}, "extra": 0})
+    versions = gone["v"]
+    old = versions.get(source)
+    if old is not None and v <= old:
+        return False
+    versions[source] = v
+    if len(versions) > MAX_GONE_LINKS:
+        least = min(versions)
+        gone["extra"] += versions.pop(least)
+    return True
 
 
 def _detached() -> str:
@@ -408,8 +440,10 @@ def facts_of(state: dict) -> tuple[dict, int]:
     return facts, version
 
 
-def links_version(links: dict) -> int:
-    return sum(link.get("v", 0) for link in links.values())
+def links_version(links: dict, gone: dict | None = None) -> int:
+    """The links' versions summed, with those of the links let go (``gone``: ``state["gone_links"]``)."""
+    total = sum(link.get("v", 0) for link in links.values())
+    return total if not gone else total + gone["extra"] + sum(gone["v"].values())
 
 
 @dataclass
@@ -472,7 +506,8 @@ def resolve_entity(state: dict, directory) -> Resolution:
     elif f.get("model_name") and (match := directory.by_model_version(f["model_name"], f.get("model_version"), env)):
         rid, how = match, "model_version_match"
     interests = lookups + [f"rid:{r}" for r in named] + ([f"rid:{rid}"] if rid and rid not in named else [])
-    return Resolution(f, how, rid, interests, named, tuple(lookups), fv + links_version(state["links"]), fv, unknown)
+    return Resolution(f, how, rid, interests, named, tuple(lookups), fv + links_version(state["links"], state.get("gone_links")), fv,
+                      unknown)
 
 
 def own_release(state: dict, directory, facts: dict) -> tuple[str | None, str]:

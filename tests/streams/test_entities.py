@@ -936,3 +936,50 @@ def test_a_mig_slices_learned_parent_survives_its_teaching_alerts_going_past_the
     assert d.entities["pod:ml/m1"]["detached"] > 0 and versions == sorted(versions) and versions[-1] >= 10
     [alloc] = d.flush_parked().allocations.values()
     assert (alloc.gpu, alloc.identity.release_id) == ("GPU-Q", "r1")
+
+
+def _big_workload() -> list:
+    """A workload (a distributed job: its pods are its links) with its own events, 8 pods whose
+    facts changed often (rescheduled across nodes: links of high versions), then 22 more whose
+    names sort after theirs, then its release promoted."""
+    from schemas import Identity, SchedulerEvent, make_event_id
+    from schemas.scheduler import SchedulerPayload
+    from tests.streams.harness import SRC
+
+    def wl_event(etype: str, minutes: float) -> SchedulerEvent:
+        return SchedulerEvent(event_id=make_event_id("t", ("wl-big", etype)), event_type=etype, occurred_at=at(minutes),
+                              observed_at=at(minutes), source=SRC, identity=Identity(workload_id="ml/Job/big"),
+                              payload=SchedulerPayload(object_kind="Workload", queue="q"))
+
+    moved = [pod_event(etype, 5 + i * 0.5 + j * 0.05, pod=f"a-{i}", workload="ml/Job/big", node=f"n{j % 2}", release_id="r1")
+             for i in range(8) for j, etype in enumerate(("scheduler.scheduled", "scheduler.running", "scheduler.preempted",
+                                                           "scheduler.scheduled", "scheduler.running"))]
+    late = [pod_event("scheduler.scheduled", 10 + i * 0.1, pod=f"z-{i:02d}", workload="ml/Job/big", release_id="r1") for i in range(22)]
+    return [RELEASES[0], RELEASES[1], wl_event("scheduler.admitted", 4), wl_event("scheduler.finished", 40), *moved, *late,
+            release("release.promoted", 30, to_environment="prod")]
+
+
+def test_a_workload_past_its_link_cap_keeps_its_let_go_pods_versions_and_stores_what_event_order_stores(monkeypatch):
+    """A workload's links are its pods, let go past ``MAX_LINKS`` by name (they hold no
+    intervals): what they added to its versions stays (``gone_links``), so its rows' versions
+    are those of the whole link set — the same rows and versions in any order, a pod forwarded
+    again counting once — and a change after the cap (the release promoted) reaches its rows.
+    (Before: letting the often-moved pods go took their versions out, the workload's rows fell
+    below the versions they had been emitted at, and the promotion never reached them.)"""
+    import streams.correlate.entities as entities
+
+    monkeypatch.setattr(entities, "MAX_LINKS", 8)
+    events = _big_workload()
+    reference = Driver().feed(events).flush_parked()
+    wl = reference.entities["wl:ml/Job/big"]
+    assert len(wl["links"]) == 8 and len(wl["gone_links"]["v"]) == 22
+    assert sorted(wl["links"]) == [f"pod:ml/z-{i:02d}" for i in range(14, 22)]  # the greatest names stay
+    rows = {r.event_type: r for r in reference.rows.values() if r.identity.workload_id == "ml/Job/big" and r.identity.pod is None}
+    assert {(t, r.attribution, r.identity.release_id, r.release_state) for t, r in rows.items()} == {
+        ("scheduler.admitted", "workload_release", "r1", "release.approved"), ("scheduler.finished", "workload_release", "r1", "release.promoted")}
+    for seed in range(12):
+        order = list(events)
+        random.Random(seed).shuffle(order)
+        d = Driver(seed=seed).feed(order).flush_parked()
+        assert d.latest(versions=True) == reference.latest(versions=True), f"seed {seed}"
+        assert d.entities["wl:ml/Job/big"]["gone_links"] == wl["gone_links"], f"seed {seed}"
