@@ -121,33 +121,19 @@ class SinkWriters:
     async def store_correlated(self, batch: Sequence[CorrelatedEvent | bytes], sources: Sources = None) -> list[RejectedRow]:
         """Correlated records into the intake (``CORRELATED_INTAKE``), from which the store builds
         every table of the correlated family in the same insert: a record is the worker's JSON as it
-        came from Kafka (bytes), or a ``CorrelatedEvent``, encoded here. The intake's constraints
-        refuse a record without its required fields, and a view a value out of its column's range:
-        either comes back as a rejected row of ``correlated_events`` (its stage), naming the
-        constraint or the view.
+        came from Kafka (bytes), or a ``CorrelatedEvent``, encoded here. A record without its required
+        fields is refused by the intake's constraints (stage ``sinks.correlated_events``, the
+        constraint named); one that is not one JSON object, or has a field of the wrong type, by the
+        intake's parser (the field named); one with a value out of its column's range by that
+        table's view (stage ``sinks.<table>``, the column named).
 
         Why not rows built in Python: parsing the records and building the four tables' rows was
         most of the sink's CPU (``benchmarks/sink_cpu.py``: ~22 us per correlated record, against
-        ~5 for the store to do the same from the JSON)."""
+        ~8-10 for the store to do the same from the JSON)."""
         from schemas import encode_event
 
         rows = [[item if isinstance(item, bytes) else encode_event(item)] for item in batch]
-        # A record with nothing in it (a tombstone) would be no row at all in a JSONEachRow block:
-        # refused here, by name, rather than skipped without a word.
-        empty = [i for i, (value,) in enumerate(rows) if not value.strip()]
-        if not empty:
-            return await self._write("correlated_events", rows, sources)
-        writer = self.writers["correlated_events"]
-        refused = [RejectedRow(writer.table, writer.component, "an empty record (not a correlated event)", EMPTY_HINT, rows[i],
-                               tuple(writer.columns), None, None if sources is None else sources[i]) for i in empty]
-        writer.rows_rejected += len(refused)
-        writer.counters.add_rejected("store_rejected", len(refused))
-        for row in refused:
-            if self.on_rejected is not None:
-                await self.on_rejected(row)
-        keep = [i for i in range(len(rows)) if i not in set(empty)]
-        return refused + await self._write("correlated_events", [rows[i] for i in keep],
-                                           None if sources is None else [sources[i] for i in keep])
+        return await self._write("correlated_events", rows, sources)
 
     async def store_allocations(self, batch: list[GpuAllocation], sources: Sources = None) -> list[RejectedRow]:
         return await self._write("gpu_allocations", allocation_rows(batch), sources)
@@ -181,18 +167,19 @@ class SinkWriters:
         return skipped
 
 
-EMPTY_HINT = "the correlated topic carries one JSON object per record: find what produced an empty one"
 _VIEW_RE = re.compile(r"while pushing to view (\S+?)_mv\b")
+#: ClickHouse's code for a ``throwIf`` that fired: the views' range checks (sinks/migrations.py, ``_uint32``).
+THROW_IF = 395
 
 
 def _refused_by_view(row: RejectedRow) -> RejectedRow:
-    """A correlated record one of the intake's views refused (``while pushing to view
-    <db>.<table>_mv``) is named after that view's table — its stage ``sinks.<table>`` — as
-    a row that table refused was; one the intake itself refused keeps ``correlated_events``."""
-    match = _VIEW_RE.search(row.error)
-    if match is None:
+    """A correlated record one of the family's views refused (a ``throwIf`` of its range checks,
+    ``while pushing to view <db>.<table>_mv``) is named after that view's table — its stage
+    ``sinks.<table>`` — as a row that table refused was; any other refusal keeps
+    ``correlated_events`` (a parse error quotes the record, which could name any view)."""
+    match = _VIEW_RE.search(row.error) if row.code == THROW_IF else None
+    if match is None or (table := match.group(1).replace("`", "")).rsplit(".", 1)[-1] not in CORRELATED_FAMILY:
         return row
-    table = match.group(1).replace("`", "")
     return dataclasses.replace(row, table=table, stage=f"sinks.{table.rsplit('.', 1)[-1]}")
 
 

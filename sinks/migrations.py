@@ -109,6 +109,11 @@ _INTAKE_FIELDS = ("release_id", "model_name", "model_version", "artifact_digest"
                   "environment", "workload_id", "pod_uid", "namespace", "pod", "node", "gpu_id", "owner", "data_class",
                   "alert_fingerprint")
 _INTAKE_IDENTITY = ", ".join(f"{f} String" for f in _INTAKE_FIELDS)
+#: A correlated record as the intake reads it (its one column: a JSON object into a named tuple).
+_RECORD_TUPLE = ("Tuple(correlation_id Nullable(String), version Nullable(UInt64), event_type Nullable(String), "
+                 "occurred_at Nullable(DateTime64(3, 'UTC')), attribution Nullable(String), identity Tuple(" + _INTAKE_IDENTITY + "), "
+                 "release_state Nullable(String), summary Nullable(String), source_topic Nullable(String), "
+                 "source_partition Nullable(UInt32), source_offset Nullable(UInt64), payload_json Nullable(String))")
 _MANIFEST_FIELDS = ("model_name", "model_version", "artifact_digest", "image_digest", "config_digest", "dataset_ref",
                     "environment", "owner", "data_class")
 
@@ -121,20 +126,22 @@ def _identity_select(fields: tuple[str, ...]) -> str:
 
 
 def _uint32(value: str, column: str) -> str:
-    """``value`` (a Nullable(Int64)) as ``column``, a Nullable(UInt32): out of its range, the
-    record is refused with an error naming the column (ClickHouse's own cast would wrap around,
-    and ``accurateCast``'s message names neither column nor value)."""
-    return (f"if(isNull({value}) OR ({value} >= 0 AND {value} <= 4294967295), CAST({value}, 'Nullable(UInt32)'), "
-            f"CAST(throwIf(isNotNull({value}), '{column}: out of the range of UInt32'), 'Nullable(UInt32)')) AS {column}")
+    """``value`` (a Nullable(Float64): counts are extracted as floats, so that one past Int64 is a
+    number too, not NULL) as ``column``, a Nullable(UInt32): out of its range, the record is
+    refused with an error naming the column (ClickHouse's own cast would wrap around, and
+    ``accurateCast``'s message names neither column nor value). The ``throwIf`` is the
+    condition, so it holds whether or not the server evaluates ``if`` lazily."""
+    return (f"if(throwIf(isNotNull({value}) AND NOT ({value} >= 0 AND {value} <= 4294967295), "
+            f"'{column}: out of the range of UInt32') = 0, CAST({value}, 'Nullable(UInt32)'), NULL) AS {column}")
 
 
 def _view(table: str, select: str, where: str, payload: str | None = None) -> str:
-    """The materialized view that fills ``table`` from ``correlated_intake`` (migration 4):
-    ``select`` over the intake's columns and, with ``payload`` (a named Tuple type), ``p``:
-    the record's payload parsed once into it."""
-    source = "{db}.correlated_intake"
+    """The materialized view that fills ``table`` from ``correlated_fields`` (migration 4):
+    ``select`` over the record's fields and, with ``payload`` (a named Tuple type), ``p``: the
+    record's payload parsed once into it."""
+    source = "{db}.correlated_fields"
     if payload:
-        source = f"(SELECT *, JSONExtract(payload_json, '{payload}') AS p FROM {{db}}.correlated_intake WHERE {where})"
+        source = f"(SELECT *, JSONExtract(payload_json, '{payload}') AS p FROM {{db}}.correlated_fields WHERE {where})"
         where = "1"
     return (f"CREATE MATERIALIZED VIEW IF NOT EXISTS {{db}}.{table}_mv {{on_cluster}} TO {{db}}.{table}{{dist}} AS\n"
             f"SELECT {select}\nFROM {source}" + ("" if where == "1" else f"\nWHERE {where}"))
@@ -371,18 +378,25 @@ ORDER BY violation_id""",
         "DEFAULT '' AFTER detail",
     )),
     Migration(4, "the correlated family built by the store: an intake table and a view per table", (
-        # The sink inserts the worker's correlated records into this Null table as they are
-        # (JSON, one object per record: ``sinks/agents.py``), and four materialized views
-        # build the rows of the correlated family from them — ClickHouse parsing JSON, not
-        # Python building rows (the sink's costliest work: benchmarks/sink_cpu.py). Nothing is
-        # stored here (ENGINE = Null). Its constraints are the record's required fields, checked
-        # before any view runs: a record without them is refused whole (and dead-lettered by
-        # the sink, naming the constraint). The views run in the order they were created
-        # (alphabetical too): correlated_events first, so a view further down that refuses a
-        # record (a value out of its column's range) leaves its correlated_events row stored,
-        # as a table written before the derived ones did. On a cluster the views write into
-        # the ``_dist`` tables ({dist}); the intake is local to the node the sink inserts on.
-        """CREATE TABLE IF NOT EXISTS {db}.correlated_intake {on_cluster} (
+        # The sink inserts the worker's correlated records as they are, each the one value of a
+        # ``JSONCompactEachRow`` row (``[record]``: one record is one row, or a parse error — a
+        # record of two objects, of an unclosed one or of an array is refused, not read as two rows
+        # or as part of its neighbour, as ``JSONEachRow`` read them), into ``correlated_intake``'s
+        # one column, a named tuple: ClickHouse parses the record once; a view spreads its fields
+        # into ``correlated_fields``, and four materialized views build the rows of the correlated
+        # family from those — ClickHouse parsing JSON, not Python building rows (the sink's
+        # costliest work: benchmarks/sink_cpu.py). Nothing is stored in either (ENGINE = Null).
+        # The fields' constraints are the record's required fields (a field of the wrong type — a
+        # negative version, an unreadable time, an identity that is not an object — is a parse
+        # error), checked before the family's views run: a record without them is refused whole
+        # (and dead-lettered by the sink, naming the constraint or the field). A record a view
+        # refuses (a count out of its column's range) is refused whole too: its insert fails, and
+        # ClickHouse keeps none of that insert's rows (chDB 26.9; on a cluster, rows the
+        # Distributed tables already sent may stay) — the dead letter holds the record. An absent
+        # or null identity reads as an empty one. On a cluster the views write into the ``_dist``
+        # tables ({dist}); the intake is local to the node the sink inserts on.
+        """CREATE TABLE IF NOT EXISTS {db}.correlated_intake {on_cluster} (r """ + _RECORD_TUPLE + """) ENGINE = Null""",
+        """CREATE TABLE IF NOT EXISTS {db}.correlated_fields {on_cluster} (
     correlation_id String,
     version Nullable(UInt64),
     event_type String,
@@ -394,7 +408,7 @@ ORDER BY violation_id""",
     source_topic String,
     source_partition Nullable(UInt32),
     source_offset Nullable(UInt64),
-    payload_json String DEFAULT '{}',
+    payload_json String,
     CONSTRAINT has_correlation_id CHECK correlation_id != '',
     CONSTRAINT has_version CHECK version IS NOT NULL,
     CONSTRAINT has_event_type CHECK event_type != '',
@@ -402,6 +416,16 @@ ORDER BY violation_id""",
     CONSTRAINT has_attribution CHECK attribution != '',
     CONSTRAINT has_source CHECK source_topic != '' AND source_partition IS NOT NULL AND source_offset IS NOT NULL
 ) ENGINE = Null""",
+        # The record's fields as columns: the text fields '' when absent or null (their constraints
+        # refuse the required ones), the rest as they are.
+        """CREATE MATERIALIZED VIEW IF NOT EXISTS {db}.correlated_fields_mv {on_cluster} TO {db}.correlated_fields AS
+SELECT ifNull(tupleElement(r, 'correlation_id'), '') AS correlation_id, tupleElement(r, 'version') AS version,
+    ifNull(tupleElement(r, 'event_type'), '') AS event_type, tupleElement(r, 'occurred_at') AS occurred_at,
+    ifNull(tupleElement(r, 'attribution'), '') AS attribution, tupleElement(r, 'identity') AS identity,
+    ifNull(tupleElement(r, 'release_state'), '') AS release_state, ifNull(tupleElement(r, 'summary'), '') AS summary,
+    ifNull(tupleElement(r, 'source_topic'), '') AS source_topic, tupleElement(r, 'source_partition') AS source_partition,
+    tupleElement(r, 'source_offset') AS source_offset, ifNull(tupleElement(r, 'payload_json'), '{}') AS payload_json
+FROM {db}.correlated_intake""",
         _view("correlated_events", """correlation_id, assumeNotNull(version) AS version, event_type, assumeNotNull(occurred_at) AS occurred_at,
     attribution, """ + _identity_select(_INTAKE_FIELDS) + """, release_state, summary,
     source_topic, assumeNotNull(source_partition) AS source_partition, assumeNotNull(source_offset) AS source_offset, payload_json""",
@@ -422,7 +446,7 @@ ORDER BY violation_id""",
     source_topic, assumeNotNull(source_partition) AS source_partition, assumeNotNull(source_offset) AS source_offset, payload_json""",
               "splitByChar('.', event_type)[1] = 'release' AND tupleElement(identity, 'release_id') != ''",
               "Tuple(actor String, approval_id String, reason String, to_environment String, superseded_release_id String, "
-              "reservation Tuple(reservation_id String, gpus Nullable(Int64), pool String, window_start String, window_end String), "
+              "reservation Tuple(reservation_id String, gpus Nullable(Float64), pool String, window_start String, window_end String), "
               "target String, expires_at String, tags Map(String, String))"),
         # Scheduler (and admission) rows of known workloads. An admission decision without a
         # reason reads as ``decision:rule``.
@@ -439,7 +463,7 @@ ORDER BY violation_id""",
     source_topic, assumeNotNull(source_partition) AS source_partition, assumeNotNull(source_offset) AS source_offset, payload_json""",
               "splitByChar('.', event_type)[1] IN ('scheduler', 'admission') AND tupleElement(identity, 'workload_id') != ''",
               "Tuple(object_kind String, queue String, cluster_queue String, priority_class String, priority Nullable(Int64), "
-              "reason String, decision String, rule String, message String, phase String, gpus_requested Nullable(Int64), "
+              "reason String, decision String, rule String, message String, phase String, gpus_requested Nullable(Float64), "
               "image_digests Array(String), preemptor Tuple(kind String, namespace String, name String, uid String), "
               "victim Tuple(kind String, namespace String, name String), labels Map(String, String), flavors Map(String, String))"),
         _view("enriched_alerts", """tupleElement(identity, 'alert_fingerprint') AS alert_fingerprint, assumeNotNull(occurred_at) AS occurred_at, correlation_id,

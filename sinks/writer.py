@@ -102,6 +102,8 @@ class RejectedRow:
         src = self.source
         if src is not None:
             value = src.value[:MAX_DEAD_VALUE].decode("utf-8", "replace")
+        elif self.columns == ("record",):  # a record inserted as it came (TableWriter ``records``): itself, replayable
+            value = _text(self.row[0])[:MAX_DEAD_VALUE]
         else:
             value = orjson.dumps(dict(zip(self.columns, self.row)), default=_text).decode()[:MAX_DEAD_VALUE]
         return DeadLetter(
@@ -142,9 +144,9 @@ class TableWriter:
         self.store = StoreConnection.of(store)
         self.table = f"{database}.{table}"
         self.columns = list(columns)
-        #: ``records``: the rows are JSON objects already (bytes, one per Kafka record), inserted as
-        #: they are into a table whose columns take the objects' fields by name (an intake table:
-        #: sinks/migrations.py, migration 4); ``columns`` then only names the row in a RejectedRow.
+        #: ``records``: each row is one Kafka record's value (``[bytes]``: a JSON object), inserted as
+        #: it is into a table of one named-tuple column (``correlated_intake``: sinks/migrations.py,
+        #: migration 4); ``columns`` then only names the row in a RejectedRow.
         self.records = records
         self.component = component
         self.counters = ComponentCounters(component)
@@ -174,10 +176,11 @@ class TableWriter:
         """
         client = self.store.get()  # raises StoreUnavailable / StoreLocked while unreachable
         if self.records:
-            # The records as they came (``JSONEachRow``: one object per line, fields by name;
-            # fields the table lacks are skipped, as a newer worker's would be).
-            columns, block, fmt = None, b"\n".join(row[0] for row in rows), "JSONEachRow"
-            settings = {**JSON_INSERT_SETTINGS, "input_format_skip_unknown_fields": 1, **self.insert_settings}
+            # The records as they came, each the one value of a row (``[record]``): a record is one
+            # row or a parse error, whatever it holds (``JSONEachRow`` read ``{..}{..}`` as two rows,
+            # and an unclosed object swallowed the record after it).
+            columns, block, fmt = None, b"[" + b"]\n[".join(row[0] for row in rows) + b"]", "JSONCompactEachRow"
+            settings = {**JSON_INSERT_SETTINGS, **self.insert_settings}
         else:
             # One dumps of every row, its brackets stripped: the rows separated by commas, which
             # ClickHouse's JSON*EachRow readers skip between rows as they skip whitespace. A

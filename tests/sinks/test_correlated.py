@@ -14,6 +14,7 @@ from pathlib import Path
 
 from gpuledger.dev.process import free_port
 from sinks.agents import SinkWriters
+from sinks.errors import ROW_REJECTED_CODES
 from sinks.clickhouse import StoreConnection, connect
 from sinks.errors import StoreUnavailable
 from sinks.migrations import MIGRATIONS, migrate
@@ -202,11 +203,12 @@ _MISSING = object()
 
 def test_the_store_reads_records_with_null_fields_as_defaults_and_refuses_one_without_a_required_field_by_name(
         clickhouse_client, clickhouse_db):
-    """The sink hands the worker's JSON to the store as it is (``correlated_intake``): a null
-    field reads as its default (summary '', payload_json '{}', release_state ''), a null or absent
-    identity field as ''. A record without a required field — or that is not a JSON object, or
-    whose identity is not one — is refused on its own, its error naming what is wrong, and the
-    rest of its batch is stored."""
+    """The sink hands the worker's JSON to the store as it is, a record per row: a null field reads
+    as its default (summary '', payload_json '{}', release_state ''), a null or absent identity
+    field as '' (and a null or absent identity as an empty one). A record without a required field
+    is refused on its own by the intake's constraint named after it; one whose field has the wrong
+    type (a negative version, an unreadable time, an identity that is not an object) or that is not
+    one JSON object by the parser, naming the field or the position; the rest of its batch is stored."""
     import orjson
 
     from sinks.writer import RecordSource
@@ -215,23 +217,28 @@ def test_the_store_reads_records_with_null_fields_as_defaults_and_refuses_one_wi
     required = {"correlation_id": "has_correlation_id", "version": "has_version", "event_type": "has_event_type",
                 "occurred_at": "has_occurred_at", "attribution": "has_attribution", "source_topic": "has_source",
                 "source_offset": "has_source"}
-    good = [orjson.dumps(_record()), orjson.dumps(_record(correlation_id="c-other", identity=None, payload_json=None))]
-    bad = [orjson.dumps(_record(**{"correlation_id": f"c-no-{field}", field: _MISSING})) for field in required]
-    bad += [orjson.dumps(_record(correlation_id="c-null-version", version=None)), orjson.dumps(_record(correlation_id="c-neg", version=-1)),
-            b"[1, 2]", orjson.dumps(_record(correlation_id="c-ident", identity="not an object"))]
-    batch = [good[0], *bad, good[1]]
+    good = [orjson.dumps(_record()), orjson.dumps(_record(correlation_id="c-other", identity={}, payload_json=None)),
+            orjson.dumps(_record(correlation_id="c-no-identity", identity=_MISSING)),
+            orjson.dumps(_record(correlation_id="c-null-identity", identity=None))]
+    bad = [(orjson.dumps(_record(**{"correlation_id": f"c-no-{field}", field: _MISSING})), 469, f"`{name}`") for field, name in required.items()]
+    bad += [(orjson.dumps(_record(correlation_id="c-null-version", version=None)), 469, "`has_version`"),
+            (orjson.dumps(_record(correlation_id="c-neg", version=-1)), 72, "key version"),
+            (orjson.dumps(_record(correlation_id="c-time", occurred_at="yesterday")), 41, "key occurred_at"),
+            (b"[1, 2]", 27, "Cannot parse input"), (orjson.dumps(_record(correlation_id="c-two")) * 2, 27, "Cannot parse input"),
+            (orjson.dumps(_record(correlation_id="c-ident", identity="not an object")), 27, "key identity")]
+    batch = [good[0], *(value for value, _code, _text in bad), *good[1:]]
     sources = [RecordSource("t.correlated.v1", 0, i, None, value) for i, value in enumerate(batch)]
     rejected = asyncio.run(SinkWriters(clickhouse_client, clickhouse_db).store_correlated(batch, sources))
 
     stored = clickhouse_client.query(
         f"SELECT correlation_id, summary, payload_json, release_state, release_id, pod FROM `{clickhouse_db}`.correlated_events FINAL "
         "ORDER BY correlation_id").result_rows
-    assert stored == [("c-null", "", "{}", "", "", "p-null"), ("c-other", "", "{}", "", "", "")]
+    assert stored == [("c-no-identity", "", "{}", "", "", ""), ("c-null", "", "{}", "", "", "p-null"), ("c-null-identity", "", "{}", "", "", ""),
+                      ("c-other", "", "{}", "", "", "")]
     assert [r.source.offset for r in rejected] == list(range(1, len(bad) + 1))
     assert all(r.stage == "sinks.correlated_events" and r.hint for r in rejected)
-    for r, name in zip(rejected, [*required.values(), "has_version"]):
-        assert r.code == 469 and f"`{name}`" in r.error, (name, r.error)
-    assert [r.code for r in rejected[len(required) + 1:]] == [72, 27, 27]  # CANNOT_PARSE_NUMBER, CANNOT_PARSE_INPUT_ASSERTION_FAILED
+    for r, (_value, code, text) in zip(rejected, bad):
+        assert r.code == code and text in r.error, (code, text, r.error)
 
 
 def test_payload_fields_of_every_family_become_typed_columns_as_the_store_reads_them(clickhouse_client, clickhouse_db):
@@ -289,25 +296,63 @@ def test_payload_fields_of_every_family_become_typed_columns_as_the_store_reads_
     assert q(f"SELECT correlation_id FROM `{db}`.workload_timeline FINAL WHERE correlation_id IN ('w-huge', 'w3')").result_rows == [("w3",)]
 
 
-def test_an_empty_correlated_record_is_refused_by_name_not_skipped(clickhouse_client, clickhouse_db):
-    """A JSONEachRow block would read an empty record as no row at all: it is refused before the
-    insert, with its source, and the records around it are stored."""
+def test_a_record_is_one_row_whatever_it_holds_and_what_cannot_be_one_is_refused(clickhouse_client, clickhouse_db):
+    """Each record is the one value of a row of the insert (``[record]``): an empty record, one of
+    two objects, the start of an object (then a good record, then the end of it: ``JSONEachRow`` read
+    the three as one row, and the good one vanished) are each refused, and the good ones stored — a
+    record spanning lines too; one nested past the parser's depth is refused, not held for ever; a
+    count past Int64 is refused naming its column; a record that quotes a view's name in its parse
+    error keeps the intake's stage."""
     import orjson
 
     from sinks.writer import RecordSource
 
     migrate(clickhouse_client, clickhouse_db)
-    batch = [orjson.dumps(_record(correlation_id="e1")), b"", b" \n", orjson.dumps(_record(correlation_id="e2"))]
+    good = [orjson.dumps(_record(correlation_id=f"e{i}")) for i in range(3)]
+    opening = orjson.dumps(_record(correlation_id="open"))[:-1] + b',"extra":['
+    deep = orjson.dumps(_record(correlation_id="deep"))[:-1] + b',"x":' + b"[" * 5000 + b"]" * 5000 + b"}"
+    huge = orjson.dumps(_record(correlation_id="huge", event_type="release.reservation_created", identity={"release_id": "r"},
+                                payload_json='{"reservation": {"gpus": 18446744073709551615}}'))
+    spoof = b'{"correlation_id": "spoof", "x": "while pushing to view db.violations_mv", oops}'
+    batch = [good[0], b"", b" \n", orjson.dumps(_record(correlation_id="two-lines")).replace(b",", b",\n", 1), opening, good[1], b"]}",
+             deep, huge, spoof, good[2], good[0] + good[1]]
     sources = [RecordSource("t.correlated.v1", 1, 10 + i, None, v) for i, v in enumerate(batch)]
     handed = []
 
     async def on_rejected(row):
         handed.append(row)
 
-    writers = SinkWriters(clickhouse_client, clickhouse_db, on_rejected=on_rejected)
+    writers = SinkWriters(clickhouse_client, clickhouse_db, on_rejected=on_rejected, max_backoff_s=0.05, initial_backoff_s=0.01)
     rejected = asyncio.run(writers.store_correlated(batch, sources))
-    assert [r.source.offset for r in rejected] == [11, 12] and handed == rejected
-    assert all("empty record" in r.error and r.stage == "sinks.correlated_events" for r in rejected)
-    assert rejected[0].dead_letter().reason == "store_rejected" and writers.writers["correlated_events"].rows_rejected == 2
+    by_offset = {r.source.offset: r for r in rejected}
+    assert sorted(by_offset) == [11, 12, 14, 16, 17, 18, 19, 21] and handed == rejected
+    for o in (11, 12, 14, 16, 19, 21):  # parse errors (CANNOT_PARSE_*), each a row of its own
+        assert by_offset[o].code in ROW_REJECTED_CODES and by_offset[o].stage == "sinks.correlated_events", by_offset[o].error
+    assert by_offset[17].code in ROW_REJECTED_CODES  # too deep: refused, as a row
+    assert by_offset[18].stage == "sinks.release_history" and "reservation_gpus: out of the range of UInt32" in by_offset[18].error
+    assert writers.writers["correlated_events"].failures == 0  # nothing held as if the store were down
+    assert by_offset[11].dead_letter().reason == "store_rejected"
     assert clickhouse_client.query(f"SELECT correlation_id FROM `{clickhouse_db}`.correlated_events FINAL ORDER BY 1").result_rows == [
-        ("e1",), ("e2",)]
+        ("e0",), ("e1",), ("e2",), ("two-lines",)]
+
+
+def test_range_checks_hold_where_the_server_evaluates_every_branch(clickhouse_client, clickhouse_db):
+    """The views' range checks do not rely on ``if`` being lazy (a server profile may set
+    ``short_circuit_function_evaluation = 'disable'``): a count in range is stored, one out of it
+    refused; a refused record without a source is dead-lettered as the record itself."""
+    import orjson
+
+    from sinks.writer import TableWriter
+
+    migrate(clickhouse_client, clickhouse_db)
+    writer = TableWriter(clickhouse_client, clickhouse_db, "correlated_intake", ("record",), "sinks.correlated_events", records=True,
+                         insert_settings={"short_circuit_function_evaluation": "disable"}, initial_backoff_s=0.01, max_backoff_s=0.05)
+    ok = orjson.dumps(_record(correlation_id="w4", event_type="scheduler.submitted", identity={"workload_id": "w"},
+                              payload_json='{"gpus_requested": 4}'))
+    bad = orjson.dumps(_record(correlation_id="w-neg", event_type="scheduler.submitted", identity={"workload_id": "w"},
+                               payload_json='{"gpus_requested": -4}'))
+    rejected = asyncio.run(writer.write([[ok], [bad]]))
+    assert [orjson.loads(r.row[0])["correlation_id"] for r in rejected] == ["w-neg"] and rejected[0].code == 395
+    assert rejected[0].dead_letter().value == bad.decode()
+    assert clickhouse_client.query(f"SELECT correlation_id, gpus_requested FROM `{clickhouse_db}`.workload_timeline FINAL").result_rows == [
+        ("w4", 4)]

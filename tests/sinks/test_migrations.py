@@ -142,11 +142,12 @@ def test_cluster_rendering_comes_from_the_same_definitions():
     # Every local table: ON CLUSTER and a Replicated engine whose path names shard and replica.
     assert len(local) == len([s for s in single if s.startswith("CREATE TABLE") and not s.endswith("ENGINE = Null")])
     # The intake stores nothing (local, on every node); its views write into the Distributed tables.
-    assert [s.split("(")[0] for s in creates if s.endswith("ENGINE = Null")] == ["CREATE TABLE IF NOT EXISTS `gl`.correlated_intake ON CLUSTER `prod` "]
+    assert [s.split(" (")[0] for s in creates if s.endswith("ENGINE = Null")] == [
+        f"CREATE TABLE IF NOT EXISTS `gl`.{t} ON CLUSTER `prod`" for t in ("correlated_intake", "correlated_fields")]
     views = [s for s in cluster if s.startswith("CREATE MATERIALIZED VIEW")]
-    assert [re.search(r"TO (\S+) AS", s).group(1) for s in views] == [f"`gl`.{t}_dist" for t in CORRELATED_FAMILY]
+    assert [re.search(r"TO (\S+) AS", s).group(1) for s in views] == ["`gl`.correlated_fields", *(f"`gl`.{t}_dist" for t in CORRELATED_FAMILY)]
     assert [re.search(r"TO (\S+) AS", s).group(1) for s in single if s.startswith("CREATE MATERIALIZED VIEW")] == [
-        f"`gl`.{t}" for t in CORRELATED_FAMILY]
+        "`gl`.correlated_fields", *(f"`gl`.{t}" for t in CORRELATED_FAMILY)]
     for sql in local:
         assert "ON CLUSTER `prod`" in sql, sql
         assert re.search(r"ENGINE = Replicated\w+MergeTree\('/clickhouse/tables/\{shard\}/\{database\}/\{table\}', '\{replica\}'", sql), sql
