@@ -4,7 +4,7 @@ Every routed message is processed against the state of one entity (see
 ``streams.correlate.routing``): a pod, a workload, a node/GPU, a release, a model, an
 alert fingerprint. An entity keeps
 
-- ``rows``: the input events attached to it (capped, oldest first out), each with the
+- ``rows``: the input events attached to it (bounded: ``_bound`` — alerts before the entity's own rows, the oldest first, never one still needed), each with the
   identity facts it carries, whether it is parked, and the GPU operation it is;
 - ``links``: identity forwarded by related entities (a pod's intervals to its
   node/GPU, a pod's release to its workload, a workload's release to its pods), each
@@ -51,9 +51,9 @@ This relies on a fingerprint's rows living in one entity: the entity key of an a
 a function of its identity, which comes from the labels the fingerprint hashes. A state
 written before ``ctl`` existed sends every alert row (as it did then).
 
-Bounds: ``MAX_ROWS`` rows per entity and ``MAX_STATE_BYTES`` of row text (``_bound``: the
-rows not yet emitted, then the entity's own, then its alerts, newest first; what the rows let go
-added to the versions stays), ``MAX_LINKS`` links (those whose latest interval started earliest
+Bounds: ``MAX_ROWS`` rows per entity and ``MAX_STATE_BYTES`` of row text (``_bound``: never a
+row ``_needed`` names; of the others, alerts before the entity's own rows, the oldest first; what
+the rows let go added to the versions stays), ``MAX_LINKS`` links (those whose latest interval started earliest
 go; what they added to the versions stays: ``_let_go``); what is detached is counted in
 ``state["detached"]``, and in the process's health (``streams.caps``).
 """
@@ -163,8 +163,8 @@ def fold_row(state: dict, row: dict) -> bool:
     the state keeps and changes in place) into ``state``; False when it was already folded
     (re-delivery)."""
     rows = state["rows"]
-    if row["id"] in rows:
-        return False
+    if row["id"] in rows or row["id"] in state.get("gone_ids", ()):
+        return False  # (a row let go past the bound went out before it went: ``_bound``)
     rows[row["id"]] = row
     _bound(state)
     return True
@@ -198,17 +198,56 @@ def _row_bytes(rec: dict) -> int:
     return len(rec["payload"]) + len(rec["summary"]) + 256
 
 
-def _keep_rank(sent: dict):
-    """What ``_bound`` keeps first: the rows not yet emitted (a row must go out once: one let go
-    before it is derived — a late event older than every kept row — was never emitted at all),
-    then the entity's own rows (scheduler, GPU, admission: the pod's facts and holding intervals,
-    which every row of it is attributed through), then alerts; the newest first in each. An
-    alert-heavy pod — one flapping alert on a long-lived inference pod is a row per state change —
-    lets its oldest alerts go, not its assignment (which detached made its allocation and every
-    later alert unattributed)."""
-    def rank(rec: dict) -> tuple:
-        return rec["id"] not in sent, not rec["type"].startswith("alert."), rec["key"]
-    return rank
+def _needed(state: dict) -> set[str]:
+    """The rows ``_bound`` never lets go, whatever their age: those not yet emitted (a row must go
+    out once: one let go before it was derived — a late event older than every kept row — was never
+    emitted at all), the newest carrier of each fact (``facts_of`` takes a fact from its newest row:
+    with it gone, an older value came back at the same version), the start of every interval still
+    open (``_held``: with it gone, its GPU looked free) and the end of every interval whose start is
+    kept, the pod's last deletion (it closes what is still open), and the newest alert teaching each
+    MIG instance its physical GPU (``learned_parents``). The first are bounded by a batch and the rows
+    parked within their TTL, the others by the entity's facts, devices and instances."""
+    rows, sent = state["rows"], state["sent"]
+    keep = {rid for rid in rows if rid not in sent}
+    newest: dict = {}  # fact name / MIG instance / the deletions -> (row key, row id)
+    holding: dict[tuple, list] = defaultdict(list)  # (field, allocation key) -> [(row key, "a" | "r", row id)]
+    for rec in rows.values():
+        key, rid = rec["key"], rec["id"]
+        for name in rec["facts"]:
+            if (held := newest.get(("f", name))) is None or held[0] < key:
+                newest[("f", name)] = (key, rid)
+        if _teaching(rec):
+            inst = ("t", rec["identity"].get("gpu_id"), tuple(sorted(rec["gpu_instance"].items())))
+            if (held := newest.get(inst)) is None or held[0] < key:
+                newest[inst] = (key, rid)
+        if rec["type"] == "scheduler.deleted" and ((held := newest.get("deleted")) is None or held[0] < key):
+            newest["deleted"] = (key, rid)  # (the pod's last deletion closes what is still open: ``_held``)
+        for field in ("gpu", "claim"):
+            if op := rec.get(field):
+                holding[(field, op[0])].append((key, op[1], rid))
+    keep.update(rid for _key, rid in newest.values())
+    for ops in holding.values():  # the intervals as ``_held`` reads them
+        ops.sort()
+        start = None
+        for _key, op, rid in ops:
+            if op == "a" and start is None:
+                start = rid
+            elif op == "r" and start is not None:
+                if start in keep:
+                    keep.add(rid)  # a start kept keeps its end (without it, the interval would open again)
+                start = None
+        if start is not None:
+            keep.add(start)  # still open
+    return keep
+
+
+def _keep_rank(rec: dict) -> tuple:
+    """The order ``_bound`` keeps the other rows in: the entity's own (scheduler, GPU, admission:
+    a pod's facts and holding intervals) before alerts, the newest first in each. An alert-heavy
+    pod — one flapping alert on a long-lived inference pod is a row per state change — lets its
+    oldest alerts go, not its assignment (which, let go, made its allocation and every later alert
+    unattributed)."""
+    return not rec["type"].startswith("alert."), rec["key"]
 
 
 def _teaching(rec: dict) -> bool:
@@ -216,15 +255,23 @@ def _teaching(rec: dict) -> bool:
     return bool(rec.get("gpu_instance")) and rec["identity"].get("gpu_id", "").startswith("GPU-")
 
 
+#: Past a bound, ``_bound`` lets rows go down to this share of it, so that it sorts the rows once
+#: per tenth of the bound rather than at every event (a sort of every row and two ``facts_of`` per
+#: fold cost a pod at the cap ~2.5 ms per event, against 0.2 without them).
+TRIM_TO = 0.9
+#: Ids of rows let go that ``fold_row`` still recognises (a re-delivered event whose row went is
+#: not folded again: it went out already, and folded again it counted twice in ``gone_facts``).
+MAX_GONE_IDS = 256
+
+
 def _bound(state: dict) -> None:
-    """Keep the rows within MAX_ROWS and MAX_STATE_BYTES, in ``_keep_rank``'s order (a function of
-    the row set and of what was emitted, so which rows stay does not depend on arrival order once
-    all are out); a row not yet emitted is never let go (the state may exceed the bound by the
-    rows of a batch, and parked ones, until they go out). What the rows let go added to the
-    versions stays (``state["gone_facts"]``: the runs of facts they took with them;
-    ``state["gone_teach"]``: the MIG-teaching alerts among them), so letting rows go lowers no
-    row's version (else a re-derived row went out below its earlier version, and the stale one
-    won in the tables)."""
+    """Keep the rows within MAX_ROWS and MAX_STATE_BYTES: past either, let the rows ``_needed``
+    does not name go, in ``_keep_rank``'s order, down to ``TRIM_TO`` of both (the state may stay
+    over a bound by the needed rows: a batch's, the parked ones until they go out). What the rows
+    let go added to the versions stays (``state["gone_facts"]``: the runs of facts they took with
+    them; ``state["gone_teach"]``: the MIG-teaching alerts among them), so letting rows go lowers no
+    row's version (else a re-derived row went out below its earlier version, and the stale one won
+    in the tables); their ids are remembered (``gone_ids``, the last ``MAX_GONE_IDS``)."""
     rows = state["rows"]
     state["bytes"] = state.get("bytes", 0) + _row_bytes(rows[next(reversed(rows))])
     trim(state)
@@ -235,30 +282,38 @@ def trim(state: dict) -> None:
     rows = state["rows"]
     if len(rows) <= MAX_ROWS and state.get("bytes", 0) <= MAX_STATE_BYTES:
         return
-    budget = MAX_STATE_BYTES
-    sent = state["sent"]
-    ordered = sorted(rows.values(), key=_keep_rank(sent), reverse=True)
+    needed = _needed(state)
+    n_room, budget = int(MAX_ROWS * TRIM_TO), int(MAX_STATE_BYTES * TRIM_TO)
+    n_room -= len(needed)
+    budget -= sum(_row_bytes(rows[rid]) for rid in needed)
+    ordered = sorted((r for r in rows.values() if r["id"] not in needed), key=_keep_rank, reverse=True)
+    going = []
     for i, rec in enumerate(ordered):
-        if i >= MAX_ROWS or budget - _row_bytes(rec) < 0:
-            going = [old for old in ordered[i:] if old["id"] in sent]
-            if not going:
-                return
-            facts_before = facts_of(state)[1]
-            for old in going:
-                del rows[old["id"]]
-                sent.pop(old["id"], None)
-            state["gone_facts"] = state.get("gone_facts", 0) + facts_before - facts_of(state)[1]
-            if taught := sum(_teaching(old) for old in going):
-                state["gone_teach"] = state.get("gone_teach", 0) + taught
-            state["detached"] += len(going)
-            capped("rows_detached", len(going), state["key"],
-                   f"its oldest rows detached past {MAX_ROWS:,} rows or {MAX_STATE_BYTES:,} bytes of row text (MAX_ROWS, MAX_STATE_BYTES)")
-            state["bytes"] = sum(_row_bytes(r) for r in rows.values())
-            if state.get("ctl"):  # the fingerprints sent to the controls stay bounded with the rows
-                kept = {_fingerprint(r["identity"], r["id"]) for r in rows.values() if r["type"].startswith("alert.")}
-                state["ctl"] = [fp for fp in state["ctl"] if fp in kept]
-            return
         budget -= _row_bytes(rec)
+        if i >= n_room or budget < 0:
+            going = ordered[i:]
+            break
+    if not going:
+        state["bytes"] = sum(_row_bytes(r) for r in rows.values())  # (over a bound by needed rows only: counted again at the next)
+        return
+    facts_before = facts_of(state)[1]
+    sent = state["sent"]
+    for old in going:
+        del rows[old["id"]]
+        sent.pop(old["id"], None)
+    state["gone_facts"] = state.get("gone_facts", 0) + facts_before - facts_of(state)[1]
+    if taught := sum(_teaching(old) for old in going):
+        state["gone_teach"] = state.get("gone_teach", 0) + taught
+    state["gone_ids"] = (state.get("gone_ids", []) + [old["id"] for old in going])[-MAX_GONE_IDS:]
+    state["detached"] += len(going)
+    capped("rows_detached", len(going), state["key"],
+           f"rows let go past {MAX_ROWS:,} rows or {MAX_STATE_BYTES:,} bytes of row text (MAX_ROWS, MAX_STATE_BYTES): "
+           "alerts before the entity's own rows, the oldest first; never a row not yet emitted, nor one its facts, "
+           "open intervals or MIG parents come from")
+    state["bytes"] = sum(_row_bytes(r) for r in rows.values())
+    if state.get("ctl"):  # the fingerprints sent to the controls stay bounded with the rows
+        kept = {_fingerprint(r["identity"], r["id"]) for r in rows.values() if r["type"].startswith("alert.")}
+        state["ctl"] = [fp for fp in state["ctl"] if fp in kept]
 
 
 def fold_link(state: dict, source: str, link: dict) -> bool:
@@ -530,7 +585,9 @@ def learned_parents(state: dict, spans: list[dict]) -> tuple[dict[str, dict], in
     that pod held exactly one MIG device on the alert's node at its ``startsAt`` (of
     that profile, when the profile is named), that device is a slice of that GPU.
     The latest alert wins (sort key), so the answer is independent of arrival order."""
-    teaching = sorted((r for r in state["rows"].values() if _teaching(r)), key=lambda r: r["key"])
+    # (the test of ``_teaching`` inline: a call per row of every refresh of a pod was a fifth of it near the cap)
+    teaching = sorted((r for r in state["rows"].values() if r.get("gpu_instance") and r["identity"].get("gpu_id", "").startswith("GPU-")),
+                      key=lambda r: r["key"])
     out: dict[str, dict] = {}
     for rec in teaching:
         at, node, inst = rec["starts_at"] or rec["at"], rec["identity"].get("node"), rec["gpu_instance"]

@@ -635,9 +635,9 @@ def test_every_state_bound_that_bites_is_counted_for_the_health_page_and_logged_
     with caplog.at_level(logging.WARNING, logger="streams.caps"):
         d = Driver().feed(_busy_gpu()).flush_parked()
     gpu = d.entities["gpu:n1/GPU-9"]
-    assert len(gpu["links"]) == 8 and len(gpu["rows"]) == 20
+    assert len(gpu["links"]) == 8 and 18 <= len(gpu["rows"]) <= 20  # (let go down to TRIM_TO of the bound, then filled again)
     counted = caps.counts()
-    assert counted["links_detached"] >= 22 and counted["rows_detached"] == 25, counted
+    assert counted["links_detached"] >= 22 and counted["rows_detached"] == 45 - len(gpu["rows"]), counted
     assert counted["links_detached"] + counted["rows_detached"] == sum(s["detached"] for s in d.entities.values())
     # (the workload's pods are its links too: 30 of them)
     assert [(r.getMessage().split(": ")[0], r.getMessage().rsplit(".", 1)[-1]) for r in caplog.records] == [
@@ -880,7 +880,7 @@ def test_a_pod_past_its_row_cap_lets_its_oldest_alerts_go_not_what_attributes_it
     interval) and lets its oldest alerts go: its allocation and every alert stay attributed to its
     release. (Before: the oldest rows went whatever they were — the assignment first — and the
     allocation and every later alert turned unattributed.) A row is never let go before it went
-    out: in any order — an old alert arriving after the cap filled — every event has its row,
+    out: in any order here — an old alert arriving after the cap filled — every event has its row,
     with the same content as in event order; no version falls (the harness asserts every row's
     versions grow), and with VERIFY no content changes without its version."""
     import streams.correlate.entities as entities
@@ -890,7 +890,7 @@ def test_a_pod_past_its_row_cap_lets_its_oldest_alerts_go_not_what_attributes_it
     events = _alert_heavy_pod()
     reference = Driver().feed(events).flush_parked()
     pod = reference.entities["pod:ml/p1"]
-    assert len(pod["rows"]) == 12 and pod["detached"] == len(events) - len(RELEASES) - 12
+    assert len(pod["rows"]) <= 12 and pod["detached"] == len(events) - len(RELEASES) - len(pod["rows"])
     kept = sorted(r["type"] for r in pod["rows"].values())
     assert kept.count("gpu.assigned") == 1 and kept.count("scheduler.scheduled") == 1 and kept.count("scheduler.running") == 1
     [alloc] = reference.allocations.values()
@@ -912,7 +912,7 @@ def test_a_pod_past_its_row_cap_lets_its_oldest_alerts_go_not_what_attributes_it
         d = Driver(seed=seed).feed(order).flush_parked()
         assert d.latest() == reference.latest(), f"seed {seed}"
         assert d.latest_allocations() == reference.latest_allocations(), f"seed {seed}"
-        assert len(d.entities["pod:ml/p1"]["rows"]) == 12, f"seed {seed}"
+        assert len(d.entities["pod:ml/p1"]["rows"]) <= 12, f"seed {seed}"
         assert d.conflicts == 0, f"seed {seed}"
 
 
@@ -983,3 +983,73 @@ def test_a_workload_past_its_link_cap_keeps_its_let_go_pods_versions_and_stores_
         d = Driver(seed=seed).feed(order).flush_parked()
         assert d.latest(versions=True) == reference.latest(versions=True), f"seed {seed}"
         assert d.entities["wl:ml/Job/big"]["gone_links"] == wl["gone_links"], f"seed {seed}"
+
+
+def test_a_fact_only_an_old_alert_carries_stays_when_the_alert_goes_and_nothing_changes_without_its_version(monkeypatch):
+    """The newest carrier of each of a pod's facts is never let go past ``MAX_ROWS``: a node only
+    one early alert named stays the pod's node for every later row, as without a cap (with it gone,
+    the scheduler row's older node came back at the same version: content changed without one)."""
+    import streams.correlate.entities as entities
+
+    events = [*RELEASES, pod_event("scheduler.scheduled", 5, release_id="r1", node="n1"), gpu_event("gpu.assigned", 6),
+              alert(7, fp="early", namespace="ml", pod="p1", node="n2"),
+              *[alert(10 + i, fp=f"later{i}", namespace="ml", pod="p1", node=None) for i in range(10)]]
+    monkeypatch.setattr(entities, "VERIFY_UNCHANGED", True)
+    uncapped = Driver().feed(events).flush_parked()
+    monkeypatch.setattr(entities, "MAX_ROWS", 6)
+    capped = Driver().feed(events).flush_parked()
+    assert capped.entities["pod:ml/p1"]["detached"] > 0 and capped.conflicts == 0
+    assert capped.latest() == uncapped.latest()
+    assert {r.identity.node for r in capped.rows.values() if r.event_type.startswith("alert.")} == {"n2"}
+
+
+def test_a_batch_of_more_new_rows_than_the_cap_keeps_what_attributes_them(monkeypatch):
+    """The worker folds a whole batch before it refreshes: a pod given more new rows in one batch
+    than ``MAX_ROWS`` keeps them all until they go out (rows not yet emitted are never let go) and
+    keeps its own rows too (scheduled, assigned) — every alert of the batch is attributed, and once
+    they are out the pod is back within its bound."""
+    import streams.correlate.entities as entities
+    from streams.correlate.directory import ReleaseDirectory
+    from streams.correlate.entities import event_row, fold_row, new_entity, refresh
+
+    monkeypatch.setattr(entities, "MAX_ROWS", 6)
+    directory = ReleaseDirectory()
+    for ev in RELEASES:
+        directory.apply(ev)
+    state = new_entity("pod:ml/p1")
+    for i, ev in enumerate([pod_event("scheduler.scheduled", 5, release_id="r1"), gpu_event("gpu.assigned", 6)]):
+        fold_row(state, event_row(routed_event(ev), "pod", ("raw", 0, i)))
+        refresh(state, directory)
+    batch = [alert(10 + i, fp=f"x{i}", namespace="ml", pod="p1", node="n1") for i in range(9)]
+    for i, ev in enumerate(batch):
+        fold_row(state, event_row(routed_event(ev), "pod", ("raw", 0, 10 + i)))
+    assert len(state["rows"]) == 11 and {"scheduler.scheduled", "gpu.assigned"} <= {r["type"] for r in state["rows"].values()}
+    out = refresh(state, directory)
+    assert sorted((r["attribution"], r["identity"].get("release_id")) for r in out.correlated) == [("release_label", "r1")] * 9
+    assert len(state["rows"]) <= 6 and {"scheduler.scheduled", "gpu.assigned"} <= {r["type"] for r in state["rows"].values()}
+    # A re-delivered event whose row went is not folded again (it went out; ``gone_ids``).
+    assert not fold_row(state, event_row(routed_event(batch[0]), "pod", ("raw", 0, 10)))
+
+
+def test_what_a_pod_past_its_row_cap_never_lets_go():
+    """``_needed``: the rows not yet emitted, the newest carrier of each fact, the start of an
+    interval still open, the end of one whose start is kept (an assignment arriving late, after its
+    release: without its end it would open again) and the last deletion."""
+    import streams.correlate.entities as entities
+    from streams.correlate.entities import event_row, new_entity
+
+    state = new_entity("pod:ml/p1")
+    evs = {"scheduled": pod_event("scheduler.scheduled", 5, release_id="r1"), "a1": gpu_event("gpu.assigned", 6),
+           "r1": gpu_event("gpu.released", 8), "a2": gpu_event("gpu.assigned", 9, device="GPU-2222"),
+           "late-a": gpu_event("gpu.assigned", 10, device="GPU-3333"), "late-r": gpu_event("gpu.released", 12, device="GPU-3333"),
+           "deleted": pod_event("scheduler.deleted", 20, release_id="r1"), "after": pod_event("scheduler.finished", 21, release_id="r1"),
+           **{f"alert{i}": alert(13 + i * 0.1, fp=f"x{i}", namespace="ml", pod="p1") for i in range(3)}}
+    ids = {}
+    for name, ev in evs.items():
+        row = event_row(routed_event(ev), "pod", ("raw", 0, len(ids)))
+        state["rows"][row["id"]] = row
+        ids[name] = row["id"]
+    state["sent"] = {rid: 1 for name, rid in ids.items() if name != "late-a"}  # the late assignment not emitted yet
+    needed = {name for name, rid in ids.items() if rid in entities._needed(state)}
+    assert {"late-a", "late-r", "a2", "deleted"} <= needed  # unsent; its end; an open interval's start; the last deletion
+    assert "a1" not in needed and "r1" not in needed  # a closed interval, its start not kept otherwise
