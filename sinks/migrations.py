@@ -109,9 +109,9 @@ _INTAKE_FIELDS = ("release_id", "model_name", "model_version", "artifact_digest"
                   "environment", "workload_id", "pod_uid", "namespace", "pod", "node", "gpu_id", "owner", "data_class",
                   "alert_fingerprint")
 _INTAKE_IDENTITY = ", ".join(f"{f} String" for f in _INTAKE_FIELDS)
-#: A correlated record as the intake reads it (its one column: a JSON object into a named tuple).
+#: A correlated record as the intake's view reads it, in one parse (``JSONExtract``).
 _RECORD_TUPLE = ("Tuple(correlation_id Nullable(String), version Nullable(UInt64), event_type Nullable(String), "
-                 "occurred_at Nullable(DateTime64(3, 'UTC')), attribution Nullable(String), identity Tuple(" + _INTAKE_IDENTITY + "), "
+                 "occurred_at Nullable(String), attribution Nullable(String), identity Tuple(" + _INTAKE_IDENTITY + "), "
                  "release_state Nullable(String), summary Nullable(String), source_topic Nullable(String), "
                  "source_partition Nullable(UInt32), source_offset Nullable(UInt64), payload_json Nullable(String))")
 _MANIFEST_FIELDS = ("model_name", "model_version", "artifact_digest", "image_digest", "config_digest", "dataset_ref",
@@ -378,24 +378,24 @@ ORDER BY violation_id""",
         "DEFAULT '' AFTER detail",
     )),
     Migration(4, "the correlated family built by the store: an intake table and a view per table", (
-        # The sink inserts the worker's correlated records as they are, each the one value of a
-        # ``JSONCompactEachRow`` row (``[record]``: one record is one row, or a parse error — a
-        # record of two objects, of an unclosed one or of an array is refused, not read as two rows
-        # or as part of its neighbour, as ``JSONEachRow`` read them), into ``correlated_intake``'s
-        # one column, a named tuple: ClickHouse parses the record once; a view spreads its fields
-        # into ``correlated_fields``, and four materialized views build the rows of the correlated
-        # family from those — ClickHouse parsing JSON, not Python building rows (the sink's
-        # costliest work: benchmarks/sink_cpu.py). Nothing is stored in either (ENGINE = Null).
-        # The fields' constraints are the record's required fields (a field of the wrong type — a
-        # negative version, an unreadable time, an identity that is not an object — is a parse
-        # error), checked before the family's views run: a record without them is refused whole
-        # (and dead-lettered by the sink, naming the constraint or the field). A record a view
-        # refuses (a count out of its column's range) is refused whole too: its insert fails, and
-        # ClickHouse keeps none of that insert's rows (chDB 26.9; on a cluster, rows the
-        # Distributed tables already sent may stay) — the dead letter holds the record. An absent
-        # or null identity reads as an empty one. On a cluster the views write into the ``_dist``
-        # tables ({dist}); the intake is local to the node the sink inserts on.
-        """CREATE TABLE IF NOT EXISTS {db}.correlated_intake {on_cluster} (r """ + _RECORD_TUPLE + """) ENGINE = Null""",
+        # The sink inserts the worker's correlated records as they are, each the one string of a
+        # ``RowBinary`` row (length-prefixed: one record is one row whatever it holds — text
+        # formats let a record close its row and open another, ``]\n[``, or read ``{..}{..}`` as
+        # two), into ``correlated_intake``; a view parses each once (``JSONExtract`` into a named
+        # tuple) into ``correlated_fields``, and four materialized views build the rows of the
+        # correlated family from those — ClickHouse parsing JSON, not Python building rows (the
+        # sink's costliest work: benchmarks/sink_cpu.py). Nothing is stored in either (ENGINE =
+        # Null). The fields' constraints are that the record is a JSON object and has its required
+        # fields (one absent, null, of the wrong type or out of its type's range — a negative or
+        # 2^64 version, an unreadable time — reads as NULL and fails its constraint), checked before
+        # the family's views run: a record without them is refused whole (and dead-lettered by the
+        # sink, naming the constraint). A record a view refuses (a count out of its column's range)
+        # is refused whole too: its insert fails, and ClickHouse keeps none of that insert's rows
+        # (chDB 26.9; on a cluster, rows the Distributed tables already sent may stay) — the dead
+        # letter holds the record. An absent or null identity, or one that is not an object, reads
+        # as an empty one. On a cluster the views write into the ``_dist`` tables ({dist}); the
+        # intake is local to the node the sink inserts on.
+        """CREATE TABLE IF NOT EXISTS {db}.correlated_intake {on_cluster} (record String) ENGINE = Null""",
         """CREATE TABLE IF NOT EXISTS {db}.correlated_fields {on_cluster} (
     correlation_id String,
     version Nullable(UInt64),
@@ -409,6 +409,8 @@ ORDER BY violation_id""",
     source_partition Nullable(UInt32),
     source_offset Nullable(UInt64),
     payload_json String,
+    record_is_object Bool,
+    CONSTRAINT is_a_json_object CHECK record_is_object,
     CONSTRAINT has_correlation_id CHECK correlation_id != '',
     CONSTRAINT has_version CHECK version IS NOT NULL,
     CONSTRAINT has_event_type CHECK event_type != '',
@@ -420,12 +422,14 @@ ORDER BY violation_id""",
         # refuse the required ones), the rest as they are.
         """CREATE MATERIALIZED VIEW IF NOT EXISTS {db}.correlated_fields_mv {on_cluster} TO {db}.correlated_fields AS
 SELECT ifNull(tupleElement(r, 'correlation_id'), '') AS correlation_id, tupleElement(r, 'version') AS version,
-    ifNull(tupleElement(r, 'event_type'), '') AS event_type, tupleElement(r, 'occurred_at') AS occurred_at,
+    ifNull(tupleElement(r, 'event_type'), '') AS event_type,
+    parseDateTime64BestEffortOrNull(tupleElement(r, 'occurred_at'), 3, 'UTC') AS occurred_at,
     ifNull(tupleElement(r, 'attribution'), '') AS attribution, tupleElement(r, 'identity') AS identity,
     ifNull(tupleElement(r, 'release_state'), '') AS release_state, ifNull(tupleElement(r, 'summary'), '') AS summary,
     ifNull(tupleElement(r, 'source_topic'), '') AS source_topic, tupleElement(r, 'source_partition') AS source_partition,
-    tupleElement(r, 'source_offset') AS source_offset, ifNull(tupleElement(r, 'payload_json'), '{}') AS payload_json
-FROM {db}.correlated_intake""",
+    tupleElement(r, 'source_offset') AS source_offset, ifNull(tupleElement(r, 'payload_json'), '{}') AS payload_json,
+    JSONType(record) = 'Object' AS record_is_object
+FROM (SELECT record, JSONExtract(record, '""" + _RECORD_TUPLE + """') AS r FROM {db}.correlated_intake)""",
         _view("correlated_events", """correlation_id, assumeNotNull(version) AS version, event_type, assumeNotNull(occurred_at) AS occurred_at,
     attribution, """ + _identity_select(_INTAKE_FIELDS) + """, release_state, summary,
     source_topic, assumeNotNull(source_partition) AS source_partition, assumeNotNull(source_offset) AS source_offset, payload_json""",

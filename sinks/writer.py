@@ -72,6 +72,16 @@ class RecordSource:
                    value if isinstance(value, bytes) else str(value).encode())
 
 
+def _varint(n: int) -> bytes:
+    """ClickHouse's RowBinary length prefix (LEB128)."""
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
 def _text(value) -> str:
     """A row value orjson does not serialize, as text (a record's bytes decoded)."""
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
@@ -144,9 +154,9 @@ class TableWriter:
         self.store = StoreConnection.of(store)
         self.table = f"{database}.{table}"
         self.columns = list(columns)
-        #: ``records``: each row is one Kafka record's value (``[bytes]``: a JSON object), inserted as
-        #: it is into a table of one named-tuple column (``correlated_intake``: sinks/migrations.py,
-        #: migration 4); ``columns`` then only names the row in a RejectedRow.
+        #: ``records``: each row is one Kafka record's value (``[bytes]``), inserted as it is into a
+        #: table of one String column (``correlated_intake``: sinks/migrations.py, migration 4);
+        #: ``columns`` then only names the row in a RejectedRow.
         self.records = records
         self.component = component
         self.counters = ComponentCounters(component)
@@ -176,10 +186,12 @@ class TableWriter:
         """
         client = self.store.get()  # raises StoreUnavailable / StoreLocked while unreachable
         if self.records:
-            # The records as they came, each the one value of a row (``[record]``): a record is one
-            # row or a parse error, whatever it holds (``JSONEachRow`` read ``{..}{..}`` as two rows,
-            # and an unclosed object swallowed the record after it).
-            columns, block, fmt = None, b"[" + b"]\n[".join(row[0] for row in rows) + b"]", "JSONCompactEachRow"
+            # The records as they came, each the one string of a ``RowBinary`` row (its length, then
+            # its bytes): one record is one row, whatever it holds — in a text format a record could
+            # close its row and open another (``]\n[`` in ``[record]`` rows; ``{..}{..}`` in
+            # ``JSONEachRow``). Hand-written: clickhouse-connect's typed insert serialises each value
+            # in Python, and this is a length and a join.
+            columns, block, fmt = None, b"".join(_varint(len(row[0])) + row[0] for row in rows), "RowBinary"
             settings = {**JSON_INSERT_SETTINGS, **self.insert_settings}
         else:
             # One dumps of every row, its brackets stripped: the rows separated by commas, which

@@ -205,10 +205,11 @@ def test_the_store_reads_records_with_null_fields_as_defaults_and_refuses_one_wi
         clickhouse_client, clickhouse_db):
     """The sink hands the worker's JSON to the store as it is, a record per row: a null field reads
     as its default (summary '', payload_json '{}', release_state ''), a null or absent identity
-    field as '' (and a null or absent identity as an empty one). A record without a required field
-    is refused on its own by the intake's constraint named after it; one whose field has the wrong
-    type (a negative version, an unreadable time, an identity that is not an object) or that is not
-    one JSON object by the parser, naming the field or the position; the rest of its batch is stored."""
+    field as '' (and an identity absent, null or not an object as an empty one). A record without a
+    required field — or with one null, of the wrong type or past its type's range (a negative or
+    2^64 version, a partition past UInt32, an unreadable time), which reads as absent — or that is
+    not one JSON object is refused on its own by the constraint named after it; the rest of its
+    batch is stored."""
     import orjson
 
     from sinks.writer import RecordSource
@@ -219,13 +220,16 @@ def test_the_store_reads_records_with_null_fields_as_defaults_and_refuses_one_wi
                 "source_offset": "has_source"}
     good = [orjson.dumps(_record()), orjson.dumps(_record(correlation_id="c-other", identity={}, payload_json=None)),
             orjson.dumps(_record(correlation_id="c-no-identity", identity=_MISSING)),
-            orjson.dumps(_record(correlation_id="c-null-identity", identity=None))]
+            orjson.dumps(_record(correlation_id="c-null-identity", identity=None)),
+            orjson.dumps(_record(correlation_id="c-ident", identity="not an object"))]
     bad = [(orjson.dumps(_record(**{"correlation_id": f"c-no-{field}", field: _MISSING})), 469, f"`{name}`") for field, name in required.items()]
     bad += [(orjson.dumps(_record(correlation_id="c-null-version", version=None)), 469, "`has_version`"),
-            (orjson.dumps(_record(correlation_id="c-neg", version=-1)), 72, "key version"),
-            (orjson.dumps(_record(correlation_id="c-time", occurred_at="yesterday")), 41, "key occurred_at"),
-            (b"[1, 2]", 27, "Cannot parse input"), (orjson.dumps(_record(correlation_id="c-two")) * 2, 27, "Cannot parse input"),
-            (orjson.dumps(_record(correlation_id="c-ident", identity="not an object")), 27, "key identity")]
+            (orjson.dumps(_record(correlation_id="c-neg", version=-1)), 469, "`has_version`"),
+            (orjson.dumps(_record(correlation_id="c-huge", version=1)).replace(b'"version":1', b'"version":18446744073709551616'), 469,
+             "`has_version`"),
+            (orjson.dumps(_record(correlation_id="c-part", source_partition=2 ** 33)), 469, "`has_source`"),
+            (orjson.dumps(_record(correlation_id="c-time", occurred_at="yesterday")), 469, "`has_occurred_at`"),
+            (b"[1, 2]", 469, "`is_a_json_object`"), (orjson.dumps(_record(correlation_id="c-two")) * 2, 469, "`is_a_json_object`")]
     batch = [good[0], *(value for value, _code, _text in bad), *good[1:]]
     sources = [RecordSource("t.correlated.v1", 0, i, None, value) for i, value in enumerate(batch)]
     rejected = asyncio.run(SinkWriters(clickhouse_client, clickhouse_db).store_correlated(batch, sources))
@@ -233,8 +237,8 @@ def test_the_store_reads_records_with_null_fields_as_defaults_and_refuses_one_wi
     stored = clickhouse_client.query(
         f"SELECT correlation_id, summary, payload_json, release_state, release_id, pod FROM `{clickhouse_db}`.correlated_events FINAL "
         "ORDER BY correlation_id").result_rows
-    assert stored == [("c-no-identity", "", "{}", "", "", ""), ("c-null", "", "{}", "", "", "p-null"), ("c-null-identity", "", "{}", "", "", ""),
-                      ("c-other", "", "{}", "", "", "")]
+    assert stored == [("c-ident", "", "{}", "", "", ""), ("c-no-identity", "", "{}", "", "", ""), ("c-null", "", "{}", "", "", "p-null"),
+                      ("c-null-identity", "", "{}", "", "", ""), ("c-other", "", "{}", "", "", "")]
     assert [r.source.offset for r in rejected] == list(range(1, len(bad) + 1))
     assert all(r.stage == "sinks.correlated_events" and r.hint for r in rejected)
     for r, (_value, code, text) in zip(rejected, bad):
@@ -297,10 +301,11 @@ def test_payload_fields_of_every_family_become_typed_columns_as_the_store_reads_
 
 
 def test_a_record_is_one_row_whatever_it_holds_and_what_cannot_be_one_is_refused(clickhouse_client, clickhouse_db):
-    """Each record is the one value of a row of the insert (``[record]``): an empty record, one of
+    """Each record is the one string of a row of the insert (``RowBinary``): an empty record, one of
     two objects, the start of an object (then a good record, then the end of it: ``JSONEachRow`` read
-    the three as one row, and the good one vanished) are each refused, and the good ones stored — a
-    record spanning lines too; one nested past the parser's depth is refused, not held for ever; a
+    the three as one row, and the good one vanished), one that would close its row and open another
+    in a text format (``]\n[``) are each refused, and the good ones stored — a record spanning lines
+    too; one nested past the parser's depth is refused, not held for ever; a
     count past Int64 is refused naming its column; a record that quotes a view's name in its parse
     error keeps the intake's stage."""
     import orjson
@@ -315,7 +320,8 @@ def test_a_record_is_one_row_whatever_it_holds_and_what_cannot_be_one_is_refused
                                 payload_json='{"reservation": {"gpus": 18446744073709551615}}'))
     spoof = b'{"correlation_id": "spoof", "x": "while pushing to view db.violations_mv", oops}'
     batch = [good[0], b"", b" \n", orjson.dumps(_record(correlation_id="two-lines")).replace(b",", b",\n", 1), opening, good[1], b"]}",
-             deep, huge, spoof, good[2], good[0] + good[1]]
+             deep, huge, spoof, good[2], good[0] + good[1], orjson.dumps(_record(correlation_id="inj-1")) + b"]\n[" + orjson.dumps(
+                 _record(correlation_id="inj-2"))]
     sources = [RecordSource("t.correlated.v1", 1, 10 + i, None, v) for i, v in enumerate(batch)]
     handed = []
 
@@ -325,8 +331,8 @@ def test_a_record_is_one_row_whatever_it_holds_and_what_cannot_be_one_is_refused
     writers = SinkWriters(clickhouse_client, clickhouse_db, on_rejected=on_rejected, max_backoff_s=0.05, initial_backoff_s=0.01)
     rejected = asyncio.run(writers.store_correlated(batch, sources))
     by_offset = {r.source.offset: r for r in rejected}
-    assert sorted(by_offset) == [11, 12, 14, 16, 17, 18, 19, 21] and handed == rejected
-    for o in (11, 12, 14, 16, 19, 21):  # parse errors (CANNOT_PARSE_*), each a row of its own
+    assert sorted(by_offset) == [11, 12, 14, 16, 17, 18, 19, 21, 22] and handed == rejected
+    for o in (11, 12, 14, 16, 19, 21, 22):  # not one JSON object, each a row of its own
         assert by_offset[o].code in ROW_REJECTED_CODES and by_offset[o].stage == "sinks.correlated_events", by_offset[o].error
     assert by_offset[17].code in ROW_REJECTED_CODES  # too deep: refused, as a row
     assert by_offset[18].stage == "sinks.release_history" and "reservation_gpus: out of the range of UInt32" in by_offset[18].error
