@@ -1053,3 +1053,49 @@ def test_what_a_pod_past_its_row_cap_never_lets_go():
     needed = {name for name, rid in ids.items() if rid in entities._needed(state)}
     assert {"late-a", "late-r", "a2", "deleted"} <= needed  # unsent; its end; an open interval's start; the last deletion
     assert "a1" not in needed and "r1" not in needed  # a closed interval, its start not kept otherwise
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_pod_whose_own_rows_pass_the_cap_still_ends_every_allocation(monkeypatch, verify):
+    """A pod assigned and released a GPU five times past ``MAX_ROWS`` (its own rows pass the cap):
+    the rows its intervals were counted from still count when they go (``gone_held``), so every
+    release raises its interval's version and every allocation is stored ended, as without a cap
+    (before, a release arriving as an old row of the same device went kept the version: the end
+    was never written, the allocations stayed open for ever)."""
+    import streams.correlate.entities as entities
+
+    events = [*RELEASES, pod_event("scheduler.scheduled", 5, release_id="r1")]
+    for cycle in range(5):
+        events += [gpu_event("gpu.assigned", 10 + cycle * 10), gpu_event("gpu.released", 15 + cycle * 10)]
+    monkeypatch.setattr(entities, "VERIFY_UNCHANGED", verify)
+    uncapped = Driver().feed(events).flush_parked()
+    monkeypatch.setattr(entities, "MAX_ROWS", 6)
+    capped = Driver().feed(events).flush_parked()
+    assert capped.entities["pod:ml/p1"]["detached"] > 0 and capped.conflicts == 0
+    ends = sorted((a.started_at, a.ended_at) for a in capped.allocations.values())
+    assert ends == sorted((a.started_at, a.ended_at) for a in uncapped.allocations.values()) and all(end for _start, end in ends)
+
+
+def test_a_batch_past_the_cap_looks_for_rows_to_let_go_once_per_tenth_of_the_bound(monkeypatch):
+    """Folding a batch of new rows into a pod over its bound: while only needed rows are there (none
+    emitted yet), a fold looks again only a tenth of the bound later (each look walks every row), and
+    the refresh's ``trim`` brings it back within the bound once they are out."""
+    import streams.correlate.entities as entities
+    from streams.correlate.directory import ReleaseDirectory
+    from streams.correlate.entities import event_row, fold_row, new_entity, refresh
+
+    monkeypatch.setattr(entities, "MAX_ROWS", 100)
+    looks = []
+    needed = entities._needed
+    monkeypatch.setattr(entities, "_needed", lambda state: looks.append(1) or needed(state))
+    directory = ReleaseDirectory()
+    for ev in RELEASES:
+        directory.apply(ev)
+    state = new_entity("pod:ml/p1")
+    fold_row(state, event_row(routed_event(pod_event("scheduler.scheduled", 5, release_id="r1")), "pod", ("raw", 0, 0)))
+    refresh(state, directory)
+    for i in range(300):
+        fold_row(state, event_row(routed_event(alert(10 + i * 0.01, fp=f"x{i}", namespace="ml", pod="p1")), "pod", ("raw", 0, 1 + i)))
+    assert len(state["rows"]) == 301 and 15 <= len(looks) <= 25  # (one per 10 rows past 100, not 200)
+    out = refresh(state, directory)
+    assert len(out.correlated) == 300 and len(state["rows"]) <= 100
