@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 import orjson
+from clickhouse_connect.driver.common import write_leb128
 
 from gpuledger.telemetry import ComponentCounters
 from schemas.outputs import DeadLetter
@@ -72,21 +73,6 @@ class RecordSource:
                    value if isinstance(value, bytes) else str(value).encode())
 
 
-def _varint(n: int) -> bytes:
-    """ClickHouse's RowBinary length prefix (LEB128)."""
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _text(value) -> str:
-    """A row value orjson does not serialize, as text (a record's bytes decoded)."""
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-
-
 @dataclass(frozen=True)
 class RejectedRow:
     """A row the store refused, with why and where it came from.
@@ -113,9 +99,9 @@ class RejectedRow:
         if src is not None:
             value = src.value[:MAX_DEAD_VALUE].decode("utf-8", "replace")
         elif self.columns == ("record",):  # a record inserted as it came (TableWriter ``records``): itself, replayable
-            value = _text(self.row[0])[:MAX_DEAD_VALUE]
+            value = self.row[0][:MAX_DEAD_VALUE].decode("utf-8", "replace")
         else:
-            value = orjson.dumps(dict(zip(self.columns, self.row)), default=_text).decode()[:MAX_DEAD_VALUE]
+            value = orjson.dumps(dict(zip(self.columns, self.row)), default=str).decode()[:MAX_DEAD_VALUE]
         return DeadLetter(
             reason="store_rejected", error=f"{self.table} rejected the row: {self.error}. Hint: {self.hint}"[:MAX_DEAD_ERROR],
             stage=self.stage,
@@ -189,9 +175,13 @@ class TableWriter:
             # The records as they came, each the one string of a ``RowBinary`` row (its length, then
             # its bytes): one record is one row, whatever it holds — in a text format a record could
             # close its row and open another (``]\n[`` in ``[record]`` rows; ``{..}{..}`` in
-            # ``JSONEachRow``). Hand-written: clickhouse-connect's typed insert serialises each value
-            # in Python, and this is a length and a join.
-            columns, block, fmt = None, b"".join(_varint(len(row[0])) + row[0] for row in rows), "RowBinary"
+            # ``JSONEachRow``). Built here rather than by clickhouse-connect's typed insert, which
+            # serialises each value in Python: a length (the driver's LEB128 writer) and the bytes.
+            block = bytearray()
+            for (value,) in rows:
+                write_leb128(len(value), block)
+                block += value
+            columns, fmt = None, "RowBinary"
             settings = {**JSON_INSERT_SETTINGS, **self.insert_settings}
         else:
             # One dumps of every row, its brackets stripped: the rows separated by commas, which

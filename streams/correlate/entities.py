@@ -309,9 +309,9 @@ def trim(state: dict) -> None:
         del rows[old["id"]]
         sent.pop(old["id"], None)
     state["gone_facts"] = state.get("gone_facts", 0) + facts_before - facts_of(state)[1]
-    if taught := sum(_teaching(old) for old in going):
-        state["gone_teach"] = state.get("gone_teach", 0) + taught
-    for old in going:  # what the intervals' versions counted (``_held``): their rows, the deletions
+    for old in going:  # what the MIG parents' and the intervals' versions counted (``learned_parents``, ``_held``)
+        if _teaching(old):
+            state["gone_teach"] = state.get("gone_teach", 0) + 1
         for field in ("gpu", "claim"):
             if op := old.get(field):
                 held = state.setdefault("gone_held", {})
@@ -340,19 +340,15 @@ def fold_link(state: dict, source: str, link: dict) -> bool:
             return False  # same version: keep one deterministically
     links = state["links"]
     gpu = state["key"].startswith("gpu:")
-    if gpu and current is None and len(links) == MAX_LINKS and (_link_newest(link), source) < _least(links, 1)[0]:
-        # It would go at once, the least of all: not attached, and not kept in ``gone`` —
-        # mostly a detached holder's link forwarded again (a release event makes every pod of
-        # the release forward its links again); kept, it would count twice (``_let_go``).
+    if current is None and len(links) == MAX_LINKS and (_link_newest(link), source) < _least(links, 1)[0]:
+        # It would go at once, the least of all: not attached. A node/GPU's is not kept in ``gone``
+        # either — mostly a detached holder's link forwarded again (a release event makes every pod
+        # of the release forward its links again); kept, it would count twice (``_let_go``). Another
+        # entity's (a workload's pods, by name: they hold no intervals) keeps its version
+        # (``_gone_link``) — a True when it grew.
         state["detached"] += 1
         capped("links_detached", 1, state["key"], _detached())
-        return False
-    if not gpu and current is None and len(links) == MAX_LINKS and (_link_newest(link), source) < _least(links, 1)[0]:
-        # Another entity's link (a workload's pods, by name: they hold no intervals) that would go
-        # at once: not attached; its version is kept (``_gone_link``) — a True when it grew.
-        state["detached"] += 1
-        capped("links_detached", 1, state["key"], _detached())
-        return _gone_link(state, source, link.get("v", 0))
+        return False if gpu else _gone_link(state, source, link.get("v", 0))
     if gpu and current is None and (gone := state.get("gone")):
         # A detached holder's link that comes back (a later allocation of the GPU to the same
         # pod): its step leaves ``gone`` — the link counts again, not twice.
@@ -1344,9 +1340,15 @@ def refresh(state: dict, directory, park: bool = True, memo: GpuMemo | None = No
     if kind != "gpu":
         memo = None
     if memo is not None:
-        out = _refresh_gpu(state, directory, park, memo, out)
-        trim(state)  # (the rows ``_bound`` kept until they went out)
-        return out
+        _refresh_gpu(state, directory, park, memo, out)
+    else:
+        _refresh_all(state, directory, park, kind, out)
+    trim(state)  # (the rows ``_bound`` kept until they went out)
+    return out
+
+
+def _refresh_all(state: dict, directory, park: bool, kind: str, out: Outcome) -> None:
+    """``refresh`` without a memo: every row derived."""
     entity_res = resolve_entity(state, directory) if kind in ("pod", "wl") else UNATTRIBUTED
     coverage = Coverage(state["links"]) if kind == "gpu" else None
     interests = set(entity_res.interests)
@@ -1361,8 +1363,6 @@ def refresh(state: dict, directory, park: bool = True, memo: GpuMemo | None = No
         _refresh_pod(state, directory, entity_res, out)
     elif kind == "wl":
         _refresh_workload(state, entity_res, out)
-    trim(state)  # (the rows ``_bound`` kept until they went out)
-    return out
 
 
 def _fingerprint(identity: dict, row_id: str) -> str:
