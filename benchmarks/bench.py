@@ -4,7 +4,7 @@
 
 Publishes the event mix (benchmarks/mix.py) ONCE to fresh raw topics on a local broker
 (or ``--bootstrap``), warms the broker up (phase 0, not measured: a worker over
-``--warmup-events`` of their own topics, in rounds until a round costs the broker no less
+``--warmup-events`` (as many as the phases, by default) of their own topics, in rounds until a round costs the broker no less
 CPU than the one before — a fresh JVM compiles its hot paths in its first minutes, and a
 broker in service is warm), then runs, one after the other over those topics:
 
@@ -523,7 +523,13 @@ class Bench:
         second round usually costs it a third less CPU than the first — and on a cold machine
         one round left phase 3 at half the replay's rate (the broker 0.12 ms per event against
         0.02; worker / pass-through printed 44 % where warm runs of the same code printed
-        76-94 %). That more rounds cure such a run is not shown: the machine was not cold again."""
+        76-94 %). Rounds of 10,000 events were not enough either, on a freshly booted machine:
+        such a round costs the broker ~2 CPU s whatever its size (topics, groups, joins), so
+        two rounds looked alike and ended the warm-up while its per-record paths were still
+        cold — phase 3 ran at 53-56 % of the pass-through and at 0.06 ms of broker CPU per
+        event against the replay's 0.02, in two runs in a row. Rounds of the phases' own size
+        (3.7, 2.1, 1.9 broker CPU s) left phase 3 at 84 %, the broker at 0.02 ms — as the
+        replay: a round as big as what it warms up for."""
         if n <= 0:
             return
         print(f"0/5 warm-up (not measured): a worker over {n:,} events of their own topics, until the broker is warm", flush=True)
@@ -904,7 +910,7 @@ class Bench:
 
     def run(self) -> dict:
         n = self.publish_input()
-        self.warm_up(self.args.warmup_events)
+        self.warm_up(self.args.events if self.args.warmup_events is None else self.args.warmup_events)
         self.bare_loop(n)
         self.passthrough(n)
         print("3/5 worker: gpuledger worker over the same topics", flush=True)
@@ -1025,7 +1031,8 @@ def report(r: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--events", type=int, default=50_000, help="input events published once (default 50,000)")
-    ap.add_argument("--warmup-events", type=int, default=10_000, help="events of the unmeasured warm-up worker run (phase 0); 0 skips it (default 10,000)")
+    ap.add_argument("--warmup-events", type=int, default=None,
+                    help="events of each round of the unmeasured warm-up (phase 0); 0 skips it (default: --events)")
     ap.add_argument("--latency-seconds", type=float, default=60.0, help="duration of the live latency run; 0 skips it (default 60)")
     ap.add_argument("--latency-rate", type=float, default=None, help="events/s of the latency run (default: 80%% of phase 3's throughput)")
     ap.add_argument("--timeout", type=float, default=600.0, help="limit of every wait for processing, in seconds (default 600)")
