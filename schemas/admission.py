@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from schemas.envelope import EventBase, Frozen, IdText
+from schemas.envelope import Count32, EventBase, Frozen, IdText, NonNegInt64
 
 AdmissionEventType = Literal["admission.decided"]
 
@@ -31,11 +31,11 @@ class AdmissionPayload(Frozen):
     object_uid: IdText | None = Field(default=None, description="Object UID when the API server had assigned one.")
     operation: IdText | None = Field(default=None, description="CREATE / UPDATE (webhook), or the check state set (Ready / Rejected / Retry / Pending).")
     user: IdText | None = Field(default=None, description="Who created the object (AdmissionReview userInfo.username).")
-    gpus_requested: int = Field(default=0, ge=0, description="GPUs the object requests (extended resource units).")
+    gpus_requested: Count32 = Field(default=0, description="GPUs the object requests (extended resource units).")
     release_state: IdText | None = Field(default=None, description="The release's latest lifecycle event at decision time.")
     fail_closed: bool = Field(default=False, description="The environment is decided fail-closed (policy admission.fail_closed).")
     policy_version: IdText = Field(description="Fingerprint of the policy decided under.")
-    directory_version: int = Field(default=0, ge=0, description="Version of the release's state read (grows with its history).")
+    directory_version: NonNegInt64 = Field(default=0, description="Version of the release's state read (grows with its history).")
     override_event_id: IdText | None = Field(default=None, description="The release.admission_overridden event that let the object through.")
     evidence: tuple[IdText, ...] = Field(default=(), description="Release event ids the rule read (approval, revocation, override).")
 

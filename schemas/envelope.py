@@ -61,6 +61,17 @@ def _identity_text(value: str) -> str:
 #: bidi characters. Free text (reasons, messages, annotations) stays ``str``, escaped on output.
 IdText = Annotated[str, AfterValidator(_identity_text)]
 
+#: Integers bounded to what they are. An unbounded ``int`` let a number past 64 bits through
+#: validation as a Python int, and the route stage's JSON decoder (orjson: 64-bit integers)
+#: read it back as a float — a 2**70 priority was stored as 1.1805916207174113e+21, silently.
+#: Kubernetes' int32 (priorities, counts, indexes)...
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+NonNegInt32 = Annotated[int, Field(ge=0, le=2**31 - 1)]
+#: ...a count stored in a ``UInt32`` column (GPUs requested or reserved)...
+Count32 = Annotated[int, Field(ge=0, le=2**32 - 1)]
+#: ...and Kubernetes' int64 (a NUMA node id), or a version of ours.
+NonNegInt64 = Annotated[int, Field(ge=0, le=2**63 - 1)]
+
 
 class Frozen(BaseModel):
     """Base for every contract model: immutable, strict about unknown fields."""

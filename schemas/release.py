@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from schemas.envelope import EventBase, Frozen, IdText, UtcDatetime
+from schemas.envelope import Count32, EventBase, Frozen, IdText, UtcDatetime
 
 ReleaseEventType = Literal[
     "release.registered",
@@ -36,7 +36,7 @@ class Reservation(Frozen):
     """Capacity reserved for a release."""
 
     reservation_id: IdText = Field(description="Reservation id.")
-    gpus: int = Field(ge=0, description="Number of GPUs reserved.")
+    gpus: Count32 = Field(description="Number of GPUs reserved.")
     pool: IdText | None = Field(default=None, description="Node pool / ClusterQueue / flavor holding the GPUs.")
     window_start: UtcDatetime | None = Field(default=None, description="Start of the reservation window.")
     window_end: UtcDatetime | None = Field(default=None, description="End of the reservation window.")

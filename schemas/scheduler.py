@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from schemas.envelope import EventBase, Frozen, IdText
+from schemas.envelope import Count32, EventBase, Frozen, IdText, Int32, NonNegInt32
 
 SchedulerEventType = Literal[
     "scheduler.submitted",
@@ -45,17 +45,17 @@ class SchedulerPayload(Frozen):
     queue: IdText | None = Field(default=None, description="Kueue LocalQueue name.")
     cluster_queue: IdText | None = Field(default=None, description="Kueue ClusterQueue that admitted the workload.")
     priority_class: IdText | None = Field(default=None, description="Priority class name.")
-    priority: int | None = Field(default=None, description="Priority value.")
+    priority: Int32 | None = Field(default=None, description="Priority value (int32, as Kubernetes' PriorityClass).")
     reason: str | None = Field(default=None, description="Machine-readable reason (condition reason or event reason).")
     message: str | None = Field(default=None, description="Human-readable message from the source.")
     phase: str | None = Field(default=None, description="Pod phase when the object is a pod.")
-    gpus_requested: int | None = Field(default=None, ge=0, description="GPUs (extended resource units) requested.")
+    gpus_requested: Count32 | None = Field(default=None, description="GPUs (extended resource units) requested.")
     image_digests: tuple[str, ...] = Field(default=(), description="Running container image digests ('sha256:...').")
     preemptor: ObjectRef | None = Field(default=None, description="Who preempted this workload/pod, when known.")
     victim: ObjectRef | None = Field(default=None, description="Whom this workload/pod preempted, when known.")
     labels: dict[IdText, IdText] = Field(default_factory=dict, description="Labels that carry shared identifiers.")
     flavors: dict[str, str] = Field(default_factory=dict, description="Kueue resource flavor per resource.")
-    pod_sets: dict[str, int] = Field(default_factory=dict, description="Kueue pod-set name -> pod count (admitted count when the workload has an admission).")
+    pod_sets: dict[str, NonNegInt32] = Field(default_factory=dict, description="Kueue pod-set name -> pod count (admitted count when the workload has an admission).")
 
 
 class SchedulerEvent(EventBase):

@@ -116,3 +116,33 @@ def test_identifiers_refuse_control_and_bidi_characters_free_text_keeps_them(bad
     kept = ReleaseEvent.model_validate(release_event().model_dump(mode="json") | {"payload": {"reason": f"why {bad} not"}})
     assert bad in kept.payload.reason
     assert Identity(pod="caf\u00e9-\u4e2d\u6587").pod == "caf\u00e9-\u4e2d\u6587"  # non-ASCII letters are fine
+
+
+def _scheduler(payload: dict) -> dict:
+    return {"event_id": "abcdefgh12", "event_type": "scheduler.admitted", "occurred_at": "2026-01-01T00:00:00Z",
+            "observed_at": "2026-01-01T00:00:00Z", "source": {"collector": "kueue"},
+            "identity": {"workload_id": "team-a/wl-1"}, "payload": {"object_kind": "Workload", **payload}}
+
+
+@pytest.mark.parametrize("payload, field", [
+    ({"priority": 2**70}, "payload.priority"),            # Kubernetes priorities are int32
+    ({"priority": -(2**31) - 1}, "payload.priority"),
+    ({"gpus_requested": 2**32}, "payload.gpus_requested"),  # stored as UInt32
+    ({"pod_sets": {"main": 2**40}}, "payload.pod_sets.main"),
+])
+def test_integers_past_their_range_are_refused_with_the_field_named(payload, field):
+    # A number past 64 bits went through validation as a Python int and came out of the
+    # route stage's JSON decoder as a float (2**70 -> 1.1805916207174113e+21): the stored
+    # payload changed without a word. The contract bounds every integer to what it is.
+    with pytest.raises(EventDecodeError) as info:
+        decode_event(_scheduler(payload))
+    assert info.value.reason == "validation"
+    assert field in str(info.value)
+
+
+def test_integers_at_their_range_pass_and_route_exactly():
+    from streams.correlate.routing import routed_event
+
+    event = decode_event(_scheduler({"priority": 2**31 - 1, "gpus_requested": 2**32 - 1, "pod_sets": {"main": 2**31 - 1}}))
+    payload = routed_event(event)["payload"]
+    assert (payload["priority"], payload["gpus_requested"], payload["pod_sets"]) == (2**31 - 1, 2**32 - 1, {"main": 2**31 - 1})
