@@ -54,7 +54,8 @@ written before ``ctl`` existed sends every alert row (as it did then).
 Bounds: ``MAX_ROWS`` rows per entity and ``MAX_STATE_BYTES`` of row text (``_bound``: never a
 row ``_needed`` names; of the others, alerts before the entity's own rows, the oldest first; what
 the rows let go added to the versions stays), ``MAX_LINKS`` links (those whose latest interval started earliest
-go; what they added to the versions stays: ``_let_go``); what is detached is counted in
+go; what they added to the versions stays: ``_let_go``), ``MAX_CTL_FPS`` fingerprints tracked for the
+controls past their rows (``trim``); what is detached is counted in
 ``state["detached"]``, and in the process's health (``streams.caps``).
 """
 
@@ -262,6 +263,9 @@ TRIM_TO = 0.9
 #: Ids of rows let go that ``fold_row`` still recognises (a re-delivered event whose row went is
 #: not folded again: it went out already, and folded again it counted twice in ``gone_facts``).
 MAX_GONE_IDS = 256
+#: Alert fingerprints an entity keeps sending to the controls stage (``ctl``, ``for_controls``) past
+#: their rows (``trim``).
+MAX_CTL_FPS = 1024
 
 
 def _bound(state: dict) -> None:
@@ -325,9 +329,22 @@ def trim(state: dict) -> None:
            "alerts before the entity's own rows, the oldest first; never a row not yet emitted, nor one its facts, "
            "open intervals or MIG parents come from")
     state["bytes"] = sum(_row_bytes(r) for r in rows.values())
-    if state.get("ctl"):  # the fingerprints sent to the controls stay bounded with the rows
+    ctl = state.get("ctl")
+    if ctl and len(ctl) > MAX_CTL_FPS:
+        # A tracked fingerprint stays tracked when its rows go: a later row of one of its episodes
+        # can still come out joined (an assignment that covered it, told late) and must reach the
+        # controls to withdraw the episode's violation (pruned with its rows, it was never sent, and
+        # the violation stayed open for ever). Bounded apart: past MAX_CTL_FPS the oldest tracked
+        # whose rows are all gone go first.
         kept = {_fingerprint(r["identity"], r["id"]) for r in rows.values() if r["type"].startswith("alert.")}
-        state["ctl"] = [fp for fp in state["ctl"] if fp in kept]
+        over = len(ctl) - MAX_CTL_FPS
+        going_fps = set()
+        for fp in ctl:
+            if len(going_fps) == over:
+                break
+            if fp not in kept:
+                going_fps.add(fp)
+        state["ctl"] = [fp for fp in ctl if fp not in going_fps]
 
 
 def fold_link(state: dict, source: str, link: dict) -> bool:

@@ -473,19 +473,68 @@ def test_the_controls_stage_gets_every_row_of_a_fingerprint_that_had_an_unjoined
     assert others <= set(driver.controls)
 
 
-def test_the_fingerprints_sent_to_the_controls_are_bounded_with_the_entitys_rows(monkeypatch):
+def test_the_fingerprints_sent_to_the_controls_are_bounded(monkeypatch):
     from streams.correlate import entities
 
     monkeypatch.setattr(entities, "MAX_ROWS", 3)
+    monkeypatch.setattr(entities, "MAX_CTL_FPS", 4)
     # XIDs on a GPU nobody holds: each parks, then goes out unattributed — a fingerprint for the controls each
     driver = Driver().feed(released())
     for i in range(6):
         driver.feed([firing(10 + i, fp=f"x{i}", node="n1", gpu_id="GPU-1111")]).flush_parked()
     state = driver.entities["gpu:n1/GPU-1111"]
     assert len(state["rows"]) <= 3 and state["detached"] == 6 - len(state["rows"])
-    kept = sorted(r["identity"]["alert_fingerprint"] for r in state["rows"].values())
-    assert sorted(state["ctl"]) == kept == [f"x{i}" for i in range(6 - len(kept), 6)]  # the newest
+    # Tracked past their rows (a later joined row of theirs must still reach the controls), down to
+    # MAX_CTL_FPS at each trim, the oldest tracked whose rows went first (x5 came after the last trim).
+    assert state["ctl"] == [f"x{i}" for i in range(1, 6)]
     assert {r.identity.alert_fingerprint for r in driver.controls.values() if r.event_type.startswith("alert.")} == {f"x{i}" for i in range(6)}
+
+
+def _telemetry_verdicts(driver):
+    engine = ControlEngine(driver.directory, POLICY, at(400)).feed(driver.controls.values(), driver.allocations.values())
+    engine.run()
+    return {v.identity.alert_fingerprint: (v.violation_id, v.closed_at, v.evidence) for v in engine.current() if v.control_id == 6}
+
+
+def _held_gpu(minutes, pod):
+    return [sched("scheduler.scheduled", minutes, pod=pod, release_id="r1"), gpu_event("gpu.assigned", minutes, pod=pod, device="GPU-1111")]
+
+
+def _noise(start, n):
+    """Alerts of other fingerprints on the GPU, each its own row: they push older rows past a small MAX_ROWS."""
+    return [firing(start + i / 10, fp=f"noise{i}", node="n1", gpu_id="GPU-1111") for i in range(n)]
+
+
+@pytest.mark.parametrize("cap", [3, 4])
+def test_a_tracked_fingerprint_whose_rows_went_past_the_row_bound_still_sends_its_joined_rows(monkeypatch, cap):
+    """A fingerprint tracked for the controls (it had an unjoined row: control 6 opened) stays
+    tracked when all its rows go past ``MAX_ROWS``: a later row of the episode that comes out
+    joined (an assignment that covered it arrived late) must reach the controls and withdraw the
+    violation, as it does without the bound. Before, the fingerprint left the tracked list with
+    its rows, the joined row was not sent, and the violation stayed open for ever."""
+    from streams.correlate import entities
+
+    events = [*released(),
+              firing(8, fp="xid", node="n1", gpu_id="GPU-1111"),                  # the GPU looks free: unjoined, tracked
+              *_noise(9, 6),                                                       # pushing xid's row out
+              *_held_gpu(5, "h1"), gpu_event("gpu.released", 20, pod="h1", device="GPU-1111"),  # h1 held it from 5 to 20, told late
+              firing(25, fp="xid", status="alert.resolved", starts=8, node="n1", gpu_id="GPU-1111")]  # the episode ends: joined
+    steps = (events[:8], events[8:-1], events[-1:])  # history, the late assignment, the episode's end
+
+    def drive():
+        driver, seen = Driver(), []
+        for step in steps:
+            seen.append(_telemetry_verdicts(driver.feed(step).flush_parked()))
+        return driver, seen
+
+    uncapped, (opened, _, _) = drive()
+    monkeypatch.setattr(entities, "MAX_ROWS", cap)
+    capped, _ = drive()
+    assert capped.entities["gpu:n1/GPU-1111"]["detached"] > 0
+    assert "xid" in opened and "xid" not in _telemetry_verdicts(uncapped)  # opened, then withdrawn by the joined rows
+    # (The noise's own episodes that went past the bound keep what they were when they went —
+    # rows let go are not derived again — so only xid's verdict is the same either way.)
+    assert _telemetry_verdicts(capped).get("xid") == _telemetry_verdicts(uncapped).get("xid") is None
 
 
 def test_a_control_key_past_its_row_bound_keeps_the_dropped_rows_versions(monkeypatch):
