@@ -22,7 +22,6 @@ routing agent re-keys each event to its entity key on the internal route topic:
 
 from __future__ import annotations
 
-import orjson
 
 
 def entity_key(event) -> str:
@@ -57,11 +56,15 @@ def entity_key(event) -> str:
 def routed_event(event) -> dict:
     """A validated event as its entity reads it (``entities.event_row``): id, type, time (as
     ``entities.iso`` writes it), the identity's set fields and the payload as pydantic's
-    serializer writes it, decoded (that JSON becomes the stored row's ``payload_json``).
+    serializer writes it, as values (their JSON becomes the stored row's ``payload_json``).
     The envelope's other fields (source, observed_at, trace) are not read."""
     return {
         "event_id": event.event_id, "event_type": event.event_type,
         "occurred_at": event.occurred_at.isoformat(),  # a UtcDatetime: already UTC
         "identity": {k: v for k, v in event.identity.__dict__.items() if v},
-        "payload": orjson.loads(event.payload.model_dump_json()),
+        # As pydantic's JSON serializer writes it, without the text: ``model_dump(mode="json")``
+        # gives the values ``model_dump_json`` would write (times as its ISO strings, tuples as
+        # lists), 2.9 us an event against 8.8 for writing the JSON and decoding it again — the
+        # same dicts over the bench mix, the same ``payload_json`` (engine_cpu's digests).
+        "payload": event.payload.model_dump(mode="json"),
     }
