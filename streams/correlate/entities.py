@@ -261,7 +261,8 @@ def _teaching(rec: dict) -> bool:
 #: fold cost a pod at the cap ~2.5 ms per event, against 0.2 without them).
 TRIM_TO = 0.9
 #: Ids of rows let go that ``fold_row`` still recognises (a re-delivered event whose row went is
-#: not folded again: it went out already, and folded again it counted twice in ``gone_facts``).
+#: not folded again: it went out already, and folded again it counted twice in ``gone_facts``) —
+#: at least these many, and every one of the latest trim.
 MAX_GONE_IDS = 256
 #: Alert fingerprints an entity keeps sending to the controls stage (``ctl``, ``for_controls``) past
 #: their rows (``trim``).
@@ -275,7 +276,7 @@ def _bound(state: dict) -> None:
     let go added to the versions stays (``state["gone_facts"]``: the runs of facts they took with
     them; ``state["gone_teach"]``: the MIG-teaching alerts among them), so letting rows go lowers no
     row's version (else a re-derived row went out below its earlier version, and the stale one won
-    in the tables); their ids are remembered (``gone_ids``, the last ``MAX_GONE_IDS``)."""
+    in the tables); their ids are remembered (``gone_ids``: the latest trim's, and the last ``MAX_GONE_IDS``)."""
     rows = state["rows"]
     state["bytes"] = state.get("bytes", 0) + _row_bytes(rows[next(reversed(rows))])
     if len(rows) < state.get("retrim_at", 0):
@@ -322,7 +323,11 @@ def trim(state: dict) -> None:
                 held[f"{field}|{op[0]}"] = held.get(f"{field}|{op[0]}", 0) + 1
         if old["type"] == "scheduler.deleted":
             state["gone_deleted"] = state.get("gone_deleted", 0) + 1
-    state["gone_ids"] = (state.get("gone_ids", []) + [old["id"] for old in going])[-MAX_GONE_IDS:]
+    # Every id of this trim, however many (a batch of more new rows than the bound lets them go
+    # together, and a crash before the batch's offsets were committed delivers all of it again:
+    # with only the last MAX_GONE_IDS kept, the rest were folded again and went out twice), and
+    # of the trims before as many as leaves MAX_GONE_IDS in all.
+    state["gone_ids"] = (state.get("gone_ids", []) + [old["id"] for old in going])[-max(MAX_GONE_IDS, len(going)):]
     state["detached"] += len(going)
     capped("rows_detached", len(going), state["key"],
            f"rows let go past {MAX_ROWS:,} rows or {MAX_STATE_BYTES:,} bytes of row text (MAX_ROWS, MAX_STATE_BYTES): "

@@ -1031,6 +1031,38 @@ def test_a_batch_of_more_new_rows_than_the_cap_keeps_what_attributes_them(monkey
     assert not fold_row(state, event_row(routed_event(batch[0]), "pod", ("raw", 0, 10)))
 
 
+def test_every_row_one_trim_lets_go_is_remembered_however_many(monkeypatch):
+    """A batch of more new rows than ``MAX_GONE_IDS`` past the cap: its refresh's trim lets them
+    go together, and a crash after the state's changelog was written but before the batch's
+    offsets were committed delivers the whole batch again. Every one of its events must be
+    refused (``gone_ids`` keeps every id of the latest trim, not only the last 256): one folded
+    again went out a second time and counted twice in the versions."""
+    import streams.correlate.entities as entities
+    from streams.correlate.directory import ReleaseDirectory
+    from streams.correlate.entities import event_row, fold_row, new_entity, refresh
+
+    monkeypatch.setattr(entities, "MAX_ROWS", 6)
+    monkeypatch.setattr(entities, "MAX_GONE_IDS", 8)
+    directory = ReleaseDirectory()
+    for ev in RELEASES:
+        directory.apply(ev)
+    state = new_entity("gpu:n1/GPU-1111")
+    batch = [event_row(routed_event(alert(10 + i / 100, fp=f"x{i}", node="n1", gpu_id="GPU-1111")), "gpu", ("raw", 0, i))
+             for i in range(40)]
+    for row in batch:
+        fold_row(state, dict(row))
+    out = refresh(state, directory, park=False)
+    assert len(out.correlated) == 40 and len(state["rows"]) <= 6 and state["detached"] >= 34
+    before = orjson.dumps(state, option=orjson.OPT_SORT_KEYS)
+    assert [fold_row(state, dict(row)) for row in batch] == [False] * 40
+    assert orjson.dumps(state, option=orjson.OPT_SORT_KEYS) == before and not refresh(state, directory, park=False).correlated
+    # Past that trim, the ids go back to the bound.
+    for i, ev in enumerate([alert(20 + i, fp=f"y{i}", node="n1", gpu_id="GPU-1111") for i in range(12)]):
+        fold_row(state, event_row(routed_event(ev), "gpu", ("raw", 0, 100 + i)))
+        refresh(state, directory, park=False)
+    assert len(state["gone_ids"]) <= 8
+
+
 def test_what_a_pod_past_its_row_cap_never_lets_go():
     """``_needed``: the rows not yet emitted, the newest carrier of each fact, the start of an
     interval still open, the end of one whose start is kept (an assignment arriving late, after its
