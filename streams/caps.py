@@ -43,4 +43,5 @@ def capped(kind: str, n: int, key: str, what: str) -> None:
 
 def counts() -> dict[str, int]:
     """What the health page shows (``stats.capped``): every kind, 0 when it never bit."""
-    return {kind: CAPPED.get(kind, 0) for kind in ("rows_detached", "links_detached", "payloads_truncated", "control_rows_dropped")}
+    return {kind: CAPPED.get(kind, 0) for kind in ("rows_detached", "links_detached", "payloads_truncated", "control_rows_dropped",
+                                                     "control_fingerprints_detached")}

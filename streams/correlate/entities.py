@@ -350,6 +350,9 @@ def trim(state: dict) -> None:
             if fp not in kept:
                 going_fps.add(fp)
         state["ctl"] = [fp for fp in ctl if fp not in going_fps]
+        capped("control_fingerprints_detached", len(going_fps), state["key"],
+               f"alert fingerprints no longer sent to the controls past {MAX_CTL_FPS:,} tracked (MAX_CTL_FPS): "
+               "the oldest whose rows were all let go")
 
 
 def fold_link(state: dict, source: str, link: dict) -> bool:

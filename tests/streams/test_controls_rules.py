@@ -478,6 +478,11 @@ def test_the_fingerprints_sent_to_the_controls_are_bounded(monkeypatch):
 
     monkeypatch.setattr(entities, "MAX_ROWS", 3)
     monkeypatch.setattr(entities, "MAX_CTL_FPS", 4)
+    from collections import Counter
+
+    from streams import caps
+
+    monkeypatch.setattr(caps, "CAPPED", Counter())  # this test's counts only
     # XIDs on a GPU nobody holds: each parks, then goes out unattributed — a fingerprint for the controls each
     driver = Driver().feed(released())
     for i in range(6):
@@ -487,6 +492,7 @@ def test_the_fingerprints_sent_to_the_controls_are_bounded(monkeypatch):
     # Tracked past their rows (a later joined row of theirs must still reach the controls), down to
     # MAX_CTL_FPS at each trim, the oldest tracked whose rows went first (x5 came after the last trim).
     assert state["ctl"] == [f"x{i}" for i in range(1, 6)]
+    assert caps.counts()["control_fingerprints_detached"] == 1  # x0, counted (the health page's stats.capped)
     assert {r.identity.alert_fingerprint for r in driver.controls.values() if r.event_type.startswith("alert.")} == {f"x{i}" for i in range(6)}
 
 

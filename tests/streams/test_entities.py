@@ -631,7 +631,8 @@ def test_every_state_bound_that_bites_is_counted_for_the_health_page_and_logged_
     monkeypatch.setattr(caps, "CAPPED", Counter())  # this test's counts only
     monkeypatch.setattr(entities, "MAX_LINKS", 8)  # 30 holders of one GPU
     monkeypatch.setattr(entities, "MAX_ROWS", 20)  # 45 alerts on it
-    assert caps.counts() == {"rows_detached": 0, "links_detached": 0, "payloads_truncated": 0, "control_rows_dropped": 0}
+    assert caps.counts() == {"rows_detached": 0, "links_detached": 0, "payloads_truncated": 0, "control_rows_dropped": 0,
+                            "control_fingerprints_detached": 0}
     with caplog.at_level(logging.WARNING, logger="streams.caps"):
         d = Driver().feed(_busy_gpu()).flush_parked()
     gpu = d.entities["gpu:n1/GPU-9"]

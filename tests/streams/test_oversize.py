@@ -68,7 +68,8 @@ def test_a_record_too_large_to_forward_is_dead_lettered_and_its_batch_is_not_los
     # both payloads were cut where their rows were built (the route stage), and the health page says so
     with urllib.request.urlopen(f"{worker.url}/gpuledger/health/", timeout=10) as resp:
         capped = json.load(resp)["stats"]["capped"]
-    assert capped == {"payloads_truncated": 2, "rows_detached": 0, "links_detached": 0, "control_rows_dropped": 0}, capped
+    assert capped == {"payloads_truncated": 2, "rows_detached": 0, "links_detached": 0, "control_rows_dropped": 0,
+                      "control_fingerprints_detached": 0}, capped
     from tests.streams.test_app import status_of
 
     status = status_of(kafka_bootstrap, catalogue, worker)
