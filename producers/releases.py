@@ -132,8 +132,8 @@ def build_event(command: ReleaseCommand, options: dict, observed_at: datetime | 
     expires_at = _time("--expires-at", given.get("expires_at"), problems)
     if window_start and window_end and window_end <= window_start:
         problems.append("--window-end must be after --window-start")
-    if "gpus" in given and given["gpus"] < 0:
-        problems.append("--gpus must be 0 or more")
+    if "gpus" in given and not 0 <= given["gpus"] <= 2**32 - 1:
+        problems.append("--gpus must be from 0 to 4,294,967,295")
     if problems:
         raise ReleaseInputError("; ".join(problems))
 

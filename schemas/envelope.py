@@ -69,7 +69,9 @@ Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 NonNegInt32 = Annotated[int, Field(ge=0, le=2**31 - 1)]
 #: ...a count stored in a ``UInt32`` column (GPUs requested or reserved)...
 Count32 = Annotated[int, Field(ge=0, le=2**32 - 1)]
-#: ...and Kubernetes' int64 (a NUMA node id), or a version of ours.
+#: ...and a 64-bit one: a NUMA node id as the kubelet reports it (int64; -1 is Linux's "no NUMA
+#: affinity", which device plugins may pass on), a time-slicing share index, a version of ours.
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 NonNegInt64 = Annotated[int, Field(ge=0, le=2**63 - 1)]
 
 

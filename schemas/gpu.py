@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from schemas.envelope import EventBase, Frozen, IdText, NonNegInt32, NonNegInt64
+from schemas.envelope import EventBase, Frozen, IdText, Int64, NonNegInt64
 
 GpuEventType = Literal["gpu.assigned", "gpu.released", "gpu.allocatable", "gpu.device", "gpu.claim_reserved", "gpu.claim_released"]
 #: Why a pod stopped holding a claim's device (``gpu.claim_released``).
@@ -35,8 +35,8 @@ class GpuPayload(Frozen):
     device_id: IdText | None = Field(default=None, description="Device ID verbatim as the device plugin reports it.")
     gpu: IdText | None = Field(default=None, description="Physical GPU parsed from the device id (GPU UUID or index name).")
     mig_instance: IdText | None = Field(default=None, description="MIG instance UUID when the device is a MIG slice.")
-    share: NonNegInt32 | None = Field(default=None, description="Time-slicing replica index ('::N' suffix).")
-    numa_nodes: tuple[NonNegInt64, ...] = Field(default=(), description="NUMA nodes from the topology hint.")
+    share: NonNegInt64 | None = Field(default=None, description="Time-slicing replica index ('::N' suffix).")
+    numa_nodes: tuple[Int64, ...] = Field(default=(), description="NUMA nodes from the topology hint.")
     devices: tuple[IdText, ...] = Field(default=(), description="Allocatable device ids (gpu.allocatable only).")
     driver: IdText | None = Field(default=None, description="DRA driver of a DRA-allocated device (gpu.device, and assigned/released of DRA devices).")
     pool: IdText | None = Field(default=None, description="DRA pool of the device.")

@@ -133,6 +133,8 @@ def test_retry_with_the_same_time_keeps_one_event_id(cli):
     (["retire", "--release-id", "r:1", "--tag", "novalue"], "--tag: expected KEY=VALUE"),
     (["reserve", "--release-id", "r:1", "--reservation-id", "x", "--gpus", "2", "--window-start", AT, "--window-end", AT],
      "--window-end must be after --window-start"),
+    (["reserve", "--release-id", "r:1", "--reservation-id", "x", "--gpus", str(2**32)], "--gpus must be from 0 to 4,294,967,295"),
+    (["reserve", "--release-id", "r:1", "--reservation-id", "x", "--gpus", "-1"], "--gpus must be from 0 to 4,294,967,295"),
 ])
 def test_missing_or_wrong_flags_exit_non_zero_naming_them(tmp_path, args, message):
     # Kafka points at a closed port: the command must fail on its flags, before any I/O.

@@ -140,6 +140,19 @@ def test_integers_past_their_range_are_refused_with_the_field_named(payload, fie
     assert field in str(info.value)
 
 
+def test_what_the_kubelet_and_device_plugins_report_passes():
+    # Linux reports NUMA node -1 for a device without NUMA affinity (non-NUMA hosts, VMs), and a
+    # device plugin may pass it on; the kubelet's ids are int64. A share index is any int64.
+    data = {"event_id": "abcdefgh12", "event_type": "gpu.assigned", "occurred_at": "2026-01-01T00:00:00Z",
+            "observed_at": "2026-01-01T00:00:00Z", "source": {"collector": "podresources"},
+            "identity": {"node": "n1", "namespace": "ml", "pod": "p"},
+            "payload": {"node": "n1", "namespace": "ml", "pod": "p", "device_id": "GPU-1::7", "numa_nodes": [-1, 2**63 - 1], "share": 2**40}}
+    event = decode_event(data)
+    assert (event.payload.numa_nodes, event.payload.share) == ((-1, 2**63 - 1), 2**40)
+    with pytest.raises(EventDecodeError, match="payload.numa_nodes.0"):
+        decode_event({**data, "payload": {**data["payload"], "numa_nodes": [2**63]}})
+
+
 def test_integers_at_their_range_pass_and_route_exactly():
     from streams.correlate.routing import routed_event
 

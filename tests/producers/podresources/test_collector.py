@@ -80,6 +80,7 @@ def test_parse_device_id(device_id, form, gpu, mig, share):
 
 @pytest.mark.parametrize(("device_id", "reason"), [
     ("", "empty_device_id"), ("   ", "empty_device_id"), (" GPU-1", "invalid_device_id"), ("GPU-1\n", "invalid_device_id"),
+    (f"GPU-1::{2**63}", "invalid_device_id"),  # a share past the event's int64 (it stopped the collector: a ValidationError)
 ])
 def test_parse_device_id_rejects_what_cannot_round_trip(device_id, reason):
     with pytest.raises(DeviceIdError) as info:
@@ -254,6 +255,16 @@ def test_assignments_published_once_with_identity_and_key(kubelet, make_collecto
     assert event.source.collector == "podresources" and event.source.host == NODE
     assert event.event_id == make_event_id("podresources", (NODE, "ml", "trainer-0", "main", "nvidia.com/gpu", GPU_A, "assigned"),
                                            event.occurred_at.isoformat(timespec="microseconds"))
+
+
+def test_a_device_without_numa_affinity_is_published(kubelet, make_collector, kafka_bootstrap, catalogue):
+    # NUMA node -1 (Linux's "no affinity", passed on by some device plugins) once failed the
+    # event's validation inside the poll, which ended the collector's loop for the node.
+    kubelet.set_pods([trainer(ids=[GPU_A], numa=(-1,))])
+    collector = make_collector()
+    assert collector.poll_once().published == 1
+    [(_key, event)] = gpu_events(kafka_bootstrap, catalogue, 1)
+    assert event.payload.numa_nodes == (-1,) and event.payload.device_id == GPU_A
 
 
 def test_pod_leaving_is_released_and_a_new_assignment_gets_a_new_id(kubelet, make_collector, kafka_bootstrap, catalogue):
