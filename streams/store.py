@@ -519,7 +519,8 @@ def decode_chunked(chunks: Chunks, head: bytes, parts: dict[str, bytes]) -> tupl
 class PartitionStore:
     def __init__(self, name: str, changelog: str, consumer_config: dict, on_load: Callable[[int, dict], None] | None = None,
                  chunks: Chunks | None = None, loading: asyncio.Lock | None = None,
-                 summarize: Callable[[dict], object] | None = None, read_within_s: float = 30.0) -> None:
+                 summarize: Callable[[dict], object] | None = None, read_within_s: float = 30.0,
+                 on_written: Callable[[dict], None] | None = None) -> None:
         self.name = name
         self.read_within_s = read_within_s  # how long a changelog's offsets are asked for before a load fails
         self.outage = OutageLog(log, f"{name} store: reading {changelog}")  # a failing read: logged once per outage
@@ -532,6 +533,9 @@ class PartitionStore:
         # keeps the states themselves encoded (``_cold``) until a batch asks for one — see
         # "Cold states" in the module docstring. Without it ``on_load`` gets the states.
         self._summarize = summarize
+        # ``on_written``: told of every state just encoded for the changelog (after its record
+        # was built), so that its owner can let go of what only an unwritten state needed.
+        self._on_written = on_written
         self.parts: dict[int, dict[str, dict]] = {}
         # Per loaded partition: key -> its record's bytes, a state recovered and not asked for yet.
         self._cold: dict[int, dict[str, bytes]] = {}
@@ -824,6 +828,8 @@ class PartitionStore:
                     written[key] = mark
                 output.produce(self.changelog, key.encode(), value, partition=p, headers=self._headers(key, state))
                 n += 1
+                if state is not None and self._on_written is not None:
+                    self._on_written(state)
         self._dirty.clear()
         return n
 
@@ -849,5 +855,7 @@ class PartitionStore:
                     headers = self._headers(key, state) if name == key and whole else None
                     output.produce(self.changelog, name.encode(), value, partition=p, headers=headers)
                     n += 1
+                if state is not None and self._on_written is not None:
+                    self._on_written(state)
         self._dirty.clear()
         return n

@@ -42,7 +42,7 @@ from schemas.outputs import dead_letter
 from streams import caps
 from streams.controls.rules import allocation_key, compact_allocation, compact_row, row_key
 from streams.correlate.directory import ReleaseDirectory, follow_release_topic
-from streams.correlate.entities import GpuMemo, event_row, expire, fold_link, fold_row, for_controls, new_entity, refresh
+from streams.correlate.entities import GpuMemo, event_row, expire, fold_link, fold_row, for_controls, new_entity, refresh, state_written
 from streams.packing import Packer, kind_of, partition_for, unpack
 from streams.runner import Epoch, run_batches
 from streams.store import DIRECTORY_MARK, Chunks, DirectoryMarks, PartitionStore, StateUnavailable
@@ -155,7 +155,8 @@ class Correlator:
         self.runtime = Runtime(timedelta(seconds=ctx.settings.streams.park_ttl_s), ctx.settings.streams.park_idle_flush_s)
         self.store = PartitionStore("entities", run.entities_changelog, ctx.consumer_config, on_load=self._loaded,
                                     chunks=entity_chunks(ctx.settings.streams.state_chunk, ctx.settings.streams.state_chunk_from),
-                                    loading=getattr(ctx, "recovery_lock", None), summarize=entity_summary)
+                                    loading=getattr(ctx, "recovery_lock", None), summarize=entity_summary,
+                                    on_written=state_written)
         pack_max = ctx.settings.streams.pack_max
         self.route = Packer(run.route, run.partitions, max_messages=pack_max)
         self.controls = Packer(run.controls, run.partitions, max_messages=pack_max)

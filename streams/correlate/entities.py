@@ -242,6 +242,16 @@ def _needed(state: dict) -> set[str]:
     return keep
 
 
+def state_written(state: dict) -> None:
+    """The store has just encoded ``state`` for its changelog (``PartitionStore(on_written=...)``):
+    the ids ``trim`` let go before the write before this one are no longer needed past
+    ``MAX_GONE_IDS`` (their events' offsets are committed by now). In memory only: a state
+    recovered from this record still keeps them, which only keeps more."""
+    since = state.get("gone_w")
+    if since is not None:
+        since[0], since[1] = 0, since[0]
+
+
 def _keep_rank(rec: dict) -> tuple:
     """The order ``_bound`` keeps the other rows in: the entity's own (scheduler, GPU, admission:
     a pod's facts and holding intervals) before alerts, the newest first in each. An alert-heavy
@@ -323,11 +333,16 @@ def trim(state: dict) -> None:
                 held[f"{field}|{op[0]}"] = held.get(f"{field}|{op[0]}", 0) + 1
         if old["type"] == "scheduler.deleted":
             state["gone_deleted"] = state.get("gone_deleted", 0) + 1
-    # Every id of this trim, however many (a batch of more new rows than the bound lets them go
-    # together, and a crash before the batch's offsets were committed delivers all of it again:
-    # with only the last MAX_GONE_IDS kept, the rest were folded again and went out twice), and
-    # of the trims before as many as leaves MAX_GONE_IDS in all.
-    state["gone_ids"] = (state.get("gone_ids", []) + [old["id"] for old in going])[-max(MAX_GONE_IDS, len(going)):]
+    # Every id let go since the state's changelog record before its last one (``state_written``), however
+    # many, and of the ones before as many as leaves MAX_GONE_IDS in all. A crash after a state's
+    # record was written and before its epoch's offsets were committed delivers the epoch again —
+    # events folded since the epoch before closed, possibly before that epoch's record was
+    # written, so two writes back — and each of their rows let go must be refused: with only
+    # the last MAX_GONE_IDS kept, a batch (or an epoch of them) past the bound folded the rest
+    # again, out a second time and counted twice in the versions.
+    since = state.setdefault("gone_w", [0, 0])  # ids let go since the last write, and between the two before
+    since[0] += len(going)
+    state["gone_ids"] = (state.get("gone_ids", []) + [old["id"] for old in going])[-max(MAX_GONE_IDS, since[0] + since[1]):]
     state["detached"] += len(going)
     capped("rows_detached", len(going), state["key"],
            f"rows let go past {MAX_ROWS:,} rows or {MAX_STATE_BYTES:,} bytes of row text (MAX_ROWS, MAX_STATE_BYTES): "

@@ -1057,11 +1057,59 @@ def test_every_row_one_trim_lets_go_is_remembered_however_many(monkeypatch):
     before = orjson.dumps(state, option=orjson.OPT_SORT_KEYS)
     assert [fold_row(state, dict(row)) for row in batch] == [False] * 40
     assert orjson.dumps(state, option=orjson.OPT_SORT_KEYS) == before and not refresh(state, directory, park=False).correlated
-    # Past that trim, the ids go back to the bound.
+    # Once the state was written twice more (its epoch's offsets committed), the ids go back to the bound.
+    entities.state_written(state)
+    entities.state_written(state)
     for i, ev in enumerate([alert(20 + i, fp=f"y{i}", node="n1", gpu_id="GPU-1111") for i in range(12)]):
         fold_row(state, event_row(routed_event(ev), "gpu", ("raw", 0, 100 + i)))
         refresh(state, directory, park=False)
-    assert len(state["gone_ids"]) <= 8
+        entities.state_written(state)  # an epoch a fold
+    assert len(state["gone_ids"]) == 8
+
+
+def test_every_row_let_go_since_the_write_before_the_last_is_remembered(monkeypatch):
+    """One epoch of several batches past the bound (a trim after each) — the epoch's events may have
+    been folded before the previous epoch's record was written, so a crash after this epoch's record
+    and before its offsets delivers all of them again: every one must be refused, the state unchanged.
+    Before, each trim kept only its own ids (and MAX_GONE_IDS): the first batch's were folded again,
+    and folding them let the second's go. Written twice more, the ids go back to the bound."""
+    import streams.correlate.entities as entities
+    from streams.correlate.directory import ReleaseDirectory
+    from streams.correlate.entities import event_row, fold_row, new_entity, refresh
+
+    monkeypatch.setattr(entities, "MAX_ROWS", 6)
+    monkeypatch.setattr(entities, "MAX_GONE_IDS", 8)
+    directory = ReleaseDirectory()
+    for ev in RELEASES:
+        directory.apply(ev)
+    state = new_entity("gpu:n1/GPU-1111")
+
+    def batch(start, n):
+        return [event_row(routed_event(alert(10 + (start + i) / 100, fp=f"x{start + i}", node="n1", gpu_id="GPU-1111")),
+                          "gpu", ("raw", 0, start + i)) for i in range(n)]
+
+    before = batch(0, 5)  # an earlier epoch, written
+    for row in before:
+        fold_row(state, dict(row))
+    refresh(state, directory, park=False)
+    entities.state_written(state)
+    epoch = [batch(100, 20), batch(200, 20), batch(300, 3)]  # its first batch folded before the write above happened
+    for rows in epoch:
+        for row in rows:
+            fold_row(state, dict(row))
+        refresh(state, directory, park=False)
+    entities.state_written(state)  # the epoch's record; then the crash, before its offsets
+    snapshot = orjson.dumps(state, option=orjson.OPT_SORT_KEYS)
+    redelivered = [row for rows in epoch for row in rows]
+    assert [r["id"] for r in redelivered if fold_row(state, dict(r))] == []
+    assert orjson.dumps(state, option=orjson.OPT_SORT_KEYS) == snapshot and not refresh(state, directory, park=False).correlated
+    entities.state_written(state)
+    entities.state_written(state)
+    for row in batch(400, 12):
+        fold_row(state, dict(row))
+        refresh(state, directory, park=False)
+        entities.state_written(state)  # an epoch a fold
+    assert len(state["gone_ids"]) == 8
 
 
 def test_what_a_pod_past_its_row_cap_never_lets_go():

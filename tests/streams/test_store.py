@@ -656,3 +656,26 @@ def test_a_commit_tail_writes_no_changelog_for_a_partition_given_up_while_it_wai
     keys = {(m.partition(), m.key().decode()) for m in read_topic(kafka_bootstrap, topic, min_count=1)}
     assert (0, kept) in keys
     assert not any(key == given_up for _p, key in keys)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_the_owner_is_told_of_each_state_written_and_only_of_those(chunked):
+    """``on_written`` (the entities' ``state_written``: ids let go may be forgotten once written
+    twice) is called with every state whose record was just built — not with one put again
+    unchanged (no record), nor with a deleted key."""
+    told = []
+    store = PartitionStore("entities", "unused.changelog", {}, chunks=CHUNKS if chunked else None,
+                           on_written=lambda state: told.append(state["key"]))
+    store.start_empty([0])
+    a, b = _entity(2, 0), {**_entity(2, 0), "key": "gpu:n1/GPU-b"}
+    store.put(0, a["key"], a)
+    store.put(0, b["key"], b)
+    out = _Recorded()
+    store.write_changes(out)
+    assert sorted(told) == sorted([a["key"], b["key"]]) and len(out.records) >= 2
+    told.clear()
+    store.put(0, a["key"], a)  # unchanged: no record, not told
+    store.delete(0, b["key"])  # a tombstone: no state to tell of
+    out = _Recorded()
+    store.write_changes(out)
+    assert told == [] and [v for _k, v in out.records] == [None]
