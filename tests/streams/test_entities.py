@@ -1032,22 +1032,27 @@ def test_a_batch_of_more_new_rows_than_the_cap_keeps_what_attributes_them(monkey
     assert not fold_row(state, event_row(routed_event(batch[0]), "pod", ("raw", 0, 10)))
 
 
-def test_every_row_one_trim_lets_go_is_remembered_however_many(monkeypatch):
-    """A batch of more new rows than ``MAX_GONE_IDS`` past the cap: its refresh's trim lets them
-    go together, and a crash after the state's changelog was written but before the batch's
-    offsets were committed delivers the whole batch again. Every one of its events must be
-    refused (``gone_ids`` keeps every id of the latest trim, not only the last 256): one folded
-    again went out a second time and counted twice in the versions."""
+def _gpu_past_a_small_bound(monkeypatch):
+    """A node/GPU entity with MAX_ROWS 6 and MAX_GONE_IDS 8, and a directory holding RELEASES."""
     import streams.correlate.entities as entities
     from streams.correlate.directory import ReleaseDirectory
-    from streams.correlate.entities import event_row, fold_row, new_entity, refresh
 
     monkeypatch.setattr(entities, "MAX_ROWS", 6)
     monkeypatch.setattr(entities, "MAX_GONE_IDS", 8)
     directory = ReleaseDirectory()
     for ev in RELEASES:
         directory.apply(ev)
-    state = new_entity("gpu:n1/GPU-1111")
+    return entities, directory, entities.new_entity("gpu:n1/GPU-1111")
+
+
+def test_every_row_one_trim_lets_go_is_remembered_however_many(monkeypatch):
+    """A batch of more new rows than ``MAX_GONE_IDS`` past the cap: its refresh's trim lets them
+    go together, and a crash after the state's changelog was written but before the batch's
+    offsets were committed delivers the whole batch again. Every one of its events must be
+    refused (``gone_ids`` keeps every id of the latest trim, not only the last 256): one folded
+    again went out a second time and counted twice in the versions."""
+    entities, directory, state = _gpu_past_a_small_bound(monkeypatch)
+    from streams.correlate.entities import event_row, fold_row, refresh
     batch = [event_row(routed_event(alert(10 + i / 100, fp=f"x{i}", node="n1", gpu_id="GPU-1111")), "gpu", ("raw", 0, i))
              for i in range(40)]
     for row in batch:
@@ -1073,16 +1078,8 @@ def test_every_row_let_go_since_the_write_before_the_last_is_remembered(monkeypa
     and before its offsets delivers all of them again: every one must be refused, the state unchanged.
     Before, each trim kept only its own ids (and MAX_GONE_IDS): the first batch's were folded again,
     and folding them let the second's go. Written twice more, the ids go back to the bound."""
-    import streams.correlate.entities as entities
-    from streams.correlate.directory import ReleaseDirectory
-    from streams.correlate.entities import event_row, fold_row, new_entity, refresh
-
-    monkeypatch.setattr(entities, "MAX_ROWS", 6)
-    monkeypatch.setattr(entities, "MAX_GONE_IDS", 8)
-    directory = ReleaseDirectory()
-    for ev in RELEASES:
-        directory.apply(ev)
-    state = new_entity("gpu:n1/GPU-1111")
+    entities, directory, state = _gpu_past_a_small_bound(monkeypatch)
+    from streams.correlate.entities import event_row, fold_row, refresh
 
     def batch(start, n):
         return [event_row(routed_event(alert(10 + (start + i) / 100, fp=f"x{start + i}", node="n1", gpu_id="GPU-1111")),
