@@ -1177,3 +1177,16 @@ def test_a_batch_past_the_cap_looks_for_rows_to_let_go_once_per_tenth_of_the_bou
     assert len(state["rows"]) == 301 and 15 <= len(looks) <= 25  # (one per 10 rows past 100, not 200)
     out = refresh(state, directory)
     assert len(out.correlated) == 300 and len(state["rows"]) <= 100
+
+
+def test_a_long_list_of_ids_let_go_is_searched_as_a_set_never_a_stale_one():
+    """Past a burst ``gone_ids`` holds thousands of ids, searched per fold: as a set, cached by the
+    list — and ``trim``'s next list (a new one) is searched afresh, never through the old one's set."""
+    from streams.correlate.entities import _gone, fold_row
+
+    state = {"rows": {}, "gone_ids": [f"id{i}" for i in range(1000)]}
+    assert _gone(state, "id999") and _gone(state, "id0") and not _gone(state, "id1000")
+    state["gone_ids"] = state["gone_ids"][500:] + ["id1000"]  # as trim makes it: a new list
+    assert _gone(state, "id1000") and not _gone(state, "id0") and _gone(state, "id500")
+    assert fold_row(state, {"id": "id0", "payload": "", "summary": ""}) is True
+    assert fold_row(state, {"id": "id700", "payload": "", "summary": ""}) is False and sorted(state["rows"]) == ["id0"]
