@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 
 from gpuledger.timefmt import TimeFormatError, parse_time
 from producers._errors import ProducerError
-from schemas.envelope import Identity, Source, make_event_id
+from schemas.envelope import UINT32_MAX, Identity, Source, make_event_id
 from schemas.release import ReleaseEvent, ReleasePayload, Reservation
 
 COLLECTOR = "releases"
@@ -132,8 +132,8 @@ def build_event(command: ReleaseCommand, options: dict, observed_at: datetime | 
     expires_at = _time("--expires-at", given.get("expires_at"), problems)
     if window_start and window_end and window_end <= window_start:
         problems.append("--window-end must be after --window-start")
-    if "gpus" in given and not 0 <= given["gpus"] <= 2**32 - 1:
-        problems.append("--gpus must be from 0 to 4,294,967,295")
+    if "gpus" in given and not 0 <= given["gpus"] <= UINT32_MAX:  # (``schemas.release.Reservation.gpus``)
+        problems.append(f"--gpus must be from 0 to {UINT32_MAX:,}")
     if problems:
         raise ReleaseInputError("; ".join(problems))
 

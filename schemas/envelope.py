@@ -64,15 +64,17 @@ IdText = Annotated[str, AfterValidator(_identity_text)]
 #: Integers bounded to what they are. An unbounded ``int`` let a number past 64 bits through
 #: validation as a Python int, and the route stage's JSON decoder (orjson: 64-bit integers)
 #: read it back as a float — a 2**70 priority was stored as 1.1805916207174113e+21, silently.
+#: The limits, for the checks that must agree with them before a model is built (collectors, the CLI).
+INT32_MAX, UINT32_MAX, INT64_MAX = 2**31 - 1, 2**32 - 1, 2**63 - 1
 #: Kubernetes' int32 (priorities, counts, indexes)...
-Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
-NonNegInt32 = Annotated[int, Field(ge=0, le=2**31 - 1)]
+Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
+NonNegInt32 = Annotated[int, Field(ge=0, le=INT32_MAX)]
 #: ...a count stored in a ``UInt32`` column (GPUs requested or reserved)...
-Count32 = Annotated[int, Field(ge=0, le=2**32 - 1)]
+Count32 = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 #: ...and a 64-bit one: a NUMA node id as the kubelet reports it (int64; -1 is Linux's "no NUMA
 #: affinity", which device plugins may pass on), a time-slicing share index, a version of ours.
-Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
-NonNegInt64 = Annotated[int, Field(ge=0, le=2**63 - 1)]
+Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
+NonNegInt64 = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
 class Frozen(BaseModel):

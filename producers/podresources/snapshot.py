@@ -21,6 +21,7 @@ from typing import Any, Literal, NamedTuple
 from producers._config import ResourceMatcher, dra_device_id
 from producers._errors import ProducerError
 from producers.podresources.proto import podresources_v1_pb2 as pb
+from schemas.envelope import INT64_MAX
 
 COLLECTOR = "podresources"
 STATE_FORMAT = 1
@@ -81,7 +82,7 @@ def parse_device_id(device_id: str) -> DeviceRef:
     m = _SHARE_SUFFIX.match(device_id)
     if m:
         base, share = m["base"], int(m["share"] if m["share"] is not None else m["vgpu"])
-        if share > 2**63 - 1:  # (the event's share is an int64: ``schemas.gpu.GpuPayload``)
+        if share > INT64_MAX:  # (the event's share is an int64: ``schemas.gpu.GpuPayload``)
             raise DeviceIdError("invalid_device_id", f"device id {device_id!r}: share index past 64 bits")
     if m := _MIG_LEGACY.match(base):
         return DeviceRef(device_id, "mig_legacy", gpu=m["gpu"], mig_instance=base, share=share)

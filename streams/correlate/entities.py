@@ -184,7 +184,7 @@ def _gone(state: dict, rid: str) -> bool:
     gone = state.get("gone_ids")
     if not gone:
         return False
-    if len(gone) <= 256:
+    if len(gone) <= MAX_GONE_IDS:  # (as long as the bound keeps it: searched as it is)
         return rid in gone
     cached = _GONE_SETS.get(id(gone))
     if cached is None or cached[0] is not gone:
@@ -295,7 +295,7 @@ def _teaching(rec: dict) -> bool:
 TRIM_TO = 0.9
 #: Ids of rows let go that ``fold_row`` still recognises (a re-delivered event whose row went is
 #: not folded again: it went out already, and folded again it counted twice in ``gone_facts``) —
-#: at least these many, and every one of the latest trim.
+#: at least these many, and every one let go since the state's record before its last (``trim``).
 MAX_GONE_IDS = 256
 #: Alert fingerprints an entity keeps sending to the controls stage (``ctl``, ``for_controls``) past
 #: their rows (``trim``).
@@ -309,7 +309,8 @@ def _bound(state: dict) -> None:
     let go added to the versions stays (``state["gone_facts"]``: the runs of facts they took with
     them; ``state["gone_teach"]``: the MIG-teaching alerts among them), so letting rows go lowers no
     row's version (else a re-derived row went out below its earlier version, and the stale one won
-    in the tables); their ids are remembered (``gone_ids``: the latest trim's, and the last ``MAX_GONE_IDS``)."""
+    in the tables); their ids are remembered (``gone_ids``: every one since the state's changelog record
+    before its last one, and the last ``MAX_GONE_IDS``: ``trim``)."""
     rows = state["rows"]
     state["bytes"] = state.get("bytes", 0) + _row_bytes(rows[next(reversed(rows))])
     if len(rows) < state.get("retrim_at", 0):
@@ -380,13 +381,7 @@ def trim(state: dict) -> None:
         # the violation stayed open for ever). Bounded apart: past MAX_CTL_FPS the oldest tracked
         # whose rows are all gone go first.
         kept = {_fingerprint(r["identity"], r["id"]) for r in rows.values() if r["type"].startswith("alert.")}
-        over = len(ctl) - MAX_CTL_FPS
-        going_fps = set()
-        for fp in ctl:
-            if len(going_fps) == over:
-                break
-            if fp not in kept:
-                going_fps.add(fp)
+        going_fps = set([fp for fp in ctl if fp not in kept][:len(ctl) - MAX_CTL_FPS])
         state["ctl"] = [fp for fp in ctl if fp not in going_fps]
         capped("control_fingerprints_detached", len(going_fps), state["key"],
                f"alert fingerprints no longer sent to the controls past {MAX_CTL_FPS:,} tracked (MAX_CTL_FPS): "

@@ -23,7 +23,6 @@ routing agent re-keys each event to its entity key on the internal route topic:
 from __future__ import annotations
 
 
-
 def entity_key(event) -> str:
     ident = event.identity
     family = event.event_type.split(".", 1)[0]
