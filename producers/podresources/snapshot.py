@@ -21,7 +21,7 @@ from typing import Any, Literal, NamedTuple
 from producers._config import ResourceMatcher, dra_device_id
 from producers._errors import ProducerError
 from producers.podresources.proto import podresources_v1_pb2 as pb
-from schemas.envelope import INT64_MAX
+from schemas.envelope import INT64_MAX, identity_text_problem
 
 COLLECTOR = "podresources"
 STATE_FORMAT = 1
@@ -71,13 +71,17 @@ def parse_device_id(device_id: str) -> DeviceRef:
     ``nvidia0`` / ``0`` index names; ``nvidia0/gi1`` and ``0:1`` MIG by index;
     a time-slicing suffix ``::N`` (NVIDIA) or ``/vgpuN`` (GKE) gives the share.
     Anything else is ``unknown`` but still published verbatim. Raises
-    ``DeviceIdError`` for an empty id or one with whitespace or control characters
-    (it could not round-trip through the event unchanged).
+    ``DeviceIdError`` for an empty id or one with whitespace, control, format or bidi
+    characters (it could not round-trip through the event unchanged).
     """
     if not device_id or not device_id.strip():
         raise DeviceIdError("empty_device_id", "device id is empty")
     if any(ch.isspace() or ord(ch) < 32 or ord(ch) == 127 for ch in device_id):
         raise DeviceIdError("invalid_device_id", f"device id {device_id!r} contains whitespace or control characters")
+    # The event's own rule for identifiers (a bidi or format character passed the check above
+    # and then failed the GpuPayload built from it, inside the poll: that ended the collector).
+    if problem := identity_text_problem(device_id):
+        raise DeviceIdError("invalid_device_id", f"device id {device_id!r}: {problem}")
     base, share = device_id, None
     m = _SHARE_SUFFIX.match(device_id)
     if m:
@@ -167,6 +171,17 @@ def _dra_devices(pod: pb.PodResources, dra: ResourceMatcher | None) -> list[tupl
     return out
 
 
+def _name_problem(*named: tuple[str, str]) -> str | None:
+    """What stops a kubelet-reported name from being an event identifier (``schemas.envelope.IdText``), if anything.
+
+    The API server's validation keeps these out of real names; a kubelet (or a fake) that
+    reports one anyway gets the entry skipped and counted, not the poll ended by the event's validation."""
+    for what, value in named:
+        if problem := identity_text_problem(value):
+            return f"{what} {value!r} {problem}"
+    return None
+
+
 def observe_pod(pod: pb.PodResources, matches: ResourceMatcher, obs: Observation, dra: ResourceMatcher | None = None) -> None:
     """Add one pod's matching device assignments (device plugin, and DRA devices of the
     drivers ``dra`` matches) to ``obs``; malformed parts become rejects."""
@@ -182,10 +197,16 @@ def observe_pod(pod: pb.PodResources, matches: ResourceMatcher, obs: Observation
         n = sum(len(d.device_ids) for _, d in matching)
         obs.rejects.append(Reject("pod_name_missing", f"{pod.namespace or '<no namespace>'}/{pod.name or '<no name>'}", f"pod without a namespace or name holds {n} device(s)"))
         return
+    if problem := _name_problem(("namespace", pod.namespace), ("pod", pod.name)):
+        obs.rejects.append(Reject("invalid_name", f"{pod.namespace!r}/{pod.name!r}", problem))
+        return
     for c, d in matching:
         subject = f"{pod.namespace}/{pod.name}/{c.name or '<no name>'}"
         if not c.name:
             obs.rejects.append(Reject("container_name_missing", subject, f"container without a name holds {len(d.device_ids)} {d.resource_name} device(s)"))
+            continue
+        if problem := _name_problem(("container", c.name), ("resource name", d.resource_name)):
+            obs.rejects.append(Reject("invalid_name", f"{pod.namespace}/{pod.name}/{c.name!r}", problem))
             continue
         numa = _numa(d.topology)
         for device_id in d.device_ids:
@@ -208,6 +229,9 @@ def observe(pods: Iterable[pb.PodResources], allocatable: pb.AllocatableResource
         numa: dict[str, set[int]] = {}
         for d in allocatable.devices:
             if not d.resource_name or not matches(d.resource_name):
+                continue
+            if problem := _name_problem(("resource name", d.resource_name)):
+                obs.rejects.append(Reject("invalid_name", f"allocatable {d.resource_name!r}", problem))
                 continue
             for device_id in d.device_ids:
                 try:

@@ -81,6 +81,7 @@ def test_parse_device_id(device_id, form, gpu, mig, share):
 @pytest.mark.parametrize(("device_id", "reason"), [
     ("", "empty_device_id"), ("   ", "empty_device_id"), (" GPU-1", "invalid_device_id"), ("GPU-1\n", "invalid_device_id"),
     (f"GPU-1::{2**63}", "invalid_device_id"),  # a share past the event's int64 (it stopped the collector: a ValidationError)
+    ("GPU-\u202e1", "invalid_device_id"), ("GPU-\u200b1", "invalid_device_id"),  # bidi / format: not an identifier either
 ])
 def test_parse_device_id_rejects_what_cannot_round_trip(device_id, reason):
     with pytest.raises(DeviceIdError) as info:
@@ -470,6 +471,29 @@ def test_malformed_entries_skipped_logged_counted_rest_published(kubelet, make_c
     assert len(warnings) == 1 and "skipped 4 malformed" in warnings[0] and "empty_device_id" in warnings[0]
     events = gpu_events(kafka_bootstrap, catalogue, 1)
     assert [(e.identity.pod, e.payload.device_id) for _, e in events] == [("good-0", GPU_A)]
+
+
+def test_names_an_event_cannot_carry_are_skipped_and_the_collector_keeps_running(kubelet, make_collector, kafka_bootstrap, catalogue):
+    """A right-to-left override or a format character passed the collector's own checks and then
+    failed the event's validation inside the poll: the ValidationError ended the collector's loop."""
+    kubelet.set_pods([
+        pod("ml", "good-0", containers=[
+            container("main", devices=[devices("nvidia.com/gpu", [GPU_A, "GPU-\u202eevil", "GPU-zero\u200bwidth"])]),
+            container("side\u202e", devices=[devices("nvidia.com/gpu", [GPU_B])]),
+        ]),
+        pod("ml\u202e", "bad-0", containers=[container("main", devices=[devices("nvidia.com/gpu", [GPU_C])])]),
+    ])
+    collector = make_collector()
+    with running(collector) as thread:
+        wait_for(lambda: collector.counters.totals["sent"] >= 1, what="the good device published")
+        kubelet.set_pods([pod("ml", "good-0", containers=[container("main", devices=[devices("nvidia.com/gpu", [GPU_A])])]),
+                          trainer("late-0", ids=[GPU_B])])
+        wait_for(lambda: collector.counters.totals["sent"] >= 2, what="a later poll still published")
+        assert thread.is_alive()
+    totals = collector.counters.totals
+    assert (totals["rejected.invalid_device_id"], totals["rejected.invalid_name"]) == (2, 2)
+    events = gpu_events(kafka_bootstrap, catalogue, 2)
+    assert sorted((e.identity.pod, e.payload.device_id) for _, e in events) == [("good-0", GPU_A), ("late-0", GPU_B)]
 
 
 @pytest.mark.parametrize("mode", ["unimplemented", "gate_disabled", "not_found_as_unknown"])
