@@ -427,9 +427,10 @@ class ExerciseRunner:
 
         if dsn.startswith("chdb:"):
             return RemoteReader.from_owner(owner_file(dsn))
-        from sinks.clickhouse import connect
+        from sinks.clickhouse import StoreConnection, connect
 
-        return DirectReader(connect(dsn, self.settings.clickhouse.database, create=False))
+        database = self.settings.clickhouse.database
+        return DirectReader(StoreConnection.reopening(connect(dsn, database, create=False), lambda: connect(dsn, database, create=False)))
 
     def _play(self, sim: SimCluster) -> list[StepRecord]:
         sc = self.scenario

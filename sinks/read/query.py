@@ -46,7 +46,7 @@ from datetime import date, datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sinks.clickhouse import StoreConnection, chdb_path, connect, is_embedded
+from sinks.clickhouse import StoreConnection, chdb_path, connect, is_embedded, redact
 from sinks.errors import SinkError, StoreUnavailable
 
 
@@ -194,12 +194,13 @@ def run_readonly(client, sql: str, parameters: dict | None = None, limits: Query
     """Run a reader's query within ``limits``. ``client`` is an open client or a
     ``StoreConnection`` (the sink's lazy store: raises ``StoreUnavailable`` while it
     cannot connect)."""
-    client = StoreConnection.of(client).get()
-    statement = readonly_statement(client, sql, parameters, limits)
-    try:
-        result = client.query(statement, parameters=parameters or {})
-    except Exception as exc:  # noqa: BLE001 - driver errors vary by backend
-        raise _query_error(exc) from exc
+    # (a client a statement failed on is not used again: ``StoreConnection.reading``)
+    with StoreConnection.of(client).reading() as open_client:
+        statement = readonly_statement(open_client, sql, parameters, limits)
+        try:
+            result = open_client.query(statement, parameters=parameters or {})
+        except Exception as exc:  # noqa: BLE001 - driver errors vary by backend
+            raise _query_error(exc) from exc
     return QueryResult(list(result.column_names), [[jsonable(v) for v in row] for row in result.result_rows])
 
 
@@ -240,6 +241,9 @@ def current_owner(dsn: str) -> dict | None:
 
 
 class DirectReader:
+    """Reads through a client of its own: ``client`` is an open client or a ``StoreConnection``
+    (``open_reader``'s reopens a client a statement failed on: ``StoreConnection.reading``)."""
+
     def __init__(self, client, limits: QueryLimits | None = QueryLimits()) -> None:
         self.client, self.limits = client, limits
 
@@ -248,7 +252,11 @@ class DirectReader:
 
     def close(self) -> None:
         try:
-            self.client.close()
+            if isinstance(self.client, StoreConnection):
+                if self.client.connected:
+                    self.client.get().close()
+            else:
+                self.client.close()
         except Exception:  # noqa: BLE001 - closing is best effort
             pass
 
@@ -299,9 +307,13 @@ def open_reader(settings):
         owner = current_owner(dsn)
         if owner:
             return RemoteReader(owner["url"], owner.get("token", ""), settings.clickhouse.query_timeout_s + 10)
-        client = connect(dsn, settings.clickhouse.database)
+        database = settings.clickhouse.database
+        client = connect(dsn, database)
         # (the tables it reads, if missing; not the retention: a responder's shell without the
         # worker's GPULEDGER_CLICKHOUSE_TTL_DAYS removed the TTL from every event table)
-        migrate(client, settings.clickhouse.database, embedded=True, retention=False)
-        return DirectReader(client, QueryLimits.of(settings.clickhouse))
-    return DirectReader(connect(dsn, settings.clickhouse.database, create=False), QueryLimits.of(settings.clickhouse))
+        migrate(client, database, embedded=True, retention=False)
+        return DirectReader(StoreConnection.reopening(client, lambda: connect(dsn, database), redact(dsn)), QueryLimits.of(settings.clickhouse))
+    database = settings.clickhouse.database
+    client = connect(dsn, database, create=False)
+    return DirectReader(StoreConnection.reopening(client, lambda: connect(dsn, database, create=False), redact(dsn)),
+                        QueryLimits.of(settings.clickhouse))

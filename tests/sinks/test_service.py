@@ -104,6 +104,18 @@ def test_a_runaway_query_ends_at_its_limit_while_the_sink_keeps_storing(kafka_bo
     assert outcome["seconds"] < 30, outcome
 
 
+def test_a_query_after_one_stopped_at_the_row_limit_gets_its_own_rows_only(kafka_bootstrap, catalogue, worker_factory):
+    """Through the owner's query endpoint (what `gpuledger sql` and `trace` use while a worker
+    runs): a statement stopped at the row limit left rows on the readers' shared client, and the
+    next one answered 200 with them in front of its own (3 times in 8)."""
+    worker = worker_factory(catalogue)
+    poll(lambda: _raw_count(worker.reader, "lim") == 0, "the store to answer", 60)
+    for i in range(6):
+        with pytest.raises(QueryError, match="max rows"):
+            worker.reader.query("SELECT number FROM system.numbers LIMIT 100001")
+        assert worker.reader.query("SELECT {i:UInt8} AS i, count() AS n FROM system.one", {"i": i}).rows == [[i, 1]]
+
+
 def _health(url: str) -> dict:
     try:
         with urllib.request.urlopen(f"{url}/gpuledger/health/", timeout=5) as resp:

@@ -146,3 +146,24 @@ def test_a_refused_statement_leaves_the_shared_client_writable(clickhouse_client
             pass
     clickhouse_client.command(f"CREATE TABLE `{db}`.still_writable (a Int8) ENGINE = Memory")
     assert clickhouse_client.command(f"EXISTS TABLE `{db}`.still_writable") == 1
+
+
+def test_a_statement_after_one_stopped_at_the_row_limit_gets_its_own_rows_only(clickhouse_dsn, db, monkeypatch):
+    """chDB streams a result: one stopped part-way at the readers' row limit left ~65,000 of its
+    rows on the client, and the next statement returned them before its own, as success."""
+    from gpuledger.settings import Settings
+    from sinks.read.query import open_reader
+
+    monkeypatch.setenv("GPULEDGER_CLICKHOUSE_DSN", clickhouse_dsn)
+    monkeypatch.setenv("GPULEDGER_CLICKHOUSE_DATABASE", db)
+    reader = open_reader(Settings())
+    try:
+        for i in range(3):
+            with pytest.raises(QueryError, match="max rows"):
+                reader.query("SELECT number FROM system.numbers LIMIT 100001")
+            assert reader.query("SELECT {i:UInt8} AS i, count() AS n FROM system.one", {"i": i}).rows == [[i, 1]]
+            with pytest.raises(QueryError, match="max rows"):
+                reader.query("SELECT number FROM system.numbers LIMIT 100001")
+            assert reader.query(f"SELECT count() AS n FROM {db}.violations").rows == [[0]]
+    finally:
+        reader.close()
