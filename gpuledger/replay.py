@@ -279,7 +279,8 @@ def _replay_with(progress, plan: ReplayPlan, settings, console: Console, timeout
     def show(look) -> None:
         first_done[:] = first_done or [look.done]
         state = ("worker starting" if look.status is None else
-                 f"settling ({look.run_lag} queued, {look.parked} parked)" if look.inputs_left == 0 else "")
+                 f"settling ({look.run_lag} queued, "
+                 f"{'state loading' if look.parked is None else f'{look.parked} parked'})" if look.inputs_left == 0 else "")
         bar.update(task, completed=look.done, state=state)
 
     started = time.monotonic()

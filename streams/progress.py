@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from schemas.topics import TopicCatalogue
 
@@ -85,6 +86,17 @@ class Look:
                 f"record(s) not committed, parked={self.parked}, health={self.status or 'not answering'}")
 
 
+#: A group coordinator moving or loading, or a request that timed out: asking again may succeed.
+_TRANSIENT = frozenset({KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.COORDINATOR_NOT_AVAILABLE,
+                        KafkaError.REQUEST_TIMED_OUT, KafkaError._TIMED_OUT, KafkaError._TRANSPORT, KafkaError._WAIT_COORD})
+
+
+def _retriable(exc: BaseException) -> bool:
+    if not (isinstance(exc, KafkaException) and exc.args and isinstance(exc.args[0], KafkaError)):
+        return False
+    return exc.args[0].retriable() or exc.args[0].code() in _TRANSIENT
+
+
 class RunProgress:
     """The committed offsets of one run's groups against its input as it stood at creation.
 
@@ -122,14 +134,26 @@ class RunProgress:
         return {(tp.topic, tp.partition): fut.result().offset for tp, fut in futures.items()}
 
     def committed(self) -> dict[str, dict[tuple[str, int], int]]:
-        """Group -> its committed offsets on the topics it reads (empty for a new group)."""
+        """Group -> its committed offsets on the topics it reads (empty for a new group).
+
+        A group's coordinator that is moving or still loading (``NOT_COORDINATOR``,
+        ``COORDINATOR_LOAD_IN_PROGRESS``: a fresh broker's first groups, a broker failover) is
+        asked again for up to ``timeout`` seconds: a replay on a just-started broker ended at once
+        with "Failed to get committed offsets: Broker: Not coordinator"."""
         meta = self.admin.list_topics(timeout=self.timeout).topics
         out = {}
         for group, topics in self.groups.items():
             parts = [TopicPartition(t, p) for t in topics if t in meta for p in sorted(meta[t].partitions)]
-            got = self.consumers[group].committed(parts, timeout=self.timeout) if parts else []
+            got = self._committed(group, parts) if parts else []
             out[group] = {(tp.topic, tp.partition): tp.offset for tp in got if tp.offset >= 0}
         return out
+
+    def _committed(self, group: str, parts: list[TopicPartition]) -> list[TopicPartition]:
+        for attempt in Retrying(retry=retry_if_exception(_retriable), stop=stop_after_delay(self.timeout),
+                                wait=wait_exponential(multiplier=0.1, max=1.0), reraise=True):
+            with attempt:
+                return self.consumers[group].committed(parts, timeout=self.timeout)
+        raise AssertionError("unreachable: Retrying re-raises the last failure")
 
     def look(self, health: dict | None) -> Look:
         committed = self.committed()

@@ -308,6 +308,16 @@ class Correlator:
             self.controls.add(allocation_key(compact), {"k": "row", "row": compact})
 
     # --- failure handling ---------------------------------------------------------------
+    def parked(self) -> int | None:
+        """Rows parked now, or None while an assigned partition's state is not loaded (its parked
+        rows are not known yet). Health reads it (``stats.parked``), not the count the last batch
+        left: after a restart with no input left, the rows a recovered state parked flush only on
+        the idle timer, and a stale 0 let `gpuledger replay --resume` call the run caught up —
+        and stop it — before they went out."""
+        if set(self.ctx.assigned(self.ctx.run.route)) - set(self.store.parts):
+            return None
+        return self.runtime.parked_count()
+
     def _loaded(self, partition: int, summaries: dict) -> None:
         self.runtime.load(partition, summaries, self.store.get(partition, DIRECTORY_MARK))
 

@@ -59,11 +59,12 @@ def live(kafka_bootstrap, history, tmp_path_factory):
     return run, run.stop_and_checksum()
 
 
-def gpuledger(kafka_bootstrap, cat, tmp_path, *args, live_dsn: str = "chdb:///nonexistent/live", timeout: float = 420):
+def gpuledger(kafka_bootstrap, cat, tmp_path, *args, live_dsn: str = "chdb:///nonexistent/live", timeout: float = 420,
+              extra_env: dict | None = None):
     """Run the CLI with the test's broker and topics; the live store is ``live_dsn``."""
     env = {**os.environ, "GPULEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap, "GPULEDGER_KAFKA_TOPIC_PREFIX": cat.prefix,
            "GPULEDGER_KAFKA_RAW_PARTITIONS": str(cat.raw_partitions), "GPULEDGER_DATA_DIR": str(tmp_path / "data"),
-           "GPULEDGER_CLICKHOUSE_DSN": live_dsn, **ENV}
+           "GPULEDGER_CLICKHOUSE_DSN": live_dsn, **ENV, **(extra_env or {})}
     return subprocess.run([sys.executable, "-m", "gpuledger.cli", *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -130,6 +131,45 @@ def test_a_range_replay_holds_only_the_range_and_attributes_to_earlier_releases(
     assert len(scheduled) == 20
     assert all(r["release_id"] == f"fr-{int(r['pod'].split('-')[1]) % 6}" for r in scheduled), scheduled
     assert sql(kafka_bootstrap, cat, tmp_path, sandbox, "SELECT count() AS n FROM gpuledger.release_history FINAL") == [{"n": 0}]
+
+
+def test_a_resumed_replay_waits_for_the_rows_its_recovered_state_parked(kafka_bootstrap, tmp_path):
+    """A replay stopped once its input was read while rows were still parked (a stray pod no
+    release describes, at the end of the history: it waits for the idle flush), then resumed: the
+    resumed worker has no input left and its recovered rows go out only on the idle timer —
+    health said 0 parked (the count the last batch left, and no batch ran), so the resume called
+    the run caught up and stopped it first: rows missing, exit 0."""
+    from schemas import AlertEvent, Identity, SchedulerEvent, make_event_id
+    from schemas.alert import AlertPayload
+    from schemas.scheduler import SchedulerPayload
+    from tests.streams.test_faults import SRC
+
+    cat = TopicCatalogue(prefix=f"resume{uuid.uuid4().hex[:6]}", raw_partitions=4)
+    ensure_topics({"bootstrap.servers": kafka_bootstrap}, cat)
+    history = fleet(6)
+    at = max(e.occurred_at for e in history) + timedelta(minutes=1)  # after every other event: nothing moves its watermark on
+    stray = Identity(namespace="fleet", pod="stray-0", node="fn0")
+    events = history + [
+        SchedulerEvent(event_id=make_event_id("t", ("stray", "sched")), event_type="scheduler.scheduled", occurred_at=at, observed_at=at,
+                       source=SRC, identity=stray, payload=SchedulerPayload(object_kind="Pod", image_digests=(f"sha256:{'e' * 64}",))),
+        AlertEvent(event_id=make_event_id("t", ("stray", "q")), event_type="alert.firing", occurred_at=at, observed_at=at, source=SRC,
+                   identity=Identity(alert_fingerprint="stray-q", namespace="fleet", pod="stray-0"),
+                   payload=AlertPayload(alertname="Quality", starts_at=at)),
+    ]
+    EventPublisher({"bootstrap.servers": kafka_bootstrap}, cat, "test").publish_batch(events)
+    whole = f"chdb://{tmp_path / 'whole'}"
+    out = gpuledger(kafka_bootstrap, cat, tmp_path, "replay", "--into", whole, "--app-id", f"{cat.prefix}-whole", "--timeout", "300")
+    assert out.returncode == 0, out.stderr + out.stdout
+
+    sandbox, app_id = f"chdb://{tmp_path / 'sandbox'}", f"{cat.prefix}-resumed"
+    stopped = gpuledger(kafka_bootstrap, cat, tmp_path, "replay", "--into", sandbox, "--app-id", app_id, "--timeout", "40",
+                        extra_env={"GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "3600"})
+    assert stopped.returncode == 1, stopped.stderr + stopped.stdout
+    assert "0 input record(s) and 0 run record(s) not committed, parked=2," in stopped.stderr, stopped.stderr
+    resumed = gpuledger(kafka_bootstrap, cat, tmp_path, "replay", "--resume", "--app-id", app_id, "--into", sandbox, "--timeout", "300",
+                        extra_env={"GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "10"})  # (the default: the replay's looks come sooner)
+    assert resumed.returncode == 0, resumed.stderr + resumed.stdout
+    assert checksum(sandbox) == checksum(whole)
 
 
 def test_an_app_id_with_committed_offsets_is_refused_without_resume(kafka_bootstrap, history, live, tmp_path):
