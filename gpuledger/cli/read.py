@@ -53,7 +53,7 @@ def trace(alert: Optional[str] = typer.Option(None, "--alert", help="Alert finge
           gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU as NODE/GPU_ID (the allocation holding it at --at, else the latest)."),
           model: Optional[str] = typer.Option(None, "--model", help="Model as NAME[:VERSION] (its most recently active release)."),
           at: Optional[str] = typer.Option(None, "--at", help="State as of this time (RFC 3339; no zone means UTC)."),
-          window: str = typer.Option("2h", "--window", help="How far back from --at (else the chain's latest event) to look for other alerts and scheduler events: 90s, 15m, 2h, 1d, 1h30m."),
+          window: str = typer.Option("2h", "--window", help="How far back from --at (else from the entry's own time: an alert's startsAt, a workload's or pod's latest event) to look for other alerts, scheduler events and GPU holders on the chain's nodes: 90s, 15m, 2h, 1d, 1h30m; 0 for none."),
           fmt: TraceFormat = typer.Option(TraceFormat.tree, "--format", help="tree (for people), json (for tools) or html (the incident timeline report: one self-contained file)."),
           output: Optional[Path] = typer.Option(None, "--output", help="--format html: write the report to this file instead of stdout."),
           dsn: Optional[str] = DsnOpt) -> None:

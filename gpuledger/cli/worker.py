@@ -39,7 +39,7 @@ def worker_url(settings, url: str | None) -> str | None:
 
     if url:
         return url.rstrip("/")
-    dsn = settings.clickhouse.dsn
+    dsn = settings.clickhouse_dsn  # (the embedded default when GPULEDGER_CLICKHOUSE_DSN is unset)
     owner = current_owner(dsn) if is_embedded(dsn) else None
     if owner and owner.get("health"):
         return owner["health"]

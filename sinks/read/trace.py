@@ -357,7 +357,7 @@ class _Resolver:
         return held or [a for a in parts if parts and a["started_at"] == parts[-1]["started_at"]]
 
     def _shared_root(self, node: str, gpu_id: str, at_s: str | None, slices: list[dict]) -> tuple[str, str] | None:
-        self.holders = [{**_brief_alloc(a), "holds": _holds(a)} for a in slices]
+        self.holders = [{**_brief_alloc(a, at_s), "holds": _holds(a)} for a in slices]
         who = ", ".join(f"{a['namespace']}/{a['pod']} ({a['gpu_id']}, {_holds(a).replace('_', ' ')})" for a in slices)
         self.notes.append(f"{node}/{gpu_id} is a physical GPU held as {len(slices)} MIG slice(s), share(s) or DRA device(s)"
                           f"{' at ' + at_s if at_s else ''}: {who}")
@@ -416,10 +416,15 @@ def _brief_alert(row: dict, in_chain: bool) -> dict:
     return out
 
 
-def _brief_alloc(row: dict) -> dict:
+def _brief_alloc(row: dict, at_s: str | None = None) -> dict:
+    """An allocation as the trace shows it; as of ``at_s`` (``--at``), one that ended later is still held."""
     keep = ("allocation_id", "node", "gpu_id", "gpu", "mig_instance", "namespace", "pod", "container", "workload_id", "release_id",
             "attribution", "started_at", "ended_at", "end_reason")
-    return {k: row.get(k) for k in keep if row.get(k) not in (None, "") or k == "ended_at"}
+    out = {k: row.get(k) for k in keep if row.get(k) not in (None, "") or k == "ended_at"}
+    if at_s is not None and out["ended_at"] is not None and at_s < out["ended_at"]:
+        out["ended_at"] = None
+        out.pop("end_reason", None)
+    return out
 
 
 def _brief_scheduler(row: dict) -> dict:
@@ -544,6 +549,7 @@ class _Chain:
     def __init__(self, store: Store, root: tuple[str, str], at: datetime | None, window: timedelta) -> None:
         self.store, self.at, self.window = store, at, window
         self.at_p = _at_params(at)
+        self.at_s = norm_time(at) if at else None
         self.gaps: list[str] = []
         self.kind, self.value = root
         self.release_id = self.value if self.kind == "release" else None
@@ -728,7 +734,7 @@ class _Chain:
         for key in sorted(self.pods):
             p = self.pods[key]
             p["nodes"] = sorted(p["nodes"])
-            p["allocations"] = [_brief_alloc(a) for a in _sorted_allocs(self.allocs.values()) if (a["namespace"], a["pod"]) == key]
+            p["allocations"] = [_brief_alloc(a, self.at_s) for a in _sorted_allocs(self.allocs.values()) if (a["namespace"], a["pod"]) == key]
             if not p["allocations"]:
                 self.gaps.append(f"pod {key[0]}/{key[1]}: no GPU allocation seen")
             out.append(p)
@@ -738,9 +744,9 @@ class _Chain:
         by_gpu: dict[tuple[str, str], dict] = {}
         for a in _sorted_allocs(self.allocs.values()):
             g = by_gpu.setdefault((a["node"], a["gpu_id"]), {"node": a["node"], "gpu_id": a["gpu_id"], "allocations": [], "others_in_window": []})
-            g["allocations"].append(_brief_alloc(a))
+            g["allocations"].append(_brief_alloc(a, self.at_s))
         for a in self.other_allocs:
-            by_gpu[(a["node"], a["gpu_id"])]["others_in_window"].append(_brief_alloc(a))
+            by_gpu[(a["node"], a["gpu_id"])]["others_in_window"].append(_brief_alloc(a, self.at_s))
         return [by_gpu[k] for k in sorted(by_gpu)]
 
     def _scheduler_events(self) -> list[dict]:
@@ -794,7 +800,7 @@ def trace(reader, database: str, kind: str, value: str, at: datetime | None = No
         raise TraceError(f"unknown entry point {kind!r}; use one of {', '.join(ENTRY_KINDS)}")
     if not value:
         raise TraceError(f"--{kind}: empty value")
-    window = window or DEFAULT_WINDOW
+    window = DEFAULT_WINDOW if window is None else window  # (0 is a window: the chain alone, no neighbours)
     store = Store(reader, database, cluster, mode)
     resolver = _Resolver(store, at)
     focal: list[dict] = []
@@ -813,6 +819,11 @@ def trace(reader, database: str, kind: str, value: str, at: datetime | None = No
         name, _, version = value.partition(":")
         root, alternatives = resolver.model(name, version or None)
     chain = _expand(store, root, at, window, focal, (kind, value))
+    if kind == "release" and not ((chain["release"] or {}).get("lifecycle") or chain["workloads"] or chain["pods"] or chain["alerts"]):
+        # A release id is taken as the root as given: one nothing in the store names (a typo, or
+        # not yet told) matches nothing — a tree of gaps and exit 0 read as "found, all missing".
+        root = None
+        chain = _expand(store, root, at, window, focal, (kind, value))
     if kind == "alert" and not focal:
         chain["gaps"].insert(0, f"no alert with fingerprint {value} in the store" + (" as of --at" if at else ""))
     chain["gaps"][:0] = resolver.notes

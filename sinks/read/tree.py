@@ -54,8 +54,12 @@ def _title(result: dict, entry: dict) -> str:
     focal = [a for a in result.get("alerts", []) if entry.get("kind") == "alert" and a.get("alert_fingerprint") == entry.get("value")]
     if focal:
         a = focal[-1]
+        started = a.get("starts_at") or a["occurred_at"]
+        # (a resolved alert's time is when it resolved — its startsAt read as one, at 3 a.m.)
+        when = (f"at {m(a.get('ends_at') or a['occurred_at'])}, firing since {m(started)}" if a["status"] == "resolved"
+                else f"at {m(started)}")
         title = (f"[bold]alert[/] {m(a.get('alertname', '?'))} ({m(a.get('severity') or 'no severity')}) {m(a['status'])} "
-                 f"at {m(a.get('starts_at') or a['occurred_at'])} (fingerprint {m(a['alert_fingerprint'])})")
+                 f"{when} (fingerprint {m(a['alert_fingerprint'])})")
     else:
         title = f"[bold]trace[/] --{m(entry.get('kind'))} {m(entry.get('value'))}"
     title += f"  [dim]as of {m(entry['at'])}[/]" if entry.get("at") else ""

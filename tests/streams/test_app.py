@@ -184,6 +184,24 @@ def test_status_of_a_worker_that_does_not_answer_exits_1_and_still_shows_the_gro
     assert table.exit_code == 1 and "not answering at http://127.0.0.1:1" in table.stdout, table.output
 
 
+def test_status_on_the_default_store_without_an_address_says_who_does_not_answer(kafka_bootstrap, catalogue, tmp_path):
+    """No GPULEDGER_CLICKHOUSE_DSN (the embedded default) and no --url: `gpuledger status` looked
+    for the owner file through a DSN of None and crashed with a traceback."""
+    from typer.testing import CliRunner
+
+    from gpuledger.cli import app as cli_app
+    from gpuledger.dev.process import free_port
+
+    port = free_port()
+    env = {"GPULEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap, "GPULEDGER_KAFKA_TOPIC_PREFIX": catalogue.prefix,
+           "GPULEDGER_KAFKA_RAW_PARTITIONS": str(catalogue.raw_partitions), "GPULEDGER_CLICKHOUSE_DSN": None,
+           "GPULEDGER_DATA_DIR": str(tmp_path), "GPULEDGER_STREAMS_APP_ID": f"{catalogue.prefix}-app",
+           "GPULEDGER_STREAMS_WEB_PORT": str(port), "COLUMNS": "200"}
+    out = CliRunner().invoke(cli_app, ["status"], env=env)
+    assert out.exit_code == 1 and (out.exception is None or isinstance(out.exception, SystemExit)), out.output
+    assert f"not answering at http://127.0.0.1:{port}" in out.stdout, out.output
+
+
 def wait_lag_zero(url: str, timeout: float = 60.0) -> dict:
     """Until the route, controls and sink processes each report a group lag of 0 on a
     partition they know the lag of (librdkafka's statistics: every 5 s); their ``lag``."""

@@ -90,6 +90,36 @@ def test_the_chain_links_alert_release_workload_pods_gpus_and_neighbours(store):
     assert result["gaps"] == []
 
 
+def test_as_of_at_an_allocation_that_ended_later_is_held(store):
+    """`trace --at` before P1 lost its GPU (13:00): the allocation is held as of then — it
+    showed the release that came later ("→ 13:00 (preempted)"), and a responder read a GPU as
+    already free."""
+    from sinks.read.tree import render_tree, tree_text
+
+    reader, db = store
+    before = inc.T0 + timedelta(minutes=50)
+    result = trace(reader, db, "pod", f"risk/{inc.P1}", at=before)
+    [alloc] = {f"{p['namespace']}/{p['pod']}": p for p in result["pods"]}[f"risk/{inc.P1}"]["allocations"]
+    assert alloc["started_at"] < "2026-11-30T12:50:00.000Z" and alloc["ended_at"] is None and "end_reason" not in alloc
+    gpu_allocs = [a for g in result["gpus"] for a in g["allocations"] if a["pod"] == inc.P1]
+    assert gpu_allocs and all(a["ended_at"] is None for a in gpu_allocs)
+    text = tree_text(render_tree(result), width=250)
+    assert "13:00:00.000Z" not in text and f"{alloc['started_at']} → held" in text, text
+    later = trace(reader, db, "pod", f"risk/{inc.P1}", at=AT)  # after it: ended, as before
+    assert {f"{p['namespace']}/{p['pod']}": p for p in later["pods"]}[f"risk/{inc.P1}"]["allocations"][0]["ended_at"] == "2026-11-30T13:00:00.000Z"
+
+
+def test_a_resolved_alerts_title_gives_when_it_resolved(store):
+    """The title of a resolved alert gave its startsAt as the time it resolved."""
+    from sinks.read.tree import render_tree, tree_text
+
+    reader, db = store
+    title = tree_text(render_tree(trace(reader, db, "alert", inc.FP)), width=250).splitlines()[0]
+    assert "resolved at 2026-11-30T13:35:00.000Z, firing since 2026-11-30T13:05:00.000Z" in title, title
+    title = tree_text(render_tree(trace(reader, db, "alert", inc.FP, at=AT)), width=250).splitlines()[0]
+    assert "firing at 2026-11-30T13:05:00.000Z (fingerprint" in title, title
+
+
 def test_an_alert_trace_is_anchored_on_the_alerts_starts_at(store):
     # Without --at the window ends at the alert's startsAt (13:05), not at the chain's
     # latest event (the resolution at 13:35): the preemptor landing on node-a at 13:00
@@ -237,6 +267,15 @@ def test_cli_tree_and_json(store, clickhouse_dsn, tmp_path):
                  f"also training/{inc.PT}", "GpuXidError"):
         assert text in tree.stdout, text
     assert runner.invoke(cli_app, ["trace", "--alert", "nope"], env=env).exit_code == 4
+    # A release id nothing names (it was a tree of gaps, exit 0), or not yet named as of --at.
+    for args in (["--release", "nosuch"], ["--release", inc.R7, "--at", "2026-11-30T11:00:00Z"]):
+        missing = runner.invoke(cli_app, ["trace", *args], env={**env, "COLUMNS": "200"})
+        assert missing.exit_code == 4 and "matches nothing" in missing.stdout, (args, missing.output)
+    # --window 0: the chain alone (it silently became the default 2h).
+    alone = runner.invoke(cli_app, ["trace", "--alert", inc.FP, "--at", "2026-11-30T13:10:00Z", "--window", "0s", "--format", "json"], env=env)
+    assert alone.exit_code == 0, alone.output
+    got = json.loads(alone.stdout)
+    assert got["window"]["length"] == "0s" and not [a for a in got["alerts"] if not a["in_chain"]], got["window"]
     assert runner.invoke(cli_app, ["trace"], env=env).exit_code == 2
     assert runner.invoke(cli_app, ["trace", "--release", inc.R7, "--window", "soon"], env=env).exit_code == 2
 
