@@ -67,6 +67,10 @@ def _parse(text: str, *, machine: bool) -> datetime:
     return parsed.astimezone(timezone.utc)
 
 
+#: The times a person may ask the store about: ClickHouse's documented DateTime64 range.
+STORE_TIMES = (datetime(1900, 1, 1, tzinfo=timezone.utc), datetime(2299, 12, 31, 23, 59, 59, 999999, tzinfo=timezone.utc))
+
+
 def parse_time(value: str | datetime, what: str | None = None) -> datetime:
     """A time as people write it (flags, files) → aware UTC; no zone means UTC, ``now`` is now.
 
@@ -78,11 +82,16 @@ def parse_time(value: str | datetime, what: str | None = None) -> datetime:
     if isinstance(value, str) and value.strip().lower() == "now":
         return datetime.now(timezone.utc)
     try:
-        if isinstance(value, str):
-            return _parse(value, machine=False)
+        parsed = _parse(value, machine=False) if isinstance(value, str) else None
     except ValueError:
-        pass
-    raise TimeFormatError(f"{prefix}not an RFC 3339 time, e.g. {TIME_EXAMPLE} (no zone means UTC), got {value!r}")
+        parsed = None
+    if parsed is None:
+        raise TimeFormatError(f"{prefix}not an RFC 3339 time, e.g. {TIME_EXAMPLE} (no zone means UTC), got {value!r}")
+    if not STORE_TIMES[0] <= parsed <= STORE_TIMES[1]:
+        # (else the store refused it as a query parameter: a raw BAD_QUERY_PARAMETER, exit 1)
+        raise TimeFormatError(f"{prefix}{value!r} is outside the times the store keeps (ClickHouse DateTime64: "
+                              f"{STORE_TIMES[0]:%Y-%m-%d} to {STORE_TIMES[1]:%Y-%m-%d})")
+    return parsed
 
 
 def parse_timestamp(value: Any, what: str | None = None) -> datetime:

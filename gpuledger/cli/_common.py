@@ -24,7 +24,8 @@ def fail(message: str, code: int = 1) -> NoReturn:
     """Print ``error: message`` on stderr and exit with ``code``."""
     from sinks.read.text import markup  # control and bidi characters of a message shown escaped, like stored text
 
-    err.print(f"[bold red]error:[/] {markup(message)}", highlight=False, soft_wrap=True)
+    # (its own line breaks kept: a settings error lists one problem per line, they read as '\x0a')
+    err.print(f"[bold red]error:[/] {markup(message, multiline=True)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 

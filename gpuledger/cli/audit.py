@@ -46,7 +46,8 @@ def audit(
         reader = open_reader(settings)
         history = load_history(reader, settings.clickhouse.database, from_time, to_time, span, settings.clickhouse.cluster)
     report = build_report(history, policy, from_time, to_time, str(path) if path else "built-in default", reevaluate=reevaluate)
-    write_report(report, fmt.value, output, console)
+    with failing_on(OSError, code=2, prefix=f"--output {output}: "):  # (not 1: that is "a control fails")
+        write_report(report, fmt.value, output, console)
     if report["exit_code"]:
         raise typer.Exit(report["exit_code"])
 

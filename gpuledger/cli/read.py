@@ -87,7 +87,8 @@ def trace(alert: Optional[str] = typer.Option(None, "--alert", help="Alert finge
             page = trace_report(reader, settings.clickhouse.database, result, chain_text=render_tree(result), until=at_time,
                                 cluster=settings.clickhouse.cluster)
         if output:
-            output.write_text(page)
+            with failing_on(OSError, code=2, prefix=f"--output {output}: "):
+                output.write_text(page)
             err.print(f"report written to {output}", highlight=False)
         else:
             print(page)

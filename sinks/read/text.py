@@ -36,9 +36,9 @@ def printable(value: Any, multiline: bool = False) -> str:
     return (_UNSAFE_KEEP_LINES if multiline else _UNSAFE).sub(_escape, str(value))
 
 
-def markup(value: Any) -> str:
+def markup(value: Any, multiline: bool = False) -> str:
     """``printable`` text for a rich renderable built from markup strings (tree labels,
     table cells): ``[`` is escaped too, so stored text cannot style or break the output."""
     from rich.markup import escape
 
-    return escape(printable(value))
+    return escape(printable(value, multiline))

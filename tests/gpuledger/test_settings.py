@@ -64,3 +64,17 @@ def test_one_root_holds_every_component_section(monkeypatch, tmp_path):
     assert Settings.load().collectors.podresources.node is None  # only required to run that collector
     with pytest.raises(SettingsError, match="GPULEDGER_PODRESOURCES_NODE: Field required"):
         Settings.load(run="collectors.podresources")
+
+
+def test_the_cli_prints_a_settings_error_one_problem_per_line(tmp_path):
+    """The CLI's error line escaped the message's own line breaks: 'invalid settings:\\x0a  ...'."""
+    from typer.testing import CliRunner
+
+    from gpuledger.cli import app as cli_app
+
+    out = CliRunner().invoke(cli_app, ["sql", "SELECT 1"], env={"GPULEDGER_CLICKHOUSE_DNS": "x\x1b[31m", "GPULEDGER_DATA_DIR": str(tmp_path)})
+    assert out.exit_code == 2, out.output
+    lines = out.output.splitlines()
+    assert lines[0] == "error: invalid settings:", lines[:3]
+    assert any(line.strip().startswith("GPULEDGER_CLICKHOUSE_DNS: not a setting") for line in lines[1:]), lines[:3]
+    assert "\\x0a" not in out.output and "\x1b" not in out.output  # line breaks kept, other control characters still escaped

@@ -45,6 +45,15 @@ def test_people_write_times_without_a_zone_meaning_utc():
             parse_time(bad, "--at")
 
 
+def test_a_time_outside_the_stores_range_is_refused_as_bad_input():
+    """`trace --at 0001-01-01T00:00:00Z` reached the store as a query parameter and came back
+    as a raw BAD_QUERY_PARAMETER (exit 1); now it is bad input, naming the range (exit 2)."""
+    for bad in ("0001-01-01T00:00:00Z", "1899-12-31T23:59:59Z", "2300-01-01"):
+        with pytest.raises(TimeFormatError, match=r"--at: .* is outside the times the store keeps \(ClickHouse DateTime64: 1900-01-01 to 2299-12-31\)"):
+            parse_time(bad, "--at")
+    assert parse_time("1900-01-01T00:00:00Z").year == 1900 and parse_time("2299-12-31T23:59:59Z").year == 2299
+
+
 def test_one_duration_grammar_for_every_flag_and_field():
     assert parse_duration("90s") == timedelta(seconds=90) and parse_duration("1h30m") == timedelta(minutes=90)
     assert parse_duration(3600) == timedelta(hours=1) and parse_duration("2d") == timedelta(days=2)

@@ -126,6 +126,21 @@ def test_an_empty_store_is_nothing_to_audit(clickhouse_client, clickhouse_dsn, t
     assert "all controls pass" not in table.output and "PASS" not in table.output
 
 
+def test_a_mistyped_embedded_store_path_is_not_created_and_read_as_empty(tmp_path):
+    """A reader opened (and so created, migrated) an embedded store at any path it was given:
+    a typo in --dsn read as "no data" — trace all gaps, sql count 0, audit "nothing to audit"."""
+    from typer.testing import CliRunner
+
+    missing = tmp_path / "nosuch"
+    env = {"GPULEDGER_DATA_DIR": str(tmp_path), "COLUMNS": "250"}
+    result = audit(env, *RANGE, "--dsn", f"chdb://{missing}")
+    assert result.exit_code == 3 and f"no embedded store at {missing}" in result.output, result.output
+    for args in (["sql", "SELECT 1"], ["trace", "--release", "x"]):
+        out = CliRunner().invoke(cli_app, [*args, "--dsn", f"chdb://{missing}"], env=env)
+        assert out.exit_code == 1 and f"no embedded store at {missing}" in out.output, (args, out.output)
+    assert not missing.exists()
+
+
 def test_the_wrong_database_is_nothing_to_audit(store):
     result = audit({**store, "GPULEDGER_CLICKHOUSE_DATABASE": f"nope_{uuid.uuid4().hex[:8]}"}, *RANGE, "--format", "json")
     assert result.exit_code == 4, result.output
@@ -190,6 +205,10 @@ def test_bad_options_and_policy_exit_2(store, tmp_path):
     bad.write_text("roles:\n  x: {owner: t, actions: [fly]}\n")
     result = audit(store, *RANGE, "--policy", str(bad))
     assert result.exit_code == 2 and "roles.x.actions.0" in result.output
+    # An --output that cannot be written: exit 2 naming it (it was a traceback, exit 1 — "a control fails" to a gate).
+    for fmt in ("table", "json"):
+        result = audit(store, *RANGE, "--format", fmt, "--output", str(tmp_path / "missing" / "report.txt"))
+        assert result.exit_code == 2 and f"--output {tmp_path / 'missing' / 'report.txt'}:" in result.output, result.output
 
 
 @pytest.fixture(scope="module")

@@ -271,6 +271,9 @@ def test_cli_tree_and_json(store, clickhouse_dsn, tmp_path):
     for args in (["--release", "nosuch"], ["--release", inc.R7, "--at", "2026-11-30T11:00:00Z"]):
         missing = runner.invoke(cli_app, ["trace", *args], env={**env, "COLUMNS": "200"})
         assert missing.exit_code == 4 and "matches nothing" in missing.stdout, (args, missing.output)
+    # An --output that cannot be written: exit 2 naming it (it was a traceback).
+    unwritable = runner.invoke(cli_app, ["trace", "--alert", inc.FP, "--format", "html", "--output", str(tmp_path / "missing" / "x.html")], env=env)
+    assert unwritable.exit_code == 2 and "--output" in unwritable.output and "No such file" in unwritable.output, unwritable.output
     # --window 0: the chain alone (it silently became the default 2h).
     alone = runner.invoke(cli_app, ["trace", "--alert", inc.FP, "--at", "2026-11-30T13:10:00Z", "--window", "0s", "--format", "json"], env=env)
     assert alone.exit_code == 0, alone.output
