@@ -109,6 +109,16 @@ def test_as_of_at_an_allocation_that_ended_later_is_held(store):
     assert {f"{p['namespace']}/{p['pod']}": p for p in later["pods"]}[f"risk/{inc.P1}"]["allocations"][0]["ended_at"] == "2026-11-30T13:00:00.000Z"
 
 
+def test_a_model_trace_names_the_models_other_releases(store):
+    """`trace --model NAME` follows the model's latest release; the others (the one back in
+    prod after a rollback, say) were only in the JSON."""
+    from sinks.read.tree import render_tree, tree_text
+
+    reader, db = store
+    text = tree_text(render_tree(trace(reader, db, "model", "fraud-scorer", at=AT)), width=250)
+    assert f"other releases of model fraud-scorer, latest first (trace one with --release): {inc.R7_STAGING}, {inc.R6}" in text, text
+
+
 def test_a_resolved_alerts_title_gives_when_it_resolved(store):
     """The title of a resolved alert gave its startsAt as the time it resolved."""
     from sinks.read.tree import render_tree, tree_text
