@@ -305,6 +305,8 @@ def evaluate(exp: Expectation, sim, reader, database: str, to_wall, cluster: str
         at = resolve_at(exp, sim, to_wall)
         if exp.entry is not None:
             entry = resolve_entry(exp, sim)
+            # What a person pastes into `gpuledger trace` (the cluster's identifiers, not the scenario's names).
+            label = f"--{entry[0]} {entry[1]}"
             result = trace(reader, database, *entry, at=at, cluster=cluster)
             problems, facts = check(exp, sim, result, entry, at)
         if exp.violation is not None:

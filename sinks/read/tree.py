@@ -118,7 +118,9 @@ def _add_workloads(root: Tree, workloads: list[dict], pods: dict[str, dict]) -> 
             wnode.add(f"[yellow]preempted[/] {m(ev['occurred_at'])}{by}  [dim]seen by {m(', '.join(ev.get('sources', [])))}[/]")
         for ev in wl.get("evictions", []):
             if ev.get("correlation_id") not in in_preemption:
-                wnode.add(f"[yellow]evicted[/] {m(ev['occurred_at'])}" + (f"  {m(ev['reason'])}" if ev.get("reason") else ""))
+                # (which pod: a workload's pods evicted together were identical lines)
+                who = f" {m(ev['namespace'])}/{m(ev['pod'])}" if ev.get("pod") else ""
+                wnode.add(f"[yellow]evicted[/]{who} {m(ev['occurred_at'])}" + (f"  {m(ev['reason'])}" if ev.get("reason") else ""))
         for key in wl.get("pods", []):
             if key in pods:
                 _add_pod(wnode, key, pods[key])

@@ -80,6 +80,10 @@ def test_scenario_passes_through_the_real_pipeline(name, kafka_bootstrap, tmp_pa
         xid = run.results[0]
         _, device = sim.device_id("n3/0")
         assert device[:12] in xid.detail and "gpu_assignment" in xid.detail and sim.workload_id("fraud-scorer-7") in xid.detail
+        # ... and so does the column "read back (gpuledger trace)": what a person pastes (it showed '--gpu n3/0').
+        entries = {r.entry for r in run.results}
+        assert f"--gpu n3/{device}" in entries and f"--alert {sim.alert_fingerprint('xid-n3')}" in entries, entries
+        assert not {"--gpu n3/0", "--alert xid-n3", "--workload fraud-scorer-7"} & entries, entries
         assert run.trace["entry"]["root"] == {"kind": "release", "id": "fraud-scorer-v7-prod"}
         assert "release fraud-scorer-v7-prod" in log and "scheduler collector watching" in log
     # The report: one self-contained file with a lane per device of the cluster.

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from datetime import timedelta
 
 import pytest
@@ -174,7 +175,7 @@ def test_one_preemption_seen_by_two_sources_is_one_row_with_its_sources(store):
     from sinks.read.tree import render_tree, tree_text
 
     lines = [line for line in tree_text(render_tree(trace(reader, db, "workload", inc.W7, at=AT)), width=250).splitlines()
-             if "preempted 2026" in line or "evicted 2026" in line]
+             if re.search(r"(preempted|evicted)( \S+/\S+)? 2026", line)]
     assert len(lines) == 1 and "by Workload/training/llm-finetune-3" in lines[0] and "seen by scheduler.preempted (Pod), scheduler.evicted (Workload)" in lines[0]
 
 
@@ -312,3 +313,17 @@ def test_a_workload_shows_gpuledger_admits_decision_before_its_admission(clickho
     tree = CliRunner().invoke(cli_app, ["trace", "--workload", inc.W7, "--at", AT.isoformat()], env=env)
     assert tree.exit_code == 0, tree.output
     assert f"decision allow at {d['occurred_at']} by rule approved, before admission at {section['admitted_at']}" in tree.stdout
+
+
+def test_each_eviction_line_names_its_pod():
+    """A workload's pods evicted together printed as identical 'evicted <time> <reason>' lines."""
+    from sinks.read.tree import render_tree, tree_text
+
+    at = "2026-11-30T13:00:00.000Z"
+    evictions = [{"occurred_at": at, "event_type": "scheduler.evicted", "namespace": "risk", "pod": f"p-{i}",
+                  "reason": "EvictionByEvictionAPI", "correlation_id": f"c{i}"} for i in range(2)]
+    result = {"entry": {"kind": "workload", "value": "risk/w", "root": {"kind": "workload", "id": "risk/w"}},
+              "workloads": [{"workload_id": "risk/w", "admitted_at": None, "admissions": [], "preemptions": [], "evictions": evictions,
+                             "pods": []}]}
+    lines = [line for line in tree_text(render_tree(result), width=200).splitlines() if "evicted" in line]
+    assert [line.split("evicted", 1)[1].strip() for line in lines] == [f"risk/p-{i} {at}  EvictionByEvictionAPI" for i in range(2)], lines
