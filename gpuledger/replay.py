@@ -45,7 +45,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
-from gpuledger.timefmt import TIME_EXAMPLE, TimeFormatError, parse_duration, parse_time
+from gpuledger.timefmt import STORE_TIMES, TIME_EXAMPLE, TimeFormatError, parse_duration, parse_time
 from sinks.clickhouse import chdb_path, is_embedded, redact
 
 
@@ -63,12 +63,23 @@ def parse_instant(text: str, option: str, now: datetime) -> datetime:
     """An RFC 3339 time (no zone means UTC) or a duration before ``now`` ('2h', '30m', '1d', '1h30m'),
     both in the grammar of ``gpuledger.timefmt``."""
     try:
-        return now - parse_duration(text)
+        ago = parse_duration(text)
     except TimeFormatError:
-        pass
+        ago = None
+    if ago is not None:
+        try:
+            instant = now - ago
+        except OverflowError:
+            instant = None
+        if instant is None or instant < STORE_TIMES[0]:
+            raise ReplayRefused(f"{option} {text!r}: a duration before now reaching before {STORE_TIMES[0]:%Y-%m-%d} "
+                                "(the earliest time the store keeps)")
+        return instant
     try:
         return parse_time(text, option)
-    except TimeFormatError:
+    except TimeFormatError as exc:
+        if "outside the times the store keeps" in str(exc):
+            raise ReplayRefused(str(exc)) from None
         raise ReplayRefused(f"{option} {text!r}: neither an RFC 3339 time ({TIME_EXAMPLE}) nor a duration before now (2h, 30m, 1d, 1h30m)") from None
 
 
@@ -134,6 +145,11 @@ def refusals(plan: ReplayPlan, settings) -> list[str]:
     """What forbids this plan, from the settings and the replay's own record (no Kafka, no store)."""
     problems = []
     before = ReplayPlan.recorded(plan.work_dir) if plan.resume else None
+    if plan.resume and before is None:
+        # Without it the range would silently be every event, and the sandbox check is skipped:
+        # a resume with another --work-dir replayed everything into a range's sandbox, exit 0.
+        problems.append(f"--resume: no record of replay {plan.app_id} at {plan.work_dir / 'replay.json'} — pass the --work-dir "
+                        "it ran with (the interrupted run printed its resume command), or start a new replay without --resume")
     if before:
         now = {"into": redact(plan.into), "database": plan.database, "from": _iso(plan.since) if plan.since else None,
                "to": _iso(plan.until) if plan.until else None}
@@ -148,11 +164,31 @@ def refusals(plan: ReplayPlan, settings) -> list[str]:
         problems.append(f"--app-id {plan.app_id} is the live worker's app id (GPULEDGER_STREAMS_APP_ID): its worker would join the live consumer group")
     if plan.since and plan.until and plan.since >= plan.until:
         problems.append(f"--from {_iso(plan.since)} is not before --to {_iso(plan.until)}")
+    catalogue = settings.kafka.catalogue()
     try:
-        settings.kafka.catalogue().run(plan.app_id)
+        catalogue.run(plan.app_id)
     except ValueError:
         problems.append(f"--app-id {plan.app_id!r}: use letters, digits, '.', '_' and '-' (it names topics)")
+        return problems
+    from streams.progress import worker_groups
+
+    # A worker's stages read in the groups <app id>.route, .controls, .sinks: an app id ending so
+    # is another run's stage group (`--app-id live.sinks` joined the live sink's group — the
+    # replay never caught up, and the live stage ran degraded meanwhile).
+    stage = next((suffix for suffix in STAGE_GROUP_SUFFIXES if plan.app_id.endswith(suffix)), None)
+    if stage and plan.app_id != settings.streams.app_id:
+        shared = sorted(set(worker_groups(catalogue, plan.app_id)) & set(worker_groups(catalogue, settings.streams.app_id)))
+        whose = (f"the live worker's group(s) {', '.join(shared)} (GPULEDGER_STREAMS_APP_ID {settings.streams.app_id})" if shared
+                 else f"the {stage[1:]} stage group of a run with app id {plan.app_id[:-len(stage)]}")
+        problems.append(f"--app-id {plan.app_id} ends with {stage!r}: its worker would read in {whose} — choose another")
     return problems
+
+
+#: A replay gives up when one of its worker's stages has been restarted this often (``_replay_with``).
+CHILD_RESTARTS_FATAL = 3
+
+#: The suffixes of a worker's stage consumer groups (``streams.progress.worker_groups``).
+STAGE_GROUP_SUFFIXES = (".route", ".controls", ".sinks")
 
 
 def sandbox_in_use(dsn: str, database: str) -> str | None:
@@ -182,9 +218,13 @@ def table_rows(dsn: str, database: str, cluster: str | None = None) -> dict[str,
     from sinks.clickhouse import connect
     from sinks.migrations import table_name, table_names
 
-    client = connect(dsn, database, create=False)
+    # (every name below is qualified: the client's own database need not exist — when nothing in
+    # the range was stored, the sink never created it: that was a traceback after catching up)
+    client = connect(dsn, "system", create=False)
     try:
         engines = dict(client.query("SELECT name, engine FROM system.tables WHERE database = {db:String}", parameters={"db": database}).result_rows)
+        if not engines:
+            return {table: 0 for table in table_names()}
         out = {}
         for table in table_names():
             if table in engines:
@@ -266,6 +306,13 @@ def _replay_with(progress, plan: ReplayPlan, settings, console: Console, timeout
             raise ReplayError(f"the replay worker exited with {service.proc.returncode} (log {plan.log_path}):\n{service.log_tail()}")
         answer = worker_health(url)
         last.update(answer or {})
+        # A stage that keeps failing (the sandbox cannot be created: the sink exited and was
+        # restarted every ~10 s) would hold the replay at 0 for ever, degraded, saying nothing.
+        failing = {name: page for name in ("route", "controls", "sink")
+                   if isinstance(page := (answer or {}).get(name), dict) and (page.get("restarts") or 0) >= CHILD_RESTARTS_FATAL}
+        if failing:
+            said = ", ".join(f"{name} restarted {page['restarts']} times (last exit {page.get('last_exit')})" for name, page in failing.items())
+            raise ReplayError(f"the replay worker's {said} (log {plan.log_path}):\n{service.log_tail()}")
         return answer
 
     console.print(f"replay [bold]{plan.app_id}[/]: {progress.total} events on the raw topics ({escape(plan.range_text())}) "

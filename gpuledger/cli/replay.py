@@ -60,8 +60,11 @@ def replay(
     except ReplayRefused as exc:
         fail(str(exc), 2)
     except KeyboardInterrupt:
-        err.print(f"interrupted; the worker is stopped. Continue with: gpuledger replay --resume --app-id {plan.app_id} --into {redact(plan.into)}",
-                  highlight=False, soft_wrap=True)
+        # Everything the resume must be told again (its record, replay.json, is in the work dir).
+        extra = "" if work_dir == settings.data_dir / "replays" / app_id else f" --work-dir {work_dir}"
+        extra += "" if plan.database == settings.clickhouse.database else f" --database {plan.database}"
+        err.print(f"interrupted; the worker is stopped. Continue with: gpuledger replay --resume --app-id {plan.app_id} "
+                  f"--into {redact(plan.into)}{extra}", highlight=False, soft_wrap=True)
         raise typer.Exit(130)
     except (ReplayError, ProducerError, SinkError) as exc:
         fail(str(exc))

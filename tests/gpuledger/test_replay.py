@@ -193,7 +193,66 @@ def test_the_live_store_and_a_used_sandbox_are_refused(kafka_bootstrap, history,
     assert out.returncode == 2 and "is not before --to" in out.stderr, out.stderr
 
 
+def test_a_sandbox_that_cannot_be_created_ends_the_replay(kafka_bootstrap, history, tmp_path):
+    """The sink could not create the sandbox (its parent is a file): it exited, was restarted
+    every ~10 s, and the replay sat at 0 events for ever, saying nothing."""
+    cat, _ = history
+    (tmp_path / "file").write_text("not a directory")
+    out = gpuledger(kafka_bootstrap, cat, tmp_path, "replay", "--into", f"chdb://{tmp_path / 'file' / 'sandbox'}", "--app-id",
+                    f"{cat.prefix}-nostore", timeout=240)
+    assert out.returncode == 1, out.stderr + out.stdout
+    assert "the replay worker's sink restarted 3 times" in out.stderr, out.stderr
+
+
+def test_a_range_with_no_events_ends_with_a_summary_of_empty_tables(kafka_bootstrap, history, tmp_path):
+    """Nothing in the range: the sink never created the sandbox's database, and counting its
+    rows after catching up was a traceback (UNKNOWN_DATABASE), exit 1."""
+    cat, _ = history
+    sandbox = f"chdb://{tmp_path / 'sandbox'}"
+    out = gpuledger(kafka_bootstrap, cat, tmp_path, "replay", "--into", sandbox, "--app-id", f"{cat.prefix}-quiet",
+                    "--from", "2020-01-01T00:00:00Z", "--to", "2020-01-02T00:00:00Z", "--timeout", "300")
+    assert out.returncode == 0, out.stderr + out.stdout
+    assert "0 in range" in out.stdout and "gpuledger.correlated_events\t0 rows" in out.stdout, out.stdout
+
+
 # --- the options, without a broker ------------------------------------------------------------
+
+def test_what_a_replay_refuses_before_it_starts(tmp_path):
+    """A resume with no record of the replay (another --work-dir: it replayed every event into a
+    range's sandbox, exit 0; or an app id that never ran: mixed into another replay's sandbox), and
+    an app id that is a stage group of the live worker (`live.sinks` joined the live sink's group)."""
+    from gpuledger.replay import ReplayPlan, refusals
+    from gpuledger.settings import Settings
+
+    settings = Settings(data_dir=tmp_path)
+    live = settings.streams.app_id
+
+    def plan(app_id, resume=False, work_dir=None):
+        return ReplayPlan(app_id, f"chdb://{tmp_path / 'sb'}", "gpuledger", work_dir or tmp_path / app_id, None, None, resume)
+
+    [problem] = refusals(plan("never-ran", resume=True), settings)
+    assert problem.startswith(f"--resume: no record of replay never-ran at {tmp_path / 'never-ran' / 'replay.json'}"), problem
+    ran = plan("ran", resume=False)
+    ran.save()
+    assert refusals(plan("ran", resume=True), settings) == []
+    assert refusals(plan("ran", resume=True, work_dir=tmp_path / "elsewhere"), settings)[0].startswith("--resume: no record of replay ran")
+    for suffix in (".route", ".controls", ".sinks"):
+        [problem] = refusals(plan(f"{live}{suffix}"), settings)
+        assert f"ends with '{suffix}'" in problem and f"the live worker's group(s) {live}{suffix}" in problem, problem
+    [problem] = refusals(plan("other.sinks"), settings)
+    assert "the sinks stage group of a run with app id other" in problem, problem
+    assert refusals(plan("postmortem.2026-12-05"), settings) == []
+
+
+def test_instants_far_outside_the_store_are_refused_not_a_traceback():
+    """'1000000d' before now overflowed (OverflowError, exit 1): a refusal (exit 2)."""
+    from gpuledger.replay import ReplayRefused, parse_instant
+
+    now = datetime(2026, 11, 30, 14, tzinfo=timezone.utc)
+    for text in ("1000000d", "99999999999", "200000d", "0001-01-01T00:00:00Z"):
+        with pytest.raises(ReplayRefused, match="--from"):
+            parse_instant(text, "--from", now)
+
 
 def test_times_and_durations_before_now():
     from gpuledger.replay import ReplayRefused, parse_instant
