@@ -351,8 +351,11 @@ def print_summary(plan: ReplayPlan, result: ReplayResult) -> None:
     """The result on stdout: what was replayed, how fast, the rows per table, where to look next."""
     stats = result.health.get("stats", {})
     rate = result.events_now / result.elapsed_s if result.elapsed_s > 0 else 0.0
-    print(f"replayed {result.events} events in {result.elapsed_s:.1f}s ({rate:,.0f} events/s): {stats.get('routed', 0)} in range, "
-          f"{stats.get('out_of_range', 0)} out of range, {stats.get('dead_letters', 0)} dead-lettered")
+    # (a resumed replay's worker counts only what it routed itself: say so, not "0 in range")
+    resumed = result.events_now != result.events
+    print(f"replayed {result.events} events" + (f" ({result.events_now} by this run, resumed)" if resumed else "")
+          + f" in {result.elapsed_s:.1f}s ({rate:,.0f} events/s): " + ("this run: " if resumed else "")
+          + f"{stats.get('routed', 0)} in range, {stats.get('out_of_range', 0)} out of range, {stats.get('dead_letters', 0)} dead-lettered")
     for table, n in result.rows.items():
         print(f"  {plan.database}.{table}\t{n} rows")
     if result.worker_exit not in (0, None):

@@ -173,7 +173,7 @@ def _approvers(policy: Policy) -> str:
 
 
 def environment_of(subject: Subject, policy: Policy) -> str | None:
-    return subject.identity.get("environment") or policy.admission.namespace(subject.namespace).environment
+    return policy.workload_environment(subject.namespace, subject.identity.get("environment"))
 
 
 def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: datetime | None = None, *,

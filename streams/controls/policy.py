@@ -294,6 +294,16 @@ class Policy(_Model):
     def environment(self, name: str | None) -> Environment | None:
         return next((e for e in self.environments if e.name == name), None) if name else None
 
+    def workload_environment(self, namespace: str | None, labelled: str | None) -> str | None:
+        """The environment a workload runs in: its namespace's in the policy
+        (``admission.namespaces.<ns>.environment``), else what its own ``gpuledger.io/environment``
+        label (or annotation) says, else None (unknown: needs approval).
+
+        The namespace wins: a workload's label is written by whoever creates the workload, and
+        ``gpuledger.io/environment: dev`` on a Job in a prod namespace made admission allow an
+        unapproved release ('approval-not-required') and control 1 skip it."""
+        return self.admission.namespace(namespace).environment or labelled or None
+
     def environment_rank(self, name: str | None) -> int | None:
         return next((i for i, e in enumerate(self.environments) if e.name == name), None) if name else None
 

@@ -169,6 +169,7 @@ def test_a_resumed_replay_waits_for_the_rows_its_recovered_state_parked(kafka_bo
     resumed = gpuledger(kafka_bootstrap, cat, tmp_path, "replay", "--resume", "--app-id", app_id, "--into", sandbox, "--timeout", "300",
                         extra_env={"GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "10"})  # (the default: the replay's looks come sooner)
     assert resumed.returncode == 0, resumed.stderr + resumed.stdout
+    assert f"replayed {len(events)} events (0 by this run, resumed)" in resumed.stdout and "this run: 0 in range" in resumed.stdout, resumed.stdout
     assert checksum(sandbox) == checksum(whole)
 
 

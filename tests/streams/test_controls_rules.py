@@ -87,6 +87,19 @@ def test_admission_with_approved_release_or_in_dev_does_not_open():
     assert of(run([sched("scheduler.scheduled", 10, pod="d1", workload="dev/Job/d1", ns="dev", env="dev")]), 1) == []
 
 
+def test_a_workloads_dev_label_in_a_namespace_the_policy_maps_to_prod_is_judged_as_prod():
+    """The label is the workload creator's word: in a namespace the policy maps to prod, a Job
+    labelled `gpuledger.io/environment: dev` skipped control 1 (and the admission webhook let it in)."""
+    from streams.controls.policy import Admission, NamespaceAdmission
+
+    policy = Policy(admission=Admission(namespaces={"fraud-prod": NamespaceAdmission(environment="prod")}))
+    events = [rel("release.registered", 0, "r2", actor="ci-pipeline"),
+              sched("scheduler.scheduled", 10, pod="x1", workload="fraud-prod/Job/x1", ns="fraud-prod", release_id="r2", env="dev")]
+    v = one(run(events, policy=policy), 1)
+    assert "release r2 had no approval for prod" in v.detail, v.detail
+    assert of(run(events), 1) == []  # (without the mapping the label is all there is: dev needs no approval)
+
+
 def test_admission_opens_then_closes_on_approval_or_when_the_workload_ends():
     events = [rel("release.registered", 0, "r2", actor="ci-pipeline"), sched("scheduler.scheduled", 10, release_id="r2"),
               rel("release.approved", 20, "r2", actor="alice")]

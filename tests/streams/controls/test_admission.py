@@ -112,6 +112,17 @@ def test_namespace_entry_names_the_environment_of_unlabelled_workloads():
     assert decision(job({}, namespace="research"), loaded(), policy).rule == "approval-not-required"
 
 
+def test_a_workloads_own_label_cannot_move_it_out_of_its_namespaces_environment():
+    """`gpuledger.io/environment: dev` on a Job in a namespace the policy maps to prod made an
+    unapproved release 'approval-not-required' (env=dev): whoever creates a workload writes its labels."""
+    policy = Policy(admission=Admission(namespaces={"fraud-prod": NamespaceAdmission(environment="prod")}))
+    claims_dev = job({"gpuledger.io/release-id": RID, "gpuledger.io/environment": "dev"}, namespace="fraud-prod")
+    verdict = decision(claims_dev, loaded(registered), policy)
+    assert (verdict.verdict, verdict.rule, verdict.environment) == ("deny", "unapproved", "prod")
+    # Where the policy maps no namespace, the label still names the environment.
+    assert decision(job({"gpuledger.io/environment": "dev"}, namespace="scratch"), loaded(), policy).rule == "approval-not-required"
+
+
 @pytest.mark.parametrize("mode, verdict", [("enforce", "deny"), ("warn", "warn"), ("dry-run", "allow")])
 def test_modes_turn_a_deny_into_a_warning_or_a_recorded_allow(mode, verdict):
     policy = Policy(admission=Admission(modes={"prod": mode}))
