@@ -368,9 +368,12 @@ def _timeline(rel: Release, sets, clears) -> list[tuple[datetime, bool, str]]:
 
 def approval_changes(rel: Release, policy: Policy, env: str | None) -> list[tuple[datetime, bool, str]]:
     """When the release became / stopped being approved for ``env``: an approval by an
-    actor holding the approve right (covering env) sets it; revocation or retirement clears it."""
+    actor holding the approve right (covering env) sets it; a revocation or retirement by an
+    actor holding the revoke / retire right clears it. Rights both ways: with
+    ``require_for_rights``, an anonymous POST of ``release.revoked`` by 'mallory' made admission
+    deny every new pod of an approved release (control 7 reports such a decision instead)."""
     return _timeline(rel, lambda e: e[1] == "release.approved" and policy.allowed(e[4], "approve") and _covers(policy, e[3], env),
-                     lambda e: e[1] in ("release.revoked", "release.retired"))
+                     lambda e: e[1] in ("release.revoked", "release.retired") and policy.allowed(e[4], ACTION_OF_EVENT[e[1]]))
 
 
 def promotion_changes(rel: Release, policy: Policy, env: str) -> list[tuple[datetime, bool, str]]:

@@ -145,6 +145,10 @@ def test_an_unapproved_release_job_is_denied_by_the_api_server_with_our_message(
     message = denial(lambda: batch.create_namespaced_job(PROD, job))
     assert 'admission webhook "jobs.fail-closed.admit.gpuledger.io" denied the request' in message
     assert f"release {rid} is evaluated, not approved for prod; approvals need the `approve` right" in message
+    # An object cannot opt itself out (an objectSelector on gpuledger.io/admit let a Job labelled
+    # 'disabled' by its creator skip even the fail-closed webhook): still sent to us, still denied.
+    opted_out = gpu_job(unique("score"), queue=None, labels={"gpuledger.io/release-id": rid, "gpuledger.io/admit": "disabled"}, namespace=PROD)
+    assert 'admission webhook "jobs.fail-closed.admit.gpuledger.io" denied the request' in denial(lambda: batch.create_namespaced_job(PROD, opted_out))
     # A CPU-only Job is never sent to us (matchConditions): created at once.
     cpu = gpu_job(unique("cpu"), queue=None, namespace=PROD)
     cpu["spec"]["template"]["spec"]["containers"][0]["resources"] = {"requests": {"cpu": "1"}}

@@ -312,6 +312,18 @@ def test_with_proof_required_rights_count_only_for_authenticated_actors_and_gran
     rogue = approved({"actor": "service:jenkins", "on_behalf_of": "user:alice", "authenticated_by": "token"})
     assert "which does not count: service:jenkins acted for user:alice without the delegate right" in one(rogue, 1).detail
     assert any("service:jenkins acted for user:alice without the delegate right" in v.detail for v in of(rogue, 7))
+    # An unproven revocation (an anonymous POST naming 'mallory', or alice typed) does not end a proven approval.
+    for revoker in ("mallory", "alice"):
+        kept = run([rel("release.registered", 0, "r3"), rel("release.approved", 1, "r3", approval_id="CHG-3", actor="user:alice",
+                                                             authenticated_by="token"),
+                    rel("release.revoked", 5, "r3", actor=revoker, reason="drift"),
+                    sched("scheduler.scheduled", 10, release_id="r3", pod="p-r3", workload="ml/Job/r3")], policy=PROVEN)
+        assert of(kept, 1) == [], [v.detail for v in kept]
+    revoked = run([rel("release.registered", 0, "r3"), rel("release.approved", 1, "r3", approval_id="CHG-3", actor="user:alice",
+                                                            authenticated_by="token"),
+                   rel("release.revoked", 5, "r3", actor="user:alice", authenticated_by="token", reason="drift"),
+                   sched("scheduler.scheduled", 10, release_id="r3", pod="p-r3", workload="ml/Job/r3")], policy=PROVEN)
+    assert "release r3 was revoked or retired before admission" in one(revoked, 1).detail
     # Without require_for_rights (the default), a typed name is judged as before.
     assert of(run([*released(), sched("scheduler.scheduled", 10, release_id="r1")]), 1) == []
 

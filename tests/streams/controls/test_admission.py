@@ -87,9 +87,18 @@ def test_an_approval_after_now_does_not_count_yet():
 
 def test_a_revoked_or_retired_release_is_denied():
     for command in ("revoke", "retire"):
-        state = loaded(registered, approved_by("alice"), lambda s, c=command: release(s, c, 20, reason="bad scores"))
+        state = loaded(registered, approved_by("alice"), lambda s, c=command: release(s, c, 20, reason="bad scores", actor="alice"))
         d = decision(state=state)
         assert (d.verdict, d.rule) == ("deny", "revoked") and f"was {'revoked' if command == 'revoke' else 'retired'}" in d.message
+
+
+def test_a_revocation_by_someone_without_the_right_does_not_block_an_approved_release():
+    """Rights both ways: an anonymous POST of release.revoked by 'mallory' (unproven, with
+    require_for_rights) made admission deny every new pod of an approved release; an actor who
+    does not hold the revoke right cannot either (control 7 reports the decision)."""
+    state = loaded(registered, approved_by("alice"), lambda s: release(s, "revoke", 20, reason="drift", actor="mallory"))
+    d = decision(state=state)
+    assert (d.verdict, d.rule) == ("allow", "approved"), d
 
 
 def test_an_unknown_release_and_a_missing_release_label_are_denied():
