@@ -280,7 +280,12 @@ class AliasHolders:
     the very same events. Thread-safe.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, proven_by: str | None = None) -> None:
+        # ``proven_by``: with signed deliveries, only events the signature proved (``authenticated_by``
+        # this method) are moves. A body POSTed to /v1/releases that only said it came from MLflow
+        # (its ``source.collector`` and an ``mlflow.alias`` tag are the caller's to write) was taken
+        # for a move, and the next genuine, signed delivery was published as a rollback of it.
+        self.proven_by = proven_by
         self._moves: dict[tuple[str, str, str], list[tuple[datetime, str, str]]] = {}
         self._lock = threading.Lock()
         self.ready = threading.Event()
@@ -299,6 +304,8 @@ class AliasHolders:
         alias = tags.get("mlflow.alias")
         if event.source.collector != COLLECTOR or not alias or event.event_type == "release.rolled_back" \
                 or not event.identity.model_name or not event.identity.model_version:
+            return
+        if self.proven_by is not None and event.payload.authenticated_by != self.proven_by:
             return
         key = (tags.get("mlflow.workspace") or "", event.identity.model_name, alias)
         move = (event.occurred_at, event.identity.model_version, event.identity.release_id)

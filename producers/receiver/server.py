@@ -109,6 +109,10 @@ def _trace(request: web.Request) -> TraceContext | None:
     return TraceContext(traceparent=parent, tracestate=request.headers.get("tracestate")) if parent else None
 
 
+
+#: How a signed MLflow delivery's events are proven (``authenticated_by``).
+MLFLOW_PROOF = "mlflow-webhook"
+
 class LifecycleReceiver:
     """The aiohttp application behind ``gpuledger receive``.
 
@@ -125,7 +129,7 @@ class LifecycleReceiver:
         self.host = host if host is not None else socket.gethostname()
         self.counters = {source: ComponentCounters(f"receiver.{source}") for source in SOURCES}
         self.deliveries = DeliveryLog(config.mlflow_dedup_size)
-        self.alias_holders = AliasHolders()
+        self.alias_holders = AliasHolders(proven_by=MLFLOW_PROOF if self.config.mlflow_secret is not None else None)
         self._alias_moves: asyncio.Lock | None = None  # one alias move at a time: read holder, publish, update
         self._stopping = threading.Event()
         self.guard: ConnectionGuard | None = None  # set by ``serve``
@@ -399,7 +403,7 @@ class LifecycleReceiver:
         principal = None
         if self.config.mlflow_secret is not None:
             verify_signature(self.config.mlflow_secret.get_secret_value(), request.headers, body, self.config.mlflow_signature_tolerance_s)
-            principal = Principal(f"service:mlflow/{self.config.mlflow_webhook_name}", (), "mlflow-webhook")
+            principal = Principal(f"service:mlflow/{self.config.mlflow_webhook_name}", (), MLFLOW_PROOF)
         elif "mlflow" in self.policy.authentication.required_on:
             raise AuthError("X-MLflow-Signature: /v1/mlflow requires signed deliveries (set GPULEDGER_RECEIVER_MLFLOW_SECRET)",
                             field="X-MLflow-Signature")

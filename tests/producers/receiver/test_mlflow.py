@@ -273,3 +273,26 @@ def test_alias_moves_know_the_previous_holder_and_a_move_back_is_a_rollback():
     first = release_events(_alias_move("14", moves[0][1]), delivery_id="d1", holders=holders)
     assert [e.event_id for e in again] != [e.event_id for e in other]
     assert len({e.event_id for e in first + again}) == 3
+
+
+def test_with_signed_deliveries_only_proven_events_are_alias_moves():
+    """A body POSTed to /v1/releases that only said it came from MLflow (source.collector
+    'mlflow', an mlflow.alias tag: the caller's to write) was read back as a move at the next
+    start, and the next genuine, signed delivery was published as a rollback of the forged holder."""
+    from datetime import datetime
+
+    from producers.receiver.mlflow import AliasHolders
+    from producers.receiver.server import MLFLOW_PROOF
+
+    holders = AliasHolders(proven_by=MLFLOW_PROOF)
+    [forged] = release_events(_alias_move("99", "2026-05-04T09:00:00.100000+00:00"), delivery_id="f1")
+    assert forged.source.collector == "mlflow" and forged.payload.tags.get("mlflow.alias") == "prod"
+    holders.observe(forged)  # as /v1/releases would have published it: nobody proved it
+    later = datetime.fromisoformat("2026-05-04T09:00:01+00:00")
+    assert holders.before(None, "fraud-detector", "prod", later) is None
+    [signed] = release_events(_alias_move("14", "2026-05-04T09:00:00.200000+00:00"), delivery_id="s1")
+    holders.observe(signed.model_copy(update={"payload": signed.payload.model_copy(update={"authenticated_by": MLFLOW_PROOF})}))
+    assert holders.before(None, "fraud-detector", "prod", later).version == "14"
+    unsigned_mode = AliasHolders()  # no secret: nothing is proven, the collector's mark is all there is
+    unsigned_mode.observe(forged)
+    assert unsigned_mode.before(None, "fraud-detector", "prod", later).version == "99"
