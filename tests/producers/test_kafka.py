@@ -136,6 +136,43 @@ def test_kafka_refusing_a_record_for_its_size_is_too_large_not_retriable(kafka_b
         publisher.close(5)
 
 
+def test_a_small_event_refused_with_a_big_neighbour_is_retriable_not_too_large(kafka_bootstrap):
+    """Kafka refuses a librdkafka batch whole: a small event that shared a batch with one over the
+    topic's lowered limit (another request's, on the receiver's one producer) was reported too
+    large with it — the receiver answered 422 for an 815-byte alert, which Alertmanager never sends
+    again. Now the limit is read again at once and only an event over it is too large; one under
+    it is a retriable failure (503: the sender retries; event ids are deterministic). The batching
+    itself depends on timing, so the refusals are handed in as librdkafka reports them."""
+    from confluent_kafka import KafkaError
+
+    cat = catalogue_with_small_release_topic(kafka_bootstrap, 1_048_588)
+    config = {"bootstrap.servers": kafka_bootstrap}
+    publisher = EventPublisher(config, cat, "test")
+    try:
+        believed = publisher.record_limit  # learned before the topic shrinks
+        assert believed.max_event_bytes == 256 * 1024
+        resource = ConfigResource(ResourceType.TOPIC, cat.release,
+                                  incremental_configs=[ConfigEntry("max.message.bytes", "20000", incremental_operation=AlterConfigOpType.SET)])
+        admin = AdminClient(config)  # (kept: a client collected before its future resolves fails it)
+        admin.incremental_alter_configs([resource])[resource].result()
+        deadline = time.monotonic() + 30
+        while read_record_limit(config, [cat.release]).bytes != 20_000:
+            assert time.monotonic() < deadline, "the broker never applied max.message.bytes=20000"
+            time.sleep(0.1)
+        refused = KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, "Broker: Message size too large")
+        small, big = release(1), release(2, reason_bytes=60_000)
+        records = publisher._records([small, big], None)
+        with pytest.raises(EventTooLarge) as info:
+            publisher._raise_for(records, [(0, refused), (1, refused)], believed)
+        assert [o.event_id for o in info.value.oversize] == [big.event_id], info.value  # not the small one
+        with pytest.raises(PublishError) as retriable:
+            publisher._raise_for(records[:1], [(0, refused)], believed)
+        assert retriable.value.retriable is True and "each fits the limit read again (20000 bytes)" in str(retriable.value)
+        assert not isinstance(retriable.value, EventTooLarge)
+    finally:
+        publisher.close(5)
+
+
 def test_async_batches_are_acknowledged_while_a_thread_publishes_on_the_same_producer(kafka_bootstrap, catalogue):
     # publish_batch_async's acks are served on the event loop; a synchronous publish polling the
     # shared producer from another thread (the receiver's dead letters) may serve some of them:
