@@ -323,16 +323,29 @@ class LifecycleReceiver:
             raise
         counters.add_sent(len(events), nbytes)
 
-    async def _dead_letter_future(self, future: list[tuple[dict, EventDecodeError]], stage: str) -> dict:
+    async def _dead_letter_future(self, future: list[tuple[dict, EventDecodeError]], stage: str, principal: Principal | None) -> dict:
         """Keep events from a newer schema version on the dead-letter topic (a newer gpuledger can
-        replay them), and say so in the 422 answer: ``dead_lettered``, ``schema_version_seen``."""
+        replay them), and say so in the 422 answer: ``dead_lettered``, ``schema_version_seen``.
+
+        What the caller claimed about proof is replaced by what this receiver proved, as
+        ``_proven`` does for the events it publishes: a body with ``authenticated_by: token`` and
+        another person's ``actor`` was kept verbatim, and nothing named the authenticated sender."""
         topic = self.publisher.catalogue.deadletter
         letters = []
         for item, exc in future:
             identity = item.get("identity") if isinstance(item.get("identity"), dict) else {}
             key = identity.get("release_id") if isinstance(identity.get("release_id"), str) else None
+            vouched = dict(item)
+            if isinstance(item.get("payload"), dict):
+                proof = ({"actor": principal.identity, "authenticated_by": principal.method, "actor_groups": list(principal.groups)}
+                         if principal is not None else {"authenticated_by": None, "actor_groups": []})
+                claimed = {k: item["payload"][k] for k in ("actor", "authenticated_by", "actor_groups") if k in item["payload"]}
+                vouched["payload"] = {**item["payload"], **proof}
+            sender = f"{principal.identity} ({principal.method})" if principal is not None else "an unauthenticated caller"
+            error = f"{exc} [received from {sender}" + (f"; the body claimed {claimed}" if isinstance(item.get("payload"), dict)
+                                                         and claimed and principal is None else "") + "]"
             letters.append((key.encode() if key else None,
-                            encode_event(dead_letter(exc.reason, str(exc), stage, None, None, None, key, orjson.dumps(item)))))
+                            encode_event(dead_letter(exc.reason, error, stage, None, None, None, key, orjson.dumps(vouched)))))
         await asyncio.to_thread(lambda: [self.publisher.publish_raw(topic, key, value) for key, value in letters])
         return {"dead_lettered": len(letters), "schema_version_seen": sorted({item.get("schema_version") for item, _ in future}),
                 "supported_schema_version": SCHEMA_VERSION}
@@ -391,7 +404,7 @@ class LifecycleReceiver:
                 message = text if not where else "; ".join(f"{where}{part.strip()}" for part in text.split(";"))
                 problems.append((f"{where}{field}" if field else (where.rstrip(".") or None), message, exc.reason))
         if problems:
-            details = await self._dead_letter_future(future, "receiver.releases") if future else None
+            details = await self._dead_letter_future(future, "receiver.releases", principal) if future else None
             raise PayloadError("; ".join(m for _, m, _ in problems), field=problems[0][0], reason=problems[0][2], details=details)
         self.counters["releases"].add_received(len(events))
         await self._publish("releases", events, (lambda i: f"[{i}]") if isinstance(data, list) else (lambda i: None))

@@ -344,6 +344,25 @@ def test_release_event_from_a_future_schema_version_is_refused_and_dead_lettered
     assert json.loads(letter["value"])["event_id"] == future["event_id"]
 
 
+def test_a_dead_lettered_future_event_carries_what_the_receiver_proved_not_what_the_body_claimed(receiver, catalogue, kafka_bootstrap):
+    """A body from a newer schema version is kept for a newer gpuledger to replay — it was kept
+    verbatim, with 'authenticated_by: token' and another person's actor as the caller wrote them,
+    and nothing named the authenticated sender."""
+    forged = release_event(schema_version=99, payload={"actor": "user:alice", "authenticated_by": "token",
+                                                        "actor_groups": ["release-managers"]})
+    assert receiver().post("/v1/releases", forged)[0] == 422  # a receiver taking anonymous posts
+    rx = receiver(releases_bearer_token="ci-token")
+    assert rx.post("/v1/releases", forged, headers={"Authorization": "Bearer ci-token"})[0] == 422
+    letters = [json.loads(r.value()) for r in read_topic(kafka_bootstrap, catalogue.deadletter, 2)]
+    anonymous, proven = sorted(letters, key=lambda letter: "service:releases" in letter["error"])
+    assert json.loads(anonymous["value"])["payload"]["authenticated_by"] is None
+    assert json.loads(anonymous["value"])["payload"]["actor_groups"] == []
+    assert "received from an unauthenticated caller; the body claimed" in anonymous["error"]
+    vouched = json.loads(proven["value"])["payload"]
+    assert (vouched["actor"], vouched["authenticated_by"], vouched["actor_groups"]) == ("service:releases", "shared-token", [])
+    assert "received from service:releases (shared-token)" in proven["error"]
+
+
 # --- what cannot travel: 413 / 422 naming the limit, free text cut -----------------------
 
 def test_body_over_max_body_bytes_is_413_naming_the_limit(receiver, catalogue, kafka_bootstrap):
