@@ -254,8 +254,10 @@ class Authenticator:
     def authenticate(self, endpoint: str, authorization: str | None, fetch: bool = True) -> Principal | None:
         """The caller proven by the header, None if it carries no credential; ``AuthError`` if it is wrong.
         With ``fetch`` False, ``KeyFetchNeeded`` instead of a network fetch of the JWKS."""
-        if not authorization:
+        if authorization is None:
             return None
+        if not authorization.strip():  # (presented, empty: a credential that is wrong, not none)
+            raise AuthError("Authorization: empty; expected 'Bearer <token>'")
         scheme, _, token = authorization.partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:

@@ -270,7 +270,10 @@ class LifecycleReceiver:
             update = {"actor": principal.identity, "authenticated_by": principal.method, "actor_groups": principal.groups}
         natural_key = release_natural_key(event.identity.release_id, event.event_type, p.approval_id, event.identity.environment,
                                           p.target, p.reservation.reservation_id if p.reservation else None)
-        caller = principal.identity if principal is not None else "unauthenticated"
+        # An unauthenticated caller's id names the actor it claims: with one 'unauthenticated' for
+        # everyone, mallory's approval and alice's (same release, approval id, time) had one id, and
+        # whichever came first was the one kept.
+        caller = principal.identity if principal is not None else f"unauthenticated:{p.actor or ''}"
         return event.model_copy(update={
             "payload": p.model_copy(update=update),
             "event_id": make_event_id(EVENT_ID_SOURCE, (caller, *natural_key), event.occurred_at.isoformat()),
@@ -414,6 +417,11 @@ class LifecycleReceiver:
     async def mlflow(self, request: web.Request) -> web.Response:
         body = await self._read_body(request)
         principal = None
+        if "Authorization" in request.headers:
+            # Presented and wrong is 401 here too ('Bearer wrong' was taken as no credential: 200,
+            # unauthenticated). MLflow itself signs instead: a right bearer token proves its caller
+            # where no secret is set.
+            principal = await self._principal(request, "mlflow")
         if self.config.mlflow_secret is not None:
             verify_signature(self.config.mlflow_secret.get_secret_value(), request.headers, body, self.config.mlflow_signature_tolerance_s)
             principal = Principal(f"service:mlflow/{self.config.mlflow_webhook_name}", (), MLFLOW_PROOF)
@@ -615,8 +623,11 @@ async def serve(config: ReceiverSettings, publisher: EventPublisher, stop: async
                 policy: Policy | None = None) -> None:
     """Listen until ``stop`` is set (forever if None); calls ``on_listening(host, port)``.
 
-    Refuses (``ReceiverError``) to listen on a non-loopback address where some endpoint would
-    take requests without a credential, unless ``allow_unauthenticated`` (then warns every minute).
+    Refuses (``ReceiverError``) to listen on a non-loopback address with no credential configured
+    at all (``unauthenticated_exposure``), unless ``allow_unauthenticated`` (then warns every
+    minute). With some credential configured, an endpoint that does not require one
+    (``authentication.required_on``, a per-source token) still takes anonymous posts, marked
+    unauthenticated (docs/receiver.md, Auth).
     """
     receiver = LifecycleReceiver(config, publisher, publish_timeout_s, policy=policy)
     exposure = unauthenticated_exposure(config, receiver.auth)

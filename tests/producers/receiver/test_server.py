@@ -425,6 +425,18 @@ def test_huge_annotation_is_cut_with_a_marker_and_the_alert_accepted(receiver, c
     assert rx.request("GET", "/healthz")[1]["counters"]["alertmanager"]["truncated"] == 2
 
 
+def test_anonymous_callers_claiming_different_actors_get_different_event_ids(receiver, catalogue, kafka_bootstrap):
+    """Every unauthenticated event's id was computed for one caller, 'unauthenticated': mallory's
+    approval and alice's (same release, approval id and time) had the same id — both answered 200,
+    and downstream kept whichever came first."""
+    rx = receiver()
+    by = {actor: rx.post("/v1/releases", release_event(payload={"actor": actor, "approval_id": "CHG-1"}))[1]["event_ids"][0]
+          for actor in ("mallory", "alice")}
+    assert by["mallory"] != by["alice"], by
+    again = rx.post("/v1/releases", release_event(payload={"actor": "alice", "approval_id": "CHG-1"}))[1]["event_ids"][0]
+    assert again == by["alice"]  # a retry is still the same event
+
+
 def test_auth_per_source(receiver, catalogue, kafka_bootstrap):
     rx = receiver(alertmanager_bearer_token="am-token", releases_bearer_token="ci-token", mlflow_secret="whsec-1")
     alerts = sample("alertmanager", "quality_resolved.json")
@@ -439,6 +451,9 @@ def test_auth_per_source(receiver, catalogue, kafka_bootstrap):
         ("/v1/mlflow", mlflow, mlflow_headers(mlflow)),  # unsigned
         ("/v1/mlflow", mlflow, mlflow_headers(mlflow, "wrong-secret")),
         ("/v1/mlflow", mlflow.replace(b'"true"', b'"TRUE"'), mlflow_headers(mlflow, "whsec-1")),  # body changed after signing
+        ("/v1/mlflow", mlflow, {**mlflow_headers(mlflow, "whsec-1"), "Authorization": "Bearer wrong"}),  # presented and wrong
+        ("/v1/alertmanager", alerts, {"Authorization": ""}),  # presented and empty
+        ("/v1/releases", json.dumps(release_event()), {"Authorization": " "}),
     ]
     for path, body, headers in rejected:
         status, answer = rx.post(path, body, headers=headers)
