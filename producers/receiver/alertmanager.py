@@ -251,6 +251,9 @@ def _alert_times(alert: dict, where: str, status: Any, problems: list[tuple[str,
             problems.append((f"{where}.endsAt", str(exc)))
     if status == "resolved" and ends_at is None and f"{where}.endsAt" not in {p for p, _ in problems}:
         problems.append((f"{where}.endsAt", "a resolved alert needs an end time"))
+    if status == "resolved" and starts_at is not None and ends_at is not None and ends_at < starts_at:
+        # (it would be stored resolved before it fired: its resolution sorts before its firing)
+        problems.append((f"{where}.endsAt", f"a resolved alert cannot end ({ends_at.isoformat()}) before it starts ({starts_at.isoformat()})"))
     return starts_at, ends_at
 
 

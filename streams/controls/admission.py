@@ -59,11 +59,19 @@ class Subject:
     gpus: int
     identity: dict[str, str]  # shared identifiers from the object's labels/annotations
     workload_id: str  # as the scheduler collector names the workload (namespace/Kind/name; a Kueue Workload: namespace/name)
-    queued: bool  # managed by Kueue (a queue-name label, or a Workload itself)
+    queued: bool  # managed by Kueue: a queue-name label and Kueue's gate (Pod) or suspension (Job), or a Workload itself
 
     @property
     def ref(self) -> str:
         return f"{self.kind} {self.namespace}/{self.name}"
+
+
+#: The scheduling gate Kueue's pod integration puts on a Pod it manages (its mutating webhook runs
+#: before any validating one). Kueue suspends a Job it manages (``spec.suspend``) the same way.
+#: Queued means managed, not labelled: a bare Pod with a queue-name label in a cluster whose Kueue
+#: does not manage Pods (or a Job Kueue does not manage) was let through as 'deferred to the
+#: AdmissionCheck' — and no Workload, so no check, ever saw it.
+KUEUE_ADMISSION_GATE = "kueue.x-k8s.io/admission"
 
 
 def subject_of(obj: Mapping, resources: ResourceMatcher, prefix: str = "gpuledger.io/") -> Subject:
@@ -77,8 +85,9 @@ def subject_of(obj: Mapping, resources: ResourceMatcher, prefix: str = "gpuledge
     obj = {**obj, "metadata": {"creationTimestamp": "1970-01-01T00:00:00Z", **meta, "name": name, "uid": uid or "-"}}
     if kind == "Pod":
         wid, _ = derive_workload_id(obj)
+        gates = {g.get("name") for g in (obj.get("spec") or {}).get("schedulingGates") or () if isinstance(g, dict)}
         return Subject("Pod", ns, name, uid, gpus_requested(obj.get("spec"), resources), identity_fields(labels, annotations, prefix),
-                       wid, KUEUE_QUEUE_LABEL in labels)
+                       wid, KUEUE_QUEUE_LABEL in labels and KUEUE_ADMISSION_GATE in gates)
     if kind == "Job":
         spec = obj.get("spec") or {}
         tmpl = spec.get("template") or {}
@@ -87,7 +96,7 @@ def subject_of(obj: Mapping, resources: ResourceMatcher, prefix: str = "gpuledge
         per_pod = gpus_requested(tmpl.get("spec"), resources)
         ident = {**identity_fields(tmeta.get("labels"), tmeta.get("annotations"), prefix), **identity_fields(labels, annotations, prefix)}
         return Subject("Job", ns, name, uid, per_pod * (parallelism if isinstance(parallelism, int) and parallelism > 0 else 1), ident,
-                       f"{ns}/Job/{name}", KUEUE_QUEUE_LABEL in labels)
+                       f"{ns}/Job/{name}", KUEUE_QUEUE_LABEL in labels and spec.get("suspend") is True)
     if kind == "Workload":
         info = workload_info(obj, resources, prefix)
         return Subject("Workload", ns, name, uid, info.gpus, dict(info.identity), info.workload_id, True)

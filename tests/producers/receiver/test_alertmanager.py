@@ -128,6 +128,7 @@ def _broken(mutate) -> dict:
     (lambda b: b["alerts"][0]["labels"].pop("alertname"), "alerts[0].labels.alertname", "label required"),
     (lambda b: b["alerts"][0]["labels"].update(gpu=3), "alerts[0].labels.gpu", "must be a string"),
     (lambda b: b["alerts"][0].update(status="resolved"), "alerts[0].endsAt", "needs an end time"),
+    (lambda b: b["alerts"][0].update(status="resolved", endsAt="2000-01-01T00:00:00Z"), "alerts[0].endsAt", "cannot end"),
     (lambda b: b["alerts"].append("x"), "alerts[2]", "must be an object"),
 ])
 def test_bad_payloads_name_the_field(mutate, field, text):

@@ -41,10 +41,12 @@ def approved_by(actor: str, env: str = "prod", minutes: int = 10):
     return lambda state: release(state, "approve", minutes, actor=actor, env=env)
 
 
-def job(labels: dict | None = None, gpus: int = 1, namespace: str = "serving", name: str = "score", queue: str | None = None) -> dict:
+def job(labels: dict | None = None, gpus: int = 1, namespace: str = "serving", name: str = "score", queue: str | None = None,
+        suspend: bool | None = None) -> dict:
     job_labels = {**(labels or {}), **({"kueue.x-k8s.io/queue-name": queue} if queue else {})}
+    suspend = bool(queue) if suspend is None else suspend  # (Kueue's webhook suspends a Job it manages)
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, "namespace": namespace, "uid": "u-1", "labels": job_labels},
-            "spec": {"parallelism": 2, "template": {"metadata": {"labels": labels or {}}, "spec": {"containers": [
+            "spec": {"parallelism": 2, "suspend": suspend, "template": {"metadata": {"labels": labels or {}}, "spec": {"containers": [
                 {"name": "c", "image": "x", "resources": {"limits": {"nvidia.com/gpu": str(gpus)}} if gpus else {}}]}}}}
 
 
@@ -160,6 +162,22 @@ def test_admission_check_gate_lets_queued_work_through_the_webhook_but_not_the_c
     assert decision(queued, loaded(registered), policy).rule == "deferred-to-admission-check"
     assert decision(queued, loaded(registered), policy, gate="admission-check").rule == "unapproved"
     assert decision(job(PROD), loaded(registered), policy).rule == "unapproved"  # not queued: the webhook decides
+
+
+def test_only_work_kueue_manages_is_deferred_not_work_that_merely_names_a_queue():
+    """A bare Pod labelled with a queue that no Kueue manages (pods are not a Kueue integration
+    here, or the queue does not exist) was let through as 'deferred-to-admission-check' — and no
+    Workload, so no AdmissionCheck, ever saw it. Managed means Kueue's gate on a Pod (its pod
+    integration's webhook runs before ours) or a suspended Job."""
+    policy = Policy(admission=Admission(namespaces={"serving": NamespaceAdmission(gate="admission-check")}))
+
+    def pod(gated: bool) -> dict:
+        return {"kind": "Pod", "metadata": {"name": "p", "namespace": "serving", "labels": {**PROD, "kueue.x-k8s.io/queue-name": "gpu"}},
+                "spec": {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "1"}}}],
+                         **({"schedulingGates": [{"name": "kueue.x-k8s.io/admission"}]} if gated else {})}}
+    assert decision(pod(gated=False), loaded(registered), policy).rule == "unapproved"
+    assert decision(pod(gated=True), loaded(registered), policy).rule == "deferred-to-admission-check"
+    assert decision(job(PROD, queue="gpu", suspend=False), loaded(registered), policy).rule == "unapproved"
 
 
 def override(actor="oncall-sre", target="serving/Job/score", minutes=30, expires=60):
