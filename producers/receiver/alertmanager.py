@@ -170,6 +170,16 @@ def alert_events(
     sizes: dict[str, int] = {}  # fields refused for their size -> size in bytes
     alerts = _body_alerts(payload, problems)
     drafts = [draft for i, alert in enumerate(alerts) if (draft := _alert_draft(alert, f"alerts[{i}]", problems, sizes))]
+    # One event id per (fingerprint, status, startsAt): two entries that share them but differ
+    # would both be "accepted" and one silently lost downstream (Alertmanager's fingerprint is a
+    # hash of the labels, so only a body not from Alertmanager can do this).
+    seen: dict[tuple, tuple] = {}
+    for where, status, fingerprint, alert_labels, annotations, starts_at, *_rest in drafts:
+        key, content = (fingerprint, status, starts_at), (alert_labels, annotations, tuple(_rest))
+        if key in seen and seen[key][1] != content:
+            problems.append((f"{where}.fingerprint", f"{fingerprint} ({status}, startsAt {starts_at.isoformat()}) is also {seen[key][0]}, "
+                             "with other labels or annotations: one alert state, one content"))
+        seen.setdefault(key, (where, content))
     if problems:
         first = problems[0][0]
         details = {"limit_bytes": IDENTITY_TEXT_BYTES, "size_bytes": sizes[first]} if first in sizes else None

@@ -130,6 +130,8 @@ def _broken(mutate) -> dict:
     (lambda b: b["alerts"][0].update(status="resolved"), "alerts[0].endsAt", "needs an end time"),
     (lambda b: b["alerts"][0].update(status="resolved", endsAt="2000-01-01T00:00:00Z"), "alerts[0].endsAt", "cannot end"),
     (lambda b: b["alerts"].append("x"), "alerts[2]", "must be an object"),
+    (lambda b: b["alerts"].append({**b["alerts"][0], "labels": {**b["alerts"][0]["labels"], "extra": "x"}}), "alerts[2].fingerprint",
+     "with other labels or annotations"),
 ])
 def test_bad_payloads_name_the_field(mutate, field, text):
     with pytest.raises(PayloadError) as info:
