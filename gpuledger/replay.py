@@ -151,8 +151,8 @@ def refusals(plan: ReplayPlan, settings) -> list[str]:
         problems.append(f"--resume: no record of replay {plan.app_id} at {plan.work_dir / 'replay.json'} — pass the --work-dir "
                         "it ran with (the interrupted run printed its resume command), or start a new replay without --resume")
     if before:
-        now = {"into": redact(plan.into), "database": plan.database, "from": _iso(plan.since) if plan.since else None,
-               "to": _iso(plan.until) if plan.until else None}
+        now = {"app_id": plan.app_id, "into": redact(plan.into), "database": plan.database,
+               "from": _iso(plan.since) if plan.since else None, "to": _iso(plan.until) if plan.until else None}
         for key, value in now.items():
             if before.get(key) != value:
                 problems.append(f"--resume: {key} is {value}, but replay {plan.app_id} ran with {before.get(key)} "
@@ -352,7 +352,7 @@ def print_summary(plan: ReplayPlan, result: ReplayResult) -> None:
     stats = result.health.get("stats", {})
     rate = result.events_now / result.elapsed_s if result.elapsed_s > 0 else 0.0
     # (a resumed replay's worker counts only what it routed itself: say so, not "0 in range")
-    resumed = result.events_now != result.events
+    resumed = plan.resume
     print(f"replayed {result.events} events" + (f" ({result.events_now} by this run, resumed)" if resumed else "")
           + f" in {result.elapsed_s:.1f}s ({rate:,.0f} events/s): " + ("this run: " if resumed else "")
           + f"{stats.get('routed', 0)} in range, {stats.get('out_of_range', 0)} out of range, {stats.get('dead_letters', 0)} dead-lettered")

@@ -64,7 +64,10 @@ def _parse(text: str, *, machine: bool) -> datetime:
     micro = int((match["fraction"] or "")[:6].ljust(6, "0"))
     parsed = datetime(day.year, day.month, day.day, int(match["hour"] or 0), int(match["minute"] or 0), int(match["second"] or 0),
                       micro, tzinfo=_zone(match["zone"]) or timezone.utc)
-    return parsed.astimezone(timezone.utc)
+    try:
+        return parsed.astimezone(timezone.utc)
+    except OverflowError:  # (year 1 at +01:00, 9999 at -01:00: no UTC time; callers catch ValueError)
+        raise ValueError(f"{text}: outside the times a UTC datetime holds") from None
 
 
 #: The times a person may ask the store about: ClickHouse's documented DateTime64 range.

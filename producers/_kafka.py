@@ -395,14 +395,17 @@ class EventPublisher:
             # The pre-check passed them, so the topic takes less than we read: read it again, now.
             self._limit_stale = True
             try:
-                fresh = self._ready()[1]
-            except Exception:  # noqa: BLE001 - the limit cannot be read now: judge by the old one, re-read next time
-                fresh = limit
+                fresh: RecordLimit | None = self._ready()[1]
+            except Exception:  # noqa: BLE001 - the limit cannot be read now: every refused record is too large, as before
+                fresh = None
             # Kafka refuses a whole librdkafka batch: a small record batched with a big one (of this
             # call, or of another request on the same producer) is refused with it. Only a record
             # over the re-read limit is too large; the others are sent again by the caller (a valid
             # 815-byte alert was answered 422 for its neighbour's size — Alertmanager drops a 4xx).
-            over = [(i, err) for i, err in sorted(too_large) if len(records[i].value) > fresh.max_event_bytes]
+            # Only a limit read from the topic itself tells "batched with a big one" from "too large": with
+            # a fallback (no DescribeConfigs right) a record refused alone would be retried for ever.
+            over = [(i, err) for i, err in sorted(too_large)
+                    if fresh is None or not fresh.confirmed or len(records[i].value) > fresh.max_event_bytes]
             if over:
                 oversize = [Oversize(i, records[i].event_id, records[i].event_type, len(records[i].value)) for i, _ in over]
                 raise EventTooLarge(oversize, limit, str(over[0][1]))

@@ -307,7 +307,7 @@ def open_reader(settings):
         owner = current_owner(dsn)
         if owner:
             return RemoteReader(owner["url"], owner.get("token", ""), settings.clickhouse.query_timeout_s + 10)
-        if not Path(chdb_path(dsn)).is_dir():
+        if not (Path(chdb_path(dsn)) / "metadata").is_dir():  # (any directory is not a store: chdb:///tmp was opened, and migrated)
             # (opening it would create an empty store there: a mistyped path read as "no data")
             raise StoreUnavailable(f"no embedded store at {chdb_path(dsn)}: nothing was ever stored there (check "
                                    "GPULEDGER_CLICKHOUSE_DSN / --dsn, or GPULEDGER_DATA_DIR for the default store)")

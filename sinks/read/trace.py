@@ -683,8 +683,8 @@ class _Chain:
         window, and who else held the chain's GPUs then."""
         self.anchor_s, self.anchor_what = self._anchor()
         nodes = self._nodes()
-        if not (self.anchor_s and nodes):
-            return
+        if not (self.anchor_s and nodes) or not self.window:
+            return  # (--window 0: the chain alone — a window from the anchor to itself still found its neighbours)
         anchor = datetime.fromisoformat(self.anchor_s.replace("Z", "+00:00"))
         wparams = {"from": ch_time(anchor - self.window), "to": ch_time(anchor), "nodes": nodes}
         in_window = "occurred_at >= {from:DateTime64(3, 'UTC')} AND occurred_at <= {to:DateTime64(3, 'UTC')}"

@@ -19,9 +19,10 @@ Rules, in order (``RULES``): ``not-gpu``, ``state-not-loaded`` (fail-closed or -
 namespace / environment (``Policy.admission``) then turns a deny into a warning (warn) or
 into an allow that is only recorded (dry-run).
 
-Limits: control 1 only (approval), not control 2 (promotion); the environment comes from
-the object's ``gpuledger.io/environment`` label, else the policy's namespace entry, else
-it is unknown and approval is required (as control 1 treats it).
+Limits: control 1 only (approval), not control 2 (promotion); the environment is the stricter of
+the policy's namespace entry and the object's ``gpuledger.io/environment`` label
+(``Policy.workload_environment``), else it is unknown and approval is required (as control 1
+treats it).
 """
 
 from __future__ import annotations
@@ -59,19 +60,18 @@ class Subject:
     gpus: int
     identity: dict[str, str]  # shared identifiers from the object's labels/annotations
     workload_id: str  # as the scheduler collector names the workload (namespace/Kind/name; a Kueue Workload: namespace/name)
-    queued: bool  # managed by Kueue: a queue-name label and Kueue's gate (Pod) or suspension (Job), or a Workload itself
+    queued: bool  # managed by Kueue: a suspended Job with a queue-name label, or a Workload itself (a Pod: never)
 
     @property
     def ref(self) -> str:
         return f"{self.kind} {self.namespace}/{self.name}"
 
 
-#: The scheduling gate Kueue's pod integration puts on a Pod it manages (its mutating webhook runs
-#: before any validating one). Kueue suspends a Job it manages (``spec.suspend``) the same way.
 #: Queued means managed, not labelled: a bare Pod with a queue-name label in a cluster whose Kueue
 #: does not manage Pods (or a Job Kueue does not manage) was let through as 'deferred to the
-#: AdmissionCheck' — and no Workload, so no check, ever saw it.
-KUEUE_ADMISSION_GATE = "kueue.x-k8s.io/admission"
+#: AdmissionCheck' — and no Workload, so no check, ever saw it. A Job is deferred only when
+#: suspended (Kueue's webhook suspends the Jobs it manages; a Job its creator suspended and later
+#: resumes creates pods, which are decided here); a Pod never.
 
 
 def subject_of(obj: Mapping, resources: ResourceMatcher, prefix: str = "gpuledger.io/") -> Subject:
@@ -85,9 +85,11 @@ def subject_of(obj: Mapping, resources: ResourceMatcher, prefix: str = "gpuledge
     obj = {**obj, "metadata": {"creationTimestamp": "1970-01-01T00:00:00Z", **meta, "name": name, "uid": uid or "-"}}
     if kind == "Pod":
         wid, _ = derive_workload_id(obj)
-        gates = {g.get("name") for g in (obj.get("spec") or {}).get("schedulingGates") or () if isinstance(g, dict)}
+        # Never deferred: a Pod's queue label and scheduling gates are its creator's to write, and
+        # the gate's later removal is an UPDATE this webhook is not sent (a Job Kueue admits creates
+        # its pods after the AdmissionCheck: they are decided here, as approved work).
         return Subject("Pod", ns, name, uid, gpus_requested(obj.get("spec"), resources), identity_fields(labels, annotations, prefix),
-                       wid, KUEUE_QUEUE_LABEL in labels and KUEUE_ADMISSION_GATE in gates)
+                       wid, False)
     if kind == "Job":
         spec = obj.get("spec") or {}
         tmpl = spec.get("template") or {}

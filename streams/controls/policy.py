@@ -198,9 +198,9 @@ AdmissionGate = Literal["webhook", "admission-check"]
 class NamespaceAdmission(_Model):
     """How ``gpuledger admit`` treats one namespace."""
 
-    environment: str | None = Field(default=None, description="Environment of the namespace's workloads when they carry no gpuledger.io/environment label.")
+    environment: str | None = Field(default=None, description="Environment of the namespace's workloads; a workload's gpuledger.io/environment label can make it stricter (a later environment), never laxer.")
     mode: AdmissionMode | None = Field(default=None, description="enforce (deny), warn (allow with a warning) or dry-run (decide and record only); unset: the environment's mode.")
-    gate: AdmissionGate = Field(default="webhook", description="webhook: the admission webhook denies at creation; admission-check: Kueue-queued Jobs and Workloads are let through the webhook and wait in their queue on the gpuledger.io/release-approval AdmissionCheck instead.")
+    gate: AdmissionGate = Field(default="webhook", description="webhook: the admission webhook denies at creation; admission-check: Jobs Kueue manages (suspended, with a queue-name label) and Workloads are let through the webhook and wait in their queue on the gpuledger.io/release-approval AdmissionCheck instead; Pods are always decided by the webhook.")
 
 
 class Admission(_Model):
@@ -295,14 +295,22 @@ class Policy(_Model):
         return next((e for e in self.environments if e.name == name), None) if name else None
 
     def workload_environment(self, namespace: str | None, labelled: str | None) -> str | None:
-        """The environment a workload runs in: its namespace's in the policy
-        (``admission.namespaces.<ns>.environment``), else what its own ``gpuledger.io/environment``
-        label (or annotation) says, else None (unknown: needs approval).
+        """The environment a workload runs in: of its namespace's in the policy
+        (``admission.namespaces.<ns>.environment``) and what its own ``gpuledger.io/environment``
+        label (or annotation) says, the stricter — the later in promotion order, an environment
+        the policy does not list counting as the strictest (it needs approval); either alone when
+        only one is known; None when neither is (unknown: needs approval).
 
-        The namespace wins: a workload's label is written by whoever creates the workload, and
-        ``gpuledger.io/environment: dev`` on a Job in a prod namespace made admission allow an
-        unapproved release ('approval-not-required') and control 1 skip it."""
-        return self.admission.namespace(namespace).environment or labelled or None
+        A workload's label is written by whoever creates the workload: ``gpuledger.io/environment:
+        dev`` on a Job in a prod namespace made admission allow an unapproved release
+        ('approval-not-required') and control 1 skip it. It can still make the rules stricter."""
+        mapped = self.admission.namespace(namespace).environment
+        if not (mapped and labelled) or mapped == labelled:
+            return mapped or labelled or None
+        rank = {name: self.environment_rank(name) for name in (mapped, labelled)}
+        if rank[mapped] is None or rank[labelled] is None:
+            return mapped if rank[mapped] is None else labelled
+        return mapped if rank[mapped] >= rank[labelled] else labelled
 
     def environment_rank(self, name: str | None) -> int | None:
         return next((i for i, e in enumerate(self.environments) if e.name == name), None) if name else None

@@ -943,7 +943,9 @@ def _holdings(deadline: datetime, reservations: dict, allocs: list[dict], runnin
 def _retirement(rid: str, rows: list[dict], reservations: dict, allocs: list[dict], running: list[dict], base: dict, found: Findings,
                 clock: Clock, policy: Policy) -> None:
     """8: a retired or revoked release still holding GPUs, reservations or running workloads after the grace period."""
-    ended = next((r for r in rows if r["type"] in ("release.retired", "release.revoked")), None)
+    # (by an actor holding the right, as for control 1: an unentitled one is control 7's finding)
+    ended = next((r for r in rows if r["type"] in ("release.retired", "release.revoked")
+                  and policy.allowed(decision_actor(r["p"]), ACTION_OF_EVENT[r["type"]])), None)
     if ended is None:
         return
     grace = policy.retirement.grace

@@ -237,6 +237,8 @@ def test_what_a_replay_refuses_before_it_starts(tmp_path):
     ran.save()
     assert refusals(plan("ran", resume=True), settings) == []
     assert refusals(plan("ran", resume=True, work_dir=tmp_path / "elsewhere"), settings)[0].startswith("--resume: no record of replay ran")
+    [problem] = refusals(plan("never-ran", resume=True, work_dir=tmp_path / "ran"), settings)  # another replay's work dir
+    assert problem.startswith("--resume: app_id is never-ran, but replay never-ran ran with ran"), problem
     for suffix in (".route", ".controls", ".sinks"):
         [problem] = refusals(plan(f"{live}{suffix}"), settings)
         assert f"ends with '{suffix}'" in problem and f"the live worker's group(s) {live}{suffix}" in problem, problem

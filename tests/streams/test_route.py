@@ -32,11 +32,12 @@ def test_a_malformed_record_of_a_time_outside_the_replays_range_is_skipped_not_d
     malformed = orjson.loads(encode_event(pod_event("scheduler.scheduled", 15, pod="bad")))
     malformed["event_type"] = "scheduler.nonsense"
     outside = {**malformed, "occurred_at": (at(10) - timedelta(days=30)).isoformat()}
-    records = [good, orjson.dumps(malformed), orjson.dumps(outside), b"not json"]
+    no_utc = {**malformed, "occurred_at": "0001-01-01T00:00:00+01:00"}  # (no UTC time: it crashed the stage, on every restart)
+    records = [good, orjson.dumps(malformed), orjson.dumps(outside), b"not json", orjson.dumps(no_utc)]
     out = Collected()
     router = Router(settings, out)
     raw = [SimpleNamespace(message=SimpleNamespace(topic="raw", partition=0, offset=i, key=None, value=v)) for i, v in enumerate(records)]
     asyncio.run(router.route_batch(raw))
     run = settings.kafka.catalogue().run(settings.streams.app_id)
-    assert out.topics.count(run.deadletter) == 2  # the in-range malformed one, and the unreadable one (no time to judge it by)
-    assert (router.stats["routed"], router.stats["out_of_range"], router.stats["dead_letters"]) == (1, 1, 2)
+    assert out.topics.count(run.deadletter) == 3  # the in-range malformed one, and the two with no time to judge them by
+    assert (router.stats["routed"], router.stats["out_of_range"], router.stats["dead_letters"]) == (1, 1, 3)

@@ -139,6 +139,11 @@ def test_a_mistyped_embedded_store_path_is_not_created_and_read_as_empty(tmp_pat
         out = CliRunner().invoke(cli_app, [*args, "--dsn", f"chdb://{missing}"], env=env)
         assert out.exit_code == 1 and f"no embedded store at {missing}" in out.output, (args, out.output)
     assert not missing.exists()
+    # Any directory is not a store (chdb:///tmp was opened, a store created in it and migrated).
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    result = audit(env, *RANGE, "--dsn", f"chdb://{plain}")
+    assert result.exit_code == 3 and f"no embedded store at {plain}" in result.output and list(plain.iterdir()) == [], result.output
 
 
 def test_the_wrong_database_is_nothing_to_audit(store):

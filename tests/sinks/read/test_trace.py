@@ -290,6 +290,7 @@ def test_cli_tree_and_json(store, clickhouse_dsn, tmp_path):
     assert alone.exit_code == 0, alone.output
     got = json.loads(alone.stdout)
     assert got["window"]["length"] == "0s" and not [a for a in got["alerts"] if not a["in_chain"]], got["window"]
+    assert not [e for e in got["scheduler_events"] if not e["in_chain"]] and not [o for g in got["gpus"] for o in g["others_in_window"]]
     assert runner.invoke(cli_app, ["trace"], env=env).exit_code == 2
     assert runner.invoke(cli_app, ["trace", "--release", inc.R7, "--window", "soon"], env=env).exit_code == 2
 
