@@ -344,6 +344,9 @@ class LifecycleReceiver:
                          if principal is not None else {"authenticated_by": None, "actor_groups": []})
                 claimed = {k: item["payload"][k] for k in ("actor", "authenticated_by", "actor_groups") if k in item["payload"]}
                 vouched["payload"] = {**item["payload"], **proof}
+                if vouched["payload"].get("on_behalf_of") and not (principal is not None
+                                                                   and self.policy.may_delegate(principal.identity, principal.groups)):
+                    vouched["payload"].pop("on_behalf_of")  # (unchecked here: _proven would refuse it, 403)
             sender = f"{principal.identity} ({principal.method})" if principal is not None else "an unauthenticated caller"
             error = f"{exc} [received from {sender}" + (f"; the body claimed {claimed}" if isinstance(item.get("payload"), dict)
                                                          and claimed and principal is None else "") + "]"

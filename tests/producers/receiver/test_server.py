@@ -349,7 +349,7 @@ def test_a_dead_lettered_future_event_carries_what_the_receiver_proved_not_what_
     verbatim, with 'authenticated_by: token' and another person's actor as the caller wrote them,
     and nothing named the authenticated sender."""
     forged = release_event(schema_version=99, payload={"actor": "user:alice", "authenticated_by": "token",
-                                                        "actor_groups": ["release-managers"]})
+                                                        "actor_groups": ["release-managers"], "on_behalf_of": "user:bob"})
     assert receiver().post("/v1/releases", forged)[0] == 422  # a receiver taking anonymous posts
     rx = receiver(releases_bearer_token="ci-token")
     assert rx.post("/v1/releases", forged, headers={"Authorization": "Bearer ci-token"})[0] == 422
@@ -360,6 +360,8 @@ def test_a_dead_lettered_future_event_carries_what_the_receiver_proved_not_what_
     assert "received from an unauthenticated caller; the body claimed" in anonymous["error"]
     vouched = json.loads(proven["value"])["payload"]
     assert (vouched["actor"], vouched["authenticated_by"], vouched["actor_groups"]) == ("service:releases", "shared-token", [])
+    # A delegation nobody checked (_proven would have refused it: 403) is not kept either.
+    assert "on_behalf_of" not in vouched and "on_behalf_of" not in json.loads(anonymous["value"])["payload"]
     assert "received from service:releases (shared-token)" in proven["error"]
 
 
