@@ -213,8 +213,8 @@ def test_dra_allocated_gpus_are_attributed_like_device_plugin_ones(kafka_bootstr
     assert rows == [{"alert_fingerprint": "xid-dra-gpu", "pod": "dra-whole", "release_id": "r1", "attribution": "gpu_assignment"},
                     {"alert_fingerprint": "xid-dra-mig", "pod": "dra-mig", "release_id": "r2", "attribution": "gpu_assignment"}]
     # (the allocations travel on their own topic: stored in the same sink batch as the alerts, or the next)
-    allocs = poll(lambda: (rows := worker.reader.query("SELECT pod, gpu_id, gpu, mig_instance FROM gpuledger.gpu_allocations FINAL "
-                                                       "ORDER BY pod").dicts()) if len(rows) == 2 else None, "both allocations stored")
+    allocs = poll(lambda: rows if len(rows := worker.reader.query("SELECT pod, gpu_id, gpu, mig_instance FROM gpuledger.gpu_allocations "
+                                                                  "FINAL ORDER BY pod").dicts()) == 2 else None, "both allocations stored")
     assert allocs == [{"pod": "dra-mig", "gpu_id": f"gpu.nvidia.com/{NODE}/gpu-1-mig-1g10gb-0", "gpu": GPU_Q, "mig_instance": MIG_A},
                       {"pod": "dra-whole", "gpu_id": f"gpu.nvidia.com/{NODE}/gpu-0", "gpu": GPU_P, "mig_instance": ""}]
     assert _trace(worker, "--gpu", f"{NODE}/{GPU_Q}")["release"]["release_id"] == "r2"
