@@ -6,7 +6,10 @@
   ``<chdb dir>.owner.json`` (mode 0600: whoever may read that file may query);
   ``open_reader`` finds it and POSTs there (``sinks/service.py``).
 - Embedded chDB, not owned: open it directly (this process becomes the owner for
-  the duration).
+  the duration) — if it is a store (its ``metadata/`` directory exists): a reader never
+  creates one, so a mistyped path is "no embedded store at PATH", not an empty store.
+- A client a statement failed on is not used again (``StoreConnection.reading``: chDB left
+  a failed statement's streamed rows for the next one).
 
 Read-only is enforced by ClickHouse: every statement a reader sends carries
 ``readonly=1`` as its own query-level ``SETTINGS`` clause (``readonly_statement``):
