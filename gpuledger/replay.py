@@ -184,7 +184,8 @@ def refusals(plan: ReplayPlan, settings) -> list[str]:
     return problems
 
 
-#: A replay gives up when one of its worker's stages has been restarted this often (``_replay_with``).
+#: A replay gives up when one of its worker's stages has been restarted this often without the
+#: replay making progress in between (``_replay_with``).
 CHILD_RESTARTS_FATAL = 3
 
 #: The suffixes of a worker's stage consumer groups (``streams.progress.worker_groups``).
@@ -300,6 +301,11 @@ def _replay_with(progress, plan: ReplayPlan, settings, console: Console, timeout
             service.env.pop(f"GPULEDGER_STREAMS_REPLAY_{name}", None)  # an inherited range is not this replay's
     url = f"http://127.0.0.1:{port}"
     last: dict = {}
+    # Each stage's restart count when the replay last made progress: a stage restarted
+    # CHILD_RESTARTS_FATAL times *since* ends it (a long replay whose stages recovered now and
+    # then over hours is not failing).
+    restarts_at_progress: dict[str, int] = {}
+    progress_seen: list[int] = []
 
     def health() -> dict | None:
         if not service.alive():
@@ -309,7 +315,8 @@ def _replay_with(progress, plan: ReplayPlan, settings, console: Console, timeout
         # A stage that keeps failing (the sandbox cannot be created: the sink exited and was
         # restarted every ~10 s) would hold the replay at 0 for ever, degraded, saying nothing.
         failing = {name: page for name in ("route", "controls", "sink")
-                   if isinstance(page := (answer or {}).get(name), dict) and (page.get("restarts") or 0) >= CHILD_RESTARTS_FATAL}
+                   if isinstance(page := (answer or {}).get(name), dict)
+                   and (page.get("restarts") or 0) - restarts_at_progress.get(name, 0) >= CHILD_RESTARTS_FATAL}
         if failing:
             said = ", ".join(f"{name} restarted {page['restarts']} times (last exit {page.get('last_exit')})" for name, page in failing.items())
             raise ReplayError(f"the replay worker's {said} (log {plan.log_path}):\n{service.log_tail()}")
@@ -325,6 +332,10 @@ def _replay_with(progress, plan: ReplayPlan, settings, console: Console, timeout
 
     def show(look) -> None:
         first_done[:] = first_done or [look.done]
+        if progress_seen != [look.done]:  # progress: count the stages' restarts from here
+            progress_seen[:] = [look.done]
+            restarts_at_progress.update({name: page.get("restarts") or 0 for name in ("route", "controls", "sink")
+                                         if isinstance(page := last.get(name), dict)})
         state = ("worker starting" if look.status is None else
                  f"settling ({look.run_lag} queued, "
                  f"{'state loading' if look.parked is None else f'{look.parked} parked'})" if look.inputs_left == 0 else "")

@@ -294,6 +294,18 @@ class Policy(_Model):
     def environment(self, name: str | None) -> Environment | None:
         return next((e for e in self.environments if e.name == name), None) if name else None
 
+    def stops(self, actor: str | None) -> bool:
+        """Whether a revocation or retirement by ``actor`` (a ``decision_actor`` string) takes the
+        release out of service for controls 1 and 8 and admission: always — it is a brake, and an
+        unentitled one is control 7's finding — except when the policy requires proof
+        (``authentication.require_for_rights``) and nobody proved the actor: then an anonymous POST
+        of ``release.revoked`` by 'mallory' made admission deny every new pod of an approved release.
+        (Requiring the revoke/retire right itself stopped a signed MLflow webhook's retirement —
+        ``service:mlflow/...`` holds no role by default — from counting at all.)"""
+        if not actor:
+            return not self.authentication.require_for_rights
+        return parse_decision(actor).proven or not self.authentication.require_for_rights
+
     def workload_environment(self, namespace: str | None, labelled: str | None) -> str | None:
         """The environment a workload runs in: of its namespace's in the policy
         (``admission.namespaces.<ns>.environment``) and what its own ``gpuledger.io/environment``

@@ -368,12 +368,10 @@ def _timeline(rel: Release, sets, clears) -> list[tuple[datetime, bool, str]]:
 
 def approval_changes(rel: Release, policy: Policy, env: str | None) -> list[tuple[datetime, bool, str]]:
     """When the release became / stopped being approved for ``env``: an approval by an
-    actor holding the approve right (covering env) sets it; a revocation or retirement by an
-    actor holding the revoke / retire right clears it. Rights both ways: with
-    ``require_for_rights``, an anonymous POST of ``release.revoked`` by 'mallory' made admission
-    deny every new pod of an approved release (control 7 reports such a decision instead)."""
+    actor holding the approve right (covering env) sets it; a revocation or retirement clears it
+    (``Policy.stops``: unless the policy requires proof and nobody proved its actor)."""
     return _timeline(rel, lambda e: e[1] == "release.approved" and policy.allowed(e[4], "approve") and _covers(policy, e[3], env),
-                     lambda e: e[1] in ("release.revoked", "release.retired") and policy.allowed(e[4], ACTION_OF_EVENT[e[1]]))
+                     lambda e: e[1] in ("release.revoked", "release.retired") and policy.stops(e[4]))
 
 
 def promotion_changes(rel: Release, policy: Policy, env: str) -> list[tuple[datetime, bool, str]]:
@@ -943,9 +941,8 @@ def _holdings(deadline: datetime, reservations: dict, allocs: list[dict], runnin
 def _retirement(rid: str, rows: list[dict], reservations: dict, allocs: list[dict], running: list[dict], base: dict, found: Findings,
                 clock: Clock, policy: Policy) -> None:
     """8: a retired or revoked release still holding GPUs, reservations or running workloads after the grace period."""
-    # (by an actor holding the right, as for control 1: an unentitled one is control 7's finding)
-    ended = next((r for r in rows if r["type"] in ("release.retired", "release.revoked")
-                  and policy.allowed(decision_actor(r["p"]), ACTION_OF_EVENT[r["type"]])), None)
+    # (as for control 1 and admission: ``Policy.stops``)
+    ended = next((r for r in rows if r["type"] in ("release.retired", "release.revoked") and policy.stops(decision_actor(r["p"]))), None)
     if ended is None:
         return
     grace = policy.retirement.grace

@@ -395,14 +395,15 @@ def test_retired_release_still_holding_a_gpu_after_grace_opens():
     assert v.opened_at == at(90) and v.closed_at is None and "GPU n1/GPU-1111" in v.detail and v.owner == "team-capacity"
 
 
-def test_a_retirement_by_an_actor_without_the_right_opens_no_control_8():
-    """Control 1 and admission ignore a revocation by someone without the right; control 8 opened a
-    critical violation for it all the same ("revoked … still held … after the grace")."""
+def test_an_unproven_revocation_opens_no_control_8_where_proof_is_required():
+    """Control 1 and admission ignore an unproven revocation where the policy requires proof;
+    control 8 opened a critical violation for it all the same ("revoked … still held …")."""
     events = [*released(), *_holding(), rel("release.revoked", 30, actor="mallory", reason="drift")]
-    assert of(run(events, watermark=200), 8) == []
-    assert of(run(events, watermark=200), 7)  # (the decision itself is control 7's finding)
-    entitled = one(run([*events, rel("release.revoked", 40, actor="alice", reason="drift")], watermark=200), 8)
-    assert "was revoked at" in entitled.detail and entitled.opened_at >= at(40), entitled.detail
+    assert of(run(events, watermark=200, policy=PROVEN), 8) == []
+    proven = one(run([*events, rel("release.revoked", 40, actor="user:alice", authenticated_by="token", reason="drift")],
+                     watermark=200, policy=PROVEN), 8)
+    assert "was revoked at" in proven.detail and proven.opened_at >= at(40), proven.detail
+    assert one(run(events, watermark=200), 8)  # the default policy: a revocation is a brake, whoever pulls it
 
 
 def test_retired_release_that_released_everything_within_grace_does_not_open():

@@ -94,13 +94,20 @@ def test_a_revoked_or_retired_release_is_denied():
         assert (d.verdict, d.rule) == ("deny", "revoked") and f"was {'revoked' if command == 'revoke' else 'retired'}" in d.message
 
 
-def test_a_revocation_by_someone_without_the_right_does_not_block_an_approved_release():
-    """Rights both ways: an anonymous POST of release.revoked by 'mallory' (unproven, with
-    require_for_rights) made admission deny every new pod of an approved release; an actor who
-    does not hold the revoke right cannot either (control 7 reports the decision)."""
-    state = loaded(registered, approved_by("alice"), lambda s: release(s, "revoke", 20, reason="drift", actor="mallory"))
-    d = decision(state=state)
-    assert (d.verdict, d.rule) == ("allow", "approved"), d
+def test_an_unproven_revocation_does_not_block_an_approved_release_where_proof_is_required():
+    """With require_for_rights, an anonymous POST of release.revoked by 'mallory' made admission
+    deny every new pod of an approved release. Without it (the default) a revocation is a brake,
+    whoever pulls it (control 7 reports an unentitled one)."""
+    from streams.controls.policy import Authentication
+
+    strict = Policy(authentication=Authentication(require_for_rights=True))
+    state = AdmissionState()
+    state.ready.set()
+    registered(state)
+    approval = build_event(COMMAND["approve"], {"release_id": RID, "at": (T0 + timedelta(minutes=10)).isoformat(), "actor": "alice", "env": "prod"})
+    state.apply(approval.model_copy(update={"payload": approval.payload.model_copy(update={"authenticated_by": "token"})}))
+    release(state, "revoke", 20, reason="drift", actor="mallory")  # typed: unproven
+    assert (decision(state=state, policy=strict).rule, decision(state=state).rule) == ("approved", "revoked")
 
 
 def test_an_unknown_release_and_a_missing_release_label_are_denied():
