@@ -45,7 +45,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
-from gpuledger.timefmt import STORE_TIMES, TIME_EXAMPLE, TimeFormatError, parse_duration, parse_time
+from gpuledger.timefmt import STORE_TIMES, TIME_EXAMPLE, TimeFormatError, TimeOutOfRange, parse_duration, parse_time
 from sinks.clickhouse import chdb_path, is_embedded, redact
 
 
@@ -77,9 +77,9 @@ def parse_instant(text: str, option: str, now: datetime) -> datetime:
         return instant
     try:
         return parse_time(text, option)
-    except TimeFormatError as exc:
-        if "outside the times the store keeps" in str(exc):
-            raise ReplayRefused(str(exc)) from None
+    except TimeOutOfRange as exc:
+        raise ReplayRefused(str(exc)) from None
+    except TimeFormatError:
         raise ReplayRefused(f"{option} {text!r}: neither an RFC 3339 time ({TIME_EXAMPLE}) nor a duration before now (2h, 30m, 1d, 1h30m)") from None
 
 

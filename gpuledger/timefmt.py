@@ -43,6 +43,10 @@ class TimeFormatError(ValueError):
     """Text that is not a time or a duration of the grammar; the message names where it came from."""
 
 
+class TimeOutOfRange(TimeFormatError):
+    """A time, but outside those the store keeps (``STORE_TIMES``)."""
+
+
 def _zone(text: str | None) -> timezone | None:
     if text is None:
         return None
@@ -92,7 +96,7 @@ def parse_time(value: str | datetime, what: str | None = None) -> datetime:
         raise TimeFormatError(f"{prefix}not an RFC 3339 time, e.g. {TIME_EXAMPLE} (no zone means UTC), got {value!r}")
     if not STORE_TIMES[0] <= parsed <= STORE_TIMES[1]:
         # (else the store refused it as a query parameter: a raw BAD_QUERY_PARAMETER, exit 1)
-        raise TimeFormatError(f"{prefix}{value!r} is outside the times the store keeps (ClickHouse DateTime64: "
+        raise TimeOutOfRange(f"{prefix}{value!r} is outside the times the store keeps (ClickHouse DateTime64: "
                               f"{STORE_TIMES[0]:%Y-%m-%d} to {STORE_TIMES[1]:%Y-%m-%d})")
     return parsed
 

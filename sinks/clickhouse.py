@@ -177,6 +177,7 @@ class StoreConnection:
         self._client: Client | None = None
         self._lock = threading.Lock()
         self._reading_lock = threading.Lock()  # (``reading``)
+        self._reopens = True  # False for ``of``'s wrappers: their factory could only hand the same client back
         self.description = description
         self.connect_attempts = 0
         self.outage = OutageLog(log, f"connecting to {description}", summary_every_s, clock)
@@ -190,11 +191,8 @@ class StoreConnection:
         """Wrap an already open client (or pass a StoreConnection through)."""
         if isinstance(client_or_connection, StoreConnection):
             return client_or_connection
-        def same() -> Client:
-            return client_or_connection
-        same.wraps_open_client = True  # type: ignore[attr-defined]
-        conn = cls(same, description="an open client")
-        conn._client = client_or_connection
+        conn = cls(lambda: client_or_connection, description="an open client")
+        conn._client, conn._reopens = client_or_connection, False
         return conn
 
     @classmethod
@@ -233,7 +231,7 @@ class StoreConnection:
         """Close ``client`` and let the next ``get`` open another (a no-op for ``of``'s wrappers,
         whose factory could only hand the same client back)."""
         with self._lock:
-            if self._client is not client or getattr(self._factory, "wraps_open_client", False):
+            if self._client is not client or not self._reopens:
                 return
             self._client = None
         try:

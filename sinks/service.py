@@ -19,7 +19,9 @@ bearer token this process writes, with its URL, into the owner file beside the c
 directory (mode 0600; ``sinks.read.query.open_reader`` reads it). They run on a client
 of their own — never the sink's — with the limits of ``ClickHouseSettings.query_*``
 (``max_execution_time``, result rows and bytes, one thread each); at most
-``query_concurrency`` run at once and ``query_queue`` wait, later ones get a 503.
+``query_concurrency`` are admitted at once and ``query_queue`` wait, later ones get a 503 — and
+the admitted ones reach the store one at a time (``StoreConnection.reading``: chDB runs one
+client's statements one at a time anyway).
 
 Lifecycle: runs until SIGTERM/SIGINT or until its parent (the worker) is gone — a
 kill -9 of the worker ends the sink too, after the batch in hand is stored and

@@ -149,11 +149,9 @@ class RunProgress:
         return out
 
     def _committed(self, group: str, parts: list[TopicPartition]) -> list[TopicPartition]:
-        for attempt in Retrying(retry=retry_if_exception(_retriable), stop=stop_after_delay(self.timeout),
-                                wait=wait_exponential(multiplier=0.1, max=1.0), reraise=True):
-            with attempt:
-                return self.consumers[group].committed(parts, timeout=self.timeout)
-        raise AssertionError("unreachable: Retrying re-raises the last failure")
+        retrying = Retrying(retry=retry_if_exception(_retriable), stop=stop_after_delay(self.timeout),
+                            wait=wait_exponential(multiplier=0.1, max=1.0), reraise=True)
+        return retrying(self.consumers[group].committed, parts, timeout=self.timeout)
 
     def look(self, health: dict | None) -> Look:
         committed = self.committed()

@@ -108,10 +108,17 @@ def _trace(request: web.Request) -> TraceContext | None:
     parent = request.headers.get("traceparent")
     return TraceContext(traceparent=parent, tracestate=request.headers.get("tracestate")) if parent else None
 
-
-
 #: How a signed MLflow delivery's events are proven (``authenticated_by``).
 MLFLOW_PROOF = "mlflow-webhook"
+
+
+def _proof(principal: Principal | None) -> dict[str, Any]:
+    """The payload fields that say who proved an event, as this receiver vouches for them: the
+    authenticated caller's, or none (whatever the body claimed)."""
+    if principal is None:
+        return {"authenticated_by": None, "actor_groups": ()}
+    return {"actor": principal.identity, "authenticated_by": principal.method, "actor_groups": principal.groups}
+
 
 class LifecycleReceiver:
     """The aiohttp application behind ``gpuledger receive``.
@@ -256,7 +263,6 @@ class LifecycleReceiver:
         """The event as the receiver vouches for it: its actor is the authenticated caller and
         its id is computed here (source, caller, natural key, event time), never the caller's."""
         p = event.payload
-        update: dict[str, Any] = {"authenticated_by": None, "actor_groups": ()}  # nobody claims to be proven
         if principal is not None:
             bare = principal.identity.split(":", 1)[1]
             if p.actor and p.actor not in (principal.identity, bare):
@@ -267,7 +273,6 @@ class LifecycleReceiver:
                 raise PayloadError(f"{where}payload.on_behalf_of: {principal.identity} may not act on behalf of {p.on_behalf_of!r}: "
                                    "no role of the policy gives it the delegate right", field=f"{where}payload.on_behalf_of",
                                    reason="forbidden", status=403)
-            update = {"actor": principal.identity, "authenticated_by": principal.method, "actor_groups": principal.groups}
         natural_key = release_natural_key(event.identity.release_id, event.event_type, p.approval_id, event.identity.environment,
                                           p.target, p.reservation.reservation_id if p.reservation else None)
         # An unauthenticated caller's id names the actor it claims: with one 'unauthenticated' for
@@ -275,7 +280,7 @@ class LifecycleReceiver:
         # whichever came first was the one kept.
         caller = principal.identity if principal is not None else f"unauthenticated:{p.actor or ''}"
         return event.model_copy(update={
-            "payload": p.model_copy(update=update),
+            "payload": p.model_copy(update=_proof(principal)),
             "event_id": make_event_id(EVENT_ID_SOURCE, (caller, *natural_key), event.occurred_at.isoformat()),
         })
 
@@ -338,18 +343,15 @@ class LifecycleReceiver:
         for item, exc in future:
             identity = item.get("identity") if isinstance(item.get("identity"), dict) else {}
             key = identity.get("release_id") if isinstance(identity.get("release_id"), str) else None
-            vouched = dict(item)
+            vouched, claimed = dict(item), {}
             if isinstance(item.get("payload"), dict):
-                proof = ({"actor": principal.identity, "authenticated_by": principal.method, "actor_groups": list(principal.groups)}
-                         if principal is not None else {"authenticated_by": None, "actor_groups": []})
                 claimed = {k: item["payload"][k] for k in ("actor", "authenticated_by", "actor_groups") if k in item["payload"]}
-                vouched["payload"] = {**item["payload"], **proof}
+                vouched["payload"] = {**item["payload"], **_proof(principal)}
                 if vouched["payload"].get("on_behalf_of") and not (principal is not None
                                                                    and self.policy.may_delegate(principal.identity, principal.groups)):
                     vouched["payload"].pop("on_behalf_of")  # (unchecked here: _proven would refuse it, 403)
             sender = f"{principal.identity} ({principal.method})" if principal is not None else "an unauthenticated caller"
-            error = f"{exc} [received from {sender}" + (f"; the body claimed {claimed}" if isinstance(item.get("payload"), dict)
-                                                         and claimed and principal is None else "") + "]"
+            error = f"{exc} [received from {sender}" + (f"; the body claimed {claimed}" if claimed and principal is None else "") + "]"
             letters.append((key.encode() if key else None,
                             encode_event(dead_letter(exc.reason, error, stage, None, None, None, key, orjson.dumps(vouched)))))
         await asyncio.to_thread(lambda: [self.publisher.publish_raw(topic, key, value) for key, value in letters])

@@ -67,13 +67,6 @@ class Subject:
         return f"{self.kind} {self.namespace}/{self.name}"
 
 
-#: Queued means managed, not labelled: a bare Pod with a queue-name label in a cluster whose Kueue
-#: does not manage Pods (or a Job Kueue does not manage) was let through as 'deferred to the
-#: AdmissionCheck' — and no Workload, so no check, ever saw it. A Job is deferred only when
-#: suspended (Kueue's webhook suspends the Jobs it manages; a Job its creator suspended and later
-#: resumes creates pods, which are decided here); a Pod never.
-
-
 def subject_of(obj: Mapping, resources: ResourceMatcher, prefix: str = "gpuledger.io/") -> Subject:
     """A Pod, batch/v1 Job or Kueue Workload (v1beta1/v1beta2) as a ``Subject``.
     ValueError for any other kind."""
@@ -97,6 +90,10 @@ def subject_of(obj: Mapping, resources: ResourceMatcher, prefix: str = "gpuledge
         parallelism = spec.get("parallelism", 1)
         per_pod = gpus_requested(tmpl.get("spec"), resources)
         ident = {**identity_fields(tmeta.get("labels"), tmeta.get("annotations"), prefix), **identity_fields(labels, annotations, prefix)}
+        # Queued means managed, not labelled: a queue-name label alone (a Job no Kueue manages) was
+        # let through as deferred, and no Workload, so no check, ever saw it. Kueue's webhook
+        # suspends the Jobs it manages; one its creator suspended and resumes creates pods, which
+        # are decided here.
         return Subject("Job", ns, name, uid, per_pod * (parallelism if isinstance(parallelism, int) and parallelism > 0 else 1), ident,
                        f"{ns}/Job/{name}", KUEUE_QUEUE_LABEL in labels and spec.get("suspend") is True)
     if kind == "Workload":

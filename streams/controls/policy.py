@@ -302,9 +302,7 @@ class Policy(_Model):
         of ``release.revoked`` by 'mallory' made admission deny every new pod of an approved release.
         (Requiring the revoke/retire right itself stopped a signed MLflow webhook's retirement —
         ``service:mlflow/...`` holds no role by default — from counting at all.)"""
-        if not actor:
-            return not self.authentication.require_for_rights
-        return parse_decision(actor).proven or not self.authentication.require_for_rights
+        return not self.authentication.require_for_rights or (bool(actor) and parse_decision(actor).proven)
 
     def workload_environment(self, namespace: str | None, labelled: str | None) -> str | None:
         """The environment a workload runs in: of its namespace's in the policy

@@ -630,10 +630,15 @@ def _unit_intervals(objects: dict[str, list[dict]], key: str) -> list[tuple]:
     return merge_intervals([iv for src, obj_rows in objects.items() if src != key for iv in intervals(obj_rows)])
 
 
+def _environment(ident: dict, ctx: Context) -> str | None:
+    """The environment a row's workload runs in (``Policy.workload_environment``)."""
+    return ctx.policy.workload_environment(ident.get("namespace"), ident.get("environment"))
+
+
 def _admission(key: str, start: datetime, end: datetime | None, srow: dict, erow: dict | None, found: Findings, ctx: Context) -> None:
     """1: admitted with no release identity, or with no approval covering its environment."""
     ident = srow["i"]
-    rid, env = ident.get("release_id"), ctx.policy.workload_environment(ident.get("namespace"), ident.get("environment"))
+    rid, env = ident.get("release_id"), _environment(ident, ctx)
     envp = ctx.policy.environment(env)
     if not (envp.requires_approval if envp else True):
         return
@@ -685,7 +690,7 @@ def _identifiers(key: str, start: datetime, end: datetime | None, srow: dict, er
 def _promotion(key: str, start: datetime, end: datetime | None, srow: dict, erow: dict | None, found: Findings, ctx: Context) -> None:
     """2: running in an environment the release was never promoted to, or was rolled back from."""
     ident = srow["i"]
-    rid, env = ident.get("release_id"), ctx.policy.workload_environment(ident.get("namespace"), ident.get("environment"))
+    rid, env = ident.get("release_id"), _environment(ident, ctx)
     envp = ctx.policy.environment(env)
     rel = ctx.release(rid)
     if not (rid and rel.known and env and envp and envp.requires_promotion):
@@ -737,7 +742,7 @@ def _preempted(cluster: list[dict], key: str, unit_ivs: list[tuple], all_rows: l
     victim's side of it forwarded to the preemptor (``victims``)."""
     at = _t(cluster[0]["at"])
     ident = {**next((r for r in cluster if r["i"].get("release_id")), cluster[0])["i"]}
-    rid, env = ident.get("release_id"), ctx.policy.workload_environment(ident.get("namespace"), ident.get("environment"))
+    rid, env = ident.get("release_id"), _environment(ident, ctx)
     restarted, restart_row = next(((s, sr["id"]) for s, _e, sr, _er in unit_ivs if s > at), (None, None))
     evidence = [r["id"] for r in cluster]
     ref = next((r["p"]["preemptor"] for r in cluster if isinstance(r["p"].get("preemptor"), dict)), None)

@@ -164,7 +164,7 @@ class Correlator:
         self.memos: dict[str, GpuMemo] = {}  # node/GPU entity -> what its rows were derived from (in memory only)
         self.counters = ctx.counters("streams.correlate")
         self.stats = ctx.stats
-        for name in ("correlated_in", "correlated_out", "conflicts", "parked", "entities"):
+        for name in ("correlated_in", "correlated_out", "conflicts", "entities"):  # (``parked``: read live, ``parked()``)
             self.stats.setdefault(name, 0)
         self.stats["capped"] = caps.counts()  # (kept up to date batch by batch: ``streams.caps``)
 
@@ -275,7 +275,6 @@ class Correlator:
         if n_in:
             self.runtime.last_input = time.monotonic()  # input arrives: parked rows wait for their watermark
         self.stats["correlated_out"] += n_out
-        self.stats["parked"] = self.runtime.parked_count()
         self.stats["capped"] = caps.counts()
         self.stats["entities"] = len(self.store) - len(self.runtime.marks.written)
         self.counters.add_sent(n_out)
