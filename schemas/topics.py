@@ -47,7 +47,11 @@ DAY_MS = 24 * 3600 * 1000
 #: release's lifecycle) would read gigabytes of superseded versions at each restart.
 #: Segments roll at 16 MiB or 10 minutes and the cleaner takes a partition once 10 % of it
 #: is superseded, so a restart reads about the live state plus a segment per partition.
-CHANGELOG_CONFIG = {"segment.bytes": str(16 * 1024 * 1024), "segment.ms": str(10 * 60 * 1000), "min.cleanable.dirty.ratio": "0.1"}
+#: ``delete.retention.ms`` (Kafka's default, one day, set so that it is known): how long a
+#: tombstone outlives its compaction — the bound on the age of a local snapshot that a
+#: recovery completes with the records written after it (``streams.snapshot``).
+CHANGELOG_CONFIG = {"segment.bytes": str(16 * 1024 * 1024), "segment.ms": str(10 * 60 * 1000), "min.cleanable.dirty.ratio": "0.1",
+                    "delete.retention.ms": str(DAY_MS)}
 
 
 class TopicCatalogue(BaseModel):

@@ -75,6 +75,15 @@ class StageContext:
         self.fault(stage, "after_changelog")
         gctune.freeze()  # what this epoch left alive is the store's: not walked by the collector again
 
+    def snapshots(self, changelog: str):
+        """Where a stateful stage's store keeps the local snapshots of ``changelog``
+        (``streams.snapshot``), or None when they are off (``streams.snapshots``)."""
+        from streams.snapshot import SnapshotDir
+
+        if not self.settings.streams.snapshots:
+            return None
+        return SnapshotDir(self.settings.data_dir / "streams" / "snapshots", changelog)
+
     def packed_batch(self) -> int:
         """Records per batch for a stage reading packed records."""
         conf = self.settings.streams

@@ -82,7 +82,8 @@ class Intake:
                  label: str, batch: int | None = None, extra: dict | None = None,
                  revoking: Callable[[list[tuple[str, int]]], Awaitable[None]] | None = None,
                  forget: Callable[[list[tuple[str, int]]], None] | None = None,
-                 assigned: Callable[[list[TopicPartition]], Awaitable[None]] | None = None) -> None:
+                 assigned: Callable[[list[TopicPartition]], Awaitable[None]] | None = None,
+                 stopped: Callable[[], object] | None = None) -> None:
         from confluent_kafka import Consumer  # looked up at construction (tests/streams/test_progress.py records it)
 
         from gpuledger.settings import worker_instance_id
@@ -114,6 +115,7 @@ class Intake:
         self._revoking = revoking
         self._forget_state = forget
         self._on_assigned = assigned
+        self._on_stopped = stopped
         self._loop: asyncio.AbstractEventLoop | None = None
         self._in_rebalance = False  # the consumer's thread waits in ``_on_revoke`` for ``revoking``
         self.assignment: set[tuple[str, int]] = set()
@@ -285,11 +287,24 @@ class Intake:
             if self._committed:
                 offsets = [TopicPartition(t, p, o) for (t, p), o in self._committed.items()]
                 await asyncio.wait_for(asyncio.to_thread(self._commit_sync, offsets), STOP_GRACE_S)
+            if self._on_stopped is not None:
+                await self._stopped()
             await asyncio.wait_for(asyncio.to_thread(self.consumer.close), STOP_GRACE_S)
         except BaseException:  # noqa: BLE001 - any way the batch, its commit or the leave did not finish
             log.critical("%s: stopping with a batch or commit unfinished; exiting without committing it", self.label)
             logging.shutdown()
             os._exit(HARD_EXIT)
+
+    async def _stopped(self) -> None:
+        """The stage's ``stopped`` hook (its state's snapshots), with the epoch committed and
+        before the group is left — in a thread, bounded by ``STOP_GRACE_S``: one that fails or
+        takes longer only costs the next start a longer read."""
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self._on_stopped), STOP_GRACE_S)
+        except asyncio.TimeoutError:
+            log.warning("%s: its stop hook did not finish within %.0fs; leaving without it", self.label, STOP_GRACE_S)
+        except Exception:  # noqa: BLE001 - the stop goes on
+            log.exception("%s: its stop hook failed", self.label)
 
     def _commit_sync(self, offsets: list[TopicPartition]) -> None:
         """Offsets committed synchronously (before leaving, or before partitions go: an

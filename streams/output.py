@@ -84,6 +84,15 @@ class BatchOutput:
         self._trouble_since: float | None = None
         self._trouble_count = 0
         self._trouble_reported = 0.0
+        self._tracked: dict = {}  # topic -> streams.snapshot.ChangelogAcks (``track``)
+
+    def track(self, topic: str):
+        """Count the records produced to ``topic`` (with an explicit partition) and their
+        acknowledgements, per partition: a ``streams.snapshot.ChangelogAcks``, shared by every
+        caller tracking the topic (a store's changelog: ``PartitionStore.follow``)."""
+        from streams.snapshot import ChangelogAcks
+
+        return self._tracked.setdefault(topic, ChangelogAcks())
 
     # --- producing ------------------------------------------------------------------
     def produce(self, topic: str, key: bytes | None, value: bytes, partition: int | None = None, source: tuple | None = None,
@@ -91,6 +100,8 @@ class BatchOutput:
         seq = self._seq
         self._seq += 1
         self._inflight.add(seq)
+        if self._tracked and partition is not None and topic in self._tracked:
+            self._tracked[topic].on_produce(partition)
         self._send(seq, (topic, key, value, partition, source, headers))
 
     def _send(self, seq: int, record: tuple) -> None:
@@ -98,9 +109,11 @@ class BatchOutput:
         letter that replaces it) is acknowledged."""
         topic, key, value, partition, _source, headers = record
 
-        def on_delivery(err, _msg, seq=seq, record=record):
+        def on_delivery(err, msg, seq=seq, record=record):
             if err is None:
                 self._inflight.discard(seq)
+                if self._tracked and record[0] in self._tracked and record[3] is not None:
+                    self._tracked[record[0]].on_ack(msg.partition(), msg.offset())
             else:
                 self._failed.append((seq, record, err))
 
@@ -124,7 +137,9 @@ class BatchOutput:
                 return
 
     def _dead(self, seq: int, record: tuple, err: KafkaError) -> None:
-        topic, key, value, _partition, source, _headers = record
+        topic, key, value, partition, source, _headers = record
+        if topic in self._tracked and partition is not None:
+            self._tracked[topic].on_refused(partition)
         value = value or b""  # a refused tombstone has none
         src_topic, src_partition, src_offset = source if source else (None, None, None)
         letter = DeadLetter(

@@ -70,7 +70,9 @@ from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_expone
 
 from gpuledger import gctune
 from sinks.retry import OutageLog
+from schemas.topics import CHANGELOG_CONFIG
 from streams.packing import kind_of, partition_for
+from streams.snapshot import ChangelogAcks, Snapshot, SnapshotDir, SnapshotInvalid
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +106,12 @@ def _watermarks(consumer: Consumer, tp: TopicPartition, within_s: float = 30.0) 
                                                  and (exc.args[0].retriable() or exc.args[0].code() in _TRANSIENT)),
                         wait=wait_exponential(multiplier=0.05, max=1), stop=stop_after_delay(within_s), reraise=True)
     return retrying(consumer.get_watermark_offsets, tp, timeout=within_s)
+
+
+#: A snapshot with changelog records written after it is used only this long after it was
+#: written: half the changelog's ``delete.retention.ms`` (which the worker sets on it), after
+#: which a tombstone among those records may be compacted away (``streams.snapshot``).
+SNAPSHOT_TAIL_MAX_AGE_S = int(CHANGELOG_CONFIG["delete.retention.ms"]) / 1000 / 2
 
 
 class StateUnavailable(RuntimeError):
@@ -520,7 +528,8 @@ class PartitionStore:
     def __init__(self, name: str, changelog: str, consumer_config: dict, on_load: Callable[[int, dict], None] | None = None,
                  chunks: Chunks | None = None, loading: asyncio.Lock | None = None,
                  summarize: Callable[[dict], object] | None = None, read_within_s: float = 30.0,
-                 on_written: Callable[[dict], None] | None = None) -> None:
+                 on_written: Callable[[dict], None] | None = None, snapshots: SnapshotDir | None = None,
+                 snapshot_tail_max_age_s: float = SNAPSHOT_TAIL_MAX_AGE_S) -> None:
         self.name = name
         self.read_within_s = read_within_s  # how long a changelog's offsets are asked for before a load fails
         self.outage = OutageLog(log, f"{name} store: reading {changelog}")  # a failing read: logged once per outage
@@ -539,6 +548,8 @@ class PartitionStore:
         self.parts: dict[int, dict[str, dict]] = {}
         # Per loaded partition: key -> its record's bytes, a state recovered and not asked for yet.
         self._cold: dict[int, dict[str, bytes]] = {}
+        # ...and the summary header its record carried (a snapshot writes it again: ``save_snapshots``).
+        self._cold_summaries: dict[int, dict[str, bytes]] = {}
         self.decoded_cold = 0
         self._dirty: dict[int, set[str]] = defaultdict(set)
         # What the changelog holds for each key (``_digest`` of the record's bytes): a key put
@@ -561,6 +572,22 @@ class PartitionStore:
         self._reading = loading or asyncio.Lock()
         self._loading = asyncio.Lock()
         self._drops: dict[int, int] = defaultdict(int)  # per partition: how often it was dropped
+        # Local snapshots (``streams.snapshot``): where they are (None: not used), what the
+        # changelog's writes were when each partition loaded (``_loaded_at``: its end offset then
+        # and ``ChangelogAcks.at`` then; None when a record of it was in flight), the changelog's
+        # topic id (a snapshot of another topic of the same name is not used).
+        self.snapshots = snapshots
+        self.snapshot_tail_max_age_s = snapshot_tail_max_age_s
+        self._acks: ChangelogAcks | None = None
+        self._loaded_at: dict[int, tuple[int, tuple[int, int, int]] | None] = {}
+        self._topic_id: str | None = None
+        self.snapshot_stats: dict = {"loaded": 0, "tail_records": 0, "read_whole": Counter(), "saved": 0, "saved_bytes": 0,
+                                     "not_saved": {}, "save_seconds": 0.0}
+
+    def follow(self, output) -> None:
+        """Count what ``output`` (a ``streams.output.BatchOutput``) writes to this store's changelog
+        — what ``save_snapshots`` needs to know that a partition's state is its changelog's fold."""
+        self._acks = output.track(self.changelog)
 
     # --- recovery -----------------------------------------------------------------------
     def prefetch(self, partitions: Iterable[int]) -> asyncio.Future:
@@ -599,7 +626,7 @@ class PartitionStore:
                         # Revoked while it loaded: what was read may be stale by the time the
                         # partition comes back (another worker wrote to it); load it again then.
                         continue
-                    self.parts[p], self._cold[p], marks, summaries = loaded.get(p, ({}, {}, {}, {}))
+                    self.parts[p], self._cold[p], marks, summaries, self._cold_summaries[p], self._loaded_at[p] = loaded[p]
                     self._kinds.update(kind_of(k) for k in self.parts[p])
                     self._kinds.update(kind_of(k) for k in self._cold[p])
                     if self.chunks is None:
@@ -609,15 +636,18 @@ class PartitionStore:
                     if self._on_load is not None:
                         self._on_load(p, summaries if self._summarize is not None else self.parts[p])
 
-    def _read(self, partitions: list[int]) -> dict[int, tuple[dict[str, dict], dict[str, bytes], dict, dict]]:
+    def _read(self, partitions: list[int]) -> dict[int, tuple]:
         with gctune.bulk(freeze=False):  # the decode below freezes what it loaded
             return self._read_partitions(partitions)
 
-    def _read_partitions(self, partitions: list[int]) -> dict[int, tuple[dict[str, dict], dict[str, bytes], dict, dict]]:
+    def _read_partitions(self, partitions: list[int]) -> dict[int, tuple]:
         """Each partition's decoded states, its cold ones (encoded), what the changelog holds
-        for each key (digest, or layout with ``chunks``) and the keys' summaries. Only a key's
-        last record is read: a changelog's tail is not compacted yet and holds many superseded
-        versions of a busy key."""
+        for each key (digest, or layout with ``chunks``), the keys' summaries, the cold keys'
+        summary headers and where the changelog's writes were when it loaded
+        (``_loaded_at``). Only a key's last record is read: a changelog's tail is not
+        compacted yet and holds many superseded versions of a busy key. With ``snapshots``,
+        a partition's usable snapshot (``_usable``) stands for its records up to the
+        snapshot's offset, and only the records after it are read."""
         started = time.monotonic()
         # Whole changelogs, read as fast as they come: larger fetches per partition than a
         # live consumer's 1 MB default (a restart waits for this read).
@@ -628,14 +658,26 @@ class PartitionStore:
                              "fetch.queue.backoff.ms": 0})  # fetch again as soon as a response is queued (a restart waits)
         raw: dict[int, dict[str, bytes | None]] = {p: {} for p in partitions}
         summaries: dict[int, dict[str, bytes]] = {p: {} for p in partitions}
+        loaded_at: dict[int, tuple | None] = {}
+        from_snapshot: dict[int, int] = {}
         try:
             ends, starts = {}, {}
             for p in partitions:
+                # What this store's output had written to the partition before its end is read:
+                # a record still in flight may land after it, unread (the state is then not the
+                # fold up to a known offset: no snapshot of it this time).
+                acks = self._acks.at(p) if self._acks is not None else None
                 low, high = _watermarks(consumer, TopicPartition(self.changelog, p), self.read_within_s)
-                if high > low:
-                    ends[p], starts[p] = high, low
+                loaded_at[p] = (high, acks) if acks is not None and acks[0] == acks[1] else None
+                start = low
+                snap = self._usable(p, low, high) if self.snapshots is not None else None
+                if snap is not None:
+                    raw[p], summaries[p] = snap.records, snap.summaries
+                    start = from_snapshot[p] = snap.offset
+                if high > start:
+                    ends[p], starts[p] = high, start
             if ends:
-                # From the low watermark just read, not OFFSET_BEGINNING (that one librdkafka looks up again).
+                # From the offset just read, not OFFSET_BEGINNING (that one librdkafka looks up again).
                 consumer.assign([TopicPartition(self.changelog, p, starts[p]) for p in ends])
                 while ends:
                     # A short timeout: consume() waits its whole timeout unless ``num`` records arrive, and
@@ -655,20 +697,63 @@ class PartitionStore:
                         else:
                             summaries[p].pop(key, None)
                         self.loaded_records += 1
+                        if p in from_snapshot:
+                            self.snapshot_stats["tail_records"] += 1
                         if msg.offset() + 1 >= ends.get(p, 0):
                             ends.pop(p, None)
         finally:
             consumer.close()
         with gctune.bulk(freeze=any(raw.values())):  # a restart's decoded state is garbage-free and long-lived
-            out = {p: self._decode(records, summaries[p]) for p, records in raw.items()}
+            out = {p: (*self._decode(records, summaries[p]), loaded_at[p]) for p, records in raw.items()}
         self.load_seconds += time.monotonic() - started
         self.last_loaded_at = time.monotonic()
-        log.info("%s: recovered %d key(s) of partition(s) %s from %s in %.1fs", self.name, sum(len(v[0]) + len(v[1]) for v in out.values()),
-                 partitions, self.changelog, time.monotonic() - started)
+        self.snapshot_stats["loaded"] += len(from_snapshot)
+        log.info("%s: recovered %d key(s) of partition(s) %s from %s in %.1fs%s", self.name, sum(len(v[0]) + len(v[1]) for v in out.values()),
+                 partitions, self.changelog, time.monotonic() - started,
+                 f" (partition(s) {sorted(from_snapshot)} from their snapshots, then the changelog after them)" if from_snapshot else "")
         return out
 
-    def _decode(self, records: dict[str, bytes | None], summaries: dict[str, bytes | None]) -> tuple[dict[str, dict], dict[str, bytes], dict, dict]:
-        """(decoded states, cold states, marks, summaries) of one partition's last records.
+    def _usable(self, partition: int, low: int, high: int) -> Snapshot | None:
+        """The partition's snapshot if it may stand for its changelog up to its offset (see
+        ``streams.snapshot``), else None — the reason logged and counted (``read_whole``)."""
+        try:
+            snap = self.snapshots.load(partition)
+            if snap is None:
+                return None
+            topic_id = self._changelog_id()
+            if snap.topic_id != topic_id:
+                raise SnapshotInvalid("another topic", f"it is of another {self.changelog} topic (id {snap.topic_id}, the topic's is {topic_id}): "
+                                      "the topic was deleted and created again")
+            if not low <= snap.offset <= high:
+                raise SnapshotInvalid("offset outside the partition", f"its offset {snap.offset} is outside the partition's offsets now ({low}-{high})")
+            if high > snap.offset and snap.age_s() > self.snapshot_tail_max_age_s:
+                raise SnapshotInvalid("too old for the records after it", f"records were written after it and it is {snap.age_s() / 3600:.1f} h old: a tombstone among them "
+                                      "may have been compacted away")
+            return snap
+        except SnapshotInvalid as exc:
+            kind, reason = exc.kind, str(exc)
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the changelog is read whole (as without a snapshot)
+            kind, reason = type(exc).__name__, f"{type(exc).__name__}: {exc}"
+        self.snapshot_stats["read_whole"][kind] += 1
+        log.warning("%s store: not using the snapshot of %s[%d] (%s); reading the partition's changelog whole",
+                    self.name, self.changelog, partition, reason)
+        return None
+
+    def _changelog_id(self) -> str:
+        """The changelog topic's id (Kafka's, stable for the topic's life), looked up once."""
+        if self._topic_id is None:
+            from confluent_kafka import TopicCollection
+            from confluent_kafka.admin import AdminClient
+
+            config = {k: v for k, v in self._consumer_config.items() if not k.startswith(("group.", "fetch.", "enable.", "auto."))}
+            admin = AdminClient(config)
+            description = admin.describe_topics(TopicCollection([self.changelog]), request_timeout=self.read_within_s)[self.changelog]
+            self._topic_id = str(description.result(timeout=self.read_within_s).topic_id)
+        return self._topic_id
+
+    def _decode(self, records: dict[str, bytes | None], summaries: dict[str, bytes | None]) -> tuple[dict[str, dict], dict[str, bytes], dict, dict, dict]:
+        """(decoded states, cold states, marks, summaries, the cold states' summary headers) of
+        one partition's last records.
         A state is left cold (its bytes) when its record carries its summary and is the whole
         state (not split in chunks); anything else is decoded and summarized here."""
         heads: dict[str, bytes] = {}
@@ -683,6 +768,7 @@ class PartitionStore:
         summarize = self._summarize
         states: dict[str, dict] = {}
         cold: dict[str, bytes] = {}
+        cold_summaries: dict[str, bytes] = {}
         marks: dict = {}
         out_summaries: dict = {}
         for key, head in heads.items():
@@ -692,6 +778,7 @@ class PartitionStore:
             summary = summaries.get(key) if summarized and not key_parts else None
             if summary is not None:
                 cold[key] = head  # its mark is taken when it is decoded (``_warm``)
+                cold_summaries[key] = summary
                 out_summaries[key] = orjson.loads(summary)
                 continue
             if key_parts:
@@ -702,7 +789,7 @@ class PartitionStore:
                 out_summaries[key] = summarize(states[key])
         for key in parts.keys() - heads.keys():
             marks[key] = orphaned(parts[key])  # no state: tombstoned by the key's next write
-        return states, cold, marks, out_summaries
+        return states, cold, marks, out_summaries, cold_summaries
 
     def _mark(self, value: bytes):
         """What the store remembers of a key whose changelog record is ``value``: its digest,
@@ -722,6 +809,8 @@ class PartitionStore:
             self._drops[p] += 1
             self._kinds.subtract(kind_of(k) for k in self.parts.pop(p, {}))
             self._kinds.subtract(kind_of(k) for k in self._cold.pop(p, {}))
+            self._cold_summaries.pop(p, None)
+            self._loaded_at.pop(p, None)
             self._dirty.pop(p, None)
             self._written.pop(p, None)  # a failed batch drops its partitions: nothing here is trusted past the changelog
             self._layouts.pop(p, None)
@@ -730,7 +819,8 @@ class PartitionStore:
     def start_empty(self, partitions: Iterable[int]) -> None:
         """Take ``partitions`` as loaded with no state (a tool or benchmark without a changelog)."""
         for p in partitions:
-            self.parts[p], self._cold[p] = {}, {}
+            self.parts[p], self._cold[p], self._cold_summaries[p] = {}, {}, {}
+            self._loaded_at[p] = None  # not the fold of any changelog offset known here: never snapshotted
             if self.chunks is None:
                 self._written[p] = {}
             else:
@@ -758,6 +848,7 @@ class PartitionStore:
         cold), remembering what its record holds, as a recovery does for a decoded state."""
         value = self._cold[partition].pop(key, None)
         if value is not None:
+            self._cold_summaries[partition].pop(key, None)
             (self._written if self.chunks is None else self._layouts)[partition][key] = self._mark(value)
         return value
 
@@ -792,10 +883,105 @@ class PartitionStore:
         return {"keys": len(self), "kinds": {k: n for k, n in sorted(self._kinds.items()) if n > 0}, "partitions": sorted(self.parts),
                 "cold": sum(map(len, self._cold.values())), "decoded_cold": self.decoded_cold, "read_failures": self.outage.failed_attempts,
                 "recovered_records": self.loaded_records,
-                "recovery_seconds": round(self.load_seconds, 3), "last_loaded_at": self.last_loaded_at}
+                "recovery_seconds": round(self.load_seconds, 3), "last_loaded_at": self.last_loaded_at, "snapshots": self.snapshot_health()}
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.parts.values()) + sum(len(v) for v in self._cold.values())
+
+    # --- snapshots ----------------------------------------------------------------------------
+    def save_snapshots(self, partitions: Iterable[int] | None = None) -> dict[int, str]:
+        """Write a local snapshot (``streams.snapshot``) of each loaded partition — of
+        ``partitions``, or all — whose state in memory is the fold of its changelog up to a
+        known offset (``_position``); a stage calls this at a clean stop, after its last epoch
+        commit. Returns partition -> why it was not written, for those that were not (their
+        previous snapshot, if any, stays: it and the changelog after it are still the state)."""
+        if self.snapshots is None:
+            return {}
+        started = time.monotonic()
+        not_saved: dict[int, str] = {}
+        for p in sorted(self.parts if partitions is None else set(partitions) & set(self.parts)):
+            offset, reason = self._position(p)
+            if reason is None:
+                try:
+                    topic_id = self._changelog_id()
+                    records, summaries = self._records(p)
+                    size = self.snapshots.save(Snapshot(self.changelog, p, offset, topic_id, records, summaries))
+                    self.snapshot_stats["saved"] += 1
+                    self.snapshot_stats["saved_bytes"] += size
+                    continue
+                except Exception as exc:  # noqa: BLE001 - a snapshot is an optimisation: the changelog is still the state
+                    reason = f"{type(exc).__name__}: {exc}"
+            not_saved[p] = reason
+        self.snapshot_stats["not_saved"] = not_saved
+        self.snapshot_stats["save_seconds"] += time.monotonic() - started
+        for p, reason in not_saved.items():
+            log.warning("%s store: no snapshot of %s[%d] written (%s); the next start reads it from its changelog", self.name, self.changelog,
+                        p, reason)
+        log.info("%s store: snapshots of %d partition(s) written in %.1fs", self.name, self.snapshot_stats["saved"],
+                 time.monotonic() - started)
+        return not_saved
+
+    def _position(self, partition: int) -> tuple[int | None, str | None]:
+        """The changelog offset whose fold the partition's state in memory is, or why it is not
+        known: a changed state not written yet, a record not acknowledged, a record in flight
+        when it loaded, or a record of another writer among this store's since then (the
+        offsets this store's output got are not the ones right after the end it loaded at)."""
+        if self._dirty.get(partition):
+            return None, f"{len(self._dirty[partition])} changed state(s) not written to the changelog"
+        if self._acks is None:
+            return None, "the store does not follow its output's writes (PartitionStore.follow)"
+        base = self._loaded_at.get(partition)
+        if base is None:
+            return None, "a changelog record of it was still in flight when it was loaded"
+        high, (_produced0, acked0, _next0) = base
+        produced, acked, next_offset = self._acks.at(partition)
+        if produced != acked:
+            return None, f"{produced - acked} changelog record(s) of it not acknowledged"
+        written = acked - acked0
+        if written == 0:
+            return high, None
+        if next_offset - high != written:
+            return None, (f"its changelog has records of another writer among this store's ({written} written here since it loaded "
+                          f"at offset {high}, the last at {next_offset - 1})")
+        return next_offset, None
+
+    def _records(self, partition: int) -> tuple[dict[str, bytes], dict[str, bytes]]:
+        """The partition's records as its changelog would hold them if every state in memory
+        were written now (key -> value; key -> summary header): a cold state's own record; a
+        state's encoding (and summary), or in chunks its head and its layout's sealed chunks;
+        a key with chunks and no state (a crash's orphans) its chunks' names, which is all a
+        recovery reads of them."""
+        records: dict[str, bytes] = dict(self._cold.get(partition, {}))
+        summaries: dict[str, bytes] = dict(self._cold_summaries.get(partition, {}))
+        layouts = self._layouts.get(partition, {}) if self.chunks is not None else {}
+        for key, state in self.parts[partition].items():
+            layout = layouts.get(key)
+            if layout is None or not layout.chunks:
+                records[key] = orjson.dumps(state)
+                headers = self._headers(key, state)
+                if headers:
+                    summaries[key] = headers[0][1]
+                continue
+            open_ids = {}
+            for name in self.chunks.fields:
+                member = layout.member.get(name, {})
+                open_ids[name] = [i for i in (state.get(name) or {}) if i not in member]
+            records[key] = orjson.dumps(_head(self.chunks, state, layout, open_ids))
+            for tag, ids in layout.chunks.items():
+                if ids:
+                    records[f"{key}{SEP}{tag}"] = _chunk_value(self.chunks, tag.rstrip("0123456789"), state, ids)
+        for key, layout in layouts.items():
+            if key not in records:
+                for tag in layout.chunks:
+                    records[f"{key}{SEP}{tag}"] = b"{}"
+        return records, summaries
+
+    def snapshot_health(self) -> dict:
+        stats = self.snapshot_stats
+        return {"dir": str(self.snapshots.dir) if self.snapshots else None, "loaded_partitions": stats["loaded"],
+                "tail_records": stats["tail_records"], "read_whole": dict(stats["read_whole"]), "saved_partitions": stats["saved"],
+                "saved_bytes": stats["saved_bytes"], "not_saved": {str(p): r for p, r in stats["not_saved"].items()},
+                "save_seconds": round(stats["save_seconds"], 3)}
 
     # --- the changelog ----------------------------------------------------------------------
     def _headers(self, key: str, state: dict | None) -> list[tuple[str, bytes]] | None:

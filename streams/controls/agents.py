@@ -149,7 +149,9 @@ class Controller:
         self.policy_version = self.policy.fingerprint  # hashed once: the policy does not change in a running worker
         self.runtime = ControlRuntime()
         self.store = PartitionStore("controls", ctx.run.controls_changelog, ctx.consumer_config, on_load=self._loaded,
-                                    loading=getattr(ctx, "recovery_lock", None), summarize=control_summary)
+                                    loading=getattr(ctx, "recovery_lock", None), summarize=control_summary,
+                                    snapshots=ctx.snapshots(ctx.run.controls_changelog))
+        self.store.follow(ctx.output)
         self.packer = Packer(ctx.run.controls, ctx.run.partitions, max_messages=ctx.settings.streams.pack_max)
         # The epoch's violation records, per input partition, the latest of each violation id
         # (``emit_violations``).

@@ -156,7 +156,8 @@ class Correlator:
         self.store = PartitionStore("entities", run.entities_changelog, ctx.consumer_config, on_load=self._loaded,
                                     chunks=entity_chunks(ctx.settings.streams.state_chunk, ctx.settings.streams.state_chunk_from),
                                     loading=getattr(ctx, "recovery_lock", None), summarize=entity_summary,
-                                    on_written=state_written)
+                                    on_written=state_written, snapshots=ctx.snapshots(run.entities_changelog))
+        self.store.follow(ctx.output)
         pack_max = ctx.settings.streams.pack_max
         self.route = Packer(run.route, run.partitions, max_messages=pack_max)
         self.controls = Packer(run.controls, run.partitions, max_messages=pack_max)

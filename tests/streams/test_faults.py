@@ -343,3 +343,52 @@ def test_a_release_changed_while_the_worker_was_down_re_derives_only_its_depende
     reference = Run(kafka_bootstrap, cat, tmp_path, f"{cat.prefix}-straight").start()
     reference.wait_done(len(first) + len(later))
     assert restarted == reference.stop_and_checksum()
+
+
+def _snapshots(health: dict) -> dict:
+    return {name: store["snapshots"] for name, store in health["stores"].items()}
+
+
+def test_a_clean_stop_mid_run_restarts_from_local_snapshots_and_heals_to_the_uninterrupted_tables(kafka_bootstrap, history, reference, tmp_path):
+    """SIGTERM while the history is a quarter processed: both stateful stages write their
+    partitions' state to local snapshots (streams.snapshot). The next start crashes (kill -9
+    after its second changelog write), so the one after it takes those snapshots plus the
+    changelog records the crashed run wrote after them — and ends with the uninterrupted
+    run's tables. A clean stop then snapshots the whole history, and a restart reads not one
+    changelog record: the same tables again."""
+    cat, n = history
+    commits = reference.health["epochs"]["correlate_entities"]["commits"]
+    assert commits >= 6, f"the reference run's correlation committed {commits} time(s): too few to stop at a quarter and crash after it"
+    run = Run(kafka_bootstrap, cat, tmp_path, f"{cat.prefix}-snapshot").start()
+    with run.stopped_on_failure():
+        deadline = time.monotonic() + 180
+        # (the controls stage too: it has state to snapshot once it has evaluated something)
+        while (stats := run.health()["stats"]).get("correlated_in", 0) < n // 4 or not stats.get("controls_in"):
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.05)
+    assert run.service.stop(grace=30) == 0, run.service.log_tail()
+    where = run.data / "streams" / "snapshots"
+    changelogs = [f"{cat.prefix}.{run.app_id}.{name}-changelog.v1" for name in ("controls", "entities")]
+    files = sorted(str(f.relative_to(where)) for f in where.rglob("*.snapshot"))
+    assert files == [f"{c}/{p}.snapshot" for c in changelogs for p in range(4)], (files, run.service.log_tail())
+    snapped = {f: (where / f).read_bytes() for f in files}
+
+    assert run.start("correlate:after_changelog:2").wait_crashed() == 137
+    assert {f: (where / f).read_bytes() for f in files} == snapped  # a crash writes none
+    run.start()
+    with run.stopped_on_failure():
+        health = run.wait_done(n)
+        entities = health["stores"]["entities"]
+        assert entities["snapshots"]["loaded_partitions"] == 4 and entities["snapshots"]["read_whole"] == {}, entities
+        assert 0 < entities["snapshots"]["tail_records"] == entities["recovered_records"], entities
+        assert entities["keys"] == reference.health["stores"]["entities"]["keys"], entities
+    assert run.stop_and_checksum() == reference.sums
+
+    run.start()
+    with run.stopped_on_failure():
+        health = run.wait_done(n)
+        snaps = _snapshots(health)
+        assert snaps["entities"]["loaded_partitions"] == 4 and snaps["controls"]["loaded_partitions"] == 4, snaps
+        assert health["stores"]["entities"]["recovered_records"] == health["stores"]["controls"]["recovered_records"] == 0, health["stores"]
+        assert health["stores"]["entities"]["keys"] == reference.health["stores"]["entities"]["keys"], health["stores"]
+    assert run.stop_and_checksum() == reference.sums

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import uuid
 
 import orjson
@@ -14,7 +15,7 @@ import pytest
 from producers._kafka import ensure_specs
 from schemas.topics import TopicSpec
 from streams.output import BatchOutput
-from streams.store import SEP, SUMMARY_HEADER, Chunks, PartitionStore, StateUnavailable, _Layout, decode_chunked, encode_chunked
+from streams.store import SEP, SUMMARY_HEADER, Chunks, PartitionStore, StateUnavailable, _Layout, decode_chunked, encode_chunked, touched
 from tests.fixtures.kafka import read_topic
 
 
@@ -336,7 +337,7 @@ def test_chunks_left_without_a_head_by_a_crash_are_tombstoned_by_the_keys_next_w
 
     def recover(changelog: dict) -> PartitionStore:
         store = PartitionStore("entities", "unused.changelog", {}, chunks=CHUNKS)  # decoding and writing: no broker
-        store.parts[0], store._cold[0], store._layouts[0], _summaries = store._decode(changelog, {})
+        store.parts[0], store._cold[0], store._layouts[0], _summaries, store._cold_summaries[0] = store._decode(changelog, {})
         return store
 
     def write(store: PartitionStore, state: dict | None) -> list[tuple[str, bytes | None]]:
@@ -679,3 +680,177 @@ def test_the_owner_is_told_of_each_state_written_and_only_of_those(chunked):
     out = _Recorded()
     store.write_changes(out)
     assert told == [] and [v for _k, v in out.records] == [None]
+
+
+# --- local snapshots (streams.snapshot) ---------------------------------------------------------
+
+def _snap_store(topic, config, where, shape, loads=None, **kw) -> PartitionStore:
+    from streams.snapshot import SnapshotDir
+
+    return PartitionStore("t", topic, config, chunks=shape, summarize=_summary, snapshots=SnapshotDir(where, topic) if where else None,
+                          on_load=(lambda p, s: loads.append((p, s))) if loads is not None else None, **kw)
+
+
+def _everything(store: PartitionStore) -> dict:
+    """Every state of the store, decoded, by partition (a fresh copy: decoding warms cold states)."""
+    return {p: orjson.loads(orjson.dumps(store.states(p))) for p in sorted(store.parts)}
+
+
+@pytest.mark.parametrize("shape", [None, ENTITY_CHUNKS], ids=["whole-states", "entity-chunks"])
+def test_a_snapshot_stands_for_its_changelog_up_to_its_offset_and_only_the_records_after_it_are_read(kafka_bootstrap, tmp_path, shape):
+    """A store's snapshots, written when every state is written and acknowledged, load into the
+    same states, summaries and kinds as its changelog read whole — without reading a record of
+    it; records written after a snapshot (changed, deleted, chunks sealed and emptied) are read
+    on top of it, and that again equals the changelog read whole."""
+    topic, config, output = _setup(kafka_bootstrap)
+    pods = {(i % 2, f"pod:ml/p{i}"): {"key": f"pod:ml/p{i}", "interests": [f"rid:r{i}"], "rows": {f"e{i}": {"id": f"e{i}", "parked": i % 3 == 0}}}
+            for i in range(8)}
+    big = _entity(13, 3) if shape else {"key": "gpu:n1/GPU-1", "interests": ["rid:r1"], "rows": {}}
+    first = PartitionStore("t", topic, config, chunks=shape, summarize=_summary)
+    asyncio.run(first.ensure([0, 1]))
+    _write(first, output, {**pods, (0, big["key"]): big, (1, "~directory"): {"key": "~directory", "covered": {"r1": 3}}})
+
+    # A store that recovered them (cold states), changed some (warm, one deleted) and wrote that.
+    writer = _snap_store(topic, config, tmp_path, shape)
+    writer.follow(output)
+    asyncio.run(writer.ensure([0, 1]))
+    assert writer.health()["cold"] == (8 if shape else 9)  # a state in chunks is decoded at once
+    grown = writer.get(0, big["key"])
+    grown["rows"].update({f"n{i}": {"id": f"n{i}", "parked": False} for i in range(5)})
+    touched(grown["rows"], "e0")
+    _write(writer, output, {(0, big["key"]): grown, (1, "pod:ml/p1"): {"key": "pod:ml/p1", "interests": [], "rows": {}}, (0, "pod:ml/p2"): None})
+    assert writer.save_snapshots() == {} and writer.health()["snapshots"]["saved_partitions"] == 2
+
+    loads, whole_loads = [], []
+    snapped = _snap_store(topic, config, tmp_path, shape, loads)
+    asyncio.run(snapped.ensure([0, 1]))
+    whole = _snap_store(topic, config, None, shape, whole_loads)
+    asyncio.run(whole.ensure([0, 1]))
+    assert snapped.loaded_records == 0 and whole.loaded_records > 0
+    assert snapped.health()["snapshots"]["loaded_partitions"] == 2 and snapped.health()["kinds"] == whole.health()["kinds"]
+    assert sorted(loads, key=repr) == sorted(whole_loads, key=repr)
+    assert snapped.health()["cold"] == whole.health()["cold"] > 0  # kept encoded, as a changelog read keeps them
+    assert _everything(snapped) == _everything(whole) == _everything(writer)
+    assert _write(snapped, output, {(0, big["key"]): snapped.get(0, big["key"])}) == 0  # what the changelog holds already
+
+    # Written after the snapshot: a change, a delete, rows detached (a chunk emptied) and added.
+    tail = _snap_store(topic, config, tmp_path, shape)
+    asyncio.run(tail.ensure([0, 1]))
+    state = tail.get(0, big["key"])
+    for i in range(8):
+        state["rows"].pop(f"e{i}", None)
+        (state.get("sent") or {}).pop(f"e{i}", None)
+    state["rows"].update({f"m{i}": {"id": f"m{i}", "parked": True} for i in range(9)})
+    written = _write(tail, output, {(0, big["key"]): state, (1, "pod:ml/p3"): None, (0, "pod:ml/p4"): {"key": "pod:ml/p4", "interests": ["x"], "rows": {}}})
+    loads, whole_loads = [], []
+    after = _snap_store(topic, config, tmp_path, shape, loads)
+    asyncio.run(after.ensure([0, 1]))
+    whole = _snap_store(topic, config, None, shape, whole_loads)
+    asyncio.run(whole.ensure([0, 1]))
+    assert after.loaded_records == after.health()["snapshots"]["tail_records"] == written > 0
+    assert sorted(loads, key=repr) == sorted(whole_loads, key=repr)
+    assert _everything(after) == _everything(whole) == _everything(tail)
+    output.close()
+
+
+def test_a_snapshot_that_cannot_stand_for_its_changelog_is_not_used_and_says_why(kafka_bootstrap, tmp_path, caplog):
+    """Damaged, of another topic of the same name (deleted and created again), past the
+    partition's end, or too old to have records after it (a tombstone among them may be
+    compacted away): the changelog is read whole, and the reason is in the log and health.
+    A file that names a class is refused without running it."""
+    import pickle
+    import zlib
+
+    from streams.snapshot import MAGIC, SnapshotDir
+
+    topic, config, output = _setup(kafka_bootstrap)
+    writer = _snap_store(topic, config, tmp_path, None)
+    writer.follow(output)
+    asyncio.run(writer.ensure([0, 1]))
+    _write(writer, output, {(p, f"pod:ml/p{p}"): {"key": f"pod:ml/p{p}", "interests": [], "rows": {}} for p in (0, 1)})
+    assert writer.save_snapshots() == {}
+    files = SnapshotDir(tmp_path, topic)
+    good = files.path(0).read_bytes()
+
+    def loaded(partition: int = 0) -> PartitionStore:
+        store = _snap_store(topic, config, tmp_path, None)
+        asyncio.run(store.ensure([partition]))
+        assert store.states(partition) == {f"pod:ml/p{partition}": {"key": f"pod:ml/p{partition}", "interests": [], "rows": {}}}
+        return store
+
+    assert loaded().health()["snapshots"]["loaded_partitions"] == 1
+
+    def rewritten(**change) -> None:
+        snap = files.load(0)
+        for name, value in change.items():
+            setattr(snap, name, value)
+        files.save(snap)
+
+    cases = [
+        (lambda: files.path(0).write_bytes(good[:-10] + b"0123456789"), "damaged", "is damaged (checksum mismatch)"),
+        (lambda: files.path(0).write_bytes(b"junk"), "not a snapshot", "is not a gpuledger state snapshot"),
+        (lambda: rewritten(topic_id="AAAAAAAAAAAAAAAAAAAAAA"), "another topic", "the topic was deleted and created again"),
+        (lambda: rewritten(offset=99), "offset outside the partition", "its offset 99 is outside the partition's offsets now (0-1)"),
+    ]
+    for damage, kind, reason in cases:
+        files.path(0).write_bytes(good)
+        damage()
+        with caplog.at_level(logging.WARNING, logger="streams.store"):
+            caplog.clear()
+            store = loaded()
+        health = store.health()["snapshots"]
+        assert health["loaded_partitions"] == 0 and store.loaded_records == 1 and health["read_whole"] == {kind: 1}, health
+        assert reason in caplog.text and "reading the partition's changelog whole" in caplog.text, caplog.text
+
+    # old: used while nothing was written after it; not once something was
+    files.path(0).write_bytes(good)
+    rewritten(written_at=0.0)
+    assert loaded().health()["snapshots"]["loaded_partitions"] == 1
+    _write(writer, output, {(0, "pod:ml/other"): {"key": "pod:ml/other", "interests": [], "rows": {}}})
+    store = _snap_store(topic, config, tmp_path, None)
+    asyncio.run(store.ensure([0]))
+    assert store.health()["snapshots"]["loaded_partitions"] == 0 and store.loaded_records == 2
+    assert store.health()["snapshots"]["read_whole"] == {"too old for the records after it": 1}
+
+    # a class named in the file: refused, never called
+    class Boom:
+        def __reduce__(self):
+            return (exec, ("raise SystemExit('ran')",))
+
+    payload = pickle.dumps({"changelog": topic, "partition": 1, "offset": 1, "topic_id": files.load(1).topic_id, "written_at": 0.0,
+                            "records": {"pod:ml/p1": Boom()}, "summaries": {}}, protocol=5)
+    files.path(1).write_bytes(MAGIC + zlib.crc32(payload).to_bytes(4, "big") + payload)
+    store = loaded(1)
+    assert store.health()["snapshots"]["loaded_partitions"] == 0 and store.health()["snapshots"]["read_whole"] == {"does not decode": 1}
+    output.close()
+
+
+def test_a_partition_whose_state_is_not_its_changelogs_fold_at_a_known_offset_is_not_snapshotted(kafka_bootstrap, tmp_path):
+    """No snapshot of a partition with a state changed and not written, with a record of it in
+    flight when it loaded, or whose changelog got another writer's records among this store's;
+    the other partitions are written, and a snapshot already there is left as it was."""
+    from streams.snapshot import SnapshotDir
+
+    topic, config, output = _setup(kafka_bootstrap)
+    store = _snap_store(topic, config, tmp_path, None)
+    store.follow(output)
+    output.produce(topic, b"pod:ml/early", orjson.dumps({"key": "pod:ml/early"}), partition=1)  # not acknowledged before the load
+    asyncio.run(store.ensure([0, 1]))
+    asyncio.run(output.flush())
+    store.put(0, "pod:ml/dirty", {"key": "pod:ml/dirty", "interests": [], "rows": {}})
+    assert store.save_snapshots() == {0: "1 changed state(s) not written to the changelog",
+                                      1: "a changelog record of it was still in flight when it was loaded"}
+    assert not SnapshotDir(tmp_path, topic).path(0).exists()
+    store.write_changes(output)
+    asyncio.run(output.flush())
+    assert 0 not in store.save_snapshots() and SnapshotDir(tmp_path, topic).path(0).exists()
+
+    other = BatchOutput(config, "another-writer", f"{topic}.dead")
+    other.produce(topic, b"pod:ml/theirs", orjson.dumps({"key": "pod:ml/theirs"}), partition=0)
+    asyncio.run(other.flush())
+    other.close()
+    before = SnapshotDir(tmp_path, topic).path(0).read_bytes()
+    _write(store, output, {(0, "pod:ml/mine"): {"key": "pod:ml/mine", "interests": [], "rows": {}}})
+    assert "another writer" in store.save_snapshots()[0]
+    assert SnapshotDir(tmp_path, topic).path(0).read_bytes() == before
+    output.close()
