@@ -843,9 +843,14 @@ class Bench:
                 print(f"      {name} store: still loading ({st['recovered_records']:,} changelog records read so far)", flush=True)
                 continue
             # the worker's time.monotonic() is this process's clock
-            print(f"      {name} store: {st['keys']:,} keys recovered from {st['recovered_records']:,} changelog records in "
+            snaps = st.get("snapshots") or {}
+            from_snapshots = (f" and {snaps['loaded_partitions']} partition snapshot(s) ({snaps['read_seconds']:.1f}s of reading them)"
+                              if snaps.get("loaded_partitions") else "")
+            print(f"      {name} store: {st['keys']:,} keys recovered from {st['recovered_records']:,} changelog records{from_snapshots} in "
                   f"{st['recovery_seconds']:.1f}s of loading, the last load ended {st['last_loaded_at'] - started:.1f}s after the start",
                   flush=True)
+            if snaps.get("read_whole"):
+                print(f"      {name} store: snapshots not used: {snaps['read_whole']}", flush=True)
         self.results["restart"] = out
         return out
 

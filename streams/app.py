@@ -76,7 +76,6 @@ class WorkerContext(StageContext):
         self.app = None
         self.sink = None  # gpuledger.child.ChildProcess: the sink's process (sinks.service), when this worker runs one
         self.health_client = HealthClient()
-        self.stopping = False  # SIGTERM received: partitions given up now are snapshotted (``_revoked``)
 
     def assigned(self, topic: str) -> set[int]:
         """The partitions of ``topic`` assigned to this worker right now."""
@@ -249,10 +248,8 @@ def create_app(settings) -> faust.App:
         # first batch waited for both, one after the other).
         ctx.correlator.store.prefetch({tp.partition for tp in app.consumer.assignment() if tp.topic == run.route})
 
-    async def _settled_then_flushed(commit: bool) -> None:
+    async def _settled_then_flushed() -> None:
         for epoch in ctx.epochs.values():
-            if commit:
-                await epoch.commit_now()  # a stop: what the last batches changed is written before the snapshot
             await epoch.settle()  # an epoch's tail still to write its changelog writes it now
         await ctx.output.flush()
 
@@ -263,22 +260,14 @@ def create_app(settings) -> faust.App:
         # still queued. They are acknowledged before the partitions go: landing after their
         # next owner (or this worker, given them back) read the changelog, they would be
         # missing from the layout it loaded (``Correlator.reset`` says what that costs).
-        stopping = ctx.stopping
         try:
-            await asyncio.wait_for(_settled_then_flushed(stopping), REVOKE_FLUSH_S)
-            settled = True
+            await asyncio.wait_for(_settled_then_flushed(), REVOKE_FLUSH_S)
         except asyncio.TimeoutError:
-            settled = False
             log.warning("rebalance: records produced before it still not acknowledged after %.0fs; giving the partitions up",
                         REVOKE_FLUSH_S)
-        gone = {tp.partition for tp in revoked if tp.topic == run.route}
-        if stopping and settled and gone:
-            # A clean stop gives every partition up: its state is written to local snapshots
-            # first, for the next start (``streams.snapshot``).
-            await asyncio.to_thread(ctx.correlator.store.save_snapshots, gone)
         for epoch in ctx.epochs.values():
             epoch.forget((tp.topic, tp.partition) for tp in revoked)
-        ctx.correlator.forget(gone)
+        ctx.correlator.forget({tp.partition for tp in revoked if tp.topic == run.route})
 
     @app.page("/gpuledger/health/")
     class HealthView(faust.web.View):
@@ -364,7 +353,6 @@ def stop_within(app: faust.App, worker, children) -> None:
         original = worker._on_sigterm
 
         def on_sigterm() -> None:
-            app.gpuledger.stopping = True
             timer = threading.Timer(STOP_WITHIN_S, hard_stop)
             timer.daemon = True
             timer.start()
@@ -453,7 +441,9 @@ def run_worker(settings, loglevel: str = "info") -> None:
         if left:
             log.warning("%d output record(s) were not acknowledged at exit (their batches were not acked either)", left)
         elif ctx.correlator is not None and ctx.correlator.store.parts:
-            # Partitions Faust did not give up on its way out (``_revoked`` snapshots those it does).
+            # Faust leaves its group on the way out without revoking anything: the store still
+            # holds every partition, its last epoch committed (``commit_epochs_while_stopping``;
+            # a state changed after it is not snapshotted: ``save_snapshots``).
             ctx.correlator.store.save_snapshots()
         for child in children:
             child.signal_stop()  # both stop at once, then each is waited for
