@@ -31,12 +31,17 @@ written and acknowledged, nothing of the partition in flight, and this worker's 
 only ones since it loaded the partition (the offsets acknowledged are contiguous after the end
 it read) — see ``ChangelogAcks``.
 
-Format: ``MAGIC``, the CRC-32 of the payload (4 bytes, big-endian), the payload: a pickle
-(protocol 5) of builtin values only — dicts, str, bytes, ints, floats — read back by an
-unpickler that refuses every class (``_BuiltinsOnly``), so a file planted in the data dir can
-at worst fail to load. Written to a temporary name and renamed over the old one: a crash while
-writing leaves the previous snapshot (the changelog tail covers what it misses). Not fsynced:
-a file damaged by a machine crash fails its checksum and the partition is read whole.
+Format: ``MAGIC``, then frames — each a 4-byte big-endian length and a pickle (protocol 5) of
+builtin values only: first the header (a dict: changelog, partition, offset, topic id, when it was
+written), then the records in lists of up to ``FRAME_RECORDS`` ``(key, value, summary or None)``
+tuples — an empty frame, and the CRC-32 of every byte after ``MAGIC`` before it (4 bytes). Frames
+rather than one pickle: a stop writes a partition of any size with one frame's records encoded at a
+time, and a start reads it a frame at a time (one pickle of a whole partition doubled its size in
+memory at both ends). Read back by an unpickler that refuses every class (``_BuiltinsOnly``), so
+a file planted in the data dir can at worst fail to load. Written to a temporary name and renamed
+over the old one: a crash while writing leaves the previous snapshot (the changelog tail covers
+what it misses), and its temporary file is removed by the next save. Not fsynced: a file damaged
+by a machine crash fails its checksum (or ends early) and the partition is read whole.
 """
 
 from __future__ import annotations
@@ -47,13 +52,15 @@ import os
 import pickle
 import time
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"gpuledger-snapshot-1\n"
-_CRC_BYTES = 4
+MAGIC = b"gpuledger-snapshot-2\n"
+FRAME_RECORDS = 1000
+_LEN = 4  # bytes of a frame's length, and of the CRC
 
 
 class SnapshotInvalid(ValueError):
@@ -100,52 +107,96 @@ class SnapshotDir:
     def path(self, partition: int) -> Path:
         return self.dir / f"{partition}.snapshot"
 
-    def save(self, snap: Snapshot) -> int:
-        """Write ``snap`` (atomically replacing the partition's file); its size in bytes."""
-        payload = pickle.dumps({"changelog": snap.changelog, "partition": snap.partition, "offset": snap.offset,
-                                "topic_id": snap.topic_id, "written_at": snap.written_at,
-                                "records": snap.records, "summaries": snap.summaries}, protocol=5)
+    def save(self, partition: int, offset: int, topic_id: str, records: Iterable[tuple[str, bytes, bytes | None]],
+             written_at: float | None = None) -> int:
+        """Write the partition's snapshot as of ``offset`` from ``records`` (key, value, summary
+        header or None; consumed as it is written), atomically replacing its file; its size in bytes.
+        ``written_at``: now, unless told otherwise (the tests age one)."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        target = self.path(snap.partition)
+        target = self.path(partition)
         for stale in self.dir.glob(f".{target.name}.*.tmp"):  # a stop cut short while writing (its hard exit) left it
             stale.unlink(missing_ok=True)
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        crc, size = 0, len(MAGIC)
+
+        def frame(f, value) -> None:
+            nonlocal crc, size
+            data = pickle.dumps(value, protocol=5)
+            head = len(data).to_bytes(_LEN, "big")
+            crc = zlib.crc32(data, zlib.crc32(head, crc))
+            f.write(head)
+            f.write(data)
+            size += _LEN + len(data)
+
         try:
             with open(tmp, "wb") as f:
                 f.write(MAGIC)
-                f.write(zlib.crc32(payload).to_bytes(_CRC_BYTES, "big"))
-                f.write(payload)
+                frame(f, {"changelog": self.changelog, "partition": partition, "offset": offset, "topic_id": topic_id,
+                          "written_at": time.time() if written_at is None else written_at})
+                batch: list = []
+                for record in records:
+                    batch.append(record)
+                    if len(batch) == FRAME_RECORDS:
+                        frame(f, batch)
+                        batch = []
+                if batch:
+                    frame(f, batch)
+                end = (0).to_bytes(_LEN, "big")
+                f.write(end)
+                f.write(zlib.crc32(end, crc).to_bytes(_LEN, "big"))
+                size += 2 * _LEN
             os.replace(tmp, target)
         finally:
             tmp.unlink(missing_ok=True)
-        return len(MAGIC) + _CRC_BYTES + len(payload)
+        return size
 
     def load(self, partition: int) -> Snapshot | None:
         """The partition's snapshot; None if there is none. ``SnapshotInvalid`` for a file that
-        does not decode, fails its checksum or is of another changelog partition."""
+        does not decode, ends early, fails its checksum or is of another changelog partition."""
         path = self.path(partition)
         try:
-            data = path.read_bytes()
+            f = open(path, "rb")
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise SnapshotInvalid("unreadable", f"{path} cannot be read: {exc.strerror or exc}") from exc
-        if not data.startswith(MAGIC):
-            raise SnapshotInvalid("not a snapshot", f"{path} is not a gpuledger state snapshot (or of another format version)")
-        body = memoryview(data)[len(MAGIC):]
-        crc, payload = int.from_bytes(body[:_CRC_BYTES], "big"), body[_CRC_BYTES:]
-        if len(body) < _CRC_BYTES or zlib.crc32(payload) != crc:
-            raise SnapshotInvalid("damaged", f"{path} is damaged (checksum mismatch)")
-        try:
-            d = _BuiltinsOnly(io.BytesIO(payload)).load()
-            snap = Snapshot(changelog=d["changelog"], partition=d["partition"], offset=d["offset"], topic_id=d["topic_id"],
-                            records=d["records"], summaries=d["summaries"], written_at=d["written_at"])
-        except Exception as exc:  # noqa: BLE001 - whatever is wrong with it, it is not used
-            raise SnapshotInvalid("does not decode", f"{path} does not decode: {type(exc).__name__}: {exc}") from exc
+        with f:
+            if f.read(len(MAGIC)) != MAGIC:
+                raise SnapshotInvalid("not a snapshot", f"{path} is not a gpuledger state snapshot (or of another format version)")
+            crc = 0
+
+            def frame() -> bytes:
+                nonlocal crc
+                head = f.read(_LEN)
+                n = int.from_bytes(head, "big") if len(head) == _LEN else -1
+                data = f.read(n) if n > 0 else b""
+                if n < 0 or len(data) != n:
+                    raise SnapshotInvalid("damaged", f"{path} is damaged (it ends early)")
+                crc = zlib.crc32(data, zlib.crc32(head, crc))
+                return data
+
+            try:
+                header = _BuiltinsOnly(io.BytesIO(frame())).load()
+                snap = Snapshot(changelog=header["changelog"], partition=header["partition"], offset=header["offset"],
+                                topic_id=header["topic_id"], written_at=header["written_at"])
+                records, summaries = snap.records, snap.summaries
+                while data := frame():
+                    for key, value, summary in _BuiltinsOnly(io.BytesIO(data)).load():
+                        if type(key) is not str or type(value) is not bytes:
+                            raise TypeError(f"a record of {type(key).__name__} -> {type(value).__name__}, not str -> bytes")
+                        records[key] = value
+                        if summary is not None:
+                            summaries[key] = summary
+            except SnapshotInvalid:
+                raise
+            except Exception as exc:  # noqa: BLE001 - whatever is wrong with it, it is not used
+                raise SnapshotInvalid("does not decode", f"{path} does not decode: {type(exc).__name__}: {exc}") from exc
+            if f.read(_LEN + 1) != crc.to_bytes(_LEN, "big"):
+                raise SnapshotInvalid("damaged", f"{path} is damaged (checksum mismatch)")
         if (snap.changelog, snap.partition) != (self.changelog, partition):
             raise SnapshotInvalid("another partition", f"{path} is of {snap.changelog}[{snap.partition}], not {self.changelog}[{partition}]")
-        if not (isinstance(snap.offset, int) and isinstance(snap.records, dict) and isinstance(snap.summaries, dict)):
-            raise SnapshotInvalid("does not decode", f"{path} does not decode: unexpected contents")
+        if not isinstance(snap.offset, int):
+            raise SnapshotInvalid("does not decode", f"{path} does not decode: its offset is not a number")
         return snap
 
     def discard(self, partition: int) -> None:

@@ -60,7 +60,7 @@ import asyncio
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from operator import methodcaller
 from types import MappingProxyType
 
@@ -908,9 +908,7 @@ class PartitionStore:
             offset, reason = self._position(p)
             if reason is None:
                 try:
-                    topic_id = self._changelog_id()
-                    records, summaries = self._records(p)
-                    size = self.snapshots.save(Snapshot(self.changelog, p, offset, topic_id, records, summaries))
+                    size = self.snapshots.save(p, offset, self._changelog_id(), self._records(p))
                     self.snapshot_stats["saved"] += 1
                     self.snapshot_stats["saved_bytes"] += size
                     continue
@@ -950,36 +948,35 @@ class PartitionStore:
                           f"at offset {high}, the last at {next_offset - 1})")
         return next_offset, None
 
-    def _records(self, partition: int) -> tuple[dict[str, bytes], dict[str, bytes]]:
+    def _records(self, partition: int) -> Iterator[tuple[str, bytes, bytes | None]]:
         """The partition's records as its changelog would hold them if every state in memory
-        were written now (key -> value; key -> summary header): a cold state's own record; a
-        state's encoding (and summary), or in chunks its head and its layout's sealed chunks;
-        a key with chunks and no state (a crash's orphans) its chunks' names, which is all a
-        recovery reads of them."""
-        records: dict[str, bytes] = dict(self._cold.get(partition, {}))
-        summaries: dict[str, bytes] = dict(self._cold_summaries.get(partition, {}))
+        were written now, one at a time (key, value, summary header or None): a cold state's own
+        record; a state's encoding (and summary), or in chunks its head and its layout's sealed
+        chunks; a key with chunks and no state (a crash's orphans) its chunks' names, which is
+        all a recovery reads of them."""
+        cold_summaries = self._cold_summaries.get(partition, {})
+        for key, value in self._cold.get(partition, {}).items():
+            yield key, value, cold_summaries.get(key)
         layouts = self._layouts.get(partition, {}) if self.chunks is not None else {}
-        for key, state in self.parts[partition].items():
+        states = self.parts[partition]
+        for key, state in states.items():
             layout = layouts.get(key)
             if layout is None or not layout.chunks:
-                records[key] = orjson.dumps(state)
                 headers = self._headers(key, state)
-                if headers:
-                    summaries[key] = headers[0][1]
+                yield key, orjson.dumps(state), headers[0][1] if headers else None
                 continue
             open_ids = {}
             for name in self.chunks.fields:
                 member = layout.member.get(name, {})
                 open_ids[name] = [i for i in (state.get(name) or {}) if i not in member]
-            records[key] = orjson.dumps(_head(self.chunks, state, layout, open_ids))
+            yield key, orjson.dumps(_head(self.chunks, state, layout, open_ids)), None
             for tag, ids in layout.chunks.items():
                 if ids:
-                    records[f"{key}{SEP}{tag}"] = _chunk_value(self.chunks, tag.rstrip("0123456789"), state, ids)
+                    yield f"{key}{SEP}{tag}", _chunk_value(self.chunks, tag.rstrip("0123456789"), state, ids), None
         for key, layout in layouts.items():
-            if key not in records:
+            if key not in states:
                 for tag in layout.chunks:
-                    records[f"{key}{SEP}{tag}"] = b"{}"
-        return records, summaries
+                    yield f"{key}{SEP}{tag}", b"{}", None
 
     def snapshot_health(self) -> dict:
         stats = self.snapshot_stats

@@ -758,10 +758,7 @@ def test_a_snapshot_that_cannot_stand_for_its_changelog_is_not_used_and_says_why
     partition's end, or too old to have records after it (a tombstone among them may be
     compacted away): the changelog is read whole, and the reason is in the log and health.
     A file that names a class is refused without running it."""
-    import pickle
-    import zlib
-
-    from streams.snapshot import MAGIC, SnapshotDir
+    from streams.snapshot import SnapshotDir
 
     topic, config, output = _setup(kafka_bootstrap)
     writer = _snap_store(topic, config, tmp_path, None)
@@ -782,12 +779,13 @@ def test_a_snapshot_that_cannot_stand_for_its_changelog_is_not_used_and_says_why
 
     def rewritten(**change) -> None:
         snap = files.load(0)
-        for name, value in change.items():
-            setattr(snap, name, value)
-        files.save(snap)
+        fields = {"offset": snap.offset, "topic_id": snap.topic_id, "written_at": snap.written_at, **change}
+        files.save(0, fields["offset"], fields["topic_id"], [(k, v, snap.summaries.get(k)) for k, v in snap.records.items()],
+                   written_at=fields["written_at"])
 
     cases = [
-        (lambda: files.path(0).write_bytes(good[:-10] + b"0123456789"), "damaged", "is damaged (checksum mismatch)"),
+        (lambda: files.path(0).write_bytes(good.replace(b'"interests":[]', b'"interests":{}')), "damaged", "is damaged (checksum mismatch)"),
+        (lambda: files.path(0).write_bytes(good[:-6]), "damaged", "is damaged (it ends early)"),
         (lambda: files.path(0).write_bytes(b"junk"), "not a snapshot", "is not a gpuledger state snapshot"),
         (lambda: rewritten(topic_id="AAAAAAAAAAAAAAAAAAAAAA"), "another topic", "the topic was deleted and created again"),
         (lambda: rewritten(offset=99), "offset outside the partition", "its offset 99 is outside the partition's offsets now (0-1)"),
@@ -817,9 +815,7 @@ def test_a_snapshot_that_cannot_stand_for_its_changelog_is_not_used_and_says_why
         def __reduce__(self):
             return (exec, ("raise SystemExit('ran')",))
 
-    payload = pickle.dumps({"changelog": topic, "partition": 1, "offset": 1, "topic_id": files.load(1).topic_id, "written_at": 0.0,
-                            "records": {"pod:ml/p1": Boom()}, "summaries": {}}, protocol=5)
-    files.path(1).write_bytes(MAGIC + zlib.crc32(payload).to_bytes(4, "big") + payload)
+    files.save(1, 1, files.load(1).topic_id, [("pod:ml/p1", Boom(), None)])
     store = loaded(1)
     assert store.health()["snapshots"]["loaded_partitions"] == 0 and store.health()["snapshots"]["read_whole"] == {"does not decode": 1}
     output.close()
@@ -854,3 +850,34 @@ def test_a_partition_whose_state_is_not_its_changelogs_fold_at_a_known_offset_is
     assert "another writer" in store.save_snapshots()[0]
     assert SnapshotDir(tmp_path, topic).path(0).read_bytes() == before
     output.close()
+
+
+def test_a_snapshot_file_round_trips_its_records_across_frames_and_refuses_a_cut_or_foreign_one(tmp_path):
+    """``SnapshotDir`` writes records a frame at a time (``FRAME_RECORDS``) and reads them back
+    whole — values, summaries, the header — and refuses a file cut anywhere, another
+    partition's file, or one whose records are not text keys to bytes."""
+    from streams.snapshot import FRAME_RECORDS, SnapshotDir, SnapshotInvalid
+
+    files = SnapshotDir(tmp_path, "t.changelog")
+    n = 2 * FRAME_RECORDS + 7
+    records = [(f"pod:ml/p{i}", orjson.dumps({"i": i, "pad": "x" * (i % 50)}), orjson.dumps([i]) if i % 3 else None) for i in range(n)]
+    size = files.save(2, 4242, "topic-id", iter(records), written_at=123.0)
+    assert size == files.path(2).stat().st_size
+    snap = files.load(2)
+    assert (snap.changelog, snap.partition, snap.offset, snap.topic_id, snap.written_at) == ("t.changelog", 2, 4242, "topic-id", 123.0)
+    assert snap.records == {k: v for k, v, _ in records} and snap.summaries == {k: s for k, _, s in records if s is not None}
+    assert files.load(0) is None and not list(tmp_path.rglob("*.tmp"))
+
+    good = files.path(2).read_bytes()
+    for cut in (len(good) // 3, len(good) - 5, len(good) - 1):
+        files.path(2).write_bytes(good[:cut])
+        with pytest.raises(SnapshotInvalid) as bad:
+            files.load(2)
+        assert bad.value.kind == "damaged", (cut, bad.value)
+    files.path(2).write_bytes(good)
+    files.path(3).write_bytes(good)
+    with pytest.raises(SnapshotInvalid, match=r"is of t.changelog\[2\], not t.changelog\[3\]"):
+        files.load(3)
+    files.save(1, 0, "topic-id", [("k", "not bytes", None)])
+    with pytest.raises(SnapshotInvalid, match="a record of str -> str, not str -> bytes"):
+        files.load(1)
