@@ -269,6 +269,9 @@ class SinkLoop:
         self.kind = {name: kind for kind, names in topics.items() for name in names}
         self.rows_max, self.within = conf.batch_rows, conf.batch_seconds
         self.in_range = settings.streams.in_range  # a replay's event-time range (`gpuledger replay --from/--to`)
+        # The edge's dead-letter topic (receiver, collectors) is read whole by every run; a ranged
+        # replay keeps the letters that failed in its range, as it keeps the raw events of it.
+        self.edge_deadletter = settings.kafka.catalogue().deadletter
         self.lag = ConsumerLag()  # how far the tables are behind the topics, for the sink's health page
         from gpuledger.settings import worker_instance_id
 
@@ -344,10 +347,15 @@ class SinkLoop:
             batch, sources = [], []
             for rec in by_kind["deadletter"]:
                 try:
-                    batch.append(DeadLetter.model_validate_json(rec.value))
-                    sources.append(rec)
+                    letter = DeadLetter.model_validate_json(rec.value)
                 except Exception:  # noqa: BLE001 - a dead letter about a dead letter would loop
                     log.error("unreadable dead letter at %s[%d]@%d skipped", rec.topic, rec.partition, rec.offset)
+                    continue
+                if rec.topic == self.edge_deadletter and not self.in_range(letter.failed_at):
+                    stats["deadletters_out_of_range"] += 1
+                    continue
+                batch.append(letter)
+                sources.append(rec)
             await self.sinks.store_dead_letters(batch, sources)
         await self.ctx.output.flush()  # the dead letters of rejected rows, before the offsets are committed
 

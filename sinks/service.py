@@ -70,7 +70,7 @@ class SinkContext:
         self.consumer_config = client_config(settings)
         self.output = BatchOutput(self.consumer_config, f"gpuledger-{settings.streams.app_id}-sinks", self.run.deadletter)
         self.stats: Counter = Counter({key: 0 for key in ("stored", "allocations_stored", "raw_stored", "raw_skipped", "raw_out_of_range",
-                                                          "violations_stored", "store_rejected", "queries", "queries_refused")})
+                                                          "deadletters_out_of_range", "violations_stored", "store_rejected", "queries", "queries_refused")})
         self.sinks = None
         self.loop = None  # sinks.agents.SinkLoop, once built
 

@@ -47,6 +47,18 @@ def history(kafka_bootstrap):
     ensure_topics({"bootstrap.servers": kafka_bootstrap}, cat)
     events = fleet(PODS)
     EventPublisher({"bootstrap.servers": kafka_bootstrap}, cat, "test").publish_batch(events)
+    # The edge's dead letters (the receiver's, the collectors'): one refused inside the range
+    # replay's range, one before it.
+    from confluent_kafka import Producer
+
+    from schemas import encode_event
+    from schemas.outputs import DeadLetter
+
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    for name, at in (("inside", FROM + timedelta(seconds=30)), ("before", FROM - timedelta(minutes=5))):
+        letter = DeadLetter(reason="validation", error=f"refused {name} the range", stage="receiver", value="{}", failed_at=at)
+        producer.produce(cat.deadletter, key=name.encode(), value=encode_event(letter))
+    assert producer.flush(30) == 0
     return cat, events
 
 
@@ -131,6 +143,10 @@ def test_a_range_replay_holds_only_the_range_and_attributes_to_earlier_releases(
     assert len(scheduled) == 20
     assert all(r["release_id"] == f"fr-{int(r['pod'].split('-')[1]) % 6}" for r in scheduled), scheduled
     assert sql(kafka_bootstrap, cat, tmp_path, sandbox, "SELECT count() AS n FROM gpuledger.release_history FINAL") == [{"n": 0}]
+    # the edge's dead letters: those refused in the range (the live store has both)
+    letters = "SELECT error FROM gpuledger.dead_letters WHERE stage = 'receiver' ORDER BY error"
+    assert sql(kafka_bootstrap, cat, tmp_path, sandbox, letters) == [{"error": "refused inside the range"}]
+    assert sql(kafka_bootstrap, cat, tmp_path, live[0].dsn, letters) == [{"error": "refused before the range"}, {"error": "refused inside the range"}]
 
 
 def test_a_resumed_replay_waits_for_the_rows_its_recovered_state_parked(kafka_bootstrap, tmp_path):
