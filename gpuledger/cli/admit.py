@@ -18,6 +18,7 @@ def admit(
     tls_key: Optional[Path] = typer.Option(None, "--tls-key", help="PEM key of --tls-cert."),
     kubeconfig: Optional[Path] = typer.Option(None, "--kubeconfig", help="Run the Kueue AdmissionCheck controller against this cluster."),
     in_cluster: bool = typer.Option(False, "--in-cluster", help="Run the AdmissionCheck controller with the pod's service account."),
+    claims_in_cluster: bool = typer.Option(False, "--claims-in-cluster", help="Read DRA claims with the pod's service account (no controller)."),
     ca_out: Optional[Path] = typer.Option(None, "--ca-out", help="Also write the generated CA (PEM) to this file."),
     bootstrap: Optional[str] = BootstrapOpt,
 ) -> None:
@@ -30,33 +31,37 @@ def admit(
     from streams.controls.policy import PolicyError
 
     settings = load_settings(bootstrap, admit={"host": host, "port": port, "tls_cert_file": tls_cert, "tls_key_file": tls_key,
-                                               "kubeconfig": kubeconfig, "in_cluster": in_cluster or None, "ca_out": ca_out})
+                                               "kubeconfig": kubeconfig, "in_cluster": in_cluster or None,
+                                               "claims_in_cluster": claims_in_cluster or None, "ca_out": ca_out})
     with failing_on(PolicyError, code=2):
         policy = settings.policy.load()
     with failing_on(ProducerError):
         publisher = EventPublisher.from_settings(settings, "admit")
     cfg = settings.admit
     api = None
-    if cfg.kubeconfig or cfg.in_cluster:
+    if cfg.kubeconfig or cfg.in_cluster or cfg.claims_in_cluster:
         from kubernetes import client as k8s
         from kubernetes import config as k8s_config
 
         conf = k8s.Configuration()
         with failing_on(ConfigException, OSError, prefix="admit: kubeconfig: "):
-            if cfg.in_cluster:
+            if cfg.in_cluster or cfg.claims_in_cluster:
                 k8s_config.load_incluster_config(client_configuration=conf)
             else:
                 k8s_config.load_kube_config(config_file=str(cfg.kubeconfig), client_configuration=conf)
         api = k8s.ApiClient(conf)
 
+    controller = bool(cfg.kubeconfig or cfg.in_cluster)  # (claims_in_cluster: API access for the claims only)
+
     def listening(bound_host: str, bound_port: int, ca_pem: bytes | None) -> None:
         err.print(f"gpuledger admit listening on https://{bound_host}:{bound_port}/validate"
-                  + (" with the AdmissionCheck controller" if api else ""), highlight=False)
+                  + (" with the AdmissionCheck controller" if controller else "")
+                  + (", reading DRA claims from the API server" if api else ", without API access (a DRA claim counts as a GPU)"), highlight=False)
         if ca_pem:
             err.print(f"caBundle: {base64.b64encode(ca_pem).decode()}", highlight=False, soft_wrap=True)
 
     service = AdmitService(cfg, policy, publisher, resolve_bootstrap(settings), settings.kafka.catalogue().release,
-                           settings.kafka.aiokafka_config(), api, listening)
+                           settings.kafka.aiokafka_config(), api, listening, run_controller=controller)
     run_component(service, "admit")
 
 

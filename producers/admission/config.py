@@ -13,7 +13,7 @@ from typing import Optional
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from producers._config import GPU_RESOURCES, NameList, check_resource_patterns
+from producers._config import GPU_DRA_DRIVERS, GPU_RESOURCES, NameList, check_resource_patterns
 
 CONTROLLER_NAME = "gpuledger.io/release-approval"
 WEBHOOK_PATH = "/validate"
@@ -32,10 +32,12 @@ class AdmitSettings(BaseSettings):
                                 description="DNS names of the generated certificate (127.0.0.1 and the listen address are always in it).")
     ca_out: Optional[Path] = Field(default=None, description="Also write the generated CA certificate (PEM) to this file.")
     kubeconfig: Optional[Path] = Field(default=None, description="kubeconfig of the cluster whose Kueue Workloads the AdmissionCheck controller gates; unset: no controller (webhook only), unless in_cluster.")
-    in_cluster: bool = Field(default=False, description="Run the AdmissionCheck controller with the pod's service account.")
+    in_cluster: bool = Field(default=False, description="Run the AdmissionCheck controller with the pod's service account (the webhook then reads DRA claims with it too).")
+    claims_in_cluster: bool = Field(default=False, description="Read the DRA claims of the objects the webhook decides (ResourceClaims, ResourceClaimTemplates, DeviceClasses: get) with the pod's service account, without running the controller. Without API access a DRA claim counts as one GPU, and the answer says so (docs/admission.md).")
     controller_name: str = Field(default=CONTROLLER_NAME, description="controllerName of the AdmissionChecks this controller serves.")
     label_prefix: str = Field(default="gpuledger.io/", description="Prefix of the labels/annotations naming release-id, environment, model, owner (the scheduler collector's).")
     gpu_resources: NameList = Field(default=GPU_RESOURCES, description="Extended resources that make an object GPU work, comma-separated; a trailing '*' is a prefix (the collectors' default).")
+    dra_drivers: NameList = Field(default=GPU_DRA_DRIVERS, description="DRA drivers whose devices are GPUs, comma-separated; a trailing '*' is a prefix (the collectors' default): a DRA claim's request is for GPUs when its DeviceClass's CEL selectors name one of these (producers/admission/claims.py).")
     max_body_bytes: int = Field(default=3 * 1024 * 1024, ge=1024, description="Largest AdmissionReview accepted (the API server sends at most ~3 MiB objects); larger ones get 413.")
     resync_s: float = Field(default=30.0, gt=0, description="How often the controller re-lists Workloads besides watching them (and re-decides the waiting ones).")
     watch_timeout_s: int = Field(default=300, ge=1, description="Server-side timeout of one Workload watch request.")
@@ -61,6 +63,8 @@ class AdmitSettings(BaseSettings):
             problems.append("tls_cert_file and tls_key_file go together (give both, or neither for a generated certificate)")
         if self.in_cluster and self.kubeconfig:
             problems.append("in_cluster and kubeconfig exclude each other")
+        if self.claims_in_cluster and self.kubeconfig:
+            problems.append("claims_in_cluster and kubeconfig exclude each other (with a kubeconfig the claims are read with it)")
         if problems:
             raise ValueError("; ".join(problems))
         return self

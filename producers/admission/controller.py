@@ -65,7 +65,8 @@ class AdmissionCheckController:
 
     def __init__(self, api: k8s.ApiClient, state: AdmissionState, policy: Policy, resources: ResourceMatcher, prefix: str,
                  record: Callable[[Any], None], controller_name: str, resync_s: float = 30.0, watch_timeout_s: int = 300,
-                 host: str | None = None) -> None:
+                 host: str | None = None, claims=None) -> None:
+        self.claims = claims  # producers.admission.claims.ClaimReader: the GPUs of a Workload's DRA claims
         self.custom = k8s.CustomObjectsApi(api)
         self.state, self.policy, self.resources, self.prefix, self.record = state, policy, resources, prefix, record
         self.controller_name, self.resync_s, self.watch_timeout_s, self.host = controller_name, resync_s, watch_timeout_s, host
@@ -200,7 +201,7 @@ class AdmissionCheckController:
         if not ours or _admitted(wl):
             return None
         wl = {**wl, "kind": "Workload"}
-        subject = subject_of(wl, self.resources, self.prefix)
+        subject = subject_of(wl, self.resources, self.prefix, claims=self.claims)
         now = datetime.now(timezone.utc)
         with self.state.lock:
             decision = decide(subject, self.state, self.policy, now, gate="admission-check", policy_version=self.policy_version)

@@ -8,7 +8,9 @@ Per kind (Pods, batch Jobs, Kueue Workloads) two webhooks: one for namespaces la
 down, the API server refuses their GPU work) and one for every other namespace
 (``failurePolicy: Ignore``: allowed, and control 1 still reports it after admission).
 ``matchConditions`` send only objects requesting a GPU resource (the collectors' list,
-``producers._config.GPU_RESOURCES``, as CEL), so CPU work never waits on us; namespaces
+``producers._config.GPU_RESOURCES``, as CEL) or naming a DRA claim (``spec.resourceClaims``: the
+webhook reads the claim's device class — ``producers.admission.claims``), so CPU work never
+waits on us; namespaces
 labelled ``gpuledger.io/admit: disabled`` (a namespace label, the platform's to set — not an
 object's: a workload's creator could opt it out) and the kube-system / gpuledger namespaces
 are never sent. Operations: CREATE only (GPU requests of a Pod are immutable; a Job's pod
@@ -44,7 +46,8 @@ def _containers_cel(spec: str, resources: Iterable[str]) -> str:
     one = (f"has(c.resources) && ((has(c.resources.limits) && c.resources.limits.exists(r, {gpu})) || "
            f"(has(c.resources.requests) && c.resources.requests.exists(r, {gpu})))")
     return (f"{spec}.containers.exists(c, {one}) || "
-            f"(has({spec}.initContainers) && {spec}.initContainers.exists(c, {one}))")
+            f"(has({spec}.initContainers) && {spec}.initContainers.exists(c, {one})) || "
+            f"(has({spec}.resourceClaims) && size({spec}.resourceClaims) > 0)")
 
 
 def gpu_match_expression(kind: str, resources: Iterable[str] = GPU_RESOURCES) -> str:

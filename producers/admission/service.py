@@ -35,6 +35,7 @@ from gpuledger.telemetry import ComponentCounters
 from producers._config import ResourceMatcher
 from producers._errors import ProducerError
 from producers.admission.certs import self_signed
+from producers.admission.claims import ClaimReader
 from producers.admission.config import WEBHOOK_PATH, AdmitSettings
 from producers.admission.webhook import ReviewHandler
 from streams.controls.admission import AdmissionState
@@ -104,14 +105,21 @@ class AdmitService:
     """``gpuledger admit`` (``producers._runtime`` lifecycle: ``run()`` until ``stop()``)."""
 
     def __init__(self, config: AdmitSettings, policy: Policy, publisher, bootstrap: str, release_topic: str, client_config: dict | None = None,
-                 api_client=None, on_listening: Callable[[str, int, bytes | None], None] | None = None) -> None:
+                 api_client=None, on_listening: Callable[[str, int, bytes | None], None] | None = None,
+                 run_controller: bool | None = None) -> None:
         self.config, self.policy, self.publisher = config, policy, publisher
         self.bootstrap, self.release_topic, self.client_config = bootstrap, release_topic, client_config or {}
         self.api_client, self.on_listening = api_client, on_listening
+        # The AdmissionCheck controller runs with API access unless told not to (claims_in_cluster:
+        # the webhook reads DRA claims with it, and nothing else).
+        self.run_controller = api_client is not None if run_controller is None else run_controller
         self.state = AdmissionState()
         self.resources = ResourceMatcher(config.gpu_resources)
         self.recorder = DecisionRecorder(publisher, config.publish_batch, config.publish_queue)
-        self.handler = ReviewHandler(self.state, policy, self.resources, config.label_prefix)
+        # DRA claims' GPUs, read from the API server when this service has access to one
+        # (producers.admission.claims; without, a claim counts as a GPU and the answer says why).
+        self.claims = ClaimReader(api_client, ResourceMatcher(config.dra_drivers))
+        self.handler = ReviewHandler(self.state, policy, self.resources, config.label_prefix, claims=self.claims)
         self.controller = None
         self.counters = {"reviews": 0, "bad_requests": 0, "denied": 0}
         self.telemetry = ComponentCounters("admit")  # the component contract: received / rejected (with reason), via OpenTelemetry
@@ -134,7 +142,11 @@ class AdmitService:
             self.telemetry.add_rejected("too_large")
             return web.json_response({"error": f"body over {self.config.max_body_bytes} bytes"}, status=413)
         started = time.perf_counter()
-        status, answer, event = self.handler.handle(body)
+        if b'"resourceClaims"' in body:
+            # Its DRA claims are read from the API server (blocking calls): off the event loop.
+            status, answer, event = await asyncio.to_thread(self.handler.handle, body)
+        else:
+            status, answer, event = self.handler.handle(body)
         self.telemetry.add_received()
         if status != 200:
             self.counters["bad_requests"] += 1
@@ -156,7 +168,7 @@ class AdmitService:
                    "max_ms": round(recent[-1], 3)} if recent else {"n": 0}
         return web.json_response({"status": "ok", "releases": len(self.state.releases), "release_events": self.state.applied,
                                   "webhook": self.counters, "decision_latency": latency, "recorder": self.recorder.counters,
-                                  "controller": controller})
+                                  "controller": controller, "claims": {"lookups": self.claims.lookups, "unresolved": self.claims.unresolved}})
 
     async def readyz(self, request: web.Request) -> web.Response:
         if self.state.ready.is_set():
@@ -199,12 +211,12 @@ class AdmitService:
                 except OSError as exc:
                     raise AdmitError(f"cannot listen on {self.config.host}:{self.config.port}: {exc}") from exc
                 host, port = site._server.sockets[0].getsockname()[:2]
-                if self.api_client is not None:
+                if self.api_client is not None and self.run_controller:
                     from producers.admission.controller import AdmissionCheckController
 
                     self.controller = AdmissionCheckController(self.api_client, self.state, self.policy, self.resources, self.config.label_prefix,
                                                                self.recorder, self.config.controller_name, self.config.resync_s,
-                                                               self.config.watch_timeout_s)
+                                                               self.config.watch_timeout_s, claims=self.claims)
                     self.controller.start()
                 if self.on_listening:
                     self.on_listening(host, port, ca_pem)

@@ -58,8 +58,9 @@ class ReviewHandler:
     """Decides AdmissionReviews against the in-memory release state."""
 
     def __init__(self, state: AdmissionState, policy: Policy, resources: ResourceMatcher, prefix: str,
-                 clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc), host: str | None = None) -> None:
+                 clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc), host: str | None = None, claims=None) -> None:
         self.state, self.policy, self.resources, self.prefix, self.clock, self.host = state, policy, resources, prefix, clock, host
+        self.claims = claims  # producers.admission.claims.ClaimReader: the GPUs of DRA claims (reads the API server)
         self.policy_version = policy.fingerprint
 
     def handle(self, body: bytes) -> tuple[int, dict, Callable[[], AdmissionEvent] | None]:
@@ -82,7 +83,7 @@ class ReviewHandler:
         if isinstance(obj["metadata"], dict) and not obj["metadata"].get("namespace") and request.get("namespace"):
             obj["metadata"] = {**obj["metadata"], "namespace": request["namespace"]}
         try:
-            subject = subject_of(obj, self.resources, self.prefix)
+            subject = subject_of(obj, self.resources, self.prefix, claims=self.claims)
         except (ValueError, TypeError, AttributeError) as exc:
             return 400, {"error": f"request.object cannot be read: {exc}"}, None
         now = self.clock()
@@ -99,4 +100,4 @@ class ReviewHandler:
         def event() -> AdmissionEvent:
             return decision_event(subject, decision, now, gate="webhook", request_id=uid, operation=operation, user=user, host=host)
 
-        return 200, _answer(uid, decision.allowed, decision.message, decision.warnings), event
+        return 200, _answer(uid, decision.allowed, decision.message, [*decision.warnings, *subject.claim_notes]), event

@@ -28,17 +28,20 @@ treats it).
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from producers._config import ResourceMatcher
-from producers.kubernetes.mapping import KUEUE_QUEUE_LABEL, derive_workload_id, gpus_requested, identity_fields, workload_info
+from producers.kubernetes.mapping import KUEUE_QUEUE_LABEL, derive_workload_id, gpus_requested, identity_fields, quantity, workload_info
 from schemas.release import actor_text, decision_actor
 from streams.controls.policy import Policy
 from streams.controls.rules import Release, _covers, approval_changes, iso
 from streams.correlate.directory import ReleaseDirectory
+
+if TYPE_CHECKING:
+    from producers.admission.claims import ClaimGpus
 
 Verdict = Literal["allow", "deny", "warn"]
 Gate = Literal["webhook", "admission-check"]
@@ -61,44 +64,59 @@ class Subject:
     identity: dict[str, str]  # shared identifiers from the object's labels/annotations
     workload_id: str  # as the scheduler collector names the workload (namespace/Kind/name; a Kueue Workload: namespace/name)
     queued: bool  # managed by Kueue: a suspended Job with a queue-name label, or a Workload itself (a Pod: never)
+    claim_notes: tuple[str, ...] = ()  # DRA claims that could not be read, each counted as a GPU (producers.admission.claims)
 
     @property
     def ref(self) -> str:
         return f"{self.kind} {self.namespace}/{self.name}"
 
 
-def subject_of(obj: Mapping, resources: ResourceMatcher, prefix: str = "gpuledger.io/") -> Subject:
+def subject_of(obj: Mapping, resources: ResourceMatcher, prefix: str = "gpuledger.io/",
+               claims: Callable[[str, Mapping | None], ClaimGpus] | None = None) -> Subject:
     """A Pod, batch/v1 Job or Kueue Workload (v1beta1/v1beta2) as a ``Subject``.
-    ValueError for any other kind."""
+    ``claims``: the GPUs a pod spec gets through DRA claims (``producers.admission.claims.ClaimReader``,
+    which reads them from the API server), added to its extended resources; without it a claim
+    is not counted. ValueError for any other kind."""
     kind = obj.get("kind")
     meta = obj.get("metadata") or {}
     ns, name, uid = meta.get("namespace") or "", meta.get("name") or meta.get("generateName") or "", meta.get("uid") or None
     labels, annotations = meta.get("labels") or {}, meta.get("annotations") or {}
     # The collector's mapping wants a uid; an object under admission may not have one yet.
     obj = {**obj, "metadata": {"creationTimestamp": "1970-01-01T00:00:00Z", **meta, "name": name, "uid": uid or "-"}}
+    notes: list[str] = []
+
+    def claimed(pod_spec: Mapping | None) -> int:
+        if claims is None or not (pod_spec or {}).get("resourceClaims"):
+            return 0
+        found = claims(ns, pod_spec)
+        notes.extend(found.unresolved)
+        return found.gpus
+
     if kind == "Pod":
         wid, _ = derive_workload_id(obj)
         # Never deferred: a Pod's queue label and scheduling gates are its creator's to write, and
         # the gate's later removal is an UPDATE this webhook is not sent (a Job Kueue admits creates
         # its pods after the AdmissionCheck: they are decided here, as approved work).
-        return Subject("Pod", ns, name, uid, gpus_requested(obj.get("spec"), resources), identity_fields(labels, annotations, prefix),
-                       wid, False)
+        gpus = gpus_requested(obj.get("spec"), resources) + claimed(obj.get("spec"))
+        return Subject("Pod", ns, name, uid, gpus, identity_fields(labels, annotations, prefix), wid, False, tuple(notes))
     if kind == "Job":
         spec = obj.get("spec") or {}
         tmpl = spec.get("template") or {}
         tmeta = tmpl.get("metadata") or {}
         parallelism = spec.get("parallelism", 1)
-        per_pod = gpus_requested(tmpl.get("spec"), resources)
+        per_pod = gpus_requested(tmpl.get("spec"), resources) + claimed(tmpl.get("spec"))
         ident = {**identity_fields(tmeta.get("labels"), tmeta.get("annotations"), prefix), **identity_fields(labels, annotations, prefix)}
         # Queued means managed, not labelled: a queue-name label alone (a Job no Kueue manages) was
         # let through as deferred, and no Workload, so no check, ever saw it. Kueue's webhook
         # suspends the Jobs it manages; one its creator suspended and resumes creates pods, which
         # are decided here.
         return Subject("Job", ns, name, uid, per_pod * (parallelism if isinstance(parallelism, int) and parallelism > 0 else 1), ident,
-                       f"{ns}/Job/{name}", KUEUE_QUEUE_LABEL in labels and spec.get("suspend") is True)
+                       f"{ns}/Job/{name}", KUEUE_QUEUE_LABEL in labels and spec.get("suspend") is True, tuple(notes))
     if kind == "Workload":
         info = workload_info(obj, resources, prefix)
-        return Subject("Workload", ns, name, uid, info.gpus, dict(info.identity), info.workload_id, True)
+        gpus = info.gpus + sum(quantity(ps.get("count", 1)) * claimed((ps.get("template") or {}).get("spec"))
+                               for ps in (obj.get("spec") or {}).get("podSets") or [] if isinstance(ps, Mapping))
+        return Subject("Workload", ns, name, uid, gpus, dict(info.identity), info.workload_id, True, tuple(notes))
     raise ValueError(f"gpuledger admit decides Pods, Jobs and Kueue Workloads, not {kind or 'an object without kind'}")
 
 

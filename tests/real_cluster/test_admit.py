@@ -162,6 +162,50 @@ def test_an_unapproved_release_job_is_denied_by_the_api_server_with_our_message(
     assert all(e.event_type == "admission.decided" and e.payload.gate == "webhook" and e.identity.namespace == PROD for e in mine)
 
 
+def test_a_pod_whose_gpu_comes_from_a_dra_claim_is_decided_like_one_requesting_it(admit, kube, ledger):
+    """A pod that gets its GPU through a ResourceClaimTemplate requests no extended resource:
+    the webhook is sent it anyway (matchConditions: spec.resourceClaims), reads the template and
+    its DeviceClass from the API server, and denies it for an unapproved release — while a
+    pod whose claim is for a NIC's device class is not GPU work and is created, and one naming a
+    claim that does not exist counts as a GPU (denied: unreadable is not let through)."""
+    _, release = ledger
+    rid = unique("dra-scorer-v1")
+    registered(release, rid)
+    wait_for(lambda: admit[0].state.state_as_of(rid, datetime.now(timezone.utc).isoformat()) == "release.evaluated", 10, "the release in the state")
+    custom, core = k8s.CustomObjectsApi(kube), k8s.CoreV1Api(kube)
+    group, version = "resource.k8s.io", "v1"
+    classes = {"gpu": f"gpu-{SUFFIX}.example.com", "nic": f"nic-{SUFFIX}.example.com"}
+    selectors = {"gpu": "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'gpu'",
+                 "nic": "device.driver == 'sriovnetwork.example.com'"}
+    for kind, name in classes.items():
+        custom.create_cluster_custom_object(group, version, "deviceclasses", {
+            "apiVersion": f"{group}/{version}", "kind": "DeviceClass", "metadata": {"name": name},
+            "spec": {"selectors": [{"cel": {"expression": selectors[kind]}}]}})
+        custom.create_namespaced_custom_object(group, version, PROD, "resourceclaimtemplates", {
+            "apiVersion": f"{group}/{version}", "kind": "ResourceClaimTemplate", "metadata": {"name": f"one-{kind}"},
+            "spec": {"spec": {"devices": {"requests": [{"name": kind, "exactly": {"deviceClassName": name}}]}}}})
+    try:
+        def pod(kind: str, claim: dict) -> dict:
+            body = gpu_pod(unique(f"dra-{kind}"), PROD, rid)
+            container = body["spec"]["containers"][0]
+            container["resources"] = {"claims": [{"name": kind}]}
+            body["spec"]["resourceClaims"] = [{"name": kind, **claim}]
+            return body
+
+        message = denial(lambda: core.create_namespaced_pod(PROD, pod("gpu", {"resourceClaimTemplateName": "one-gpu"})))
+        assert 'admission webhook "pods.fail-closed.admit.gpuledger.io" denied the request' in message
+        assert f"release {rid} is evaluated, not approved for prod" in message
+        created = core.create_namespaced_pod(PROD, pod("nic", {"resourceClaimTemplateName": "one-nic"}))
+        assert created.metadata.name.startswith("dra-nic")
+        message = denial(lambda: core.create_namespaced_pod(PROD, pod("gpu", {"resourceClaimName": "no-such-claim"})))
+        assert f"release {rid} is evaluated, not approved for prod" in message
+        assert admit[0].claims.lookups >= 3 and admit[0].claims.unresolved >= 1
+    finally:
+        for kind, name in classes.items():
+            custom.delete_namespaced_custom_object(group, version, PROD, "resourceclaimtemplates", f"one-{kind}")
+            custom.delete_cluster_custom_object(group, version, "deviceclasses", name)
+
+
 def _creates(call) -> bool:
     try:
         call()

@@ -94,9 +94,11 @@ RBAC: dict[str, Expect] = {
                                                      Access("get", "configmaps", "own"))),
     "gpuledger-worker": Expect(allowed=(), denied=(Access("get", "configmaps", "own"), Access("get", "secrets", "own"),
                                                    Access("list", "pods"))),
-    # The admission webhook decides from Kafka's release state: no API access at all.
-    "gpuledger-admit": Expect(allowed=(), denied=(Access("get", "workloads.kueue.x-k8s.io"), Access("get", "secrets", "own"),
-                                                  Access("list", "pods"))),
+    # The admission webhook decides from Kafka's release state, and reads DRA claims and device classes (get only).
+    "gpuledger-admit": Expect(allowed=tuple(Access("get", f"{r}.resource.k8s.io") for r in ("resourceclaims", "resourceclaimtemplates", "deviceclasses")),
+                              denied=(Access("get", "workloads.kueue.x-k8s.io"), Access("get", "secrets", "own"), Access("list", "pods"),
+                                      Access("list", "resourceclaims.resource.k8s.io"), Access("get", "pods"),
+                                      Access("create", "resourceclaims.resource.k8s.io"))),
     # The Kueue AdmissionCheck controller: reads Workloads and AdmissionChecks, writes only their status.
     "gpuledger-admit-controller": Expect(
         allowed=(*(Access(v, r) for r in ("workloads.kueue.x-k8s.io", "admissionchecks.kueue.x-k8s.io") for v in _READ),

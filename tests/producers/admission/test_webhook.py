@@ -48,3 +48,27 @@ def test_dry_run_requests_are_recorded_as_such_and_other_kinds_and_deletes_are_a
                  review(POD, None, operation="DELETE")):
         status, answer, event = handler().handle(body)
         assert (status, answer["response"]["allowed"], event) == (200, True, None)
+
+
+def test_a_pod_whose_dra_claim_cannot_be_read_counts_it_as_a_gpu_and_says_why():
+    """Without API access (no kubeconfig, not in a cluster) a DRA claim cannot be read: it counts
+    as a GPU — a prod pod naming no release is denied as GPU work — and the answer's warnings name
+    the claim; with no reader at all (the old handler) the same pod was not GPU work."""
+    from producers._config import GPU_DRA_DRIVERS
+    from producers.admission.claims import ClaimReader
+
+    state = AdmissionState()
+    state.ready.set()
+    reader = ReviewHandler(state, Policy(), ResourceMatcher(GPU_RESOURCES), "gpuledger.io/", host="h",
+                           claims=ClaimReader(None, ResourceMatcher(GPU_DRA_DRIVERS)))
+    dra_pod = {"metadata": {"name": "p", "labels": {"gpuledger.io/environment": "prod"}},
+               "spec": {"containers": [{"name": "c", "resources": {"claims": [{"name": "gpu"}]}}],
+                        "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}]}}
+    _, answer, event = reader.handle(review(POD, dra_pod))
+    response = answer["response"]
+    assert response["allowed"] is False and response["status"]["message"].startswith("Pod serving/p requests 1 GPU(s) in prod but names no release")
+    assert response["warnings"] == ["DRA claim 'gpu' (resourceclaimtemplate serving/one-gpu) could not be read, so it counts as a GPU: "
+                                    "gpuledger admit has no API access (GPULEDGER_ADMIT_CLAIMS_IN_CLUSTER, GPULEDGER_ADMIT_IN_CLUSTER or "
+                                    "GPULEDGER_ADMIT_KUBECONFIG)"]
+    assert event().payload.rule == "no-release-identity"
+    assert handler().handle(review(POD, dra_pod))[1]["response"]["allowed"] is True  # no reader: a claim is not counted
