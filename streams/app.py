@@ -39,6 +39,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from typing import NamedTuple
 
 import faust
@@ -76,6 +77,8 @@ class WorkerContext(StageContext):
         self.app = None
         self.sink = None  # gpuledger.child.ChildProcess: the sink's process (sinks.service), when this worker runs one
         self.health_client = HealthClient()
+        self.stop_deadline: float | None = None  # time.monotonic() of the hard stop, once SIGTERM came (``stop_within``)
+        self.saving_snapshots = False
 
     def assigned(self, topic: str) -> set[int]:
         """The partitions of ``topic`` assigned to this worker right now."""
@@ -339,7 +342,11 @@ def stop_within(app: faust.App, worker, children) -> None:
     after a restart; the sink commits only what it stored."""
 
     def hard_stop() -> None:
-        log.warning("stop did not finish within %.0fs; exiting now (unfinished batches were not acked)", STOP_WITHIN_S)
+        if app.gpuledger.saving_snapshots:
+            log.warning("stop did not finish within %.0fs; exiting now, while writing state snapshots (every batch was acked; the next "
+                        "start reads the changelog after each partition's last complete snapshot)", STOP_WITHIN_S)
+        else:
+            log.warning("stop did not finish within %.0fs; exiting now (unfinished batches were not acked)", STOP_WITHIN_S)
         for child in children:  # told to stop at SIGTERM, STOP_WITHIN_S ago
             child.stop(within_s=0.5)
         logging.shutdown()
@@ -353,6 +360,7 @@ def stop_within(app: faust.App, worker, children) -> None:
         original = worker._on_sigterm
 
         def on_sigterm() -> None:
+            app.gpuledger.stop_deadline = time.monotonic() + STOP_WITHIN_S
             timer = threading.Timer(STOP_WITHIN_S, hard_stop)
             timer.daemon = True
             timer.start()
@@ -443,8 +451,11 @@ def run_worker(settings, loglevel: str = "info") -> None:
         elif ctx.correlator is not None and ctx.correlator.store.parts:
             # Faust leaves its group on the way out without revoking anything: the store still
             # holds every partition, its last epoch committed (``commit_epochs_while_stopping``;
-            # a state changed after it is not snapshotted: ``save_snapshots``).
-            ctx.correlator.store.save_snapshots()
+            # a state changed after it is not snapshotted: ``save_snapshots``). Within the stop's
+            # bound: no partition is begun in its last second (the hard stop ends a save cut short).
+            ctx.saving_snapshots = True
+            ctx.correlator.store.save_snapshots(deadline=ctx.stop_deadline - 1.0 if ctx.stop_deadline else None)
+            ctx.saving_snapshots = False
         for child in children:
             child.signal_stop()  # both stop at once, then each is waited for
         for child in children:

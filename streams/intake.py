@@ -83,7 +83,7 @@ class Intake:
                  revoking: Callable[[list[tuple[str, int]]], Awaitable[None]] | None = None,
                  forget: Callable[[list[tuple[str, int]]], None] | None = None,
                  assigned: Callable[[list[TopicPartition]], Awaitable[None]] | None = None,
-                 stopped: Callable[[], object] | None = None) -> None:
+                 stopped: Callable[[float], object] | None = None) -> None:
         from confluent_kafka import Consumer  # looked up at construction (tests/streams/test_progress.py records it)
 
         from gpuledger.settings import worker_instance_id
@@ -296,15 +296,27 @@ class Intake:
             os._exit(HARD_EXIT)
 
     async def _stopped(self) -> None:
-        """The stage's ``stopped`` hook (its state's snapshots), with the epoch committed and
-        before the group is left — in a thread, bounded by ``STOP_GRACE_S``: one that fails or
-        takes longer only costs the next start a longer read."""
-        try:
-            await asyncio.wait_for(asyncio.to_thread(self._on_stopped), STOP_GRACE_S)
-        except asyncio.TimeoutError:
+        """The stage's ``stopped`` hook (its state's snapshots: ``stopped(deadline)``), with the
+        epoch committed and before the group is left — in a daemon thread given ``STOP_GRACE_S``:
+        one that fails or takes longer only costs the next start a longer read, and a thread still
+        writing does not hold the process's exit (the hook's own ``deadline`` has it begin nothing
+        after that)."""
+        deadline = time.monotonic() + STOP_GRACE_S - 0.5
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self._on_stopped(deadline)
+            except BaseException as exc:  # noqa: BLE001 - reported below; the stop goes on
+                failed.append(exc)
+
+        thread = threading.Thread(target=run, name=f"{self.label}: stop hook", daemon=True)
+        thread.start()
+        await asyncio.to_thread(thread.join, STOP_GRACE_S)
+        if thread.is_alive():
             log.warning("%s: its stop hook did not finish within %.0fs; leaving without it", self.label, STOP_GRACE_S)
-        except Exception:  # noqa: BLE001 - the stop goes on
-            log.exception("%s: its stop hook failed", self.label)
+        elif failed:
+            log.error("%s: its stop hook failed: %s: %s", self.label, type(failed[0]).__name__, failed[0])
 
     def _commit_sync(self, offsets: list[TopicPartition]) -> None:
         """Offsets committed synchronously (before leaving, or before partitions go: an

@@ -17,19 +17,23 @@ the changelog offset it reflects, the changelog still the truth.
 
 When a snapshot is used (``PartitionStore._usable``), else the partition is read whole, as
 without one, and the reason is logged and counted in the store's health:
-- it decodes and its checksum matches (a torn or damaged file is never half-used);
-- it is of this changelog partition and of this very topic (Kafka's topic id: a topic deleted
-  and created again starts its offsets over);
+- it decodes, its checksum matches and its values are of the types a changelog's are (a torn or
+  damaged file is never half-used; records that still do not decode as states read the
+  partition whole, and a cold state that fails later discards the file before its stage restarts);
+- it is of this changelog partition and of this very topic (Kafka's topic id when the partition
+  was loaded: a topic deleted and created again starts its offsets over);
 - its offset is within the partition's offsets now (low watermark ≤ offset ≤ end);
 - if records were written after it (a tail), it is younger than half the changelog's
   ``delete.retention.ms``: a tombstone written after the snapshot may be compacted away
   after that long, and the key it deleted would come back from the snapshot.
 
-When one is written (``PartitionStore.save_snapshots``): only for a partition whose state in
-memory is exactly the fold of its changelog up to a known offset — every changed state
-written and acknowledged, nothing of the partition in flight, and this worker's writes the
-only ones since it loaded the partition (the offsets acknowledged are contiguous after the end
-it read) — see ``ChangelogAcks``.
+When one is written (``PartitionStore.save_snapshots``): only for a partition whose state is
+exactly the fold of its changelog up to a known offset — every changed state written and
+acknowledged (none encoded and never produced, none refused by Kafka), nothing of the partition
+in flight when it loaded, this worker's acknowledged offsets right after the end it loaded at
+(another writer's records among them: not written), no crash's orphaned chunks — see
+``PartitionStore._position`` and ``ChangelogAcks``; a state its owner changed after writing it
+is written as its record (``PartitionStore._record_bytes``).
 
 Format: ``MAGIC``, then frames — each a 4-byte big-endian length and a pickle (protocol 5) of
 builtin values only: first the header (a dict: changelog, partition, offset, topic id, when it was
@@ -132,7 +136,7 @@ class SnapshotDir:
             with open(tmp, "wb") as f:
                 f.write(MAGIC)
                 frame(f, {"changelog": self.changelog, "partition": partition, "offset": offset, "topic_id": topic_id,
-                          "written_at": time.time() if written_at is None else written_at})
+                          "written_at": float(time.time() if written_at is None else written_at)})
                 batch: list = []
                 for record in records:
                     batch.append(record)
@@ -179,11 +183,15 @@ class SnapshotDir:
                 header = _BuiltinsOnly(io.BytesIO(frame())).load()
                 snap = Snapshot(changelog=header["changelog"], partition=header["partition"], offset=header["offset"],
                                 topic_id=header["topic_id"], written_at=header["written_at"])
+                kinds = (type(snap.changelog), type(snap.partition), type(snap.offset), type(snap.topic_id), type(snap.written_at))
+                if kinds != (str, int, int, str, float) or snap.offset < 0:
+                    raise TypeError(f"a header of {header!r:.200}")
                 records, summaries = snap.records, snap.summaries
                 while data := frame():
                     for key, value, summary in _BuiltinsOnly(io.BytesIO(data)).load():
-                        if type(key) is not str or type(value) is not bytes:
-                            raise TypeError(f"a record of {type(key).__name__} -> {type(value).__name__}, not str -> bytes")
+                        if type(key) is not str or type(value) is not bytes or not (summary is None or type(summary) is bytes):
+                            raise TypeError(f"a record of {type(key).__name__} -> {type(value).__name__} ({type(summary).__name__}), "
+                                            "not str -> bytes (bytes or None)")
                         records[key] = value
                         if summary is not None:
                             summaries[key] = summary
@@ -217,6 +225,7 @@ class ChangelogAcks:
         self.produced: dict[int, int] = {}
         self.acked: dict[int, int] = {}
         self.next_offset: dict[int, int] = {}
+        self.refused: dict[int, int] = {}
 
     def on_produce(self, partition: int) -> None:
         with self._lock:
@@ -226,6 +235,7 @@ class ChangelogAcks:
         """A record Kafka refused (it became a dead letter): not in flight any more, never written."""
         with self._lock:
             self.produced[partition] = self.produced.get(partition, 0) - 1
+            self.refused[partition] = self.refused.get(partition, 0) + 1
 
     def on_ack(self, partition: int, offset: int) -> None:
         with self._lock:
@@ -233,7 +243,8 @@ class ChangelogAcks:
             if offset + 1 > self.next_offset.get(partition, 0):
                 self.next_offset[partition] = offset + 1
 
-    def at(self, partition: int) -> tuple[int, int, int]:
-        """(produced, acknowledged, offset after the highest acknowledged) of ``partition``."""
+    def at(self, partition: int) -> tuple[int, int, int, int]:
+        """(produced, acknowledged, offset after the highest acknowledged, refused) of ``partition``."""
         with self._lock:
-            return self.produced.get(partition, 0), self.acked.get(partition, 0), self.next_offset.get(partition, 0)
+            return (self.produced.get(partition, 0), self.acked.get(partition, 0), self.next_offset.get(partition, 0),
+                    self.refused.get(partition, 0))

@@ -579,8 +579,12 @@ class PartitionStore:
         self.snapshots = snapshots
         self.snapshot_tail_max_age_s = snapshot_tail_max_age_s
         self._acks: ChangelogAcks | None = None
-        self._loaded_at: dict[int, tuple[int, tuple[int, int, int]] | None] = {}
-        self._topic_id: str | None = None
+        self._loaded_at: dict[int, tuple | None] = {}  # (end offset, ChangelogAcks.at, topic id) at the load
+        self._emitted: dict[int, int] = defaultdict(int)  # changelog records encoded per partition since it loaded
+        # Per partition: key -> (record value, summary header) of a state its owner changed after
+        # writing it (``on_written`` said so): a snapshot holds what the changelog holds.
+        self._record_bytes: dict[int, dict[str, tuple[bytes, bytes | None]]] = defaultdict(dict)
+        self._from_snapshot: set[int] = set()  # partitions whose state the last load took from a snapshot
         self.snapshot_stats: dict = {"loaded": 0, "tail_records": 0, "read_whole": Counter(), "read_seconds": 0.0, "saved": 0,
                                      "saved_bytes": 0, "not_saved": {}, "save_seconds": 0.0}
 
@@ -627,6 +631,8 @@ class PartitionStore:
                         # partition comes back (another worker wrote to it); load it again then.
                         continue
                     self.parts[p], self._cold[p], marks, summaries, self._cold_summaries[p], self._loaded_at[p] = loaded[p]
+                    self._emitted[p] = 0
+                    self._record_bytes.pop(p, None)
                     self._kinds.update(kind_of(k) for k in self.parts[p])
                     self._kinds.update(kind_of(k) for k in self._cold[p])
                     if self.chunks is None:
@@ -640,7 +646,7 @@ class PartitionStore:
         with gctune.bulk(freeze=False):  # the decode below freezes what it loaded
             return self._read_partitions(partitions)
 
-    def _read_partitions(self, partitions: list[int]) -> dict[int, tuple]:
+    def _read_partitions(self, partitions: list[int], use_snapshots: bool = True) -> dict[int, tuple]:
         """Each partition's decoded states, its cold ones (encoded), what the changelog holds
         for each key (digest, or layout with ``chunks``), the keys' summaries, the cold keys'
         summary headers and where the changelog's writes were when it loaded
@@ -660,6 +666,7 @@ class PartitionStore:
         summaries: dict[int, dict[str, bytes]] = {p: {} for p in partitions}
         loaded_at: dict[int, tuple | None] = {}
         from_snapshot: dict[int, int] = {}
+        topic_id = self._changelog_id() if self.snapshots is not None else None  # (None: not known; no snapshot used or written)
         try:
             ends, starts = {}, {}
             for p in partitions:
@@ -668,10 +675,10 @@ class PartitionStore:
                 # fold up to a known offset: no snapshot of it this time).
                 acks = self._acks.at(p) if self._acks is not None else None
                 low, high = _watermarks(consumer, TopicPartition(self.changelog, p), self.read_within_s)
-                loaded_at[p] = (high, acks) if acks is not None and acks[0] == acks[1] else None
+                loaded_at[p] = (high, acks, topic_id) if acks is not None and acks[0] == acks[1] else None
                 start = low
                 began = time.monotonic()
-                snap = self._usable(p, low, high) if self.snapshots is not None else None
+                snap = self._usable(p, low, high, topic_id) if self.snapshots is not None and use_snapshots else None
                 self.snapshot_stats["read_seconds"] += time.monotonic() - began
                 if snap is not None:
                     raw[p], summaries[p] = snap.records, snap.summaries
@@ -706,8 +713,22 @@ class PartitionStore:
         finally:
             consumer.close()
         read = time.monotonic()
+        out, undecodable = {}, []
         with gctune.bulk(freeze=any(raw.values())):  # a restart's decoded state is garbage-free and long-lived
-            out = {p: (*self._decode(records, summaries[p]), loaded_at[p]) for p, records in raw.items()}
+            for p, records in raw.items():
+                try:
+                    out[p] = (*self._decode(records, summaries[p]), loaded_at[p])
+                except Exception as exc:
+                    if p not in from_snapshot:
+                        raise
+                    # A snapshot that passed its checks and still does not decode: read the partition whole.
+                    self._refused_snapshot(p, "does not decode", f"its records do not decode: {type(exc).__name__}: {exc}")
+                    undecodable.append(p)
+        for p in undecodable:
+            from_snapshot.pop(p)
+        if undecodable:
+            out.update(self._read_partitions(undecodable, use_snapshots=False))
+        self._from_snapshot = (self._from_snapshot - set(partitions)) | set(from_snapshot)
         decoded = time.monotonic() - read
         self.load_seconds += time.monotonic() - started
         self.last_loaded_at = time.monotonic()
@@ -718,14 +739,15 @@ class PartitionStore:
                  "then the changelog after them" if from_snapshot else "")
         return out
 
-    def _usable(self, partition: int, low: int, high: int) -> Snapshot | None:
+    def _usable(self, partition: int, low: int, high: int, topic_id: str | None) -> Snapshot | None:
         """The partition's snapshot if it may stand for its changelog up to its offset (see
         ``streams.snapshot``), else None — the reason logged and counted (``read_whole``)."""
         try:
             snap = self.snapshots.load(partition)
             if snap is None:
                 return None
-            topic_id = self._changelog_id()
+            if topic_id is None:
+                raise SnapshotInvalid("topic id unknown", f"the id of the topic {self.changelog} could not be read")
             if snap.topic_id != topic_id:
                 raise SnapshotInvalid("another topic", f"it is of another {self.changelog} topic (id {snap.topic_id}, the topic's is {topic_id}): "
                                       "the topic was deleted and created again")
@@ -739,22 +761,30 @@ class PartitionStore:
             kind, reason = exc.kind, str(exc)
         except Exception as exc:  # noqa: BLE001 - whatever failed, the changelog is read whole (as without a snapshot)
             kind, reason = type(exc).__name__, f"{type(exc).__name__}: {exc}"
+        self._refused_snapshot(partition, kind, reason)
+        return None
+
+    def _refused_snapshot(self, partition: int, kind: str, reason: str) -> None:
         self.snapshot_stats["read_whole"][kind] += 1
         log.warning("%s store: not using the snapshot of %s[%d] (%s); reading the partition's changelog whole",
                     self.name, self.changelog, partition, reason)
-        return None
 
-    def _changelog_id(self) -> str:
-        """The changelog topic's id (Kafka's, stable for the topic's life), looked up once."""
-        if self._topic_id is None:
-            from confluent_kafka import TopicCollection
-            from confluent_kafka.admin import AdminClient
+    def _changelog_id(self) -> str | None:
+        """The changelog topic's id now (Kafka's: a topic deleted and created again gets a new
+        one), read at every load — a snapshot is stamped with the id of the topic its partition
+        was loaded from; None if it cannot be read (then no snapshot is used or written)."""
+        from confluent_kafka import TopicCollection
+        from confluent_kafka.admin import AdminClient
 
+        try:
             config = {k: v for k, v in self._consumer_config.items() if not k.startswith(("group.", "fetch.", "enable.", "auto."))}
             admin = AdminClient(config)
             description = admin.describe_topics(TopicCollection([self.changelog]), request_timeout=self.read_within_s)[self.changelog]
-            self._topic_id = str(description.result(timeout=self.read_within_s).topic_id)
-        return self._topic_id
+            return str(description.result(timeout=self.read_within_s).topic_id)
+        except Exception as exc:  # noqa: BLE001 - an optimisation lost, not the state
+            log.warning("%s store: the id of %s could not be read (%s); its snapshots are not used or written this time", self.name,
+                        self.changelog, exc)
+            return None
 
     def _decode(self, records: dict[str, bytes | None], summaries: dict[str, bytes | None]) -> tuple[dict[str, dict], dict[str, bytes], dict, dict, dict]:
         """(decoded states, cold states, marks, summaries, the cold states' summary headers) of
@@ -816,6 +846,8 @@ class PartitionStore:
             self._kinds.subtract(kind_of(k) for k in self._cold.pop(p, {}))
             self._cold_summaries.pop(p, None)
             self._loaded_at.pop(p, None)
+            self._emitted.pop(p, None)
+            self._record_bytes.pop(p, None)
             self._dirty.pop(p, None)
             self._written.pop(p, None)  # a failed batch drops its partitions: nothing here is trusted past the changelog
             self._layouts.pop(p, None)
@@ -839,8 +871,11 @@ class PartitionStore:
                 try:
                     decoded = orjson.loads(value)
                 except orjson.JSONDecodeError as exc:  # the state is not there: not the input's fault (the batch waits)
-                    failure = StateUnavailable(f"{self.name} store: the recovered state of {key!r} ({self.changelog}[{partition}]) "
-                                               f"does not decode: {exc}")
+                    where = "snapshot" if partition in self._from_snapshot else "changelog"
+                    if where == "snapshot":
+                        self.snapshots.discard(partition)  # the restart this wait ends in reads the changelog instead
+                    failure = StateUnavailable(f"{self.name} store: the recovered state of {key!r} ({self.changelog}[{partition}], "
+                                               f"from its {where}) does not decode: {exc}")
                     self.outage.failed(failure)
                     raise failure from exc
                 self._warm(partition, key)
@@ -894,21 +929,24 @@ class PartitionStore:
         return sum(len(v) for v in self.parts.values()) + sum(len(v) for v in self._cold.values())
 
     # --- snapshots ----------------------------------------------------------------------------
-    def save_snapshots(self, partitions: Iterable[int] | None = None) -> dict[int, str]:
+    def save_snapshots(self, partitions: Iterable[int] | None = None, deadline: float | None = None) -> dict[int, str]:
         """Write a local snapshot (``streams.snapshot``) of each loaded partition — of
         ``partitions``, or all — whose state in memory is the fold of its changelog up to a
         known offset (``_position``); a stage calls this at a clean stop, after its last epoch
         commit. Returns partition -> why it was not written, for those that were not (their
-        previous snapshot, if any, stays: it and the changelog after it are still the state)."""
+        previous snapshot, if any, stays: it and the changelog after it are still the state).
+        ``deadline`` (``time.monotonic()``): no partition is begun after it (a stop's bound)."""
         if self.snapshots is None:
             return {}
         started = time.monotonic()
         not_saved: dict[int, str] = {}
-        for p in sorted(self.parts if partitions is None else set(partitions) & set(self.parts)):
+        for p in sorted(list(self.parts) if partitions is None else set(partitions) & set(self.parts)):
             offset, reason = self._position(p)
+            if reason is None and deadline is not None and time.monotonic() >= deadline:
+                reason = "the stop's time ran out before it"
             if reason is None:
                 try:
-                    size = self.snapshots.save(p, offset, self._changelog_id(), self._records(p))
+                    size = self.snapshots.save(p, offset, self._loaded_at[p][2], self._records(p))
                     self.snapshot_stats["saved"] += 1
                     self.snapshot_stats["saved_bytes"] += size
                     continue
@@ -926,9 +964,12 @@ class PartitionStore:
 
     def _position(self, partition: int) -> tuple[int | None, str | None]:
         """The changelog offset whose fold the partition's state in memory is, or why it is not
-        known: a changed state not written yet, a record not acknowledged, a record in flight
-        when it loaded, or a record of another writer among this store's since then (the
-        offsets this store's output got are not the ones right after the end it loaded at)."""
+        known: a changed state not written yet, or encoded for the changelog and never written (an
+        epoch commit that did not finish), a record refused by Kafka (dead-lettered: the state
+        holds what the changelog does not), a record not acknowledged, a record in flight when it
+        loaded, a record of another writer among this store's since then (the offsets this store's
+        output got are not the ones right after the end it loaded at), a crash's orphaned chunks
+        (their records are not in memory), or the topic's id unknown."""
         if self._dirty.get(partition):
             return None, f"{len(self._dirty[partition])} changed state(s) not written to the changelog"
         if self._acks is None:
@@ -936,11 +977,23 @@ class PartitionStore:
         base = self._loaded_at.get(partition)
         if base is None:
             return None, "a changelog record of it was still in flight when it was loaded"
-        high, (_produced0, acked0, _next0) = base
-        produced, acked, next_offset = self._acks.at(partition)
+        high, (_produced0, acked0, _next0, refused0), topic_id = base
+        if topic_id is None:
+            return None, "the changelog's topic id was not known when it loaded"
+        produced, acked, next_offset, refused = self._acks.at(partition)
+        if refused != refused0:
+            return None, f"Kafka refused {refused - refused0} changelog record(s) of it (dead-lettered): its state is not the changelog's"
         if produced != acked:
             return None, f"{produced - acked} changelog record(s) of it not acknowledged"
         written = acked - acked0
+        if written != self._emitted.get(partition, 0):
+            return None, f"{self._emitted.get(partition, 0) - written} changelog record(s) of it encoded and never written"
+        if None in self._record_bytes.get(partition, {}).values():
+            return None, "a state changed after its record was written, and that record is not kept"
+        states, layouts = self.parts[partition], self._layouts.get(partition, {}) if self.chunks is not None else {}
+        orphans = sum(1 for key, layout in layouts.items() if key not in states and layout.chunks)
+        if orphans:
+            return None, f"{orphans} key(s) with a crash's orphaned chunks (their records are not in memory)"
         if written == 0:
             return high, None
         if next_offset - high != written:
@@ -952,31 +1005,32 @@ class PartitionStore:
         """The partition's records as its changelog would hold them if every state in memory
         were written now, one at a time (key, value, summary header or None): a cold state's own
         record; a state's encoding (and summary), or in chunks its head and its layout's sealed
-        chunks; a key with chunks and no state (a crash's orphans) its chunks' names, which is
-        all a recovery reads of them."""
+        chunks — the head as it was written when its owner changed the state after that
+        (``_record_bytes``). (A partition with a crash's orphaned chunks is not snapshotted:
+        ``_position``.)"""
         cold_summaries = self._cold_summaries.get(partition, {})
         for key, value in self._cold.get(partition, {}).items():
             yield key, value, cold_summaries.get(key)
         layouts = self._layouts.get(partition, {}) if self.chunks is not None else {}
-        states = self.parts[partition]
+        states, recorded = self.parts[partition], self._record_bytes.get(partition, {})
         for key, state in states.items():
             layout = layouts.get(key)
-            if layout is None or not layout.chunks:
+            if key in recorded:  # changed after it was written (``on_written``): the record it was written as
+                yield key, *recorded[key]
+            elif layout is None or not layout.chunks:
                 headers = self._headers(key, state)
                 yield key, orjson.dumps(state), headers[0][1] if headers else None
+            else:
+                open_ids = {}
+                for name in self.chunks.fields:
+                    member = layout.member.get(name, {})
+                    open_ids[name] = [i for i in (state.get(name) or {}) if i not in member]
+                yield key, orjson.dumps(_head(self.chunks, state, layout, open_ids)), None
+            if layout is None or not layout.chunks:
                 continue
-            open_ids = {}
-            for name in self.chunks.fields:
-                member = layout.member.get(name, {})
-                open_ids[name] = [i for i in (state.get(name) or {}) if i not in member]
-            yield key, orjson.dumps(_head(self.chunks, state, layout, open_ids)), None
             for tag, ids in layout.chunks.items():
                 if ids:
                     yield f"{key}{SEP}{tag}", _chunk_value(self.chunks, tag.rstrip("0123456789"), state, ids), None
-        for key, layout in layouts.items():
-            if key not in states:
-                for tag in layout.chunks:
-                    yield f"{key}{SEP}{tag}", b"{}", None
 
     def snapshot_health(self) -> dict:
         stats = self.snapshot_stats
@@ -1015,12 +1069,24 @@ class PartitionStore:
                     written.pop(key, None)
                 else:
                     written[key] = mark
-                output.produce(self.changelog, key.encode(), value, partition=p, headers=self._headers(key, state))
+                headers = self._headers(key, state)
+                output.produce(self.changelog, key.encode(), value, partition=p, headers=headers)
                 n += 1
-                if state is not None and self._on_written is not None:
-                    self._on_written(state)
+                self._emitted[p] += 1
+                self._written_now(p, key, state, value, headers)
         self._dirty.clear()
         return n
+
+    def _written_now(self, partition: int, key: str, state: dict | None, value: bytes | None, headers) -> None:
+        """``state``'s record (``value``, its ``headers``; None: not among the records written —
+        a chunked state whose head did not change) was just encoded: tell the owner
+        (``on_written``) and, when it changes the state after that, keep the record for the
+        partition's snapshot (``_records``), which must hold what the changelog holds."""
+        kept = self._record_bytes.get(partition)
+        if state is not None and self._on_written is not None and self._on_written(state):
+            self._record_bytes[partition][key] = (value, headers[0][1] if headers else None) if value is not None else None
+        elif kept:
+            kept.pop(key, None)
 
     def _write_chunked(self, output) -> int:
         n = 0
@@ -1040,11 +1106,14 @@ class PartitionStore:
                         self.unchanged_skipped += 1
                         continue
                 whole = state is not None and not layouts[key].chunks  # a head with sealed chunks is decoded at recovery: no summary
+                head, head_headers = None, None
                 for name, value in records:
                     headers = self._headers(key, state) if name == key and whole else None
                     output.produce(self.changelog, name.encode(), value, partition=p, headers=headers)
                     n += 1
-                if state is not None and self._on_written is not None:
-                    self._on_written(state)
+                    self._emitted[p] += 1
+                    if name == key:
+                        head, head_headers = value, headers
+                self._written_now(p, key, state, head, head_headers)
         self._dirty.clear()
         return n

@@ -58,7 +58,7 @@ class ControlsStage(StageContext):
         self.intake = Intake(settings, self.consumer_config, (self.run.controls,),
                              ("evaluate_controls", c.evaluate_batch, c.reset, c.dead, c.commit, settings.streams.commit_interval_s), "controls",
                              "controls stage", batch=self.packed_batch(), extra=dict(ROUTE_FETCH), revoking=self._revoking,
-                             forget=self._forget, assigned=self._prefetch, stopped=c.store.save_snapshots)
+                             forget=self._forget, assigned=self._prefetch, stopped=lambda deadline: c.store.save_snapshots(deadline=deadline))
 
     def assigned(self, topic: str) -> set[int]:
         held = self.intake.assigned() or []

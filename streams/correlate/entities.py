@@ -265,14 +265,18 @@ def _needed(state: dict) -> set[str]:
     return keep
 
 
-def state_written(state: dict) -> None:
+def state_written(state: dict) -> bool:
     """The store has just encoded ``state`` for its changelog (``PartitionStore(on_written=...)``):
     the ids ``trim`` let go before the write before this one are no longer needed past
     ``MAX_GONE_IDS`` (their events' offsets are committed by now). In memory only: a state
-    recovered from this record still keeps them, which only keeps more."""
+    recovered from this record still keeps them, which only keeps more. True when that changed
+    the state (the store then keeps the record for its snapshot, which must hold what the
+    changelog holds)."""
     since = state.get("gone_w")
-    if since is not None:
-        since[0], since[1] = 0, since[0]
+    if since is None or since == [0, since[0]]:
+        return False
+    since[0], since[1] = 0, since[0]
+    return True
 
 
 def _keep_rank(rec: dict) -> tuple:
