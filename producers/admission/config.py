@@ -44,7 +44,7 @@ class AdmitSettings(BaseSettings):
     publish_batch: int = Field(default=500, ge=1, description="Most decisions published to Kafka in one batch (decisions are published off the request path).")
     publish_queue: int = Field(default=100_000, ge=1, description="Decisions waiting for Kafka beyond this are dropped (counted, logged): a webhook must answer even when Kafka does not.")
 
-    @field_validator("gpu_resources")
+    @field_validator("gpu_resources", "dra_drivers")
     @classmethod
     def _some_resources(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         return check_resource_patterns(value)

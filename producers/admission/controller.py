@@ -206,7 +206,7 @@ class AdmissionCheckController:
         with self.state.lock:
             decision = decide(subject, self.state, self.policy, now, gate="admission-check", policy_version=self.policy_version)
         state = check_state(decision)
-        message = decision.message[:32000]
+        message = " ".join((decision.message, *subject.claim_notes))[:32000]
         if all(c.get("state") == state and c.get("message") == message for c in ours):
             return None
         checks = [{**c, "state": state, "message": message, "lastTransitionTime": _now() if c.get("state") != state else c.get("lastTransitionTime")}

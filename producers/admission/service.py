@@ -5,7 +5,9 @@ beginning into the in-memory ``AdmissionState``, like every worker's release dir
 and with a kubeconfig the cluster's Kueue Workloads. Output: AdmissionReview answers,
 Workload check states, and one ``admission.decided`` event per decision on Kafka.
 
-Guarantees: no I/O on the request path — a decision reads memory only; a release event
+Guarantees: no I/O on the request path but a DRA claim's — a decision reads memory only; an object
+naming DRA claims has them read from the API server (``producers.admission.claims``: within a
+3 s budget, in a worker thread, so the event loop never waits on the API server); a release event
 reaches the state within the follower's poll (200 ms) of Kafka acknowledging it. Decisions
 are published off the request path by the recorder thread in batches (acks=all): the
 webhook answers even while Kafka is down; decisions beyond ``publish_queue`` are dropped

@@ -1,4 +1,9 @@
-"""The AdmissionReview endpoint as a pure function: request body → (HTTP status, response body, decision event).
+"""The AdmissionReview endpoint: request body → (HTTP status, response body, decision event).
+
+A function of the body and the release state — but for an object's DRA claims, which its
+``claims`` reader fetches from the API server (``producers.admission.claims``): the service
+calls ``handle`` in a worker thread then, and the decision reads the release state under its
+lock (the follower folds into it on the event loop).
 
 Input: an ``admission.k8s.io/v1`` AdmissionReview for a Pod, batch Job or Kueue Workload.
 Output: the AdmissionReview answer — ``allowed``, a 403 ``status`` whose message the API
@@ -88,7 +93,8 @@ class ReviewHandler:
             return 400, {"error": f"request.object cannot be read: {exc}"}, None
         now = self.clock()
         try:
-            decision = decide(subject, self.state, self.policy, now, gate="webhook", policy_version=self.policy_version)
+            with self.state.lock:  # (the service's worker thread: the follower folds into it on the loop)
+                decision = decide(subject, self.state, self.policy, now, gate="webhook", policy_version=self.policy_version)
         except Exception as exc:  # noqa: BLE001 - a decision that fails is fail-closed/-open, never a crash
             decision = decide(subject, None, self.policy, now, gate="webhook", policy_version=self.policy_version)
             decision = replace(decision, message=f"{decision.message} (decision failed: {exc})")

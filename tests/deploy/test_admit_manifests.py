@@ -35,11 +35,12 @@ def test_rbac_is_least_privilege():
         role = next(d for d in docs("rbac.yaml") if d["kind"] == "ClusterRole" and d["metadata"]["name"] == name)
         return {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
 
+    # Both read one object at a time, by name, of the DRA claims they decide and their device classes.
+    claims = {("resource.k8s.io", r, "get") for r in ("resourceclaims", "resourceclaimtemplates", "deviceclasses")}
     assert grants("gpuledger-admit-controller") == {("kueue.x-k8s.io", "workloads", v) for v in ("get", "list", "watch")} | {
         ("kueue.x-k8s.io", "admissionchecks", v) for v in ("get", "list", "watch")} | {
-        ("kueue.x-k8s.io", "workloads/status", "patch"), ("kueue.x-k8s.io", "admissionchecks/status", "patch")}
-    # The webhook: one object at a time, by name — the DRA claims it decides and their device classes.
-    assert grants("gpuledger-admit") == {("resource.k8s.io", r, "get") for r in ("resourceclaims", "resourceclaimtemplates", "deviceclasses")}
+        ("kueue.x-k8s.io", "workloads/status", "patch"), ("kueue.x-k8s.io", "admissionchecks/status", "patch")} | claims
+    assert grants("gpuledger-admit") == claims
     bindings = {d["roleRef"]["name"]: [s["name"] for s in d["subjects"]] for d in docs("rbac.yaml") if d["kind"] == "ClusterRoleBinding"}
     assert bindings == {"gpuledger-admit": ["gpuledger-admit"], "gpuledger-admit-controller": ["gpuledger-admit-controller"]}
     webhook = next(d for d in docs("deployment.yaml") if d["metadata"]["name"] == "gpuledger-admit")

@@ -102,7 +102,8 @@ RBAC: dict[str, Expect] = {
     # The Kueue AdmissionCheck controller: reads Workloads and AdmissionChecks, writes only their status.
     "gpuledger-admit-controller": Expect(
         allowed=(*(Access(v, r) for r in ("workloads.kueue.x-k8s.io", "admissionchecks.kueue.x-k8s.io") for v in _READ),
-                 Access("patch", "workloads.kueue.x-k8s.io/status"), Access("patch", "admissionchecks.kueue.x-k8s.io/status")),
+                 Access("patch", "workloads.kueue.x-k8s.io/status"), Access("patch", "admissionchecks.kueue.x-k8s.io/status"),
+                 *(Access("get", f"{r}.resource.k8s.io") for r in ("resourceclaims", "resourceclaimtemplates", "deviceclasses"))),
         denied=(Access("update", "workloads.kueue.x-k8s.io"), Access("patch", "workloads.kueue.x-k8s.io"),
                 Access("delete", "workloads.kueue.x-k8s.io"), Access("patch", "clusterqueues.kueue.x-k8s.io/status"),
                 Access("patch", "pods"), Access("get", "secrets", "own"))),
