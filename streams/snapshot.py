@@ -98,7 +98,10 @@ class Snapshot:
     written_at: float = field(default_factory=time.time)  # seconds since the epoch
 
     def age_s(self) -> float:
-        return max(0.0, time.time() - self.written_at)
+        """Seconds since it was written; a time in the future (or not a number) is taken as
+        infinitely old: the tail-age check must not pass on a clock it cannot trust."""
+        age = time.time() - self.written_at
+        return age if age >= -60.0 else float("inf")
 
 
 class SnapshotDir:

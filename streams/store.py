@@ -331,7 +331,7 @@ def _chunk_value(chunks: Chunks, field: str, state: dict, ids: list[str]) -> byt
     return orjson.dumps(value)
 
 
-def encode_chunked(chunks: Chunks, key: str, state: dict, layout: _Layout) -> list[tuple[str, bytes | None]]:
+def encode_chunked(chunks: Chunks, key: str, state: dict, layout: _Layout, head_out: list | None = None) -> list[tuple[str, bytes | None]]:
     """The records to write for ``state`` (changed chunks, then the head if it changed),
     updating ``layout`` to what they hold."""
     out: list[tuple[str, bytes | None]] = []
@@ -401,6 +401,8 @@ def encode_chunked(chunks: Chunks, key: str, state: dict, layout: _Layout) -> li
     head = _head(chunks, state, layout, open_ids)
     value = orjson.dumps(head)
     mark = _digest(value)
+    if head_out is not None:
+        head_out.append(value)  # (the head's record, written now or unchanged: what the changelog holds for the key)
     if mark != layout.head:
         layout.head = mark
         out.append((key, value))
@@ -585,6 +587,7 @@ class PartitionStore:
         # writing it (``on_written`` said so): a snapshot holds what the changelog holds.
         self._record_bytes: dict[int, dict[str, tuple[bytes, bytes | None]]] = defaultdict(dict)
         self._from_snapshot: set[int] = set()  # partitions whose state the last load took from a snapshot
+        self._not_saveable: dict[int, str] = {}  # partition -> why no snapshot of it may be written until it loads again
         self.snapshot_stats: dict = {"loaded": 0, "tail_records": 0, "read_whole": Counter(), "read_seconds": 0.0, "saved": 0,
                                      "saved_bytes": 0, "not_saved": {}, "save_seconds": 0.0}
 
@@ -633,6 +636,7 @@ class PartitionStore:
                     self.parts[p], self._cold[p], marks, summaries, self._cold_summaries[p], self._loaded_at[p] = loaded[p]
                     self._emitted[p] = 0
                     self._record_bytes.pop(p, None)
+                    self._not_saveable.pop(p, None)
                     self._kinds.update(kind_of(k) for k in self.parts[p])
                     self._kinds.update(kind_of(k) for k in self._cold[p])
                     if self.chunks is None:
@@ -723,6 +727,7 @@ class PartitionStore:
                         raise
                     # A snapshot that passed its checks and still does not decode: read the partition whole.
                     self._refused_snapshot(p, "does not decode", f"its records do not decode: {type(exc).__name__}: {exc}")
+                    self.snapshots.discard(p)  # (a clean stop writes a new one from the changelog's state)
                     undecodable.append(p)
         for p in undecodable:
             from_snapshot.pop(p)
@@ -848,6 +853,7 @@ class PartitionStore:
             self._loaded_at.pop(p, None)
             self._emitted.pop(p, None)
             self._record_bytes.pop(p, None)
+            self._not_saveable.pop(p, None)
             self._dirty.pop(p, None)
             self._written.pop(p, None)  # a failed batch drops its partitions: nothing here is trusted past the changelog
             self._layouts.pop(p, None)
@@ -874,6 +880,7 @@ class PartitionStore:
                     where = "snapshot" if partition in self._from_snapshot else "changelog"
                     if where == "snapshot":
                         self.snapshots.discard(partition)  # the restart this wait ends in reads the changelog instead
+                        self._not_saveable[partition] = "its snapshot held a state that does not decode (discarded)"  # not written again
                     failure = StateUnavailable(f"{self.name} store: the recovered state of {key!r} ({self.changelog}[{partition}], "
                                                f"from its {where}) does not decode: {exc}")
                     self.outage.failed(failure)
@@ -970,6 +977,8 @@ class PartitionStore:
         loaded, a record of another writer among this store's since then (the offsets this store's
         output got are not the ones right after the end it loaded at), a crash's orphaned chunks
         (their records are not in memory), or the topic's id unknown."""
+        if partition in self._not_saveable:
+            return None, self._not_saveable[partition]
         if self._dirty.get(partition):
             return None, f"{len(self._dirty[partition])} changed state(s) not written to the changelog"
         if self._acks is None:
@@ -1013,24 +1022,38 @@ class PartitionStore:
             yield key, value, cold_summaries.get(key)
         layouts = self._layouts.get(partition, {}) if self.chunks is not None else {}
         states, recorded = self.parts[partition], self._record_bytes.get(partition, {})
+        marks = self._written.get(partition, {})
+
+        def held(key: str, value: bytes, mark) -> bytes:
+            # A state changed in memory and never put (so never written), or a head a crash left
+            # older than its chunks, is not what the changelog holds: no snapshot of the partition.
+            if _digest(value) != mark:
+                raise SnapshotInvalid("not the changelog's", f"the state of {key!r} in memory is not its changelog record "
+                                      "(changed without being put, or a crash's leftover head not written again yet)")
+            return value
+
         for key, state in states.items():
             layout = layouts.get(key)
             if key in recorded:  # changed after it was written (``on_written``): the record it was written as
                 yield key, *recorded[key]
             elif layout is None or not layout.chunks:
                 headers = self._headers(key, state)
-                yield key, orjson.dumps(state), headers[0][1] if headers else None
+                mark = marks.get(key) if self.chunks is None else (layout.head if layout is not None else None)
+                yield key, held(key, orjson.dumps(state), mark), headers[0][1] if headers else None
             else:
                 open_ids = {}
                 for name in self.chunks.fields:
                     member = layout.member.get(name, {})
                     open_ids[name] = [i for i in (state.get(name) or {}) if i not in member]
-                yield key, orjson.dumps(_head(self.chunks, state, layout, open_ids)), None
+                yield key, held(key, orjson.dumps(_head(self.chunks, state, layout, open_ids)), layout.head), None
             if layout is None or not layout.chunks:
                 continue
             for tag, ids in layout.chunks.items():
                 if ids:
-                    yield f"{key}{SEP}{tag}", _chunk_value(self.chunks, tag.rstrip("0123456789"), state, ids), None
+                    field = tag.rstrip("0123456789")
+                    if layout.tokens.get(tag) != _token(self.chunks, field, state, ids):
+                        raise SnapshotInvalid("not the changelog's", f"a sealed chunk of {key!r} changed in memory and was not written")
+                    yield f"{key}{SEP}{tag}", _chunk_value(self.chunks, field, state, ids), None
 
     def snapshot_health(self) -> dict:
         stats = self.snapshot_stats
@@ -1101,7 +1124,8 @@ class PartitionStore:
                         continue
                     records = [(f"{key}{SEP}{tag}", None) for tag in layout.chunks] + [(key, None)]
                 else:
-                    records = encode_chunked(self.chunks, key, state, layouts.setdefault(key, _Layout()))
+                    head_now: list = []
+                    records = encode_chunked(self.chunks, key, state, layouts.setdefault(key, _Layout()), head_now)
                     if not records:
                         self.unchanged_skipped += 1
                         continue
@@ -1114,6 +1138,8 @@ class PartitionStore:
                     self._emitted[p] += 1
                     if name == key:
                         head, head_headers = value, headers
+                if head is None and state is not None:  # the head did not change: its record is the one just encoded
+                    head = head_now[0]
                 self._written_now(p, key, state, head, head_headers)
         self._dirty.clear()
         return n

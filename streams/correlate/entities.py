@@ -407,9 +407,9 @@ def fold_link(state: dict, source: str, link: dict) -> bool:
         # either — mostly a detached holder's link forwarded again (a release event makes every pod
         # of the release forward its links again); kept, it would count twice (``_let_go``). Another
         # entity's (a workload's pods, by name: they hold no intervals) keeps its version
-        # (``_gone_link``) — a True when it grew.
-        state["detached"] += 1
-        capped("links_detached", 1, state["key"], _detached())
+        # (``_gone_link``) — a True when it grew. Not counted as detached (it never was attached),
+        # and the state is left as it was: a state changed in memory without being put is not
+        # its changelog record (and a local snapshot of it would not be: ``PartitionStore._records``).
         return False if gpu else _gone_link(state, source, link.get("v", 0))
     if gpu and current is None and (gone := state.get("gone")):
         # A detached holder's link that comes back (a later allocation of the GPU to the same

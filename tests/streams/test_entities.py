@@ -725,9 +725,11 @@ def test_a_gpu_past_its_link_cap_stores_the_same_rows_and_versions_whatever_the_
 
 def test_a_gpu_past_its_link_cap_renders_a_release_change_on_the_rows_of_its_kept_holders_only(monkeypatch):
     """A release event that changes r1's manifest makes every pod of r1 forward its links again,
-    the detached holders' too: those come and go at once, not kept again in ``gone`` (they would
-    count twice). The GPU's rows held by kept holders show the change; those whose holder went
-    keep what they emitted, attributed (not ``unattributed``: the holder is forgotten, not wrong)."""
+    the detached holders' too: those are not attached again — not kept again in ``gone`` (they
+    would count twice), not counted as detached again, the GPU's state left as it was (a state
+    changed without being put is not its changelog record). The GPU's rows held by kept holders
+    show the change; those whose holder went keep what they emitted, attributed (not
+    ``unattributed``: the holder is forgotten, not wrong)."""
     import streams.correlate.entities as entities
 
     monkeypatch.setattr(entities, "MAX_LINKS", 8)
@@ -741,7 +743,7 @@ def test_a_gpu_past_its_link_cap_renders_a_release_change_on_the_rows_of_its_kep
     assert {row["identity"].get("pod") for row in before.values()} >= {"b1", "b10", "b21", "b22", "b27"}
     d.feed([release("release.approved", 200, model="m-renamed", actor="bob")]).flush_parked()  # (and every park deadline passed)
     gpu = d.entities["gpu:n1/GPU-9"]
-    assert gpu["detached"] > 22 and gpu["gone"] == gone
+    assert gpu["detached"] == 22 and gpu["gone"] == gone
     after = {cid: row for cid, row in d.latest(versions=True).items() if row["event_type"].startswith("alert.")}
     kept = {f"b{i}" for i in range(22, 30)}
     for cid, row in after.items():

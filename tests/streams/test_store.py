@@ -989,3 +989,60 @@ def test_a_snapshot_of_a_topic_deleted_and_created_again_after_the_load_is_not_w
     asyncio.run(fresh.ensure([0]))
     assert fresh.health()["snapshots"]["read_whole"] == {"another topic": 1} and fresh.states(0) == {}
     output.close()
+
+
+def test_a_snapshot_holds_the_records_as_written_or_is_not_written(kafka_bootstrap, tmp_path):
+    """Found by a second review. A chunk-only write of a state its owner changes after writing it
+    (``on_written``) keeps the head it left unchanged, so the partition is still snapshotted — and
+    equals the whole read, marks included. A state changed in memory and never put is not its
+    record: the partition is not snapshotted. A snapshot discarded for a cold state that does not
+    decode is not written again by a clean stop before the restart."""
+    from streams.correlate.entities import state_written
+    from streams.snapshot import SnapshotDir
+
+    topic, config, output = _setup(kafka_bootstrap)
+    first = _snap_store(topic, config, None, ENTITY_CHUNKS, on_written=state_written)
+    asyncio.run(first.ensure([0, 1]))
+    big = {**_entity(13, 3), "gone_w": [5, 7], "gone_ids": list(range(12))}
+    _write(first, output, {(0, big["key"]): big})
+    store = _snap_store(topic, config, tmp_path, ENTITY_CHUNKS, on_written=state_written)
+    store.follow(output)
+    asyncio.run(store.ensure([0, 1]))
+    state = store.get(0, big["key"])
+    state["rows"]["e1"]["parked"] = True  # a sealed row changed in place: its chunk only
+    touched(state["rows"], "e1")
+    assert _write(store, output, {(0, big["key"]): state}) == 1
+    assert store.save_snapshots() == {}
+    snapped = _snap_store(topic, config, tmp_path, ENTITY_CHUNKS)
+    asyncio.run(snapped.ensure([0, 1]))
+    whole = _snap_store(topic, config, None, ENTITY_CHUNKS)
+    asyncio.run(whole.ensure([0, 1]))
+    assert snapped.loaded_records == 0 and _everything(snapped) == _everything(whole)
+    assert snapped._layouts[0][big["key"]].head == whole._layouts[0][big["key"]].head
+
+    # changed in memory, never put
+    gpu = {"key": "gpu:n1/GPU-1", "interests": [], "rows": {}, "links": {}, "sent": {}, "detached": 0}
+    _write(store, output, {(1, gpu["key"]): gpu})
+    store.get(1, gpu["key"])["detached"] += 1
+    not_saved = store.save_snapshots()
+    assert list(not_saved) == [1] and "is not its changelog record" in not_saved[1]
+
+    # a snapshot whose cold state does not decode: discarded, and not written again
+    topic, config, output = _setup(kafka_bootstrap)
+    writer = _snap_store(topic, config, tmp_path, None)
+    writer.follow(output)
+    asyncio.run(writer.ensure([0, 1]))
+    _write(writer, output, {(0, f"pod:ml/p{i}"): {"key": f"pod:ml/p{i}", "interests": [], "rows": {}} for i in range(3)})
+    assert writer.save_snapshots() == {}
+    files = SnapshotDir(tmp_path, topic)
+    snap = files.load(0)
+    files.save(0, snap.offset, snap.topic_id, [(k, b"{not json" if k == "pod:ml/p1" else v, snap.summaries.get(k)) for k, v in snap.records.items()],
+               written_at=snap.written_at)  # a valid file with a value that is not a state
+    reader = _snap_store(topic, config, tmp_path, None)
+    reader.follow(output)
+    asyncio.run(reader.ensure([0]))
+    with pytest.raises(StateUnavailable, match="from its snapshot"):
+        reader.get(0, "pod:ml/p1")
+    assert not files.path(0).exists()
+    assert reader.save_snapshots() == {0: "its snapshot held a state that does not decode (discarded)"} and not files.path(0).exists()
+    output.close()
