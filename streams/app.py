@@ -454,8 +454,10 @@ def run_worker(settings, loglevel: str = "info") -> None:
             # a state changed after it is not snapshotted: ``save_snapshots``). Within the stop's
             # bound: no partition is begun in its last second (the hard stop ends a save cut short).
             ctx.saving_snapshots = True
-            ctx.correlator.store.save_snapshots(deadline=ctx.stop_deadline - 1.0 if ctx.stop_deadline else None)
-            ctx.saving_snapshots = False
+            try:
+                ctx.correlator.store.save_snapshots(deadline=ctx.stop_deadline - 1.0 if ctx.stop_deadline else None)
+            finally:
+                ctx.saving_snapshots = False
         for child in children:
             child.signal_stop()  # both stop at once, then each is waited for
         for child in children:

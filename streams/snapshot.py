@@ -54,6 +54,7 @@ import io
 import logging
 import os
 import pickle
+import threading
 import time
 import zlib
 from collections.abc import Iterable
@@ -206,8 +207,6 @@ class SnapshotDir:
                 raise SnapshotInvalid("damaged", f"{path} is damaged (checksum mismatch)")
         if (snap.changelog, snap.partition) != (self.changelog, partition):
             raise SnapshotInvalid("another partition", f"{path} is of {snap.changelog}[{snap.partition}], not {self.changelog}[{partition}]")
-        if not isinstance(snap.offset, int):
-            raise SnapshotInvalid("does not decode", f"{path} does not decode: its offset is not a number")
         return snap
 
     def discard(self, partition: int) -> None:
@@ -222,8 +221,6 @@ class ChangelogAcks:
     offset (``PartitionStore.save_snapshots``)."""
 
     def __init__(self) -> None:
-        import threading
-
         self._lock = threading.Lock()  # acknowledged from whichever thread polls the producer
         self.produced: dict[int, int] = {}
         self.acked: dict[int, int] = {}

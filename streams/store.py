@@ -650,14 +650,15 @@ class PartitionStore:
         with gctune.bulk(freeze=False):  # the decode below freezes what it loaded
             return self._read_partitions(partitions)
 
-    def _read_partitions(self, partitions: list[int], use_snapshots: bool = True) -> dict[int, tuple]:
+    def _read_partitions(self, partitions: list[int], use_snapshots: bool = True, topic_id: str | None = None) -> dict[int, tuple]:
         """Each partition's decoded states, its cold ones (encoded), what the changelog holds
         for each key (digest, or layout with ``chunks``), the keys' summaries, the cold keys'
         summary headers and where the changelog's writes were when it loaded
         (``_loaded_at``). Only a key's last record is read: a changelog's tail is not
         compacted yet and holds many superseded versions of a busy key. With ``snapshots``,
         a partition's usable snapshot (``_usable``) stands for its records up to the
-        snapshot's offset, and only the records after it are read."""
+        snapshot's offset, and only the records after it are read (``use_snapshots=False``: the
+        fallback read of partitions whose snapshot did not decode, with the load's ``topic_id``)."""
         started = time.monotonic()
         # Whole changelogs, read as fast as they come: larger fetches per partition than a
         # live consumer's 1 MB default (a restart waits for this read).
@@ -670,7 +671,8 @@ class PartitionStore:
         summaries: dict[int, dict[str, bytes]] = {p: {} for p in partitions}
         loaded_at: dict[int, tuple | None] = {}
         from_snapshot: dict[int, int] = {}
-        topic_id = self._changelog_id() if self.snapshots is not None else None  # (None: not known; no snapshot used or written)
+        if use_snapshots:
+            topic_id = self._changelog_id() if self.snapshots is not None else None  # (None: not known; no snapshot used or written)
         try:
             ends, starts = {}, {}
             for p in partitions:
@@ -731,11 +733,13 @@ class PartitionStore:
                     undecodable.append(p)
         for p in undecodable:
             from_snapshot.pop(p)
+        inner = self.load_seconds
         if undecodable:
-            out.update(self._read_partitions(undecodable, use_snapshots=False))
+            out.update(self._read_partitions(undecodable, use_snapshots=False, topic_id=topic_id))
+        inner = self.load_seconds - inner  # (that read counted its own time)
         self._from_snapshot = (self._from_snapshot - set(partitions)) | set(from_snapshot)
         decoded = time.monotonic() - read
-        self.load_seconds += time.monotonic() - started
+        self.load_seconds += time.monotonic() - started - inner
         self.last_loaded_at = time.monotonic()
         self.snapshot_stats["loaded"] += len(from_snapshot)
         log.info("%s: recovered %d key(s) of partition(s) %s from %s in %.1fs (%.1fs of it decoding)%s", self.name,
@@ -782,8 +786,7 @@ class PartitionStore:
         from confluent_kafka.admin import AdminClient
 
         try:
-            config = {k: v for k, v in self._consumer_config.items() if not k.startswith(("group.", "fetch.", "enable.", "auto."))}
-            admin = AdminClient(config)
+            admin = AdminClient(self._consumer_config)  # (the client settings: bootstrap and security)
             description = admin.describe_topics(TopicCollection([self.changelog]), request_timeout=self.read_within_s)[self.changelog]
             return str(description.result(timeout=self.read_within_s).topic_id)
         except Exception as exc:  # noqa: BLE001 - an optimisation lost, not the state
@@ -965,8 +968,8 @@ class PartitionStore:
         for p, reason in not_saved.items():
             log.warning("%s store: no snapshot of %s[%d] written (%s); the next start reads it from its changelog", self.name, self.changelog,
                         p, reason)
-        log.info("%s store: snapshots of %d partition(s) written in %.1fs", self.name, self.snapshot_stats["saved"],
-                 time.monotonic() - started)
+        log.info("%s store: snapshots of %d partition(s) written in %.1fs", self.name,
+                 len(self.parts if partitions is None else set(partitions) & set(self.parts)) - len(not_saved), time.monotonic() - started)
         return not_saved
 
     def _position(self, partition: int) -> tuple[int | None, str | None]:
@@ -997,8 +1000,6 @@ class PartitionStore:
         written = acked - acked0
         if written != self._emitted.get(partition, 0):
             return None, f"{self._emitted.get(partition, 0) - written} changelog record(s) of it encoded and never written"
-        if None in self._record_bytes.get(partition, {}).values():
-            return None, "a state changed after its record was written, and that record is not kept"
         states, layouts = self.parts[partition], self._layouts.get(partition, {}) if self.chunks is not None else {}
         orphans = sum(1 for key, layout in layouts.items() if key not in states and layout.chunks)
         if orphans:
@@ -1101,13 +1102,13 @@ class PartitionStore:
         return n
 
     def _written_now(self, partition: int, key: str, state: dict | None, value: bytes | None, headers) -> None:
-        """``state``'s record (``value``, its ``headers``; None: not among the records written —
-        a chunked state whose head did not change) was just encoded: tell the owner
-        (``on_written``) and, when it changes the state after that, keep the record for the
-        partition's snapshot (``_records``), which must hold what the changelog holds."""
+        """``state``'s record (``value``, its ``headers``; a chunked state's head, written now or
+        unchanged) was just encoded: tell the owner (``on_written``) and, when it changes the state
+        after that, keep the record for the partition's snapshot (``_records``), which must hold
+        what the changelog holds."""
         kept = self._record_bytes.get(partition)
         if state is not None and self._on_written is not None and self._on_written(state):
-            self._record_bytes[partition][key] = (value, headers[0][1] if headers else None) if value is not None else None
+            self._record_bytes[partition][key] = (value, headers[0][1] if headers else None)
         elif kept:
             kept.pop(key, None)
 

@@ -116,8 +116,7 @@ def device_requests(claim_spec: Mapping | None) -> list[list[Alternative]]:
             if not name:
                 raise ValueError(f"device request {request.get('name')!r} names no deviceClassName")
             count = int(option.get("count") or 1) if option.get("allocationMode", "ExactCount") == "ExactCount" else 1
-            selectors = tuple(((sel or {}).get("cel") or {}).get("expression") or "" for sel in option.get("selectors") or [])
-            alternatives.append(Alternative(str(name), count, selectors, bool(option.get("adminAccess"))))
+            alternatives.append(Alternative(str(name), count, _expressions(option.get("selectors")), bool(option.get("adminAccess"))))
         out.append(alternatives)
     return out
 
@@ -131,8 +130,13 @@ def selects_gpus(expressions: Iterable[str], drivers: ResourceMatcher) -> bool:
     return not any(_PINNED.search(expression) for expression in expressions)
 
 
+def _expressions(selectors) -> tuple[str, ...]:
+    """The CEL expressions of a list of device selectors (a DeviceClass's or a request's)."""
+    return tuple(((sel or {}).get("cel") or {}).get("expression") or "" for sel in selectors or [])
+
+
 def class_selectors(device_class: Mapping) -> tuple[str, ...]:
-    return tuple(((sel or {}).get("cel") or {}).get("expression") or "" for sel in (device_class.get("spec") or {}).get("selectors") or [])
+    return _expressions((device_class.get("spec") or {}).get("selectors"))
 
 
 def class_is_gpu(device_class: Mapping, drivers: ResourceMatcher) -> bool:
