@@ -151,11 +151,19 @@ def test_the_sink_and_its_store_engine_run_below_the_workers_priority(kafka_boot
     for nice, name in threads.values():
         by_name.setdefault(name, set()).add(nice)
     # The interpreter's (the main thread's id is the pid), librdkafka's and the engine's working
-    # threads (inserts, merges) — all but the engine's memory sampler, which ClickHouse itself sets to -20.
+    # threads (inserts, merges) — all but the engine's memory sampler, whose two threads ClickHouse
+    # itself raises to -20 (it can as root: CI runs as root). Such a thread can be read before it
+    # names itself, under the name of the thread that started it (Linux gives a new thread its
+    # creator's name; seen on CI as a "BgSchPool" at -20 next to a "MemoryWorker" still at the
+    # inherited niceness), so the check is by niceness: every thread at ours, or one of at most two
+    # at ClickHouse's -20 — and the threads that do our work named and at ours.
     assert threads[sink][0] == lowered and {"rdk:main", "MergeMutate", "ThreadPool"} <= set(by_name), by_name
     # (the whole map as text: pytest's repr of it is cut, and a thread seen once on CI — "Move",
     # the engine's part-move pool — must say which niceness it had)
-    assert {name for name, nices in by_name.items() if nices != {lowered}} <= {"MemoryWorker"}, str(sorted(by_name.items()))
+    listing = str(sorted(by_name.items()))
+    assert {nice for nice, _name in threads.values()} <= {lowered, -20}, listing
+    assert sum(1 for nice, _name in threads.values() if nice == -20) <= 2, listing
+    assert all(by_name[name] == {lowered} for name in ("python3", "rdk:main", "MergeMutate", "ThreadPool") if name in by_name), listing
     assert {nice for nice, _name in _nice_of_threads(worker.service.proc.pid).values()} == {ours}
     page = _health(worker.url)
     assert page["sink"]["nice"] == lowered and page["sink"]["pid"] == sink, page["sink"]
