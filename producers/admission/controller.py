@@ -36,7 +36,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
 from producers._config import ResourceMatcher
-from producers.admission.events import decision_event
+from producers.admission.events import decision_event, decision_message
 from streams.controls.admission import AdmissionState, Decision, decide, subject_of
 from streams.controls.policy import Policy
 
@@ -206,7 +206,7 @@ class AdmissionCheckController:
         with self.state.lock:
             decision = decide(subject, self.state, self.policy, now, gate="admission-check", policy_version=self.policy_version)
         state = check_state(decision)
-        message = " ".join((decision.message, *subject.claim_notes))[:32000]
+        message = decision_message(subject, decision)
         if all(c.get("state") == state and c.get("message") == message for c in ours):
             return None
         checks = [{**c, "state": state, "message": message, "lastTransitionTime": _now() if c.get("state") != state else c.get("lastTransitionTime")}

@@ -17,6 +17,17 @@ from streams.controls.admission import Decision, Subject
 
 COLLECTOR = "admit"
 _IDENTITY = ("model_name", "model_version", "owner", "data_class")
+#: Characters of a decision's message kept (the AdmissionCheck's message is cut the same).
+MAX_MESSAGE = 32_000
+
+
+def decision_message(subject: Subject, decision: Decision) -> str:
+    """The decision's message followed by the notes on the subject's DRA claims that could not be
+    read (each counted as a GPU): what the AdmissionCheck controller sets on the Workload, and what
+    the ``admission.decided`` event records for either gate (the webhook returns those notes as
+    AdmissionReview warnings) — so the evidence says why ``gpus_requested`` may count a claim
+    that holds no GPU."""
+    return " ".join((decision.message, *subject.claim_notes))[:MAX_MESSAGE]
 
 
 def decision_event(subject: Subject, decision: Decision, at: datetime, *, gate: str, request_id: str, operation: str | None = None,
@@ -26,7 +37,8 @@ def decision_event(subject: Subject, decision: Decision, at: datetime, *, gate: 
     identity = Identity(release_id=decision.release_id, environment=decision.environment, namespace=subject.namespace or None,
                         workload_id=subject.workload_id, pod=pod, pod_uid=subject.uid if pod else None, **ident)
     payload = AdmissionPayload(
-        decision=decision.verdict, outcome=decision.outcome, rule=decision.rule, message=decision.message, mode=decision.mode, gate=gate,
+        decision=decision.verdict, outcome=decision.outcome, rule=decision.rule, message=decision_message(subject, decision), mode=decision.mode,
+        gate=gate,
         object_kind=subject.kind, object_name=subject.name or "-", object_uid=subject.uid, operation=operation, user=user,
         gpus_requested=max(subject.gpus, 0), release_state=decision.release_state, fail_closed=decision.fail_closed,
         policy_version=decision.policy_version, directory_version=decision.directory_version,

@@ -70,5 +70,8 @@ def test_a_pod_whose_dra_claim_cannot_be_read_counts_it_as_a_gpu_and_says_why():
     assert response["warnings"] == ["DRA claim 'gpu' (resourceclaimtemplate serving/one-gpu) could not be read, so it counts as a GPU: "
                                     "gpuledger admit has no API access (GPULEDGER_ADMIT_CLAIMS_IN_CLUSTER, GPULEDGER_ADMIT_IN_CLUSTER or "
                                     "GPULEDGER_ADMIT_KUBECONFIG)"]
-    assert event().payload.rule == "no-release-identity"
+    # The decided event's evidence says it too: its message is the answer's, then the note.
+    payload = event().payload
+    assert (payload.rule, payload.gpus_requested) == ("no-release-identity", 1)
+    assert payload.message == f"{response['status']['message']} {response['warnings'][0]}", payload.message
     assert handler().handle(review(POD, dra_pod))[1]["response"]["allowed"] is True  # no reader: a claim is not counted
