@@ -24,7 +24,7 @@ incident::
 How an entry becomes a chain: the entry resolves to a *root* — the release when one
 is known (alert → its release; workload → the release its rows name; pod → its
 workload; GPU → the allocation holding it at ``at``; model → its most recently active
-release), else the workload, else the pod, else the lone alert — and the chain is
+release: ``_Resolver.model``), else the workload, else the pod, else the lone alert — and the chain is
 expanded from the root only. So every entry that reaches the same root yields the
 same chain. ``at`` hides rows that occurred after it and takes the release state as of
 it; rows keep their latest version (the best attribution known now). The chain's own
@@ -276,6 +276,13 @@ def _holds(alloc: dict) -> str:
     return "share" if "::" in alloc["gpu_id"] or "/vgpu" in alloc["gpu_id"] else "dra_device"
 
 
+#: Release events of its lifecycle (the others — reservations, queue pauses, node isolations,
+#: overrides — happen to a release in any state), and those after which it serves no more.
+LIFECYCLE_EVENTS = frozenset({"release.registered", "release.evaluated", "release.approved", "release.promoted", "release.rolled_back",
+                              "release.revoked", "release.retired"})
+ENDED_EVENTS = frozenset({"release.rolled_back", "release.revoked", "release.retired"})
+
+
 class _Resolver:
     def __init__(self, store: Store, at: datetime | None) -> None:
         self.store = store
@@ -381,17 +388,42 @@ class _Resolver:
                               + " — the MIG -> GPU mapping is unknown (no DCGM alert with pod labels and no DRA ResourceSlice named their parent)")
 
     def model(self, name: str, version: str | None) -> tuple[tuple[str, str] | None, list[str]]:
+        """The model's most recently active release as of ``at`` (and the others, in the same
+        order): one holding GPUs first, then one whose lifecycle has not ended (its latest
+        lifecycle event is not a rollback, revocation or retirement, and no later promotion
+        replaced it), then by its latest event of any kind — a rollback counting as one of the
+        release it restored. Ranked by the latest event alone, a release rolled back a minute ago (or one
+        whose reservation was just released) came before the release serving in its place."""
         cond = "model_name = {model:String}" + (" AND model_version = {mv:String}" if version else "")
-        rows = self.store.latest("release_history", ("release_id", "occurred_at", "correlation_id", "version", "model_name", "model_version"),
+        rows = self.store.latest("release_history", ("release_id", "occurred_at", "correlation_id", "version", "event_type",
+                                                     "superseded_release_id", "model_name", "model_version"),
                                  _at_cond("occurred_at", self.at), {"model": name, "mv": version or "", **_at_params(self.at)},
                                  after=cond, after_columns=("model_name", "model_version"), order="occurred_at, correlation_id")
         last: dict[str, str] = {}
-        for row in rows:
-            last[row["release_id"]] = max(last.get(row["release_id"], ""), row["occurred_at"])
-        ranked = sorted(last, key=lambda rid: (last[rid], rid))
-        if not ranked:
+        ended: dict[str, bool] = {}
+        ours = {row["release_id"] for row in rows}
+        for row in rows:  # in event order: the last lifecycle event seen is the latest
+            rid, at, etype, other = row["release_id"], row["occurred_at"], row["event_type"], row["superseded_release_id"]
+            last[rid] = max(last.get(rid, ""), at)
+            if etype in LIFECYCLE_EVENTS:
+                ended[rid] = etype in ENDED_EVENTS
+            if other in ours and other != rid:
+                if etype == "release.promoted":  # it replaced ``other``, which serves no more
+                    ended[other] = True
+                elif etype == "release.rolled_back":  # ``other`` replaced it, and serves again from then
+                    ended[other], last[other] = False, max(last.get(other, ""), at)
+        if not last:
             return None, []
+        holding = self._holding_gpus(list(last))
+        ranked = sorted(last, key=lambda rid: (rid in holding, not ended.get(rid, False), last[rid], rid))
         return ("release", ranked[-1]), ranked[:-1][::-1]
+
+    def _holding_gpus(self, release_ids: list[str]) -> set[str]:
+        """The releases among ``release_ids`` with a GPU allocation held at ``at`` (now without it)."""
+        allocs = self.store.latest("gpu_allocations", ("allocation_id", "version", "release_id", "started_at", "ended_at"),
+                                   _at_cond("started_at", self.at), {"rids": release_ids, **_at_params(self.at)},
+                                   after="release_id IN {rids:Array(String)}", after_columns=("release_id",), order="started_at, allocation_id")
+        return {a["release_id"] for a in allocs if a["ended_at"] is None or (self.at_s is not None and self.at_s < a["ended_at"])}
 
     def alert(self, fingerprint: str) -> tuple[tuple[str, str] | None, list[dict]]:
         rows = self.store.latest("enriched_alerts", ALERT_COLS, f"alert_fingerprint = {{fp:String}} AND {_at_cond('occurred_at', self.at)}",

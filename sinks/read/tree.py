@@ -38,8 +38,8 @@ def render_tree(result: dict) -> Tree:
         root.add(f"[dim]window {m(win.get('from'))} → {m(win.get('to'))} (anchored on {m(win.get('anchor'))}): other workloads, "
                  "alerts and GPU holders on the chain's nodes; the chain's own rows: all" + (f" as of {m(entry['at'])}" if entry.get("at") else "") + "[/]")
     if entry.get("other_releases"):
-        # (``--model``: the chain is the model's latest release; the others were only in the JSON)
-        root.add(f"other releases of model {m(entry.get('value', '').partition(':')[0])}, latest first (trace one with --release): "
+        # (``--model``: the chain is the model's most recently active release; the others were only in the JSON)
+        root.add(f"other releases of model {m(entry.get('value', '').partition(':')[0])}, most recently active first (trace one with --release): "
                  + ", ".join(m(r) for r in entry["other_releases"]))
     _add_release(root, result.get("release"), entry)
     pods = {f"{p['namespace']}/{p['pod']}": p for p in result.get("pods", [])}

@@ -52,7 +52,8 @@ def test_every_entry_point_resolves_to_the_same_chain(store, at):
         assert chain == reference, f"{name} differs from the alert's chain"
     assert all(r["entry"]["root"] == {"kind": "release", "id": inc.R7} for r in results.values())
     assert results["model=fraud-scorer:7"]["entry"]["other_releases"] == [inc.R7_STAGING]
-    assert results["model=fraud-scorer"]["entry"]["other_releases"] == [inc.R7_STAGING, inc.R6]
+    # Before the rollback v6 was replaced by v7's promotion; after it, v6 serves in prod again.
+    assert results["model=fraud-scorer"]["entry"]["other_releases"] == ([inc.R7_STAGING, inc.R6] if at else [inc.R6, inc.R7_STAGING])
 
 
 def test_the_chain_links_alert_release_workload_pods_gpus_and_neighbours(store):
@@ -111,13 +112,53 @@ def test_as_of_at_an_allocation_that_ended_later_is_held(store):
 
 
 def test_a_model_trace_names_the_models_other_releases(store):
-    """`trace --model NAME` follows the model's latest release; the others (the one back in
-    prod after a rollback, say) were only in the JSON."""
+    """`trace --model NAME` follows the model's most recently active release; the others (the one
+    back in prod after a rollback, say) were only in the JSON. At AT v7 holds GPUs in prod; v6,
+    replaced by its promotion, comes after staging's v7."""
     from sinks.read.tree import render_tree, tree_text
 
     reader, db = store
     text = tree_text(render_tree(trace(reader, db, "model", "fraud-scorer", at=AT)), width=250)
-    assert f"other releases of model fraud-scorer, latest first (trace one with --release): {inc.R7_STAGING}, {inc.R6}" in text, text
+    assert f"release {inc.R7} " in text, text
+    assert (f"other releases of model fraud-scorer, most recently active first (trace one with --release): {inc.R7_STAGING}, {inc.R6}"
+            in text), text
+
+
+def test_a_model_trace_follows_the_release_serving_not_the_one_just_rolled_back(clickhouse_client):
+    """Found by an exploratory review: after v7's rollback (v6 restored in prod, v7's GPUs
+    released, v6's workload on GPUs again) `trace --model fraud-scorer` showed v7 — its latest
+    event was the newest — though the docs say "its most recently active release". The rollback
+    makes v6 the active one; one holding GPUs comes first."""
+    import asyncio
+
+    from schemas import GpuAllocation
+    from schemas.envelope import Identity
+    from sinks.agents import SinkWriters
+
+    db = inc.load_store(clickhouse_client)
+    m = lambda minutes: inc.T0 + timedelta(minutes=minutes)  # noqa: E731
+    ended_p2 = GpuAllocation(allocation_id="al-p2", version=2, node="node-b", gpu_id=inc.GPU_B, gpu=inc.GPU_B, namespace="risk",
+                             pod=inc.P2, container="main", attribution="workload_release", started_at=m(62.5), ended_at=m(91),
+                             end_reason="released", start_event_id="assign-al-p2", end_event_id="release-al-p2",
+                             identity=Identity(release_id=inc.R7, workload_id=inc.W7, namespace="risk", pod=inc.P2, node="node-b",
+                                               gpu_id=inc.GPU_B, pod_uid=f"uid-{inc.P2}"))
+    restored = GpuAllocation(allocation_id="al-r6", version=0, node="node-b", gpu_id=inc.GPU_B, gpu=inc.GPU_B, namespace="risk",
+                             pod="fraud-scorer-6-restore-0", container="main", attribution="workload_release", started_at=m(92),
+                             start_event_id="assign-al-r6",
+                             identity=Identity(release_id=inc.R6, namespace="risk", pod="fraud-scorer-6-restore-0", node="node-b",
+                                               gpu_id=inc.GPU_B, pod_uid="uid-restore-0"))
+    asyncio.run(SinkWriters(clickhouse_client, db).store_allocations([ended_p2, restored]))
+    reader = DirectReader(clickhouse_client)
+
+    def root_and_others(at):
+        result = trace(reader, db, "model", "fraud-scorer", at=at)
+        return result["release"]["release_id"], result["entry"]["other_releases"]
+
+    assert root_and_others(None) == (inc.R6, [inc.R7_STAGING, inc.R7])  # v6 holds a GPU; v7 ended at its rollback
+    assert root_and_others(AT) == (inc.R7, [inc.R7_STAGING, inc.R6])  # before the rollback: v7 held GPUs in prod
+    # Between v7's GPU going (13:31) and v6's coming (13:32) nobody holds one: the rollback (13:30)
+    # restored v6, and v7 ended there.
+    assert root_and_others(m(91.5)) == (inc.R6, [inc.R7_STAGING, inc.R7])
 
 
 def test_a_resolved_alerts_title_gives_when_it_resolved(store):
