@@ -42,7 +42,7 @@ from schemas.release import actor_text, decision_actor
 from sinks.migrations import table_name
 from sinks.read.pages import render_page
 from sinks.read.text import markup
-from sinks.read.trace import Store, ch_time, parse_instant
+from sinks.read.trace import Store, ch_time, parse_instant, time_before
 from streams.controls.policy import ACTION_OF_EVENT, CONTROL_NAMES, CONTROL_TITLES, Policy
 from streams.controls.rules import START, ControlEngine, compact_row, directory_from_rows, is_withdrawn, peak_concurrency, preemption_clusters
 
@@ -89,7 +89,7 @@ def load_history(reader, database: str, start: datetime, end: datetime, lookback
     """Latest versions of the correlated rows and allocations the evidence needs, how many
     events the range holds, and the violations the worker recorded over the range."""
     store = Store(reader, database, cluster)
-    params = {"to": ch_time(end), "since": ch_time(start - lookback), "from": ch_time(start)}
+    params = {"to": ch_time(end), "since": ch_time(time_before(start, lookback)), "from": ch_time(start)}
     columns = ("correlation_id", "version", "event_type", "occurred_at", "attribution", *IDENTITY_COLUMNS, "release_state", "payload_json")
     raw = store.latest("correlated_events", columns,
                        "occurred_at <= {to:DateTime64(3)} AND (startsWith(event_type, 'release.') OR "

@@ -128,6 +128,20 @@ def ch_time(value: datetime) -> str:
     return value.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S.") + f"{value.microsecond // 1000:03d}"
 
 
+#: The earliest time a DateTime64 column holds: a window or look-back reaching further back covers
+#: every row from there.
+EARLIEST = datetime(1900, 1, 1, tzinfo=timezone.utc)
+
+
+def time_before(value: datetime, span: timedelta) -> datetime:
+    """``value - span``, or ``EARLIEST`` when that is earlier (or before year 1: an OverflowError,
+    seen as a traceback for `trace --window 1000000d` and `audit --lookback 1000000d`)."""
+    try:
+        return max(value - span, EARLIEST)
+    except OverflowError:
+        return EARLIEST
+
+
 def norm_time(value) -> str | None:
     """Every time in the output as 'YYYY-MM-DDTHH:MM:SS.fffZ', so strings sort as times."""
     value = parse_instant(value)
@@ -718,7 +732,7 @@ class _Chain:
         if not (self.anchor_s and nodes) or not self.window:
             return  # (--window 0: the chain alone — a window from the anchor to itself still found its neighbours)
         anchor = datetime.fromisoformat(self.anchor_s.replace("Z", "+00:00"))
-        wparams = {"from": ch_time(anchor - self.window), "to": ch_time(anchor), "nodes": nodes}
+        wparams = {"from": ch_time(time_before(anchor, self.window)), "to": ch_time(anchor), "nodes": nodes}
         in_window = "occurred_at >= {from:DateTime64(3, 'UTC')} AND occurred_at <= {to:DateTime64(3, 'UTC')}"
         self.others_alerts = [r for r in self.store.latest("enriched_alerts", ALERT_COLS, in_window, wparams, after="node IN {nodes:Array(String)}",
                                                            after_columns=("node",), order="occurred_at, correlation_id")
@@ -802,7 +816,7 @@ class _Chain:
         names = self._preemptor_names()
         workloads = [_workload_section(wid, [r for r in self.wl_rows if r["workload_id"] == wid], list(self.pods.values()), self.gaps, names)
                      for wid in sorted(self.workload_ids)]
-        start = norm_time(datetime.fromisoformat(self.anchor_s.replace("Z", "+00:00")) - self.window) if self.anchor_s else None
+        start = norm_time(time_before(datetime.fromisoformat(self.anchor_s.replace("Z", "+00:00")), self.window)) if self.anchor_s else None
         return {"release": self.release, "workloads": workloads, "pods": self._pod_sections(), "gpus": self._gpu_sections(),
                 "scheduler_events": self._scheduler_events(), "alerts": self._alerts(), "gaps": self.gaps,
                 "window": {"from": start, "to": self.anchor_s, "length": format_window(self.window), "anchor": self.anchor_what}}

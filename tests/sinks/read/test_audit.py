@@ -181,6 +181,15 @@ def test_a_quiet_range_passes_only_what_it_exercised(store):
     assert "every exercised control passes (6 not exercised)" in audit(store, *QUIET).output
 
 
+def test_a_lookback_reaching_before_year_one_reads_from_the_earliest_time(store):
+    """`audit --lookback 1000000d` was an OverflowError traceback: it reads the history from the
+    store's earliest time, as a look-back of years does."""
+    wide, years = (json.loads(audit(store, *RANGE, "--lookback", lookback, "--format", "json").output)
+                   for lookback in ("1000000d", "36500d"))
+    assert {c["id"]: c["status"] for c in wide["controls"]} == {c["id"]: c["status"] for c in years["controls"]}
+    assert [c for c in wide["controls"] if c["status"] == "FAIL"], wide["controls"]
+
+
 STRICT = """roles:
   release-managers: {owner: team-mlops, members: [alice], actions: [approve, promote, rollback, revoke, retire]}
   platform-sre: {owner: team-platform, members: [bob], actions: [rollback, pause_queue, isolate_node, override_priority]}

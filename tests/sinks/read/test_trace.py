@@ -334,6 +334,14 @@ def test_cli_tree_and_json(store, clickhouse_dsn, tmp_path):
     assert not [e for e in got["scheduler_events"] if not e["in_chain"]] and not [o for g in got["gpus"] for o in g["others_in_window"]]
     assert runner.invoke(cli_app, ["trace"], env=env).exit_code == 2
     assert runner.invoke(cli_app, ["trace", "--release", inc.R7, "--window", "soon"], env=env).exit_code == 2
+    # A window reaching before year 1 (an OverflowError traceback): from the store's earliest time.
+    wide = runner.invoke(cli_app, ["trace", "--alert", inc.FP, "--at", "2026-11-30T13:10:00Z", "--window", "1000000d", "--format", "json"], env=env)
+    assert wide.exit_code == 0, wide.output
+    got = json.loads(wide.stdout)
+    assert got["window"]["from"] == "1900-01-01T00:00:00.000Z" and got["window"]["length"] == "1000000d", got["window"]
+    narrow = chain_of(trace(reader, db, "alert", inc.FP, at=AT))
+    assert {k: v for k, v in chain_of(got).items() if k not in ("window", "scheduler_events", "alerts", "gpus")} == \
+        {k: v for k, v in narrow.items() if k not in ("window", "scheduler_events", "alerts", "gpus")}
 
 
 def test_a_workload_shows_gpuledger_admits_decision_before_its_admission(clickhouse_client, clickhouse_dsn, tmp_path):
