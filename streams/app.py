@@ -94,6 +94,7 @@ class WorkerContext(StageContext):
         ok = subscriptions["ok"] and self.directory.ready.is_set()
         health = {
             "status": "ok" if ok else "degraded",
+            "app_id": self.settings.streams.app_id,  # (whose page this is: `gpuledger status --app-id` checks it)
             "subscriptions": subscriptions,
             "release_directory": {"ready": self.directory.ready.is_set(), "releases": len(self.directory.releases)},
             "stats": {**self.stats, **({"parked": self.correlator.parked()} if self.correlator else {}),

@@ -72,12 +72,20 @@ def status(bootstrap: Optional[str] = BootstrapOpt, dsn: Optional[str] = DsnOpt,
             groups = progress.group_lag()
     except (KafkaException, LookupError) as exc:
         kafka_error = str(exc)
-    ok = page is not None and page.get("status") == "ok" and kafka_error is None
+    # The worker found (through the store's owner file, or the port) may run another app id — the
+    # live one while a replay's is asked for: its page is not this run's (it was shown as this
+    # run's, ok, exit 0). A page without an app id (a worker from before it was there) is taken as is.
+    other = page.get("app_id") if page is not None and page.get("app_id") not in (None, app) else None
+    ok = page is not None and other is None and page.get("status") == "ok" and kafka_error is None
     if fmt is StatusFormat.json:
-        print(json.dumps({"app_id": app, "url": base, "health": page, "groups": groups, "kafka_error": kafka_error}, indent=2))
+        print(json.dumps({"app_id": app, "url": base, "health": None if other else page, "groups": groups, "kafka_error": kafka_error,
+                          **({"error": f"the worker at {base} runs app id {other!r}, not {app!r}"} if other else {})}, indent=2))
         raise typer.Exit(0 if ok else 1)
     if base is None:
         console.print(f"worker {markup(app)}: [red]not found[/] (no owner file for the store, GPULEDGER_STREAMS_WEB_PORT unset: pass --url)")
+    elif other is not None:
+        console.print(f"worker {markup(app)}: [red]not found[/] — the worker at {markup(base)} runs app id {markup(other)} "
+                      f"(`gpuledger status --app-id {markup(other)}` shows it)")
     elif page is None:
         console.print(f"worker {markup(app)}: [red]not answering[/] at {markup(base)}")
     else:

@@ -80,6 +80,14 @@ def test_scenario_matches_the_join_rules_and_replay_from_zero_equals_live(kafka_
     table = status_of(kafka_bootstrap, catalogue, live)
     assert table.exit_code == 0 and f"worker {catalogue.prefix}-app: ok" in table.stdout, table.output
     assert all(f"{catalogue.prefix}-app.{g}" in table.stdout for g in ("route", "controls", "sinks")), table.stdout
+    assert got["health"]["app_id"] == f"{catalogue.prefix}-app"
+    # Another run's app id (a replay's) finds this worker through the store's owner file: not its
+    # worker (it was shown as the replay's, ok, exit 0) — exit 1, naming whose worker it is.
+    other = status_of(kafka_bootstrap, catalogue, live, "--app-id", f"{catalogue.prefix}-replay")
+    assert other.exit_code == 1 and (f"worker {catalogue.prefix}-replay: not found — the worker at {live.url} runs app id "
+                                     f"{catalogue.prefix}-app") in other.stdout, other.output
+    other = json.loads(status_of(kafka_bootstrap, catalogue, live, "--app-id", f"{catalogue.prefix}-replay", "--format", "json").stdout)
+    assert other["health"] is None and f"runs app id '{catalogue.prefix}-app'" in other["error"], other
     # A fresh consumer group + fresh store replays the topics from offset zero.
     replay = worker_factory(catalogue, app_id=f"{catalogue.prefix}-replay", extra_env=FAST)
     assert wait_for(replay.reader, want) == stored(live.reader)
