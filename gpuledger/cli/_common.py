@@ -20,6 +20,25 @@ BootstrapOpt = typer.Option(None, "--bootstrap", help="Kafka bootstrap servers (
 DsnOpt = typer.Option(None, "--dsn", help="ClickHouse DSN (default: GPULEDGER_CLICKHOUSE_DSN, else chdb under the data dir).")
 
 
+def print_whole(table) -> None:
+    """Print a rich table with every value whole: wider than the terminal when a value needs it
+    (the terminal wraps the lines; a pipe or a file gets them as they are). At the console's width
+    rich cut values with "…" — `gpuledger sql`'s fingerprints and GPU UUIDs, which a responder copies
+    into `trace` — also when piped (80 columns there)."""
+    from rich.measure import Measurement
+
+    need = Measurement.get(console, console.options.update_width(1 << 20), table).maximum
+    width = console.width
+    if need <= width:
+        console.print(table)
+        return
+    console.width = need
+    try:
+        console.print(table)
+    finally:
+        console.width = width
+
+
 def fail(message: str, code: int = 1) -> NoReturn:
     """Print ``error: message`` on stderr and exit with ``code``."""
     from sinks.read.text import markup  # control and bidi characters of a message shown escaped, like stored text

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from gpuledger.cli._common import DsnOpt, console, err, fail, failing_on, load_settings
+from gpuledger.cli._common import DsnOpt, console, err, fail, failing_on, load_settings, print_whole
 
 
 class SqlFormat(str, Enum):
@@ -43,7 +43,7 @@ def sql(query: str = typer.Argument(..., help="A SELECT, WITH, SHOW, DESCRIBE, E
     table = Table(*[markup(c) for c in result.columns])
     for row in result.rows:
         table.add_row(*[markup(str(v)) for v in row])
-    console.print(table)
+    print_whole(table)  # a value is never cut (with "…", at the terminal's width)
 
 
 def trace(alert: Optional[str] = typer.Option(None, "--alert", help="Alert fingerprint."),

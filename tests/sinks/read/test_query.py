@@ -89,6 +89,20 @@ def test_show_describe_explain_and_exists_work_for_a_person(env, reader, db):
         assert reader.query(statement).columns[0] == column, statement
 
 
+def test_the_table_never_cuts_a_value(env):
+    """Found by an exploratory review: the table cut values to the terminal's width with "…" — 80
+    columns when piped — and a responder copies fingerprints and GPU UUIDs from it into `trace`."""
+    gpu = "GPU-2bf89582-3ba0-4251-9a12-0123456789ab"
+    statement = f"SELECT '{'e42cfeb2ea49ab6e' * 2}' AS alert_fingerprint, 'fraud-scorer-v6-prod' AS release_id, '{gpu}' AS gpu_id"
+    for columns in ("80", "40"):
+        out = sql({**env, "COLUMNS": columns}, statement)
+        assert out.exit_code == 0, out.output
+        row = next(line for line in out.stdout.splitlines() if gpu[:8] in line)
+        assert "…" not in out.stdout and f"│ {'e42cfeb2ea49ab6e' * 2} │ fraud-scorer-v6-prod │ {gpu} │" in row, out.stdout
+    narrow = sql({**env, "COLUMNS": "200"}, "SELECT 1 AS n")
+    assert max(len(line) for line in narrow.stdout.splitlines()) < 20, narrow.stdout  # no wider than it needs
+
+
 def test_writes_ddl_and_table_functions_are_still_refused(reader, http_source):
     url, hits = http_source
     with pytest.raises(QueryError, match="read-only statements only"):
