@@ -28,15 +28,13 @@ def print_whole(table) -> None:
     from rich.measure import Measurement
 
     need = Measurement.get(console, console.options.update_width(1 << 20), table).maximum
-    width = console.width
-    if need <= width:
+    if need <= console.width:
         console.print(table)
         return
-    console.width = need
-    try:
-        console.print(table)
-    finally:
-        console.width = width
+    # A console of that width on the same output (the shared one's width is not touched: set, it
+    # would stay fixed rather than follow the terminal; print's own ``width`` only narrows).
+    Console(file=console.file, width=need, force_terminal=console.is_terminal, color_system=console.color_system,
+            no_color=console.no_color).print(table)
 
 
 def fail(message: str, code: int = 1) -> NoReturn:

@@ -149,7 +149,12 @@ def _add_scheduler_events(root: Tree, events: list[dict], win: dict) -> None:
         return
     snode = root.add(f"[bold]scheduler events[/]  (other workloads on these nodes: {m(win.get('from'))} → {m(win.get('to'))})")
     for ev in events:
-        who = ev.get("workload_id") or (f"{ev.get('namespace')}/{ev.get('pod')}" if ev.get("pod") else "?")
+        # The workload and, for a pod's event, the pod: a workload's pods evicted together were as
+        # many identical lines ("scheduler.evicted risk/job-x on n3 …" four times).
+        pod = ev.get("pod")
+        who = ev.get("workload_id") or (f"{ev.get('namespace')}/{pod}" if pod else "?")
+        if ev.get("workload_id") and pod:
+            who += f" pod {pod}"
         line = f"{m(ev['occurred_at'])}  {m(ev['event_type'])}  {m(who)}" + (f" on {m(ev['node'])}" if ev.get("node") else "")
         line += (f" by {m(ev['preemptor'])}" if ev.get("preemptor") else "") + (f"  {m(ev['reason'])}" if ev.get("reason") else "")
         snode.add(line + ("" if ev["in_chain"] else "  [dim](other workload)[/]"))

@@ -318,6 +318,9 @@ def test_cli_tree_and_json(store, clickhouse_dsn, tmp_path):
                  f"workload {inc.W7}", "queue=prod-inference", f"pod risk/{inc.P2}", f"GPU node-b/{inc.GPU_B}", "preempted",
                  f"also training/{inc.PT}", "GpuXidError"):
         assert text in tree.stdout, text
+    # A pod's scheduler event names the pod beside its workload (a workload's pods evicted together
+    # were as many identical lines).
+    assert f"scheduler.preempted  {inc.W7} pod {inc.P1} on node-a by Workload/training/" in tree.stdout, tree.stdout
     assert runner.invoke(cli_app, ["trace", "--alert", "nope"], env=env).exit_code == 4
     # A release id nothing names (it was a tree of gaps, exit 0), or not yet named as of --at.
     for args in (["--release", "nosuch"], ["--release", inc.R7, "--at", "2026-11-30T11:00:00Z"]):
