@@ -66,12 +66,14 @@ def status(bootstrap: Optional[str] = BootstrapOpt, dsn: Optional[str] = DsnOpt,
     app = settings.streams.app_id
     base = worker_url(settings, url)
     page = worker_health(base) if base else None
-    groups, kafka_error = None, None
+    groups, kafka_error, answered = None, None, False
     try:
         with RunProgress(client_config(settings), settings.kafka.catalogue(), app) as progress:
             groups = progress.group_lag()
-    except (KafkaException, LookupError) as exc:
+    except KafkaException as exc:
         kafka_error = str(exc)
+    except LookupError as exc:  # Kafka answered: the raw topics are not there (wrong prefix, or none created yet)
+        kafka_error, answered = str(exc), True
     # The worker found (through the store's owner file, or the port) may run another app id — the
     # live one while a replay's is asked for: its page is not this run's (it was shown as this
     # run's, ok, exit 0). A page without an app id (a worker from before it was there) is taken as is.
@@ -108,7 +110,7 @@ def status(bootstrap: Optional[str] = BootstrapOpt, dsn: Optional[str] = DsnOpt,
                           f"{lag['total']:,}" if lag else "-")
         console.print(procs)
     if kafka_error is not None:
-        console.print(f"consumer groups: [red]Kafka did not answer[/]: {markup(kafka_error)}")
+        console.print(f"consumer groups: [red]{'not read' if answered else 'Kafka did not answer'}[/]: {markup(kafka_error)}")
     else:
         table = Table("consumer group", "reads", "partitions", "lag (records not committed)", "never committed")
         for group, g in groups.items():

@@ -190,6 +190,12 @@ def test_status_of_a_worker_that_does_not_answer_exits_1_and_still_shows_the_gro
     assert got["groups"][f"{catalogue.prefix}-app.sinks"]["lag"] == 5  # the raw topics; the run's own are empty
     table = status_of(kafka_bootstrap, catalogue, nobody, "--url", "http://127.0.0.1:1")
     assert table.exit_code == 1 and "not answering at http://127.0.0.1:1" in table.stdout, table.output
+    # Topics that do not exist (another prefix): Kafka answered, and the table says what is missing
+    # (it said "Kafka did not answer").
+    elsewhere = catalogue.model_copy(update={"prefix": f"{catalogue.prefix}-nosuch"})
+    missing = status_of(kafka_bootstrap, elsewhere, nobody, "--url", "http://127.0.0.1:1")
+    assert missing.exit_code == 1 and "consumer groups: not read: raw topic(s)" in missing.stdout, missing.output
+    assert "did not answer" not in missing.stdout, missing.output
 
 
 def test_status_on_the_default_store_without_an_address_says_who_does_not_answer(kafka_bootstrap, catalogue, tmp_path):
