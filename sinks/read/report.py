@@ -322,8 +322,8 @@ def _add_alerts(tl: _Timeline, alerts: list[dict]) -> None:
 
 # --- the page -----------------------------------------------------------------------------------------
 
-MANIFEST_ROWS = ("release_id", "state", "state_since", "model_name", "model_version", "artifact_digest", "image_digest",
-                 "config_digest", "dataset_ref", "owner", "environment")
+MANIFEST_ROWS = ("release_id", "state", "state_since", "lifecycle_state", "lifecycle_since", "model_name", "model_version",
+                 "artifact_digest", "image_digest", "config_digest", "dataset_ref", "owner", "environment")
 
 
 def _release_view(rel: dict) -> dict | None:

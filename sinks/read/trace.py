@@ -537,10 +537,16 @@ def _release_section(rows: list[dict], release_id: str, gaps: list[str]) -> dict
             gaps.append(f"release {release_id}: manifest lacks {', '.join(missing)}")
         if not approvals:
             gaps.append(f"release {release_id}: no approval recorded")
+    # The state is the latest event of any kind (the definition the rows' release_state has); the
+    # lifecycle state beside it is the latest of LIFECYCLE_EVENTS — a reservation released after a
+    # rollback made the state "release.reservation_released", and the rollback was not on the line.
+    life = [r for r in rows if r["event_type"] in LIFECYCLE_EVENTS]
     return {
         "release_id": release_id,
         "state": rows[-1]["event_type"] if rows else None,
         "state_since": rows[-1]["occurred_at"] if rows else None,
+        "lifecycle_state": life[-1]["event_type"] if life else None,
+        "lifecycle_since": life[-1]["occurred_at"] if life else None,
         **manifest,
         "approvals": approvals,
         "promotions": promotions,

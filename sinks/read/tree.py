@@ -75,8 +75,11 @@ def _add_release(root: Tree, rel: dict | None, entry: dict) -> None:
         if entry.get("kind") in ("alert", "release", "model") or entry.get("root"):
             root.add(f"release: {GAP}")
         return
+    lifecycle = rel.get("lifecycle_state")
     node = root.add(f"[bold]release[/] {m(rel['release_id'])}  state={_or_gap(rel.get('state'))}" +
-                    (f" since {m(rel['state_since'])}" if rel.get("state_since") else ""))
+                    (f" since {m(rel['state_since'])}" if rel.get("state_since") else "") +
+                    # (when the latest event is not of the lifecycle — a reservation, a pause —: the lifecycle's too)
+                    (f"  lifecycle={m(lifecycle)} since {m(rel['lifecycle_since'])}" if lifecycle and lifecycle != rel.get("state") else ""))
     for field in RELEASE_FIELDS:
         node.add(f"{field}: {_or_gap(rel.get(field))}")
     approvals = node.add("approvals" if rel.get("approvals") else f"approvals: {GAP}")

@@ -252,6 +252,33 @@ def test_a_preemptor_named_by_uid_is_resolved_to_its_name(clickhouse_client):
     assert [(p.get("preemptor"), p["preemptor_uid"]) for p in lonely["preemptions"]] == [(None, "wl-uid-unknown")]
 
 
+def test_a_release_whose_latest_event_is_not_of_its_lifecycle_shows_its_lifecycle_too(clickhouse_client):
+    """From an exploratory review: v7's reservation released after its rollback made the trace's
+    line "state=release.reservation_released" — the rollback was not on it. The state stays the
+    latest event (the rows' release_state); the lifecycle state is beside it."""
+    import asyncio
+
+    from sinks.agents import SinkWriters
+    from sinks.read.tree import render_tree, tree_text
+
+    db = inc.load_store(clickhouse_client)
+    released_at = inc.ROLLBACK_AT + timedelta(minutes=2)
+    row = inc._ce("release", "release.reservation_released", released_at, {"release_id": inc.R7, **inc.MANIFEST7},
+                  {"actor": "carol"}, attribution="release_event", release_state="release.reservation_released")
+    asyncio.run(SinkWriters(clickhouse_client, db).store_correlated([row]))
+    result = trace(DirectReader(clickhouse_client), db, "release", inc.R7)
+    rel = result["release"]
+    assert (rel["state"], rel["lifecycle_state"]) == ("release.reservation_released", "release.rolled_back"), rel
+    assert rel["lifecycle_since"] == "2026-11-30T13:30:00.000Z" and rel["state_since"] == "2026-11-30T13:32:00.000Z"
+    text = tree_text(render_tree(result), width=250)
+    assert (f"release {inc.R7}  state=release.reservation_released since 2026-11-30T13:32:00.000Z  "
+            "lifecycle=release.rolled_back since 2026-11-30T13:30:00.000Z") in text, text
+    # A latest event of the lifecycle: said once.
+    before = tree_text(render_tree(trace(DirectReader(clickhouse_client), db, "release", inc.R7, at=released_at - timedelta(seconds=1))),
+                       width=250)
+    assert f"release {inc.R7}  state=release.rolled_back since 2026-11-30T13:30:00.000Z\n" in before, before
+
+
 def test_at_before_the_rollback_shows_the_pre_rollback_state(store):
     reader, db = store
     before = trace(reader, db, "release", inc.R7, at=inc.ROLLBACK_AT - timedelta(minutes=1))
