@@ -177,6 +177,10 @@ def build_report(history: dict, policy: Policy, start: datetime, end: datetime, 
     }
 
 
+#: A promoted release's ``scheduling_applied`` when none of its prod workloads started in the range.
+NO_PROD_WORKLOAD = "no workload in the range"
+
+
 def _control_row(cid: int, violations: list[dict], section: dict, policy: Policy, events: int, start: datetime, end: datetime) -> dict:
     mine = [v for v in violations if v["control_id"] == cid]
     failing = [v for v in mine if v["severity"] != "info"]
@@ -357,18 +361,31 @@ class Evidence:
     # (2)
     def promotion(self) -> dict:
         cited = {v["identity"].get("release_id") for v in self._of(2)} - {None}
-        out = [row for rid, state in sorted(self.directory.releases.items()) if (row := self._promotion_row(rid, state, rid in cited))]
+        out, exercised = [], 0
+        for rid, state in sorted(self.directory.releases.items()):
+            if (row := self._promotion_row(rid, state, rid in cited)) is not None:
+                out.append(row)
+                # Exercised in the range: promoted in it, running in prod in it, or cited by a control 2
+                # violation in it. A promotion before the range is the row's context only — counted, it
+                # made a range with no event at all a PASS, exit 0 (docs/controls.md: NO EVENTS, exit 4).
+                promos = self._prod_promotions(state)
+                exercised += bool(rid in cited or (promos and self._in_range(_history_time(promos[-1])))
+                                  or row["scheduling_applied"] != NO_PROD_WORKLOAD)
         flagged = sum(1 for r in out if r["verdict"] != "no violation recorded")
         return self._section(2, f"Release approval traced to the scheduling policy applied in {self.prod}",
                              f"{len(out)} release(s) promoted to {self.prod} or cited by control 2; {flagged} with a control 2 "
                              "violation or a control 7 violation on their approval or promotion",
                              ["release", "approvals", "promoted", "state_at_end", "scheduling_applied", "verdict"], out,
-                             len(out), f"release(s) promoted to {self.prod} or running where promotion is required")
+                             exercised, f"release(s) promoted to {self.prod} or running where promotion is required")
+
+    def _prod_promotions(self, state: dict) -> list:
+        """The release's promotions to prod up to the end of the range (directory history entries)."""
+        return [h for h in state["history"] if h[1] == "release.promoted" and h[3] == self.prod and _history_time(h) <= self.end]
 
     def _promotion_row(self, rid: str, state: dict, cited: bool) -> dict | None:
         """The release's last promotion to prod (up to the end of the range), with the
         approvals before it and the violations that cite the release's promotion."""
-        promos = [h for h in state["history"] if h[1] == "release.promoted" and h[3] == self.prod and _history_time(h) <= self.end]
+        promos = self._prod_promotions(state)
         if not promos and not cited:
             return None
         last = promos[-1] if promos else None
@@ -391,7 +408,7 @@ class Evidence:
                 sched.add((q.get("queue") or "", q.get("cluster_queue") or "", q.get("priority_class") or "",
                            "" if q.get("priority") is None else str(q.get("priority"))))
         return "; ".join(f"queue={q} cluster_queue={cq} class={pc} priority={pr} (business "
-                         f"{_business_text(self.policy.business_priority.of(rid, None, pc))})" for q, cq, pc, pr in sorted(sched)) or "no workload in the range"
+                         f"{_business_text(self.policy.business_priority.of(rid, None, pc))})" for q, cq, pc, pr in sorted(sched)) or NO_PROD_WORKLOAD
 
     # (3)
     def prod_run(self) -> dict:
@@ -627,7 +644,9 @@ class Evidence:
             if r["event_type"] not in ACTION_OF_EVENT or not (self._in_range(r["occurred_at"]) or r["correlation_id"] in cited):
                 continue
             p = _payload(r)
-            actor = p.get("actor")
+            # The actor as judged — proven or "(unauthenticated)", as sections 1, 2 and 5 show it (the
+            # payload's bare name read as authorised beside a violation saying it was not).
+            actor = actor_text(decision_actor(p))
             out.append({"at": _z(r["occurred_at"]), "action": r["event_type"].split(".", 1)[1], "release": r["identity"].get("release_id", ""),
                         "target": p.get("target") or p.get("to_environment") or "", "actor": actor or "no actor recorded",
                         "roles": ", ".join(self.policy.memberships(decision_actor(p))), "expires": _z(p.get("expires_at")) or "", "reason": p.get("reason") or "",
@@ -641,19 +660,22 @@ class Evidence:
     # (8)
     def retirement(self) -> dict:
         cited = {v["identity"].get("release_id") for v in self._of(8)} - {None}
-        out = []
+        out, exercised = [], 0
         for rid, state in sorted(self.directory.releases.items()):
             ended = next((h for h in state["history"] if h[1] in ("release.retired", "release.revoked") and _history_time(h) <= self.end), None)
             if ended or rid in cited:
                 mine = [v for v in self._of(8) if v["identity"].get("release_id") == rid]
                 out.append({"release": rid, "ended": f"{ended[1].split('.', 1)[1]} by {_event_text(ended)}" if ended else "",
                             "verdict": _verdict(mine)})
+                # Exercised in the range: ended in it, or cited by a control 8 violation in it (one ended
+                # before the range is listed, as context; counted, a quiet range passed control 8).
+                exercised += bool(rid in cited or (ended and self._in_range(_history_time(ended))))
         flagged = [v for v in self._of(8)]
         return self._section(8, "Retired releases reconciled to zero capacity",
                              f"{len(out)} retired/revoked release(s); {len({v['identity'].get('release_id') for v in flagged})} still held "
                              f"capacity after the grace period ({len(flagged)} control 8 violation(s), "
                              f"{sum(1 for v in flagged if v['closed_at'] is None)} open)",
-                             ["release", "ended", "verdict"], out, len(out), "retired/revoked release(s)")
+                             ["release", "ended", "verdict"], out, exercised, "retired/revoked release(s)")
 
 
 def _first_priority_class(rows: list[dict]) -> str | None:

@@ -87,10 +87,26 @@ def test_json_report_fails_the_controls_the_incident_breaks(store):
     assert preemption["sources"] == "scheduler.preempted (Pod), scheduler.evicted (Workload)"
     assert "inside the prod observation window" in preemption["verdict"] and "business priority 20" in preemption["verdict"]
     assert evidence[6]["summary"].startswith("coverage 1/2 = 50%") and {"step": "node/gpu", "value": f"node-b/{inc.GPU_B}"} in evidence[6]["rows"]
+    # Section 7's actors as judged, as sections 1 and 2 show them (the bare name read as authorised).
     assert [(r["action"], r["actor"], r["verdict"]) for r in evidence[7]["rows"]] == [
-        ("approved", "alice", "no violation recorded"), ("promoted", "alice", "no violation recorded"),
-        ("rolled_back", "bob", "no violation recorded")]
+        ("approved", "alice (unauthenticated)", "no violation recorded"), ("promoted", "alice (unauthenticated)", "no violation recorded"),
+        ("rolled_back", "bob (unauthenticated)", "no violation recorded")]
     assert evidence[7]["summary"] == "3 action(s); 0 with a control 7 violation (0 violation(s) in the range)"
+
+
+def test_a_range_after_the_history_is_nothing_to_audit(store):
+    """Found by an exploratory review: a range with no event at all, after a prod promotion, passed
+    control 2 ("exercised: 1 release(s) promoted") and exited 0 — a pipeline gate read a pass. The
+    promotion before the range is context in the evidence, not exercise (docs/controls.md)."""
+    # Between v6's promotion to prod (3 days before) and its old alert (2 days before): nothing.
+    after = ["--from", (inc.T0 - timedelta(days=2, hours=20)).isoformat(), "--to", (inc.T0 - timedelta(days=2, hours=1)).isoformat()]
+    result = audit(store, *after, "--format", "json")
+    report = json.loads(result.output)
+    assert result.exit_code == 4 and report["events_in_range"] == 0, result.output
+    assert {c["status"] for c in report["controls"]} == {"NO EVENTS"}, report["controls"]
+    evidence = {s["control"]: s for s in report["evidence"]}
+    assert [r["release"] for r in evidence[2]["rows"]] == [inc.R6]  # still shown, as context
+    assert "nothing to audit: no events recorded" in audit(store, *after).output
 
 
 def test_the_audit_reports_what_the_violations_table_holds(store):
