@@ -114,7 +114,7 @@ def test_an_approval_by_an_actor_without_the_right_does_not_count():
     out = run([*released("r2", promoted=True, approver="mallory"), sched("scheduler.scheduled", 10, release_id="r2")])
     # approved, but not by an actor with the right: said as such, not "no approval"
     detail = one(out, 1).detail
-    assert ("release r2 was approved for prod only by mallory (unauthenticated) at 2026-11-01T08:01:00+00:00, which does not count: "
+    assert ("release r2 was approved for prod only by mallory (unauthenticated) at 2026-11-01T08:01:00.000Z, which does not count: "
             "mallory holds no role; none grants approve") in detail
     assert "no approval" not in detail
     assert "mallory holds no role; none grants approve" in one(out, 7).detail
@@ -143,7 +143,7 @@ def test_a_promotion_without_an_actor_is_not_never_promoted():
     events = [*released(promoted=False), rel("release.promoted", 2, actor=None, to_environment="prod"), sched("scheduler.running", 10, release_id="r1")]
     out = run(events)
     v = one(out, 2)
-    assert "was promoted to prod only by no recorded actor at 2026-11-01T08:02:00+00:00, which does not count: no actor was recorded" in v.detail
+    assert "was promoted to prod only by no recorded actor at 2026-11-01T08:02:00.000Z, which does not count: no actor was recorded" in v.detail
     assert "never promoted" not in v.detail
     assert "promoted to prod of release r1 without the decision right: no actor was recorded" in one(out, 7).detail
 
@@ -342,7 +342,7 @@ def test_a_right_granted_to_a_group_counts_only_through_authenticated_groups_and
     # Proven with the group: the isolation is within the right, and the approval closes control 1 naming the group.
     member = history({"actor": "user:zoe", "authenticated_by": "token", "actor_groups": ("oncall",)})
     assert of(member, 7) == []
-    assert "; approved at 2026-11-01T08:12:00+00:00 by user:zoe (role oncall via group:oncall)" in one(member, 1).detail
+    assert "; approved at 2026-11-01T08:12:00.000Z by user:zoe (role oncall via group:oncall)" in one(member, 1).detail
     assert one(member, 1).closed_at == at(12)
     # The same groups typed on an event nobody proved count for nothing, even where proof is not required.
     typed = [rel("release.registered", 0, "r3"), rel("release.node_isolated", 11, "r3", target="n3", actor="zoe", actor_groups=("oncall",))]
@@ -359,7 +359,7 @@ def test_a_right_granted_to_a_group_counts_only_through_authenticated_groups_and
                         rel("release.node_isolated", 1, "r4", target="n3", actor="user:yves", authenticated_by="token"),
                         rel("release.node_isolated", 5, "r4", target="n3", actor="user:zoe", authenticated_by="token", actor_groups=("oncall",))],
                        policy=GROUPS), 7)
-    assert ratified.closed_at == at(5) and "ratified at 2026-11-01T08:05:00+00:00 by user:zoe (role oncall via group:oncall)" in ratified.detail
+    assert ratified.closed_at == at(5) and "ratified at 2026-11-01T08:05:00.000Z by user:zoe (role oncall via group:oncall)" in ratified.detail
     # A delegation: the service's authenticated group holds delegate; the person's right is their own (a service vouches for no groups).
     ci = {"actor": "service:ci-runner", "on_behalf_of": "user:alice", "authenticated_by": "token", "actor_groups": ("ci",)}
     assert GROUPS.granted("service:ci-runner>user:alice\x1fci", "approve") == "role release-managers, delegated by service:ci-runner (role ci via group:ci)"
@@ -393,6 +393,16 @@ def _holding():
 def test_retired_release_still_holding_a_gpu_after_grace_opens():
     v = one(run([*released(), *_holding(), rel("release.retired", 30, actor="alice")], watermark=100), 8)
     assert v.opened_at == at(90) and v.closed_at is None and "GPU n1/GPU-1111" in v.detail and v.owner == "team-capacity"
+
+
+def test_a_violations_times_read_as_the_store_keeps_them():
+    """Found by an exploratory review: a detail quoted the event's time to the microsecond
+    ("retired at …29.577602+00:00") while the store, `trace` and `audit` have it to the millisecond
+    ("…29.577Z"), and `audit --reevaluate` (from the stored rows) wrote "….577000+00:00"."""
+    retired = at(30) + timedelta(seconds=29, microseconds=577_602)
+    events = [*released(), *_holding(), rel("release.retired", 30, actor="alice").model_copy(update={"occurred_at": retired})]
+    v = one(run(events, watermark=100), 8)
+    assert "was retired at 2026-11-01T08:30:29.577Z and still held" in v.detail, v.detail
 
 
 def test_an_unproven_revocation_opens_no_control_8_where_proof_is_required():
