@@ -239,9 +239,12 @@ class ConsumerLag:
 
     def health(self) -> dict:
         partitions = self._partitions
+        age = None if self._at is None else round(time.monotonic() - self._at, 1)
         return {"total": sum(v for v in partitions.values() if v is not None), "partitions": dict(sorted(partitions.items())),
-                "unknown": sum(v is None for v in partitions.values()),
-                "age_s": None if self._at is None else round(time.monotonic() - self._at, 1)}
+                "unknown": sum(v is None for v in partitions.values()), "age_s": age,
+                # not read yet, or not for 3 intervals: a consumer that is not polled (its sink holding a
+                # batch while the store is down) has no fresh statistics, and its total is not the lag
+                "stale": age is None or age > 3 * self.interval_ms / 1000}
 
 
 class EventPublisher:
@@ -647,7 +650,13 @@ def ensure_specs(config: dict, specs, replication_factor: int, timeout: float = 
     settings differ from its spec's own (``TopicSpec.config``: the state changelogs'
     segment and cleaner settings) gets them set: gpuledger owns those topics, and a
     changelog created by an older version would otherwise keep every superseded state."""
-    admin = AdminClient(config)
+    try:
+        return _ensure_specs(AdminClient({**config, "logger": logging.getLogger("librdkafka")}), specs, replication_factor, timeout)
+    except KafkaException as exc:  # the broker not answering: one clear error (it was a traceback, and a crash-loop)
+        raise ProducerError(f"Kafka at {config.get('bootstrap.servers')}: {exc.args[0].str() if exc.args else exc}") from exc
+
+
+def _ensure_specs(admin, specs, replication_factor: int, timeout: float) -> list[str]:
     existing = admin.list_topics(timeout=timeout).topics
     problems = [
         f"{s.name} has {len(existing[s.name].partitions)} partitions, catalogue says {s.partitions}"

@@ -89,13 +89,22 @@ class OutageLog:
         self.outages = 0
         self._since = 0.0
         self._last_line = 0.0
+        self.last_error = ""
 
     @property
     def failing(self) -> bool:
         return self.failed_attempts > 0
 
+    def problem(self) -> str | None:
+        """What a health page says while failing (None otherwise): since when, how many attempts, the last error."""
+        if not self.failed_attempts:
+            return None
+        return (f"{self.subject} failing for {self.clock() - self._since:.0f} s ({self.failed_attempts} attempt(s)), "
+                f"last error: {self.last_error}")
+
     def failed(self, exc: BaseException) -> None:
         now = self.clock()
+        self.last_error = first_line(exc)
         self.failed_attempts += 1
         if self.failed_attempts == 1:
             self.outages += 1

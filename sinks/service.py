@@ -75,8 +75,14 @@ class SinkContext:
         self.loop = None  # sinks.agents.SinkLoop, once built
 
     def health(self, store) -> dict:
+        # A table whose writes are failing (the store down, or refusing every attempt): the sink holds
+        # its batch and consumes nothing more, so the tables trail the topics — said here, and by the
+        # worker's page (it was "ok" with a lag of 0 while nothing was stored: the lag comes from the
+        # consumer's statistics, which a consumer that is not polled does not update).
+        problems = [p for w in (self.sinks.writers.values() if self.sinks else ()) if (p := w.outage.problem())]
         return {
-            "status": "ok",
+            "status": "degraded" if problems else "ok",
+            "problems": problems,
             "store": {"connected": store.connected},
             "stats": {**self.stats, "sink_outputs_produced": dict(self.output.produced), "sink_output_dead_letters": self.output.dead_letters},
             "counters": {"sinks": self.sinks.counters.totals if self.sinks else {}},

@@ -118,6 +118,11 @@ class WorkerContext(StageContext):
                 health[name]["alignment"] = page["alignment"]
             if "lag" in page:
                 health[name]["lag"] = page["lag"]
+            if page.get("problems"):  # a child that answers but is not well (the sink: its store failing)
+                health[name]["problems"] = page["problems"]
+                health.setdefault("problems", []).extend(f"{name}: {problem}" for problem in page["problems"])
+            if page.get("status") not in (None, "ok"):
+                health["status"] = "degraded"
             merge_stats(health["stats"], page.get("stats", {}))
             health["counters"].update(page.get("counters", {}))
             health["epochs"].update(page.get("epochs", {}))

@@ -27,6 +27,8 @@ agree. Retention-trimmed partitions count from their first retained offset.
 
 from __future__ import annotations
 
+import logging
+
 import json
 import time
 import urllib.request
@@ -109,6 +111,9 @@ class RunProgress:
     def __init__(self, client_config: dict, catalogue: TopicCatalogue, app_id: str, timeout: float = 10.0) -> None:
         self.app_id = app_id
         self.timeout = timeout
+        # (librdkafka's lines through Python logging, where the CLI keeps one per state change:
+        # without a logger each reconnect attempt went to stderr — hundreds for one `status`)
+        client_config = {**client_config, "logger": logging.getLogger("librdkafka")}
         self.admin = AdminClient(client_config)
         self.groups = worker_groups(catalogue, app_id)
         self.consumers = {group: Consumer({**client_config, "group.id": group, "enable.auto.commit": False}) for group in self.groups}

@@ -15,6 +15,7 @@ import re
 import shutil
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -220,3 +221,30 @@ def test_runs_until_sigterm_then_flushes_saves_and_exits_0(name, kafka_bootstrap
         assert code == 0, f"{name} exited {code} after SIGTERM ({took:.1f}s):\n{service.log_tail()}"
         assert took < STOP_WITHIN_S
         component.saved_and_flushed()
+
+
+def test_the_receiver_logs_a_kafka_outage_once_not_per_attempt(catalogue, tmp_path):
+    """Found by an exploratory review: while Kafka was down the receiver logged every attempt —
+    librdkafka's reconnects, its own 503s, the MLflow alias reader's retries every second — while
+    the worker logged a repeated line once a minute with a count. Every command now does (the CLI's
+    root installs gpuledger.telemetry.calm_logging). Two requests answered 503 over ~15 s here."""
+    from gpuledger.dev.process import free_port
+
+    env = {**base_env(f"127.0.0.1:{free_port()}", catalogue, tmp_path / "data"), "GPULEDGER_KAFKA_DELIVERY_TIMEOUT_S": "2"}
+    service = ServiceProcess(["-v", "receive", "--port", "0"], env, tmp_path / "receiver.log").start()
+    try:
+        url = wait_until(lambda: (m := re.search(r"listening on (http://\S+)", service.log_path.read_text(errors="replace"))) and m.group(1),
+                         "the receiver's address", service)
+        for _ in range(2):
+            request = urllib.request.Request(f"{url}/v1/alertmanager", data=ALERT.read_bytes(), headers={"Content-Type": "application/json"})
+            try:
+                urllib.request.urlopen(request, timeout=60)
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 503, exc
+            else:
+                raise AssertionError("a receiver without Kafka answered 2xx")
+        log = service.log_path.read_text(errors="replace")
+        assert log.count("answering 503") == 1, log
+        assert log.count("cannot read MLflow alias holders") == 1, log  # (it retries every second)
+    finally:
+        service.stop(grace=10)

@@ -93,7 +93,7 @@ def status(bootstrap: Optional[str] = BootstrapOpt, dsn: Optional[str] = DsnOpt,
     else:
         colour = "green" if page.get("status") == "ok" else "yellow"
         console.print(f"worker {markup(app)}: [{colour}]{markup(str(page.get('status')))}[/] at {markup(base)}")
-        for problem in (page.get("subscriptions") or {}).get("problems") or []:
+        for problem in [*((page.get("subscriptions") or {}).get("problems") or []), *(page.get("problems") or [])]:
             console.print(f"  problem: {markup(str(problem))}")
         directory = page.get("release_directory") or {}
         console.print(f"  release directory: {'ready' if directory.get('ready') else 'loading'}, {directory.get('releases', 0):,} releases;"
@@ -107,7 +107,7 @@ def status(bootstrap: Optional[str] = BootstrapOpt, dsn: Optional[str] = DsnOpt,
             lag = child.get("lag") or {}
             procs.add_row(name, str(child.get("pid") or "-"), "yes" if child.get("answering") else "[red]no[/]", str(child.get("nice", "-")),
                           str(child.get("restarts", 0)), str(child.get("last_exit") if child.get("last_exit") is not None else "-"),
-                          f"{lag['total']:,}" if lag else "-")
+                          _lag_text(lag))
         console.print(procs)
     if kafka_error is not None:
         console.print(f"consumer groups: [red]{'not read' if answered else 'Kafka did not answer'}[/]: {markup(kafka_error)}")
@@ -119,6 +119,19 @@ def status(bootstrap: Optional[str] = BootstrapOpt, dsn: Optional[str] = DsnOpt,
             table.add_row(markup(group), markup(reads), str(g["partitions"]), f"{g['lag']:,}", str(g["never_committed"]))
         console.print(table)
     raise typer.Exit(0 if ok else 1)
+
+
+def _lag_text(lag: dict) -> str:
+    """A child's group lag for the status table: its total, or why the total is not the lag — not
+    read yet, or statistics that stopped coming (a consumer not polled: a sink holding its batch
+    while the store is down showed a lag of 0)."""
+    if not lag:
+        return "-"
+    if lag.get("age_s") is None:
+        return "[yellow]not read yet[/]"
+    if lag.get("stale"):
+        return f"[yellow]{lag['total']:,} ({lag['age_s']:.0f} s old)[/]"
+    return f"{lag['total']:,}"
 
 
 def register(root: typer.Typer) -> None:

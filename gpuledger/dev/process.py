@@ -42,8 +42,11 @@ def _ephemeral_range() -> tuple[int, int]:
 
 _handed_out: set[int] = set()
 
-#: Ports handed out by any process on this machine, one file each holding the pid that took it.
-PORTS_DIR = Path(tempfile.gettempdir()) / "gpuledger-ports"
+#: Ports handed out by this user's processes on this machine, one file each holding the pid that
+#: took it. Per user: a directory one user created is not writable by another, whose worker then
+#: failed to start (PermissionError) — the claims guard against one's own parallel processes (the
+#: test runner's workers); another user's choice of the same port is still caught by the bind check.
+PORTS_DIR = Path(tempfile.gettempdir()) / f"gpuledger-ports-{os.getuid()}"
 
 
 def _reserve(port: int) -> bool:

@@ -159,6 +159,20 @@ def test_unreachable_kafka_exits_non_zero(tmp_path):
     assert "release retire for r:1 not published" in flat(result.stderr)
 
 
+def test_topics_ensure_without_kafka_is_one_clear_error_not_a_traceback_or_a_flood(tmp_path):
+    """Found by an exploratory review: with the broker down `gpuledger topics ensure` (and the worker,
+    through the same ensure_specs) printed ~580 raw librdkafka lines to stderr, then a traceback —
+    a crash-loop under Kubernetes. Now: Kafka's error in one line (librdkafka's own lines go through
+    logging, a repeated one once with a count), exit 1."""
+    exe = Path(sys.executable).parent / "gpuledger"
+    bootstrap = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "GPULEDGER_KAFKA_BOOTSTRAP": bootstrap, "GPULEDGER_DATA_DIR": str(tmp_path)}
+    proc = subprocess.run([str(exe), "topics", "ensure"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert f"error: Kafka at {bootstrap}:" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "%3|" not in proc.stderr and len(proc.stderr.splitlines()) < 20, proc.stderr[-3000:]
+
+
 def test_installed_entry_point(catalogue, kafka_bootstrap, tmp_path):
     exe = Path(sys.executable).parent / "gpuledger"
     env = {**os.environ, "GPULEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap, "GPULEDGER_KAFKA_TOPIC_PREFIX": catalogue.prefix,

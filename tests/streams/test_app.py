@@ -198,6 +198,38 @@ def test_status_of_a_worker_that_does_not_answer_exits_1_and_still_shows_the_gro
     assert "did not answer" not in missing.stdout, missing.output
 
 
+def test_a_store_that_is_down_makes_the_worker_degraded_and_says_why(kafka_bootstrap, catalogue, tmp_path):
+    """Found by an exploratory review: with its ClickHouse server down the worker's page said "ok"
+    and `gpuledger status` exited 0 with a sink lag of 0 — the sink held its batch (retrying) and
+    polled nothing more, so its consumer's statistics, where the lag comes from, stopped."""
+    from gpuledger.dev.process import ServiceProcess, free_port
+    from streams.progress import worker_health
+
+    port = free_port()
+    dead = f"http://127.0.0.1:{free_port()}/"
+    env = {"GPULEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap, "GPULEDGER_KAFKA_TOPIC_PREFIX": catalogue.prefix,
+           "GPULEDGER_KAFKA_RAW_PARTITIONS": str(catalogue.raw_partitions), "GPULEDGER_DATA_DIR": str(tmp_path),
+           "GPULEDGER_CLICKHOUSE_DSN": dead, "GPULEDGER_STREAMS_WEB_PORT": str(port), "GPULEDGER_STREAMS_APP_ID": f"{catalogue.prefix}-app"}
+    service = ServiceProcess(["-v", "worker"], env, tmp_path / "worker.log").start()
+    try:
+        publish(kafka_bootstrap, catalogue, SCENARIO[:5])
+        url, deadline, page = f"http://127.0.0.1:{port}", time.monotonic() + 90, {}
+        while time.monotonic() < deadline:
+            page = worker_health(url) or {}
+            if any("writes into" in p for p in page.get("problems") or []):
+                break
+            assert service.alive(), service.log_tail()
+            time.sleep(0.5)
+        assert page.get("status") == "degraded", page
+        assert any(p.startswith("sink: writes into") and "failing for" in p for p in page["problems"]), page.get("problems")
+        assert page["sink"]["problems"] and page["stats"]["stored"] == 0
+        nobody = type("W", (), {"dsn": dead, "data_dir": tmp_path})
+        out = status_of(kafka_bootstrap, catalogue, nobody, "--url", url)
+        assert out.exit_code == 1 and "problem: sink: writes into" in out.stdout, out.output
+    finally:
+        service.stop(grace=10)
+
+
 def test_status_on_the_default_store_without_an_address_says_who_does_not_answer(kafka_bootstrap, catalogue, tmp_path):
     """No GPULEDGER_CLICKHOUSE_DSN (the embedded default) and no --url: `gpuledger status` looked
     for the owner file through a DSN of None and crashed with a traceback."""

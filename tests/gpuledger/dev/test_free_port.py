@@ -54,3 +54,29 @@ def test_ports_claimed_by_another_live_process_are_not_handed_out_and_a_dead_one
     finally:
         other.kill()
         other.wait()
+
+
+def test_another_user_gets_ports_while_this_users_claims_exist(tmp_path):
+    """Found by an exploratory review: the claims directory was one per machine, created by the
+    first user (0755); a second user's worker then failed to start (PermissionError). Each user
+    has their own now. Run as another user where this test can switch to one (root, setpriv)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import pytest
+
+    free_port()  # this user's claims directory exists now
+    if os.getuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run a process as another user")
+    home = tmp_path / "nobody"
+    home.mkdir()
+    os.chown(home, 65534, 65534)
+    code = "from gpuledger.dev.process import free_port, PORTS_DIR; p = free_port(); print(p, (PORTS_DIR / str(p)).exists())"
+    root = str(__import__("pathlib").Path(__file__).resolve().parents[3])
+    proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
+                          env={**os.environ, "HOME": str(home), "PYTHONPATH": root}, capture_output=True, text=True, timeout=60, cwd=str(home))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    port, claimed = proc.stdout.split()
+    assert int(port) >= 10_000 and claimed == "True", proc.stdout
