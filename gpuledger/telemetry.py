@@ -149,14 +149,15 @@ class RepeatFilter(logging.Filter):
         return False
 
 
-def calm_logging(every_s: float = 60.0) -> RepeatFilter:
-    """Install ``RepeatFilter`` on every handler of the root logger (idempotent)."""
-    root = logging.getLogger()
-    for handler in root.handlers:
+def calm_logging(every_s: float = 60.0, handlers: list[logging.Handler] | None = None) -> RepeatFilter:
+    """Install ``RepeatFilter`` on ``handlers`` — by default every handler of the root logger
+    (idempotent)."""
+    handlers = logging.getLogger().handlers if handlers is None else handlers
+    for handler in handlers:
         for existing in handler.filters:
             if isinstance(existing, RepeatFilter):
                 return existing
     flt = RepeatFilter(every_s)
-    for handler in root.handlers:
+    for handler in handlers:
         handler.addFilter(flt)
     return flt

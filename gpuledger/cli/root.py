@@ -28,12 +28,16 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="gpuledger: o
 
 @app.callback()
 def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at INFO.")) -> None:
+    root = logging.getLogger()
+    before = list(root.handlers)
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # A repeated warning once a minute with a count, in every command (the receiver and the collectors
-    # logged each Kafka reconnect attempt during an outage, ~7 lines a second; the worker did this already).
-    from gpuledger.telemetry import calm_logging
+    # logged each Kafka reconnect attempt during an outage, ~7 lines a second; the worker did this already)
+    # — on the handler set up here only: a host's own handlers (a test runner's capture) keep every line.
+    if ours := [h for h in root.handlers if h not in before]:
+        from gpuledger.telemetry import calm_logging
 
-    calm_logging()
+        calm_logging(handlers=ours)
 
 
 # One line per command module; the order is the order of `gpuledger --help`.
