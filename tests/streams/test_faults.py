@@ -349,21 +349,31 @@ def _snapshots(health: dict) -> dict:
     return {name: store["snapshots"] for name, store in health["stores"].items()}
 
 
-def test_a_clean_stop_mid_run_restarts_from_local_snapshots_and_heals_to_the_uninterrupted_tables(kafka_bootstrap, history, reference, tmp_path):
-    """SIGTERM while the history is a quarter processed: both stateful stages write their
-    partitions' state to local snapshots (streams.snapshot). The next start crashes (kill -9
-    after its second changelog write), so the one after it takes those snapshots plus the
-    changelog records the crashed run wrote after them — and ends with the uninterrupted
-    run's tables. A clean stop then snapshots the whole history, and a restart reads not one
-    changelog record: the same tables again."""
-    cat, n = history
-    commits = reference.health["epochs"]["correlate_entities"]["commits"]
-    assert commits >= 6, f"the reference run's correlation committed {commits} time(s): too few to stop at a quarter and crash after it"
+def test_a_clean_stop_mid_run_restarts_from_local_snapshots_and_heals_to_the_uninterrupted_tables(kafka_bootstrap, tmp_path):
+    """SIGTERM in the middle of a history: both stateful stages write their partitions' state to
+    local snapshots (streams.snapshot). The next start crashes (kill -9 after its second changelog
+    write), so the one after it takes those snapshots plus the changelog records the crashed run
+    wrote after them — and ends with the uninterrupted run's tables. A clean stop then snapshots
+    the whole history, and a restart reads not one changelog record: the same tables again.
+
+    Its own topics, the history published in two halves around the stop: with the module's
+    (published whole), a loaded machine's slow child start-up (the stop waits for the controls
+    stage's first input) let the correlation finish before the stop — CI once — and the crashing
+    run then had nothing to write, so its fault never fired."""
+    from producers._kafka import ensure_topics
+    from schemas.topics import TopicCatalogue
+
+    cat = TopicCatalogue(prefix=f"fault{uuid.uuid4().hex[:6]}", raw_partitions=4)
+    ensure_topics({"bootstrap.servers": kafka_bootstrap}, cat)
+    events = fleet()
+    n, half = len(events), len(events) // 2
+    publisher = EventPublisher({"bootstrap.servers": kafka_bootstrap}, cat, "test")
+    publisher.publish_batch(events[:half])
     run = Run(kafka_bootstrap, cat, tmp_path, f"{cat.prefix}-snapshot").start()
     with run.stopped_on_failure():
         deadline = time.monotonic() + 180
         # (the controls stage too: it has state to snapshot once it has evaluated something)
-        while (stats := run.health()["stats"]).get("correlated_in", 0) < n // 4 or not stats.get("controls_in"):
+        while (stats := run.health()["stats"]).get("correlated_in", 0) < half // 2 or not stats.get("controls_in"):
             assert time.monotonic() < deadline, stats
             time.sleep(0.05)
     assert run.service.stop(grace=30) == 0, run.service.log_tail()
@@ -372,6 +382,13 @@ def test_a_clean_stop_mid_run_restarts_from_local_snapshots_and_heals_to_the_uni
     files = sorted(str(f.relative_to(where)) for f in where.rglob("*.snapshot"))
     assert files == [f"{c}/{p}.snapshot" for c in changelogs for p in range(4)], (files, run.service.log_tail())
     snapped = {f: (where / f).read_bytes() for f in files}
+    publisher.publish_batch(events[half:])  # the rest: the crashing run has work whenever the first one stopped
+    publisher.close()
+
+    reference = Run(kafka_bootstrap, cat, tmp_path, f"{cat.prefix}-straight").start()
+    with reference.stopped_on_failure():
+        reference_health = reference.wait_done(n)
+    reference_sums = reference.stop_and_checksum()
 
     assert run.start("correlate:after_changelog:2").wait_crashed() == 137
     assert {f: (where / f).read_bytes() for f in files} == snapped  # a crash writes none
@@ -381,8 +398,8 @@ def test_a_clean_stop_mid_run_restarts_from_local_snapshots_and_heals_to_the_uni
         entities = health["stores"]["entities"]
         assert entities["snapshots"]["loaded_partitions"] == 4 and entities["snapshots"]["read_whole"] == {}, entities
         assert 0 < entities["snapshots"]["tail_records"] == entities["recovered_records"], entities
-        assert entities["keys"] == reference.health["stores"]["entities"]["keys"], entities
-    assert run.stop_and_checksum() == reference.sums
+        assert entities["keys"] == reference_health["stores"]["entities"]["keys"], entities
+    assert run.stop_and_checksum() == reference_sums
 
     run.start()
     with run.stopped_on_failure():
@@ -390,5 +407,5 @@ def test_a_clean_stop_mid_run_restarts_from_local_snapshots_and_heals_to_the_uni
         snaps = _snapshots(health)
         assert snaps["entities"]["loaded_partitions"] == 4 and snaps["controls"]["loaded_partitions"] == 4, snaps
         assert health["stores"]["entities"]["recovered_records"] == health["stores"]["controls"]["recovered_records"] == 0, health["stores"]
-        assert health["stores"]["entities"]["keys"] == reference.health["stores"]["entities"]["keys"], health["stores"]
-    assert run.stop_and_checksum() == reference.sums
+        assert health["stores"]["entities"]["keys"] == reference_health["stores"]["entities"]["keys"], health["stores"]
+    assert run.stop_and_checksum() == reference_sums
