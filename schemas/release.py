@@ -6,7 +6,7 @@ Published by the receiver and the ``gpuledger release`` CLI, keyed by release_id
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field, model_validator
 
@@ -30,6 +30,12 @@ ReleaseEventType = Literal[
 
 #: Admin actions: decisions that need a named right in the policy file.
 ADMIN_ACTIONS = frozenset({"release.queue_paused", "release.node_isolated", "release.priority_overridden", "release.admission_overridden"})
+#: The release's own lifecycle (registered … retired): the other events — reservations and admin
+#: actions — happen to a release in any state.
+LIFECYCLE_EVENTS = frozenset(get_args(ReleaseEventType)) - ADMIN_ACTIONS - {"release.reservation_created", "release.reservation_released"}
+#: Lifecycle events after which a release no longer serves where it was (the environment it is
+#: rolled back out of, or anywhere once revoked or retired).
+ENDING_EVENTS = frozenset({"release.rolled_back", "release.revoked", "release.retired"})
 
 
 class Reservation(Frozen):

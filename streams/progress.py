@@ -27,9 +27,8 @@ agree. Retention-trimmed partitions count from their first retained offset.
 
 from __future__ import annotations
 
-import logging
-
 import json
+import logging
 import time
 import urllib.request
 from collections.abc import Callable

@@ -363,12 +363,12 @@ class Evidence:
         cited = {v["identity"].get("release_id") for v in self._of(2)} - {None}
         out, exercised = [], 0
         for rid, state in sorted(self.directory.releases.items()):
-            if (row := self._promotion_row(rid, state, rid in cited)) is not None:
+            promos = [h for h in state["history"] if h[1] == "release.promoted" and h[3] == self.prod and _history_time(h) <= self.end]
+            if (row := self._promotion_row(rid, state, promos, rid in cited)) is not None:
                 out.append(row)
                 # Exercised in the range: promoted in it, running in prod in it, or cited by a control 2
                 # violation in it. A promotion before the range is the row's context only — counted, it
                 # made a range with no event at all a PASS, exit 0 (docs/controls.md: NO EVENTS, exit 4).
-                promos = self._prod_promotions(state)
                 exercised += bool(rid in cited or (promos and self._in_range(_history_time(promos[-1])))
                                   or row["scheduling_applied"] != NO_PROD_WORKLOAD)
         flagged = sum(1 for r in out if r["verdict"] != "no violation recorded")
@@ -378,14 +378,10 @@ class Evidence:
                              ["release", "approvals", "promoted", "state_at_end", "scheduling_applied", "verdict"], out,
                              exercised, f"release(s) promoted to {self.prod} or running where promotion is required")
 
-    def _prod_promotions(self, state: dict) -> list:
-        """The release's promotions to prod up to the end of the range (directory history entries)."""
-        return [h for h in state["history"] if h[1] == "release.promoted" and h[3] == self.prod and _history_time(h) <= self.end]
-
-    def _promotion_row(self, rid: str, state: dict, cited: bool) -> dict | None:
-        """The release's last promotion to prod (up to the end of the range), with the
-        approvals before it and the violations that cite the release's promotion."""
-        promos = self._prod_promotions(state)
+    def _promotion_row(self, rid: str, state: dict, promos: list, cited: bool) -> dict | None:
+        """The release's last promotion to prod (``promos``: its promotions to prod up to the end of
+        the range, directory history entries), with the approvals before it and the violations that
+        cite the release's promotion."""
         if not promos and not cited:
             return None
         last = promos[-1] if promos else None

@@ -46,6 +46,7 @@ import re
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from schemas.release import ENDING_EVENTS, LIFECYCLE_EVENTS
 from sinks.migrations import table_name
 
 DEFAULT_WINDOW = timedelta(hours=2)
@@ -290,13 +291,6 @@ def _holds(alloc: dict) -> str:
     return "share" if "::" in alloc["gpu_id"] or "/vgpu" in alloc["gpu_id"] else "dra_device"
 
 
-#: Release events of its lifecycle (the others — reservations, queue pauses, node isolations,
-#: overrides — happen to a release in any state), and those after which it serves no more.
-LIFECYCLE_EVENTS = frozenset({"release.registered", "release.evaluated", "release.approved", "release.promoted", "release.rolled_back",
-                              "release.revoked", "release.retired"})
-ENDED_EVENTS = frozenset({"release.rolled_back", "release.revoked", "release.retired"})
-
-
 class _Resolver:
     def __init__(self, store: Store, at: datetime | None) -> None:
         self.store = store
@@ -420,7 +414,7 @@ class _Resolver:
             rid, at, etype, other = row["release_id"], row["occurred_at"], row["event_type"], row["superseded_release_id"]
             last[rid] = max(last.get(rid, ""), at)
             if etype in LIFECYCLE_EVENTS:
-                ended[rid] = etype in ENDED_EVENTS
+                ended[rid] = etype in ENDING_EVENTS
             if other in ours and other != rid:
                 if etype == "release.promoted":  # it replaced ``other``, which serves no more
                     ended[other] = True

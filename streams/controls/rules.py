@@ -59,7 +59,7 @@ import orjson
 from streams.caps import capped
 from streams.controls.policy import ACTION_OF_EVENT, CONTROL_TITLES, Policy
 from streams.packing import kind_of
-from gpuledger.timefmt import format_duration, quick_utc_isoformat
+from gpuledger.timefmt import format_duration, iso_z, quick_utc_isoformat
 from schemas import Identity
 from schemas.outputs import Violation
 from schemas.release import actor_text, decision_actor
@@ -95,17 +95,6 @@ def iso(value) -> str | None:
     if value is None:
         return None
     return (isinstance(value, str) and quick_utc_isoformat(value)) or _t(value).isoformat()
-
-
-def shown(value) -> str | None:
-    """A time in a violation's text as the store keeps it and `trace` and `audit` print it — to the
-    millisecond, in UTC with a 'Z' — so it can be looked up in the stored history, and an audit's
-    ``--reevaluate`` (from the stored rows) writes the same text as the worker did (from the events,
-    to the microsecond: "retired at 2026-12-06T05:58:29.577602+00:00" beside "….577000+00:00")."""
-    if value is None:
-        return None
-    t = _t(value)
-    return t.strftime("%Y-%m-%dT%H:%M:%S.") + f"{t.microsecond // 1000:03d}Z"
 
 
 def _min(*values):
@@ -674,7 +663,7 @@ def _admission(key: str, start: datetime, end: datetime | None, srow: dict, erow
                if unentitled else f"release {rid} had no approval for {env or 'its environment'}")
     closed_by = _closed_by(rel, closing, "approve", ctx.policy) if ge is not None and (end is None or ge <= end) else ""
     found.add(1, ("approval", key, srow["id"]), start, _min(ge, end), ev + [cause, closing], {**ident, "release_id": rid},
-              f"{who} was admitted ({srow['type']}) at {shown(start)} but {why}{closed_by}")
+              f"{who} was admitted ({srow['type']}) at {iso_z(start)} but {why}{closed_by}")
 
 
 def _identifiers(key: str, start: datetime, end: datetime | None, srow: dict, erow: dict | None, found: Findings, ctx: Context) -> None:
@@ -692,7 +681,7 @@ def _identifiers(key: str, start: datetime, end: datetime | None, srow: dict, er
         closed = _min(rel.first_seen, end) if rel.known else end
         found.add(3, ("unknown-release", key, srow["id"]), start, closed, ev, ident,
                   f"{who} names release {rid}, which " + ("no release event describes" if not rel.known else
-                                                         f"was first seen only at {shown(rel.first_seen)}"))
+                                                         f"was first seen only at {iso_z(rel.first_seen)}"))
     elif not rid and ident.get("model_name"):
         model = ident["model_name"] + (f":{ident['model_version']}" if ident.get("model_version") else "")
         found.add(3, ("unknown-model", key, srow["id"]), start, end, ev, ident, f"{who} names model {model}, which matches no release")
@@ -727,12 +716,12 @@ def _closed_by(rel: Release, event_id: str | None, action: str, policy: Policy) 
     if event is None:
         return ""
     what = event[1].split(".", 1)[1]
-    return f"; {what} at {shown(event[0])} by {actor_text(event[4]) or 'no recorded actor'} ({policy.granted(event[4], action)})"
+    return f"; {what} at {iso_z(event[0])} by {actor_text(event[4]) or 'no recorded actor'} ({policy.granted(event[4], action)})"
 
 
 def _actors(events: list[tuple]) -> str:
     """Who did these lifecycle events ("bob at T", "no recorded actor at T")."""
-    return ", ".join(f"{actor_text(e[4]) or 'no recorded actor'} at {shown(e[0])}" for e in events[-3:])
+    return ", ".join(f"{actor_text(e[4]) or 'no recorded actor'} at {iso_z(e[0])}" for e in events[-3:])
 
 
 def preemption_clusters(rows) -> list[list[dict]]:
@@ -766,8 +755,8 @@ def _preempted(cluster: list[dict], key: str, unit_ivs: list[tuple], all_rows: l
             window_end = promoted[0] + envp.observation_window
             closed = restarted if restarted is not None and restarted <= window_end else clock.reached(window_end)
             found.add(4, ("window", key, iso(at)), at, closed, evidence + [promoted[2], restart_row], ident,
-                      f"{_label(ident)} of release {rid} was preempted{by} at {shown(at)}, inside the {env} observation window "
-                      f"(promoted {shown(promoted[0])}, window ends {shown(window_end)})")
+                      f"{_label(ident)} of release {rid} was preempted{by} at {iso_z(at)}, inside the {env} observation window "
+                      f"(promoted {iso_z(promoted[0])}, window ends {iso_z(window_end)})")
     target = _preemptor_key(ref)
     if target and target != key:
         bp, pc, _rid = _business(ctx, all_rows)
@@ -857,7 +846,7 @@ def _authority(rid: str, row: dict, action: str, later: list[dict], base: dict, 
         why = policy.why_not(proven, action)
         if ratified is not None:
             by = decision_actor(ratified["p"])
-            why += f"; ratified at {shown(_t(ratified['at']))} by {actor_text(by)} ({policy.granted(by, action)})"
+            why += f"; ratified at {iso_z(ratified['at'])} by {actor_text(by)} ({policy.granted(by, action)})"
         found.add(7, ("unauthorized", row["id"]), at, closed, [row["id"], ratified["id"] if ratified else None],
                   {**base, "node": p.get("target") if row["type"] == "release.node_isolated" else None},
                   f"{what} of release {rid} without the decision right: {why}")
@@ -873,8 +862,8 @@ def _authority(rid: str, row: dict, action: str, later: list[dict], base: dict, 
     expires, deadline = _t(p["expires_at"]), at + policy.emergency_overrides.max_duration
     if expires > deadline and clock.passed(deadline):
         found.add(7, ("too-long", row["id"]), deadline, clock.reached(expires), [row["id"]], base,
-                  f"emergency override {what} by {actor or 'unknown'} runs until {shown(expires)}, past the {limit_text} maximum "
-                  f"({shown(deadline)})")
+                  f"emergency override {what} by {actor or 'unknown'} runs until {iso_z(expires)}, past the {limit_text} maximum "
+                  f"({iso_z(deadline)})")
 
 
 def reservation_events(rows: list[dict]) -> dict[str, dict]:
@@ -903,7 +892,7 @@ def _capacity(rid: str, res_id: str, entry: dict, allocs: list[dict], base: dict
     released_at = _t(released["at"]) if released and _t(released["at"]) >= _t(created["at"]) else None
     released_id = released["id"] if released_at else None
     pool = f" in {res['pool']}" if res.get("pool") else ""
-    plan = f"reservation {res_id} ({gpus} GPU(s){pool}, window {shown(ws)} → {shown(we) if we else 'open'})"
+    plan = f"reservation {res_id} ({gpus} GPU(s){pool}, window {iso_z(ws)} → {iso_z(we) if we else 'open'})"
     grace = policy.reservations.grace
     unused_at = ws + grace
     if not (released_at and released_at <= unused_at) and clock.passed(unused_at):
@@ -931,7 +920,7 @@ def _unused(rid: str, res_id: str, plan: str, ws: datetime, unused_at: datetime,
     later = [a for a in allocs if _t(a["start"]) > unused_at]
     first_use = _t(later[0]["start"]) if later else None
     found.add(5, ("unused", rid, res_id), unused_at, _min(first_use, released_at), [*evidence, later[0]["se"] if later else None], base,
-              f"{plan} of release {rid}: no GPU allocated to the release by {shown(unused_at)} ({format_duration(grace)} after the window opened)")
+              f"{plan} of release {rid}: no GPU allocated to the release by {iso_z(unused_at)} ({format_duration(grace)} after the window opened)")
 
 
 def _holdings(deadline: datetime, reservations: dict, allocs: list[dict], running: list[dict]) -> list[tuple]:
@@ -975,7 +964,7 @@ def _retirement(rid: str, rows: list[dict], reservations: dict, allocs: list[dic
         kinds[h[3].split(" ", 1)[0]] += 1
     held = ", ".join(f"{n} {k}(s)" for k, n in sorted(kinds.items()))
     found.add(8, ("retired", rid, ended["id"]), opened, closed, [ended["id"]] + [e for h in holdings for e in h[2]], base,
-              f"release {rid} was {ended['type'].split('.', 1)[1]} at {shown(ended['at'])} and still held {held} after the {format_duration(grace)} grace period: "
+              f"release {rid} was {ended['type'].split('.', 1)[1]} at {iso_z(ended['at'])} and still held {held} after the {format_duration(grace)} grace period: "
               + "; ".join(h[3] for h in sorted(holdings, key=lambda h: (h[0], h[3]))[:10]))  # by time, then name: ids do not order text
 
 

@@ -27,6 +27,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 
 from schemas import EventDecodeError, decode_event
+from schemas.release import ENDING_EVENTS
 from streams.correlate.release import apply_release_event, new_state, state_as_of
 
 log = logging.getLogger(__name__)
@@ -178,7 +179,7 @@ class ReleaseDirectory:
                 continue
             if etype == "release.promoted" and env not in envs:
                 envs.append(env)
-            elif etype in ("release.rolled_back", "release.revoked", "release.retired") and env in envs:
+            elif etype in ENDING_EVENTS and env in envs:
                 envs.remove(env)
         return envs
 
