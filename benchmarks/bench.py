@@ -31,7 +31,9 @@ broker in service is warm), then runs, one after the other over those topics:
    events encoded before the clock starts, so the load generator takes little of the
    cores the measured processes share; published in 50 ms ticks); p50/p99
    of ``inserted_at − observed_at`` over the stored correlated rows (the first version of
-   each row to be stored). Then the worker's share apart from the sink's, by hop, from
+   each row to be stored), and the same by ten seconds of publishing (a queue growing for
+   the whole run — a stage short of CPU — reads differently from a pause, which marks one
+   bucket). Then the worker's share apart from the sink's, by hop, from
    the records' Kafka CreateTime: raw → the route record that carried the event (route
    stage), → its first correlated record (correlation stage); the worker's CPU per event
    while live (small batches cost more per event than phase 3's backlog); how much of the
@@ -772,6 +774,14 @@ class Bench:
                 f" SELECT toUnixTimestamp64Milli(min(inserted_at)) - toUnixTimestamp64Milli(any(occurred_at)) AS lag"
                 f" FROM {DB}.correlated_events WHERE toUnixTimestamp64Milli(occurred_at) >= {{since:Int64}} GROUP BY correlation_id)",
                 {"since": since_ms}).dicts()[0]
+            # The same by ten seconds of publishing: a queue that grows for the whole run (a
+            # stage short of CPU) reads differently from pauses (one bucket's p99 only).
+            buckets = reader.query(
+                "SELECT intDiv(toUnixTimestamp64Milli(at) - {since:Int64}, 10000) AS b, quantileExact(0.5)(lag) AS p50,"
+                " quantileExact(0.99)(lag) AS p99 FROM ("
+                f" SELECT any(occurred_at) AS at, toUnixTimestamp64Milli(min(inserted_at)) - toUnixTimestamp64Milli(any(occurred_at)) AS lag"
+                f" FROM {DB}.correlated_events WHERE toUnixTimestamp64Milli(occurred_at) >= {{since:Int64}} GROUP BY correlation_id)"
+                " GROUP BY b ORDER BY b", {"since": since_ms}).dicts()
         finally:
             pub.close(5)
             self.stop(service)
@@ -782,9 +792,12 @@ class Bench:
                "complete": complete, "p50_s": row["p50"] / 1000, "p99_s": row["p99"] / 1000, "max_s": row["max"] / 1000,
                "publisher_cpu_cores": publisher_cpu, "broker_cpu_cores": broker_cores, "machine_busy_cores": machine_cores,
                "machine_stolen_cores": stolen_cores, "machine_cores": cores, "cpu_ms_per_event": live_cpu, "worker": worker,
-               "stage_busy": stages, "rest_cores": rest}
+               "stage_busy": stages, "rest_cores": rest,
+               "by_10s": [{"from_s": int(b["b"]) * 10, "p50_s": b["p50"] / 1000, "p99_s": b["p99"] / 1000} for b in buckets]}
         print(f"    p50 {out['p50_s']:.2f}s, p99 {out['p99_s']:.2f}s, max {out['max_s']:.2f}s over {out['rows']:,} rows "
               f"({achieved:,.0f} events/s achieved; the publisher used {publisher_cpu:.2f} of a core)", flush=True)
+        print("    by ten seconds of publishing (p50/p99 s): "
+              + ", ".join(f"{b['from_s']}s {b['p50_s']:.2f}/{b['p99_s']:.2f}" for b in out["by_10s"]), flush=True)
         print("    CPU per event while live: " + fmt_cpu(live_cpu), flush=True)
         print("      less the at-rest floor's share of each event (what each further event cost): "
               + fmt_cpu(above_rest(live_cpu, rest, achieved)), flush=True)
@@ -794,6 +807,8 @@ class Bench:
         if worker:
             hops = "".join(f"; {name} p50 {worker[name]['p50_s']:.2f}s p99 {worker[name]['p99_s']:.2f}s"
                            for name in ("route", "correlate") if worker.get(name))
+            if not worker.get("route"):
+                hops = "; by hop: not measured (no route record named an input event of the run)"
             print(f"    of which the worker (event → its first correlated record on Kafka): p50 {worker['p50_s']:.2f}s, "
                   f"p99 {worker['p99_s']:.2f}s{hops}; the rest is the sink", flush=True)
         if stages:
@@ -879,8 +894,9 @@ class Bench:
         routed: dict[tuple, int] = {}
         for msg in self._records(run.route):
             for _key, body in unpack(msg.value()):
-                if body.get("k") == "event":
-                    src = tuple(body["src"])
+                if body.get("k") == "row":  # an input event, as the route stage sends it (streams.correlate.route)
+                    row = body["row"]
+                    src = (row["topic"], row["partition"], row["offset"])
                     routed[src] = min(routed.get(src, msg.timestamp()[1]), msg.timestamp()[1])
         first: dict[str, tuple[int, int, int | None]] = {}
         for msg in self._records(run.correlated):
