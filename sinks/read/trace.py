@@ -632,6 +632,8 @@ class _Chain:
         self.release_rows = self.store.latest("release_history", RELEASE_COLS, f"release_id = {{r:String}} AND {_at_cond('occurred_at', at)}",
                                               {"r": rid, **at_p}, order="occurred_at, correlation_id")
         self.release = _release_section(self.release_rows, rid, self.gaps)
+        if at is not None and self.release_rows:
+            self.release.update(self._manifest_as_of(rid, at, at_p))
         # Candidates from the release_id projection; kept below only where a latest row names the release.
         self.release_candidates = set(self.store.candidates("workload_timeline", "workload_id",
                                                             f"release_id = {{r:String}} AND {_at_cond('occurred_at', at)}", {"r": rid, **at_p}))
@@ -639,6 +641,26 @@ class _Chain:
                                                 after="release_id = {r:String}", after_columns=("release_id",), order="started_at, allocation_id")
         self.workload_ids.update(a["workload_id"] for a in self.release_allocs if a["workload_id"])
         self.pod_keys.update((a["namespace"], a["pod"]) for a in self.release_allocs)
+
+    def _manifest_as_of(self, rid: str, at: datetime, at_p: dict) -> dict:
+        """The release's manifest as it stood at ``at``, from its events as they were sent.
+
+        A release's rows keep their latest version, rendered with the manifest as known now: a
+        release registered in staging and promoted to prod later showed ``environment=prod``
+        at an ``--at`` before the promotion. The worker's manifest is, per field, the value of
+        the latest event (by time, then event id) that carries one (``streams.correlate.release``);
+        this folds the same from ``raw_events`` (the identities as sent) up to ``at``. A field no
+        raw event up to ``at`` carries — raw rows gone (TTL) or never stored — keeps the rows' value."""
+        fields = ", ".join(MANIFEST_FIELDS)
+        sql = (f"SELECT event_id, occurred_at, {fields} FROM {self.store._table('raw_events')} "
+               f"WHERE release_id = {{r:String}} AND startsWith(event_type, 'release.') AND {_at_cond('occurred_at', at)} "
+               f"ORDER BY occurred_at, event_id LIMIT {ROW_LIMIT}")
+        self.store.queries += 1
+        rows = self.store.reader.query(sql, {"db": self.store.database, "r": rid, **at_p}).dicts()
+        manifest: dict[str, str] = {}
+        for row in rows:  # in event order: the latest value of each field wins
+            manifest.update({f: row[f] for f in MANIFEST_FIELDS if row.get(f)})
+        return manifest
 
     def read_workloads(self) -> None:
         """The workloads' rows (a candidate counts only if its latest row names the

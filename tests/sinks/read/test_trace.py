@@ -297,6 +297,36 @@ def test_at_before_the_rollback_shows_the_pre_rollback_state(store):
     assert any("no workload attributed" in g for g in early["gaps"])
 
 
+def test_at_shows_the_release_environment_of_that_time_not_the_one_known_now(clickhouse_client):
+    """From an exploratory review: a release's rows keep their latest version, rendered with the
+    manifest as known now — registered in staging, promoted to prod later, `trace --at` before
+    the promotion said environment=prod. As of --at, the manifest comes from the events as sent
+    (raw_events) up to that time; without --at, or where no raw event says, from the rows."""
+    from schemas import Identity, ReleaseEvent, Source
+    from schemas.release import ReleasePayload
+    from sinks.read.tree import render_tree, tree_text
+
+    def sent(etype, at, environment, event_id, **payload):
+        return ReleaseEvent(event_id=event_id, event_type=etype, occurred_at=at, observed_at=at, source=Source(collector="releases"),
+                            identity=Identity(release_id=inc.R7, **{**inc.MANIFEST7, "environment": environment}),
+                            payload=ReleasePayload(**payload))
+
+    raw = [sent("release.registered", inc.T0, "staging", "raw-r7-registered"),
+           sent("release.promoted", inc.T0 + timedelta(minutes=15), "prod", "raw-r7-promoted", to_environment="prod")]
+    reader = DirectReader(clickhouse_client)
+    db = inc.load_store(clickhouse_client, raw_events=raw)
+    before = trace(reader, db, "release", inc.R7, at=inc.T0 + timedelta(minutes=12))
+    assert before["release"]["environment"] == "staging", before["release"]
+    assert before["release"]["model_version"] == "7" and before["release"]["owner"] == "team-risk"
+    text = tree_text(render_tree(before), width=250)
+    assert "environment: staging" in text and "environment: prod" not in text, text
+    assert trace(reader, db, "release", inc.R7, at=AT)["release"]["environment"] == "prod"
+    assert trace(reader, db, "release", inc.R7)["release"]["environment"] == "prod"
+    # The same release reached from its pod: the section is the same.
+    via_pod = trace(reader, db, "pod", f"risk/{inc.P1}", at=inc.T0 + timedelta(minutes=20))
+    assert via_pod["release"]["environment"] == "prod"
+
+
 @pytest.mark.parametrize("kind,value", ENTRIES[:4] + [("gpu", f"node-a/{inc.GPU_A}")])
 def test_final_and_argmax_read_the_same_chain(store, kind, value):
     reader, db = store
