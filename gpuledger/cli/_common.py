@@ -13,8 +13,11 @@ from typing import NoReturn, Optional
 import typer
 from rich.console import Console
 
-console = Console()
-err = Console(stderr=True)
+#: ``emoji=False``: rich replaced ``:name:`` in any printed text with an emoji — an OIDC identity
+#: ``user:x:y`` printed as "user❌y", a release ``fraud:lock:7`` as "fraud🔒7" (``markup`` escapes
+#: markup, not emoji codes). Every console of the CLI is made so.
+console = Console(emoji=False)
+err = Console(stderr=True, emoji=False)
 
 BootstrapOpt = typer.Option(None, "--bootstrap", help="Kafka bootstrap servers (default: GPULEDGER_KAFKA_BOOTSTRAP, else the local broker).")
 DsnOpt = typer.Option(None, "--dsn", help="ClickHouse DSN (default: GPULEDGER_CLICKHOUSE_DSN, else chdb under the data dir).")
@@ -34,7 +37,7 @@ def print_whole(table) -> None:
     # A console of that width on the same output (the shared one's width is not touched: set, it
     # would stay fixed rather than follow the terminal; print's own ``width`` only narrows).
     Console(file=console.file, width=need, force_terminal=console.is_terminal, color_system=console.color_system,
-            no_color=console.no_color).print(table)
+            no_color=console.no_color, emoji=False).print(table)
 
 
 def fail(message: str, code: int = 1) -> NoReturn:

@@ -742,7 +742,7 @@ def write_report(report: dict, fmt: str, output: str | None, console) -> None:
             from rich.console import Console
 
             with open(output, "w") as handle:
-                render_table(report, Console(file=handle, width=200))
+                render_table(report, Console(file=handle, width=200, emoji=False))
         else:
             render_table(report, console)
         return

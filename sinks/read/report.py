@@ -26,8 +26,11 @@ allocation) renders as an explicit gap, never as an error.
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timedelta, timezone
 from typing import Any, Iterable
+
+from schemas.release import actor_text, decision_actor
 
 from sinks.read.pages import render_page
 from sinks.read.trace import ALERT_COLS, ALLOC_COLS, RELEASE_COLS, WORKLOAD_COLS, Store, ch_time, parse_instant
@@ -270,7 +273,8 @@ def _add_release_events(tl: _Timeline, events: list[dict], colours: dict[str, st
         colour = colours.get(r["release_id"], UNATTRIBUTED)
         key = et in KEY_RELEASE_EVENTS
         label = et.split(".", 1)[1].replace("_", " ") if key else None
-        tip = (f"{et} {r['release_id']} at {r['occurred_at']}" + (f"\nby {r['actor']}" if r.get("actor") else "")
+        actor = actor_text(decision_actor(json.loads(r.get("payload_json") or "{}")))  # as judged: "(unauthenticated)", "ci for alice"
+        tip = (f"{et} {r['release_id']} at {r['occurred_at']}" + (f"\nby {actor}" if actor else "")
                + (f"\nto {r['to_environment']}" if r.get("to_environment") else "") + (f"\ntarget {r['target']}" if r.get("target") else "")
                + (f"\n{r['reason']}" if r.get("reason") else ""))
         attrs = {"event-type": et, "release": r["release_id"], "time": r["occurred_at"], "lane": "releases"}

@@ -42,11 +42,12 @@ docs/store.md for the measurement behind the default.
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from schemas.release import ENDING_EVENTS, LIFECYCLE_EVENTS
+from schemas.release import ENDING_EVENTS, LIFECYCLE_EVENTS, actor_text, decision_actor
 from sinks.migrations import table_name
 
 DEFAULT_WINDOW = timedelta(hours=2)
@@ -62,7 +63,7 @@ KEYS = {
     "gpu_allocations": ("node", "gpu_id", "started_at", "allocation_id"),
 }
 RELEASE_COLS = ("release_id", "occurred_at", "correlation_id", "version", "event_type", *MANIFEST_FIELDS, "actor", "approval_id",
-                "reason", "to_environment", "superseded_release_id", "target", "expires_at", "release_state", "summary")
+                "reason", "to_environment", "superseded_release_id", "target", "expires_at", "release_state", "summary", "payload_json")
 WORKLOAD_COLS = ("workload_id", "occurred_at", "correlation_id", "version", "event_type", "release_id", "namespace", "pod", "pod_uid",
                  "node", "queue", "cluster_queue", "priority_class", "priority", "reason", "message", "object_kind", "preemptor_kind",
                  "preemptor_namespace", "preemptor_name", "preemptor_uid", "victim_kind", "victim_namespace", "victim_name", "summary")
@@ -520,9 +521,21 @@ def _release_section(rows: list[dict], release_id: str, gaps: list[str]) -> dict
     lifecycle = [{k: r[k] for k in ("occurred_at", "event_type", "actor", "approval_id", "to_environment", "reason",
                                     "superseded_release_id", "target", "summary", "correlation_id") if r.get(k) not in (None, "")}
                  for r in rows]
-    approvals = [{k: r[k] for k in ("occurred_at", "actor", "approval_id") if r.get(k)} for r in rows if r["event_type"] == "release.approved"]
-    promotions = [{k: r[k] for k in ("occurred_at", "to_environment", "actor", "approval_id") if r.get(k)}
-                  for r in rows if r["event_type"] == "release.promoted"]
+    def decided(r: dict, keys: tuple[str, ...]) -> dict:
+        # The actor as the controls judged it ("alice (unauthenticated)", "ci for alice"), not
+        # the bare name the payload carries: a typed "user:alice" and alice's proven approval
+        # read the same (the audit's evidence says it the same way), and a delegation's person was lost.
+        p = json.loads(r.get("payload_json") or "{}")
+        out = {k: r[k] for k in keys if r.get(k)}
+        actor = actor_text(decision_actor(p))
+        if actor:
+            out["actor"] = actor
+        if p.get("authenticated_by"):
+            out["authenticated_by"] = p["authenticated_by"]
+        return out
+
+    approvals = [decided(r, ("occurred_at", "approval_id")) for r in rows if r["event_type"] == "release.approved"]
+    promotions = [decided(r, ("occurred_at", "to_environment", "approval_id")) for r in rows if r["event_type"] == "release.promoted"]
     if not rows:
         gaps.append(f"release {release_id}: no lifecycle event in the store (never registered with gpuledger, or after --at)")
     else:

@@ -177,6 +177,6 @@ def tree_text(tree: Tree, width: int = 140) -> str:
     """A rich Tree (the CLI's trace) as plain text."""
     from rich.console import Console
 
-    console = Console(file=io.StringIO(), width=width, record=True, color_system=None, force_terminal=False)
+    console = Console(file=io.StringIO(), width=width, record=True, color_system=None, force_terminal=False, emoji=False)
     console.print(tree)
     return console.export_text()

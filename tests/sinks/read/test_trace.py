@@ -62,7 +62,8 @@ def test_the_chain_links_alert_release_workload_pods_gpus_and_neighbours(store):
     rel = result["release"]
     assert rel["release_id"] == inc.R7 and rel["state"] == "release.promoted"
     assert {f: rel[f] for f in inc.MANIFEST7} == inc.MANIFEST7
-    assert rel["approvals"] == [{"occurred_at": "2026-11-30T12:10:00.000Z", "actor": "alice", "approval_id": "CHG-1042"}]
+    # (the incident's events carry no authenticated_by: typed names, said so)
+    assert rel["approvals"] == [{"occurred_at": "2026-11-30T12:10:00.000Z", "actor": "alice (unauthenticated)", "approval_id": "CHG-1042"}]
     assert [p["to_environment"] for p in rel["promotions"]] == ["prod"]
     assert [e["event_type"] for e in rel["lifecycle"]] == ["release.registered", "release.evaluated", "release.approved", "release.promoted"]
 
@@ -295,6 +296,63 @@ def test_at_before_the_rollback_shows_the_pre_rollback_state(store):
     early = trace(reader, db, "release", inc.R7, at=inc.T0 + timedelta(minutes=12))
     assert early["release"]["state"] == "release.approved" and early["workloads"] == []
     assert any("no workload attributed" in g for g in early["gaps"])
+
+
+def test_approvals_and_promotions_say_whether_their_actor_was_proven(clickhouse_client):
+    """From an exploratory review: alice's approval proven by her token and one whose body only
+    claimed to be hers (no credential) were two identical lines "user:alice" under approvals —
+    only the lifecycle's summary marked the second — and a promotion by CI for alice said only
+    "by service:ci-gitlab". They read as the controls judge them: "(unauthenticated)", "for"."""
+    import asyncio
+
+    from sinks.agents import SinkWriters
+    from sinks.read.report import trace_report
+    from sinks.read.tree import render_tree, tree_text
+
+    db = inc.load_store(clickhouse_client)
+    t = inc.T0 + timedelta(minutes=11)
+    ident = {"release_id": inc.R7, **inc.MANIFEST7}
+    rows = [inc._ce("release", "release.approved", t, ident, {"actor": "user:alice", "authenticated_by": "token", "approval_id": "C1"},
+                    attribution="release_event", key="proven"),
+            inc._ce("release", "release.approved", t + timedelta(seconds=1), ident,
+                    {"actor": "user:alice", "approval_id": "C2", "actor_groups": ["release-managers"]}, attribution="release_event", key="typed"),
+            inc._ce("release", "release.promoted", t + timedelta(seconds=2), ident,
+                    {"actor": "service:ci-gitlab", "on_behalf_of": "user:alice", "authenticated_by": "oidc", "to_environment": "prod"},
+                    attribution="release_event", key="delegated")]
+    asyncio.run(SinkWriters(clickhouse_client, db).store_correlated(rows))
+    reader = DirectReader(clickhouse_client)
+    rel = trace(reader, db, "release", inc.R7)["release"]
+    approvals = {a["approval_id"]: a for a in rel["approvals"]}
+    assert (approvals["C1"]["actor"], approvals["C1"]["authenticated_by"]) == ("user:alice", "token")
+    assert approvals["C2"]["actor"] == "user:alice (unauthenticated)" and "authenticated_by" not in approvals["C2"]
+    [promo] = [p for p in rel["promotions"] if p["occurred_at"] == "2026-11-30T12:11:02.000Z"]
+    assert (promo["actor"], promo["authenticated_by"]) == ("service:ci-gitlab for user:alice", "oidc")
+    text = tree_text(render_tree(trace(reader, db, "release", inc.R7)), width=250)
+    assert "2026-11-30T12:11:00.000Z  user:alice  C1" in text and "2026-11-30T12:11:01.000Z  user:alice (unauthenticated)  C2" in text, text
+    assert "→ prod by service:ci-gitlab for user:alice" in text, text
+    html = trace_report(reader, db, trace(reader, db, "release", inc.R7))
+    assert "user:alice (unauthenticated)" in html and "service:ci-gitlab for user:alice" in html
+
+
+def test_an_identity_with_colons_prints_as_it_is_not_as_an_emoji(clickhouse_client):
+    """From an exploratory review: rich replaced ``:name:`` codes with emoji in printed text — an
+    OIDC identity ``user:x:y`` printed as "user❌y", a release ``fraud:lock:7`` as "fraud🔒7"."""
+    from gpuledger.cli._common import console, err
+
+    db = inc.load_store(clickhouse_client)
+    rid = "fraud:lock:7"
+    import asyncio
+
+    from sinks.agents import SinkWriters
+    row = inc._ce("release", "release.approved", inc.T0, {"release_id": rid, **inc.MANIFEST7},
+                  {"actor": "user:x:y", "authenticated_by": "oidc", "approval_id": "C:smile:1"}, attribution="release_event", key="emoji")
+    asyncio.run(SinkWriters(clickhouse_client, db).store_correlated([row]))
+    from sinks.read.tree import render_tree, tree_text
+
+    text = tree_text(render_tree(trace(DirectReader(clickhouse_client), db, "release", rid)), width=250)
+    assert f"release {rid}" in text and "user:x:y  C:smile:1" in text, text
+    assert "❌" not in text and "🔒" not in text and "😄" not in text
+    assert console._emoji is False and err._emoji is False
 
 
 def test_at_shows_the_release_environment_of_that_time_not_the_one_known_now(clickhouse_client):
