@@ -59,10 +59,17 @@ def store(clickhouse_client):
                           identity=Identity(release_id=inc.R6, node="node-a", gpu_id=inc.GPU_A), evidence=("e1", "e2"),
                           owner="team-risk", opened_at=inc.T0 + timedelta(minutes=30), detail="retired release still holds a GPU")
 
+    # A violation withdrawn (docs/controls.md: re-emitted closed at its opening, "withdrawn: …"):
+    # readers skip it — the Violations panels showed it (exploratory review).
+    withdrawn = Violation(violation_id="v-2", version=1, control_id=6, title="Alert without a release", severity="warning",
+                          identity=Identity(node="node-a", gpu_id=inc.GPU_A), evidence=("e3",), owner="team-risk",
+                          opened_at=inc.T0 + timedelta(minutes=40), closed_at=inc.T0 + timedelta(minutes=40),
+                          detail="withdrawn: alert LateModel joined a release that arrived late")
+
     async def go():
         await writers.store_correlated(inc.correlated_rows())
         await writers.store_allocations(inc.allocation_rows())
-        await writers.store_violations([violation])
+        await writers.store_violations([violation, withdrawn])
     asyncio.run(go())
     return clickhouse_client, db
 
@@ -105,4 +112,6 @@ def test_the_panels_say_what_happened(store):
     peak = max(r["gpus"] for r in series if r["release"] == inc.R7)
     assert peak == 1  # one pod at a time: preempted on node-a, then re-admitted on node-b
     violations = run_readonly(client, substitute(by_title["panel Violations"], db)).dicts()
-    assert [(v["control_id"], v["release_id"]) for v in violations] == [(8, inc.R6)]
+    assert [(v["control_id"], v["release_id"]) for v in violations] == [(8, inc.R6)]  # not the withdrawn one
+    opened = run_readonly(client, substitute(by_title["panel Violations opened by control"], db)).dicts()
+    assert [(r["control"], r["violations"]) for r in opened] == [("control 8: Retirement", 1)]
