@@ -36,7 +36,7 @@ class CorrelatedEvent(Frozen):
     occurred_at: UtcDatetime = Field(description="Input event time.")
     attribution: Attribution = Field(description="How the release was resolved.")
     identity: Identity = Field(description="Resolved identity block.")
-    release_state: str | None = Field(default=None, description="Latest lifecycle event type of the release at correlation.")
+    release_state: str | None = Field(default=None, description="The release's latest event type of any kind (lifecycle, reservation or admin action) as of the row's event.")
     summary: str = Field(default="", description="One-line human summary of the input event.")
     source_topic: str = Field(description="Kafka topic the input came from.")
     source_partition: int = Field(ge=0, description="Kafka partition of the input.")

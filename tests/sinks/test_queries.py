@@ -92,8 +92,14 @@ def test_model_releases(store):
     rows = run(store, "model_releases.sql", model="fraud-scorer", version="7", at=AT)
     assert [(r["release_id"], r["state"], r["environment"]) for r in rows] == [
         (inc.R7, "release.promoted", "prod"), (inc.R7_STAGING, "release.promoted", "staging")]
-    assert [r["release_id"] for r in run(store, "model_releases.sql", model="fraud-scorer", version="", at=None)] == [
-        inc.R7, inc.R7_STAGING, inc.R6]
+    # Now: v7 was rolled back (ended), restoring v6 — the rollback is v6's latest activity; but v7's
+    # pod still holds node-b's GPU, so v7 comes first, as `gpuledger trace --model fraud-scorer` has it.
+    now = run(store, "model_releases.sql", model="fraud-scorer", version="", at=None)
+    assert [(r["release_id"], r["lifecycle_state"], r["holding_gpus"]) for r in now] == [
+        (inc.R7, "release.rolled_back", 1), (inc.R6, "release.promoted", 0), (inc.R7_STAGING, "release.promoted", 0)]
+    from sinks.read.trace import trace
+    reader, db = store
+    assert trace(reader, db, "model", "fraud-scorer")["entry"]["root"] == {"kind": "release", "id": now[0]["release_id"]}
 
 
 def test_node_scheduler_events(store):
