@@ -565,10 +565,11 @@ def _artifact_digests(rows: list[dict], found: Findings, ctx: Context, key: str)
     ivs = intervals(rows)
 
     def interval_end(at: datetime):
+        """The end (time, row) of the running interval holding ``at``; None outside every one."""
         for s, e, _sr, er in ivs:
             if s <= at and (e is None or at < e):
                 return e, er
-        return at, None
+        return None
 
     segment = None  # [first row, end of its interval, end row, evidence, manifest digest, rid]
 
@@ -590,8 +591,13 @@ def _artifact_digests(rows: list[dict], found: Findings, ctx: Context, key: str)
             continue
         mismatch = want not in row["p"]["image_digests"]
         if mismatch and segment is None:
-            end, end_row = interval_end(at)
-            segment = [row, end, end_row, [row["id"]], want, rid]
+            # A row outside the pod's running intervals (queued before it, its stop, anything
+            # after) runs nothing: it opened a violation closed at its own time — one more per
+            # such row of a pod that ran the wrong image (exploratory review).
+            held = interval_end(at)
+            if held is None:
+                continue
+            segment = [row, *held, [row["id"]], want, rid]
         elif mismatch:
             segment[3].append(row["id"])
         elif segment is not None:

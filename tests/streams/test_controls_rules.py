@@ -187,6 +187,16 @@ def test_artifact_mismatch_opens_then_closes_when_the_pod_ends():
     assert (v.opened_at, v.closed_at) == (at(10), at(25))
 
 
+def test_rows_of_a_stopped_pod_that_still_name_its_images_open_nothing_more():
+    """From an exploratory review: the pod's stop (and anything after it) carrying the wrong image
+    opened further control 3 violations, each opened and closed at the stop — three for one
+    pod. A row outside the pod's running intervals is not running anything."""
+    events = [*released(), sched("scheduler.queued", 9, release_id="r1", digest=D2), sched("scheduler.running", 10, release_id="r1", digest=D2),
+              sched("scheduler.finished", 25, release_id="r1", digest=D2), sched("scheduler.deleted", 26, release_id="r1", digest=D2)]
+    v = one(run(events), 3)
+    assert (v.opened_at, v.closed_at) == (at(10), at(25))
+
+
 # --- 4. Priority and preemption -----------------------------------------------------------------
 
 KUEUE = dict(kind="Workload", workload="risk/scorer", ns="risk")
