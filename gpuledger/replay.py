@@ -110,6 +110,7 @@ class ReplayPlan:
     since: datetime | None
     until: datetime | None
     resume: bool
+    topic_prefix: str = ""  # the raw topics' prefix (GPULEDGER_KAFKA_TOPIC_PREFIX): a resume must read the same ones
 
     @property
     def log_path(self) -> Path:
@@ -119,9 +120,12 @@ class ReplayPlan:
         """Record the plan beside the log (``replay.json``), so ``--resume`` replays the same range."""
         path = self.work_dir / "replay.json"
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"app_id": self.app_id, "into": redact(self.into), "database": self.database,
-                                    "from": _iso(self.since) if self.since else None, "to": _iso(self.until) if self.until else None}, indent=2))
+        path.write_text(json.dumps(self.record(), indent=2))
         return path
+
+    def record(self) -> dict:
+        return {"app_id": self.app_id, "into": redact(self.into), "database": self.database, "topic_prefix": self.topic_prefix,
+                "from": _iso(self.since) if self.since else None, "to": _iso(self.until) if self.until else None}
 
     @staticmethod
     def recorded(work_dir: Path) -> dict | None:
@@ -134,7 +138,7 @@ class ReplayPlan:
     def range_text(self) -> str:
         if not (self.since or self.until):
             return "every event"
-        return f"events with occurred_at in [{_iso(self.since) if self.since else '-∞'}, {_iso(self.until) if self.until else '+∞'})"
+        return f"events with occurred_at in [{_iso(self.since) if self.since else '-∞'}, {_iso(self.until) if self.until else '+∞'}]"
 
 
 def _iso(value: datetime) -> str:
@@ -151,9 +155,11 @@ def refusals(plan: ReplayPlan, settings) -> list[str]:
         problems.append(f"--resume: no record of replay {plan.app_id} at {plan.work_dir / 'replay.json'} — pass the --work-dir "
                         "it ran with (the interrupted run printed its resume command), or start a new replay without --resume")
     if before:
-        now = {"app_id": plan.app_id, "into": redact(plan.into), "database": plan.database,
-               "from": _iso(plan.since) if plan.since else None, "to": _iso(plan.until) if plan.until else None}
-        for key, value in now.items():
+        # (the topic prefix too: a resume from a shell without GPULEDGER_KAFKA_TOPIC_PREFIX read the default
+        # topics into the sandbox, exit 0 — two histories mixed; a record older than it has none to compare)
+        for key, value in plan.record().items():
+            if key == "topic_prefix" and key not in before:
+                continue
             if before.get(key) != value:
                 problems.append(f"--resume: {key} is {value}, but replay {plan.app_id} ran with {before.get(key)} "
                                 f"({plan.work_dir / 'replay.json'})")
@@ -188,6 +194,13 @@ def refusals(plan: ReplayPlan, settings) -> list[str]:
 #: replay making progress in between (``_replay_with``).
 CHILD_RESTARTS_FATAL = 3
 
+#: A replay gives up when its sink's writes into the sandbox have been failing (the sink's health
+#: ``problems``) this long without the replay making progress: a sandbox that cannot be written
+#: (a database the server refuses to create, a read-only path) is retried by the sink for ever —
+#: a live worker must hold its batch through a store outage — and the replay sat at 0, degraded,
+#: until its ``--timeout`` (none by default) said only "not caught up".
+STORE_FAILING_FATAL_S = 60.0
+
 #: The suffixes of a worker's stage consumer groups (``streams.progress.worker_groups``).
 STAGE_GROUP_SUFFIXES = (".route", ".controls", ".sinks")
 
@@ -210,6 +223,25 @@ def sandbox_in_use(dsn: str, database: str) -> str | None:
         rows = client.query("SELECT sum(total_rows) FROM system.tables WHERE database = {db:String}", parameters={"db": database}).result_rows
         held = int(rows[0][0] or 0)
         return f"database {database} holds {held} row(s)" if held else None
+    finally:
+        client.close()
+
+
+def finish_sandbox(plan: ReplayPlan, cluster: str | None = None) -> None:
+    """After the worker stopped: the sandbox made a store the readers open — migrated even when
+    nothing in the range was stored (the sink never created it, and `audit` on it said "no
+    embedded store", exit 3, where an empty range is NO EVENTS, exit 4) — and marked with the
+    range it holds (``sinks.read.replayed``: `audit` and `trace` say it is a replay of that range)."""
+    from sinks.clickhouse import connect
+    from sinks.migrations import migrate
+    from sinks.read.replayed import TABLE, create_statement
+
+    client = connect(plan.into, plan.database)
+    try:
+        migrate(client, plan.database, cluster, embedded=is_embedded(plan.into))
+        client.command(create_statement(plan.database))
+        client.command(f"TRUNCATE TABLE `{plan.database}`.{TABLE}")  # one replay per sandbox (a resume: the same range again)
+        client.insert(f"{plan.database}.{TABLE}", [[plan.app_id, plan.since, plan.until]], column_names=["app_id", "range_from", "range_to"])
     finally:
         client.close()
 
@@ -283,7 +315,11 @@ def _replay_with(progress, plan: ReplayPlan, settings, console: Console, timeout
         if in_use:
             raise ReplayRefused(f"the sandbox {redact(plan.into)} is not empty ({in_use}): replay into an empty one "
                                 "(or pass --resume with the --app-id of the replay that filled it)")
-    plan.save()
+    try:
+        plan.save()
+    except OSError as exc:
+        raise ReplayRefused(f"--work-dir {plan.work_dir}: the replay's record (replay.json) and worker state cannot be written there: "
+                            f"{exc.strerror or exc}") from exc
     port = free_port()
     env = {
         "GPULEDGER_KAFKA_BOOTSTRAP": resolve_bootstrap(settings),  # the child's data dir has no record of the local broker
@@ -306,6 +342,7 @@ def _replay_with(progress, plan: ReplayPlan, settings, console: Console, timeout
     # then over hours is not failing).
     restarts_at_progress: dict[str, int] = {}
     progress_seen: list[int] = []
+    store_failing_since: list[float] = []  # when the sink's writes were first seen failing since the last progress
 
     def health() -> dict | None:
         if not service.alive():
@@ -320,6 +357,15 @@ def _replay_with(progress, plan: ReplayPlan, settings, console: Console, timeout
         if failing:
             said = ", ".join(f"{name} restarted {page['restarts']} times (last exit {page.get('last_exit')})" for name, page in failing.items())
             raise ReplayError(f"the replay worker's {said} (log {plan.log_path}):\n{service.log_tail()}")
+        sink = (answer or {}).get("sink")
+        problems = sink.get("problems") if isinstance(sink, dict) else None
+        if not problems:
+            store_failing_since.clear()
+        else:
+            store_failing_since[:] = store_failing_since or [time.monotonic()]
+            if time.monotonic() - store_failing_since[0] >= STORE_FAILING_FATAL_S:
+                raise ReplayError(f"the sandbox {redact(plan.into)} (database {plan.database}) cannot be written — "
+                                  + "; ".join(problems) + f" (log {plan.log_path})")
         return answer
 
     console.print(f"replay [bold]{plan.app_id}[/]: {progress.total} events on the raw topics ({escape(plan.range_text())}) "
@@ -332,8 +378,9 @@ def _replay_with(progress, plan: ReplayPlan, settings, console: Console, timeout
 
     def show(look) -> None:
         first_done[:] = first_done or [look.done]
-        if progress_seen != [look.done]:  # progress: count the stages' restarts from here
+        if progress_seen != [look.done]:  # progress: count the stages' restarts (and the store's failing) from here
             progress_seen[:] = [look.done]
+            store_failing_since.clear()
             restarts_at_progress.update({name: page.get("restarts") or 0 for name in ("route", "controls", "sink")
                                          if isinstance(page := last.get(name), dict)})
         state = ("worker starting" if look.status is None else
@@ -354,6 +401,7 @@ def _replay_with(progress, plan: ReplayPlan, settings, console: Console, timeout
         raise
     elapsed = time.monotonic() - started
     code = service.stop(grace=60)
+    finish_sandbox(plan, settings.clickhouse.cluster)
     rows = table_rows(plan.into, plan.database, settings.clickhouse.cluster)
     return ReplayResult(look.done, look.done - first_done[0], last, rows, elapsed, code)
 
@@ -372,5 +420,9 @@ def print_summary(plan: ReplayPlan, result: ReplayResult) -> None:
     if result.worker_exit not in (0, None):
         print(f"warning: the worker exited with {result.worker_exit} after catching up (log {plan.log_path})")
     print(f"worker log: {plan.log_path}")
+    if not stats.get("routed", 0) and not resumed:
+        print(f"nothing in the range: no event of the raw topics occurred in {plan.range_text().removeprefix('events with occurred_at in ')} — "
+              "the sandbox is an empty store (an audit of it says NO EVENTS)")
+        return
     print(f"query it: GPULEDGER_CLICKHOUSE_DSN={redact(plan.into)} GPULEDGER_CLICKHOUSE_DATABASE={plan.database} "
           "gpuledger trace --alert FP --at T  (or: gpuledger audit --from T --to T)")

@@ -136,12 +136,15 @@ class ClickHouseSettings(BaseSettings):
     @field_validator("dsn")
     @classmethod
     def _scheme(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("chdb://", "http://", "https://")):
-            raise ValueError(f"dsn must start with chdb://, http:// or https://, got {value.split(':', 1)[0]!r}")
+        from sinks.clickhouse import dsn_problem
+
+        if value is not None and (problem := dsn_problem(value)):
+            raise ValueError(f"dsn {problem}")
         return value
 
     def resolved_dsn(self, data_dir: Path) -> str:
-        return self.dsn or f"chdb://{data_dir / 'clickhouse'}"
+        # (absolute: a relative GPULEDGER_DATA_DIR made chdb://data/clickhouse, a host "data": dsn_problem)
+        return self.dsn or f"chdb://{Path(data_dir).resolve() / 'clickhouse'}"
 
 
 class StreamsSettings(BaseSettings):
@@ -168,7 +171,7 @@ class StreamsSettings(BaseSettings):
                               description="Fault injection for the crash tests: 'STAGE:POINT:N' ends the process at once (as kill -9 would) the Nth time STAGE (route, correlate, controls) reaches POINT in a batch or an epoch commit: before_outputs (state folded, nothing produced), during_outputs (produced, not acknowledged), after_outputs (the commit's outputs acknowledged, state not written; the route stage's: offsets not committed), after_changelog (state written, input not acked). A route fault ends the route process alone (the worker restarts it, without the fault).")
     verify_journal: bool = Field(default=False, description="For gpuledger's own tests: the entity store looks at every sealed chunk of a state at every write as well, and fails a write whose chunk changed without its journal noting it (`streams.store.VERIFY_JOURNAL`). Costs what the journal saves.")
     replay_from: datetime | None = Field(default=None, description="Start of the event-time range (occurred_at, inclusive; no zone means UTC) this run processes: the route stage and the raw sink skip earlier events (`gpuledger replay --from`). The release directory reads every release regardless. Unset: no lower bound.")
-    replay_to: datetime | None = Field(default=None, description="End of that range (exclusive): later events are skipped (`gpuledger replay --to`). Unset: no upper bound.")
+    replay_to: datetime | None = Field(default=None, description="End of that range (inclusive, as `gpuledger audit --to` and `trace --at`): later events are skipped (`gpuledger replay --to`). Unset: no upper bound.")
 
     @field_validator("replay_from", "replay_to", mode="before")
     @classmethod
@@ -183,8 +186,10 @@ class StreamsSettings(BaseSettings):
         return self
 
     def in_range(self, occurred_at: datetime) -> bool:
-        """Whether an event time lies in [replay_from, replay_to) (always true without a range)."""
-        return (self.replay_from is None or occurred_at >= self.replay_from) and (self.replay_to is None or occurred_at < self.replay_to)
+        """Whether an event time lies in [replay_from, replay_to] (always true without a range). Closed, as the
+        audit's range and ``trace --at`` are: a replay of [A, B) then an audit of [A, B] (the same bounds)
+        judged the events at B — Kubernetes times are whole seconds, many sit on a round bound — without them."""
+        return (self.replay_from is None or occurred_at >= self.replay_from) and (self.replay_to is None or occurred_at <= self.replay_to)
 
 
 class TelemetrySettings(BaseSettings):

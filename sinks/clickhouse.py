@@ -100,6 +100,25 @@ def is_embedded(dsn: str) -> bool:
     return dsn.startswith("chdb:")
 
 
+def dsn_problem(dsn: str) -> str | None:
+    """What is wrong with a store DSN's form (None: nothing), before anything connects.
+
+    A chDB DSN is ``chdb://`` and an absolute path — three slashes. ``chdb://tmp/sb`` read as a
+    host ``tmp`` with the path ``/sb`` to clickhouse-connect and as the relative path ``tmp/sb``
+    here (``chdb_path``): the sink then retried "database does not exist" for ever and a replay
+    into it sat at 0 events, saying nothing (exploratory review)."""
+    if not dsn.startswith(("chdb://", "http://", "https://")):
+        return f"must be chdb:///absolute/path or http(s)://host:port, got {dsn.split(':', 1)[0]!r}"
+    if dsn.startswith("chdb://"):
+        parts = urlsplit(dsn)
+        if parts.netloc:
+            return (f"{dsn!r}: a chdb DSN is chdb:// followed by an absolute path (three slashes, chdb:///dir); this one reads "
+                    f"as a host {parts.netloc!r} — did you mean chdb://{Path(parts.netloc + parts.path).resolve()}?")
+        if not parts.path.strip("/"):
+            return f"{dsn!r}: no directory after chdb://"
+    return None
+
+
 def chdb_path(dsn: str) -> str:
     """Filesystem path of a chdb:///path DSN."""
     parts = urlsplit(dsn)

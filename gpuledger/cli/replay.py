@@ -19,7 +19,7 @@ from gpuledger.cli._common import BootstrapOpt, err, fail, load_settings
 def replay(
     into: str = typer.Option(..., "--into", help="The sandbox store: chdb:///path or http(s)://… (never the live store)."),
     start: Optional[str] = typer.Option(None, "--from", help="Replay events that occurred at or after this time: RFC 3339 (no zone means UTC) or a duration before now (2h, 30m, 1d, 1h30m)."),
-    end: Optional[str] = typer.Option(None, "--to", help="...and before this time (same forms)."),
+    end: Optional[str] = typer.Option(None, "--to", help="...and at or before this time (same forms; the range is closed, as audit's --from/--to)."),
     app_id: Optional[str] = typer.Option(None, "--app-id", help="The replay's app id = consumer group and run topics. Default: replay-<UTC timestamp>."),
     resume: bool = typer.Option(False, "--resume", help="Continue the replay of --app-id (its group has committed offsets; its range is reused) instead of refusing."),
     database: Optional[str] = typer.Option(None, "--database", help="Database in the sandbox (default: GPULEDGER_CLICKHOUSE_DATABASE)."),
@@ -39,8 +39,12 @@ def replay(
     now = datetime.now(timezone.utc)
     if resume and not app_id:
         fail("--resume needs the --app-id of the replay to continue", 2)
-    if not into.startswith(("chdb://", "http://", "https://")):
-        fail(f"--into must be chdb:///path or http(s)://…, got {into!r}", 2)
+    from sinks.clickhouse import chdb_path, dsn_problem, is_embedded
+
+    if (problem := dsn_problem(into)):
+        fail(f"--into {problem}", 2)
+    if is_embedded(into) and Path(chdb_path(into)).exists() and not Path(chdb_path(into)).is_dir():
+        fail(f"--into {into}: {chdb_path(into)} is a file, not a directory for the sandbox store", 2)
     app_id = app_id or default_app_id(now)
     work_dir = work_dir or settings.data_dir / "replays" / app_id
     before = ReplayPlan.recorded(work_dir) if resume else None
@@ -51,7 +55,7 @@ def replay(
         fail(str(exc), 2)
     if before and not (start or end):  # resuming: the range the replay started with ("2h" meant then, not now)
         since, until = (parse_time(before[k], f"{work_dir / 'replay.json'}: {k}") if before.get(k) else None for k in ("from", "to"))
-    plan = ReplayPlan(app_id, into, database or settings.clickhouse.database, work_dir, since, until, resume)
+    plan = ReplayPlan(app_id, into, database or settings.clickhouse.database, work_dir, since, until, resume, settings.kafka.topic_prefix)
     problems = refusals(plan, settings)
     if problems:
         fail("refusing to replay:\n  " + "\n  ".join(problems), 2)

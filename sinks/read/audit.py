@@ -40,6 +40,7 @@ from gpuledger.timefmt import TimeFormatError, format_duration, parse_duration, 
 from sinks.correlated import IDENTITY_FIELDS
 from schemas.release import actor_text, decision_actor
 from sinks.migrations import table_name
+from sinks.read.replayed import note as replay_note
 from sinks.read.pages import render_page
 from sinks.read.text import markup
 from sinks.read.trace import Store, ch_time, parse_instant, time_before
@@ -112,14 +113,19 @@ def load_history(reader, database: str, start: datetime, end: datetime, lookback
                             "identity": {k: a[k] for k in ("release_id", "workload_id") if a.get(k)},
                             "started_at": a["started_at"], "ended_at": None if held_at_end else a["ended_at"],
                             "start_event_id": a["start_event_id"], "end_event_id": None if held_at_end else (a.get("end_event_id") or None)})
-    count_sql = (f"SELECT count() AS n FROM {{db:Identifier}}.{table_name('correlated_events', cluster)} "
+    # Each row once: its versions share its occurred_at, and counted without FINAL they made two stores
+    # with identical tables say 67, 70 and 77 events (exploratory review).
+    count_sql = (f"SELECT uniqExact(correlation_id) AS n FROM {{db:Identifier}}.{table_name('correlated_events', cluster)} "
                  f"WHERE occurred_at >= {{from:DateTime64(3)}} AND occurred_at <= {{to:DateTime64(3)}}")
     events = int(reader.query(count_sql, {"db": database, **params}).dicts()[0]["n"])
     recorded_sql = (f"SELECT {', '.join(VIOLATION_READ)} FROM {{db:Identifier}}.{table_name('violations', cluster)} FINAL "
                     f"WHERE opened_at <= {{to:DateTime64(3)}} AND (closed_at IS NULL OR closed_at >= {{from:DateTime64(3)}}) "
                     f"ORDER BY control_id, opened_at, violation_id LIMIT {MAX_ROWS}")
     recorded = [_stored_violation(r) for r in reader.query(recorded_sql, {"db": database, **params}).dicts() if not is_withdrawn(r)]
-    return {"rows": rows, "allocations": allocations, "recorded": recorded, "events_in_range": events, "truncated": sorted(store.truncated)}
+    from sinks.read.replayed import replayed
+
+    return {"rows": rows, "allocations": allocations, "recorded": recorded, "events_in_range": events, "truncated": sorted(store.truncated),
+            "replayed": replayed(reader, database, cluster)}
 
 
 def _stored_violation(r: dict) -> dict:
@@ -174,6 +180,7 @@ def build_report(history: dict, policy: Policy, start: datetime, end: datetime, 
         "violations": [_violation_row(v) for v in in_range],
         "evidence": sections,
         "truncated": history.get("truncated", []),
+        "notes": [replay_note(history["replayed"])] if history.get("replayed") else [],
     }
 
 
@@ -706,6 +713,8 @@ def render_table(report: dict, console) -> None:
     console.print(f"[bold]gpuledger audit[/] {report['range']['from']} → {report['range']['to']}  policy: {markup(report['policy'])} "
                   f"({report['policy_version']})", highlight=False)
     console.print(f"verdicts: {markup(report['verdicts'])}", highlight=False)
+    for text in report.get("notes", []):
+        console.print(f"[bold yellow]note:[/] {markup(text)}", highlight=False)
     summary = Table("control", "status", "violations", "open", "closed", "info", "exercised", "owner", "note", title="Controls")
     for c in report["controls"]:
         summary.add_row(f"{c['id']}. {c['title']}", f"[{STATUS_STYLE[c['status']]}]{c['status']}[/]", str(c["violations"]), str(c["open"]),

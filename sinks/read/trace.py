@@ -908,6 +908,10 @@ def trace(reader, database: str, kind: str, value: str, at: datetime | None = No
     if kind == "alert" and not focal:
         chain["gaps"].insert(0, f"no alert with fingerprint {value} in the store" + (" as of --at" if at else ""))
     chain["gaps"][:0] = resolver.notes
+    from sinks.read.replayed import note as replay_note, replayed
+
+    if (replay := replayed(reader, database, cluster)):
+        chain["gaps"].insert(0, replay_note(replay))
     chain["gaps"].extend(f"{t}: more than {ROW_LIMIT} rows matched; the chain shows the first {ROW_LIMIT} (narrow it with --at)"
                          for t in sorted(store.truncated))
     entry = {"kind": kind, "value": value, "at": norm_time(at) if at else None, "window": format_window(window),

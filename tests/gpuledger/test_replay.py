@@ -128,10 +128,10 @@ def test_a_range_replay_holds_only_the_range_and_attributes_to_earlier_releases(
     out = gpuledger(kafka_bootstrap, cat, tmp_path, "replay", "--into", sandbox, "--app-id", f"{cat.prefix}-range",
                     "--from", iso(FROM), "--to", iso(TO), "--timeout", "300", live_dsn=live[0].dsn)
     assert out.returncode == 0, out.stderr + out.stdout
-    in_range = [e for e in events if FROM <= e.occurred_at < TO]
+    in_range = [e for e in events if FROM <= e.occurred_at <= TO]  # closed: pod fp-30's scheduling sits on TO
     assert in_range and not any(e.event_type.startswith("release.") for e in in_range)
     assert f"{len(in_range)} in range, {len(events) - len(in_range)} out of range" in out.stdout
-    span = ("SELECT count() AS n, countIf(occurred_at >= toDateTime64('{f}', 3, 'UTC') AND occurred_at < toDateTime64('{t}', 3, 'UTC')) AS inside "
+    span = ("SELECT count() AS n, countIf(occurred_at >= toDateTime64('{f}', 3, 'UTC') AND occurred_at <= toDateTime64('{t}', 3, 'UTC')) AS inside "
             "FROM gpuledger.{table} FINAL")
     for table in ("correlated_events", "raw_events"):
         rows = sql(kafka_bootstrap, cat, tmp_path, sandbox, span.format(table=table, f=FROM.strftime("%F %T"), t=TO.strftime("%F %T")))
@@ -140,13 +140,23 @@ def test_a_range_replay_holds_only_the_range_and_attributes_to_earlier_releases(
     # (label or image digest): the release directory read the whole release topic.
     scheduled = sql(kafka_bootstrap, cat, tmp_path, sandbox,
                     "SELECT pod, release_id FROM gpuledger.correlated_events FINAL WHERE event_type = 'scheduler.scheduled'")
-    assert len(scheduled) == 20
+    assert len(scheduled) == 21  # fp-10 … fp-30: the one at --to is in the range
     assert all(r["release_id"] == f"fr-{int(r['pod'].split('-')[1]) % 6}" for r in scheduled), scheduled
     assert sql(kafka_bootstrap, cat, tmp_path, sandbox, "SELECT count() AS n FROM gpuledger.release_history FINAL") == [{"n": 0}]
     # the edge's dead letters: those refused in the range (the live store has both)
     letters = "SELECT error FROM gpuledger.dead_letters WHERE stage = 'receiver' ORDER BY error"
     assert sql(kafka_bootstrap, cat, tmp_path, sandbox, letters) == [{"error": "refused inside the range"}]
     assert sql(kafka_bootstrap, cat, tmp_path, live[0].dsn, letters) == [{"error": "refused before the range"}, {"error": "refused inside the range"}]
+    # The readers say what the sandbox is (exploratory review: an audit of the range there passed a
+    # control the live store fails — its violation opened before --from — and nothing said why).
+    said = f"this store is a replay (gpuledger replay, app id {cat.prefix}-range) of the events in [{iso(FROM).replace('Z', '.000Z')}, "
+    audit = gpuledger(kafka_bootstrap, cat, tmp_path, "audit", "--dsn", sandbox, "--from", iso(FROM), "--to", iso(TO), "--format", "json")
+    assert audit.returncode in (0, 1, 4), audit.stderr
+    assert [n for n in json.loads(audit.stdout)["notes"] if n.startswith(said)], audit.stdout
+    assert json.loads(gpuledger(kafka_bootstrap, cat, tmp_path, "audit", "--dsn", live[0].dsn, "--from", iso(FROM), "--to", iso(TO),
+                                "--format", "json").stdout)["notes"] == []
+    tree = gpuledger(kafka_bootstrap, cat, tmp_path, "trace", "--pod", "fleet/fp-12", "--dsn", sandbox)
+    assert tree.returncode == 0 and "this store is a replay" in tree.stdout, tree.stderr + tree.stdout
 
 
 def test_a_resumed_replay_waits_for_the_rows_its_recovered_state_parked(kafka_bootstrap, tmp_path):
@@ -210,6 +220,37 @@ def test_the_live_store_and_a_used_sandbox_are_refused(kafka_bootstrap, history,
     assert out.returncode == 2 and "is not before --to" in out.stderr, out.stderr
 
 
+def test_a_sandbox_dsn_of_the_wrong_form_or_a_file_and_an_unwritable_work_dir_are_refused(kafka_bootstrap, history, tmp_path):
+    """From an exploratory review: `chdb://tmp/sb` (two slashes) read as a host 'tmp' to
+    clickhouse-connect and as a relative path here; the sink retried "database does not exist"
+    for ever and the replay sat at 0/N saying nothing. A file as the sandbox did the same; an
+    unwritable --work-dir was a traceback."""
+    cat, _ = history
+    out = gpuledger(kafka_bootstrap, cat, tmp_path, "replay", "--into", "chdb://tmp/rr-sb/twoslash")
+    assert out.returncode == 2 and "three slashes" in out.stderr and "'tmp'" in out.stderr, out.stderr
+    (tmp_path / "afile").write_text("x")
+    out = gpuledger(kafka_bootstrap, cat, tmp_path, "replay", "--into", f"chdb://{tmp_path / 'afile'}")
+    assert out.returncode == 2 and "is a file" in out.stderr, out.stderr
+    out = gpuledger(kafka_bootstrap, cat, tmp_path, "replay", "--into", f"chdb://{tmp_path / 'sb'}", "--work-dir", "/proc/gpl-work",
+                    "--app-id", f"{cat.prefix}-nowork")
+    assert out.returncode == 2 and "--work-dir /proc/gpl-work" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    out = gpuledger(kafka_bootstrap, cat, tmp_path, "sql", "SELECT 1", "--format", "json",
+                    extra_env={"GPULEDGER_CLICKHOUSE_DSN": "chdb://data/clickhouse"})
+    assert out.returncode != 0 and "three slashes" in out.stderr, out.stderr
+
+
+def test_a_sandbox_the_sink_cannot_write_ends_the_replay_naming_why(kafka_bootstrap, history, tmp_path):
+    """A database the store refuses (its name): the sink retries its writes for ever, as a live
+    worker must through an outage — the replay sat at 0/N, degraded, with no default timeout.
+    It ends (exit 1) once the writes have failed STORE_FAILING_FATAL_S without progress, with the
+    store's error."""
+    cat, _ = history
+    out = gpuledger(kafka_bootstrap, cat, tmp_path, "replay", "--into", f"chdb://{tmp_path / 'sb'}", "--database", "pm`x",
+                    "--app-id", f"{cat.prefix}-baddb", timeout=300)
+    assert out.returncode == 1, out.stderr + out.stdout
+    assert "cannot be written" in out.stderr and "pm`x" in out.stderr, out.stderr
+
+
 def test_a_sandbox_that_cannot_be_created_ends_the_replay(kafka_bootstrap, history, tmp_path):
     """The sink could not create the sandbox (its parent is a file): it exited, was restarted
     every ~10 s, and the replay sat at 0 events for ever, saying nothing."""
@@ -230,9 +271,28 @@ def test_a_range_with_no_events_ends_with_a_summary_of_empty_tables(kafka_bootst
                     "--from", "2020-01-01T00:00:00Z", "--to", "2020-01-02T00:00:00Z", "--timeout", "300")
     assert out.returncode == 0, out.stderr + out.stdout
     assert "0 in range" in out.stdout and "gpuledger.correlated_events\t0 rows" in out.stdout, out.stdout
+    # said so, and the sandbox is an empty store: the audit says NO EVENTS (exit 4), not "no embedded store" (exit 3)
+    assert "nothing in the range" in out.stdout and "query it" not in out.stdout, out.stdout
+    audit = gpuledger(kafka_bootstrap, cat, tmp_path, "audit", "--dsn", sandbox, "--from", "2020-01-01T00:00:00Z", "--to", "2020-01-02T00:00:00Z")
+    assert audit.returncode == 4, audit.stderr + audit.stdout
 
 
 # --- the options, without a broker ------------------------------------------------------------
+
+def test_a_resume_reading_another_topic_set_is_refused(tmp_path):
+    """From an exploratory review: a resume from a shell without GPULEDGER_KAFKA_TOPIC_PREFIX read
+    the default topics into the sandbox, exit 0 — two histories mixed."""
+    from gpuledger.replay import ReplayPlan, refusals
+    from gpuledger.settings import KafkaSettings, Settings
+
+    first = ReplayPlan("pm-1", f"chdb://{tmp_path / 'sb'}", "gpuledger", tmp_path / "pm-1", None, None, False, "incident-topics")
+    first.save()
+    settings = Settings(data_dir=tmp_path, kafka=KafkaSettings(topic_prefix="gpuledger"))
+    again = ReplayPlan("pm-1", first.into, "gpuledger", first.work_dir, None, None, True, settings.kafka.topic_prefix)
+    assert refusals(again, settings) == [f"--resume: topic_prefix is gpuledger, but replay pm-1 ran with incident-topics ({first.work_dir / 'replay.json'})"]
+    same = ReplayPlan("pm-1", first.into, "gpuledger", first.work_dir, None, None, True, "incident-topics")
+    assert refusals(same, Settings(data_dir=tmp_path, kafka=KafkaSettings(topic_prefix="incident-topics"))) == []
+
 
 def test_what_a_replay_refuses_before_it_starts(tmp_path):
     """A resume with no record of the replay (another --work-dir: it replayed every event into a

@@ -279,3 +279,20 @@ def test_control_1_evidence_shows_the_policy_result_before_queue_entry(enforced_
     # Without enforcement the same workload says so.
     plain = {s["control"]: s for s in json.loads(audit(store, *RANGE, "--format", "json").output)["evidence"]}
     assert {r["workload"]: r for r in plain[1]["rows"]}[inc.W7]["policy_result"].startswith("no admission decision recorded")
+
+
+def test_events_in_range_count_each_row_once_whatever_its_versions(clickhouse_client, clickhouse_dsn, tmp_path):
+    """From an exploratory review: counted without FINAL, a row's superseded versions counted too —
+    a live store and its replay, with identical tables, said 67 and 70 events."""
+    import json
+
+    db = inc.load_store(clickhouse_client)
+    env = {"GPULEDGER_CLICKHOUSE_DSN": clickhouse_dsn, "GPULEDGER_CLICKHOUSE_DATABASE": db, "GPULEDGER_DATA_DIR": str(tmp_path)}
+    before = json.loads(audit(env, *RANGE, "--format", "json").output)["events_in_range"]
+    again = [row.model_copy(update={"version": row.version + 1}) for row in inc.correlated_rows()
+             if inc.T0 <= row.occurred_at <= inc.T0 + timedelta(hours=2)]
+    asyncio.run(SinkWriters(clickhouse_client, db).store_correlated(again))
+    assert again and json.loads(audit(env, *RANGE, "--format", "json").output)["events_in_range"] == before
+    count = clickhouse_client.query(f"SELECT uniqExact(correlation_id) FROM {db}.correlated_events WHERE occurred_at BETWEEN "
+                                    "'2026-11-30 11:00:00' AND '2026-11-30 14:00:00'").result_rows[0][0]
+    assert before == count > 0

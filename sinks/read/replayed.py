@@ -1,0 +1,52 @@
+"""The mark ``gpuledger replay`` leaves in its sandbox: the range it replayed.
+
+A sandbox of a range holds only what happened in it (docs/operations.md, Range semantics):
+violations opened before ``--from``, releases registered or approved before it, pods
+scheduled and GPUs assigned before it are not there — an audit of the range there passed a
+control the live store fails (its violation opened before ``--from``), and a trace named no
+holder of a GPU assigned earlier. The replay writes its range into ``replay_range`` (a table
+of its own, not a migration: only sandboxes have it); ``audit`` and ``trace`` read it and say
+what the store is, so nobody takes a sandbox's verdict for the live one's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sinks.migrations import table_name
+
+TABLE = "replay_range"
+
+
+def create_statement(database: str) -> str:
+    return (f"CREATE TABLE IF NOT EXISTS `{database}`.{TABLE} (app_id String, range_from Nullable(DateTime64(3, 'UTC')), "
+            "range_to Nullable(DateTime64(3, 'UTC')), replayed_at DateTime64(3, 'UTC') DEFAULT now64(3)) "
+            "ENGINE = MergeTree ORDER BY replayed_at")
+
+
+def replayed(reader, database: str, cluster: str | None = None) -> dict[str, Any] | None:
+    """The replay that built this store — app id, range (ISO times or None) — or None (not a sandbox)."""
+    exists = reader.query("SELECT count() AS n FROM system.tables WHERE database = {db:String} AND name = {t:String}",
+                          {"db": database, "t": TABLE}).dicts()
+    if not exists or not int(exists[0]["n"]):
+        return None
+    rows = reader.query(f"SELECT app_id, range_from, range_to FROM {{db:Identifier}}.{table_name(TABLE, None)} "
+                        "ORDER BY replayed_at DESC LIMIT 1", {"db": database}).dicts()
+    if not rows:
+        return None
+    from sinks.read.trace import norm_time
+
+    r = rows[0]
+    return {"app_id": r["app_id"], "from": norm_time(r["range_from"]) if r.get("range_from") else None,
+            "to": norm_time(r["range_to"]) if r.get("range_to") else None}
+
+
+def note(replay: dict[str, Any]) -> str:
+    """What a reader says about a sandbox."""
+    span = f"[{replay['from'] or '-∞'}, {replay['to'] or '+∞'}]"
+    if not replay["from"]:
+        return (f"this store is a replay (gpuledger replay, app id {replay['app_id']}) of the events up to {replay['to'] or 'its end'} "
+                f"— not the live store")
+    return (f"this store is a replay (gpuledger replay, app id {replay['app_id']}) of the events in {span}, not the live store: "
+            f"what happened before {replay['from']} — violations opened, releases registered or approved, pods scheduled, GPUs "
+            "assigned — is not in it, and a verdict or chain here can differ from the live store's (docs/operations.md, Range semantics)")
