@@ -21,8 +21,9 @@ into an allow that is only recorded (dry-run).
 
 Limits: control 1 only (approval), not control 2 (promotion); the environment is the stricter of
 the policy's namespace entry and the object's ``gpuledger.io/environment`` label
-(``Policy.workload_environment``), else it is unknown and approval is required (as control 1
-treats it).
+(``Policy.workload_environment``; a label the policy does not list reads as its strictest
+environment), else it is unknown and approval is required (as control 1 treats it). Mode and
+fail-closed are never laxer than the namespace entry's environment's.
 """
 
 from __future__ import annotations
@@ -213,13 +214,23 @@ def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: 
     version = policy_version or policy.fingerprint
     env = environment_of(subject, policy)
     rid = subject.identity.get("release_id")
+    # Mode and fail-closed: never laxer than the namespace's environment (Admission.mode_for).
     mode = policy.admission.mode_for(subject.namespace, env)
-    fail_closed = env in policy.admission.fail_closed
+    fail_closed = policy.admission.decided_fail_closed(subject.namespace, env)
     where = env or "an unknown environment"
     at_iso = now.isoformat()
     loaded = state is not None and state.ready.is_set()
 
+    labelled = subject.identity.get("environment")
+    if labelled and env and policy.environment(labelled) is None:
+        # Said once, after the rule's message: why the environment is not the one the label names.
+        unlisted = (f" (its gpuledger.io/environment label {labelled!r} names no environment of the policy: "
+                    f"decided as {env}, the strictest it lists)")
+    else:
+        unlisted = ""
+
     def done(outcome: str, rule: str, message: str, *, evidence=(), override: str | None = None, applies_mode: bool = True) -> Decision:
+        message += unlisted
         verdict: Verdict = "allow"
         if outcome == "deny":
             verdict = {"enforce": "deny", "warn": "warn", "dry-run": "allow"}[mode] if applies_mode else "deny"

@@ -192,6 +192,8 @@ class BusinessPriority(_Model):
 
 
 AdmissionMode = Literal["enforce", "warn", "dry-run"]
+#: Admission modes from the laxest to the strictest.
+MODE_STRICTNESS: tuple[AdmissionMode, ...] = ("dry-run", "warn", "enforce")
 AdmissionGate = Literal["webhook", "admission-check"]
 
 
@@ -215,8 +217,19 @@ class Admission(_Model):
         return self.namespaces.get(name or "") or NamespaceAdmission()
 
     def mode_for(self, namespace: str | None, environment: str | None) -> AdmissionMode:
+        """The namespace's own mode, else the stricter of the environment's and the namespace's
+        environment's: the namespace entry is a floor (a workload's label, which its creator
+        writes, made a prod namespace's work 'warn' by naming a later environment set to warn)."""
         ns = self.namespace(namespace)
-        return ns.mode or self.modes.get(environment or "", self.default_mode)
+        if ns.mode:
+            return ns.mode
+        envs = (environment, ns.environment) if ns.environment else (environment,)
+        return max((self.modes.get(env or "", self.default_mode) for env in envs), key=MODE_STRICTNESS.index)
+
+    def decided_fail_closed(self, namespace: str | None, environment: str | None) -> bool:
+        """Whether the workload is decided fail-closed: its environment or its namespace's is
+        (the namespace entry is a floor here too)."""
+        return any(env in self.fail_closed for env in (environment, self.namespace(namespace).environment) if env)
 
 
 def _default_environments() -> tuple[Environment, ...]:
@@ -307,19 +320,28 @@ class Policy(_Model):
     def workload_environment(self, namespace: str | None, labelled: str | None) -> str | None:
         """The environment a workload runs in: of its namespace's in the policy
         (``admission.namespaces.<ns>.environment``) and what its own ``gpuledger.io/environment``
-        label (or annotation) says, the stricter — the later in promotion order, an environment
-        the policy does not list counting as the strictest (it needs approval); either alone when
+        label (or annotation) says, the stricter — the later in promotion order; either alone when
         only one is known; None when neither is (unknown: needs approval).
 
         A workload's label is written by whoever creates the workload: ``gpuledger.io/environment:
         dev`` on a Job in a prod namespace made admission allow an unapproved release
-        ('approval-not-required') and control 1 skip it. It can still make the rules stricter."""
+        ('approval-not-required') and control 1 skip it. It can still make the rules stricter.
+
+        A label naming an environment the policy does not list (``production``, ``prd``) is read
+        as the strictest environment it does list (the last). It is a misspelling of a real one or
+        an attempt to get out of one; returned as it was, it picked no mode of its own (the
+        default: 'warn' in a prod namespace whose policy enforced prod), no fail-closed, no
+        promotion check (control 2), and a deny message that asked for an approval for an
+        environment nothing else knows. As the strictest listed environment it never loosens a
+        rule, and approvals, modes and fail-closed are a real environment's."""
         mapped = self.admission.namespace(namespace).environment
+        if labelled and self.environment(labelled) is None and self.environments:
+            labelled = self.environments[-1].name
         if not (mapped and labelled) or mapped == labelled:
             return mapped or labelled or None
         rank = {name: self.environment_rank(name) for name in (mapped, labelled)}
-        if rank[mapped] is None or rank[labelled] is None:
-            return mapped if rank[mapped] is None else labelled
+        if rank[mapped] is None:  # (a policy file cannot name one: reference_problems; a model built in code can)
+            return mapped
         return mapped if rank[mapped] >= rank[labelled] else labelled
 
     def environment_rank(self, name: str | None) -> int | None:

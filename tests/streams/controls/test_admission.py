@@ -9,7 +9,7 @@ import pytest
 from producers._config import GPU_RESOURCES, ResourceMatcher
 from producers.releases import COMMANDS, build_event
 from streams.controls.admission import RULES, AdmissionState, decide, subject_of
-from streams.controls.policy import Admission, NamespaceAdmission, Policy
+from streams.controls.policy import Admission, NamespaceAdmission, Policy, parse_policy
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
 NOW = T0 + timedelta(hours=1)
@@ -143,6 +143,40 @@ def test_a_workloads_own_label_cannot_move_it_out_of_its_namespaces_environment(
     lax = Policy(admission=Admission(namespaces={"sandbox": NamespaceAdmission(environment="dev")}))
     stricter = decision(job({"gpuledger.io/release-id": RID, "gpuledger.io/environment": "prod"}, namespace="sandbox"), loaded(registered), lax)
     assert (stricter.rule, stricter.environment) == ("unapproved", "prod")
+
+
+def test_a_label_naming_an_environment_the_policy_does_not_list_cannot_weaken_a_prod_namespace():
+    """Found by an exploratory review: `gpuledger.io/environment: production` (no environment of the
+    policy) on a Job in a namespace mapped to prod was decided in 'production' — the default mode
+    (warn: allowed with a warning suggesting `--env production`), and fail-open while the state was
+    not loaded. An unlisted name is read as the strictest environment the policy lists."""
+    policy = parse_policy("admission: {default_mode: warn, modes: {prod: enforce}, namespaces: {fraud-prod: {environment: prod}}}")
+    production = job({"gpuledger.io/release-id": RID, "gpuledger.io/environment": "production"}, namespace="fraud-prod")
+    d = decision(production, loaded(registered), policy)
+    assert (d.verdict, d.rule, d.environment, d.mode, d.fail_closed) == ("deny", "unapproved", "prod", "enforce", True)
+    assert "--env prod " in d.message and "label 'production' names no environment of the policy: decided as prod" in d.message
+    not_loaded = decision(production, None, policy)
+    assert (not_loaded.verdict, not_loaded.rule, not_loaded.fail_closed) == ("deny", "state-not-loaded", True)
+    # An approval for prod is what it needs (it was: only one naming 'production' or no environment).
+    assert decision(production, loaded(registered, approved_by("alice")), policy).rule == "approved"
+    # Unmapped namespace: still the strictest listed environment, not an environment of its own.
+    elsewhere = decide(subject_of(job({"gpuledger.io/release-id": RID, "gpuledger.io/environment": "prd"}, namespace="scratch"), GPUS),
+                       None, policy, NOW)
+    assert (elsewhere.environment, elsewhere.verdict, elsewhere.fail_closed) == ("prod", "deny", True)
+
+
+def test_the_namespaces_environment_is_a_floor_for_mode_and_fail_closed():
+    """A label naming a later environment makes a workload stricter in approval; its mode and
+    fail-closed are never laxer than its namespace's environment's, whatever the policy sets for the later one."""
+    policy = parse_policy("admission: {default_mode: enforce, modes: {prod: warn}, fail_closed: [staging],"
+                          " namespaces: {fraud-staging: {environment: staging}}}")
+    labelled_prod = job({"gpuledger.io/release-id": RID, "gpuledger.io/environment": "prod"}, namespace="fraud-staging")
+    d = decision(labelled_prod, loaded(registered), policy)
+    assert (d.environment, d.verdict, d.mode, d.fail_closed) == ("prod", "deny", "enforce", True)
+    assert decision(labelled_prod, None, policy).verdict == "deny"
+    # A namespace's own mode is the policy's word for that namespace: it still wins.
+    own = parse_policy("admission: {modes: {prod: warn}, namespaces: {fraud-staging: {environment: staging, mode: dry-run}}}")
+    assert decision(labelled_prod, loaded(registered), own).verdict == "allow"
 
 
 @pytest.mark.parametrize("mode, verdict", [("enforce", "deny"), ("warn", "warn"), ("dry-run", "allow")])
