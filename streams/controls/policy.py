@@ -7,7 +7,8 @@ the control agents (``streams/controls/agents.py``, rules in ``streams/controls/
 
 Guarantees: unknown keys and wrong types are rejected; every problem is reported at
 once, each with its dotted field path and the file's line number; cross-references
-(a control's accountable role, a role's actions) are checked before the worker starts.
+(a control's accountable role, a role's actions, the environments the admission section
+names) are checked before the worker starts.
 The built-in default and ``deploy/policy/default.yaml`` are the same policy (a test
 keeps them equal), so an installed package without the deploy/ directory still runs.
 
@@ -475,17 +476,22 @@ class PolicySettings(BaseSettings):
 
 def reference_problems(data: dict) -> list[tuple[tuple, str]]:
     """Cross-field problems of raw policy data, as (path, message): duplicate or missing
-    environments, controls accountable to a role that does not exist. Works on the raw
-    mapping too, so they are reported together with field errors."""
+    environments, controls accountable to a role that does not exist, admission settings
+    naming an environment that does not exist. Works on the raw mapping too, so they are
+    reported together with field errors."""
     problems: list[tuple[tuple, str]] = []
     envs = data.get("environments", None)
+    env_names: list | None = [e.name for e in _default_environments()] if envs is None else None
     if isinstance(envs, (list, tuple)):
         if not envs:
             problems.append((("environments",), "at least one environment is needed"))
         names = [e.get("name") for e in envs if isinstance(e, dict)]
+        env_names = names
         for i, name in enumerate(names):
             if name is not None and names.index(name) != i:
                 problems.append((("environments", i, "name"), f"{name!r} is listed more than once"))
+    if env_names is not None:
+        problems += _admission_environment_problems(data.get("admission"), env_names)
     roles = data.get("roles", None)
     role_names = set(roles) if isinstance(roles, dict) else set(_default_roles()) if roles is None else set()
     controls = data.get("controls") or {}
@@ -502,6 +508,38 @@ def reference_problems(data: dict) -> list[tuple[tuple, str]]:
                     problems.append((("controls", field) if isinstance(block, dict) else ("roles",),
                                      f"control {field} is accountable by default to {accountable!r}, which is not a role here "
                                      f"(roles: {known}); add the role or set controls.{field}.accountable"))
+    return problems
+
+
+def _admission_environment_problems(admission, env_names: list) -> list[tuple[tuple, str]]:
+    """The environments the ``admission`` section names, each checked against ``env_names``: a
+    misspelt one loaded silently — ``fail_closed: [prood]`` left prod fail-open, ``modes: {prd:
+    warn}`` changed nothing, a namespace mapped to ``production`` took the default mode."""
+    known = ", ".join(str(n) for n in env_names if n is not None) or "none"
+    missing = f"(environments: {known})"
+    problems: list[tuple[tuple, str]] = []
+    section = admission if isinstance(admission, dict) else {}
+    if "fail_closed" in section:
+        listed = section["fail_closed"]
+        for i, name in enumerate(listed if isinstance(listed, (list, tuple)) else ()):
+            if isinstance(name, str) and name not in env_names:
+                problems.append((("admission", "fail_closed", i), f"no environment named {name!r} {missing}"))
+    else:
+        # The default is a name too: a policy that calls prod 'production' was fail-open everywhere.
+        unknown = [name for name in Admission().fail_closed if name not in env_names]
+        if unknown:
+            problems.append((("admission",) if isinstance(admission, dict) else ("environments",),
+                             f"admission.fail_closed is by default {', '.join(unknown)}, which is not an environment here {missing}; "
+                             "set admission.fail_closed"))
+    modes = section.get("modes")
+    for name in (modes if isinstance(modes, dict) else {}):
+        if name not in env_names:
+            problems.append((("admission", "modes", name), f"no environment named {name!r} {missing}"))
+    namespaces = section.get("namespaces")
+    for ns, entry in (namespaces if isinstance(namespaces, dict) else {}).items():
+        name = entry.get("environment") if isinstance(entry, dict) else None
+        if isinstance(name, str) and name not in env_names:
+            problems.append((("admission", "namespaces", ns, "environment"), f"no environment named {name!r} {missing}"))
     return problems
 
 
