@@ -199,6 +199,20 @@ def _approvers(policy: Policy) -> str:
     return "; ".join(holders) or "no role has it in the policy"
 
 
+def _approved_for(rel: Release, policy: Policy, now: datetime) -> list[str]:
+    """The environments the release is approved for at ``now`` by actors holding ``approve``, as
+    ``approval_changes`` counts them: approvals since its last revocation or retirement."""
+    envs: list[str] = []
+    for at, etype, _eid, env, actor in rel.history:
+        if at > now:
+            break
+        if etype in ("release.revoked", "release.retired") and policy.stops(actor):
+            envs = []
+        elif etype == "release.approved" and env and env not in envs and policy.allowed(actor, "approve"):
+            envs.append(env)
+    return envs
+
+
 def environment_of(subject: Subject, policy: Policy) -> str | None:
     return policy.workload_environment(subject.namespace, subject.identity.get("environment"))
 
@@ -235,7 +249,7 @@ def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: 
         if outcome == "deny":
             verdict = {"enforce": "deny", "warn": "warn", "dry-run": "allow"}[mode] if applies_mode else "deny"
         return Decision(verdict, rule, message, outcome, mode, env, rid,
-                        state.state_as_of(rid, at_iso) if (loaded and rid) else None, fail_closed, version,
+                        state.lifecycle_state_as_of(rid, at_iso) if (loaded and rid) else None, fail_closed, version,
                         state.version_at(rid, at_iso) if (loaded and rid) else 0, override, tuple(e for e in evidence if e))
 
     if subject.gpus <= 0:
@@ -266,6 +280,9 @@ def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: 
         elif ov.at <= now < ov.expires_at:
             return done("allow", "override", f"{subject.ref} let through by the emergency override of {actor_text(ov.actor)} "
                         f"(target {ov.target}) until {iso(ov.expires_at)}", evidence=(ov.event_id,), override=ov.event_id)
+        elif now >= ov.expires_at:
+            # Said, so that whoever relied on it sees why the same workload is now denied.
+            rejected_overrides.append(f"the override by {actor_text(ov.actor)} (target {ov.target}) expired at {iso(ov.expires_at)}")
     tail = ("; " + "; ".join(rejected_overrides)) if rejected_overrides else ""
     if not rid:
         return done("deny", "no-release-identity", f"{subject.ref} requests {subject.gpus} GPU(s) in {where} but names no release: "
@@ -285,8 +302,14 @@ def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: 
         how = next((e[1].split(".", 1)[1] for e in rel.history if e[2] == cause), "revoked")
         return done("deny", "revoked", f"release {rid} was {how}; it may not start new GPU work in {where}; "
                     "run an approved release instead" + tail, evidence=(cause,))
-    latest = state.state_as_of(rid, at_iso)
-    shown = (latest or "registered").split(".", 1)[-1]
+    # The lifecycle state, not the latest event of any kind: after an override the message said
+    # 'is admission_overridden, not approved for prod'.
+    latest = state.lifecycle_state_as_of(rid, at_iso)
+    shown = latest.split(".", 1)[1] if latest else "not registered"
+    elsewhere = _approved_for(rel, policy, now)
+    if elsewhere:
+        # Approved, but for earlier environments only: say which ('is approved, not approved for prod' did not).
+        shown = f"{shown} for {', '.join(elsewhere)}" if latest == "release.approved" else f"{shown} (approved for {', '.join(elsewhere)})"
     unentitled = [e for e in rel.history if e[1] == "release.approved" and e[0] <= now and _covers(policy, e[3], env)]
     if unentitled:
         last = unentitled[-1]

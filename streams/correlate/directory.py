@@ -27,7 +27,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 
 from schemas import EventDecodeError, decode_event
-from schemas.release import ENDING_EVENTS
+from schemas.release import ENDING_EVENTS, LIFECYCLE_EVENTS
 from streams.correlate.release import apply_release_event, new_state, state_as_of
 
 log = logging.getLogger(__name__)
@@ -165,6 +165,19 @@ class ReleaseDirectory:
             return state_as_of(state, at_iso)
         k = bisect_right(times, at_iso)
         return state["history"][k - 1][1] if k else None
+
+    def lifecycle_state_as_of(self, rid: str, at_iso: str) -> str | None:
+        """The release's latest lifecycle event (``schemas.release.LIFECYCLE_EVENTS``) at ``at_iso``:
+        unlike ``state_as_of``, not a reservation or an admin action (an admission override), which
+        happen to a release in any state."""
+        state = self.releases.get(rid)
+        if not state:
+            return None
+        history = state["history"]
+        times = self._history_times(rid, state)
+        if times is None:
+            return next((e[1] for e in reversed(history) if e[1] in LIFECYCLE_EVENTS and e[0].split("|", 1)[0] <= at_iso), None)
+        return next((history[i][1] for i in reversed(range(bisect_right(times, at_iso))) if history[i][1] in LIFECYCLE_EVENTS), None)
 
     def latest_event(self, rid: str) -> str | None:
         state = self.releases.get(rid)

@@ -259,6 +259,28 @@ def test_an_override_without_the_right_or_too_long_does_not_count_and_says_why()
     assert d.rule == "unapproved" and "needs an expiry at most" in d.message
 
 
+def test_a_deny_names_the_releases_lifecycle_state_where_it_is_approved_and_an_expired_override():
+    """Found by an exploratory review: the message named the latest event of any kind ('release
+    ... is admission_overridden, not approved for prod'), a staging-only approval read 'is approved,
+    not approved for prod', and an override that had expired went unmentioned."""
+    after_override = decision(state=loaded(registered, override(minutes=10, expires=20)))
+    assert after_override.rule == "unapproved" and after_override.release_state == "release.evaluated"
+    assert after_override.message.startswith(f"release {RID} is evaluated, not approved for prod;")
+    assert after_override.message.endswith("the override by oncall-sre (unauthenticated) (target serving/Job/score) expired at 2026-12-01T12:30:00+00:00")
+    staging = decision(state=loaded(registered, approved_by("alice", env="staging")))
+    assert staging.message.startswith(f"release {RID} is approved for staging, not approved for prod;")
+    promoted = decision(state=loaded(registered, approved_by("alice", env="staging"),
+                                     lambda s: release(s, "promote", 12, actor="alice", env="staging"),
+                                     lambda s: release(s, "reserve", 13, actor="erin", reservation_id="r1", gpus=2,
+                                                       window_start=(T0 + timedelta(hours=2)).isoformat(),
+                                                       window_end=(T0 + timedelta(hours=3)).isoformat())))
+    assert promoted.message.startswith(f"release {RID} is promoted (approved for staging), not approved for prod;"), promoted.message
+    # Approvals before a revocation are not 'approved for' anything any more; nor are those without the right.
+    revoked = decision(state=loaded(registered, approved_by("alice", env="staging"), approved_by("mallory", env="staging", minutes=11),
+                                    lambda s: release(s, "revoke", 12, actor="alice", reason="drift")))
+    assert revoked.message.startswith(f"release {RID} is revoked, not approved for prod;"), revoked.message
+
+
 def test_kueue_workloads_and_pods_are_subjects_too():
     wl = {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Workload", "metadata": {"name": "job-score-1a2b", "namespace": "serving"},
           "spec": {"queueName": "gpu", "podSets": [{"name": "main", "count": 3, "template": {"metadata": {"labels": PROD}, "spec": {
