@@ -191,7 +191,10 @@ class Decision:
 
     @property
     def warnings(self) -> list[str]:
-        return [self.message] if self.verdict == "warn" else []
+        # A fail-open 'state-not-loaded' allow is let through unchecked: its creator is told so
+        # (docs/admission.md: "allow with a warning"), as in warn mode.
+        unchecked = self.rule == "state-not-loaded" and self.allowed
+        return [self.message] if self.verdict == "warn" or unchecked else []
 
 
 def _approvers(policy: Policy) -> str:

@@ -199,6 +199,7 @@ def test_not_loaded_state_is_fail_closed_in_prod_and_fail_open_elsewhere():
     assert decision(state=None, policy=Policy(admission=Admission(modes={"prod": "dry-run"}))).verdict == "deny"
     staging = decision(job({**PROD, "gpuledger.io/environment": "staging"}), AdmissionState())
     assert (staging.verdict, staging.rule, staging.fail_closed) == ("allow", "state-not-loaded", False)
+    assert staging.warnings == [staging.message] and closed.warnings == []  # allowed unchecked: told so
 
 
 def test_admission_check_gate_lets_queued_work_through_the_webhook_but_not_the_check():
