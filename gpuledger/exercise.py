@@ -559,7 +559,11 @@ class ExerciseRunner:
         from sinks.read.trace import trace
         from sinks.read.tree import render_tree, tree_text
 
-        entry = resolve_ref(*self.scenario.report_entry(), sim)
+        named = self.scenario.report_entry()
+        if named is None:
+            self.say("report", "none: the scenario names no release and no expectation an entry point (give report.trace)")
+            return None
+        entry = resolve_ref(*named, sim)
         db = self.settings.clickhouse.database
         result = trace(reader, db, *entry, cluster=self.settings.clickhouse.cluster)
         self.say("trace", f"gpuledger trace --{entry[0]} {entry[1]}")

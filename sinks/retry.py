@@ -80,9 +80,10 @@ class OutageLog:
     """
 
     def __init__(self, logger: logging.Logger, subject: str, summary_every_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, recovered: str = "store reachable again") -> None:
         self.log = logger
         self.subject = subject
+        self.recovered = recovered  # the recovery line's words (not every component is a store)
         self.summary_every_s = summary_every_s
         self.clock = clock
         self.failed_attempts = 0  # in the current outage
@@ -119,7 +120,7 @@ class OutageLog:
         """Record a success; True when it ended an outage (the recovery line was logged)."""
         if not self.failed_attempts:
             return False
-        self.log.info("%s: store reachable again after %d attempts, %.1f s", self.subject, self.failed_attempts + 1,
+        self.log.info("%s: %s after %d attempts, %.1f s", self.subject, self.recovered, self.failed_attempts + 1,
                       self.clock() - self._since)
         self.failed_attempts = 0
         return True

@@ -385,7 +385,8 @@ class Scenario(Strict):
     releases: dict[str, ReleaseSpec] = Field(default_factory=dict, description="The model registry: release id -> manifest.")
     timeline: list[Step] = Field(min_length=1)
     expect: list[Expectation] = Field(min_length=1)
-    report: ReportSpec | None = Field(default=None, description="The trace the report centres on; default the first expectation's entry.")
+    report: ReportSpec | None = Field(default=None, description="The trace the report centres on; default the first expectation's entry "
+                                      "point, else the release of the first violation check naming one, else the first release.")
     policy: dict[str, Any] = Field(default_factory=dict, description="Overrides merged into the policy file for this exercise "
                                    "(e.g. {retirement: {grace: 2m}}); durations are then compressed by the speed like the timeline.")
 
@@ -393,10 +394,15 @@ class Scenario(Strict):
     def duration(self) -> float:
         return max(s.at for s in self.timeline)
 
-    def report_entry(self) -> tuple[str, str]:
+    def report_entry(self) -> tuple[str, str] | None:
+        """The report's trace entry (``report``'s description); None when the scenario names none.
+        A scenario of violation checks only has no entry point (it crashed the run after its checks)."""
         if self.report:
             return next(iter(self.report.trace.items()))
-        return next(e.entry for e in self.expect if e.entry)
+        named = [e.entry for e in self.expect if e.entry]
+        named += [("release", e.violation.release_id) for e in self.expect if e.violation and e.violation.release_id]
+        named += [("release", rid) for rid in self.releases]
+        return named[0] if named else None
 
 
 # --- loading ---------------------------------------------------------------------------------------

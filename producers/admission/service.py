@@ -12,7 +12,9 @@ reaches the state within the follower's poll (200 ms) of Kafka acknowledging it.
 are published off the request path by the recorder thread in batches (acks=all): the
 webhook answers even while Kafka is down; decisions beyond ``publish_queue`` are dropped
 and counted (``/healthz``), never blocking an answer. ``/readyz`` is 200 once the release
-topic has been read up to its end offsets at start-up, 503 before.
+topic has been read up to its end offsets at start-up, 503 before. Kafka unreachable at start
+is not fatal: the follower keeps connecting (``KAFKA_RETRY_S``) while reviews get the
+state-not-loaded answer.
 Limits: a decision not yet published when the process dies is lost (the API server's
 own audit log still has the request); the self-signed certificate changes at each start.
 """
@@ -45,6 +47,9 @@ from streams.controls.policy import Policy
 from streams.correlate.directory import follow_release_topic
 
 log = logging.getLogger(__name__)
+
+#: Seconds between attempts to reach Kafka while the release topic cannot be read at start.
+KAFKA_RETRY_S = 1.0
 
 
 class AdmitError(ProducerError):
@@ -200,8 +205,10 @@ class AdmitService:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         if self._stop_requested.is_set():
             self._stop.set()
+        # Kafka unreachable at start is not fatal: until the state loads, reviews get the
+        # state-not-loaded answer (fail-closed environments denied) and /readyz says 503.
         follower = asyncio.create_task(follow_release_topic(self.bootstrap, self.release_topic, self.state, self._on_release_change,
-                                                            self._stop, self.client_config))
+                                                            self._stop, self.client_config, retry_s=KAFKA_RETRY_S))
         with tempfile.TemporaryDirectory(prefix="gpuledger-admit-") as workdir:
             context, ca_pem = self._tls(Path(workdir))
             runner = web.AppRunner(self.build_app(), access_log=None)

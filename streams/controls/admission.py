@@ -21,8 +21,9 @@ into an allow that is only recorded (dry-run).
 
 Limits: control 1 only (approval), not control 2 (promotion); the environment is the stricter of
 the policy's namespace entry and the object's ``gpuledger.io/environment`` label
-(``Policy.workload_environment``), else it is unknown and approval is required (as control 1
-treats it).
+(``Policy.workload_environment``; a label the policy does not list reads as its strictest
+environment), else it is unknown and approval is required (as control 1 treats it). Mode and
+fail-closed are never laxer than the namespace entry's environment's.
 """
 
 from __future__ import annotations
@@ -190,12 +191,29 @@ class Decision:
 
     @property
     def warnings(self) -> list[str]:
-        return [self.message] if self.verdict == "warn" else []
+        # A fail-open 'state-not-loaded' allow is let through unchecked: its creator is told so
+        # (docs/admission.md: "allow with a warning"), as in warn mode.
+        unchecked = self.rule == "state-not-loaded" and self.allowed
+        return [self.message] if self.verdict == "warn" or unchecked else []
 
 
 def _approvers(policy: Policy) -> str:
     holders = [f"{name}: {', '.join(role.members) or 'no members'}" for name, role in sorted(policy.roles.items()) if "approve" in role.actions]
     return "; ".join(holders) or "no role has it in the policy"
+
+
+def _approved_for(rel: Release, policy: Policy, now: datetime) -> list[str]:
+    """The environments the release is approved for at ``now`` by actors holding ``approve``, as
+    ``approval_changes`` counts them: approvals since its last revocation or retirement."""
+    envs: list[str] = []
+    for at, etype, _eid, env, actor in rel.history:
+        if at > now:
+            break
+        if etype in ("release.revoked", "release.retired") and policy.stops(actor):
+            envs = []
+        elif etype == "release.approved" and env and env not in envs and policy.allowed(actor, "approve"):
+            envs.append(env)
+    return envs
 
 
 def environment_of(subject: Subject, policy: Policy) -> str | None:
@@ -213,18 +231,28 @@ def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: 
     version = policy_version or policy.fingerprint
     env = environment_of(subject, policy)
     rid = subject.identity.get("release_id")
+    # Mode and fail-closed: never laxer than the namespace's environment (Admission.mode_for).
     mode = policy.admission.mode_for(subject.namespace, env)
-    fail_closed = env in policy.admission.fail_closed
+    fail_closed = policy.admission.decided_fail_closed(subject.namespace, env)
     where = env or "an unknown environment"
     at_iso = now.isoformat()
     loaded = state is not None and state.ready.is_set()
 
+    labelled = subject.identity.get("environment")
+    if labelled and env and policy.environment(labelled) is None:
+        # Said once, after the rule's message: why the environment is not the one the label names.
+        unlisted = (f" (its gpuledger.io/environment label {labelled!r} names no environment of the policy: "
+                    f"decided as {env}, the strictest it lists)")
+    else:
+        unlisted = ""
+
     def done(outcome: str, rule: str, message: str, *, evidence=(), override: str | None = None, applies_mode: bool = True) -> Decision:
+        message += unlisted
         verdict: Verdict = "allow"
         if outcome == "deny":
             verdict = {"enforce": "deny", "warn": "warn", "dry-run": "allow"}[mode] if applies_mode else "deny"
         return Decision(verdict, rule, message, outcome, mode, env, rid,
-                        state.state_as_of(rid, at_iso) if (loaded and rid) else None, fail_closed, version,
+                        state.lifecycle_state_as_of(rid, at_iso) if (loaded and rid) else None, fail_closed, version,
                         state.version_at(rid, at_iso) if (loaded and rid) else 0, override, tuple(e for e in evidence if e))
 
     if subject.gpus <= 0:
@@ -255,6 +283,9 @@ def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: 
         elif ov.at <= now < ov.expires_at:
             return done("allow", "override", f"{subject.ref} let through by the emergency override of {actor_text(ov.actor)} "
                         f"(target {ov.target}) until {iso(ov.expires_at)}", evidence=(ov.event_id,), override=ov.event_id)
+        elif now >= ov.expires_at:
+            # Said, so that whoever relied on it sees why the same workload is now denied.
+            rejected_overrides.append(f"the override by {actor_text(ov.actor)} (target {ov.target}) expired at {iso(ov.expires_at)}")
     tail = ("; " + "; ".join(rejected_overrides)) if rejected_overrides else ""
     if not rid:
         return done("deny", "no-release-identity", f"{subject.ref} requests {subject.gpus} GPU(s) in {where} but names no release: "
@@ -274,8 +305,14 @@ def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: 
         how = next((e[1].split(".", 1)[1] for e in rel.history if e[2] == cause), "revoked")
         return done("deny", "revoked", f"release {rid} was {how}; it may not start new GPU work in {where}; "
                     "run an approved release instead" + tail, evidence=(cause,))
-    latest = state.state_as_of(rid, at_iso)
-    shown = (latest or "registered").split(".", 1)[-1]
+    # The lifecycle state, not the latest event of any kind: after an override the message said
+    # 'is admission_overridden, not approved for prod'.
+    latest = state.lifecycle_state_as_of(rid, at_iso)
+    shown = latest.split(".", 1)[1] if latest else "not registered"
+    elsewhere = _approved_for(rel, policy, now)
+    if elsewhere:
+        # Approved, but for earlier environments only: say which ('is approved, not approved for prod' did not).
+        shown = f"{shown} for {', '.join(elsewhere)}" if latest == "release.approved" else f"{shown} (approved for {', '.join(elsewhere)})"
     unentitled = [e for e in rel.history if e[1] == "release.approved" and e[0] <= now and _covers(policy, e[3], env)]
     if unentitled:
         last = unentitled[-1]

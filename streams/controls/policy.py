@@ -7,7 +7,8 @@ the control agents (``streams/controls/agents.py``, rules in ``streams/controls/
 
 Guarantees: unknown keys and wrong types are rejected; every problem is reported at
 once, each with its dotted field path and the file's line number; cross-references
-(a control's accountable role, a role's actions) are checked before the worker starts.
+(a control's accountable role, a role's actions, the environments the admission section
+names) are checked before the worker starts.
 The built-in default and ``deploy/policy/default.yaml`` are the same policy (a test
 keeps them equal), so an installed package without the deploy/ directory still runs.
 
@@ -192,6 +193,8 @@ class BusinessPriority(_Model):
 
 
 AdmissionMode = Literal["enforce", "warn", "dry-run"]
+#: Admission modes from the laxest to the strictest.
+MODE_STRICTNESS: tuple[AdmissionMode, ...] = ("dry-run", "warn", "enforce")
 AdmissionGate = Literal["webhook", "admission-check"]
 
 
@@ -215,8 +218,19 @@ class Admission(_Model):
         return self.namespaces.get(name or "") or NamespaceAdmission()
 
     def mode_for(self, namespace: str | None, environment: str | None) -> AdmissionMode:
+        """The namespace's own mode, else the stricter of the environment's and the namespace's
+        environment's: the namespace entry is a floor (a workload's label, which its creator
+        writes, made a prod namespace's work 'warn' by naming a later environment set to warn)."""
         ns = self.namespace(namespace)
-        return ns.mode or self.modes.get(environment or "", self.default_mode)
+        if ns.mode:
+            return ns.mode
+        envs = (environment, ns.environment) if ns.environment else (environment,)
+        return max((self.modes.get(env or "", self.default_mode) for env in envs), key=MODE_STRICTNESS.index)
+
+    def decided_fail_closed(self, namespace: str | None, environment: str | None) -> bool:
+        """Whether the workload is decided fail-closed: its environment or its namespace's is
+        (the namespace entry is a floor here too)."""
+        return any(env in self.fail_closed for env in (environment, self.namespace(namespace).environment) if env)
 
 
 def _default_environments() -> tuple[Environment, ...]:
@@ -307,19 +321,28 @@ class Policy(_Model):
     def workload_environment(self, namespace: str | None, labelled: str | None) -> str | None:
         """The environment a workload runs in: of its namespace's in the policy
         (``admission.namespaces.<ns>.environment``) and what its own ``gpuledger.io/environment``
-        label (or annotation) says, the stricter — the later in promotion order, an environment
-        the policy does not list counting as the strictest (it needs approval); either alone when
+        label (or annotation) says, the stricter — the later in promotion order; either alone when
         only one is known; None when neither is (unknown: needs approval).
 
         A workload's label is written by whoever creates the workload: ``gpuledger.io/environment:
         dev`` on a Job in a prod namespace made admission allow an unapproved release
-        ('approval-not-required') and control 1 skip it. It can still make the rules stricter."""
+        ('approval-not-required') and control 1 skip it. It can still make the rules stricter.
+
+        A label naming an environment the policy does not list (``production``, ``prd``) is read
+        as the strictest environment it does list (the last). It is a misspelling of a real one or
+        an attempt to get out of one; returned as it was, it picked no mode of its own (the
+        default: 'warn' in a prod namespace whose policy enforced prod), no fail-closed, no
+        promotion check (control 2), and a deny message that asked for an approval for an
+        environment nothing else knows. As the strictest listed environment it never loosens a
+        rule, and approvals, modes and fail-closed are a real environment's."""
         mapped = self.admission.namespace(namespace).environment
+        if labelled and self.environment(labelled) is None and self.environments:
+            labelled = self.environments[-1].name
         if not (mapped and labelled) or mapped == labelled:
             return mapped or labelled or None
         rank = {name: self.environment_rank(name) for name in (mapped, labelled)}
-        if rank[mapped] is None or rank[labelled] is None:
-            return mapped if rank[mapped] is None else labelled
+        if rank[mapped] is None:  # (a policy file cannot name one: reference_problems; a model built in code can)
+            return mapped
         return mapped if rank[mapped] >= rank[labelled] else labelled
 
     def environment_rank(self, name: str | None) -> int | None:
@@ -453,17 +476,22 @@ class PolicySettings(BaseSettings):
 
 def reference_problems(data: dict) -> list[tuple[tuple, str]]:
     """Cross-field problems of raw policy data, as (path, message): duplicate or missing
-    environments, controls accountable to a role that does not exist. Works on the raw
-    mapping too, so they are reported together with field errors."""
+    environments, controls accountable to a role that does not exist, admission settings
+    naming an environment that does not exist. Works on the raw mapping too, so they are
+    reported together with field errors."""
     problems: list[tuple[tuple, str]] = []
     envs = data.get("environments", None)
+    env_names: list | None = [e.name for e in _default_environments()] if envs is None else None
     if isinstance(envs, (list, tuple)):
         if not envs:
             problems.append((("environments",), "at least one environment is needed"))
         names = [e.get("name") for e in envs if isinstance(e, dict)]
+        env_names = names
         for i, name in enumerate(names):
             if name is not None and names.index(name) != i:
                 problems.append((("environments", i, "name"), f"{name!r} is listed more than once"))
+    if env_names is not None:
+        problems += _admission_environment_problems(data.get("admission"), env_names)
     roles = data.get("roles", None)
     role_names = set(roles) if isinstance(roles, dict) else set(_default_roles()) if roles is None else set()
     controls = data.get("controls") or {}
@@ -480,6 +508,38 @@ def reference_problems(data: dict) -> list[tuple[tuple, str]]:
                     problems.append((("controls", field) if isinstance(block, dict) else ("roles",),
                                      f"control {field} is accountable by default to {accountable!r}, which is not a role here "
                                      f"(roles: {known}); add the role or set controls.{field}.accountable"))
+    return problems
+
+
+def _admission_environment_problems(admission, env_names: list) -> list[tuple[tuple, str]]:
+    """The environments the ``admission`` section names, each checked against ``env_names``: a
+    misspelt one loaded silently — ``fail_closed: [prood]`` left prod fail-open, ``modes: {prd:
+    warn}`` changed nothing, a namespace mapped to ``production`` took the default mode."""
+    known = ", ".join(str(n) for n in env_names if n is not None) or "none"
+    missing = f"(environments: {known})"
+    problems: list[tuple[tuple, str]] = []
+    section = admission if isinstance(admission, dict) else {}
+    if "fail_closed" in section:
+        listed = section["fail_closed"]
+        for i, name in enumerate(listed if isinstance(listed, (list, tuple)) else ()):
+            if isinstance(name, str) and name not in env_names:
+                problems.append((("admission", "fail_closed", i), f"no environment named {name!r} {missing}"))
+    else:
+        # The default is a name too: a policy that calls prod 'production' was fail-open everywhere.
+        unknown = [name for name in Admission().fail_closed if name not in env_names]
+        if unknown:
+            problems.append((("admission",) if isinstance(admission, dict) else ("environments",),
+                             f"admission.fail_closed is by default {', '.join(unknown)}, which is not an environment here {missing}; "
+                             "set admission.fail_closed"))
+    modes = section.get("modes")
+    for name in (modes if isinstance(modes, dict) else {}):
+        if name not in env_names:
+            problems.append((("admission", "modes", name), f"no environment named {name!r} {missing}"))
+    namespaces = section.get("namespaces")
+    for ns, entry in (namespaces if isinstance(namespaces, dict) else {}).items():
+        name = entry.get("environment") if isinstance(entry, dict) else None
+        if isinstance(name, str) and name not in env_names:
+            problems.append((("admission", "namespaces", ns, "environment"), f"no environment named {name!r} {missing}"))
     return problems
 
 

@@ -16,6 +16,9 @@ Guarantees: the directory's content after reading a history is independent of
 read order (fields and states are merged by event time, see ``streams.correlate``).
 ``ready`` is set once the topic's end offsets at start-up have been read, so the
 correlation agent does not attribute against a half-loaded directory.
+``follow_release_topic`` with ``retry_s`` (``gpuledger admit``) keeps connecting while Kafka
+cannot be reached at start, logging once per state change (``sinks.retry.OutageLog``);
+without it (the worker's stages) that failure ends it.
 """
 
 from __future__ import annotations
@@ -25,12 +28,33 @@ import logging
 from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 
 from schemas import EventDecodeError, decode_event
-from schemas.release import ENDING_EVENTS
+from schemas.release import ENDING_EVENTS, LIFECYCLE_EVENTS
+from sinks.retry import OutageLog
 from streams.correlate.release import apply_release_event, new_state, state_as_of
 
 log = logging.getLogger(__name__)
+
+#: Set while ``follow_release_topic`` retries its connection: aiokafka's client then logs an
+#: ERROR for every failed bootstrap, and the follower reports the outage itself, once per state
+#: change — so those records are demoted to DEBUG (as ``sinks.clickhouse`` does its drivers').
+_retrying: ContextVar[bool] = ContextVar("release_topic_retrying", default=False)
+
+
+class _DemoteWhileRetrying(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not _retrying.get() or record.levelno <= logging.DEBUG:
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        # The logger let it through as an ERROR: a DEBUG record is kept only where DEBUG is logged.
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+_DEMOTE = _DemoteWhileRetrying()
+for _name in ("aiokafka", "aiokafka.conn"):  # (aiokafka's client logs as "aiokafka")
+    logging.getLogger(_name).addFilter(_DEMOTE)
 
 
 def interests_for(image_digest: str | None = None, model_name: str | None = None, model_version: str | None = None,
@@ -166,6 +190,19 @@ class ReleaseDirectory:
         k = bisect_right(times, at_iso)
         return state["history"][k - 1][1] if k else None
 
+    def lifecycle_state_as_of(self, rid: str, at_iso: str) -> str | None:
+        """The release's latest lifecycle event (``schemas.release.LIFECYCLE_EVENTS``) at ``at_iso``:
+        unlike ``state_as_of``, not a reservation or an admin action (an admission override), which
+        happen to a release in any state."""
+        state = self.releases.get(rid)
+        if not state:
+            return None
+        history = state["history"]
+        times = self._history_times(rid, state)
+        if times is None:
+            return next((e[1] for e in reversed(history) if e[1] in LIFECYCLE_EVENTS and e[0].split("|", 1)[0] <= at_iso), None)
+        return next((history[i][1] for i in reversed(range(bisect_right(times, at_iso))) if history[i][1] in LIFECYCLE_EVENTS), None)
+
     def latest_event(self, rid: str) -> str | None:
         state = self.releases.get(rid)
         return state["history"][-1][1] if state and state["history"] else None
@@ -207,16 +244,43 @@ class ReleaseDirectory:
 
 async def follow_release_topic(bootstrap: str, topic: str, directory: ReleaseDirectory,
                                on_change: Callable[[list[str]], None], stop: asyncio.Event | None = None,
-                               client_config: dict | None = None, signal_initial: bool = True) -> None:
+                               client_config: dict | None = None, signal_initial: bool = True, retry_s: float | None = None) -> None:
     """Read ``topic`` from the beginning forever into ``directory`` (no consumer group).
     ``client_config``: aiokafka security settings (KafkaSettings.aiokafka_config()).
     ``signal_initial=False``: ``on_change`` hears of changes after the directory is ready
-    only, not of the initial load (a caller that knows what it saw before it started)."""
+    only, not of the initial load (a caller that knows what it saw before it started).
+    ``retry_s``: when no broker can be reached at start, try again every ``retry_s`` seconds
+    (until ``stop``) instead of raising — for a caller that serves while not ready (admit);
+    other errors (authentication, configuration) still raise. Once connected, aiokafka itself
+    rides out a broker that goes away."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka.errors import KafkaConnectionError
 
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None, auto_offset_reset="earliest",
-                                **(client_config or {}))
-    await consumer.start()
+    outage = OutageLog(log, f"connecting to Kafka for the release topic {topic}", recovered="connected") if retry_s else None
+    while True:
+        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None, auto_offset_reset="earliest",
+                                    **(client_config or {}))
+        token = _retrying.set(outage is not None)
+        try:
+            await consumer.start()
+            break
+        except KafkaConnectionError as exc:
+            await consumer.stop()  # (a consumer that did not start still holds its client)
+            if outage is None:
+                raise
+            outage.failed(exc)
+        finally:
+            _retrying.reset(token)
+        if stop is None:
+            await asyncio.sleep(retry_s)
+        else:
+            try:
+                await asyncio.wait_for(stop.wait(), retry_s)
+                return
+            except asyncio.TimeoutError:
+                pass
+    if outage is not None:
+        outage.succeeded()
     try:
         parts = [TopicPartition(topic, p) for p in (consumer.partitions_for_topic(topic) or set())]
         while not parts:

@@ -97,6 +97,34 @@ def test_scenario_passes_through_the_real_pipeline(name, kafka_bootstrap, tmp_pa
     assert (run.data_dir / "logs" / "worker.log").exists()
 
 
+@pytest.mark.timeout(240)
+def test_a_scenario_of_violation_checks_only_ends_with_its_report(kafka_bootstrap, tmp_path):
+    """Found by an exploratory review: a scenario whose expectations were all `violation:` checks
+    passed --check, ran, then crashed after its checks ("exercise failed: StopIteration:", exit 1,
+    no report) — no expectation had an entry point for the report's trace. It now traces the
+    release the violation check names."""
+    shipped = load_scenario("unapproved-admission")
+    sc = shipped.model_copy(update={"expect": [e for e in shipped.expect if e.violation], "report": None})
+    settings = Settings(data_dir=tmp_path / "data", kafka=KafkaSettings(bootstrap=kafka_bootstrap))
+    out = io.StringIO()
+    run = run_exercise(settings, sc, Console(file=out, width=200), speed=SPEED)
+    log = out.getvalue()
+    assert run.error is None and run.exit_code == 0, log
+    assert [r.status for r in run.results] == ["PASS"], log
+    assert "gpuledger trace --release recsys-ranker-v12-prod" in log
+    assert run.report_path.read_text().startswith("<!DOCTYPE html>")
+    assert not run.services_left
+
+
+def test_the_reports_trace_entry_defaults_to_an_entry_point_a_violation_check_or_a_release(tmp_path):
+    def only_violations(d, release_id="r1"):
+        d["expect"] = [{"name": "control 1", "violation": {"control": 1, **({"release_id": release_id} if release_id else {})}}]
+
+    assert load_scenario(scenario_with(tmp_path, lambda d: None)).report_entry() == ("workload", "w")
+    assert load_scenario(scenario_with(tmp_path, only_violations)).report_entry() == ("release", "r1")
+    assert load_scenario(scenario_with(tmp_path, lambda d: only_violations(d, None))).report_entry() == ("release", "r1")
+
+
 def audit_and_violations(run) -> tuple[dict, dict[str, str]]:
     """`gpuledger audit --format json` over the exercise's store, and the violations table's
     (id -> detail) over the same range — both by the real CLI in a child process (chDB

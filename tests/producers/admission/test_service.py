@@ -111,3 +111,74 @@ def test_bad_bodies_get_400_with_the_reason_and_the_server_keeps_serving(admit, 
     status, answer = call(url, context, "/validate", body)
     assert status == 400 and answer["error"].startswith(error)
     assert call(url, context, "/healthz")[0] == 200
+
+
+@pytest.mark.timeout(180)
+def test_started_while_kafka_is_down_it_answers_state_not_loaded_and_loads_when_kafka_comes_back(tmp_path, caplog):
+    """Found by an exploratory review: with Kafka down at start `gpuledger admit` exited (1, "the
+    release topic ... cannot be read: KafkaConnectionError"). It serves the state-not-loaded answers
+    instead, keeps connecting — one warning, not a line per attempt — and loads once a broker
+    answers on the bootstrap address (a broker of the test's own, started late on that port)."""
+    import logging
+    import tempfile
+    from pathlib import Path
+
+    from gpuledger.dev.localkafka import LocalKafka
+    from gpuledger.dev.process import free_port
+    from gpuledger.settings import default_cache_dir
+    from producers._kafka import ensure_topics
+    from schemas.topics import TopicCatalogue
+
+    caplog.set_level(logging.INFO, logger="streams.correlate.directory")
+    caplog.set_level(logging.DEBUG, logger="aiokafka")  # (last: the capturing handler's level is the last one set)
+    port = free_port()
+    bootstrap = f"127.0.0.1:{port}"
+    cat = TopicCatalogue(prefix=f"t{uuid.uuid4().hex[:10]}", raw_partitions=2)
+    ca = tmp_path / "ca.crt"
+    bound = {}
+    service = AdmitService(AdmitSettings(port=0, ca_out=ca), Policy(), EventPublisher({"bootstrap.servers": bootstrap}, cat, "admit-test"),
+                           bootstrap, cat.release, on_listening=lambda h, p, pem: bound.update(host=h, port=p, pem=pem))
+    thread = threading.Thread(target=service.run, daemon=True)
+    thread.start()
+    broker = None
+    try:
+        poll(lambda: bound or not thread.is_alive(), "admit to listen", 30)
+        assert thread.is_alive()
+        url, context = f"https://127.0.0.1:{bound['port']}", ssl.create_default_context(cafile=str(ca))
+        prod = call(url, context, "/validate", review(job("score-prod")))[1]["response"]
+        assert prod["allowed"] is False and prod["status"]["message"].startswith("gpuledger admit has not loaded the release state yet; prod is fail-closed")
+        staging_job = job("score-staging")
+        for labels in (staging_job["metadata"]["labels"], staging_job["spec"]["template"]["metadata"]["labels"]):
+            labels["gpuledger.io/environment"] = "staging"
+        staging = call(url, context, "/validate", review(staging_job))[1]["response"]
+        assert staging["allowed"] is True and "staging is fail-open" in staging["warnings"][0]
+        assert call(url, context, "/readyz")[0] == 503
+        refused = lambda: [r for r in caplog.records if r.name == "aiokafka" and "Unable connect" in r.getMessage()]  # noqa: E731
+        poll(lambda: len(refused()) >= 3, "three refused connection attempts", 30)
+        assert all(r.levelno == logging.DEBUG for r in refused())  # aiokafka's line per attempt, demoted
+        warned = [r for r in caplog.records if r.name == "streams.correlate.directory" and r.levelno >= logging.WARNING]
+        assert len(warned) == 1 and "failing" in warned[0].getMessage() and "KafkaConnectionError" in warned[0].getMessage()
+
+        broker = LocalKafka(Path(tempfile.mkdtemp(prefix="gpuledger-admit-kafka-")), default_cache_dir(), port=port, log_level="WARN",
+                            with_parent=True).start()
+        ensure_topics({"bootstrap.servers": bootstrap}, cat)
+        releases = EventPublisher({"bootstrap.servers": bootstrap}, cat, "releases-test")
+        try:
+            for command, options in (("register", {"model": "fraud-scorer", "version": "8", "artifact_digest": "sha256:" + "a" * 64}),
+                                     ("approve", {"actor": "alice", "env": "prod"})):
+                publish(releases, command, **options)
+        finally:
+            releases.close(5)
+        poll(lambda: call(url, context, "/readyz")[0] == 200 and service.state.applied >= 2, "the release state loaded", 60)
+        assert call(url, context, "/validate", review(job("score-later")))[1]["response"]["allowed"] is True
+        connected = [r.getMessage() for r in caplog.records if r.name == "streams.correlate.directory" and "connected after" in r.getMessage()]
+        assert len(connected) == 1, connected
+        # The answers given while Kafka was down are evidence too: published once it is back.
+        decided = {e.payload.object_name: e.payload.rule for e in map(decode_event, (m.value() for m in read_topic(bootstrap, cat.scheduler, 3)))}
+        assert decided == {"score-prod": "state-not-loaded", "score-staging": "state-not-loaded", "score-later": "approved"}, decided
+    finally:
+        service.stop()
+        thread.join(20)
+        if broker is not None:
+            broker.stop()
+    assert not thread.is_alive()

@@ -9,7 +9,7 @@ import pytest
 from producers._config import GPU_RESOURCES, ResourceMatcher
 from producers.releases import COMMANDS, build_event
 from streams.controls.admission import RULES, AdmissionState, decide, subject_of
-from streams.controls.policy import Admission, NamespaceAdmission, Policy
+from streams.controls.policy import Admission, NamespaceAdmission, Policy, parse_policy
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
 NOW = T0 + timedelta(hours=1)
@@ -145,6 +145,40 @@ def test_a_workloads_own_label_cannot_move_it_out_of_its_namespaces_environment(
     assert (stricter.rule, stricter.environment) == ("unapproved", "prod")
 
 
+def test_a_label_naming_an_environment_the_policy_does_not_list_cannot_weaken_a_prod_namespace():
+    """Found by an exploratory review: `gpuledger.io/environment: production` (no environment of the
+    policy) on a Job in a namespace mapped to prod was decided in 'production' — the default mode
+    (warn: allowed with a warning suggesting `--env production`), and fail-open while the state was
+    not loaded. An unlisted name is read as the strictest environment the policy lists."""
+    policy = parse_policy("admission: {default_mode: warn, modes: {prod: enforce}, namespaces: {fraud-prod: {environment: prod}}}")
+    production = job({"gpuledger.io/release-id": RID, "gpuledger.io/environment": "production"}, namespace="fraud-prod")
+    d = decision(production, loaded(registered), policy)
+    assert (d.verdict, d.rule, d.environment, d.mode, d.fail_closed) == ("deny", "unapproved", "prod", "enforce", True)
+    assert "--env prod " in d.message and "label 'production' names no environment of the policy: decided as prod" in d.message
+    not_loaded = decision(production, None, policy)
+    assert (not_loaded.verdict, not_loaded.rule, not_loaded.fail_closed) == ("deny", "state-not-loaded", True)
+    # An approval for prod is what it needs (it was: only one naming 'production' or no environment).
+    assert decision(production, loaded(registered, approved_by("alice")), policy).rule == "approved"
+    # Unmapped namespace: still the strictest listed environment, not an environment of its own.
+    elsewhere = decide(subject_of(job({"gpuledger.io/release-id": RID, "gpuledger.io/environment": "prd"}, namespace="scratch"), GPUS),
+                       None, policy, NOW)
+    assert (elsewhere.environment, elsewhere.verdict, elsewhere.fail_closed) == ("prod", "deny", True)
+
+
+def test_the_namespaces_environment_is_a_floor_for_mode_and_fail_closed():
+    """A label naming a later environment makes a workload stricter in approval; its mode and
+    fail-closed are never laxer than its namespace's environment's, whatever the policy sets for the later one."""
+    policy = parse_policy("admission: {default_mode: enforce, modes: {prod: warn}, fail_closed: [staging],"
+                          " namespaces: {fraud-staging: {environment: staging}}}")
+    labelled_prod = job({"gpuledger.io/release-id": RID, "gpuledger.io/environment": "prod"}, namespace="fraud-staging")
+    d = decision(labelled_prod, loaded(registered), policy)
+    assert (d.environment, d.verdict, d.mode, d.fail_closed) == ("prod", "deny", "enforce", True)
+    assert decision(labelled_prod, None, policy).verdict == "deny"
+    # A namespace's own mode is the policy's word for that namespace: it still wins.
+    own = parse_policy("admission: {modes: {prod: warn}, namespaces: {fraud-staging: {environment: staging, mode: dry-run}}}")
+    assert decision(labelled_prod, loaded(registered), own).verdict == "allow"
+
+
 @pytest.mark.parametrize("mode, verdict", [("enforce", "deny"), ("warn", "warn"), ("dry-run", "allow")])
 def test_modes_turn_a_deny_into_a_warning_or_a_recorded_allow(mode, verdict):
     policy = Policy(admission=Admission(modes={"prod": mode}))
@@ -165,6 +199,7 @@ def test_not_loaded_state_is_fail_closed_in_prod_and_fail_open_elsewhere():
     assert decision(state=None, policy=Policy(admission=Admission(modes={"prod": "dry-run"}))).verdict == "deny"
     staging = decision(job({**PROD, "gpuledger.io/environment": "staging"}), AdmissionState())
     assert (staging.verdict, staging.rule, staging.fail_closed) == ("allow", "state-not-loaded", False)
+    assert staging.warnings == [staging.message] and closed.warnings == []  # allowed unchecked: told so
 
 
 def test_admission_check_gate_lets_queued_work_through_the_webhook_but_not_the_check():
@@ -223,6 +258,28 @@ def test_an_override_without_the_right_or_too_long_does_not_count_and_says_why()
     assert d.rule == "unapproved" and "the override by mallory (unauthenticated) does not count" in d.message
     d = decision(state=loaded(registered, override(expires=5 * 60)))
     assert d.rule == "unapproved" and "needs an expiry at most" in d.message
+
+
+def test_a_deny_names_the_releases_lifecycle_state_where_it_is_approved_and_an_expired_override():
+    """Found by an exploratory review: the message named the latest event of any kind ('release
+    ... is admission_overridden, not approved for prod'), a staging-only approval read 'is approved,
+    not approved for prod', and an override that had expired went unmentioned."""
+    after_override = decision(state=loaded(registered, override(minutes=10, expires=20)))
+    assert after_override.rule == "unapproved" and after_override.release_state == "release.evaluated"
+    assert after_override.message.startswith(f"release {RID} is evaluated, not approved for prod;")
+    assert after_override.message.endswith("the override by oncall-sre (unauthenticated) (target serving/Job/score) expired at 2026-12-01T12:30:00+00:00")
+    staging = decision(state=loaded(registered, approved_by("alice", env="staging")))
+    assert staging.message.startswith(f"release {RID} is approved for staging, not approved for prod;")
+    promoted = decision(state=loaded(registered, approved_by("alice", env="staging"),
+                                     lambda s: release(s, "promote", 12, actor="alice", env="staging"),
+                                     lambda s: release(s, "reserve", 13, actor="erin", reservation_id="r1", gpus=2,
+                                                       window_start=(T0 + timedelta(hours=2)).isoformat(),
+                                                       window_end=(T0 + timedelta(hours=3)).isoformat())))
+    assert promoted.message.startswith(f"release {RID} is promoted (approved for staging), not approved for prod;"), promoted.message
+    # Approvals before a revocation are not 'approved for' anything any more; nor are those without the right.
+    revoked = decision(state=loaded(registered, approved_by("alice", env="staging"), approved_by("mallory", env="staging", minutes=11),
+                                    lambda s: release(s, "revoke", 12, actor="alice", reason="drift")))
+    assert revoked.message.startswith(f"release {RID} is revoked, not approved for prod;"), revoked.message
 
 
 def test_kueue_workloads_and_pods_are_subjects_too():

@@ -93,3 +93,37 @@ def test_a_group_member_needs_a_name_and_is_reported_with_its_line(tmp_path):
     assert good.memberships("user:zoe\x1foncall") == ["oncall via group:oncall"] and good.roles_of("bob") == ["oncall"]
     assert good.granted("user:zoe\x1foncall", "isolate_node") == "role oncall via group:oncall"
     assert good.granted("bob", "isolate_node") == "role oncall" and good.granted("user:zoe\x1fother", "isolate_node") is None
+
+
+def test_admission_settings_naming_no_environment_are_reported_with_the_other_problems(tmp_path):
+    """Found by an exploratory review: environment names under `admission` were never checked —
+    `fail_closed: [prood]` loaded silently and left prod fail-open."""
+    bad = tmp_path / "policy.yaml"
+    bad.write_text("admission:\n  fail_closed: [prood]\n  modes: {prd: warn}\n  namespaces:\n    fraud-prod: {environment: production}\n"
+                   "roles:\n  x: {owner: t, actions: [fly]}\n")
+    with pytest.raises(PolicyError) as err:
+        load_policy(bad)
+    text = str(err.value)
+    known = "(environments: dev, eval, staging, prod)"
+    assert f"{bad}:2: admission.fail_closed.0: no environment named 'prood' {known}" in text
+    assert f"{bad}:3: admission.modes.prd: no environment named 'prd' {known}" in text
+    assert f"{bad}:5: admission.namespaces.fraud-prod.environment: no environment named 'production' {known}" in text
+    assert f"{bad}:7: roles.x.actions.0: Input should be" in text  # together with the field errors
+    # The default fail_closed names prod too: a policy calling it 'production' must say which is fail-closed.
+    renamed = "environments: [{name: dev, requires_approval: false}, {name: production}]\n"
+    with pytest.raises(PolicyError, match=r"admission.fail_closed is by default prod, which is not an environment here "
+                                          r"\(environments: dev, production\); set admission.fail_closed"):
+        parse_policy(renamed)
+    assert parse_policy(renamed + "admission: {fail_closed: [production], modes: {dev: warn}}").admission.fail_closed == ("production",)
+
+
+@pytest.mark.timeout(60)  # (without the check, admit would start and serve)
+def test_the_admit_cli_exits_2_on_an_admission_setting_naming_no_environment(tmp_path):
+    from typer.testing import CliRunner
+
+    from gpuledger.cli import app as cli_app
+
+    bad = tmp_path / "policy.yaml"
+    bad.write_text("admission: {fail_closed: [prood]}\n")
+    result = CliRunner().invoke(cli_app, ["admit", "--port", "0", "--bootstrap", "127.0.0.1:1"], env={"GPULEDGER_POLICY_FILE": str(bad)})
+    assert result.exit_code == 2 and "admission.fail_closed.0: no environment named 'prood'" in result.output, result.output
