@@ -14,7 +14,10 @@ Proofs, tried in this order for a bearer token:
 - **OIDC / JWT** (``oidc``): a token with three dot-separated parts is verified with PyJWT
   against the configured issuer's JWKS (file or URL), ``iss``, ``aud`` and ``exp``;
   identity = ``identity_prefix`` + the ``identity_claim`` (default ``user:`` + ``sub``),
-  groups from ``groups_claim``.
+  groups from ``groups_claim`` (a list of strings).
+Identities and groups, from a token or the file, must be what the release schema takes as
+an actor (``schemas.release.ActorIdText``): a token that proves anything else is a 401
+naming the claim, a file entry a load error naming it.
 - **per-source shared token** (``<source>_bearer_token``, the older setting): identity
   ``service:<source>``, method ``shared-token``.
 Guarantees: a credential that is presented and wrong is a 401 (``AuthError``), never
@@ -40,6 +43,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from producers._errors import PayloadError, ProducerError
+from schemas.release import ActorIdText, actor_name_problem
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +71,10 @@ class Caller(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    identity: str = Field(pattern=r"^(user|service):[^\s:][^\s]*$", description="Who the token proves: 'user:<name>' or 'service:<name>'.")
-    groups: tuple[str, ...] = Field(default=(), description="Groups of the caller (recorded with its events).")
+    # ActorIdText: what the receiver stamps on the caller's events must be what the release schema
+    # accepts (an event it answered 200 for must not be dead-lettered by the worker).
+    identity: ActorIdText = Field(pattern=r"^(user|service):[^\s:][^\s]*$", description="Who the token proves: 'user:<name>' or 'service:<name>' (no control or bidi character, no '>').")
+    groups: tuple[ActorIdText, ...] = Field(default=(), description="Groups of the caller (recorded with its events; no control or bidi character, no '>').")
     token_sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 (hex) of the bearer token: `printf %s TOKEN | sha256sum`.")
     endpoints: tuple[str, ...] = Field(default=ENDPOINTS, description="Endpoints the token may call (default: all).")
 
@@ -230,8 +236,24 @@ class OidcVerifier:
         name = claims.get(s.identity_claim)
         if not isinstance(name, str) or not name:
             raise AuthError(f"Authorization: the token's {s.identity_claim!r} claim is not a name")
-        groups = claims.get(s.groups_claim) or ()
-        return Principal(s.identity_prefix + name, tuple(str(g) for g in groups) if isinstance(groups, list) else (), "oidc")
+        # Checked here, by the release schema's rule: a name it refuses was stamped on the event
+        # unchecked, answered 200, and dead-lettered by the worker — accepted, never recorded.
+        identity = s.identity_prefix + name
+        problem = actor_name_problem(identity)
+        if problem:
+            raise AuthError(f"Authorization: the token's {s.identity_claim!r} claim cannot name a caller: the identity it makes "
+                            f"({s.identity_prefix!r} + the claim) {problem}")
+        groups = claims.get(s.groups_claim)
+        if groups is None:
+            groups = []  # (absent or null: no groups)
+        if not isinstance(groups, list) or not all(isinstance(g, str) for g in groups):
+            # Ignored before: a caller whose groups the issuer meant to say was silently groupless.
+            raise AuthError(f"Authorization: the token's {s.groups_claim!r} claim is not a list of group names")
+        for i, group in enumerate(groups):
+            problem = actor_name_problem(group)
+            if problem:
+                raise AuthError(f"Authorization: the token's {s.groups_claim!r} claim, item {i}: {problem}")
+        return Principal(identity, tuple(groups), "oidc")
 
 
 class Authenticator:

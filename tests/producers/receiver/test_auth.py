@@ -314,3 +314,77 @@ def test_oidc_keys_from_a_jwks_url(start, signing_key, catalogue, kafka_bootstra
         assert (event.payload.actor, event.payload.authenticated_by) == ("user:dana", "oidc")
     finally:
         idp.close()
+
+
+BY_GROUP = Policy().model_copy(update={"roles": {**Policy().roles, "ci": Role(owner="team-mlops", members=("group:ci",), actions=("delegate",))}})
+
+
+def test_a_token_whose_identity_or_groups_the_schema_refuses_is_401_naming_the_claim(start, signing_key, catalogue, kafka_bootstrap):
+    # These were answered 200 with an event id and then dead-lettered by the worker (payload.actor:
+    # contains U+202E): an "accepted" answer for an event that never reached history. And 'mallory>alice'
+    # in group ci was judged as mallory acting for alice, though no on_behalf_of was named or checked.
+    key, jwks = signing_key
+    rx = start(policy=BY_GROUP, oidc={"issuer": ISSUER, "audience": AUDIENCE, "jwks_file": str(jwks)})
+    cases = [
+        (_jwt(key, sub="ali\u202ece"), "'sub' claim", "contains U+202E (RIGHT-TO-LEFT OVERRIDE)"),
+        (_jwt(key, sub="mallory>alice", groups=["ci"]), "'sub' claim", "contains '>'"),
+        (_jwt(key, groups=["ok", "bad\u202e"]), "'groups' claim, item 1", "contains U+202E"),
+        (_jwt(key, groups=["ci>x"]), "'groups' claim, item 0", "contains '>'"),
+        (_jwt(key, groups="ci"), "'groups' claim", "not a list of group names"),
+        (_jwt(key, groups=["ci", 7]), "'groups' claim", "not a list of group names"),
+    ]
+    for token, claim, problem in cases:
+        status, answer = rx.post("/v1/releases", release_event(payload={"approval_id": "CHG-5"}), headers=_bearer(token))
+        assert (status, answer["field"]) == (401, "Authorization"), answer
+        assert claim in answer["error"] and problem in answer["error"] and "\u202e" not in answer["error"], answer
+    # A proven identity cannot start like an unproven one (an empty identity_prefix makes the claim the whole identity).
+    bare = start(oidc={"issuer": ISSUER, "audience": AUDIENCE, "jwks_file": str(jwks), "identity_prefix": ""})
+    status, answer = bare.post("/v1/releases", release_event(payload={"approval_id": "CHG-5"}), headers=_bearer(_jwt(key, sub="unauthenticated:bob")))
+    assert status == 401 and "starts with 'unauthenticated:'" in answer["error"], answer
+    # A groups claim that is absent or null is no group.
+    status, answer = rx.post("/v1/releases", release_event(payload={"approval_id": "CHG-6"}), headers=_bearer(_jwt(key, groups=None)))
+    assert status == 200, answer
+    [(_, event)] = events_on(kafka_bootstrap, catalogue.release, 1)
+    assert (event.payload.actor, event.payload.actor_groups) == ("user:carol", ())
+
+
+def test_an_identity_the_schema_refuses_is_never_stamped_on_an_event_unvalidated():
+    """The stamping behind every event a caller proves validates what it stamps: were a proof
+    ever to let such an identity past the edge, the request fails instead of publishing it."""
+    from pydantic import ValidationError
+
+    from producers.receiver.auth import Principal
+    from producers.receiver.server import LifecycleReceiver
+    from schemas import decode_event
+
+    receiver = LifecycleReceiver(ReceiverSettings(), publisher=None, policy=BY_GROUP)
+    event = decode_event(release_event(payload={"approval_id": "CHG-5"}))
+    for principal in (Principal("user:ali\u202ece", (), "oidc"), Principal("user:carol", ("ci>x",), "oidc")):
+        with pytest.raises(ValidationError, match=r"actor(_groups\.0)?\n.*(U\+202E|contains .>.)"):
+            receiver._proven(event, principal, "")
+
+
+def test_a_person_named_with_a_delegation_marker_is_422(start, credentials, catalogue, kafka_bootstrap):
+    # 'x>alice' read back as the service acting for alice.
+    rx = start(policy=BY_GROUP, credentials_file=str(credentials))
+    status, answer = rx.post("/v1/releases", release_event(payload={"on_behalf_of": "x>alice"}), headers=_bearer(TOKENS["ci"]))
+    assert (status, answer["field"]) == (422, "payload.on_behalf_of") and "contains '>'" in answer["error"], answer
+    status, answer = rx.post("/v1/releases", release_event(payload={"actor": "mallory>alice"}))  # unauthenticated alike
+    assert (status, answer["field"]) == (422, "payload.actor"), answer
+    assert events_on(kafka_bootstrap, catalogue.release, 0, timeout=3) == []
+
+
+@pytest.mark.parametrize(("caller", "where", "problem"), [
+    ({"identity": "user:mallory>alice"}, "callers[0].identity", "contains '>'"),
+    ({"identity": "user:ali\u202ece"}, "callers[0].identity", "U+202E"),
+    ({"identity": "user:alice", "groups": ["ok", "bad\u202e"]}, "callers[0].groups.1", "U+202E"),
+    ({"identity": "user:alice", "groups": ["ci>x"]}, "callers[0].groups.0", "contains '>'"),
+])
+def test_a_callers_file_entry_the_schema_would_refuse_is_a_load_error_naming_it(tmp_path, caller, where, problem):
+    from producers.receiver.auth import CredentialsFile, CredentialsFileError
+
+    path = tmp_path / "callers.yaml"
+    path.write_text(json.dumps({"callers": [{**caller, "token_sha256": _sha(TOKENS["alice"])}]}))
+    with pytest.raises(CredentialsFileError) as info:
+        CredentialsFile(path)
+    assert f"{where}: " in str(info.value) and problem in str(info.value), info.value
