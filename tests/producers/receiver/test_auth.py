@@ -388,3 +388,48 @@ def test_a_callers_file_entry_the_schema_would_refuse_is_a_load_error_naming_it(
     with pytest.raises(CredentialsFileError) as info:
         CredentialsFile(path)
     assert f"{where}: " in str(info.value) and problem in str(info.value), info.value
+
+
+def test_a_credentials_file_that_breaks_refuses_its_tokens_until_it_is_fixed(start, credentials, signing_key, caplog):
+    # Revocation failed open: mallory removed in an edit that also left a stray tab (or the file
+    # deleted) kept her token valid, "keeping the previous callers".
+    key, jwks = signing_key
+    rx = start(credentials_file=str(credentials), oidc={"issuer": ISSUER, "audience": AUDIENCE, "jwks_file": str(jwks)})
+    good = credentials.read_text()
+    approve = release_event(payload={"approval_id": "CHG-20"})
+    assert rx.post("/v1/releases", approve, headers=_bearer(TOKENS["mallory"]))[0] == 200
+    without_mallory = json.loads(good)
+    without_mallory["callers"] = [c for c in without_mallory["callers"] if c["identity"] != "user:mallory"]
+    broken = json.dumps(without_mallory, indent=2).replace('\n  "callers"', '\n\t"callers"')  # a tab: not YAML
+    caplog.set_level("ERROR", logger="producers.receiver.auth")
+    for state in (broken, None):  # invalid, then deleted
+        if state is None:
+            credentials.unlink()
+        else:
+            credentials.write_text(state)
+        for token in (TOKENS["mallory"], TOKENS["alice"], "tok-nobody"):
+            for _ in range(2):
+                status, answer = rx.post("/v1/releases", approve, headers=_bearer(token))
+                assert (status, answer["field"], answer.get("retriable")) == (503, "Authorization", True), answer
+                assert "credentials file cannot be read or is invalid" in answer["error"] and str(credentials) not in answer["error"]
+        # A JWT is not the file's: still verified.
+        assert rx.post("/v1/releases", approve, headers=_bearer(_jwt(key)))[0] == 200
+    # Logged once per state (invalid, deleted), not once per request.
+    logged = [r.getMessage() for r in caplog.records if r.name == "producers.receiver.auth" and r.levelname == "ERROR"]
+    assert len(logged) == 2 and "found character '\\t'" in logged[0] and "No such file" in logged[1], logged
+    # Fixed: the file's callers as it now says — mallory's revocation holds.
+    credentials.write_text(json.dumps(without_mallory))
+    assert rx.post("/v1/releases", approve, headers=_bearer(TOKENS["alice"]))[0] == 200
+    status, answer = rx.post("/v1/releases", approve, headers=_bearer(TOKENS["mallory"]))
+    assert (status, answer["field"]) == (401, "Authorization"), answer
+
+
+def test_a_bad_credentials_file_at_start_is_an_error(tmp_path):
+    from producers.receiver.auth import CredentialsFile, CredentialsFileError
+
+    path = tmp_path / "callers.yaml"
+    path.write_text("callers:\n\t- identity: user:alice\n")
+    with pytest.raises(CredentialsFileError, match="callers.yaml"):
+        CredentialsFile(path)
+    with pytest.raises(CredentialsFileError, match="No such file"):
+        CredentialsFile(tmp_path / "missing.yaml")
