@@ -433,3 +433,20 @@ def test_a_bad_credentials_file_at_start_is_an_error(tmp_path):
         CredentialsFile(path)
     with pytest.raises(CredentialsFileError, match="No such file"):
         CredentialsFile(tmp_path / "missing.yaml")
+
+
+def test_a_caller_removed_within_the_same_mtime_is_revoked(tmp_path, credentials):
+    # An edit within the filesystem's timestamp granularity (or a file replaced by one with the
+    # same mtime) was taken for no change: the removed caller stayed valid.
+    import os
+
+    from producers.receiver.auth import CredentialsFile
+
+    callers = CredentialsFile(credentials)
+    assert callers.lookup(TOKENS["mallory"]) is not None
+    mtime = credentials.stat().st_mtime_ns
+    edited = json.loads(credentials.read_text())
+    edited["callers"] = [c for c in edited["callers"] if c["identity"] != "user:mallory"]
+    credentials.write_text(json.dumps(edited))
+    os.utime(credentials, ns=(mtime, mtime))
+    assert callers.lookup(TOKENS["mallory"]) is None and callers.lookup(TOKENS["alice"]).identity == "user:alice"
