@@ -110,6 +110,9 @@ def _trace(request: web.Request) -> TraceContext | None:
 
 #: How a signed MLflow delivery's events are proven (``authenticated_by``).
 MLFLOW_PROOF = "mlflow-webhook"
+#: The proofs of an MLflow alias move where no secret is set: a bearer token on /v1/mlflow (the
+#: credentials file's or an OIDC JWT; shared tokens are per other endpoint), or an earlier signature.
+MLFLOW_TOKEN_PROOFS = ("token", "oidc", MLFLOW_PROOF)
 
 
 def _stamped(event: ReleaseEvent, **update: Any) -> ReleaseEvent:
@@ -144,7 +147,9 @@ class LifecycleReceiver:
         self.host = host if host is not None else socket.gethostname()
         self.counters = {source: ComponentCounters(f"receiver.{source}") for source in SOURCES}
         self.deliveries = DeliveryLog(config.mlflow_dedup_size)
-        self.alias_holders = AliasHolders(proven_by=MLFLOW_PROOF if self.config.mlflow_secret is not None else None)
+        # Holders are the moves /v1/mlflow proved: by the signature when a secret is set (it takes
+        # nothing else then), else by a caller's token (and moves signed while a secret was set).
+        self.alias_holders = AliasHolders(proven_by=(MLFLOW_PROOF,) if self.config.mlflow_secret is not None else MLFLOW_TOKEN_PROOFS)
         self._alias_moves: asyncio.Lock | None = None  # one alias move at a time: read holder, publish, update
         self._stopping = threading.Event()
         self.guard: ConnectionGuard | None = None  # set by ``serve``

@@ -450,3 +450,37 @@ def test_a_caller_removed_within_the_same_mtime_is_revoked(tmp_path, credentials
     credentials.write_text(json.dumps(edited))
     os.utime(credentials, ns=(mtime, mtime))
     assert callers.lookup(TOKENS["mallory"]) is None and callers.lookup(TOKENS["alice"]).identity == "user:alice"
+
+
+def test_alias_holders_are_only_moves_a_credential_proved(start, credentials, catalogue, kafka_bootstrap):
+    # /v1/mlflow authenticated by bearer tokens (no MLflow secret): an anonymous POST to
+    # /v1/releases that only said it was an MLflow move of prod to version 9 was read back as
+    # prod's holder, and alice's proven move to 6 published as "rt-hold:9 rolled_back out of prod
+    # (replaced by rt-hold:6) by user:alice" — a proven actor on a rollback of what nobody proved.
+    from tests.producers.receiver.test_server import mlflow_headers
+
+    t0 = datetime(2026, 5, 4, 9, tzinfo=timezone.utc)
+
+    def move(version: str, seconds: int) -> bytes:
+        return json.dumps({"entity": "model_version_alias", "action": "created", "timestamp": (t0.replace(second=seconds)).isoformat(),
+                           "data": {"name": "rt-hold", "alias": "prod", "version": version}}).encode()
+
+    forged = release_event("release.promoted", "rt-hold:9", occurred_at=t0.isoformat(), source={"collector": "mlflow", "host": "rx"},
+                           identity={"release_id": "rt-hold:9", "model_name": "rt-hold", "model_version": "9", "environment": "prod"},
+                           payload={"to_environment": "prod", "tags": {"mlflow.alias": "prod"}})
+    assert start(credentials_file=str(credentials)).post("/v1/releases", forged)[0] == 200
+    rx = start(credentials_file=str(credentials))  # reads the alias holders from the topic at start
+    published = []
+    for version, seconds in (("6", 1), ("8", 2), ("7", 3)):
+        body = move(version, seconds)
+        status, answer = rx.post("/v1/mlflow", body, headers={**mlflow_headers(body), **_bearer(TOKENS["alice"])})
+        assert status == 200, answer
+        published.append(answer["event_ids"])
+    by_id = {e.event_id: e for _, e in events_on(kafka_bootstrap, catalogue.release, 5)}
+    moves = [[(by_id[i].event_type, by_id[i].identity.release_id, by_id[i].payload.superseded_release_id, by_id[i].payload.actor)
+              for i in ids] for ids in published]
+    assert moves == [
+        [("release.promoted", "rt-hold:6", None, "user:alice")],  # the forged holder is no holder
+        [("release.promoted", "rt-hold:8", "rt-hold:6", "user:alice")],  # a proven one is
+        [("release.rolled_back", "rt-hold:8", "rt-hold:7", "user:alice"), ("release.promoted", "rt-hold:7", "rt-hold:8", "user:alice")],
+    ]
