@@ -287,8 +287,8 @@ class AliasHolders:
         # proofs /v1/mlflow takes) when given. A body POSTed to /v1/releases that only said it came
         # from MLflow (its ``source.collector`` and an ``mlflow.alias`` tag are the caller's to
         # write) was taken for a move, and the next genuine delivery was published as a rollback of
-        # it — with the proven actor of that delivery. So unproven deliveries (no secret, no token)
-        # name no holder: their moves are promotions superseding nothing, never rollbacks.
+        # it — with the proven actor of that delivery. So an unproven delivery (no secret, no token)
+        # becomes no holder: where none is proven, moves supersede nothing and roll nothing back.
         self.proven_by = frozenset(proven_by) if proven_by is not None else None
         self._moves: dict[tuple[str, str, str], list[tuple[datetime, str, str]]] = {}
         self._lock = threading.Lock()
