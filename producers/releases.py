@@ -28,7 +28,7 @@ from datetime import datetime, timezone
 from gpuledger.timefmt import TimeFormatError, parse_time
 from producers._errors import ProducerError
 from schemas.envelope import UINT32_MAX, Identity, Source, make_event_id
-from schemas.release import ReleaseEvent, ReleasePayload, Reservation
+from schemas.release import ReleaseEvent, ReleasePayload, Reservation, actor_name_problem
 
 COLLECTOR = "releases"
 EVENT_ID_SOURCE = "cli"
@@ -134,6 +134,10 @@ def build_event(command: ReleaseCommand, options: dict, observed_at: datetime | 
         problems.append("--window-end must be after --window-start")
     if "gpus" in given and not 0 <= given["gpus"] <= UINT32_MAX:  # (``schemas.release.Reservation.gpus``)
         problems.append(f"--gpus must be from 0 to {UINT32_MAX:,}")
+    for name in ("actor", "on_behalf_of"):  # (``schemas.release.ActorIdText``: 'ci>alice' is no delegation, --on-behalf-of is)
+        problem = actor_name_problem(given[name]) if name in given else None
+        if problem:
+            problems.append(f"{FLAGS[name]}: {problem}")
     if problems:
         raise ReleaseInputError("; ".join(problems))
 

@@ -6,11 +6,11 @@ Published by the receiver and the ``gpuledger release`` CLI, keyed by release_id
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
-from schemas.envelope import Count32, EventBase, Frozen, IdText, UtcDatetime
+from schemas.envelope import Count32, EventBase, Frozen, IdText, UtcDatetime, identity_text_problem
 
 ReleaseEventType = Literal[
     "release.registered",
@@ -38,6 +38,46 @@ LIFECYCLE_EVENTS = frozenset(get_args(ReleaseEventType)) - ADMIN_ACTIONS - {"rel
 ENDING_EVENTS = frozenset({"release.rolled_back", "release.revoked", "release.retired"})
 
 
+# The markers of a ``decision_actor`` string, the one form the decision-rights checks read back
+# (``parse_decision``). Each is unambiguous only because no name in the string can carry it.
+#: Prefix of a decision actor whose identity no credential proved: no ``ActorIdText`` starts with it.
+UNAUTHENTICATED = "unauthenticated:"
+#: Between a service and the person it acted for (``actor>on_behalf_of``): no ``ActorIdText`` contains it.
+DELEGATED = ">"
+#: Before each authenticated group: a control character, which no ``IdText`` contains.
+GROUP_SEPARATOR = "\x1f"
+
+
+def actor_name_problem(value: str) -> str | None:
+    """Why ``value`` cannot be an actor, a person acted for or an actor's group, or None.
+
+    Besides an identifier's rule (``identity_text_problem``): a '>' in a name was read as a
+    delegation — a token for 'mallory>alice' was judged as 'user:mallory' acting for alice,
+    though nobody had named alice in ``on_behalf_of`` and no delegate right was checked — and a
+    name starting with 'unauthenticated:' would read as unproven."""
+    problem = identity_text_problem(value)
+    if problem:
+        return problem
+    if DELEGATED in value:
+        return (f"contains '>' at position {value.index(DELEGATED)}; '>' cannot be in an actor, on_behalf_of or group name: "
+                "it separates a service from the person it acted for in the decision the controls judge")
+    if value.startswith(UNAUTHENTICATED):
+        return f"starts with {UNAUTHENTICATED!r}, which marks an actor no credential proved in the decision the controls judge"
+    return None
+
+
+def _actor_name(value: str) -> str:
+    problem = actor_name_problem(value)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+#: An actor, person or group name (``ReleasePayload``): an ``IdText`` that also keeps clear of the
+#: separators of ``decision_actor`` ('>' anywhere, 'unauthenticated:' at the start).
+ActorIdText = Annotated[str, AfterValidator(_actor_name)]
+
+
 class Reservation(Frozen):
     """Capacity reserved for a release."""
 
@@ -51,10 +91,10 @@ class Reservation(Frozen):
 class ReleasePayload(Frozen):
     """What happened to a release, by whom."""
 
-    actor: IdText | None = Field(default=None, description="Who did it: the authenticated caller (e.g. 'user:alice', 'service:ci-gitlab') when authenticated_by is set, else the name the publisher typed.")
-    on_behalf_of: IdText | None = Field(default=None, description="The person a service acted for (CI for the engineer who clicked); counts only if the policy gives the actor the 'delegate' right.")
+    actor: ActorIdText | None = Field(default=None, description="Who did it: the authenticated caller (e.g. 'user:alice', 'service:ci-gitlab') when authenticated_by is set, else the name the publisher typed. Never contains '>' nor starts with 'unauthenticated:' (see decision_actor).")
+    on_behalf_of: ActorIdText | None = Field(default=None, description="The person a service acted for (CI for the engineer who clicked); counts only if the policy gives the actor the 'delegate' right. Never contains '>' nor starts with 'unauthenticated:'.")
     authenticated_by: IdText | None = Field(default=None, description="How the receiver proved the actor: 'token' (credentials file), 'oidc' (JWT), 'mlflow-webhook' (signed delivery), 'shared-token'; null = unauthenticated (e.g. the CLI straight to Kafka).")
-    actor_groups: tuple[IdText, ...] = Field(default=(), description="Groups of the authenticated actor (credentials file or the token's groups claim).")
+    actor_groups: tuple[ActorIdText, ...] = Field(default=(), description="Groups of the authenticated actor (credentials file or the token's groups claim). None contains '>' nor starts with 'unauthenticated:'.")
     approval_id: IdText | None = Field(default=None, description="Change/approval ticket id.")
     reason: str | None = Field(default=None, description="Free-text reason.")
     to_environment: IdText | None = Field(default=None, description="Target environment of a promotion/rollback.")
@@ -63,13 +103,6 @@ class ReleasePayload(Frozen):
     target: IdText | None = Field(default=None, description="Admin action target: queue, node or workload name.")
     expires_at: UtcDatetime | None = Field(default=None, description="Expiry of an emergency override.")
     tags: dict[str, str] = Field(default_factory=dict, description="Registry tags/aliases carried along.")
-
-
-#: Prefix of a decision actor whose identity no credential proved (see ``decision_actor``).
-UNAUTHENTICATED = "unauthenticated:"
-#: Separates the authenticated groups in a ``decision_actor`` string. A control character, so
-#: it can occur in no actor, person or group name (``IdText`` refuses control characters).
-GROUP_SEPARATOR = "\x1f"
 
 
 @dataclass(frozen=True)
@@ -83,10 +116,15 @@ class Decision:
 
 
 def parse_decision(decision: str) -> Decision:
-    """The parts of a ``decision_actor`` string."""
+    """The parts of a ``decision_actor`` string.
+
+    Unambiguous for a string built from a valid payload: it starts with ``UNAUTHENTICATED`` only
+    when unproven (no actor starts with it, and an actorless delegation starts with '>'); the
+    first ``GROUP_SEPARATOR`` ends the actor part (no name contains a control character); and
+    that part holds a '>' only as the delegation's (no actor or person contains one)."""
     proven = not decision.startswith(UNAUTHENTICATED)
     who, *groups = decision.removeprefix(UNAUTHENTICATED).split(GROUP_SEPARATOR)
-    service, delegated, person = who.rpartition(">")
+    service, delegated, person = who.rpartition(DELEGATED)
     if delegated:
         return Decision(proven, service, person, tuple(groups))
     return Decision(proven, who, None, tuple(groups))
@@ -115,7 +153,7 @@ def decision_actor(payload) -> str | None:
     actor, person = get("actor"), get("on_behalf_of")
     if not actor and not person:
         return None
-    who = f"{actor or ''}>{person}" if person else actor
+    who = f"{actor or ''}{DELEGATED}{person}" if person else actor
     if not get("authenticated_by"):
         return UNAUTHENTICATED + who
     return who + "".join(GROUP_SEPARATOR + g for g in sorted(set(get("actor_groups") or ())))

@@ -10,11 +10,14 @@ Proofs, tried in this order for a bearer token:
   token_sha256, endpoints}]``. Only the SHA-256 of each token is stored: tokens are random
   secrets of at least 128 bits (``openssl rand -hex 32``), so a fast hash is enough — there
   is no low-entropy password to stretch — and a leaked file leaks no token. The file is
-  re-read when it changes (mtime), so callers can be added or revoked without a restart.
+  re-read when it changes (mtime, size, inode), so callers can be added or revoked without a restart.
 - **OIDC / JWT** (``oidc``): a token with three dot-separated parts is verified with PyJWT
   against the configured issuer's JWKS (file or URL), ``iss``, ``aud`` and ``exp``;
   identity = ``identity_prefix`` + the ``identity_claim`` (default ``user:`` + ``sub``),
-  groups from ``groups_claim``.
+  groups from ``groups_claim`` (a list of strings).
+Identities and groups, from a token or the file, must be what the release schema takes as
+an actor (``schemas.release.ActorIdText``): a token that proves anything else is a 401
+naming the claim, a file entry a load error naming it.
 - **per-source shared token** (``<source>_bearer_token``, the older setting): identity
   ``service:<source>``, method ``shared-token``.
 Guarantees: a credential that is presented and wrong is a 401 (``AuthError``), never
@@ -24,6 +27,8 @@ JWKS URLs are fetched by PyJWT's ``PyJWKClient`` and cached by it (the whole key
 verification whose key is in that cache needs no I/O (``fetch=False``); one that needs the
 network raises ``KeyFetchNeeded`` so that the receiver repeats it on a thread of its own and
 its event loop never waits for the identity provider.
+A credentials file that becomes unreadable or invalid while serving fails closed: every
+bearer token that is not a JWT is refused (503, retriable) until the file is fixed.
 Limits: no token revocation list beyond removing a caller from the file.
 """
 
@@ -40,6 +45,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from producers._errors import PayloadError, ProducerError
+from schemas.release import ActorIdText, actor_name_problem
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +73,10 @@ class Caller(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    identity: str = Field(pattern=r"^(user|service):[^\s:][^\s]*$", description="Who the token proves: 'user:<name>' or 'service:<name>'.")
-    groups: tuple[str, ...] = Field(default=(), description="Groups of the caller (recorded with its events).")
+    # ActorIdText: what the receiver stamps on the caller's events must be what the release schema
+    # accepts (an event it answered 200 for must not be dead-lettered by the worker).
+    identity: ActorIdText = Field(pattern=r"^(user|service):[^\s:][^\s]*$", description="Who the token proves: 'user:<name>' or 'service:<name>' (no control or bidi character, no '>').")
+    groups: tuple[ActorIdText, ...] = Field(default=(), description="Groups of the caller (recorded with its events; no control or bidi character, no '>').")
     token_sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 (hex) of the bearer token: `printf %s TOKEN | sha256sum`.")
     endpoints: tuple[str, ...] = Field(default=ENDPOINTS, description="Endpoints the token may call (default: all).")
 
@@ -90,20 +98,28 @@ class CredentialsFileError(ProducerError):
 
 
 class CredentialsFile:
-    """The callers of a credentials file, by token hash; re-read when the file changes."""
+    """The callers of a credentials file, by token hash; re-read when the file changes.
+
+    Fails closed: while the file cannot be read (deleted, unreadable) or is invalid, ``lookup``
+    raises ``CredentialsFileError`` for every token — keeping the previous callers meant that a
+    caller removed in an edit that also broke the file (a stray tab), or in deleting it, stayed
+    valid. Logged once per change of state; usable again as soon as the file is fixed.
+    """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._mtime: float | None = None
+        self._stamp: tuple[int, int, int] | None = None  # of the file last read, good or not
         self._by_hash: dict[str, Caller] = {}
+        self._problem: str | None = None  # why the file on disk cannot be used, or None
         self._lock = threading.Lock()
-        self._load()  # fail at start on a bad file, before serving
+        self._serving = False  # (a bad file at start is the caller's error to report, not a log line)
+        self._refresh()
+        if self._problem is not None:  # fail at start on a bad file, before serving
+            raise CredentialsFileError(self._problem)
+        self._serving = True
 
-    def _load(self) -> None:
+    def _read(self) -> dict[str, Caller]:
         try:
-            mtime = self.path.stat().st_mtime
-            if mtime == self._mtime:
-                return
             data = yaml.safe_load(self.path.read_text()) or {}
         except (OSError, yaml.YAMLError) as exc:
             raise CredentialsFileError(f"{self.path}: {exc}") from exc
@@ -122,15 +138,42 @@ class CredentialsFile:
             by_hash[caller.token_sha256] = caller
         if problems:
             raise CredentialsFileError(f"{self.path}: " + "; ".join(problems))
-        self._by_hash, self._mtime = by_hash, mtime
+        return by_hash
+
+    def _refresh(self) -> None:
+        """Re-read the file if it changed; ``_problem`` says why it cannot be used, if it cannot."""
+        try:
+            st = self.path.stat()
+        except OSError as exc:
+            self._fail(None, f"{self.path}: {exc}")
+            return
+        # Size and inode too: a file replaced (renamed over, a Kubernetes secret's symlink swap)
+        # or edited within the filesystem's timestamp granularity keeps its mtime.
+        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if stamp == self._stamp:
+            return
+        try:
+            by_hash = self._read()
+        except CredentialsFileError as exc:
+            self._fail(stamp, str(exc))
+            return
+        if self._problem is not None:
+            log.warning("credentials file %s is usable again: its callers are accepted", self.path)
+        self._by_hash, self._stamp, self._problem = by_hash, stamp, None
         log.info("credentials: %d caller(s) from %s", len(by_hash), self.path)
 
+    def _fail(self, stamp: tuple[int, int, int] | None, problem: str) -> None:
+        if self._serving and problem != self._problem:
+            log.error("credentials file cannot be used, refusing every token of it until it is fixed: %s", problem)
+        # A missing file has no stamp: whatever appears next is read.
+        self._by_hash, self._stamp, self._problem = {}, stamp, problem
+
     def lookup(self, token: str) -> Caller | None:
+        """The caller of ``token``, or None; ``CredentialsFileError`` while the file cannot be used."""
         with self._lock:
-            try:
-                self._load()
-            except CredentialsFileError as exc:  # keep serving with the last good file, loudly
-                log.error("credentials file not reloaded, keeping the previous callers: %s", exc)
+            self._refresh()
+            if self._problem is not None:
+                raise CredentialsFileError(self._problem)
             digest = hashlib.sha256(token.encode()).hexdigest()
             # The dict lookup is on a hash of a high-entropy secret; compare again in constant time.
             caller = self._by_hash.get(digest)
@@ -230,8 +273,24 @@ class OidcVerifier:
         name = claims.get(s.identity_claim)
         if not isinstance(name, str) or not name:
             raise AuthError(f"Authorization: the token's {s.identity_claim!r} claim is not a name")
-        groups = claims.get(s.groups_claim) or ()
-        return Principal(s.identity_prefix + name, tuple(str(g) for g in groups) if isinstance(groups, list) else (), "oidc")
+        # Checked here, by the release schema's rule: a name it refuses was stamped on the event
+        # unchecked, answered 200, and dead-lettered by the worker — accepted, never recorded.
+        identity = s.identity_prefix + name
+        problem = actor_name_problem(identity)
+        if problem:
+            raise AuthError(f"Authorization: the token's {s.identity_claim!r} claim cannot name a caller: the identity it makes "
+                            f"({s.identity_prefix!r} + the claim) {problem}")
+        groups = claims.get(s.groups_claim)
+        if groups is None:
+            groups = []  # (absent or null: no groups)
+        if not isinstance(groups, list) or not all(isinstance(g, str) for g in groups):
+            # Ignored before: a caller whose groups the issuer meant to say was silently groupless.
+            raise AuthError(f"Authorization: the token's {s.groups_claim!r} claim is not a list of group names")
+        for i, group in enumerate(groups):
+            problem = actor_name_problem(group)
+            if problem:
+                raise AuthError(f"Authorization: the token's {s.groups_claim!r} claim, item {i}: {problem}")
+        return Principal(identity, tuple(groups), "oidc")
 
 
 class Authenticator:
@@ -265,13 +324,24 @@ class Authenticator:
         shared = self.shared_tokens.get(endpoint)
         if shared is not None and hmac.compare_digest(token.encode(), shared.get_secret_value().encode()):
             return Principal(f"service:{endpoint}", (), "shared-token")
+        unusable = False
         if self.credentials is not None:
-            caller = self.credentials.lookup(token)
+            try:
+                caller = self.credentials.lookup(token)
+            except CredentialsFileError:  # (logged by the file, once)
+                caller, unusable = None, True
             if caller is not None:
                 if endpoint not in caller.endpoints:
                     raise PayloadError(f"Authorization: {caller.identity} may not call /v1/{endpoint} (its endpoints: "
                                        f"{', '.join(caller.endpoints)})", field="Authorization", reason="forbidden", status=403)
                 return Principal(caller.identity, caller.groups, "token")
         if self.oidc is not None and token.count(".") == 2:
-            return self.oidc.verify(token, fetch)
+            return self.oidc.verify(token, fetch)  # a JWT is not the file's: it is verified whatever the file's state
+        if unusable:
+            # 503, not 401: the fault is the receiver's file, not the caller's token. Senders retry
+            # 5xx (Alertmanager and MLflow do, 4xx they drop), so a valid caller loses nothing while
+            # it is fixed, and a revoked one still gets nothing in. The problem itself is in the log only.
+            raise PayloadError("Authorization: the receiver's credentials file cannot be read or is invalid, so none of its tokens is "
+                               "accepted until an operator fixes it (the receiver's log says why); retry later", field="Authorization",
+                               reason="credentials_unavailable", status=503, details={"retriable": True})
         raise AuthError("Authorization: missing or wrong bearer token")

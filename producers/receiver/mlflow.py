@@ -34,7 +34,8 @@ same id; the receiver also drops a delivery id it already published (``DeliveryL
 bounded LRU). Without the header (an unsigned sender that omits it) the body's
 timestamp stands in for it.
 Alias moves: ``AliasHolders`` knows which version held each (model, alias) when, loaded
-from the release topic at start and kept by the receiver. A move records the previous
+from the release topic at start and kept by the receiver — proven moves only (a signed
+delivery, or one whose bearer token proved its caller where no secret is set). A move records the previous
 holder as ``superseded_release_id``; a move to an *earlier* version (lower version
 number) is a rollback: ``release.rolled_back`` of the version that held the alias, then
 ``release.promoted`` of the earlier one, both at the delivery's time.
@@ -52,6 +53,7 @@ import hmac
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -280,12 +282,14 @@ class AliasHolders:
     the very same events. Thread-safe.
     """
 
-    def __init__(self, proven_by: str | None = None) -> None:
-        # ``proven_by``: with signed deliveries, only events the signature proved (``authenticated_by``
-        # this method) are moves. A body POSTed to /v1/releases that only said it came from MLflow
-        # (its ``source.collector`` and an ``mlflow.alias`` tag are the caller's to write) was taken
-        # for a move, and the next genuine, signed delivery was published as a rollback of it.
-        self.proven_by = proven_by
+    def __init__(self, proven_by: Collection[str] | None = None) -> None:
+        # Only a proven event is a move: ``authenticated_by`` set, and one of ``proven_by`` (the
+        # proofs /v1/mlflow takes) when given. A body POSTed to /v1/releases that only said it came
+        # from MLflow (its ``source.collector`` and an ``mlflow.alias`` tag are the caller's to
+        # write) was taken for a move, and the next genuine delivery was published as a rollback of
+        # it — with the proven actor of that delivery. So an unproven delivery (no secret, no token)
+        # becomes no holder: where none is proven, moves supersede nothing and roll nothing back.
+        self.proven_by = frozenset(proven_by) if proven_by is not None else None
         self._moves: dict[tuple[str, str, str], list[tuple[datetime, str, str]]] = {}
         self._lock = threading.Lock()
         self.ready = threading.Event()
@@ -305,7 +309,8 @@ class AliasHolders:
         if event.source.collector != COLLECTOR or not alias or event.event_type == "release.rolled_back" \
                 or not event.identity.model_name or not event.identity.model_version:
             return
-        if self.proven_by is not None and event.payload.authenticated_by != self.proven_by:
+        proof = event.payload.authenticated_by
+        if proof is None or (self.proven_by is not None and proof not in self.proven_by):
             return
         key = (tags.get("mlflow.workspace") or "", event.identity.model_name, alias)
         move = (event.occurred_at, event.identity.model_version, event.identity.release_id)

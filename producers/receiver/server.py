@@ -75,7 +75,7 @@ from producers.releases import release_natural_key
 from schemas.envelope import SCHEMA_VERSION, TraceContext, make_event_id
 from schemas.events import EVENT_TYPES, EventDecodeError, decode_event, encode_event
 from schemas.outputs import dead_letter
-from schemas.release import ReleaseEvent
+from schemas.release import ReleaseEvent, ReleasePayload
 from streams.controls.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,17 @@ def _trace(request: web.Request) -> TraceContext | None:
 
 #: How a signed MLflow delivery's events are proven (``authenticated_by``).
 MLFLOW_PROOF = "mlflow-webhook"
+#: The proofs of an MLflow alias move where no secret is set: a bearer token on /v1/mlflow (the
+#: credentials file's or an OIDC JWT; shared tokens are per other endpoint), or an earlier signature.
+MLFLOW_TOKEN_PROOFS = ("token", "oidc", MLFLOW_PROOF)
+
+
+def _stamped(event: ReleaseEvent, **update: Any) -> ReleaseEvent:
+    """``event`` with its payload's ``update`` (who proved it), validated again. ``model_copy(update=…)``
+    validates nothing: a token's identity the schema refuses was stamped on, answered 200, and the
+    worker dead-lettered the event — accepted, never recorded. The edge checks credentials
+    (``producers.receiver.auth``); this keeps anything unvalidated off the topic all the same."""
+    return event.model_copy(update={"payload": ReleasePayload.model_validate({**event.payload.model_dump(), **update})})
 
 
 def _proof(principal: Principal | None) -> dict[str, Any]:
@@ -136,7 +147,9 @@ class LifecycleReceiver:
         self.host = host if host is not None else socket.gethostname()
         self.counters = {source: ComponentCounters(f"receiver.{source}") for source in SOURCES}
         self.deliveries = DeliveryLog(config.mlflow_dedup_size)
-        self.alias_holders = AliasHolders(proven_by=MLFLOW_PROOF if self.config.mlflow_secret is not None else None)
+        # Holders are the moves /v1/mlflow proved: by the signature when a secret is set (it takes
+        # nothing else then), else by a caller's token (and moves signed while a secret was set).
+        self.alias_holders = AliasHolders(proven_by=(MLFLOW_PROOF,) if self.config.mlflow_secret is not None else MLFLOW_TOKEN_PROOFS)
         self._alias_moves: asyncio.Lock | None = None  # one alias move at a time: read holder, publish, update
         self._stopping = threading.Event()
         self.guard: ConnectionGuard | None = None  # set by ``serve``
@@ -279,9 +292,8 @@ class LifecycleReceiver:
         # everyone, mallory's approval and alice's (same release, approval id, time) had one id, and
         # whichever came first was the one kept.
         caller = principal.identity if principal is not None else f"unauthenticated:{p.actor or ''}"
-        return event.model_copy(update={
-            "payload": p.model_copy(update=_proof(principal)),
-            "event_id": make_event_id(EVENT_ID_SOURCE, (caller, *natural_key), event.occurred_at.isoformat()),
+        return _stamped(event, **_proof(principal)).model_copy(update={
+            "event_id": make_event_id(EVENT_ID_SOURCE, (caller, *natural_key), event.occurred_at.isoformat()),  # (a hash: valid)
         })
 
     async def _read_body(self, request: web.Request) -> bytes:
@@ -464,9 +476,7 @@ class LifecycleReceiver:
         events = release_events(data, self.config.mlflow, datetime.now(timezone.utc), self.host, _trace(request),
                                 delivery_id=delivery_id, holders=self.alias_holders)
         if principal is not None:  # the signature proves the webhook: its events are by it
-            events = [e.model_copy(update={"payload": e.payload.model_copy(update={"actor": principal.identity,
-                                                                                    "authenticated_by": principal.method})})
-                      for e in events]
+            events = [_stamped(e, actor=principal.identity, authenticated_by=principal.method) for e in events]
         self.counters["mlflow"].add_received(len(events))
         await self._publish("mlflow", events)
         self.deliveries.remember(delivery_id)

@@ -135,6 +135,8 @@ def test_retry_with_the_same_time_keeps_one_event_id(cli):
      "--window-end must be after --window-start"),
     (["reserve", "--release-id", "r:1", "--reservation-id", "x", "--gpus", str(2**32)], "--gpus must be from 0 to 4,294,967,295"),
     (["reserve", "--release-id", "r:1", "--reservation-id", "x", "--gpus", "-1"], "--gpus must be from 0 to 4,294,967,295"),
+    (["approve", "--release-id", "r:1", "--actor", "ci>alice"], "--actor: contains '>' at position 2"),
+    (["approve", "--release-id", "r:1", "--actor", "ci", "--on-behalf-of", "x>alice"], "--on-behalf-of: contains '>'"),
 ])
 def test_missing_or_wrong_flags_exit_non_zero_naming_them(tmp_path, args, message):
     # Kafka points at a closed port: the command must fail on its flags, before any I/O.

@@ -314,3 +314,173 @@ def test_oidc_keys_from_a_jwks_url(start, signing_key, catalogue, kafka_bootstra
         assert (event.payload.actor, event.payload.authenticated_by) == ("user:dana", "oidc")
     finally:
         idp.close()
+
+
+BY_GROUP = Policy().model_copy(update={"roles": {**Policy().roles, "ci": Role(owner="team-mlops", members=("group:ci",), actions=("delegate",))}})
+
+
+def test_a_token_whose_identity_or_groups_the_schema_refuses_is_401_naming_the_claim(start, signing_key, catalogue, kafka_bootstrap):
+    # These were answered 200 with an event id and then dead-lettered by the worker (payload.actor:
+    # contains U+202E): an "accepted" answer for an event that never reached history. And 'mallory>alice'
+    # in group ci was judged as mallory acting for alice, though no on_behalf_of was named or checked.
+    key, jwks = signing_key
+    rx = start(policy=BY_GROUP, oidc={"issuer": ISSUER, "audience": AUDIENCE, "jwks_file": str(jwks)})
+    cases = [
+        (_jwt(key, sub="ali\u202ece"), "'sub' claim", "contains U+202E (RIGHT-TO-LEFT OVERRIDE)"),
+        (_jwt(key, sub="mallory>alice", groups=["ci"]), "'sub' claim", "contains '>'"),
+        (_jwt(key, groups=["ok", "bad\u202e"]), "'groups' claim, item 1", "contains U+202E"),
+        (_jwt(key, groups=["ci>x"]), "'groups' claim, item 0", "contains '>'"),
+        (_jwt(key, groups="ci"), "'groups' claim", "not a list of group names"),
+        (_jwt(key, groups=["ci", 7]), "'groups' claim", "not a list of group names"),
+    ]
+    for token, claim, problem in cases:
+        status, answer = rx.post("/v1/releases", release_event(payload={"approval_id": "CHG-5"}), headers=_bearer(token))
+        assert (status, answer["field"]) == (401, "Authorization"), answer
+        assert claim in answer["error"] and problem in answer["error"] and "\u202e" not in answer["error"], answer
+    # A proven identity cannot start like an unproven one (an empty identity_prefix makes the claim the whole identity).
+    bare = start(oidc={"issuer": ISSUER, "audience": AUDIENCE, "jwks_file": str(jwks), "identity_prefix": ""})
+    status, answer = bare.post("/v1/releases", release_event(payload={"approval_id": "CHG-5"}), headers=_bearer(_jwt(key, sub="unauthenticated:bob")))
+    assert status == 401 and "starts with 'unauthenticated:'" in answer["error"], answer
+    # A groups claim that is absent or null is no group.
+    status, answer = rx.post("/v1/releases", release_event(payload={"approval_id": "CHG-6"}), headers=_bearer(_jwt(key, groups=None)))
+    assert status == 200, answer
+    [(_, event)] = events_on(kafka_bootstrap, catalogue.release, 1)
+    assert (event.payload.actor, event.payload.actor_groups) == ("user:carol", ())
+
+
+def test_an_identity_the_schema_refuses_is_never_stamped_on_an_event_unvalidated():
+    """The stamping behind every event a caller proves validates what it stamps: were a proof
+    ever to let such an identity past the edge, the request fails instead of publishing it."""
+    from pydantic import ValidationError
+
+    from producers.receiver.auth import Principal
+    from producers.receiver.server import LifecycleReceiver
+    from schemas import decode_event
+
+    receiver = LifecycleReceiver(ReceiverSettings(), publisher=None, policy=BY_GROUP)
+    event = decode_event(release_event(payload={"approval_id": "CHG-5"}))
+    for principal in (Principal("user:ali\u202ece", (), "oidc"), Principal("user:carol", ("ci>x",), "oidc")):
+        with pytest.raises(ValidationError, match=r"actor(_groups\.0)?\n.*(U\+202E|contains .>.)"):
+            receiver._proven(event, principal, "")
+
+
+def test_a_person_named_with_a_delegation_marker_is_422(start, credentials, catalogue, kafka_bootstrap):
+    # 'x>alice' read back as the service acting for alice.
+    rx = start(policy=BY_GROUP, credentials_file=str(credentials))
+    status, answer = rx.post("/v1/releases", release_event(payload={"on_behalf_of": "x>alice"}), headers=_bearer(TOKENS["ci"]))
+    assert (status, answer["field"]) == (422, "payload.on_behalf_of") and "contains '>'" in answer["error"], answer
+    status, answer = rx.post("/v1/releases", release_event(payload={"actor": "mallory>alice"}))  # unauthenticated alike
+    assert (status, answer["field"]) == (422, "payload.actor"), answer
+    assert events_on(kafka_bootstrap, catalogue.release, 0, timeout=3) == []
+
+
+@pytest.mark.parametrize(("caller", "where", "problem"), [
+    ({"identity": "user:mallory>alice"}, "callers[0].identity", "contains '>'"),
+    ({"identity": "user:ali\u202ece"}, "callers[0].identity", "U+202E"),
+    ({"identity": "user:alice", "groups": ["ok", "bad\u202e"]}, "callers[0].groups.1", "U+202E"),
+    ({"identity": "user:alice", "groups": ["ci>x"]}, "callers[0].groups.0", "contains '>'"),
+])
+def test_a_callers_file_entry_the_schema_would_refuse_is_a_load_error_naming_it(tmp_path, caller, where, problem):
+    from producers.receiver.auth import CredentialsFile, CredentialsFileError
+
+    path = tmp_path / "callers.yaml"
+    path.write_text(json.dumps({"callers": [{**caller, "token_sha256": _sha(TOKENS["alice"])}]}))
+    with pytest.raises(CredentialsFileError) as info:
+        CredentialsFile(path)
+    assert f"{where}: " in str(info.value) and problem in str(info.value), info.value
+
+
+def test_a_credentials_file_that_breaks_refuses_its_tokens_until_it_is_fixed(start, credentials, signing_key, caplog):
+    # Revocation failed open: mallory removed in an edit that also left a stray tab (or the file
+    # deleted) kept her token valid, "keeping the previous callers".
+    key, jwks = signing_key
+    rx = start(credentials_file=str(credentials), oidc={"issuer": ISSUER, "audience": AUDIENCE, "jwks_file": str(jwks)})
+    good = credentials.read_text()
+    approve = release_event(payload={"approval_id": "CHG-20"})
+    assert rx.post("/v1/releases", approve, headers=_bearer(TOKENS["mallory"]))[0] == 200
+    without_mallory = json.loads(good)
+    without_mallory["callers"] = [c for c in without_mallory["callers"] if c["identity"] != "user:mallory"]
+    broken = json.dumps(without_mallory, indent=2).replace('\n  "callers"', '\n\t"callers"')  # a tab: not YAML
+    caplog.set_level("ERROR", logger="producers.receiver.auth")
+    for state in (broken, None):  # invalid, then deleted
+        if state is None:
+            credentials.unlink()
+        else:
+            credentials.write_text(state)
+        for token in (TOKENS["mallory"], TOKENS["alice"], "tok-nobody"):
+            for _ in range(2):
+                status, answer = rx.post("/v1/releases", approve, headers=_bearer(token))
+                assert (status, answer["field"], answer.get("retriable")) == (503, "Authorization", True), answer
+                assert "credentials file cannot be read or is invalid" in answer["error"] and str(credentials) not in answer["error"]
+        # A JWT is not the file's: still verified.
+        assert rx.post("/v1/releases", approve, headers=_bearer(_jwt(key)))[0] == 200
+    # Logged once per state (invalid, deleted), not once per request.
+    logged = [r.getMessage() for r in caplog.records if r.name == "producers.receiver.auth" and r.levelname == "ERROR"]
+    assert len(logged) == 2 and "found character '\\t'" in logged[0] and "No such file" in logged[1], logged
+    # Fixed: the file's callers as it now says — mallory's revocation holds.
+    credentials.write_text(json.dumps(without_mallory))
+    assert rx.post("/v1/releases", approve, headers=_bearer(TOKENS["alice"]))[0] == 200
+    status, answer = rx.post("/v1/releases", approve, headers=_bearer(TOKENS["mallory"]))
+    assert (status, answer["field"]) == (401, "Authorization"), answer
+
+
+def test_a_bad_credentials_file_at_start_is_an_error(tmp_path):
+    from producers.receiver.auth import CredentialsFile, CredentialsFileError
+
+    path = tmp_path / "callers.yaml"
+    path.write_text("callers:\n\t- identity: user:alice\n")
+    with pytest.raises(CredentialsFileError, match="callers.yaml"):
+        CredentialsFile(path)
+    with pytest.raises(CredentialsFileError, match="No such file"):
+        CredentialsFile(tmp_path / "missing.yaml")
+
+
+def test_a_caller_removed_within_the_same_mtime_is_revoked(tmp_path, credentials):
+    # An edit within the filesystem's timestamp granularity (or a file replaced by one with the
+    # same mtime) was taken for no change: the removed caller stayed valid.
+    import os
+
+    from producers.receiver.auth import CredentialsFile
+
+    callers = CredentialsFile(credentials)
+    assert callers.lookup(TOKENS["mallory"]) is not None
+    mtime = credentials.stat().st_mtime_ns
+    edited = json.loads(credentials.read_text())
+    edited["callers"] = [c for c in edited["callers"] if c["identity"] != "user:mallory"]
+    credentials.write_text(json.dumps(edited))
+    os.utime(credentials, ns=(mtime, mtime))
+    assert callers.lookup(TOKENS["mallory"]) is None and callers.lookup(TOKENS["alice"]).identity == "user:alice"
+
+
+def test_alias_holders_are_only_moves_a_credential_proved(start, credentials, catalogue, kafka_bootstrap):
+    # /v1/mlflow authenticated by bearer tokens (no MLflow secret): an anonymous POST to
+    # /v1/releases that only said it was an MLflow move of prod to version 9 was read back as
+    # prod's holder, and alice's proven move to 6 published as "rt-hold:9 rolled_back out of prod
+    # (replaced by rt-hold:6) by user:alice" — a proven actor on a rollback of what nobody proved.
+    from tests.producers.receiver.test_server import mlflow_headers
+
+    t0 = datetime(2026, 5, 4, 9, tzinfo=timezone.utc)
+
+    def move(version: str, seconds: int) -> bytes:
+        return json.dumps({"entity": "model_version_alias", "action": "created", "timestamp": (t0.replace(second=seconds)).isoformat(),
+                           "data": {"name": "rt-hold", "alias": "prod", "version": version}}).encode()
+
+    forged = release_event("release.promoted", "rt-hold:9", occurred_at=t0.isoformat(), source={"collector": "mlflow", "host": "rx"},
+                           identity={"release_id": "rt-hold:9", "model_name": "rt-hold", "model_version": "9", "environment": "prod"},
+                           payload={"to_environment": "prod", "tags": {"mlflow.alias": "prod"}})
+    assert start(credentials_file=str(credentials)).post("/v1/releases", forged)[0] == 200
+    rx = start(credentials_file=str(credentials))  # reads the alias holders from the topic at start
+    published = []
+    for version, seconds in (("6", 1), ("8", 2), ("7", 3)):
+        body = move(version, seconds)
+        status, answer = rx.post("/v1/mlflow", body, headers={**mlflow_headers(body), **_bearer(TOKENS["alice"])})
+        assert status == 200, answer
+        published.append(answer["event_ids"])
+    by_id = {e.event_id: e for _, e in events_on(kafka_bootstrap, catalogue.release, 5)}
+    moves = [[(by_id[i].event_type, by_id[i].identity.release_id, by_id[i].payload.superseded_release_id, by_id[i].payload.actor)
+              for i in ids] for ids in published]
+    assert moves == [
+        [("release.promoted", "rt-hold:6", None, "user:alice")],  # the forged holder is no holder
+        [("release.promoted", "rt-hold:8", "rt-hold:6", "user:alice")],  # a proven one is
+        [("release.rolled_back", "rt-hold:8", "rt-hold:7", "user:alice"), ("release.promoted", "rt-hold:7", "rt-hold:8", "user:alice")],
+    ]

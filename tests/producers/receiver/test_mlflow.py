@@ -250,6 +250,13 @@ def _alias_move(version: str, at: str) -> dict:
             "data": {"name": "fraud-detector", "alias": "prod", "version": version}}
 
 
+def _signed(event):
+    """``event`` as the receiver publishes a signed delivery's (``_stamped``)."""
+    from producers.receiver.server import MLFLOW_PROOF
+
+    return event.model_copy(update={"payload": event.payload.model_copy(update={"authenticated_by": MLFLOW_PROOF})})
+
+
 def test_alias_moves_know_the_previous_holder_and_a_move_back_is_a_rollback():
     from producers.receiver.mlflow import AliasHolders
 
@@ -260,7 +267,7 @@ def test_alias_moves_know_the_previous_holder_and_a_move_back_is_a_rollback():
     for version, at, delivery in moves:
         events = release_events(_alias_move(version, at), delivery_id=delivery, holders=holders)
         for event in events:
-            holders.observe(event)
+            holders.observe(_signed(event))
         out.append([(e.event_type, e.identity.release_id, e.payload.superseded_release_id) for e in events])
     assert out == [
         [("release.promoted", "fraud-detector:14", None)],
@@ -275,24 +282,31 @@ def test_alias_moves_know_the_previous_holder_and_a_move_back_is_a_rollback():
     assert len({e.event_id for e in first + again}) == 3
 
 
-def test_with_signed_deliveries_only_proven_events_are_alias_moves():
+def test_only_proven_events_are_alias_moves():
     """A body POSTed to /v1/releases that only said it came from MLflow (source.collector
     'mlflow', an mlflow.alias tag: the caller's to write) was read back as a move at the next
-    start, and the next genuine, signed delivery was published as a rollback of the forged holder."""
+    start, and the next genuine delivery was published as a rollback of the forged holder —
+    with a secret set, and (then with a proven actor) with tokens on /v1/mlflow instead."""
     from datetime import datetime
 
     from producers.receiver.mlflow import AliasHolders
     from producers.receiver.server import MLFLOW_PROOF
 
-    holders = AliasHolders(proven_by=MLFLOW_PROOF)
+    holders = AliasHolders(proven_by=(MLFLOW_PROOF,))
     [forged] = release_events(_alias_move("99", "2026-05-04T09:00:00.100000+00:00"), delivery_id="f1")
     assert forged.source.collector == "mlflow" and forged.payload.tags.get("mlflow.alias") == "prod"
     holders.observe(forged)  # as /v1/releases would have published it: nobody proved it
     later = datetime.fromisoformat("2026-05-04T09:00:01+00:00")
     assert holders.before(None, "fraud-detector", "prod", later) is None
     [signed] = release_events(_alias_move("14", "2026-05-04T09:00:00.200000+00:00"), delivery_id="s1")
-    holders.observe(signed.model_copy(update={"payload": signed.payload.model_copy(update={"authenticated_by": MLFLOW_PROOF})}))
+    holders.observe(_signed(signed))
     assert holders.before(None, "fraud-detector", "prod", later).version == "14"
-    unsigned_mode = AliasHolders()  # no secret: nothing is proven, the collector's mark is all there is
-    unsigned_mode.observe(forged)
-    assert unsigned_mode.before(None, "fraud-detector", "prod", later).version == "99"
+    # A move proven otherwise is no move where deliveries are signed (/v1/mlflow takes nothing else).
+    [by_token] = release_events(_alias_move("15", "2026-05-04T09:00:00.300000+00:00"), delivery_id="t1")
+    holders.observe(by_token.model_copy(update={"payload": by_token.payload.model_copy(update={"authenticated_by": "token"})}))
+    assert holders.before(None, "fraud-detector", "prod", later).version == "14"
+    token_mode = AliasHolders(proven_by=("token", "oidc", MLFLOW_PROOF))  # no secret, tokens on /v1/mlflow
+    token_mode.observe(forged)
+    assert token_mode.before(None, "fraud-detector", "prod", later) is None
+    token_mode.observe(by_token.model_copy(update={"payload": by_token.payload.model_copy(update={"authenticated_by": "oidc"})}))
+    assert token_mode.before(None, "fraud-detector", "prod", later).version == "15"
