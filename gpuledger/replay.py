@@ -61,7 +61,11 @@ class ReplayRefused(ReplayError):
 
 def parse_instant(text: str, option: str, now: datetime) -> datetime:
     """An RFC 3339 time (no zone means UTC) or a duration before ``now`` ('2h', '30m', '1d', '1h30m'),
-    both in the grammar of ``gpuledger.timefmt``."""
+    both in the grammar of ``gpuledger.timefmt``. A bare number is refused: as seconds before now a
+    pasted Unix timestamp (``1700000000``) replayed from 1973, accepted without a word."""
+    if text.strip().replace(".", "", 1).isdigit():
+        raise ReplayRefused(f"{option} {text!r}: a bare number — a duration before now needs its unit (90s, 2h, 1d) and a time is "
+                            f"RFC 3339 ({TIME_EXAMPLE}); a Unix timestamp is neither")
     try:
         ago = parse_duration(text)
     except TimeFormatError:

@@ -340,6 +340,10 @@ def test_times_and_durations_before_now():
     assert parse_instant("2h", "--from", now) == datetime(2026, 11, 30, 12, tzinfo=timezone.utc)
     assert parse_instant("1h30m", "--from", now) == datetime(2026, 11, 30, 12, 30, tzinfo=timezone.utc)
     assert parse_instant("2026-11-30T13:00:00", "--to", now) == datetime(2026, 11, 30, 13, tzinfo=timezone.utc)
+    # a pasted Unix timestamp read as seconds before now replayed from 1973 (exploratory review)
+    with pytest.raises(ReplayRefused, match="a bare number"):
+        parse_instant("1700000000", "--from", now)
+    assert parse_instant("90s", "--from", now) == now - timedelta(seconds=90)
     assert parse_instant("2026-11-30T15:00:00+02:00", "--to", now) == datetime(2026, 11, 30, 13, tzinfo=timezone.utc)
     with pytest.raises(ReplayRefused, match="--from 'yesterday'"):
         parse_instant("yesterday", "--from", now)
