@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpuledger.timefmt import iso_z
 from sinks.migrations import table_name
 
 TABLE = "replay_range"
@@ -34,11 +35,9 @@ def replayed(reader, database: str, cluster: str | None = None) -> dict[str, Any
                         "ORDER BY replayed_at DESC LIMIT 1", {"db": database}).dicts()
     if not rows:
         return None
-    from sinks.read.trace import norm_time
-
     r = rows[0]
-    return {"app_id": r["app_id"], "from": norm_time(r["range_from"]) if r.get("range_from") else None,
-            "to": norm_time(r["range_to"]) if r.get("range_to") else None}
+    return {"app_id": r["app_id"], "from": iso_z(r["range_from"]) if r.get("range_from") else None,
+            "to": iso_z(r["range_to"]) if r.get("range_to") else None}
 
 
 def note(replay: dict[str, Any]) -> str:
