@@ -335,7 +335,7 @@ def _replay_with(progress, plan: ReplayPlan, settings, console: Console, timeout
         "GPULEDGER_STREAMS_WEB_PORT": str(port),
     }
     env.update({f"GPULEDGER_STREAMS_REPLAY_{name}": _iso(value) for name, value in (("FROM", plan.since), ("TO", plan.until)) if value})
-    service = ServiceProcess(["-v", "worker"], env, plan.log_path)
+    service = ServiceProcess(["-v", "worker"], env, plan.log_path, with_parent=True)  # a replay killed takes its worker with it
     for name, value in (("FROM", plan.since), ("TO", plan.until)):
         if value is None:
             service.env.pop(f"GPULEDGER_STREAMS_REPLAY_{name}", None)  # an inherited range is not this replay's

@@ -23,7 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
-from gpuledger.dev.process import free_port
+from gpuledger.dev.process import free_port, with_parent_command
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class LocalKafka:
                 raise LocalKafkaError(f"formatting Kafka storage failed:\n{fmt.stdout[-2000:]}{fmt.stderr[-2000:]}")
         logf = open(self.log_file, "ab")
         command = self._java(lib, "kafka.Kafka", str(config))
-        self.proc = subprocess.Popen(_with_parent(command) if self.with_parent else command, stdout=logf, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(with_parent_command(command) if self.with_parent else command, stdout=logf, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         logf.close()
         self._wait_ready(timeout)
@@ -213,16 +213,6 @@ class LocalKafka:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _with_parent(command: list[str]) -> list[str]:
-    """``command`` run so that it gets SIGTERM when the thread that started it ends: Linux's
-    parent-death signal, set by util-linux's ``setpriv --pdeathsig`` before it execs the
-    command (the same process: its pid is the broker's). Not through ``preexec_fn``, which is
-    unsafe in a process with threads (librdkafka's, in a test run). Without ``setpriv`` (not
-    Linux) the command runs as it is."""
-    setpriv = shutil.which("setpriv")
-    return [setpriv, "--pdeathsig", "TERM", "--", *command] if setpriv else command
 
 
 def stop_pid(pid: int, timeout: float = 20.0) -> None:

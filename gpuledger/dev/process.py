@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -113,19 +114,35 @@ class ServiceError(RuntimeError):
     """A child service failed to start or died."""
 
 
+def with_parent_command(command: list[str]) -> list[str]:
+    """``command`` run so that it gets SIGTERM when the thread that started it ends: Linux's
+    parent-death signal, set by util-linux's ``setpriv --pdeathsig`` before it execs the
+    command (the same process: its pid is the command's). Not through ``preexec_fn``, which is
+    unsafe in a process with threads (librdkafka's, in a test run). Without ``setpriv`` (not
+    Linux) the command runs as it is."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--", *command] if setpriv else command
+
+
 class ServiceProcess:
+    """A child service with its log in a file. ``with_parent``: it gets SIGTERM when the thread
+    that started it ends, however that ends (``with_parent_command``) — a `gpuledger replay` killed
+    with SIGKILL left its worker running for ever, retrying a store or a broker long gone."""
+
     def __init__(self, args: list[str], env: dict[str, str], log_path: Path,
-                 program: Sequence[str] = (sys.executable, "-m", "gpuledger.cli")) -> None:
+                 program: Sequence[str] = (sys.executable, "-m", "gpuledger.cli"), with_parent: bool = False) -> None:
         self.args = args
         self.program = list(program)
         self.env = {**os.environ, **env}
         self.log_path = Path(log_path)
+        self.with_parent = with_parent
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> ServiceProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        command = [*self.program, *self.args]
         with open(self.log_path, "ab") as logf:
-            self.proc = subprocess.Popen([*self.program, *self.args], env=self.env, stdout=logf,
+            self.proc = subprocess.Popen(with_parent_command(command) if self.with_parent else command, env=self.env, stdout=logf,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         return self
 

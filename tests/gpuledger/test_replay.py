@@ -251,6 +251,54 @@ def test_a_sandbox_the_sink_cannot_write_ends_the_replay_naming_why(kafka_bootst
     assert "cannot be written" in out.stderr and "pm`x" in out.stderr, out.stderr
 
 
+def test_a_replay_killed_takes_its_worker_with_it(kafka_bootstrap, history, tmp_path):
+    """From an exploratory review's leftovers: a `gpuledger replay` ended by SIGKILL (a CI step's
+    timeout, `kill -9`) left its worker running for ever, retrying a sandbox it could not write.
+    The worker gets SIGTERM when the replay dies (parent-death signal) and stops."""
+    import signal
+    import time
+
+    cat, _ = history
+    env = {**os.environ, "GPULEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap, "GPULEDGER_KAFKA_TOPIC_PREFIX": cat.prefix,
+           "GPULEDGER_KAFKA_RAW_PARTITIONS": str(cat.raw_partitions), "GPULEDGER_DATA_DIR": str(tmp_path / "data"),
+           "GPULEDGER_CLICKHOUSE_DSN": "chdb:///nonexistent/live", **ENV}
+    replay = subprocess.Popen([sys.executable, "-m", "gpuledger.cli", "replay", "--into", f"chdb://{tmp_path / 'sb'}", "--database", "pm`x",
+                               "--app-id", f"{cat.prefix}-killed"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def worker_pids() -> list[int]:
+        out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(replay.pid)], capture_output=True, text=True).stdout
+        return [int(line.split()[0]) for line in out.splitlines() if "gpuledger.cli" in line and "worker" in line]
+
+    try:
+        deadline = time.monotonic() + 120
+        while not (pids := worker_pids()) and time.monotonic() < deadline and replay.poll() is None:
+            time.sleep(0.2)  # (polling for the child to appear)
+        assert pids, "the replay started no worker"
+        [worker] = pids
+        replay.send_signal(signal.SIGKILL)
+        replay.wait(30)
+
+        def gone() -> bool:
+            try:
+                os.kill(worker, 0)
+            except ProcessLookupError:
+                return True
+            state = subprocess.run(["ps", "-o", "stat=", "-p", str(worker)], capture_output=True, text=True).stdout.strip()
+            return state.startswith("Z") or not state  # exited, not yet reaped by init
+        deadline = time.monotonic() + 60
+        while not gone() and time.monotonic() < deadline:
+            time.sleep(0.2)  # (polling for the worker's exit)
+        assert gone(), f"the replay's worker {worker} is still running after the replay was killed"
+    finally:
+        if replay.poll() is None:
+            replay.kill()
+        for pid in [*worker_pids(), *([worker] if "worker" in locals() else [])]:
+            try:
+                os.killpg(pid, signal.SIGKILL)  # (its session: the worker and its stages)
+            except ProcessLookupError:
+                pass
+
+
 def test_a_sandbox_that_cannot_be_created_ends_the_replay(kafka_bootstrap, history, tmp_path):
     """The sink could not create the sandbox (its parent is a file): it exited, was restarted
     every ~10 s, and the replay sat at 0 events for ever, saying nothing."""
