@@ -25,6 +25,8 @@ import socket
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from pydantic import ValidationError
+
 from gpuledger.timefmt import TimeFormatError, parse_time
 from producers._errors import ProducerError
 from schemas.envelope import UINT32_MAX, Identity, Source, make_event_id
@@ -141,6 +143,32 @@ def build_event(command: ReleaseCommand, options: dict, observed_at: datetime | 
     if problems:
         raise ReleaseInputError("; ".join(problems))
 
+    try:
+        return _event(command, given, occurred, window_start, window_end, expires_at, tags, observed_at, host)
+    except ValidationError as exc:
+        # A value the schema refuses (a control or bidi character in --release-id): the flag and why,
+        # exit 2 — it was a pydantic traceback (exploratory review).
+        raise ReleaseInputError("; ".join(f"{_flag_of(e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
+                                          for e in exc.errors(include_url=False))) from None
+
+
+#: Schema fields → the flag that gives them (``_flag_of``).
+_FIELD_OPTIONS = {"release_id": "release_id", "model_name": "model", "model_version": "version", "artifact_digest": "artifact_digest",
+                  "image_digest": "image_digest", "config_digest": "config_digest", "dataset_ref": "dataset", "environment": "env",
+                  "owner": "owner", "data_class": "data_class", "node": "target", "actor": "actor", "on_behalf_of": "on_behalf_of",
+                  "approval_id": "approval_id", "reason": "reason", "to_environment": "env", "superseded_release_id": "superseded",
+                  "target": "target", "reservation_id": "reservation_id", "pool": "pool", "gpus": "gpus", "tags": "tag"}
+
+
+def _flag_of(loc: tuple) -> str:
+    for part in reversed(loc):
+        if isinstance(part, str) and _FIELD_OPTIONS.get(part) in FLAGS:
+            return FLAGS[_FIELD_OPTIONS[part]]
+    return ".".join(str(p) for p in loc)
+
+
+def _event(command: ReleaseCommand, given: dict, occurred: datetime, window_start, window_end, expires_at, tags: dict,
+           observed_at: datetime | None, host: str | None) -> ReleaseEvent:
     identity = Identity(
         release_id=given["release_id"], model_name=given.get("model"), model_version=given.get("version"),
         artifact_digest=given.get("artifact_digest"), image_digest=given.get("image_digest"),

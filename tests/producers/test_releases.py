@@ -137,6 +137,9 @@ def test_retry_with_the_same_time_keeps_one_event_id(cli):
     (["reserve", "--release-id", "r:1", "--reservation-id", "x", "--gpus", "-1"], "--gpus must be from 0 to 4,294,967,295"),
     (["approve", "--release-id", "r:1", "--actor", "ci>alice"], "--actor: contains '>' at position 2"),
     (["approve", "--release-id", "r:1", "--actor", "ci", "--on-behalf-of", "x>alice"], "--on-behalf-of: contains '>'"),
+    # a value the schema refuses: the flag and why, not a pydantic traceback (exploratory review)
+    (["approve", "--release-id", "bad\u202eid", "--actor", "alice"], "--release-id: contains U+202E (RIGHT-TO-LEFT OVERRIDE) at position 3"),
+    (["promote", "--release-id", "r:1", "--actor", "alice", "--env", "pro\x01d"], "--env: contains U+0001"),
 ])
 def test_missing_or_wrong_flags_exit_non_zero_naming_them(tmp_path, args, message):
     # Kafka points at a closed port: the command must fail on its flags, before any I/O.
