@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import unicodedata
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Annotated, Any
 
@@ -50,16 +51,20 @@ def identity_text_problem(value: str) -> str | None:
     return None
 
 
-def _identity_text(value: str) -> str:
-    problem = identity_text_problem(value)
-    if problem:
-        raise ValueError(problem)
-    return value
+def refusing(problem: Callable[[str], str | None]) -> AfterValidator:
+    """A validator that refuses a string ``problem`` finds fault with, with its words (the one
+    rule, said once, for the schema and for the checks before a model is built: ``IdText``,
+    ``schemas.release.ActorIdText``)."""
+    def check(value: str) -> str:
+        if (why := problem(value)):
+            raise ValueError(why)
+        return value
+    return AfterValidator(check)
 
 
 #: A string that identifies something (an id, a name, a label, an actor): no control or
 #: bidi characters. Free text (reasons, messages, annotations) stays ``str``, escaped on output.
-IdText = Annotated[str, AfterValidator(_identity_text)]
+IdText = Annotated[str, refusing(identity_text_problem)]
 
 #: Integers bounded to what they are. An unbounded ``int`` let a number past 64 bits through
 #: validation as a Python int, and the route stage's JSON decoder (orjson: 64-bit integers)

@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Literal, get_args
 
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import Field, model_validator
 
-from schemas.envelope import Count32, EventBase, Frozen, IdText, UtcDatetime, identity_text_problem
+from schemas.envelope import Count32, EventBase, Frozen, IdText, UtcDatetime, identity_text_problem, refusing
 
 ReleaseEventType = Literal[
     "release.registered",
@@ -66,16 +66,9 @@ def actor_name_problem(value: str) -> str | None:
     return None
 
 
-def _actor_name(value: str) -> str:
-    problem = actor_name_problem(value)
-    if problem:
-        raise ValueError(problem)
-    return value
-
-
 #: An actor, person or group name (``ReleasePayload``): an ``IdText`` that also keeps clear of the
 #: separators of ``decision_actor`` ('>' anywhere, 'unauthenticated:' at the start).
-ActorIdText = Annotated[str, AfterValidator(_actor_name)]
+ActorIdText = Annotated[str, refusing(actor_name_problem)]
 
 
 class Reservation(Frozen):

@@ -43,8 +43,8 @@ def replay(
 
     if (problem := dsn_problem(into)):
         fail(f"--into {problem}", 2)
-    if is_embedded(into) and Path(chdb_path(into)).exists() and not Path(chdb_path(into)).is_dir():
-        fail(f"--into {into}: {chdb_path(into)} is a file, not a directory for the sandbox store", 2)
+    if is_embedded(into) and (path := Path(chdb_path(into))).exists() and not path.is_dir():
+        fail(f"--into {into}: {path} is a file, not a directory for the sandbox store", 2)
     app_id = app_id or default_app_id(now)
     work_dir = work_dir or settings.data_dir / "replays" / app_id
     before = ReplayPlan.recorded(work_dir) if resume else None

@@ -40,7 +40,7 @@ from gpuledger.timefmt import TimeFormatError, format_duration, parse_duration, 
 from sinks.correlated import IDENTITY_FIELDS
 from schemas.release import actor_text, decision_actor
 from sinks.migrations import table_name
-from sinks.read.replayed import note as replay_note
+from sinks.read.replayed import note as replay_note, replayed
 from sinks.read.pages import render_page
 from sinks.read.text import markup
 from sinks.read.trace import Store, ch_time, parse_instant, time_before
@@ -122,10 +122,8 @@ def load_history(reader, database: str, start: datetime, end: datetime, lookback
                     f"WHERE opened_at <= {{to:DateTime64(3)}} AND (closed_at IS NULL OR closed_at >= {{from:DateTime64(3)}}) "
                     f"ORDER BY control_id, opened_at, violation_id LIMIT {MAX_ROWS}")
     recorded = [_stored_violation(r) for r in reader.query(recorded_sql, {"db": database, **params}).dicts() if not is_withdrawn(r)]
-    from sinks.read.replayed import replayed
-
     return {"rows": rows, "allocations": allocations, "recorded": recorded, "events_in_range": events, "truncated": sorted(store.truncated),
-            "replayed": replayed(reader, database, cluster)}
+            "replayed": replayed(reader, database)}
 
 
 def _stored_violation(r: dict) -> dict:

@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 from gpuledger.timefmt import iso_z
-from sinks.migrations import table_name
 
 TABLE = "replay_range"
 
@@ -25,13 +24,14 @@ def create_statement(database: str) -> str:
             "ENGINE = MergeTree ORDER BY replayed_at")
 
 
-def replayed(reader, database: str, cluster: str | None = None) -> dict[str, Any] | None:
-    """The replay that built this store — app id, range (ISO times or None) — or None (not a sandbox)."""
+def replayed(reader, database: str) -> dict[str, Any] | None:
+    """The replay that built this store — app id, range (ISO times or None) — or None (not a sandbox).
+    (The table is the sandbox node's own, never a cluster's Distributed one: ``finish_sandbox``.)"""
     exists = reader.query("SELECT count() AS n FROM system.tables WHERE database = {db:String} AND name = {t:String}",
                           {"db": database, "t": TABLE}).dicts()
     if not exists or not int(exists[0]["n"]):
         return None
-    rows = reader.query(f"SELECT app_id, range_from, range_to FROM {{db:Identifier}}.{table_name(TABLE, None)} "
+    rows = reader.query(f"SELECT app_id, range_from, range_to FROM {{db:Identifier}}.{TABLE} "
                         "ORDER BY replayed_at DESC LIMIT 1", {"db": database}).dicts()
     if not rows:
         return None

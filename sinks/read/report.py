@@ -31,7 +31,6 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Iterable
 
 from schemas.release import actor_text, decision_actor
-
 from sinks.read.pages import render_page
 from sinks.read.trace import ALERT_COLS, ALLOC_COLS, RELEASE_COLS, WORKLOAD_COLS, Store, ch_time, parse_instant
 

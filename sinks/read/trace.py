@@ -49,6 +49,7 @@ from typing import Any
 
 from schemas.release import ENDING_EVENTS, LIFECYCLE_EVENTS, actor_text, decision_actor
 from sinks.migrations import table_name
+from sinks.read.replayed import note as replay_note, replayed
 
 DEFAULT_WINDOW = timedelta(hours=2)
 MANIFEST_FIELDS = ("model_name", "model_version", "artifact_digest", "image_digest", "config_digest", "dataset_ref",
@@ -908,9 +909,7 @@ def trace(reader, database: str, kind: str, value: str, at: datetime | None = No
     if kind == "alert" and not focal:
         chain["gaps"].insert(0, f"no alert with fingerprint {value} in the store" + (" as of --at" if at else ""))
     chain["gaps"][:0] = resolver.notes
-    from sinks.read.replayed import note as replay_note, replayed
-
-    if (replay := replayed(reader, database, cluster)):
+    if (replay := replayed(reader, database)):
         chain["gaps"].insert(0, replay_note(replay))
     chain["gaps"].extend(f"{t}: more than {ROW_LIMIT} rows matched; the chain shows the first {ROW_LIMIT} (narrow it with --at)"
                          for t in sorted(store.truncated))
