@@ -96,7 +96,7 @@ class WorkerContext(StageContext):
             "status": "ok" if ok else "degraded",
             "app_id": self.settings.streams.app_id,  # (whose page this is: `gpuledger status --app-id` checks it)
             "subscriptions": subscriptions,
-            "release_directory": {"ready": self.directory.ready.is_set(), "releases": len(self.directory.releases)},
+            "release_directory": self.directory.freshness(),
             "stats": {**self.stats, **({"parked": self.correlator.parked()} if self.correlator else {}),
                       "outputs_produced": dict(self.output.produced), "output_dead_letters": self.output.dead_letters,
                       "changelog_unchanged_skipped": self.correlator.store.unchanged_skipped if self.correlator else 0},

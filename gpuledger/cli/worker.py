@@ -96,8 +96,11 @@ def status(bootstrap: Optional[str] = BootstrapOpt, dsn: Optional[str] = DsnOpt,
         for problem in [*((page.get("subscriptions") or {}).get("problems") or []), *(page.get("problems") or [])]:
             console.print(f"  problem: {markup(str(problem))}")
         directory = page.get("release_directory") or {}
-        console.print(f"  release directory: {'ready' if directory.get('ready') else 'loading'}, {directory.get('releases', 0):,} releases;"
-                      f" parked rows: {(page.get('stats') or {}).get('parked', 0):,}")
+        confirmed = (f", confirmed current {directory['confirmed_age_s']:.0f} s ago" if directory.get("confirmed_age_s") is not None else "")
+        console.print(f"  release directory: {'ready' if directory.get('ready') else 'loading'}, {directory.get('releases', 0):,} releases"
+                      f"{confirmed}; parked rows: {(page.get('stats') or {}).get('parked', 0):,}")
+        if directory.get("problem"):
+            console.print(f"  [yellow]release directory[/]: {markup(str(directory['problem']))}")
         capped = {kind: n for kind, n in ((page.get("stats") or {}).get("capped") or {}).items() if n}
         if capped:  # a state bound bit: exactness ends there (docs/architecture.md, Bounds)
             console.print("  [yellow]state bounds hit[/] since start: " + ", ".join(f"{kind.replace('_', ' ')} {n:,}" for kind, n in sorted(capped.items())))

@@ -17,6 +17,8 @@ from producers._config import GPU_DRA_DRIVERS, GPU_RESOURCES, NameList, check_re
 
 CONTROLLER_NAME = "gpuledger.io/release-approval"
 WEBHOOK_PATH = "/validate"
+#: AdmitSettings.stale_after_s's default.
+STALE_AFTER_S = 60.0
 
 
 class AdmitSettings(BaseSettings):
@@ -42,6 +44,7 @@ class AdmitSettings(BaseSettings):
     resync_s: float = Field(default=30.0, gt=0, description="How often the controller re-lists Workloads besides watching them (and re-decides the waiting ones).")
     watch_timeout_s: int = Field(default=300, ge=1, description="Server-side timeout of one Workload watch request.")
     publish_batch: int = Field(default=500, ge=1, description="Most decisions published to Kafka in one batch (decisions are published off the request path).")
+    stale_after_s: float = Field(default=STALE_AFTER_S, ge=10, description="The release state counts as stale when it could not be confirmed current (the release topic's end offsets asked and read up to, every 5 s: at least 10) for this many seconds — Kafka unreachable after it loaded: decisions go on from the state in memory, and each says since when it could not be confirmed (an AdmissionReview warning, the Workload check's message, the recorded decision's message); `/healthz` says `degraded` with the reason.")
     publish_queue: int = Field(default=100_000, ge=1, description="Decisions waiting for Kafka beyond this are dropped (counted, logged): a webhook must answer even when Kafka does not.")
 
     @field_validator("gpu_resources", "dra_drivers")

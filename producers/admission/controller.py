@@ -36,6 +36,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
 from producers._config import ResourceMatcher
+from producers.admission.config import STALE_AFTER_S
 from producers.admission.events import decision_event, decision_message
 from streams.controls.admission import AdmissionState, Decision, decide, subject_of
 from streams.controls.policy import Policy
@@ -65,8 +66,9 @@ class AdmissionCheckController:
 
     def __init__(self, api: k8s.ApiClient, state: AdmissionState, policy: Policy, resources: ResourceMatcher, prefix: str,
                  record: Callable[[Any], None], controller_name: str, resync_s: float = 30.0, watch_timeout_s: int = 300,
-                 host: str | None = None, claims=None) -> None:
+                 host: str | None = None, claims=None, stale_after_s: float = STALE_AFTER_S) -> None:
         self.claims = claims  # producers.admission.claims.ClaimReader: the GPUs of a Workload's DRA claims
+        self.stale_after_s = stale_after_s  # AdmitSettings.stale_after_s: a decision's message then says the state may be stale
         self.custom = k8s.CustomObjectsApi(api)
         self.state, self.policy, self.resources, self.prefix, self.record = state, policy, resources, prefix, record
         self.controller_name, self.resync_s, self.watch_timeout_s, self.host = controller_name, resync_s, watch_timeout_s, host
@@ -206,7 +208,9 @@ class AdmissionCheckController:
         with self.state.lock:
             decision = decide(subject, self.state, self.policy, now, gate="admission-check", policy_version=self.policy_version)
         state = check_state(decision)
-        message = decision_message(subject, decision)
+        stale = self.state.stale_note(self.stale_after_s)
+        notes = (stale,) if stale else ()
+        message = decision_message(subject, decision, notes)
         if all(c.get("state") == state and c.get("message") == message for c in ours):
             return None
         checks = [{**c, "state": state, "message": message, "lastTransitionTime": _now() if c.get("state") != state else c.get("lastTransitionTime")}
@@ -218,6 +222,6 @@ class AdmissionCheckController:
         self.counters["patched"] += 1
         self.counters["decided"] += 1
         self.record(decision_event(subject, decision, now, gate="admission-check", request_id=f"{state}|{decision.rule}",
-                                   operation=state, host=self.host))
+                                   operation=state, host=self.host, notes=notes))
         log.info("workload %s: check %s by rule %s", subject.workload_id, state, decision.rule)
         return state

@@ -21,23 +21,24 @@ _IDENTITY = ("model_name", "model_version", "owner", "data_class")
 MAX_MESSAGE = 32_000
 
 
-def decision_message(subject: Subject, decision: Decision) -> str:
+def decision_message(subject: Subject, decision: Decision, notes: tuple[str, ...] = ()) -> str:
     """The decision's message followed by the notes on the subject's DRA claims that could not be
-    read (each counted as a GPU): what the AdmissionCheck controller sets on the Workload, and what
-    the ``admission.decided`` event records for either gate (the webhook returns those notes as
-    AdmissionReview warnings) — so the evidence says why ``gpus_requested`` may count a claim
-    that holds no GPU."""
-    return " ".join((decision.message, *subject.claim_notes))[:MAX_MESSAGE]
+    read (each counted as a GPU) and ``notes`` (the state's ``AdmissionState.stale_note``): what
+    the AdmissionCheck controller sets on the Workload, and what the ``admission.decided`` event
+    records for either gate (the webhook returns those notes as AdmissionReview warnings) — so
+    the evidence says why ``gpus_requested`` may count a claim that holds no GPU, and that the
+    release state decided on could not be confirmed current."""
+    return " ".join((decision.message, *subject.claim_notes, *notes))[:MAX_MESSAGE]
 
 
 def decision_event(subject: Subject, decision: Decision, at: datetime, *, gate: str, request_id: str, operation: str | None = None,
-                   user: str | None = None, host: str | None = None) -> AdmissionEvent:
+                   user: str | None = None, host: str | None = None, notes: tuple[str, ...] = ()) -> AdmissionEvent:
     ident = {k: v for k, v in subject.identity.items() if k in _IDENTITY}
     pod = subject.name if subject.kind == "Pod" else None
     identity = Identity(release_id=decision.release_id, environment=decision.environment, namespace=subject.namespace or None,
                         workload_id=subject.workload_id, pod=pod, pod_uid=subject.uid if pod else None, **ident)
     payload = AdmissionPayload(
-        decision=decision.verdict, outcome=decision.outcome, rule=decision.rule, message=decision_message(subject, decision), mode=decision.mode,
+        decision=decision.verdict, outcome=decision.outcome, rule=decision.rule, message=decision_message(subject, decision, notes), mode=decision.mode,
         gate=gate,
         object_kind=subject.kind, object_name=subject.name or "-", object_uid=subject.uid, operation=operation, user=user,
         gpus_requested=max(subject.gpus, 0), release_state=decision.release_state, fail_closed=decision.fail_closed,

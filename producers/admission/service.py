@@ -12,7 +12,10 @@ reaches the state within the follower's poll (200 ms) of Kafka acknowledging it.
 are published off the request path by the recorder thread in batches (acks=all): the
 webhook answers even while Kafka is down; decisions beyond ``publish_queue`` are dropped
 and counted (``/healthz``), never blocking an answer. ``/readyz`` is 200 once the release
-topic has been read up to its end offsets at start-up, 503 before. Kafka unreachable at start
+topic has been read up to its end offsets at start-up, 503 before. ``/healthz`` is 200 while the
+process serves; its ``status`` is ``degraded`` (with ``problems``) while the release state could
+not be confirmed current for ``stale_after_s`` (Kafka away after it loaded: decisions go on from
+memory and each says so) or decisions could not be published for as long. Kafka unreachable at start
 is not fatal: the follower keeps connecting (``KAFKA_RETRY_S``) while reviews get the
 state-not-loaded answer.
 Limits: a decision not yet published when the process dies is lost (the API server's
@@ -63,6 +66,8 @@ class DecisionRecorder:
         self.publisher, self.batch = publisher, batch
         self.queue: queue.Queue = queue.Queue(maxsize=capacity)
         self.counters = {"recorded": 0, "published": 0, "dropped": 0, "publish_errors": 0}
+        self.failing_since: float | None = None  # time.monotonic() of the first failed publish of the batch in hand
+        self.last_error: str | None = None
         self._thread = threading.Thread(target=self._run, name="admit-recorder", daemon=True)
         self._stopping = threading.Event()
 
@@ -96,12 +101,24 @@ class DecisionRecorder:
                 try:
                     self.publisher.publish_batch(events)
                     self.counters["published"] += len(events)
+                    self.failing_since = self.last_error = None
                     break
                 except ProducerError as exc:
                     self.counters["publish_errors"] += 1
+                    if self.failing_since is None:
+                        self.failing_since = time.monotonic()
+                    self.last_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                     log.warning("admission decisions not published yet (%d): %s", len(events), exc)
                     if self._stopping.wait(1.0):
                         return
+
+    def problem(self, after_s: float) -> str | None:
+        """What ``/healthz`` says when decisions could not be published for ``after_s`` seconds."""
+        since = self.failing_since
+        if since is None or time.monotonic() - since <= after_s:
+            return None
+        return (f"admission decisions not published for {time.monotonic() - since:.0f} s ({self.queue.qsize()} more waiting; "
+                f"over {self.queue.maxsize} are dropped): {self.last_error}")
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping.set()
@@ -126,7 +143,7 @@ class AdmitService:
         # DRA claims' GPUs, read from the API server when this service has access to one
         # (producers.admission.claims; without, a claim counts as a GPU and the answer says why).
         self.claims = ClaimReader(api_client, ResourceMatcher(config.dra_drivers))
-        self.handler = ReviewHandler(self.state, policy, self.resources, config.label_prefix, claims=self.claims)
+        self.handler = ReviewHandler(self.state, policy, self.resources, config.label_prefix, claims=self.claims, stale_after_s=config.stale_after_s)
         self.controller = None
         self.counters = {"reviews": 0, "bad_requests": 0, "denied": 0}
         self.telemetry = ComponentCounters("admit")  # the component contract: received / rejected (with reason), via OpenTelemetry
@@ -173,9 +190,21 @@ class AdmitService:
         recent = sorted(self.latencies)
         latency = {"n": len(recent), "p50_ms": round(recent[len(recent) // 2], 3), "p99_ms": round(recent[int(len(recent) * 0.99)], 3),
                    "max_ms": round(recent[-1], 3)} if recent else {"n": 0}
-        return web.json_response({"status": "ok", "releases": len(self.state.releases), "release_events": self.state.applied,
-                                  "webhook": self.counters, "decision_latency": latency, "recorder": self.recorder.counters,
+        # 200 whatever the status: a liveness probe that restarted a webhook whose Kafka is away
+        # would trade a stale state for none (state-not-loaded: fail-closed environments denied).
+        problems = [p for p in (self._state_problem(), self.recorder.problem(self.config.stale_after_s)) if p]
+        return web.json_response({"status": "degraded" if problems else "ok", **({"problems": problems} if problems else {}),
+                                  "releases": len(self.state.releases), "release_events": self.state.applied,
+                                  "release_state": self.state.freshness(), "webhook": self.counters, "decision_latency": latency, "recorder": self.recorder.counters,
                                   "controller": controller, "claims": {"lookups": self.claims.lookups, "unresolved": self.claims.unresolved}})
+
+    def _state_problem(self) -> str | None:
+        fresh = self.state.freshness()
+        age = fresh["confirmed_age_s"]
+        if not fresh["ready"] or age is None or age <= self.config.stale_after_s:
+            return None
+        return (f"release state not confirmed current for {age:.0f} s (since {fresh['confirmed_current_at']}; stale after "
+                f"{self.config.stale_after_s:g} s): decisions are taken on it and say so; {fresh.get('problem') or 'the release topic is not read up to its end'}")
 
     async def readyz(self, request: web.Request) -> web.Response:
         if self.state.ready.is_set():
@@ -225,7 +254,8 @@ class AdmitService:
 
                     self.controller = AdmissionCheckController(self.api_client, self.state, self.policy, self.resources, self.config.label_prefix,
                                                                self.recorder, self.config.controller_name, self.config.resync_s,
-                                                               self.config.watch_timeout_s, claims=self.claims)
+                                                               self.config.watch_timeout_s, claims=self.claims,
+                                                               stale_after_s=self.config.stale_after_s)
                     self.controller.start()
                 if self.on_listening:
                     self.on_listening(host, port, ca_pem)

@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 
 from producers._config import ResourceMatcher
+from producers.admission.config import STALE_AFTER_S
 from producers.admission.events import decision_event
 from schemas.admission import AdmissionEvent
 from streams.controls.admission import AdmissionState, decide, subject_of
@@ -63,8 +64,10 @@ class ReviewHandler:
     """Decides AdmissionReviews against the in-memory release state."""
 
     def __init__(self, state: AdmissionState, policy: Policy, resources: ResourceMatcher, prefix: str,
-                 clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc), host: str | None = None, claims=None) -> None:
+                 clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc), host: str | None = None, claims=None,
+                 stale_after_s: float = STALE_AFTER_S) -> None:
         self.state, self.policy, self.resources, self.prefix, self.clock, self.host = state, policy, resources, prefix, clock, host
+        self.stale_after_s = stale_after_s  # AdmitSettings.stale_after_s
         self.claims = claims  # producers.admission.claims.ClaimReader: the GPUs of DRA claims (reads the API server)
         self.policy_version = policy.fingerprint
 
@@ -92,6 +95,8 @@ class ReviewHandler:
         except (ValueError, TypeError, AttributeError) as exc:
             return 400, {"error": f"request.object cannot be read: {exc}"}, None
         now = self.clock()
+        stale = self.state.stale_note(self.stale_after_s, now.timestamp())
+        notes = (stale,) if stale else ()
         try:
             with self.state.lock:  # (the service's worker thread: the follower folds into it on the loop)
                 decision = decide(subject, self.state, self.policy, now, gate="webhook", policy_version=self.policy_version)
@@ -104,6 +109,6 @@ class ReviewHandler:
         host = self.host
 
         def event() -> AdmissionEvent:
-            return decision_event(subject, decision, now, gate="webhook", request_id=uid, operation=operation, user=user, host=host)
+            return decision_event(subject, decision, now, gate="webhook", request_id=uid, operation=operation, user=user, host=host, notes=notes)
 
-        return 200, _answer(uid, decision.allowed, decision.message, [*decision.warnings, *subject.claim_notes]), event
+        return 200, _answer(uid, decision.allowed, decision.message, [*decision.warnings, *subject.claim_notes, *notes]), event

@@ -29,11 +29,13 @@ fail-closed are never laxer than the namespace entry's environment's.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Literal
 
+from gpuledger.timefmt import iso_z
 from producers._config import ResourceMatcher
 from producers.kubernetes.mapping import KUEUE_QUEUE_LABEL, derive_workload_id, gpus_requested, identity_fields, quantity, workload_info
 from schemas.release import actor_text, decision_actor
@@ -154,6 +156,20 @@ class AdmissionState(ReleaseDirectory):
     def apply(self, event) -> list[str]:
         with self.lock:
             return self._apply(event)
+
+    def stale_note(self, stale_after_s: float, now: float | None = None) -> str | None:
+        """What a decision on this state says when the state was last confirmed current
+        (``ReleaseDirectory.confirmed_at``) more than ``stale_after_s`` ago — the release topic
+        cannot be read: the decision may miss a revocation or an approval published since. Names
+        the instant, not the age, so that the AdmissionCheck controller's message does not change
+        at every resync of one outage. None while fresh, and before the state loaded (the
+        ``state-not-loaded`` rule says that)."""
+        at = self.confirmed_at
+        if at is None or not self.ready.is_set() or (time.time() if now is None else now) - at <= stale_after_s:
+            return None
+        when = iso_z(datetime.fromtimestamp(at, timezone.utc), 0)
+        return (f"gpuledger admit could not confirm its release state is current since {when} (the release topic cannot be read): "
+                "approvals, revocations and overrides published after that are not seen by this decision")
 
     def _apply(self, event) -> list[str]:
         changed = super().apply(event)

@@ -91,7 +91,7 @@ class ControlsStage(StageContext):
         return {
             "status": "ok" if held and ready else "degraded",
             "controls_assigned": None if held is None else sorted([tp.topic, tp.partition] for tp in held),
-            "release_directory": {"ready": ready, "releases": len(self.directory.releases)},
+            "release_directory": self.directory.freshness(),
             "stats": {**self.stats, "controls_outputs_produced": dict(self.output.produced),
                       "controls_output_dead_letters": self.output.dead_letters, "changelog_unchanged_skipped": store.unchanged_skipped,
                       "controls_revocations_unsettled": self.intake.revocations_unsettled},

@@ -18,13 +18,19 @@ read order (fields and states are merged by event time, see ``streams.correlate`
 correlation agent does not attribute against a half-loaded directory.
 ``follow_release_topic`` with ``retry_s`` (``gpuledger admit``) keeps connecting while Kafka
 cannot be reached at start, logging once per state change (``sinks.retry.OutageLog``);
-without it (the worker's stages) that failure ends it.
+without it (the worker's stages) that failure ends it. Once loaded, the directory is
+*confirmed current* every ``CONFIRM_EVERY_S``: the topic's end offsets are asked, and once the
+follower has read up to them the directory held every release event Kafka had acknowledged at
+the instant they were asked (``confirmed_at``). While the broker is away that instant stops
+moving — what ``gpuledger admit`` reports and warns about (a decision on a state that may miss
+a later revocation); aiokafka itself rides out the outage and reconnects.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -41,6 +47,13 @@ log = logging.getLogger(__name__)
 #: ERROR for every failed bootstrap, and the follower reports the outage itself, once per state
 #: change — so those records are demoted to DEBUG (as ``sinks.clickhouse`` does its drivers').
 _retrying: ContextVar[bool] = ContextVar("release_topic_retrying", default=False)
+
+#: Seconds between two confirmations that the directory is current (``follow_release_topic``):
+#: one ListOffsets request to the broker each time.
+CONFIRM_EVERY_S = 5.0
+#: A confirmation's request that has no answer within this long counts as failed (the broker is
+#: away: aiokafka would wait for its request timeout, 40 s, while the follower reads nothing).
+CONFIRM_TIMEOUT_S = 5.0
 
 
 class _DemoteWhileRetrying(logging.Filter):
@@ -84,8 +97,28 @@ class ReleaseDirectory:
         # look-up consulted, for the version of the rows that look-up attributed.
         self.ever: dict[str, set[str]] = defaultdict(set)
         self.ready = asyncio.Event()
+        # time.time() of the last instant at which the directory held every event of the release
+        # topic that Kafka had acknowledged (``follow_release_topic``); None before it loaded.
+        self.confirmed_at: float | None = None
+        self.confirm_problem: str | None = None  # why the last confirmation failed (cleared by the next one)
         self._counts: tuple[int, dict[str, int]] | None = None  # (len(seen), counts) (``counts``)
         self._times: dict[str, list[str] | None] = {}  # release -> its history's event times (``_history_times``)
+
+    def freshness(self, now: float | None = None) -> dict:
+        """For health pages: loaded or not, when it was last confirmed current
+        (``follow_release_topic``) and how long ago, and why confirming fails if it does."""
+        from datetime import datetime, timezone
+
+        from gpuledger.timefmt import iso_z
+
+        now = time.time() if now is None else now
+        at = self.confirmed_at
+        out = {"ready": self.ready.is_set(), "releases": len(self.releases),
+               "confirmed_current_at": iso_z(datetime.fromtimestamp(at, timezone.utc), 0) if at is not None else None,
+               "confirmed_age_s": round(max(0.0, now - at), 1) if at is not None else None}
+        if self.confirm_problem:
+            out["problem"] = self.confirm_problem
+        return out
 
     # --- folding events ---------------------------------------------------------
     def apply(self, event) -> list[str]:
@@ -281,6 +314,7 @@ async def follow_release_topic(bootstrap: str, topic: str, directory: ReleaseDir
                 pass
     if outage is not None:
         outage.succeeded()
+    confirming = OutageLog(log, f"confirming the release directory is current with {topic}", recovered="confirmed again")
     try:
         parts = [TopicPartition(topic, p) for p in (consumer.partitions_for_topic(topic) or set())]
         while not parts:
@@ -289,11 +323,20 @@ async def follow_release_topic(bootstrap: str, topic: str, directory: ReleaseDir
             parts = [TopicPartition(topic, p) for p in (consumer.partitions_for_topic(topic) or set())]
         consumer.assign(parts)
         await consumer.seek_to_beginning(*parts)
+        asked = time.time()
         end = await consumer.end_offsets(parts)
+        pending: tuple[float, dict] | None = (asked, end)  # (when asked, end offsets) not yet read up to
+        next_confirm = time.monotonic() + CONFIRM_EVERY_S
         caught_up = {tp for tp, off in end.items() if off == 0}
         if len(caught_up) == len(parts):
             directory.ready.set()
         while stop is None or not stop.is_set():
+            if directory.ready.is_set() and time.monotonic() >= next_confirm:
+                next_confirm = time.monotonic() + CONFIRM_EVERY_S
+                pending = await _ask_end(consumer, parts, directory, confirming) or pending
+            if pending is not None and directory.ready.is_set() and await _read_up_to(consumer, pending[1]):
+                directory.confirmed_at = max(directory.confirmed_at or 0.0, pending[0])
+                pending = None
             batch = await consumer.getmany(timeout_ms=200, max_records=5000)
             was_ready = directory.ready.is_set()
             changed: set[str] = set()
@@ -314,3 +357,35 @@ async def follow_release_topic(bootstrap: str, topic: str, directory: ReleaseDir
                 on_change(sorted(changed))
     finally:
         await consumer.stop()
+
+
+async def _ask_end(consumer, parts: list, directory: ReleaseDirectory, confirming: OutageLog) -> tuple[float, dict] | None:
+    """(now, the topic's end offsets), or None when the broker did not answer in time (said
+    once per outage, and on ``directory.confirm_problem``)."""
+    from aiokafka.errors import KafkaError
+
+    asked = time.time()
+    try:
+        end = await asyncio.wait_for(consumer.end_offsets(parts), CONFIRM_TIMEOUT_S)
+    except (KafkaError, asyncio.TimeoutError, OSError) as exc:
+        confirming.failed(exc if str(exc) else TimeoutError(f"no answer from the broker within {CONFIRM_TIMEOUT_S:.0f} s"))
+        directory.confirm_problem = confirming.problem()
+        return None
+    confirming.succeeded()
+    directory.confirm_problem = None
+    return asked, end
+
+
+async def _read_up_to(consumer, end: dict) -> bool:
+    """Whether the consumer has handed out every record before ``end`` (its positions are the
+    next records it will return, not what it prefetched)."""
+    async def read() -> bool:
+        for tp, offset in end.items():
+            if await consumer.position(tp) < offset:
+                return False
+        return True
+
+    try:  # (a position being reset asks the broker: not answered while it is away)
+        return await asyncio.wait_for(read(), CONFIRM_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        return False

@@ -182,3 +182,81 @@ def test_started_while_kafka_is_down_it_answers_state_not_loaded_and_loads_when_
         if broker is not None:
             broker.stop()
     assert not thread.is_alive()
+
+
+def test_kafka_gone_after_the_state_loaded_health_degrades_and_every_decision_says_since_when_the_state_is_unconfirmed(tmp_path, monkeypatch):
+    """Found by a review: once the release state had loaded, a broker gone for good left
+    `gpuledger admit` deciding on that state for ever with `/healthz` "ok" — a revocation published
+    meanwhile (to a broker the webhook no longer reaches) was never seen, and nothing said so.
+    Now the follower confirms every few seconds that it has read the topic up to its end offsets;
+    once the last confirmation is older than `stale_after_s`, `/healthz` says `degraded` (still
+    200: a liveness restart would lose the state), each answer carries a warning naming the
+    instant, and the recorded decision's message says it. When the broker is back, `ok` again."""
+    import tempfile
+    from pathlib import Path
+
+    import streams.correlate.directory as directory_module
+    from gpuledger.dev.localkafka import LocalKafka
+    from gpuledger.dev.process import free_port
+    from gpuledger.settings import default_cache_dir
+    from producers._kafka import ensure_topics
+    from schemas.topics import TopicCatalogue
+
+    monkeypatch.setattr(directory_module, "CONFIRM_EVERY_S", 0.5)
+    monkeypatch.setattr(directory_module, "CONFIRM_TIMEOUT_S", 1.0)
+    port = free_port()
+    bootstrap = f"127.0.0.1:{port}"
+    data = Path(tempfile.mkdtemp(prefix="gpuledger-admit-kafka-"))
+    broker = LocalKafka(data, default_cache_dir(), port=port, log_level="WARN", with_parent=True).start()
+    cat = TopicCatalogue(prefix=f"t{uuid.uuid4().hex[:10]}", raw_partitions=2)
+    ensure_topics({"bootstrap.servers": bootstrap}, cat)
+    releases = EventPublisher({"bootstrap.servers": bootstrap}, cat, "releases-test")
+    for command, options in (("register", {"model": "fraud-scorer", "version": "8", "artifact_digest": "sha256:" + "a" * 64}),
+                             ("approve", {"actor": "alice", "env": "prod"})):
+        publish(releases, command, **options)
+    releases.close(5)
+    ca = tmp_path / "ca.crt"
+    bound = {}
+    service = AdmitService(AdmitSettings(port=0, ca_out=ca, stale_after_s=10), Policy(), EventPublisher({"bootstrap.servers": bootstrap}, cat, "admit-test"),
+                           bootstrap, cat.release, on_listening=lambda h, p, pem: bound.update(host=h, port=p, pem=pem))
+    thread = threading.Thread(target=service.run, daemon=True)
+    thread.start()
+    try:
+        poll(lambda: bound or not thread.is_alive(), "admit to listen", 30)
+        url, context = f"https://127.0.0.1:{bound['port']}", ssl.create_default_context(cafile=str(ca))
+        poll(lambda: call(url, context, "/readyz")[0] == 200, "the release state loaded", 60)
+        poll(lambda: (call(url, context, "/healthz")[1]["release_state"]["confirmed_age_s"] or 99) < 2, "the state confirmed current", 30)
+        health = call(url, context, "/healthz")[1]
+        assert health["status"] == "ok" and "problems" not in health, health
+        fresh = call(url, context, "/validate", review(job("score-fresh")))[1]["response"]
+        assert fresh["allowed"] is True and not fresh.get("warnings"), fresh
+
+        broker.stop()
+        stopped = time.time()
+        status, health = poll(lambda: (lambda r: r if r[1]["status"] == "degraded" else None)(call(url, context, "/healthz")),
+                              "health to say degraded", 40)
+        assert status == 200
+        assert time.time() - stopped >= 8  # not before the state was stale_after_s old (it was confirmed < 2 s before the stop)
+        state = health["release_state"]
+        assert state["ready"] is True and state["confirmed_age_s"] > 10, state
+        assert health["problems"][0].startswith(f"release state not confirmed current for {int(state['confirmed_age_s'])}"), health
+        assert f"since {state['confirmed_current_at']}" in health["problems"][0] and "stale after 10 s" in health["problems"][0], health
+        answer = call(url, context, "/validate", review(job("score-stale")))[1]["response"]
+        # The decision is still taken on the state in memory (approved), and says what it may miss.
+        assert answer["allowed"] is True, answer
+        assert answer["warnings"] == [f"gpuledger admit could not confirm its release state is current since {state['confirmed_current_at']} "
+                                      "(the release topic cannot be read): approvals, revocations and overrides published after that are "
+                                      "not seen by this decision"], answer
+
+        broker = LocalKafka(data, default_cache_dir(), port=port, log_level="WARN", with_parent=True).start()
+        poll(lambda: call(url, context, "/healthz")[1]["status"] == "ok", "health ok again once the broker is back", 90)
+        assert not call(url, context, "/validate", review(job("score-back")))[1]["response"].get("warnings")
+        decided = {e.payload.object_name: e.payload.message for e in map(decode_event, (m.value() for m in read_topic(bootstrap, cat.scheduler, 3)))}
+        assert set(decided) == {"score-fresh", "score-stale", "score-back"}, decided
+        assert decided["score-stale"].endswith(answer["warnings"][0]), decided
+        assert "could not confirm" not in decided["score-fresh"] + decided["score-back"], decided
+    finally:
+        service.stop()
+        thread.join(20)
+        broker.stop()
+    assert not thread.is_alive()
