@@ -20,6 +20,7 @@ def admit(
     in_cluster: bool = typer.Option(False, "--in-cluster", help="Run the AdmissionCheck controller with the pod's service account."),
     claims_in_cluster: bool = typer.Option(False, "--claims-in-cluster", help="Read DRA claims with the pod's service account (no controller)."),
     ca_out: Optional[Path] = typer.Option(None, "--ca-out", help="Also write the generated CA (PEM) to this file."),
+    client_ca: Optional[Path] = typer.Option(None, "--client-ca", help="PEM CA of the callers' client certificates: /validate then answers only a caller it authenticates (the API server), and decisions record it (GPULEDGER_ADMIT_CLIENT_CA_FILE)."),
     bootstrap: Optional[str] = BootstrapOpt,
 ) -> None:
     """Decide, before queue entry, whether GPU work may start: webhook + AdmissionCheck controller."""
@@ -30,7 +31,7 @@ def admit(
     from producers.admission.service import AdmitService
     from streams.controls.policy import PolicyError
 
-    settings = load_settings(bootstrap, admit={"host": host, "port": port, "tls_cert_file": tls_cert, "tls_key_file": tls_key,
+    settings = load_settings(bootstrap, admit={"host": host, "port": port, "tls_cert_file": tls_cert, "tls_key_file": tls_key, "client_ca_file": client_ca,
                                                "kubeconfig": kubeconfig, "in_cluster": in_cluster or None,
                                                "claims_in_cluster": claims_in_cluster or None, "ca_out": ca_out})
     with failing_on(PolicyError, code=2):

@@ -32,6 +32,8 @@ class AdmitSettings(BaseSettings):
     tls_key_file: Optional[Path] = Field(default=None, description="PEM private key of tls_cert_file.")
     tls_names: NameList = Field(default=("localhost", "gpuledger-admit", "gpuledger-admit.gpuledger", "gpuledger-admit.gpuledger.svc"),
                                 description="DNS names of the generated certificate (127.0.0.1 and the listen address are always in it).")
+    client_ca_file: Optional[Path] = Field(default=None, description="PEM CA bundle that authenticates the webhook's caller: when set, `/validate` answers only a caller presenting a client certificate it signed (the API server's, from the kubeconfig of its AdmissionConfiguration: docs/admission.md), and each decision records that certificate's subject as `caller` — the API server that authenticated the creating `user`. Others get 401 and no decision. Unset: any caller is answered, `caller` is empty and `user` is only what the caller said. `/healthz` and `/readyz` never ask for a certificate (probes).")
+    client_names: NameList = Field(default=(), description="With client_ca_file: the client certificate's common name or a DNS name of its SANs must be one of these (comma-separated); empty: any certificate client_ca_file signed.")
     ca_out: Optional[Path] = Field(default=None, description="Also write the generated CA certificate (PEM) to this file.")
     kubeconfig: Optional[Path] = Field(default=None, description="kubeconfig of the cluster whose Kueue Workloads the AdmissionCheck controller gates; unset: no controller (webhook only), unless in_cluster.")
     in_cluster: bool = Field(default=False, description="Run the AdmissionCheck controller with the pod's service account (the webhook then reads DRA claims with it too).")
@@ -66,6 +68,8 @@ class AdmitSettings(BaseSettings):
             problems.append("tls_cert_file and tls_key_file go together (give both, or neither for a generated certificate)")
         if self.in_cluster and self.kubeconfig:
             problems.append("in_cluster and kubeconfig exclude each other")
+        if self.client_names and self.client_ca_file is None:
+            problems.append("client_names needs client_ca_file (the CA whose certificates they name)")
         if self.claims_in_cluster and self.kubeconfig:
             problems.append("claims_in_cluster and kubeconfig exclude each other (with a kubeconfig the claims are read with it)")
         if problems:

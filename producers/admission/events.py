@@ -32,7 +32,7 @@ def decision_message(subject: Subject, decision: Decision, notes: tuple[str, ...
 
 
 def decision_event(subject: Subject, decision: Decision, at: datetime, *, gate: str, request_id: str, operation: str | None = None,
-                   user: str | None = None, host: str | None = None, notes: tuple[str, ...] = ()) -> AdmissionEvent:
+                   user: str | None = None, host: str | None = None, notes: tuple[str, ...] = (), caller: str | None = None) -> AdmissionEvent:
     ident = {k: v for k, v in subject.identity.items() if k in _IDENTITY}
     pod = subject.name if subject.kind == "Pod" else None
     identity = Identity(release_id=decision.release_id, environment=decision.environment, namespace=subject.namespace or None,
@@ -40,7 +40,7 @@ def decision_event(subject: Subject, decision: Decision, at: datetime, *, gate: 
     payload = AdmissionPayload(
         decision=decision.verdict, outcome=decision.outcome, rule=decision.rule, message=decision_message(subject, decision, notes), mode=decision.mode,
         gate=gate,
-        object_kind=subject.kind, object_name=subject.name or "-", object_uid=subject.uid, operation=operation, user=user,
+        object_kind=subject.kind, object_name=subject.name or "-", object_uid=subject.uid, operation=operation, user=user, caller=caller,
         gpus_requested=max(subject.gpus, 0), release_state=decision.release_state, fail_closed=decision.fail_closed,
         policy_version=decision.policy_version, directory_version=decision.directory_version,
         override_event_id=decision.override_event_id, evidence=decision.evidence)

@@ -145,7 +145,7 @@ class AdmitService:
         self.claims = ClaimReader(api_client, ResourceMatcher(config.dra_drivers))
         self.handler = ReviewHandler(self.state, policy, self.resources, config.label_prefix, claims=self.claims, stale_after_s=config.stale_after_s)
         self.controller = None
-        self.counters = {"reviews": 0, "bad_requests": 0, "denied": 0}
+        self.counters = {"reviews": 0, "bad_requests": 0, "denied": 0, "unauthenticated": 0}
         self.telemetry = ComponentCounters("admit")  # the component contract: received / rejected (with reason), via OpenTelemetry
         self.latencies: collections.deque[float] = collections.deque(maxlen=10_000)  # ms from body read to answer encoded
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -165,12 +165,19 @@ class AdmitService:
             self.counters["bad_requests"] += 1
             self.telemetry.add_rejected("too_large")
             return web.json_response({"error": f"body over {self.config.max_body_bytes} bytes"}, status=413)
+        caller = None
+        if self.config.client_ca_file is not None:
+            caller, refused = self._caller(request.transport.get_extra_info("peercert") if request.transport else None)
+            if refused is not None:
+                self.counters["unauthenticated"] += 1
+                self.telemetry.add_rejected("unauthenticated_caller")
+                return web.json_response({"error": refused}, status=401 if caller is None else 403)
         started = time.perf_counter()
         if b'"resourceClaims"' in body:
             # Its DRA claims are read from the API server (blocking calls): off the event loop.
-            status, answer, event = await asyncio.to_thread(self.handler.handle, body)
+            status, answer, event = await asyncio.to_thread(self.handler.handle, body, caller)
         else:
-            status, answer, event = self.handler.handle(body)
+            status, answer, event = self.handler.handle(body, caller)
         self.telemetry.add_received()
         if status != 200:
             self.counters["bad_requests"] += 1
@@ -184,6 +191,23 @@ class AdmitService:
         response = web.Response(body=orjson.dumps(answer), status=status, content_type="application/json")
         self.latencies.append((time.perf_counter() - started) * 1000)
         return response
+
+    def _caller(self, cert: dict | None) -> tuple[str | None, str | None]:
+        """(``x509:<common name>``, None) for a caller whose client certificate the TLS handshake
+        verified against client_ca_file (and, with client_names, that one of them names); else
+        (its identity or None, why it is refused)."""
+        if not cert:
+            return None, (f"client certificate required: {WEBHOOK_PATH} answers only callers with a certificate signed by the "
+                          "configured client CA (GPULEDGER_ADMIT_CLIENT_CA_FILE; docs/admission.md)")
+        common = [value for rdn in cert.get("subject", ()) for key, value in rdn if key == "commonName"]
+        dns = [value for kind, value in cert.get("subjectAltName", ()) if kind == "DNS"]
+        name = common[0] if common else (dns[0] if dns else None)
+        if not name:
+            return None, "the client certificate names no common name or DNS name"
+        allowed = self.config.client_names
+        if allowed and not set(allowed) & {*common, *dns}:
+            return f"x509:{name}", f"client certificate {name!r} is not one of the allowed callers (GPULEDGER_ADMIT_CLIENT_NAMES)"
+        return f"x509:{name}", None
 
     async def healthz(self, request: web.Request) -> web.Response:
         controller = self.controller.counters if self.controller else None
@@ -224,6 +248,14 @@ class AdmitService:
             context.load_cert_chain(str(cert), str(key))
         except (OSError, ssl.SSLError) as exc:
             raise AdmitError(f"cannot load the serving certificate {cert} / key {key}: {exc}") from exc
+        if self.config.client_ca_file is not None:
+            # Optional at the handshake (the kubelet's probes of /healthz and /readyz bring no
+            # certificate); one that is presented must verify; /validate requires one (``_caller``).
+            try:
+                context.load_verify_locations(cafile=str(self.config.client_ca_file))
+            except (OSError, ssl.SSLError) as exc:
+                raise AdmitError(f"cannot load the client CA {self.config.client_ca_file}: {exc}") from exc
+            context.verify_mode = ssl.CERT_OPTIONAL
         return context, ca_pem
 
     def _on_release_change(self, keys: list[str]) -> None:

@@ -71,9 +71,10 @@ class ReviewHandler:
         self.claims = claims  # producers.admission.claims.ClaimReader: the GPUs of DRA claims (reads the API server)
         self.policy_version = policy.fingerprint
 
-    def handle(self, body: bytes) -> tuple[int, dict, Callable[[], AdmissionEvent] | None]:
+    def handle(self, body: bytes, caller: str | None = None) -> tuple[int, dict, Callable[[], AdmissionEvent] | None]:
         """(HTTP status, answer, a function building the decision's event — called off the
-        request path by the recorder — or None when there is nothing to record)."""
+        request path by the recorder — or None when there is nothing to record). ``caller``: who
+        called, as its client certificate proved it (``x509:<common name>``), None when not proven."""
         try:
             request = parse_review(body)
         except BadReview as exc:
@@ -109,6 +110,7 @@ class ReviewHandler:
         host = self.host
 
         def event() -> AdmissionEvent:
-            return decision_event(subject, decision, now, gate="webhook", request_id=uid, operation=operation, user=user, host=host, notes=notes)
+            return decision_event(subject, decision, now, gate="webhook", request_id=uid, operation=operation, user=user, host=host, notes=notes,
+                                  caller=caller)
 
         return 200, _answer(uid, decision.allowed, decision.message, [*decision.warnings, *subject.claim_notes, *notes]), event

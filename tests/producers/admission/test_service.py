@@ -90,6 +90,7 @@ def test_webhook_denies_until_the_approval_arrives_within_a_second_and_records_e
     first = next(e for e in decided if e.payload.object_name == "score")
     assert (first.event_type, first.payload.decision, first.payload.rule, first.payload.gate) == ("admission.decided", "deny", "unapproved", "webhook")
     assert first.identity.release_id == RID and first.identity.workload_id == "serving/Job/score" and first.payload.user == "model-team-ci"
+    assert first.payload.caller is None  # no client CA: the caller is not authenticated, `user` is its claim
     assert first.payload.policy_version == Policy().fingerprint and first.payload.release_state == "release.evaluated"
     assert any(e.payload.decision == "allow" and e.payload.rule == "approved" for e in decided)
     health = call(url, context, "/healthz")[1]
@@ -259,4 +260,57 @@ def test_kafka_gone_after_the_state_loaded_health_degrades_and_every_decision_sa
         service.stop()
         thread.join(20)
         broker.stop()
+    assert not thread.is_alive()
+
+
+def test_with_a_client_ca_only_a_caller_with_its_certificate_is_answered_and_the_decision_records_it(catalogue, kafka_bootstrap, tmp_path):
+    """Who did it is proven, not typed: the webhook recorded `user` (the AdmissionReview's
+    userInfo.username) from any caller of /validate. With a client CA, a caller without a
+    certificate gets 401 and no decision, one whose certificate another CA signed fails the TLS
+    handshake, one not in client_names gets 403; the API server's certificate is answered and
+    the decision records `caller` — and the probes still need no certificate. Without one,
+    `caller` stays empty (the existing tests' decisions)."""
+    from producers.admission.certs import client_certificates
+
+    ca_file, cert, key = client_certificates(tmp_path / "client")
+    _other_ca, other_cert, other_key = client_certificates(tmp_path / "other")
+    # A certificate the trusted bundle verifies (its CA is in it) but whose name client_names does not list:
+    _, wrong_name_cert, wrong_name_key = client_certificates(tmp_path / "named", common_name="someone-else", ca_name="another-trusted-ca")
+    bundle = tmp_path / "bundle.crt"
+    bundle.write_bytes(ca_file.read_bytes() + (tmp_path / "named" / "client-ca.crt").read_bytes())
+    served_ca = tmp_path / "ca.crt"
+    bound = {}
+    service = AdmitService(AdmitSettings(port=0, ca_out=served_ca, client_ca_file=bundle, client_names=("kube-apiserver-webhook-client",)),
+                           Policy(), EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, "admit-test"), kafka_bootstrap,
+                           catalogue.release, on_listening=lambda h, p, pem: bound.update(host=h, port=p, pem=pem))
+    thread = threading.Thread(target=service.run, daemon=True)
+    thread.start()
+    try:
+        poll(lambda: bound or not thread.is_alive(), "admit to listen", 30)
+        url = f"https://127.0.0.1:{bound['port']}"
+
+        def context(pair=None):
+            ctx = ssl.create_default_context(cafile=str(served_ca))
+            if pair:
+                ctx.load_cert_chain(str(pair[0]), str(pair[1]))
+            return ctx
+
+        poll(lambda: call(url, context(), "/readyz")[0] == 200, "the release state loaded (the probe brings no certificate)", 60)
+        assert call(url, context(), "/healthz")[0] == 200
+        status, body = call(url, context(), "/validate", review(job("anonymous")))
+        assert status == 401 and body["error"].startswith("client certificate required: /validate answers only callers"), body
+        # The handshake fails on the server's side (TLS 1.3: the client learns it as the connection
+        # closing before any answer) — and no decision is recorded for it (below).
+        with pytest.raises((urllib.error.URLError, ConnectionError)):
+            call(url, context((other_cert, other_key)), "/validate", review(job("forged")))
+        status, body = call(url, context((wrong_name_cert, wrong_name_key)), "/validate", review(job("wrong-name")))
+        assert status == 403 and "'someone-else' is not one of the allowed callers" in body["error"], body
+        status, body = call(url, context((cert, key)), "/validate", review(job("from-the-api-server")))
+        assert status == 200 and body["response"]["allowed"] is False, body  # (no release state: unknown release, prod)
+        assert service.counters["unauthenticated"] == 2
+        decided = [decode_event(m.value()).payload for m in read_topic(kafka_bootstrap, catalogue.scheduler, 1)]
+        assert [(d.object_name, d.user, d.caller) for d in decided] == [("from-the-api-server", "model-team-ci", "x509:kube-apiserver-webhook-client")]
+    finally:
+        service.stop()
+        thread.join(20)
     assert not thread.is_alive()
