@@ -135,6 +135,9 @@ DEFAULT_NODES = (GpuNode("gpu-node-1", gpus=8), GpuNode("gpu-node-2", gpus=8),
 #: Kueue's internal cert management (open-policy-agent/cert-controller) keeps the certs of this
 #: Secret when they verify for its Service name and stay valid past its 90-day lookahead.
 KUEUE_CERT_SECRET = "kueue-webhook-server-cert"
+#: The common name of the client certificate the API server presents to admission webhooks
+#: (``LocalCluster._write_webhook_client``).
+WEBHOOK_CLIENT_NAME = "kube-apiserver-webhook-client"
 KUEUE_WEBHOOK_DNS = f"kueue-webhook-service.{KUEUE_NAMESPACE}.svc"
 
 
@@ -211,6 +214,7 @@ class LocalCluster:
         self.ports = {name: free_port() for name in ("etcd", "etcd_peer", "apiserver", "controller_manager", "scheduler",
                                                      "kwok", "kueue_webhook", "kueue_metrics", "kueue_health")}
         self.procs: dict[str, ServiceProcess] = {}
+        self.webhook_client_ca: Path | None = None  # the CA of the API server's webhook client certificate (start)
 
     @property
     def server(self) -> str:
@@ -231,6 +235,7 @@ class LocalCluster:
             bins["kueue"] = kubebin.ensure_go_tool(*kubebin.KUEUE, self.cache_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         _write_pki(self.pki)
+        self._write_webhook_client()
         (self.data_dir / "tokens.csv").write_text(f"{self.token},admin,admin,system:masters\n")
         self._write_kubeconfig()
         # One start at a time on this machine (a lock file in the cache dir): the API server's bootstrap
@@ -276,6 +281,23 @@ class LocalCluster:
             f"--initial-advertise-peer-urls=http://127.0.0.1:{self.ports['etcd_peer']}",
             f"--initial-cluster=default=http://127.0.0.1:{self.ports['etcd_peer']}", "--log-level=warn"])
 
+    def _write_webhook_client(self) -> None:
+        """The client certificate the API server presents to admission webhooks that ask for one
+        (``gpuledger admit --client-ca``: ``webhook_client_ca`` signed it; docs/admission.md): an
+        AdmissionConfiguration whose ``ValidatingAdmissionWebhook`` kubeconfig gives it for every
+        webhook host (``'*'``, the default entry). Kueue's webhooks ask for none, so they get none."""
+        from producers.admission.certs import client_certificates
+
+        ca, cert, key = client_certificates(self.pki / "webhook-client", common_name=WEBHOOK_CLIENT_NAME)
+        kubeconfig = self.pki / "webhook-client" / "kubeconfig"
+        kubeconfig.write_text(json.dumps({"apiVersion": "v1", "kind": "Config", "clusters": [], "contexts": [], "users": [
+            {"name": "*", "user": {"client-certificate": str(cert), "client-key": str(key)}}]}))
+        (self.data_dir / "admission-config.json").write_text(json.dumps({
+            "apiVersion": "apiserver.config.k8s.io/v1", "kind": "AdmissionConfiguration", "plugins": [
+                {"name": "ValidatingAdmissionWebhook", "configuration": {
+                    "apiVersion": "apiserver.config.k8s.io/v1", "kind": "WebhookAdmissionConfiguration", "kubeConfigFile": str(kubeconfig)}}]}))
+        self.webhook_client_ca = ca
+
     def _start_apiserver(self, kube: Path) -> None:
         pki, kc = self.pki, str(self.kubeconfig)
         self._service("apiserver", [str(kube), "kube-apiserver"], [
@@ -284,6 +306,7 @@ class LocalCluster:
             f"--client-ca-file={pki / 'ca.crt'}", f"--token-auth-file={self.data_dir / 'tokens.csv'}", "--authorization-mode=RBAC",
             "--service-account-issuer=https://kubernetes.default.svc", f"--service-account-key-file={pki / 'sa.pub'}",
             f"--service-account-signing-key-file={pki / 'sa.key'}", "--service-cluster-ip-range=10.96.0.0/24",
+            f"--admission-control-config-file={self.data_dir / 'admission-config.json'}",
             # Watches read etcd directly: an etcd compaction then yields a real 410 Gone (tests rely on it).
             "--watch-cache=false", "--v=1"])
 

@@ -20,7 +20,7 @@ from kubernetes.client.exceptions import ApiException
 from typer.testing import CliRunner
 
 from gpuledger.cli import app
-from gpuledger.dev.cluster import FLAVOR, KUEUE_API
+from gpuledger.dev.cluster import FLAVOR, KUEUE_API, WEBHOOK_CLIENT_NAME
 from gpuledger.dev.process import free_port
 from producers._kafka import EventPublisher, ensure_topics
 from producers.admission.config import AdmitSettings
@@ -75,7 +75,10 @@ def admit(real_cluster, kube, kafka_bootstrap, ledger):
                                                   "metadata": {"name": ns, "labels": {"gpuledger.io/environment": env, TEST_LABEL: SUFFIX}}})
     publisher = EventPublisher({"bootstrap.servers": kafka_bootstrap}, cat, "admit")
     bound = {}
-    service = AdmitService(AdmitSettings(port=free_port(), resync_s=5), policy(), publisher, kafka_bootstrap, cat.release,
+    # The API server proves itself with its webhook client certificate (LocalCluster's
+    # AdmissionConfiguration): decisions record it as their caller.
+    service = AdmitService(AdmitSettings(port=free_port(), resync_s=5, client_ca_file=real_cluster.webhook_client_ca,
+                                         client_names=(WEBHOOK_CLIENT_NAME,)), policy(), publisher, kafka_bootstrap, cat.release,
                            api_client=kube, on_listening=lambda h, p, pem: bound.update(port=p, pem=pem))
     thread = threading.Thread(target=service.run, daemon=True)
     thread.start()
@@ -160,6 +163,8 @@ def test_an_unapproved_release_job_is_denied_by_the_api_server_with_our_message(
     mine = [e for e in decided if e.identity.release_id == rid]
     assert {(e.payload.decision, e.payload.rule) for e in mine} >= {("deny", "unapproved"), ("allow", "approved")}
     assert all(e.event_type == "admission.decided" and e.payload.gate == "webhook" and e.identity.namespace == PROD for e in mine)
+    # Who asked is proven: the real API server's client certificate; the user it authenticated (the test's admin token).
+    assert {(e.payload.caller, e.payload.user) for e in mine} == {(f"x509:{WEBHOOK_CLIENT_NAME}", "admin")}, {(e.payload.caller, e.payload.user) for e in mine}
 
 
 def test_a_pod_whose_gpu_comes_from_a_dra_claim_is_decided_like_one_requesting_it(admit, kube, ledger):
