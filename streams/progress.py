@@ -178,7 +178,8 @@ class RunProgress:
         """Per consumer group of the run, now: the topics it reads, their ``partitions``, the
         ``lag`` (records between each partition's end and the group's committed offset — from
         the first retained record where it never committed, as the group would read it) and
-        ``never_committed``, the partitions holding records the group has not committed on."""
+        ``never_committed``, the partitions holding records the group has not committed on, and
+        ``committed_partitions``, those it has (0: the group never committed — it may not exist)."""
         committed = self.committed()
         parts = self._partitions({t for topics in self.groups.values() for t in topics})
         first = {**self.first, **self._offsets([tp for tp in parts if (tp.topic, tp.partition) not in self.first], OffsetSpec.earliest())}
@@ -191,6 +192,7 @@ class RunProgress:
                 "topics": list(topics), "partitions": len(mine),
                 "lag": sum(_behind(ends[tp], offsets, tp, first) for tp in mine),
                 "never_committed": sum(1 for tp in mine if tp not in offsets and ends[tp] > first[tp]),
+                "committed_partitions": sum(1 for tp in mine if tp in offsets),
             }
         return out
 

@@ -58,6 +58,7 @@ def status(bootstrap: Optional[str] = BootstrapOpt, dsn: Optional[str] = DsnOpt,
     from confluent_kafka import KafkaException
     from rich.table import Table
 
+    from producers._errors import KafkaNotConfigured
     from producers._kafka import client_config
     from sinks.read.text import markup
     from streams.progress import RunProgress, worker_health
@@ -70,7 +71,7 @@ def status(bootstrap: Optional[str] = BootstrapOpt, dsn: Optional[str] = DsnOpt,
     try:
         with RunProgress(client_config(settings), settings.kafka.catalogue(), app) as progress:
             groups = progress.group_lag()
-    except KafkaException as exc:
+    except (KafkaException, KafkaNotConfigured) as exc:  # (none configured: said, not a traceback — the worker's part still shown)
         kafka_error = str(exc)
     except LookupError as exc:  # Kafka answered: the raw topics are not there (wrong prefix, or none created yet)
         kafka_error, answered = str(exc), True
@@ -119,7 +120,11 @@ def status(bootstrap: Optional[str] = BootstrapOpt, dsn: Optional[str] = DsnOpt,
         for group, g in groups.items():
             topics = g["topics"]
             reads = ", ".join(topics) if len(topics) <= 2 else f"{topics[0]} and {len(topics) - 1} more"
-            table.add_row(markup(group), markup(reads), str(g["partitions"]), f"{g['lag']:,}", str(g["never_committed"]))
+            # A group that committed on no partition may not exist at all (another app id's run, a
+            # worker never started): its "lag" is the whole topic — said as such, not as a backlog.
+            never = g.get("committed_partitions") == 0 and g["lag"] > 0
+            table.add_row(markup(group), markup(reads), str(g["partitions"]),
+                          f"[yellow]none committed ({g['lag']:,} records)[/]" if never else f"{g['lag']:,}", str(g["never_committed"]))
         console.print(table)
     raise typer.Exit(0 if ok else 1)
 

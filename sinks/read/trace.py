@@ -62,7 +62,10 @@ KEYS = {
     "workload_timeline": ("workload_id", "occurred_at", "correlation_id"),
     "enriched_alerts": ("alert_fingerprint", "occurred_at", "correlation_id"),
     "gpu_allocations": ("node", "gpu_id", "started_at", "allocation_id"),
+    "violations": ("violation_id",),
 }
+VIOLATION_COLS = ("violation_id", "version", "control_id", "title", "severity", "release_id", "workload_id", "namespace", "pod", "node",
+                  "gpu_id", "opened_at", "closed_at", "detail")
 RELEASE_COLS = ("release_id", "occurred_at", "correlation_id", "version", "event_type", *MANIFEST_FIELDS, "actor", "approval_id",
                 "reason", "to_environment", "superseded_release_id", "target", "expires_at", "release_state", "summary", "payload_json")
 WORKLOAD_COLS = ("workload_id", "occurred_at", "correlation_id", "version", "event_type", "release_id", "namespace", "pod", "pod_uid",
@@ -155,7 +158,7 @@ def norm_time(value) -> str | None:
 
 #: Tables keyed by an attributed column, read with the newest-version check (see Store.latest).
 SUPERSEDED_CHECK = frozenset({"workload_timeline"})
-TIME_COLUMNS = {"occurred_at", "started_at", "ended_at", "starts_at", "ends_at", "expires_at"}
+TIME_COLUMNS = {"opened_at", "closed_at", "occurred_at", "started_at", "ended_at", "starts_at", "ends_at", "expires_at"}
 
 
 # --- reading latest versions ----------------------------------------------------------------
@@ -360,6 +363,9 @@ class _Resolver:
             return None
         if at_s and alloc["ended_at"] is not None and alloc["ended_at"] <= at_s:
             self.notes.append(f"no allocation held {node}/{gpu_id} at {at_s}; the last one before ended at {alloc['ended_at']}")
+        elif not at_s and alloc["ended_at"] is not None:
+            # (the chain is its last holder's: said, or an idle GPU read as held by it now)
+            self.notes.append(f"no allocation holds {node}/{gpu_id} now; the last one ended at {alloc['ended_at']} (the chain is its holder's)")
         return _root_from_identity(alloc)
 
     def slices(self, node: str, gpu_id: str, at_s: str | None) -> list[dict]:
@@ -548,7 +554,12 @@ def _release_section(rows: list[dict], release_id: str, gaps: list[str]) -> dict
     # The state is the latest event of any kind (the definition the rows' release_state has); the
     # lifecycle state beside it is the latest of LIFECYCLE_EVENTS — a reservation released after a
     # rollback made the state "release.reservation_released", and the rollback was not on the line.
+    # An evaluation counts only while the release has not moved past evaluation: one after its
+    # approval or promotion (a scheduled re-evaluation) left a promoted, serving release reading
+    # "lifecycle=release.evaluated" (an exploratory review's 3 a.m. responder).
     life = [r for r in rows if r["event_type"] in LIFECYCLE_EVENTS]
+    moved_on = [i for i, r in enumerate(life) if r["event_type"] not in ("release.registered", "release.evaluated")]
+    life = [r for i, r in enumerate(life) if r["event_type"] != "release.evaluated" or not moved_on or i < moved_on[0]]
     return {
         "release_id": release_id,
         "state": rows[-1]["event_type"] if rows else None,
@@ -621,6 +632,7 @@ class _Chain:
         self.release_candidates: set[str] = set()
         self.wl_rows: list[dict] = []
         self.pods: dict[tuple[str, str], dict] = {}
+        self.violations: list[dict] = []  # read_violations
         self.allocs: dict[str, dict] = {}
         self.alert_rows: dict[str, dict] = {}
         self.anchor_s: str | None = None
@@ -648,6 +660,7 @@ class _Chain:
         self.release = _release_section(self.release_rows, rid, self.gaps)
         if at is not None and self.release_rows:
             self.release.update(self._manifest_as_of(rid, at, at_p))
+        self.release.update(self._succession(rid, at, at_p))
         # Candidates from the release_id projection; kept below only where a latest row names the release.
         self.release_candidates = set(self.store.candidates("workload_timeline", "workload_id",
                                                             f"release_id = {{r:String}} AND {_at_cond('occurred_at', at)}", {"r": rid, **at_p}))
@@ -655,6 +668,59 @@ class _Chain:
                                                 after="release_id = {r:String}", after_columns=("release_id",), order="started_at, allocation_id")
         self.workload_ids.update(a["workload_id"] for a in self.release_allocs if a["workload_id"])
         self.pod_keys.update((a["namespace"], a["pod"]) for a in self.release_allocs)
+
+    def _succession(self, rid: str, at: datetime | None, at_p: dict) -> dict:
+        """What other releases did to this one (their rows naming it ``superseded_release_id``): a
+        promotion that replaced it, a rollback that restored it. Its own rows say neither — a
+        release replaced an hour ago read ``lifecycle=release.promoted``, as if it still served.
+        ``replaced_by``: the replacement in force at ``at`` (now), if the latest of these came
+        after the release's own last lifecycle event."""
+        rows = self.store.latest("release_history", ("release_id", "occurred_at", "correlation_id", "version", "event_type",
+                                                     "superseded_release_id", "to_environment"),
+                                 _at_cond("occurred_at", at), {"r": rid, **at_p}, after="superseded_release_id = {r:String}",
+                                 after_columns=("superseded_release_id",), order="occurred_at, correlation_id")
+        steps = []
+        for r in rows:
+            if r["release_id"] == rid:
+                continue
+            if r["event_type"] == "release.promoted":
+                steps.append({"occurred_at": r["occurred_at"], "event": "replaced", "by": r["release_id"],
+                              **({"to_environment": r["to_environment"]} if r.get("to_environment") else {})})
+            elif r["event_type"] == "release.rolled_back":
+                steps.append({"occurred_at": r["occurred_at"], "event": "restored", "by": r["release_id"]})
+        if not steps:
+            return {}
+        out: dict[str, Any] = {"succession": steps}
+        own = self.release.get("lifecycle_since") or ""
+        if steps[-1]["event"] == "replaced" and steps[-1]["occurred_at"] >= own:
+            out["replaced_by"] = steps[-1]
+        return out
+
+    def read_violations(self) -> None:
+        """The controls' violations about the chain — its release, workloads and pods — as they
+        stood at ``at`` (now): withdrawn ones left out. A trace showed a compliant-looking chain
+        beside open control 2 and 8 violations for it (they were only in ``audit``)."""
+        pods = sorted({f"{ns}/{pod}" for ns, pod in self.pods} | {f"{ns}/{pod}" for ns, pod in self.pod_keys})
+        if not (self.release_id or self.workload_ids or pods):
+            self.violations = []
+            return
+        rows = self.store.latest("violations", VIOLATION_COLS, _at_cond("opened_at", self.at),
+                                 {"r": self.release_id or "", "wids": sorted(self.workload_ids), "pods": pods, **self.at_p},
+                                 after="(release_id != '' AND release_id = {r:String}) OR (workload_id != '' AND workload_id IN {wids:Array(String)})"
+                                       " OR concat(namespace, '/', pod) IN {pods:Array(String)}",
+                                 after_columns=("release_id", "workload_id", "namespace", "pod"), order="opened_at, violation_id")
+        from streams.controls.rules import WITHDRAWN
+
+        out = []
+        for v in rows:
+            if (v.get("detail") or "").startswith(WITHDRAWN):
+                continue
+            closed = v.get("closed_at")
+            if closed is not None and self.at_s is not None and closed > self.at_s:
+                closed = None  # (closed after --at: open then)
+            out.append({k: v[k] for k in ("control_id", "title", "severity", "opened_at", "detail", "violation_id", "release_id", "workload_id")
+                        if v.get(k) not in (None, "")} | {"closed_at": closed, "open": closed is None})
+        self.violations = out
 
     def _manifest_as_of(self, rid: str, at: datetime, at_p: dict) -> dict:
         """The release's manifest as it stood at ``at``, from its events as they were sent.
@@ -854,7 +920,7 @@ class _Chain:
                      for wid in sorted(self.workload_ids)]
         start = norm_time(time_before(datetime.fromisoformat(self.anchor_s.replace("Z", "+00:00")), self.window)) if self.anchor_s else None
         return {"release": self.release, "workloads": workloads, "pods": self._pod_sections(), "gpus": self._gpu_sections(),
-                "scheduler_events": self._scheduler_events(), "alerts": self._alerts(), "gaps": self.gaps,
+                "scheduler_events": self._scheduler_events(), "alerts": self._alerts(), "violations": self.violations, "gaps": self.gaps,
                 "window": {"from": start, "to": self.anchor_s, "length": format_window(self.window), "anchor": self.anchor_what}}
 
 
@@ -863,7 +929,7 @@ def _expand(store: Store, root: tuple[str, str] | None, at: datetime | None, win
     """The chain of ``root`` (module docstring), in the steps of ``_Chain``; the window is
     anchored on ``entry``'s own time (``_Chain._anchor``)."""
     if root is None:
-        return {"release": None, "workloads": [], "pods": [], "gpus": [], "scheduler_events": [], "alerts": [],
+        return {"release": None, "workloads": [], "pods": [], "gpus": [], "scheduler_events": [], "alerts": [], "violations": [],
                 "gaps": ["the entry point matches nothing in the store" + (" as of --at" if at else "")]}
     chain = _Chain(store, root, at, window)
     chain.entry = entry or root
@@ -872,6 +938,7 @@ def _expand(store: Store, root: tuple[str, str] | None, at: datetime | None, win
     chain.read_allocations()
     chain.read_alerts(focal_alerts)
     chain.read_window()
+    chain.read_violations()
     return chain.result()
 
 

@@ -47,6 +47,7 @@ def render_tree(result: dict) -> Tree:
     _add_gpus(root, result.get("gpus", []))
     _add_scheduler_events(root, result.get("scheduler_events", []), result.get("window") or {})
     _add_alerts(root, result.get("alerts", []))
+    _add_violations(root, result.get("violations", []), entry)
     if result.get("gaps"):
         gaps = root.add("[red]gaps[/]")
         for g in result["gaps"]:
@@ -79,7 +80,8 @@ def _add_release(root: Tree, rel: dict | None, entry: dict) -> None:
     node = root.add(f"[bold]release[/] {m(rel['release_id'])}  state={_or_gap(rel.get('state'))}" +
                     (f" since {m(rel['state_since'])}" if rel.get("state_since") else "") +
                     # (when the latest event is not of the lifecycle — a reservation, a pause —: the lifecycle's too)
-                    (f"  lifecycle={m(lifecycle)} since {m(rel['lifecycle_since'])}" if lifecycle and lifecycle != rel.get("state") else ""))
+                    (f"  lifecycle={m(lifecycle)} since {m(rel['lifecycle_since'])}" if lifecycle and lifecycle != rel.get("state") else "") +
+                    (f"  [yellow]replaced by {m(rel['replaced_by']['by'])} at {m(rel['replaced_by']['occurred_at'])}[/]" if rel.get("replaced_by") else ""))
     for field in RELEASE_FIELDS:
         node.add(f"{field}: {_or_gap(rel.get(field))}")
     approvals = node.add("approvals" if rel.get("approvals") else f"approvals: {GAP}")
@@ -90,8 +92,23 @@ def _add_release(root: Tree, rel: dict | None, entry: dict) -> None:
         for pr in rel["promotions"]:
             promos.add(f"{m(pr['occurred_at'])}  → {m(pr.get('to_environment', '?'))} by {m(pr.get('actor', '?'))} {m(pr.get('approval_id', ''))}")
     life = node.add("lifecycle")
-    for ev in rel.get("lifecycle", []):
-        life.add(f"{m(ev['occurred_at'])}  {m(ev['event_type'])}  {m(ev.get('summary', ''))}")
+    # (what another release's promotion or rollback did to this one, among its own events)
+    succession = [{"occurred_at": st["occurred_at"], "line": f"[yellow]{'replaced by' if st['event'] == 'replaced' else 'restored by the rollback of'} "
+                   f"{m(st['by'])}[/]" + (f" (promoted to {m(st['to_environment'])})" if st.get("to_environment") else "")}
+                  for st in rel.get("succession", [])]
+    own = [{"occurred_at": ev["occurred_at"], "line": _lifecycle_line(ev)} for ev in rel.get("lifecycle", [])]
+    for ev in sorted(own + succession, key=lambda e: e["occurred_at"]):
+        life.add(f"{m(ev['occurred_at'])}  {ev['line']}")
+
+
+def _lifecycle_line(ev: dict) -> str:
+    """One event of the release's own lifecycle: its type and summary, and the reason and target
+    the summary leaves out (an isolation's node and "XID 79 on GPU 0", a rollback's reason)."""
+    line = f"{m(ev['event_type'])}  {m(ev.get('summary', ''))}"
+    summary = ev.get("summary") or ""
+    extra = [f"{label} {m(ev[k])}" for k, label in (("target", "target"), ("to_environment", "to"), ("reason", "reason"), ("approval_id", "change"))
+             if ev.get(k) and str(ev[k]) not in summary]
+    return line + (f"  ({'; '.join(extra)})" if extra else "")
 
 
 def _add_pod(parent: Tree, key: str, p: dict) -> None:
@@ -169,8 +186,27 @@ def _add_alerts(root: Tree, alerts: list[dict]) -> None:
     anode = root.add("[bold]alerts[/]")
     for a in alerts:
         mark = "" if a["in_chain"] else "  [dim](other alert in the window)[/]"
-        where = f" on {m(a['node'])}" if a.get("node") else ""
-        anode.add(f"{m(a['occurred_at'])}  {m(a.get('alertname', '?'))} ({m(a.get('severity') or '-')}) {m(a['status'])}{where}{mark}")
+        where = f" on {m(a['node'])}" + (f"/{m(a['gpu_id'])}" if a.get("gpu_id") else "") if a.get("node") else ""
+        # Who it hit and how that was known (an XID's pod and rule were only in the JSON), and the
+        # fingerprint to trace it by (--alert).
+        hit = ", ".join(p for p in ((f"pod {m(a['namespace'])}/{m(a['pod'])}" if a.get("pod") else ""),
+                                    (f"release {m(a['release_id'])}" + (f" ({m(a['release_state'])})" if a.get("release_state") else "")
+                                     if a.get("release_id") else ""),
+                                    (f"by {m(a['attribution'])}" if a.get("attribution") else "")) if p)
+        anode.add(f"{m(a['occurred_at'])}  {m(a.get('alertname', '?'))} ({m(a.get('severity') or '-')}) {m(a['status'])}{where}"
+                  + (f"  {hit}" if hit else "") + (f"  [dim]fingerprint {m(a['alert_fingerprint'])}[/]" if a.get("alert_fingerprint") else "") + mark)
+
+
+def _add_violations(root: Tree, violations: list[dict], entry: dict) -> None:
+    """The controls' violations about the chain (``read_violations``): open ones in red."""
+    if not violations:
+        return
+    at = f" as of {m(entry['at'])}" if entry.get("at") else ""
+    vnode = root.add(f"[bold]violations[/] of the controls about this chain{at} (gpuledger audit has their evidence)")
+    for v in violations:
+        state = "[red]open[/]" if v["open"] else f"closed {m(v['closed_at'])}"
+        vnode.add(f"control {m(v.get('control_id'))} {m(v.get('title', ''))} ({m(v.get('severity') or '-')}): opened {m(v.get('opened_at'))}, "
+                  f"{state} — {m(v.get('detail', ''))}")
 
 
 def tree_text(tree: Tree, width: int = 140) -> str:

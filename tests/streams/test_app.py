@@ -6,6 +6,7 @@ are checked on their own in test_entities.py."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 from producers._kafka import EventPublisher
@@ -190,6 +191,19 @@ def test_status_of_a_worker_that_does_not_answer_exits_1_and_still_shows_the_gro
     assert got["groups"][f"{catalogue.prefix}-app.sinks"]["lag"] == 5  # the raw topics; the run's own are empty
     table = status_of(kafka_bootstrap, catalogue, nobody, "--url", "http://127.0.0.1:1")
     assert table.exit_code == 1 and "not answering at http://127.0.0.1:1" in table.stdout, table.output
+    # A group that committed nothing (here: no worker ever ran) is not shown as a backlog of 5.
+    assert re.search(rf"{re.escape(catalogue.prefix)}-app\.route .*none committed \(5 records\)", table.stdout), table.output
+    # No Kafka configured at all (a review's responder after an exercise stopped its broker): the
+    # worker's part and a line saying so, not a traceback.
+    from typer.testing import CliRunner
+
+    from gpuledger.cli import app as cli_app
+
+    bare = CliRunner().invoke(cli_app, ["status", "--url", "http://127.0.0.1:1", "--format", "json"],
+                              env={"GPULEDGER_KAFKA_BOOTSTRAP": None, "GPULEDGER_DATA_DIR": str(tmp_path / "nokafka"), "COLUMNS": "200",
+                                   "HOME": str(tmp_path / "home")})
+    assert bare.exit_code == 1 and (bare.exception is None or isinstance(bare.exception, SystemExit)), bare.output
+    assert json.loads(bare.stdout)["kafka_error"].startswith("no Kafka to talk to"), bare.output
     # Topics that do not exist (another prefix): Kafka answered, and the table says what is missing
     # (it said "Kafka did not answer").
     elsewhere = catalogue.model_copy(update={"prefix": f"{catalogue.prefix}-nosuch"})

@@ -495,3 +495,104 @@ def test_each_eviction_line_names_its_pod():
                              "pods": []}]}
     lines = [line for line in tree_text(render_tree(result), width=200).splitlines() if "evicted" in line]
     assert [line.split("evicted", 1)[1].strip() for line in lines] == [f"risk/p-{i} {at}  EvictionByEvictionAPI" for i in range(2)], lines
+
+
+def test_a_replaced_release_says_so_and_a_restored_one_too(clickhouse_client):
+    """From an exploratory review (a responder at 3 a.m.): v6, replaced in prod by v7's promotion,
+    traced as `state=release.promoted` with nothing saying v7 had replaced it — or, after the
+    rollback, that v6 served again. Its own rows say neither; v7's name it (superseded_release_id)."""
+    from sinks.read.tree import render_tree, tree_text
+
+    db = inc.load_store(clickhouse_client)
+    reader = DirectReader(clickhouse_client)
+    during = trace(reader, db, "release", inc.R6, at=AT)  # v7 in prod, v6 replaced
+    rel = during["release"]
+    assert rel["lifecycle_state"] == "release.promoted" and rel["replaced_by"] == {
+        "occurred_at": "2026-11-30T12:15:00.000Z", "event": "replaced", "by": inc.R7, "to_environment": "prod"}, rel
+    text = tree_text(render_tree(during), width=250)
+    assert f"replaced by {inc.R7} at 2026-11-30T12:15:00.000Z" in text.splitlines()[2] or f"replaced by {inc.R7} at" in text, text
+    assert f"2026-11-30T12:15:00.000Z  replaced by {inc.R7} (promoted to prod)" in text, text
+    after = trace(reader, db, "release", inc.R6)  # the rollback restored it
+    assert "replaced_by" not in after["release"], after["release"]
+    assert [(s["event"], s["by"]) for s in after["release"]["succession"]] == [("replaced", inc.R7), ("restored", inc.R7)]
+    assert f"2026-11-30T13:30:00.000Z  restored by the rollback of {inc.R7}" in tree_text(render_tree(after), width=250)
+    # v7's own line: its rollback's reason, which its summary leaves out.
+    v7 = tree_text(render_tree(trace(reader, db, "release", inc.R7)), width=250)
+    assert re.search(r"2026-11-30T13:30:00\.000Z  release\.rolled_back .*reason precision regression", v7), v7
+
+
+def test_an_evaluation_after_the_promotion_does_not_make_the_release_look_unpromoted(clickhouse_client):
+    """From the same review: a scheduled re-evaluation of a serving release made its trace read
+    `state=release.evaluated` and no lifecycle beside it — as if never promoted."""
+    import asyncio
+
+    from sinks.agents import SinkWriters
+
+    db = inc.load_store(clickhouse_client)
+    at = inc.T0 + timedelta(minutes=40)  # v7 promoted at +15
+    row = inc._ce("release", "release.evaluated", at, {"release_id": inc.R7, **inc.MANIFEST7}, {"actor": "ci"},
+                  attribution="release_event", release_state="release.evaluated")
+    asyncio.run(SinkWriters(clickhouse_client, db).store_correlated([row]))
+    rel = trace(DirectReader(clickhouse_client), db, "release", inc.R7, at=AT)["release"]
+    assert (rel["state"], rel["lifecycle_state"], rel["lifecycle_since"]) == ("release.evaluated", "release.promoted", "2026-11-30T12:15:00.000Z"), rel
+
+
+def test_the_controls_violations_about_the_chain_are_in_the_trace(clickhouse_client):
+    """From the same review: a trace showed no gap and `state=release.approved` for a workload
+    whose release was never promoted to prod — control 2's open violation was only in `audit`.
+    The trace lists the violations about its release, workloads and pods as they stood at --at
+    (open then even if closed later), withdrawn ones left out, other releases' not at all."""
+    import asyncio
+
+    from schemas import Violation
+    from schemas.envelope import Identity
+    from sinks.agents import SinkWriters
+    from sinks.read.tree import render_tree, tree_text
+
+    db = inc.load_store(clickhouse_client)
+    m = lambda minutes: inc.T0 + timedelta(minutes=minutes)  # noqa: E731
+    violations = [
+        Violation(violation_id="v-open", version=0, control_id=2, title="Runs where not promoted", severity="critical",
+                  identity=Identity(release_id=inc.R7, workload_id=inc.W7), evidence=("e1",), opened_at=m(20), detail="runs in prod unpromoted"),
+        Violation(violation_id="v-closed", version=1, control_id=8, title="Retired release holds capacity", severity="warning",
+                  identity=Identity(namespace="risk", pod=inc.P2), evidence=("e2",), opened_at=m(30), closed_at=m(80), detail="held after retirement"),
+        Violation(violation_id="v-withdrawn", version=1, control_id=1, title="Admitted without approval", severity="critical",
+                  identity=Identity(release_id=inc.R7), evidence=("e3",), opened_at=m(25), closed_at=m(25), detail="withdrawn: approval predates it"),
+        Violation(violation_id="v-other", version=0, control_id=2, title="Runs where not promoted", severity="critical",
+                  identity=Identity(release_id="someone-else"), evidence=("e4",), opened_at=m(20), detail="not ours"),
+        Violation(violation_id="v-later", version=0, control_id=3, title="Image mismatch", severity="warning",
+                  identity=Identity(release_id=inc.R7), evidence=("e5",), opened_at=m(75), detail="opened after --at"),
+    ]
+    asyncio.run(SinkWriters(clickhouse_client, db).store_violations(violations))
+    result = trace(DirectReader(clickhouse_client), db, "release", inc.R7, at=AT)
+    got = [(v["violation_id"], v["open"], v["closed_at"]) for v in result["violations"]]
+    assert got == [("v-open", True, None), ("v-closed", True, None)], result["violations"]  # v-closed closed at +80, after --at (+70)
+    now = trace(DirectReader(clickhouse_client), db, "release", inc.R7)
+    assert [(v["violation_id"], v["open"]) for v in now["violations"]] == [("v-open", True), ("v-closed", False), ("v-later", True)]
+    text = tree_text(render_tree(result), width=250)
+    assert "violations of the controls about this chain as of" in text, text
+    assert ("control 2 Runs where not promoted (critical): opened 2026-11-30T12:20:00.000Z, open — runs in prod unpromoted") in text, text
+    assert "withdrawn" not in text and "not ours" not in text
+
+
+def test_a_gpu_idle_now_says_its_chain_is_its_last_holders(clickhouse_client):
+    """From the same review: `trace --gpu` of a GPU nobody holds now traced to its last holder's
+    release with no word of it (the note was only given with --at)."""
+    import asyncio
+
+    from schemas import GpuAllocation
+    from schemas.envelope import Identity
+    from sinks.agents import SinkWriters
+
+    db = inc.load_store(clickhouse_client)
+    ended = GpuAllocation(allocation_id="al-p2", version=2, node="node-b", gpu_id=inc.GPU_B, gpu=inc.GPU_B, namespace="risk",
+                          pod=inc.P2, container="main", attribution="workload_release", started_at=inc.T0 + timedelta(minutes=62.5),
+                          ended_at=inc.T0 + timedelta(minutes=91), end_reason="released", start_event_id="assign-al-p2",
+                          end_event_id="release-al-p2", identity=Identity(release_id=inc.R7, workload_id=inc.W7, namespace="risk", pod=inc.P2,
+                                                                           node="node-b", gpu_id=inc.GPU_B, pod_uid=f"uid-{inc.P2}"))
+    asyncio.run(SinkWriters(clickhouse_client, db).store_allocations([ended]))
+    result = trace(DirectReader(clickhouse_client), db, "gpu", f"node-b/{inc.GPU_B}")
+    assert result["release"]["release_id"] == inc.R7
+    assert f"no allocation holds node-b/{inc.GPU_B} now; the last one ended at 2026-11-30T13:31:00.000Z (the chain is its holder's)" in result["gaps"], result["gaps"]
+    held = trace(DirectReader(clickhouse_client), db, "gpu", f"node-b/{inc.GPU_B}", at=AT)  # held then: no such note
+    assert not [g for g in held["gaps"] if "no allocation hold" in g], held["gaps"]
