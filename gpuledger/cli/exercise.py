@@ -51,7 +51,7 @@ def exercise(
     raise typer.Exit(result.exit_code)
 
 
-def demo(keep: bool = typer.Option(False, "--keep", help="Leave the data dir for inspection (always kept; flag reserved).")) -> None:
+def demo(keep: bool = typer.Option(False, "--keep", help="Accepted for compatibility: the data dir is always kept for inspection (its path is printed at the end).")) -> None:
     """What `make demo` runs: the incident-rollback exercise (local Kafka, the real collectors, worker and store, a simulated cluster)."""
     from gpuledger.exercise import run_exercise
 

@@ -48,16 +48,18 @@ def sql(query: str = typer.Argument(..., help="A SELECT, WITH, SHOW, DESCRIBE, E
 
 def trace(alert: Optional[str] = typer.Option(None, "--alert", help="Alert fingerprint."),
           release: Optional[str] = typer.Option(None, "--release", help="Release id."),
-          workload: Optional[str] = typer.Option(None, "--workload", help="Workload id."),
+          workload: Optional[str] = typer.Option(None, "--workload", help="Workload id: NAMESPACE/NAME of the Kueue Workload (job-…), else NAMESPACE/KIND/NAME of the owning Job, JobSet… — as `trace --pod` shows it."),
           pod: Optional[str] = typer.Option(None, "--pod", help="Pod as NAMESPACE/NAME."),
-          gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU as NODE/GPU_ID (the allocation holding it at --at, else the latest)."),
+          gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU as NODE/GPU_ID with the device id the pod-resources API reported (GPU-… UUID, MIG-…; not the DCGM index): the allocation holding it at --at, else the latest."),
           model: Optional[str] = typer.Option(None, "--model", help="Model as NAME[:VERSION] (its most recently active release)."),
           at: Optional[str] = typer.Option(None, "--at", help="State as of this time (RFC 3339; no zone means UTC)."),
-          window: str = typer.Option("2h", "--window", help="How far back from --at (else from the entry's own time: an alert's startsAt, a workload's or pod's latest event) to look for other alerts, scheduler events and GPU holders on the chain's nodes: 90s, 15m, 2h, 1d, 1h30m; 0 for none."),
+          window: str = typer.Option("2h", "--window", help="How far back from --at (else from the entry's own time: an alert's startsAt, a workload's or pod's latest event) to look for other alerts, scheduler events and GPU holders on the chain's nodes (for --release, --model, --gpu without --at: from the chain's latest event): 90s, 15m, 2h, 1d, 1h30m; 0 for none."),
           fmt: TraceFormat = typer.Option(TraceFormat.tree, "--format", help="tree (for people), json (for tools) or html (the incident timeline report: one self-contained file)."),
           output: Optional[Path] = typer.Option(None, "--output", help="--format html: write the report to this file instead of stdout."),
           dsn: Optional[str] = DsnOpt) -> None:
-    """The responder's chain: alert → release manifest → workloads → pods → nodes/GPUs → scheduler events and alerts."""
+    """The responder's chain: alert → release manifest → workloads → pods → nodes/GPUs → scheduler events and alerts → the controls' violations about it.
+
+    Exit codes: 0 a chain; 4 the entry point matches nothing in the store (as of --at); 2 bad options; 1 the store cannot be read."""
     from gpuledger.timefmt import TimeFormatError, parse_duration, parse_time
     from sinks.errors import SinkError
     from sinks.read.query import open_reader

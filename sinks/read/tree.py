@@ -18,6 +18,8 @@ from rich.tree import Tree
 from sinks.read.text import markup as m
 
 GAP = "[red]<gap>[/]"
+#: Manifest fields a release may lack without a gap (``sinks.read.trace._release_section`` lists the required ones).
+OPTIONAL_FIELDS = frozenset({"dataset_ref", "environment"})
 RELEASE_FIELDS = ("model_name", "model_version", "artifact_digest", "image_digest", "config_digest", "dataset_ref", "owner", "environment")
 
 
@@ -83,7 +85,8 @@ def _add_release(root: Tree, rel: dict | None, entry: dict) -> None:
                     (f"  lifecycle={m(lifecycle)} since {m(rel['lifecycle_since'])}" if lifecycle and lifecycle != rel.get("state") else "") +
                     (f"  [yellow]replaced by {m(rel['replaced_by']['by'])} at {m(rel['replaced_by']['occurred_at'])}[/]" if rel.get("replaced_by") else ""))
     for field in RELEASE_FIELDS:
-        node.add(f"{field}: {_or_gap(rel.get(field))}")
+        # (optional in a manifest: missing is not a gap — the gaps list names the required ones)
+        node.add(f"{field}: {_or_gap(rel.get(field))}" if field not in OPTIONAL_FIELDS or rel.get(field) else f"{field}: [dim]-[/]")
     approvals = node.add("approvals" if rel.get("approvals") else f"approvals: {GAP}")
     for ap in rel.get("approvals", []):
         approvals.add(f"{m(ap['occurred_at'])}  {m(ap.get('actor', '?'))}  {m(ap.get('approval_id', ''))}")

@@ -596,3 +596,17 @@ def test_a_gpu_idle_now_says_its_chain_is_its_last_holders(clickhouse_client):
     assert f"no allocation holds node-b/{inc.GPU_B} now; the last one ended at 2026-11-30T13:31:00.000Z (the chain is its holder's)" in result["gaps"], result["gaps"]
     held = trace(DirectReader(clickhouse_client), db, "gpu", f"node-b/{inc.GPU_B}", at=AT)  # held then: no such note
     assert not [g for g in held["gaps"] if "no allocation hold" in g], held["gaps"]
+
+
+def test_an_optional_manifest_field_missing_is_not_drawn_as_a_gap():
+    """From the same review: `dataset_ref: <gap>` in red, though the gaps list (rightly) does not
+    name it — a manifest may lack it. A required field missing stays a gap."""
+    from sinks.read.tree import render_tree, tree_text
+
+    result = {"entry": {"kind": "release", "value": "r1"}, "release": {"release_id": "r1", "state": "release.registered",
+              "model_name": "m", "model_version": "1", "artifact_digest": "sha256:a", "image_digest": "sha256:b", "config_digest": None,
+              "dataset_ref": None, "owner": "team", "environment": None, "lifecycle": []}, "workloads": [], "pods": [], "gpus": [],
+              "scheduler_events": [], "alerts": [], "violations": [], "gaps": []}
+    text = tree_text(render_tree(result), width=200)
+    assert "dataset_ref: -" in text and "environment: -" in text, text
+    assert "config_digest: <gap>" in text, text
