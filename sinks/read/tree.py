@@ -123,6 +123,23 @@ def _add_pod(parent: Tree, key: str, p: dict) -> None:
         pnode.add(f"GPU: {GAP}")
 
 
+def _precedes(decision_at: str, mark: str) -> bool:
+    """The audit's rule (``sinks.read.audit.precedes``: a Kubernetes time has whole seconds, so a
+    decision within the second of one came before it) on the trace's ISO strings — the tree said
+    nothing for a decision at .608 above "admitted .000", which the audit's table calls before."""
+    from datetime import datetime
+
+    from sinks.read.audit import precedes
+
+    def parse(value: str) -> datetime:
+        return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+    try:
+        return precedes(parse(decision_at), parse(mark))
+    except ValueError:
+        return decision_at <= mark
+
+
 def _add_workloads(root: Tree, workloads: list[dict], pods: dict[str, dict]) -> None:
     for wl in workloads:
         prio = (f"{m(wl.get('priority_class') or '?')} ({m(wl['priority'])})" if wl.get("priority") is not None
@@ -130,7 +147,7 @@ def _add_workloads(root: Tree, workloads: list[dict], pods: dict[str, dict]) -> 
         wnode = root.add(f"[bold]workload[/] {m(wl['workload_id'])}  queue={_or_gap(wl.get('queue'))} "
                          f"cluster_queue={_or_gap(wl.get('cluster_queue'))} priority={prio}")
         for d in wl.get("admission_decisions", []):
-            before = f", before admission at {m(wl['admitted_at'])}" if wl.get("admitted_at") and d["occurred_at"] <= wl["admitted_at"] else ""
+            before = f", before admission at {m(wl['admitted_at'])}" if wl.get("admitted_at") and _precedes(d["occurred_at"], wl["admitted_at"]) else ""
             wnode.add(f"decision {m(d['decision'])} at {m(d['occurred_at'])} by rule {m(d['rule'])}{before}")
         wnode.add(f"admitted {m(wl['admitted_at'])}" + (f" ({len(wl['admissions'])} admissions)" if len(wl["admissions"]) > 1 else "")
                   if wl.get("admitted_at") else f"admission: {GAP}")

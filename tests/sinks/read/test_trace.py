@@ -610,3 +610,19 @@ def test_an_optional_manifest_field_missing_is_not_drawn_as_a_gap():
     text = tree_text(render_tree(result), width=200)
     assert "dataset_ref: -" in text and "environment: -" in text, text
     assert "config_digest: <gap>" in text, text
+
+
+def test_a_decision_within_the_second_of_a_whole_second_admission_reads_before_it_as_in_the_audit():
+    """From the same review: the enforced exercise's decision at 11:22:44.608 sat above "admitted
+    11:22:44.000" with no "before" — the audit's table (Kubernetes times have whole seconds: the
+    API server stamps before it asks the webhook) called it before. One rule for both."""
+    from sinks.read.tree import render_tree, tree_text
+
+    wl = {"workload_id": "ns/job-a", "admitted_at": "2026-12-06T11:22:44.000Z", "admissions": ["2026-12-06T11:22:44.000Z"],
+          "admission_decisions": [{"decision": "allow", "occurred_at": "2026-12-06T11:22:44.608Z", "rule": "approved"}]}
+    result = {"entry": {"kind": "workload", "value": "ns/job-a"}, "release": None, "workloads": [wl], "pods": [], "gpus": [],
+              "scheduler_events": [], "alerts": [], "violations": [], "gaps": []}
+    text = tree_text(render_tree(result), width=200)
+    assert "decision allow at 2026-12-06T11:22:44.608Z by rule approved, before admission at 2026-12-06T11:22:44.000Z" in text, text
+    late = {**wl, "admission_decisions": [{"decision": "allow", "occurred_at": "2026-12-06T11:22:45.001Z", "rule": "approved"}]}
+    assert "before admission" not in tree_text(render_tree({**result, "workloads": [late]}), width=200)
