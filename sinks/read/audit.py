@@ -705,8 +705,13 @@ def conclusion(report: dict) -> str:
 
 
 def render_table(report: dict, console) -> None:
-    """The report as rich tables (``--format table``); stored text through ``markup``."""
-    from rich.table import Table
+    """The report as rich tables (``--format table``); stored text through ``markup``. Every value
+    whole: a column too narrow folds its values onto more lines rather than cutting them with
+    "…" (at 80 columns every time read "2026-12-…", opened and closed alike)."""
+    from rich.table import Column, Table as RichTable
+
+    def Table(*headers: str, **kwargs) -> RichTable:  # noqa: N802 - rich's Table, its columns folding
+        return RichTable(*[Column(h, overflow="fold") for h in headers], **kwargs)
 
     console.print(f"[bold]gpuledger audit[/] {report['range']['from']} → {report['range']['to']}  policy: {markup(report['policy'])} "
                   f"({report['policy_version']})", highlight=False)

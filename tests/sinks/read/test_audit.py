@@ -296,3 +296,15 @@ def test_events_in_range_count_each_row_once_whatever_its_versions(clickhouse_cl
     count = clickhouse_client.query(f"SELECT uniqExact(correlation_id) FROM {db}.correlated_events WHERE occurred_at BETWEEN "
                                     "'2026-11-30 11:00:00' AND '2026-11-30 14:00:00'").result_rows[0][0]
     assert before == count > 0
+
+
+def test_at_80_columns_no_value_is_cut(store):
+    """From an exploratory review: at 80 columns every time in the audit's tables read
+    "2026-11-…" — opened and closed could not be told apart. Values fold onto more lines now
+    (every character printed, none replaced by an ellipsis)."""
+    wide = audit(store, *RANGE)
+    assert "…" not in wide.output  # (nothing of the report's own text has one)
+    narrow = audit({**store, "COLUMNS": "80"}, *RANGE)
+    assert narrow.exit_code == 1, narrow.output
+    assert "…" not in narrow.output and "Violations in the range" in narrow.output, narrow.output
+    assert max(len(line) for line in narrow.output.splitlines()) <= 80
