@@ -587,6 +587,7 @@ class Resolution:
     facts_version: int = 0
     unknown_named: str | None = None   # the release id a label names that no release event describes (a fallback rule attributed it)
     forgotten: bool = False            # a node/GPU row inside a detached holder's interval: it keeps what it emitted (``_let_go``)
+    fallback_version: int = 0          # a pod/workload entity's: the runs of the facts its label fallback reads (``_labelled``)
 
     def unresolved(self, directory) -> bool:
         return self.attribution == "unattributed" or (self.release_id is not None and not directory.known(self.release_id))
@@ -634,7 +635,24 @@ def resolve_entity(state: dict, directory) -> Resolution:
         rid, how = match, "model_version_match"
     interests = lookups + [f"rid:{r}" for r in named] + ([f"rid:{rid}"] if rid and rid not in named else [])
     return Resolution(f, how, rid, interests, named, tuple(lookups), fv + links_version(state["links"], state.get("gone_links")), fv,
-                      unknown)
+                      unknown, fallback_version=_facts_version(state, FALLBACK_FACTS))
+
+
+#: The facts a pod's label fallback reads (``resolve_entity``: its label, else its image digest,
+#: else its model+version, in its environment) — the version component of its labelled rows.
+FALLBACK_FACTS = ("release_id", "image_digest", "model_name", "model_version", "environment")
+
+
+def _facts_version(state: dict, fields: tuple[str, ...]) -> int:
+    """``facts_of``'s version component for ``fields`` only, with what rows let go took with them
+    (``gone_facts``: all fields' — it only grows, so the component never drops when rows go)."""
+    per: dict[str, list] = defaultdict(list)
+    for rec in state["rows"].values():
+        facts = rec["facts"]
+        for name in fields:
+            if name in facts:
+                per[name].append([rec["key"], facts[name]])
+    return state.get("gone_facts", 0) + sum(segments(entries) for entries in per.values())
 
 
 def own_release(state: dict, directory, facts: dict) -> tuple[str | None, str]:
@@ -1049,10 +1067,8 @@ def resolve_row(state: dict, record: dict, directory, entity_res: Resolution, co
     if record["type"].startswith("release."):
         rid = own.get("release_id")
         return Resolution({}, "release_event", rid, [f"rid:{rid}"], (rid,) if rid else ())
-    if own.get("release_id") and not (kind in ("pod", "wl") and entity_res.unknown_named == own["release_id"]):
-        rid = own["release_id"]
-        labelled = Resolution({}, "release_label", rid, [f"rid:{rid}"], (rid,))
-        return labelled if directory.known(rid) else _own_fallback(own, directory, labelled, rid)
+    if own.get("release_id"):
+        return _labelled(own, directory, own["release_id"], entity_res if kind in ("pod", "wl") else None)
     if kind in ("pod", "wl"):
         return _own_fallback(own, directory, entity_res, entity_res.release_id) if entity_res.unresolved(directory) else entity_res
     if kind == "gpu":
@@ -1083,6 +1099,37 @@ def resolve_row(state: dict, record: dict, directory, entity_res: Resolution, co
         return Resolution({}, "model_version_match" if rid else "unattributed", rid,
                           lookups + ([f"rid:{rid}"] if rid else []), (), tuple(lookups))
     return UNATTRIBUTED
+
+
+def _labelled(own: dict, directory, rid: str, entity_res: Resolution | None) -> Resolution:
+    """A row that names its release (a label): that release once a release event describes it;
+    until then the fallback — the pod's (``entity_res``, a pod/workload entity's resolution, when
+    its own label is this one: its facts' image digest, else model+version), else the row's own
+    digest or model+version — naming the unknown id; else the label, unresolved (parked).
+
+    One version for both sides of the release becoming known, so it grows when it does: the
+    label's ``version_at`` (0 while unknown) + the candidates of every look-up either side
+    consults (the pod's and the row's own) + the runs of the facts the pod's fallback reads
+    (``FALLBACK_FACTS``). The known side used to count the label alone: a row emitted by the
+    fallback at a higher version was never replaced when the release arrived — its stale
+    attribution won for ever, and which one a run kept depended on the order it read the
+    topics in (an exploratory chaos review). The identity is the row's own (and the release's
+    manifest) on both sides: the pod's facts, which the fallback side carried, would make the
+    version follow every fact of the pod."""
+    own_lookups = interests_for(own.get("image_digest"), own.get("model_name"), own.get("model_version"))
+    candidates = tuple(dict.fromkeys((*(entity_res.candidates if entity_res else ()), *own_lookups)))
+    base = entity_res.fallback_version if entity_res else 0
+    interests = [f"rid:{rid}", *own_lookups]
+    if directory.known(rid):
+        return Resolution({}, "release_label", rid, interests, (rid,), candidates, base)
+    if entity_res is not None and entity_res.unknown_named == rid:
+        match, how = entity_res.release_id, entity_res.attribution
+    else:
+        match, rule = fallback_match(directory, own.get("image_digest"), own.get("model_name"), own.get("model_version"), own.get("environment"))
+        how = FALLBACK[rule] if match else "release_label"
+    if match is None:
+        return Resolution({}, "release_label", rid, interests, (rid,), candidates, base)
+    return Resolution({}, how, match, [*interests, f"rid:{match}"], (rid,), candidates, base, unknown_named=rid)
 
 
 def _own_fallback(own: dict, directory, res: Resolution, named: str | None) -> Resolution:

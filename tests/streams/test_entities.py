@@ -318,6 +318,38 @@ def test_fallback_attribution_is_the_same_in_any_processing_order():
     assert_order_independent(UNKNOWN_ID, allocations=0)
 
 
+#: Pods labelled with a release that is registered only later, whose image digest (or model
+#: labels) find another release meanwhile: the fallback attributes them first, the label once
+#: its release is described.
+LATE_LABEL = [*RELEASES,
+              pod_event("scheduler.scheduled", 5, pod="l1", release_id="r-late", digest=DIGEST_R1, image_digest=DIGEST_R1),
+              gpu_event("gpu.assigned", 6, pod="l1", device="GPU-7"),
+              pod_event("scheduler.running", 7, pod="l1", release_id="r-late"),
+              alert(20, fp="on-l1", namespace="ml", pod="l1"),
+              pod_event("scheduler.scheduled", 8, pod="l2", release_id="r-late", model_name="m", model_version="7"),
+              alert(21, fp="on-l2", namespace="ml", pod="l2", model_name="m", model_version="7", release_id="r-late"),
+              release("release.registered", 30, rid="r-late", model="k", version="2", digest="sha256:" + "e" * 64)]
+
+
+def test_a_label_whose_release_arrives_after_its_fallback_rows_went_out_is_the_same_in_any_order():
+    """Found by an exploratory chaos review (a replay's tables differed from the live run's with
+    no crash at all): a pod row naming a release not registered yet went out attributed by its
+    image digest's release at a version — the fallback's candidates and the pod's facts — above
+    the one the label's side had once the release arrived (the label alone). The corrected row
+    was never emitted, so the stale attribution won, and which one a run kept depended on the
+    order it read the topics in. Both sides now count the same components."""
+    assert_order_independent(LATE_LABEL, allocations=1)
+    d = Driver().feed(LATE_LABEL).flush_parked()
+    rows = [r for r in d.rows.values() if r.identity.pod in ("l1", "l2")]
+    assert rows and all((r.identity.release_id, r.attribution, r.named_release_id) == ("r-late", "release_label", None)
+                        for r in rows if not r.event_type.startswith("alert.")), rows
+    # Before the release is described: the fallbacks, naming the unknown label.
+    early = Driver().feed([e for e in LATE_LABEL if getattr(e.identity, "release_id", None) != "r-late" or e.event_type != "release.registered"])
+    early.flush_parked()
+    l1 = next(r for r in early.rows.values() if r.identity.pod == "l1" and r.event_type == "scheduler.scheduled")
+    assert (l1.identity.release_id, l1.attribution, l1.named_release_id) == ("r1", "image_digest_fallback", "r-late"), l1
+
+
 def test_an_admission_decision_is_correlated_like_any_workload_event():
     from producers._config import GPU_RESOURCES, ResourceMatcher
     from producers.admission.events import decision_event
