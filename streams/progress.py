@@ -92,6 +92,13 @@ _TRANSIENT = frozenset({KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_
                         KafkaError.REQUEST_TIMED_OUT, KafkaError._TIMED_OUT, KafkaError._TRANSPORT, KafkaError._WAIT_COORD})
 
 
+def _transient(exc: BaseException) -> bool:
+    """A look's error the next request may not meet (``TRANSIENT``, or flagged retriable)."""
+    if not (isinstance(exc, KafkaException) and exc.args and isinstance(exc.args[0], KafkaError)):
+        return False
+    return exc.args[0].retriable() or exc.args[0].code() in TRANSIENT
+
+
 def _retriable(exc: BaseException) -> bool:
     if not (isinstance(exc, KafkaException) and exc.args and isinstance(exc.args[0], KafkaError)):
         return False
@@ -132,10 +139,20 @@ class RunProgress:
         return [TopicPartition(t, p) for t in sorted(topics) if t in meta for p in sorted(meta[t].partitions)]
 
     def _offsets(self, partitions: list[TopicPartition], spec) -> dict[tuple[str, int], int]:
+        """The partitions' offsets of ``spec``, asked again for up to ``timeout`` seconds while the
+        broker answers with an error the next request may not meet (``TRANSIENT``): right after a
+        broker restart it said "Leader epoch is newer than broker epoch" for a few seconds, and a
+        ``status`` or ``replay`` started then ended with that error (an exploratory chaos review)."""
         if not partitions:
             return {}
-        futures = self.admin.list_offsets({tp: spec for tp in partitions}, request_timeout=self.timeout)
-        return {(tp.topic, tp.partition): fut.result().offset for tp, fut in futures.items()}
+
+        def ask() -> dict[tuple[str, int], int]:
+            futures = self.admin.list_offsets({tp: spec for tp in partitions}, request_timeout=self.timeout)
+            return {(tp.topic, tp.partition): fut.result().offset for tp, fut in futures.items()}
+
+        retrying = Retrying(retry=retry_if_exception(_transient), stop=stop_after_delay(self.timeout),
+                            wait=wait_exponential(multiplier=0.1, max=1.0), reraise=True)
+        return retrying(ask)
 
     def committed(self) -> dict[str, dict[tuple[str, int], int]]:
         """Group -> its committed offsets on the topics it reads (empty for a new group).
