@@ -52,9 +52,10 @@ def status(bootstrap: Optional[str] = BootstrapOpt, dsn: Optional[str] = DsnOpt,
            url: Optional[str] = typer.Option(None, "--url", help="The worker's web address (default: from the embedded store's owner "
                                                                   "file, else 127.0.0.1:GPULEDGER_STREAMS_WEB_PORT)."),
            fmt: StatusFormat = typer.Option(StatusFormat.table, "--format", help="table (for people) or json (for tools).")) -> None:
-    """Is the worker well and how far behind is it: its health page (status, problems, its
-    processes) and, from Kafka, every consumer group of the run with the records it has not
-    committed yet. Exit 0 when the worker says ok and Kafka answered, 1 otherwise."""
+    """Is the worker well and how far behind is it: its health page and, from Kafka, every consumer group of the run with what it has not committed.
+
+    The health page: status, problems, its processes, the release directory. Exit 0 when the worker says ok and Kafka
+    answered, 1 otherwise."""
     from confluent_kafka import KafkaException
     from rich.table import Table
 
