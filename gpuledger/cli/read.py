@@ -42,7 +42,7 @@ def sql(query: str = typer.Argument(..., help="A SELECT, WITH, SHOW, DESCRIBE, E
         return
     table = Table(*[markup(c) for c in result.columns])
     for row in result.rows:
-        table.add_row(*[markup(str(v)) for v in row])
+        table.add_row(*["[dim]NULL[/]" if v is None else markup(str(v)) for v in row])  # (SQL's NULL, not Python's None)
     print_whole(table)  # a value is never cut (with "…", at the terminal's width)
 
 

@@ -36,7 +36,9 @@ def render_tree(result: dict) -> Tree:
     entry = result.get("entry") or {}
     root = Tree(_title(result, entry))
     win = result.get("window") or {}
-    if win.get("to"):
+    if win.get("to") and win.get("from") == win.get("to"):  # (--window 0)
+        root.add("[dim]no window (--window 0): only the chain's own rows" + (f" as of {m(entry['at'])}" if entry.get("at") else "") + "[/]")
+    elif win.get("to"):
         root.add(f"[dim]window {m(win.get('from'))} → {m(win.get('to'))} (anchored on {m(win.get('anchor'))}): other workloads, "
                  "alerts and GPU holders on the chain's nodes; the chain's own rows: all" + (f" as of {m(entry['at'])}" if entry.get("at") else "") + "[/]")
     if entry.get("other_releases"):
@@ -123,6 +125,16 @@ def _add_pod(parent: Tree, key: str, p: dict) -> None:
         pnode.add(f"GPU: {GAP}")
 
 
+def _no_admission(wl: dict) -> str:
+    """A workload never admitted: a gap — unless gpuledger admit denied it and nothing was let
+    through after, the outcome expected of a denial (it read as a missing link, in red)."""
+    decisions = wl.get("admission_decisions") or []
+    if decisions and decisions[-1].get("decision") == "deny":
+        d = decisions[-1]
+        return f"[yellow]not admitted[/]: denied by gpuledger admit at {m(d['occurred_at'])} (rule {m(d.get('rule', '?'))})"
+    return f"admission: {GAP}"
+
+
 def _precedes(decision_at: str, mark: str) -> bool:
     """The audit's rule (``sinks.read.audit.precedes``: a Kubernetes time has whole seconds, so a
     decision within the second of one came before it) on the trace's ISO strings — the tree said
@@ -150,7 +162,7 @@ def _add_workloads(root: Tree, workloads: list[dict], pods: dict[str, dict]) -> 
             before = f", before admission at {m(wl['admitted_at'])}" if wl.get("admitted_at") and _precedes(d["occurred_at"], wl["admitted_at"]) else ""
             wnode.add(f"decision {m(d['decision'])} at {m(d['occurred_at'])} by rule {m(d['rule'])}{before}")
         wnode.add(f"admitted {m(wl['admitted_at'])}" + (f" ({len(wl['admissions'])} admissions)" if len(wl["admissions"]) > 1 else "")
-                  if wl.get("admitted_at") else f"admission: {GAP}")
+                  if wl.get("admitted_at") else _no_admission(wl))
         in_preemption = {c for ev in wl.get("preemptions", []) for c in ev.get("correlation_ids", [])}
         for ev in wl.get("preemptions", []):
             by = (f" by {m(ev['preemptor'])}" if ev.get("preemptor") else

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import re
 import threading
 import uuid
 
@@ -181,3 +182,11 @@ def test_a_statement_after_one_stopped_at_the_row_limit_gets_its_own_rows_only(c
             assert reader.query(f"SELECT count() AS n FROM {db}.violations").rows == [[0]]
     finally:
         reader.close()
+
+
+def test_a_null_reads_as_null_not_as_pythons_none(env):
+    """From an exploratory review: `sql` printed SQL's NULL as `None` (and a string 'None' the same)."""
+    out = sql(env, "SELECT NULL AS nothing, 'None' AS text")
+    assert out.exit_code == 0, out.output
+    assert re.search(r"│\s*NULL\s*│\s*None\s*│", out.stdout), out.stdout
+    assert json.loads(sql(env, "SELECT NULL AS nothing", "--format", "json").stdout) == [{"nothing": None}]

@@ -626,3 +626,20 @@ def test_a_decision_within_the_second_of_a_whole_second_admission_reads_before_i
     assert "decision allow at 2026-12-06T11:22:44.608Z by rule approved, before admission at 2026-12-06T11:22:44.000Z" in text, text
     late = {**wl, "admission_decisions": [{"decision": "allow", "occurred_at": "2026-12-06T11:22:45.001Z", "rule": "approved"}]}
     assert "before admission" not in tree_text(render_tree({**result, "workloads": [late]}), width=200)
+
+
+def test_a_denied_workload_is_not_drawn_as_a_missing_admission_and_a_zero_window_says_so():
+    """From the same review: a workload gpuledger admit denied showed `admission: <gap>` in red —
+    a denial is the outcome expected; and `--window 0`'s header still described a window."""
+    from sinks.read.tree import render_tree, tree_text
+
+    denied = {"workload_id": "ns/job-a", "admissions": [],
+              "admission_decisions": [{"decision": "deny", "occurred_at": "2026-12-06T11:22:44.608Z", "rule": "unapproved"}]}
+    result = {"entry": {"kind": "workload", "value": "ns/job-a"}, "release": None, "workloads": [denied], "pods": [], "gpus": [],
+              "scheduler_events": [], "alerts": [], "violations": [], "gaps": [],
+              "window": {"from": "2026-12-06T11:22:44.608Z", "to": "2026-12-06T11:22:44.608Z", "anchor": "--at"}}
+    text = tree_text(render_tree(result), width=200)
+    assert "not admitted: denied by gpuledger admit at 2026-12-06T11:22:44.608Z (rule unapproved)" in text and "admission: <gap>" not in text, text
+    assert "no window (--window 0): only the chain's own rows" in text and "other workloads, alerts" not in text, text
+    never = {**denied, "admission_decisions": []}
+    assert "admission: <gap>" in tree_text(render_tree({**result, "workloads": [never]}), width=200)
