@@ -92,17 +92,11 @@ _TRANSIENT = frozenset({KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_
                         KafkaError.REQUEST_TIMED_OUT, KafkaError._TIMED_OUT, KafkaError._TRANSPORT, KafkaError._WAIT_COORD})
 
 
-def _transient(exc: BaseException) -> bool:
-    """A look's error the next request may not meet (``TRANSIENT``, or flagged retriable)."""
+def _retriable(exc: BaseException, codes: frozenset = _TRANSIENT) -> bool:
+    """A Kafka error flagged retriable, or one of ``codes`` (a look's: ``TRANSIENT``)."""
     if not (isinstance(exc, KafkaException) and exc.args and isinstance(exc.args[0], KafkaError)):
         return False
-    return exc.args[0].retriable() or exc.args[0].code() in TRANSIENT
-
-
-def _retriable(exc: BaseException) -> bool:
-    if not (isinstance(exc, KafkaException) and exc.args and isinstance(exc.args[0], KafkaError)):
-        return False
-    return exc.args[0].retriable() or exc.args[0].code() in _TRANSIENT
+    return exc.args[0].retriable() or exc.args[0].code() in codes
 
 
 class RunProgress:
@@ -150,9 +144,12 @@ class RunProgress:
             futures = self.admin.list_offsets({tp: spec for tp in partitions}, request_timeout=self.timeout)
             return {(tp.topic, tp.partition): fut.result().offset for tp, fut in futures.items()}
 
-        retrying = Retrying(retry=retry_if_exception(_transient), stop=stop_after_delay(self.timeout),
-                            wait=wait_exponential(multiplier=0.1, max=1.0), reraise=True)
-        return retrying(ask)
+        return self._retrying(lambda exc: _retriable(exc, TRANSIENT))(ask)
+
+    def _retrying(self, retriable: Callable[[BaseException], bool]) -> Retrying:
+        """Calls asked again while ``retriable`` says so, for up to ``timeout`` seconds."""
+        return Retrying(retry=retry_if_exception(retriable), stop=stop_after_delay(self.timeout),
+                        wait=wait_exponential(multiplier=0.1, max=1.0), reraise=True)
 
     def committed(self) -> dict[str, dict[tuple[str, int], int]]:
         """Group -> its committed offsets on the topics it reads (empty for a new group).
@@ -170,9 +167,7 @@ class RunProgress:
         return out
 
     def _committed(self, group: str, parts: list[TopicPartition]) -> list[TopicPartition]:
-        retrying = Retrying(retry=retry_if_exception(_retriable), stop=stop_after_delay(self.timeout),
-                            wait=wait_exponential(multiplier=0.1, max=1.0), reraise=True)
-        return retrying(self.consumers[group].committed, parts, timeout=self.timeout)
+        return self._retrying(_retriable)(self.consumers[group].committed, parts, timeout=self.timeout)
 
     def look(self, health: dict | None) -> Look:
         committed = self.committed()

@@ -216,14 +216,15 @@ class AdmitService:
                    "max_ms": round(recent[-1], 3)} if recent else {"n": 0}
         # 200 whatever the status: a liveness probe that restarted a webhook whose Kafka is away
         # would trade a stale state for none (state-not-loaded: fail-closed environments denied).
-        problems = [p for p in (self._state_problem(), self.recorder.problem(self.config.stale_after_s)) if p]
+        fresh = self.state.freshness()
+        problems = [p for p in (self._state_problem(fresh), self.recorder.problem(self.config.stale_after_s)) if p]
         return web.json_response({"status": "degraded" if problems else "ok", **({"problems": problems} if problems else {}),
                                   "releases": len(self.state.releases), "release_events": self.state.applied,
-                                  "release_state": self.state.freshness(), "webhook": self.counters, "decision_latency": latency, "recorder": self.recorder.counters,
+                                  "release_state": fresh, "webhook": self.counters, "decision_latency": latency, "recorder": self.recorder.counters,
                                   "controller": controller, "claims": {"lookups": self.claims.lookups, "unresolved": self.claims.unresolved}})
 
-    def _state_problem(self) -> str | None:
-        fresh = self.state.freshness()
+    def _state_problem(self, fresh: dict) -> str | None:
+        """``fresh``: the state's ``freshness()``."""
         age = fresh["confirmed_age_s"]
         if not fresh["ready"] or age is None or age <= self.config.stale_after_s:
             return None

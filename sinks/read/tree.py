@@ -139,17 +139,10 @@ def _precedes(decision_at: str, mark: str) -> bool:
     """The audit's rule (``sinks.read.audit.precedes``: a Kubernetes time has whole seconds, so a
     decision within the second of one came before it) on the trace's ISO strings — the tree said
     nothing for a decision at .608 above "admitted .000", which the audit's table calls before."""
-    from datetime import datetime
-
+    from gpuledger.timefmt import as_utc
     from sinks.read.audit import precedes
 
-    def parse(value: str) -> datetime:
-        return datetime.fromisoformat(value.replace("Z", "+00:00"))
-
-    try:
-        return precedes(parse(decision_at), parse(mark))
-    except ValueError:
-        return decision_at <= mark
+    return precedes(as_utc(decision_at), as_utc(mark))
 
 
 def _add_workloads(root: Tree, workloads: list[dict], pods: dict[str, dict]) -> None:

@@ -214,27 +214,27 @@ class ReleaseDirectory:
         return {f: v[0] for f, v in state["manifest"].items()} if state else {}
 
     def state_as_of(self, rid: str, at_iso: str) -> str | None:
-        state = self.releases.get(rid)
-        if not state:
-            return None
-        times = self._history_times(rid, state)
-        if times is None:
-            return state_as_of(state, at_iso)
-        k = bisect_right(times, at_iso)
-        return state["history"][k - 1][1] if k else None
+        return self._latest_as_of(rid, at_iso)
 
     def lifecycle_state_as_of(self, rid: str, at_iso: str) -> str | None:
         """The release's latest lifecycle event (``schemas.release.LIFECYCLE_EVENTS``) at ``at_iso``:
         unlike ``state_as_of``, not a reservation or an admin action (an admission override), which
         happen to a release in any state."""
+        return self._latest_as_of(rid, at_iso, LIFECYCLE_EVENTS)
+
+    def _latest_as_of(self, rid: str, at_iso: str, kinds: frozenset[str] | None = None) -> str | None:
+        """The type of the release's latest history entry at or before ``at_iso`` (of ``kinds``, when given)."""
         state = self.releases.get(rid)
         if not state:
             return None
-        history = state["history"]
         times = self._history_times(rid, state)
         if times is None:
-            return next((e[1] for e in reversed(history) if e[1] in LIFECYCLE_EVENTS and e[0].split("|", 1)[0] <= at_iso), None)
-        return next((history[i][1] for i in reversed(range(bisect_right(times, at_iso))) if history[i][1] in LIFECYCLE_EVENTS), None)
+            return state_as_of(state, at_iso, kinds)
+        k = bisect_right(times, at_iso)
+        history = state["history"]
+        if kinds is None:  # (the rows' release_state: once per rendered row)
+            return history[k - 1][1] if k else None
+        return next((history[i][1] for i in reversed(range(k)) if history[i][1] in kinds), None)
 
     def latest_event(self, rid: str) -> str | None:
         state = self.releases.get(rid)

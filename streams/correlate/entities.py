@@ -553,18 +553,35 @@ def expire(state: dict, row_ids: list[str]) -> bool:
 
 # --- derived facts ----------------------------------------------------------------------
 
+#: The facts a pod's label fallback reads (``resolve_entity``: its label, else its image digest,
+#: else its model+version, in its environment) — the version component of its labelled rows.
+FALLBACK_FACTS = frozenset({"release_id", "image_digest", "model_name", "model_version", "environment"})
+
+
 def facts_of(state: dict) -> tuple[dict, int]:
     """(facts, version component): per field the latest event's value, and the number of
     runs of equal values per field summed."""
+    facts, version, _ = _facts_and_runs(state)
+    return facts, version
+
+
+def _facts_and_runs(state: dict, fields: frozenset[str] = frozenset()) -> tuple[dict, int, int]:
+    """``facts_of``, and the same version component for ``fields`` only (with the part of it
+    rows let go took: ``gone_facts`` is all fields', and only grows, so the partial one never
+    drops when rows go) — from one pass over the rows."""
     per: dict[str, list] = defaultdict(list)
     for rec in state["rows"].values():
         for name, value in rec["facts"].items():
             per[name].append([rec["key"], value])
-    facts, version = {}, state.get("gone_facts", 0)  # (what rows let go took with them: ``_bound``)
+    gone = state.get("gone_facts", 0)  # (what rows let go took with them: ``_bound``)
+    facts, version, partial = {}, gone, gone
     for name, entries in per.items():
-        version += segments(entries)
+        runs = segments(entries)
+        version += runs
+        if name in fields:
+            partial += runs
         facts[name] = entries[-1][1]
-    return facts, version
+    return facts, version, partial
 
 
 def links_version(links: dict, gone: dict | None = None) -> int:
@@ -615,7 +632,7 @@ def fallback_match(directory, digest: str | None, model: str | None, version: st
 
 def resolve_entity(state: dict, directory) -> Resolution:
     """Resolution of a pod or workload entity from its facts and links."""
-    f, fv = facts_of(state)
+    f, fv, fallback_v = _facts_and_runs(state, FALLBACK_FACTS)
     env = f.get("environment")
     lookups = interests_for(f.get("image_digest"), f.get("model_name"), f.get("model_version"))
     linked = sorted((src, link["release_id"]) for src, link in state["links"].items() if link.get("release_id"))
@@ -635,24 +652,8 @@ def resolve_entity(state: dict, directory) -> Resolution:
         rid, how = match, "model_version_match"
     interests = lookups + [f"rid:{r}" for r in named] + ([f"rid:{rid}"] if rid and rid not in named else [])
     return Resolution(f, how, rid, interests, named, tuple(lookups), fv + links_version(state["links"], state.get("gone_links")), fv,
-                      unknown, fallback_version=_facts_version(state, FALLBACK_FACTS))
+                      unknown, fallback_version=fallback_v)
 
-
-#: The facts a pod's label fallback reads (``resolve_entity``: its label, else its image digest,
-#: else its model+version, in its environment) — the version component of its labelled rows.
-FALLBACK_FACTS = ("release_id", "image_digest", "model_name", "model_version", "environment")
-
-
-def _facts_version(state: dict, fields: tuple[str, ...]) -> int:
-    """``facts_of``'s version component for ``fields`` only, with what rows let go took with them
-    (``gone_facts``: all fields' — it only grows, so the component never drops when rows go)."""
-    per: dict[str, list] = defaultdict(list)
-    for rec in state["rows"].values():
-        facts = rec["facts"]
-        for name in fields:
-            if name in facts:
-                per[name].append([rec["key"], facts[name]])
-    return state.get("gone_facts", 0) + sum(segments(entries) for entries in per.values())
 
 
 def own_release(state: dict, directory, facts: dict) -> tuple[str | None, str]:

@@ -86,10 +86,10 @@ def manifest_version(state: dict) -> int:
     return sum(segments(entries) for entries in state["fields"].values())
 
 
-def state_as_of(state: dict, at_iso: str) -> str | None:
-    """The release's latest lifecycle event type at or before ``at_iso``."""
+def state_as_of(state: dict, at_iso: str, kinds: frozenset[str] | None = None) -> str | None:
+    """The release's latest history event type at or before ``at_iso`` (of ``kinds``, when given)."""
     latest = None
     for key, event_type, *_ in state["history"]:
-        if key.split("|", 1)[0] <= at_iso:
+        if key.split("|", 1)[0] <= at_iso and (kinds is None or event_type in kinds):
             latest = event_type
     return latest
