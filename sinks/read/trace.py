@@ -70,7 +70,15 @@ RELEASE_COLS = ("release_id", "occurred_at", "correlation_id", "version", "event
                 "reason", "to_environment", "superseded_release_id", "target", "expires_at", "release_state", "summary", "payload_json")
 WORKLOAD_COLS = ("workload_id", "occurred_at", "correlation_id", "version", "event_type", "release_id", "namespace", "pod", "pod_uid",
                  "node", "queue", "cluster_queue", "priority_class", "priority", "reason", "message", "object_kind", "preemptor_kind",
-                 "preemptor_namespace", "preemptor_name", "preemptor_uid", "victim_kind", "victim_namespace", "victim_name", "summary")
+                 "preemptor_namespace", "preemptor_name", "preemptor_uid", "victim_kind", "victim_namespace", "victim_name", "summary",
+                 "source_topic", "source_partition", "source_offset")
+#: The order of a workload's rows, which the section's ``state`` (its last row) and the latest
+#: queue or priority follow: by time, and within one instant in the order the collector saw them —
+#: Kubernetes times are whole seconds, so a workload's submission, quota reservation and
+#: admission often share one, and the correlation id (a hash) ordered them at random (a workload
+#: read "submitted" after its admission). A workload's events share a key, so they share the
+#: partition of their topic, whose offsets are the order they were published in.
+WORKLOAD_ORDER = "occurred_at, source_topic, source_partition, source_offset, correlation_id"
 ALERT_COLS = ("alert_fingerprint", "occurred_at", "correlation_id", "version", "event_type", "attribution", "release_id",
               "model_name", "model_version", "workload_id", "namespace", "pod", "node", "gpu_id", "owner", "environment",
               "release_state", "alertname", "severity", "starts_at", "ends_at", "summary")
@@ -748,7 +756,7 @@ class _Chain:
         if self.workload_ids or self.release_candidates:
             rows = self.store.latest(
                 "workload_timeline", WORKLOAD_COLS, f"workload_id IN {{ws:Array(String)}} AND {_at_cond('occurred_at', self.at)}",
-                {"ws": sorted(self.workload_ids | self.release_candidates), **self.at_p}, order="workload_id, occurred_at, correlation_id")
+                {"ws": sorted(self.workload_ids | self.release_candidates), **self.at_p}, order=f"workload_id, {WORKLOAD_ORDER}")
             self.workload_ids.update(r["workload_id"] for r in rows
                                      if r["workload_id"] in self.release_candidates and r["release_id"] == self.release_id)
             self.wl_rows = [r for r in rows if r["workload_id"] in self.workload_ids]
@@ -844,7 +852,7 @@ class _Chain:
         self.neighbours = self.store.latest(
             "workload_timeline", WORKLOAD_COLS, f"workload_id IN {{ws:Array(String)}} AND {in_window}",
             {**wparams, "ws": others}, after="node IN {nodes:Array(String)}", after_columns=("node",),
-            order="occurred_at, correlation_id") if others else []
+            order=WORKLOAD_ORDER) if others else []
         self.other_allocs = self._other_holders(wparams)
 
     def _other_holders(self, wparams: dict) -> list[dict]:

@@ -643,3 +643,29 @@ def test_a_denied_workload_is_not_drawn_as_a_missing_admission_and_a_zero_window
     assert "no window (--window 0): only the chain's own rows" in text and "other workloads, alerts" not in text, text
     never = {**denied, "admission_decisions": []}
     assert "admission: <gap>" in tree_text(render_tree({**result, "workloads": [never]}), width=200)
+
+
+def test_a_workloads_events_within_one_second_keep_the_order_they_were_seen_in(clickhouse_client):
+    """Kubernetes times are whole seconds: a submission, quota reservation and admission in one
+    second were ordered by correlation id (a hash), and the workload read 'submitted'."""
+    import asyncio
+    import uuid
+
+    from schemas import CorrelatedEvent, Identity
+    from sinks.agents import SinkWriters
+    from sinks.migrations import migrate
+
+    db = f"t_{uuid.uuid4().hex[:12]}"
+    migrate(clickhouse_client, db)
+    at = inc.T0 + timedelta(hours=3)
+    wl = "risk/same-second"
+    seen = ["scheduler.submitted", "scheduler.quota_reserved", "scheduler.admitted"]
+    rows = [CorrelatedEvent(correlation_id=f"c-{3 - i}", version=0, event_type=etype, occurred_at=at, attribution="unattributed",
+                            identity=Identity(workload_id=wl, namespace="risk"), summary=etype, source_topic="test.scheduler.v1",
+                            source_partition=2, source_offset=100 + i,
+                            payload_json='{"object_kind": "Workload", "queue": "' + ("early" if i == 0 else "prod") + '"}')
+            for i, etype in enumerate(seen)]
+    asyncio.run(SinkWriters(clickhouse_client, db).store_correlated(list(reversed(rows))))
+    [section] = trace(DirectReader(clickhouse_client), db, "workload", wl, at=at + timedelta(minutes=1))["workloads"]
+    assert [e["event_type"] for e in section["events"]] == seen, section["events"]
+    assert (section["state"], section["queue"], section["admitted_at"]) == ("scheduler.admitted", "prod", section["admissions"][0])
