@@ -17,8 +17,9 @@ a worker starts while ClickHouse is down and catches up when it returns.
 
 The drivers log every failed attempt themselves (urllib3's "Retrying ...",
 clickhouse-connect's "Unexpected Http Driver Exception", and an ERROR with a traceback
-for a value it cannot serialize). Inside a sink call (``driver_call``) those records are
-demoted to DEBUG — the sink reports the failure itself, once per state change — and a
+for a value it cannot serialize). Inside a sink call or a connection attempt (``driver_call``)
+those records are demoted to DEBUG (shown only with DEBUG logging on) — the sink reports the
+failure itself, once per state change, and ``connect`` raises it with the DSN to check — and a
 serialization failure is remembered so the writer can name the column.
 """
 
@@ -75,7 +76,9 @@ class _SinkCallFilter(logging.Filter):
         if record.levelno > logging.DEBUG:
             record.levelno, record.levelname = logging.DEBUG, "DEBUG"
             record.exc_info = record.exc_text = None  # the traceback is the sink's to report
-        return True
+        # Demoted, the record is dropped unless its logger is on at DEBUG (``-v``): the logger
+        # let it through at its own level, and a handler without a level prints what reaches it.
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
 
 
 _FILTER = _SinkCallFilter()
@@ -154,10 +157,14 @@ def connect(dsn: str, database: str, create: bool = True) -> Client:
     tables — on the worker's client too, which serves the loopback query endpoint.
     """
     try:
-        if is_embedded(dsn):
-            client = clickhouse_connect.get_client(dsn=dsn)
-        else:
-            client = clickhouse_connect.get_client(dsn=dsn, connect_timeout=5, send_receive_timeout=60)
+        # The drivers' own records of the failed attempt (urllib3's "Retrying ...") are demoted:
+        # the StoreUnavailable raised here says it once, with the DSN to check (a CLI command
+        # printed two library WARNING lines above its error).
+        with driver_call():
+            if is_embedded(dsn):
+                client = clickhouse_connect.get_client(dsn=dsn)
+            else:
+                client = clickhouse_connect.get_client(dsn=dsn, connect_timeout=5, send_receive_timeout=60)
     except Exception as exc:  # noqa: BLE001 - the drivers raise a zoo of types
         text = str(exc)
         if is_embedded(dsn) and ("Cannot lock file" in text or _locked_by_another_process(chdb_path(dsn))):

@@ -190,3 +190,22 @@ def test_a_null_reads_as_null_not_as_pythons_none(env):
     assert out.exit_code == 0, out.output
     assert re.search(r"│\s*NULL\s*│\s*None\s*│", out.stdout), out.stdout
     assert json.loads(sql(env, "SELECT NULL AS nothing", "--format", "json").stdout) == [{"nothing": None}]
+
+
+@pytest.mark.parametrize("command", [["sql", "SELECT 1"], ["trace", "--release", "r"], ["audit"]])
+def test_a_server_that_does_not_answer_is_one_error_line_not_the_drivers_retries(command, tmp_path):
+    """From an exploratory review: a DSN nobody answers printed urllib3's 'Retrying ...' and
+    clickhouse-connect's 'Unexpected Http Driver Exception' WARNINGs above the command's error."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:  # a port nobody listens on (bound, never listening, closed)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "GPULEDGER_CLICKHOUSE_DSN": f"http://127.0.0.1:{port}", "GPULEDGER_DATA_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "gpuledger.cli", *command], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert f"cannot connect to ClickHouse at http://127.0.0.1:{port}" in done.stderr + done.stdout, done.stderr
+    assert "Retrying" not in done.stderr and "Unexpected Http Driver Exception" not in done.stderr, done.stderr
