@@ -145,12 +145,20 @@ def _precedes(decision_at: str, mark: str) -> bool:
     return precedes(as_utc(decision_at), as_utc(mark))
 
 
+def _denied_at_the_door(wl: dict) -> bool:
+    """gpuledger admit denied the workload and the scheduler never saw it: its queue, cluster
+    queue and priority are nowhere to be found, and that is the denial's outcome, not a gap."""
+    decisions = wl.get("admission_decisions") or []
+    return not wl.get("state") and bool(decisions) and decisions[-1].get("decision") == "deny"
+
+
 def _add_workloads(root: Tree, workloads: list[dict], pods: dict[str, dict]) -> None:
     for wl in workloads:
+        field = (lambda value: m(value) if value else "-") if _denied_at_the_door(wl) else _or_gap
         prio = (f"{m(wl.get('priority_class') or '?')} ({m(wl['priority'])})" if wl.get("priority") is not None
-                else _or_gap(wl.get("priority_class")))
-        wnode = root.add(f"[bold]workload[/] {m(wl['workload_id'])}  queue={_or_gap(wl.get('queue'))} "
-                         f"cluster_queue={_or_gap(wl.get('cluster_queue'))} priority={prio}")
+                else field(wl.get("priority_class")))
+        wnode = root.add(f"[bold]workload[/] {m(wl['workload_id'])}  queue={field(wl.get('queue'))} "
+                         f"cluster_queue={field(wl.get('cluster_queue'))} priority={prio}")
         for d in wl.get("admission_decisions", []):
             before = f", before admission at {m(wl['admitted_at'])}" if wl.get("admitted_at") and _precedes(d["occurred_at"], wl["admitted_at"]) else ""
             wnode.add(f"decision {m(d['decision'])} at {m(d['occurred_at'])} by rule {m(d['rule'])}{before}")

@@ -640,9 +640,12 @@ def test_a_denied_workload_is_not_drawn_as_a_missing_admission_and_a_zero_window
               "window": {"from": "2026-12-06T11:22:44.608Z", "to": "2026-12-06T11:22:44.608Z", "anchor": "--at"}}
     text = tree_text(render_tree(result), width=200)
     assert "not admitted: denied by gpuledger admit at 2026-12-06T11:22:44.608Z (rule unapproved)" in text and "admission: <gap>" not in text, text
+    # Nor its queue, cluster queue and priority, which nothing can know of a workload the scheduler never saw.
+    assert "workload ns/job-a  queue=- cluster_queue=- priority=-" in text, text
     assert "no window (--window 0): only the chain's own rows" in text and "other workloads, alerts" not in text, text
     never = {**denied, "admission_decisions": []}
-    assert "admission: <gap>" in tree_text(render_tree({**result, "workloads": [never]}), width=200)
+    never_text = tree_text(render_tree({**result, "workloads": [never]}), width=200)
+    assert "admission: <gap>" in never_text and "queue=<gap>" in never_text, never_text
 
 
 def test_a_workloads_events_within_one_second_keep_the_order_they_were_seen_in(clickhouse_client):
