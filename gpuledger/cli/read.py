@@ -50,7 +50,7 @@ def trace(alert: Optional[str] = typer.Option(None, "--alert", help="Alert finge
           release: Optional[str] = typer.Option(None, "--release", help="Release id."),
           workload: Optional[str] = typer.Option(None, "--workload", help="Workload id: NAMESPACE/NAME of the Kueue Workload (job-…), else NAMESPACE/KIND/NAME of the owning Job, JobSet… — as `trace --pod` shows it."),
           pod: Optional[str] = typer.Option(None, "--pod", help="Pod as NAMESPACE/NAME."),
-          gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU as NODE/GPU_ID with the device id the pod-resources API reported (GPU-… UUID, MIG-…; not the DCGM index): the allocation holding it at --at, else the latest."),
+          gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU as NODE/GPU_ID with the device id the pod-resources API reported (GPU-… UUID, MIG-…), or as NODE/INDEX with the DCGM index when a DCGM alert in the store maps it (its gpu and UUID labels): the allocation holding it at --at, else the latest."),
           model: Optional[str] = typer.Option(None, "--model", help="Model as NAME[:VERSION] (its most recently active release)."),
           at: Optional[str] = typer.Option(None, "--at", help="State as of this time (RFC 3339; no zone means UTC)."),
           window: str = typer.Option("2h", "--window", help="How far back from --at (else from the entry's own time: an alert's startsAt, a workload's or pod's latest event) to look for other alerts, scheduler events and GPU holders on the chain's nodes (for --release, --model, --gpu without --at: from the chain's latest event): 90s, 15m, 2h, 1d, 1h30m; 0 for none."),

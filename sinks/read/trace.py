@@ -367,6 +367,8 @@ class _Resolver:
         if not held_whole and (slices := self.slices(node, gpu_id, at_s)):
             return self._shared_root(node, gpu_id, at_s, slices)
         if alloc is None:
+            if gpu_id.isdigit():  # the DCGM index (`n3/0`), which no allocation names
+                return self._dcgm_index(node, gpu_id, at_s)
             self._unknown_parents(node, gpu_id, at_s)
             return None
         if at_s and alloc["ended_at"] is not None and alloc["ended_at"] <= at_s:
@@ -375,6 +377,27 @@ class _Resolver:
             # (the chain is its last holder's: said, or an idle GPU read as held by it now)
             self.notes.append(f"no allocation holds {node}/{gpu_id} now; the last one ended at {alloc['ended_at']} (the chain is its holder's)")
         return _root_from_identity(alloc)
+
+    def _dcgm_index(self, node: str, index: str, at_s: str | None) -> tuple[str, str] | None:
+        """``NODE/INDEX``: the GPU of that index on the node, as a DCGM exporter alert's labels map
+        it (its ``gpu`` label is the index, ``UUID`` the device id the allocations name) — the
+        latest such alert as of ``at_s`` (else the earliest after it: the index of a GPU is the
+        slot's, its UUID changes only when the GPU is replaced). A responder reads ``n3/0`` off a
+        DCGM dashboard; the pod-resources API names GPUs by UUID only."""
+        rows = self.store.latest("enriched_alerts", ("alert_fingerprint", "occurred_at", "correlation_id", "version", "node", "gpu_id"),
+                                 "labels['gpu'] = {index:String}", {"index": index, "node": node},
+                                 after="node = {node:String} AND gpu_id != ''", after_columns=("node", "gpu_id"),
+                                 order="occurred_at, correlation_id")
+        before = [r for r in rows if at_s is None or r["occurred_at"] <= at_s]
+        if not rows:
+            self.notes.append(f"no allocation names {node}/{index}: a GPU id is the device id the pod-resources API reported (GPU-… UUID, "
+                              f"MIG-…), and no DCGM alert in the store maps index {index} of {node} to one")
+            return None
+        row = before[-1] if before else rows[0]
+        uuids = sorted({r["gpu_id"] for r in rows})
+        self.notes.append(f"{node}/{index} is the DCGM index of {row['gpu_id']} (labels of alert {row['alert_fingerprint']} at {row['occurred_at']})"
+                          + (f"; the store's alerts name {len(uuids)} GPUs at that index over time: {', '.join(uuids)}" if len(uuids) > 1 else ""))
+        return self.gpu(node, row["gpu_id"], at_s)
 
     def slices(self, node: str, gpu_id: str, at_s: str | None) -> list[dict]:
         """The allocations of MIG slices / time-slicing shares of physical GPU ``gpu_id``

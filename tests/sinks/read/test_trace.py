@@ -672,3 +672,28 @@ def test_a_workloads_events_within_one_second_keep_the_order_they_were_seen_in(c
     [section] = trace(DirectReader(clickhouse_client), db, "workload", wl, at=at + timedelta(minutes=1))["workloads"]
     assert [e["event_type"] for e in section["events"]] == seen, section["events"]
     assert (section["state"], section["queue"], section["admitted_at"]) == ("scheduler.admitted", "prod", section["admissions"][0])
+
+
+def test_a_gpu_by_its_dcgm_index_is_the_gpu_a_dcgm_alert_maps_it_to(clickhouse_client):
+    """A responder reads `node-b/1` off a DCGM dashboard; the allocations name GPUs by UUID only
+    (`n3/0` matched nothing). A DCGM alert's labels map the index to the UUID."""
+    import asyncio
+
+    from sinks.agents import SinkWriters
+
+    db = inc.load_store(clickhouse_client)
+    at = inc.T0 + timedelta(minutes=64)
+    labels = {"alertname": "GpuXidError", "Hostname": "node-b", "gpu": "1", "UUID": inc.GPU_B, "xid": "79"}
+    xid = inc._ce("alert", "alert.firing", at, {"alert_fingerprint": "fp-dcgm", "node": "node-b", "gpu_id": inc.GPU_B},
+                  {"alertname": "GpuXidError", "severity": "warning", "labels": labels, "annotations": {}, "starts_at": at.isoformat()},
+                  attribution="unattributed", summary="GpuXidError (warning) firing", key="fp-dcgm")
+    asyncio.run(SinkWriters(clickhouse_client, db).store_correlated([xid]))
+    reader = DirectReader(clickhouse_client)
+    by_index = trace(reader, db, "gpu", "node-b/1", at=AT)
+    by_uuid = trace(reader, db, "gpu", f"node-b/{inc.GPU_B}", at=AT)
+    assert by_index["entry"]["root"] == by_uuid["entry"]["root"] == {"kind": "release", "id": inc.R7}, by_index["entry"]
+    assert {k: v for k, v in chain_of(by_index).items() if k != "gaps"} == {k: v for k, v in chain_of(by_uuid).items() if k != "gaps"}
+    assert f"node-b/1 is the DCGM index of {inc.GPU_B} (labels of alert fp-dcgm at {at.isoformat().replace('+00:00', '.000Z')})" in by_index["gaps"]
+    unknown = trace(reader, db, "gpu", "node-b/7", at=AT)
+    assert unknown["entry"]["root"] is None
+    assert any("no DCGM alert in the store maps index 7 of node-b" in g for g in unknown["gaps"]), unknown["gaps"]
