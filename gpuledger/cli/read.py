@@ -63,7 +63,7 @@ def trace(alert: Optional[str] = typer.Option(None, "--alert", help="Alert finge
     from gpuledger.timefmt import TimeFormatError, parse_duration, parse_time
     from sinks.errors import SinkError
     from sinks.read.query import open_reader
-    from sinks.read.trace import TraceError, found
+    from sinks.read.trace import TraceError, check_entry, found
     from sinks.read.trace import trace as run_trace
     from sinks.read.tree import render_tree
 
@@ -76,6 +76,8 @@ def trace(alert: Optional[str] = typer.Option(None, "--alert", help="Alert finge
     with failing_on(TimeFormatError, code=2):
         at_time = parse_time(at, "--at") if at else None
         span = parse_duration(window, "--window")
+    with failing_on(TraceError, code=2):
+        check_entry(*entries[0])
     settings = load_settings(dsn=dsn)
     with failing_on(TraceError, code=2), failing_on(SinkError):
         reader = open_reader(settings)

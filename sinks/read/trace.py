@@ -277,6 +277,18 @@ def _root_from_identity(row: dict) -> tuple[str, str] | None:
     return None
 
 
+def check_entry(kind: str, value: str) -> None:
+    """Raise TraceError when an entry point's value is not of its form (``--pod NS/NAME``,
+    ``--gpu NODE/GPU_ID``) — before the store is opened: a malformed flag is the person's to
+    fix whether or not the store answers (``--gpu n3`` said the store was down)."""
+    if kind in ENTRY_FORMS:
+        _split_pair(value, kind, ENTRY_FORMS[kind])
+
+
+#: The entry points given as a pair, and their form.
+ENTRY_FORMS = {"pod": "NAMESPACE/NAME", "gpu": "NODE/GPU_ID"}
+
+
 def _split_pair(value: str, what: str, example: str) -> tuple[str, str]:
     left, sep, right = (value or "").partition("/")
     if not sep or not left or not right:
@@ -992,9 +1004,9 @@ def trace(reader, database: str, kind: str, value: str, at: datetime | None = No
     elif kind == "workload":
         root = resolver.workload(value)
     elif kind == "pod":
-        root = resolver.pod(*_split_pair(value, "pod", "NAMESPACE/NAME"))
+        root = resolver.pod(*_split_pair(value, "pod", ENTRY_FORMS["pod"]))
     elif kind == "gpu":
-        root = resolver.gpu(*_split_pair(value, "gpu", "NODE/GPU_ID"))
+        root = resolver.gpu(*_split_pair(value, "gpu", ENTRY_FORMS["gpu"]))
     else:
         name, _, version = value.partition(":")
         root, alternatives = resolver.model(name, version or None)

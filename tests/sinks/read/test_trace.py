@@ -697,3 +697,18 @@ def test_a_gpu_by_its_dcgm_index_is_the_gpu_a_dcgm_alert_maps_it_to(clickhouse_c
     unknown = trace(reader, db, "gpu", "node-b/7", at=AT)
     assert unknown["entry"]["root"] is None
     assert any("no DCGM alert in the store maps index 7 of node-b" in g for g in unknown["gaps"]), unknown["gaps"]
+
+
+@pytest.mark.parametrize(("flag", "value", "form"), [("--gpu", "n3", "NODE/GPU_ID"), ("--pod", "just-a-name", "NAMESPACE/NAME")])
+def test_a_malformed_entry_point_is_named_before_the_store_is_opened(flag, value, form, tmp_path):
+    """From an exploratory review: `trace --gpu n3` against a store that does not answer said
+    the store was down (exit 1) — the flag's form is the person's to fix either way."""
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"GPULEDGER_CLICKHOUSE_DSN": f"http://127.0.0.1:{port}", "GPULEDGER_DATA_DIR": str(tmp_path), "COLUMNS": "200"}
+    out = CliRunner().invoke(cli_app, ["trace", flag, value], env=env)
+    assert out.exit_code == 2, out.output
+    assert f"expected {form}" in out.output and "cannot connect" not in out.output, out.output
