@@ -170,6 +170,14 @@ def readonly_statement(client, sql: str, parameters: dict | None = None, limits:
         _one_statement(client, body)
         return readonly_sql(body, limits)
     if keyword not in STATEMENT_KEYWORDS:
+        if keyword:
+            # A typo ("SELEC 1") is ClickHouse's syntax error, not a write refused: its parser says
+            # which, with the position in the person's own text (formatQuery parses the text it is
+            # given and runs nothing; a write parses, and is refused below).
+            try:
+                client.query(readonly_sql("SELECT formatQuery({q:String})"), parameters={"q": body})
+            except Exception as exc:  # noqa: BLE001 - driver errors vary by backend
+                raise _query_error(exc) from exc
         raise QueryError(f"read-only statements only ({READ_STATEMENTS}); this one starts with {keyword or 'nothing'!r}")
     statement = body[start:]
     _one_statement(client, statement)

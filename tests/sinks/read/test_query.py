@@ -209,3 +209,17 @@ def test_a_server_that_does_not_answer_is_one_error_line_not_the_drivers_retries
     assert done.returncode != 0
     assert f"cannot connect to ClickHouse at http://127.0.0.1:{port}" in done.stderr + done.stdout, done.stderr
     assert "Retrying" not in done.stderr and "Unexpected Http Driver Exception" not in done.stderr, done.stderr
+
+
+def test_a_typo_is_the_parsers_syntax_error_not_a_refused_write(reader, env):
+    """From an exploratory review: `sql "SELEC 1"` was refused as "not a read-only statement
+    (starts with 'SELEC')" — a person reads that they tried to write."""
+    with pytest.raises(QueryError, match="(?i)syntax error") as typo:
+        reader.query("SELEC 1")
+    assert "read-only statements only" not in str(typo.value)
+    out = sql(env, "SELEC 1")
+    assert out.exit_code != 0 and "Syntax error" in out.output and "read-only statements only" not in out.output, out.output
+    # A write that parses is still refused as one.
+    with pytest.raises(QueryError, match="read-only statements only"):
+        reader.query("INSERT INTO dead_letters (reason) VALUES ('x')")
+    assert reader.query("SELECT count() AS n FROM dead_letters").dicts() == [{"n": 0}]
