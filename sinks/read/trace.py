@@ -281,6 +281,10 @@ def check_entry(kind: str, value: str) -> None:
     """Raise TraceError when an entry point's value is not of its form (``--pod NS/NAME``,
     ``--gpu NODE/GPU_ID``) — before the store is opened: a malformed flag is the person's to
     fix whether or not the store answers (``--gpu n3`` said the store was down)."""
+    if kind == "gpu" and value and "/" not in value:
+        # A node alone (a node-level alert names no GPU): say how to name one of its GPUs.
+        raise TraceError(f"--gpu {value!r}: expected NODE/GPU_ID — a GPU of node {value} is {value}/<GPU UUID> or {value}/<DCGM "
+                         f"index>; its GPUs: gpuledger sql \"SELECT DISTINCT gpu_id FROM gpu_allocations WHERE node = '{value}'\"")
     if kind in ENTRY_FORMS:
         _split_pair(value, kind, ENTRY_FORMS[kind])
 

@@ -712,3 +712,5 @@ def test_a_malformed_entry_point_is_named_before_the_store_is_opened(flag, value
     out = CliRunner().invoke(cli_app, ["trace", flag, value], env=env)
     assert out.exit_code == 2, out.output
     assert f"expected {form}" in out.output and "cannot connect" not in out.output, out.output
+    if flag == "--gpu":  # a node alone: how to name one of its GPUs
+        assert "n3/<GPU UUID> or n3/<DCGM index>" in out.output and "WHERE node = 'n3'" in out.output, out.output
