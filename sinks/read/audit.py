@@ -126,6 +126,19 @@ def load_history(reader, database: str, start: datetime, end: datetime, lookback
             "replayed": replayed(reader, database)}
 
 
+def _as_of(v: dict, end: datetime) -> dict:
+    """The violation as it stood at ``end`` (``--to``, what the controls are evaluated as of): one
+    closed after it was open then. The table keeps a violation's latest version only, so its
+    detail is the closing one; it is kept, after a note that the closing came later (an owner
+    reading "closed … approved at 14:13" in a range ending 14:13:00 read a violation as settled
+    within the range)."""
+    closed = v["closed_at"]
+    if closed is None or closed <= end:
+        return v
+    return {**v, "closed_at": None, "closed_later_at": closed,
+            "detail": f"open at the range's end; closed after it, at {_z(closed)}: {v['detail']}"}
+
+
 def _stored_violation(r: dict) -> dict:
     return {"violation_id": r["violation_id"], "version": int(r["version"]), "control_id": int(r["control_id"]), "title": r["title"],
             "severity": r["severity"], "identity": {k: r[k] for k in IDENTITY_COLUMNS if r.get(k)}, "evidence": list(r["evidence"]),
@@ -152,7 +165,7 @@ def build_report(history: dict, policy: Policy, start: datetime, end: datetime, 
         judged = [_model_violation(v) for v in engine.current()]
     else:
         judged = history.get("recorded", [])
-    in_range = sorted((v for v in judged if v["opened_at"] <= end and (v["closed_at"] is None or v["closed_at"] >= start)),
+    in_range = sorted((_as_of(v, end) for v in judged if v["opened_at"] <= end and (v["closed_at"] is None or v["closed_at"] >= start)),
                       key=lambda v: (v["control_id"], v["opened_at"], v["violation_id"]))
     ev = Evidence(history, directory, policy, start, end, in_range)
     sections = [ev.admission(), ev.promotion(), ev.prod_run(), ev.preemption(), ev.reservations(), ev.telemetry(), ev.authority(),
@@ -210,9 +223,12 @@ def _violation_row(v: dict) -> dict:
     ident = v["identity"]
     subject = (ident.get("release_id") or ident.get("workload_id") or ident.get("alert_fingerprint")
                or (f"{ident.get('namespace')}/{ident['pod']}" if ident.get("pod") else ""))
-    return {"control": v["control_id"], "severity": v["severity"], "violation_id": v["violation_id"], "opened_at": _z(v["opened_at"]),
-            "closed_at": _z(v["closed_at"]), "owner": v["owner"], "subject": subject, "detail": v["detail"], "evidence": list(v["evidence"]),
-            "policy_version": v.get("policy_version") or ""}
+    row = {"control": v["control_id"], "severity": v["severity"], "violation_id": v["violation_id"], "opened_at": _z(v["opened_at"]),
+           "closed_at": _z(v["closed_at"]), "owner": v["owner"], "subject": subject, "detail": v["detail"], "evidence": list(v["evidence"]),
+           "policy_version": v.get("policy_version") or ""}
+    if v.get("closed_later_at") is not None:
+        row["closed_after_range_at"] = _z(v["closed_later_at"])
+    return row
 
 
 def _payload(row: dict) -> dict:
@@ -397,7 +413,9 @@ class Evidence:
         promoted = (_event_text(last, _payload(self.release_rows.get(last[2], {})).get("approval_id")) if last
                     else f"no release.promoted to {self.prod} by {_z(self.end)}")
         return {"release": rid, "approvals": "; ".join(approvals) or "no release.approved before the promotion", "promoted": promoted,
-                "state_at_end": self.directory.state_as_of(rid, self.end.isoformat()) or "", "scheduling_applied": self._scheduling_applied(rid),
+                # The lifecycle state (a reservation released after a rollback is no state of its own).
+                "state_at_end": self.directory.lifecycle_state_as_of(rid, self.end.isoformat()) or "",
+                "scheduling_applied": self._scheduling_applied(rid),
                 "verdict": _verdict(mine)}
 
     def _scheduling_applied(self, rid: str) -> str:

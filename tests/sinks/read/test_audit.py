@@ -308,3 +308,34 @@ def test_at_80_columns_no_value_is_cut(store):
     assert narrow.exit_code == 1, narrow.output
     assert "…" not in narrow.output and "Violations in the range" in narrow.output, narrow.output
     assert max(len(line) for line in narrow.output.splitlines()) <= 80
+
+
+def test_a_violation_closed_after_the_range_is_open_in_it(store):
+    """From an exploratory review: a violation closed after --to was reported closed (and counted
+    closed) in a range that ends before it closed; --to is the time the controls are evaluated as of."""
+    full = json.loads(audit(store, *RANGE, "--format", "json").output)
+    closed = [v for v in full["violations"] if v["control"] == 4]
+    assert closed and all(v["closed_at"] == "2026-11-30T13:01:00Z" for v in closed), closed
+    cut = json.loads(audit(store, "--from", RANGE[1], "--to", "2026-11-30T13:00:30Z", "--format", "json").output)
+    mine = [v for v in cut["violations"] if v["control"] == 4]
+    assert {v["violation_id"] for v in mine} == {v["violation_id"] for v in closed}
+    for v in mine:
+        assert v["closed_at"] is None and v["closed_after_range_at"] == "2026-11-30T13:01:00Z", v
+        assert v["detail"].startswith("open at the range's end; closed after it, at 2026-11-30T13:01:00Z: "), v["detail"]
+    control4 = next(c for c in cut["controls"] if c["id"] == 4)
+    assert (control4["open"], control4["closed"], control4["status"]) == (len(mine), 0, "FAIL"), control4
+    assert "open at the range's end" in audit(store, "--from", RANGE[1], "--to", "2026-11-30T13:00:30Z").output
+
+
+def test_a_reservation_released_after_a_rollback_leaves_the_release_rolled_back(clickhouse_client, clickhouse_dsn, tmp_path):
+    """From an exploratory review: section 2's state_at_end read release.reservation_released for a
+    release rolled back — a reservation is no lifecycle state (the trace says so beside it)."""
+    db = inc.load_store(clickhouse_client)
+    released = inc._ce("release", "release.reservation_released", inc.ROLLBACK_AT + timedelta(minutes=1),
+                       {"release_id": inc.R7, **inc.MANIFEST7}, {"actor": "bob", "reservation": {"reservation_id": "res-7", "gpus": 4}},
+                       attribution="release_event", release_state="release.reservation_released")
+    asyncio.run(SinkWriters(clickhouse_client, db).store_correlated([released]))
+    env = {"GPULEDGER_CLICKHOUSE_DSN": clickhouse_dsn, "GPULEDGER_CLICKHOUSE_DATABASE": db, "GPULEDGER_DATA_DIR": str(tmp_path)}
+    report = json.loads(audit(env, *RANGE, "--format", "json").output)
+    section = next(s for s in report["evidence"] if s["control"] == 2)
+    assert {r["release"]: r["state_at_end"] for r in section["rows"]}[inc.R7] == "release.rolled_back", section["rows"]
