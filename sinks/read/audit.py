@@ -348,11 +348,34 @@ class Evidence:
                         "approvals": "; ".join(approvals) or ("" if not rid else "no release.approved before queue entry"),
                         "verdict": _verdict(mine)})
         flagged = sum(1 for r in out if r["verdict"] != "no violation recorded")
+        denied = self._denied_at_the_door()
         return self._section(1, "Approved identity before queue entry",
                              f"{len(out)} workload(s) entering a queue in the range; {flagged} with a control 1 violation "
-                             f"({len(self._of(1))} violation(s))",
-                             ["workload", "release", "environment", "queue_entry", "entry_event", "policy_result", "approvals", "verdict"], out,
-                             len(out), "workload(s) entering a queue")
+                             f"({len(self._of(1))} violation(s)); {len(denied)} denied before queue entry by gpuledger admit",
+                             ["workload", "release", "environment", "queue_entry", "entry_event", "policy_result", "approvals", "verdict"],
+                             out + denied, len(out) + len(denied), "workload(s) entering a queue or denied entry")
+
+    def _denied_at_the_door(self) -> list[dict]:
+        """The workloads gpuledger admit denied in the range that the scheduler never saw: the
+        control enforced before queue entry — who tried to run what, when, and why not (they were
+        in no section of the audit: it listed the workloads that entered a queue only)."""
+        out = []
+        for wid, decisions in sorted(self.decisions.items()):
+            last = decisions[-1]
+            p = _payload(last)
+            if wid in self.workloads or p.get("decision") != "deny" or not self._in_range(last["occurred_at"]):
+                continue
+            ident = last["identity"]
+            rid = ident.get("release_id")
+            approvals = self._approvals_before(rid, parse_instant(last["occurred_at"])) if rid else []
+            who = f" (user {p['user']})" if p.get("user") else ""
+            out.append({"workload": wid, "release": rid or "no release identity", "environment": ident.get("environment") or "",
+                        "queue_entry": "never: denied", "entry_event": "admission.decided",
+                        "policy_result": (f"workload {wid}: decision deny at {_z(last['occurred_at'])} by rule {p.get('rule')} "
+                                          f"({p.get('gate')}, {p.get('mode')}){who}: {p.get('message') or ''}").rstrip(": "),
+                        "approvals": "; ".join(approvals) or ("" if not rid else "no release.approved before the decision"),
+                        "verdict": "denied before queue entry (the control enforced; no violation)"})
+        return out
 
     def _policy_result(self, wid: str, rows: list[dict], entry: dict) -> str:
         """gpuledger admit's decision that let the workload in (``admission.decided``): the

@@ -339,3 +339,29 @@ def test_a_reservation_released_after_a_rollback_leaves_the_release_rolled_back(
     report = json.loads(audit(env, *RANGE, "--format", "json").output)
     section = next(s for s in report["evidence"] if s["control"] == 2)
     assert {r["release"]: r["state_at_end"] for r in section["rows"]}[inc.R7] == "release.rolled_back", section["rows"]
+
+
+def test_a_workload_admit_denied_is_in_control_1s_evidence(clickhouse_client, clickhouse_dsn, tmp_path):
+    """From an exploratory review: the audit listed only the workloads that entered a queue — who
+    tried to run an unapproved release, and when, was nowhere in it (the decision in the store)."""
+    from schemas.admission import AdmissionPayload
+
+    db = inc.load_store(clickhouse_client)
+    at = inc.T0 + timedelta(minutes=20)
+    payload = AdmissionPayload(decision="deny", outcome="deny", rule="unapproved", message=f"release {inc.R7_STAGING} is not approved for prod",
+                               mode="enforce", gate="webhook", object_kind="Job", object_name="sneaky", user="mallory", gpus_requested=2,
+                               policy_version=Policy().fingerprint)
+    denied = inc._ce("admission", "admission.decided", at, {"workload_id": "risk/sneaky", "namespace": "risk", "release_id": inc.R7_STAGING,
+                                                            "environment": "prod"}, payload.model_dump(mode="json"),
+                     summary="admission deny by rule unapproved (webhook, enforce)")
+    asyncio.run(SinkWriters(clickhouse_client, db).store_correlated([denied]))
+    env = {"GPULEDGER_CLICKHOUSE_DSN": clickhouse_dsn, "GPULEDGER_CLICKHOUSE_DATABASE": db, "GPULEDGER_DATA_DIR": str(tmp_path), "COLUMNS": "250"}
+    report = json.loads(audit(env, *RANGE, "--format", "json").output)
+    section = next(s for s in report["evidence"] if s["control"] == 1)
+    row = {r["workload"]: r for r in section["rows"]}["risk/sneaky"]
+    assert (row["release"], row["queue_entry"], row["entry_event"]) == (inc.R7_STAGING, "never: denied", "admission.decided"), row
+    assert row["policy_result"] == (f"workload risk/sneaky: decision deny at 2026-11-30T12:20:00Z by rule unapproved (webhook, enforce) "
+                                    f"(user mallory): release {inc.R7_STAGING} is not approved for prod"), row["policy_result"]
+    assert "denied before queue entry" in row["verdict"] and "1 denied before queue entry by gpuledger admit" in section["summary"]
+    assert inc.W7 in {r["workload"] for r in section["rows"]}  # the admitted ones are still there
+    assert "risk/sneaky" in audit(env, *RANGE).output
