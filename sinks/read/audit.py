@@ -122,8 +122,12 @@ def load_history(reader, database: str, start: datetime, end: datetime, lookback
                     f"WHERE opened_at <= {{to:DateTime64(3)}} AND (closed_at IS NULL OR closed_at >= {{from:DateTime64(3)}}) "
                     f"ORDER BY control_id, opened_at, violation_id LIMIT {MAX_ROWS}")
     recorded = [_stored_violation(r) for r in reader.query(recorded_sql, {"db": database, **params}).dicts() if not is_withdrawn(r)]
+    # The latest event time in the store, whatever the range: what the worker's event-time watermark
+    # reached at most, so what its recorded verdicts can have judged (``build_report``).
+    latest_sql = f"SELECT max(occurred_at) AS latest, count() AS n FROM {{db:Identifier}}.{table_name('correlated_events', cluster)}"
+    latest = reader.query(latest_sql, {"db": database}).dicts()[0]
     return {"rows": rows, "allocations": allocations, "recorded": recorded, "events_in_range": events, "truncated": sorted(store.truncated),
-            "replayed": replayed(reader, database)}
+            "replayed": replayed(reader, database), "latest_event": parse_instant(latest["latest"]) if latest["n"] else None}
 
 
 def _as_of(v: dict, end: datetime) -> dict:
@@ -168,6 +172,11 @@ def build_report(history: dict, policy: Policy, start: datetime, end: datetime, 
     in_range = sorted((_as_of(v, end) for v in judged if v["opened_at"] <= end and (v["closed_at"] is None or v["closed_at"] >= start)),
                       key=lambda v: (v["control_id"], v["opened_at"], v["violation_id"]))
     ev = Evidence(history, directory, policy, start, end, in_range)
+    # Deadlines are judged on event time: the worker's recorded verdicts cannot have judged one
+    # after the latest event it saw (a reservation window that ended in a range no event followed
+    # read PASS while held). Re-evaluation judges as of --to.
+    latest = history.get("latest_event")
+    ev.judged_until = latest if not reevaluate and latest is not None and latest < end else None
     sections = [ev.admission(), ev.promotion(), ev.prod_run(), ev.preemption(), ev.reservations(), ev.telemetry(), ev.authority(),
                 ev.retirement()]
     events = history.get("events_in_range", 0)
@@ -191,10 +200,16 @@ def build_report(history: dict, policy: Policy, start: datetime, end: datetime, 
         "violations": [_violation_row(v) for v in in_range],
         "evidence": sections,
         "truncated": history.get("truncated", []),
-        "notes": [replay_note(history["replayed"])] if history.get("replayed") else [],
+        "notes": ([replay_note(history["replayed"])] if history.get("replayed") else [])
+                 + ([f"the latest event in the store is at {_z(ev.judged_until)}, before --to: the worker judges deadlines on event time, "
+                     f"so one between {_z(ev.judged_until)} and {_z(end)} (a reservation window's end, a grace period) is not judged in "
+                     "these recorded verdicts — --reevaluate judges them as of --to"]
+                    if any(section.get("unjudged") for section in sections) else []),
     }
 
 
+#: An evidence row's verdict when its deadline is after the latest event the store holds (``Evidence.judged_until``).
+NOT_JUDGED = "not judged yet"
 #: A promoted release's ``scheduling_applied`` when none of its prod workloads started in the range.
 NO_PROD_WORKLOAD = "no workload in the range"
 
@@ -213,6 +228,9 @@ def _control_row(cid: int, violations: list[dict], section: dict, policy: Policy
         status, note = "NOT EXERCISED", f"nothing this control checks happened in the range ({section['exercise']})"
     else:
         status, note = "PASS", f"exercised: {section['subjects']} {section['exercise']}, no warning/critical violation"
+        if section.get("unjudged"):
+            note += (f"; {section['unjudged']} deadline(s) after the latest event in the store, not judged yet "
+                     "(see the section; --reevaluate judges them as of --to)")
     return {"id": cid, "name": CONTROL_NAMES[cid], "title": CONTROL_TITLES[cid], "status": status, "note": note,
             "violations": len(mine), "open": sum(1 for v in mine if v["closed_at"] is None),
             "closed": sum(1 for v in mine if v["closed_at"] is not None), "info": len(mine) - len(failing),
@@ -275,6 +293,9 @@ class Evidence:
         self.policy = policy
         self.start, self.end = start, end
         self.violations = violations
+        #: The latest event time in the store when it is before ``end`` in a recorded report: a
+        #: deadline after it is not judged by the recorded verdicts (``build_report``).
+        self.judged_until: datetime | None = None
         self.release_rows = {r["correlation_id"]: r for r in self.rows if r["event_type"].startswith("release.")}
         self.workloads: dict[str, list[dict]] = defaultdict(list)
         self.workload_of: dict[str, str] = {}
@@ -583,10 +604,12 @@ class Evidence:
             if we is not None and we < self.start:
                 continue
             out.append(self._reservation_row(rid, res_id, row, res, released.get((rid, res_id))))
-        return self._section(5, "Reservation plan vs. actual utilisation",
-                             f"{len(out)} reservation(s) active in the range; {len(self._of(5))} control 5 violation(s)",
-                             ["release", "reservation", "gpus", "pool", "window", "reserved_by", "released", "peak_allocated", "gpu_hours",
-                              "utilisation", "verdict"], out, len(out), "reservation(s) active")
+        section = self._section(5, "Reservation plan vs. actual utilisation",
+                                f"{len(out)} reservation(s) active in the range; {len(self._of(5))} control 5 violation(s)",
+                                ["release", "reservation", "gpus", "pool", "window", "reserved_by", "released", "peak_allocated", "gpu_hours",
+                                 "utilisation", "verdict"], out, len(out), "reservation(s) active")
+        section["unjudged"] = sum(1 for r in out if r["verdict"].startswith(NOT_JUDGED))
+        return section
 
     def _reservation_events(self) -> tuple[dict, dict]:
         """(release, reservation id) → its first creation (row, reservation) and its first release row."""
@@ -616,11 +639,16 @@ class Evidence:
                      for a in allocs) / 3600
         planned_h = gpus * max(0.0, (until - ws).total_seconds()) / 3600
         ids = [row["correlation_id"]] + ([rel["correlation_id"]] if rel else [])
+        verdict = _verdict(self._citing(5, ids) + self._citing(7, ids, first_only=True))
+        if (verdict == "no violation recorded" and rel is None and we is not None and self.judged_until is not None
+                and self.judged_until < we <= self.end):
+            verdict = (f"{NOT_JUDGED}: the window ended at {_z(we)}, after the latest event in the store ({_z(self.judged_until)}); "
+                       "the worker judges it when an event's time passes it")
         return {"release": rid or "", "reservation": res_id, "gpus": gpus, "pool": res.get("pool") or "",
                 "window": f"{_z(ws)} → {_z(we) or 'open'}", "reserved_by": actor_text(decision_actor(_payload(row))) or "no actor recorded",
                 "released": _z(rel["occurred_at"]) if rel else "held", "peak_allocated": peak,
                 "gpu_hours": f"{used_h:.1f} of {planned_h:.1f}", "utilisation": f"{used_h / planned_h:.0%}" if planned_h else "-",
-                "verdict": _verdict(self._citing(5, ids) + self._citing(7, ids, first_only=True))}
+                "verdict": verdict}
 
     # (6)
     def telemetry(self) -> dict:

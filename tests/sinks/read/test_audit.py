@@ -365,3 +365,32 @@ def test_a_workload_admit_denied_is_in_control_1s_evidence(clickhouse_client, cl
     assert "denied before queue entry" in row["verdict"] and "1 denied before queue entry by gpuledger admit" in section["summary"]
     assert inc.W7 in {r["workload"] for r in section["rows"]}  # the admitted ones are still there
     assert "risk/sneaky" in audit(env, *RANGE).output
+
+
+def test_a_reservation_window_ending_after_the_last_event_is_not_judged_yet(clickhouse_client, clickhouse_dsn, tmp_path):
+    """From an exploratory review: a reservation whose window ended in the range, still held, read
+    PASS — the worker judges deadlines on event time, and no event came after the window's end."""
+    db = inc.load_store(clickhouse_client)
+
+    def reservation(res_id: str, minutes_end: int):
+        at = inc.T0 + timedelta(minutes=20)
+        return inc._ce("release", "release.reservation_created", at, {"release_id": inc.R7, **inc.MANIFEST7},
+                       {"actor": "alice", "reservation": {"reservation_id": res_id, "gpus": 2, "pool": "a100", "window_start": at.isoformat(),
+                                                          "window_end": (inc.T0 + timedelta(minutes=minutes_end)).isoformat()}},
+                       attribution="release_event", release_state="release.reservation_created", key=res_id)
+    # The store's latest event is the quality alert's resolution, T0 + 95 min.
+    asyncio.run(SinkWriters(clickhouse_client, db).store_correlated([reservation("res-late", 100), reservation("res-early", 60)]))
+    env = {"GPULEDGER_CLICKHOUSE_DSN": clickhouse_dsn, "GPULEDGER_CLICKHOUSE_DATABASE": db, "GPULEDGER_DATA_DIR": str(tmp_path), "COLUMNS": "250"}
+    report = json.loads(audit(env, *RANGE, "--format", "json").output)
+    rows = {r["reservation"]: r for r in next(s for s in report["evidence"] if s["control"] == 5)["rows"]}
+    assert rows["res-late"]["verdict"].startswith("not judged yet: the window ended at 2026-11-30T13:40:00Z, after the latest event in the "
+                                                  "store (2026-11-30T13:35:00Z)"), rows["res-late"]
+    assert rows["res-early"]["verdict"] == "no violation recorded", rows["res-early"]  # its end was before the latest event: judged
+    control5 = next(c for c in report["controls"] if c["id"] == 5)
+    assert control5["status"] == "PASS" and "1 deadline(s) after the latest event in the store, not judged yet" in control5["note"], control5
+    assert any(n.startswith("the latest event in the store is at 2026-11-30T13:35:00Z, before --to") for n in report["notes"]), report["notes"]
+    assert "not judged yet" in audit(env, *RANGE).output
+    # A re-evaluation judges as of --to: nothing is left unjudged.
+    again = json.loads(audit(env, *RANGE, "--reevaluate", "--format", "json").output)
+    assert not [r for s in again["evidence"] for r in s["rows"] if str(r.get("verdict", "")).startswith("not judged")]
+    assert not [n for n in again["notes"] if n.startswith("the latest event")]
