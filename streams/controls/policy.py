@@ -121,6 +121,23 @@ class Controls(_Model):
     incident_authority: ControlPolicy = Field(default=ControlPolicy(accountable="release-managers", severity="critical"), description="7. Incident authority.")
     retirement: ControlPolicy = Field(default=ControlPolicy(accountable="capacity-planners", severity="critical"), description="8. Retirement.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _over_the_defaults(cls, data):
+        """A control's block in a policy file changes what it names, over that control's default:
+        ``retirement: {enabled: false}`` keeps retirement's accountable role and severity (it
+        failed with "accountable: Field required", and a block without ``severity`` took the
+        field's "critical" where the control's default is "warning")."""
+        if not isinstance(data, dict):
+            return data
+        merged = {}
+        for name, block in data.items():
+            field = cls.model_fields.get(name)
+            if isinstance(block, dict) and field is not None and isinstance(field.default, ControlPolicy):
+                block = {**field.default.model_dump(), **block}
+            merged[name] = block
+        return merged
+
 
 class Reservations(_Model):
     """Control 5 thresholds."""

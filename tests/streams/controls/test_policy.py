@@ -127,3 +127,23 @@ def test_the_admit_cli_exits_2_on_an_admission_setting_naming_no_environment(tmp
     bad.write_text("admission: {fail_closed: [prood]}\n")
     result = CliRunner().invoke(cli_app, ["admit", "--port", "0", "--bootstrap", "127.0.0.1:1"], env={"GPULEDGER_POLICY_FILE": str(bad)})
     assert result.exit_code == 2 and "admission.fail_closed.0: no environment named 'prood'" in result.output, result.output
+
+
+def test_a_controls_block_changes_only_what_it_names(tmp_path):
+    """From an exploratory review: `controls: {retirement: {enabled: false}}` failed with
+    "controls.retirement.accountable: Field required" — and a block without `severity` took
+    "critical" where the control's default is "warning"."""
+    off = tmp_path / "off.yaml"
+    off.write_text("controls:\n  retirement:\n    enabled: false\n  capacity_reservation:\n    accountable: release-managers\n")
+    policy = load_policy(off)
+    default = Policy()
+    assert (policy.controls.retirement.enabled, policy.controls.retirement.accountable, policy.controls.retirement.severity) == \
+        (False, default.controls.retirement.accountable, default.controls.retirement.severity)
+    reservation = policy.controls.capacity_reservation
+    assert (reservation.accountable, reservation.severity, reservation.enabled) == ("release-managers", "warning", True)
+    assert policy.controls.admission == default.controls.admission and policy.fingerprint != default.fingerprint
+    # A role the block names must still exist.
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("controls:\n  retirement:\n    accountable: nobody\n")
+    with pytest.raises(PolicyError, match="no role named 'nobody'"):
+        load_policy(bad)
