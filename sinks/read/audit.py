@@ -91,14 +91,18 @@ def load_history(reader, database: str, start: datetime, end: datetime, lookback
     events the range holds, and the violations the worker recorded over the range."""
     store = Store(reader, database, cluster)
     params = {"to": ch_time(end), "since": ch_time(time_before(start, lookback)), "from": ch_time(start)}
-    columns = ("correlation_id", "version", "event_type", "occurred_at", "attribution", *IDENTITY_COLUMNS, "release_state", "payload_json")
+    columns = ("correlation_id", "version", "event_type", "occurred_at", "attribution", *IDENTITY_COLUMNS, "release_state", "payload_json",
+               "source_topic", "source_partition", "source_offset")
+    # Rows of one instant in the order they were published (a workload's queue entry among its
+    # submission, quota reservation and admission in one whole second was picked by correlation id).
     raw = store.latest("correlated_events", columns,
                        "occurred_at <= {to:DateTime64(3)} AND (startsWith(event_type, 'release.') OR "
                        "(occurred_at >= {since:DateTime64(3)} AND NOT startsWith(event_type, 'gpu.')))",
-                       params, order="occurred_at, correlation_id", limit=MAX_ROWS)
+                       params, order="occurred_at, source_topic, source_partition, source_offset, correlation_id", limit=MAX_ROWS)
     rows = [{"correlation_id": r["correlation_id"], "version": int(r["version"]), "event_type": r["event_type"],
              "occurred_at": r["occurred_at"], "attribution": r["attribution"], "release_state": r.get("release_state") or None,
-             "identity": {k: r[k] for k in IDENTITY_COLUMNS if r.get(k)}, "payload_json": r.get("payload_json") or "{}"} for r in raw]
+             "identity": {k: r[k] for k in IDENTITY_COLUMNS if r.get(k)}, "payload_json": r.get("payload_json") or "{}",
+             "source": (r["source_topic"], int(r["source_partition"]), int(r["source_offset"]))} for r in raw]
     alloc_cols = ("allocation_id", "version", "node", "gpu_id", "namespace", "pod", "release_id", "workload_id", "attribution",
                   "started_at", "ended_at", "start_event_id", "end_event_id")
     raw_allocs = store.latest("gpu_allocations", alloc_cols, "started_at <= {to:DateTime64(3)}",
@@ -287,7 +291,7 @@ class Evidence:
     stored rows; verdicts only from the violations that cite them."""
 
     def __init__(self, history: dict, directory, policy: Policy, start: datetime, end: datetime, violations: list[dict]) -> None:
-        self.rows = sorted(history["rows"], key=lambda r: (parse_instant(r["occurred_at"]), r["correlation_id"]))
+        self.rows = sorted(history["rows"], key=lambda r: (parse_instant(r["occurred_at"]), r.get("source", ()), r["correlation_id"]))
         self.allocations = history["allocations"]
         self.directory = directory
         self.policy = policy

@@ -394,3 +394,22 @@ def test_a_reservation_window_ending_after_the_last_event_is_not_judged_yet(clic
     again = json.loads(audit(env, *RANGE, "--reevaluate", "--format", "json").output)
     assert not [r for s in again["evidence"] for r in s["rows"] if str(r.get("verdict", "")).startswith("not judged")]
     assert not [n for n in again["notes"] if n.startswith("the latest event")]
+
+
+def test_control_1s_queue_entry_is_the_first_event_published_within_its_second(clickhouse_client, clickhouse_dsn, tmp_path):
+    """From an exploratory review: among a workload's submission, quota reservation and admission
+    in one whole second, the entry event was picked by correlation id (a hash)."""
+    from schemas import CorrelatedEvent, Identity
+
+    db = inc.load_store(clickhouse_client)
+    at = inc.T0 + timedelta(minutes=30)
+    seen = ["scheduler.submitted", "scheduler.quota_reserved", "scheduler.admitted"]
+    rows = [CorrelatedEvent(correlation_id=f"c-{3 - i}", version=0, event_type=etype, occurred_at=at, attribution="unattributed",
+                            identity=Identity(workload_id="risk/same-second", namespace="risk"), summary=etype,
+                            source_topic="test.scheduler.v1", source_partition=1, source_offset=500 + i,
+                            payload_json='{"object_kind": "Workload", "queue": "prod"}') for i, etype in enumerate(seen)]
+    asyncio.run(SinkWriters(clickhouse_client, db).store_correlated(rows))
+    env = {"GPULEDGER_CLICKHOUSE_DSN": clickhouse_dsn, "GPULEDGER_CLICKHOUSE_DATABASE": db, "GPULEDGER_DATA_DIR": str(tmp_path)}
+    section = next(s for s in json.loads(audit(env, *RANGE, "--format", "json").output)["evidence"] if s["control"] == 1)
+    row = {r["workload"]: r for r in section["rows"]}["risk/same-second"]
+    assert (row["entry_event"], row["queue_entry"]) == ("scheduler.submitted", "2026-11-30T12:30:00Z"), row
