@@ -214,6 +214,8 @@ def build_report(history: dict, policy: Policy, start: datetime, end: datetime, 
 
 #: An evidence row's verdict when its deadline is after the latest event the store holds (``Evidence.judged_until``).
 NOT_JUDGED = "not judged yet"
+#: A preemption's verdict when a side's business priority is unknown to the policy.
+NOT_COMPARED = "the priorities were not compared"
 #: A promoted release's ``scheduling_applied`` when none of its prod workloads started in the range.
 NO_PROD_WORKLOAD = "no workload in the range"
 
@@ -232,6 +234,9 @@ def _control_row(cid: int, violations: list[dict], section: dict, policy: Policy
         status, note = "NOT EXERCISED", f"nothing this control checks happened in the range ({section['exercise']})"
     else:
         status, note = "PASS", f"exercised: {section['subjects']} {section['exercise']}, no warning/critical violation"
+        if section.get("uncompared"):
+            note += (f"; {section['uncompared']} preemption(s) not compared: a side's business priority is unknown to the policy "
+                     "(business_priority.by_priority_class / by_release / by_owner)")
         if section.get("unjudged"):
             note += (f"; {section['unjudged']} deadline(s) after the latest event in the store, not judged yet "
                      "(see the section; --reevaluate judges them as of --to)")
@@ -556,9 +561,13 @@ class Evidence:
                                                     for pc, w in sorted(classes.items()))
                    if classes else "no priority classes seen") + (f"; {len(preemptions)} preemption(s), {len(overrides)} override(s); "
                                                                   f"{len(self._of(4))} control 4 violation(s)")
-        return self._section(4, "Priority classes and preemptions with their authority", summary,
-                             ["at", "victim", "release", "class", "business", "preemptor", "preemptor_class", "preemptor_business", "sources",
-                              "verdict"], preemptions + overrides, len(preemptions), "preemption(s)")
+        section = self._section(4, "Priority classes and preemptions with their authority", summary,
+                                ["at", "victim", "release", "class", "business", "preemptor", "preemptor_class", "preemptor_business",
+                                 "sources", "verdict"], preemptions + overrides, len(preemptions), "preemption(s)")
+        # A preemption whose sides' business priorities the policy does not know was not judged:
+        # said at the control too (its PASS read as a comparison made).
+        section["uncompared"] = sum(1 for row in preemptions if NOT_COMPARED in row["verdict"])
+        return section
 
     def _priority_classes(self) -> dict[str, set]:
         """Priority class → the workloads seen with it in the range."""
@@ -586,7 +595,7 @@ class Evidence:
         verdict = _verdict(recorded)
         if not recorded and (mine is None or theirs is None):
             verdict += "; business priority unknown for " + " and ".join(
-                side for side, value in (("the victim", mine), ("the preemptor", theirs)) if value is None) + ": the priorities were not compared"
+                side for side, value in (("the victim", mine), ("the preemptor", theirs)) if value is None) + f": {NOT_COMPARED}"
         sources = ", ".join(f"{x['event_type']} ({_payload(x).get('object_kind') or 'object'})" for x in cluster)
         return {"at": _z(cluster[0]["occurred_at"]), "victim": wid, "release": rid or "", "class": pc or "",
                 "business": _business_text(mine), "preemptor": by or "unknown", "preemptor_class": their_pc or "",

@@ -413,3 +413,17 @@ def test_control_1s_queue_entry_is_the_first_event_published_within_its_second(c
     section = next(s for s in json.loads(audit(env, *RANGE, "--format", "json").output)["evidence"] if s["control"] == 1)
     row = {r["workload"]: r for r in section["rows"]}["risk/same-second"]
     assert (row["entry_event"], row["queue_entry"]) == ("scheduler.submitted", "2026-11-30T12:30:00Z"), row
+
+
+def test_a_preemption_whose_priorities_are_unknown_is_said_at_the_control(clickhouse_client, clickhouse_dsn, tmp_path):
+    """From an exploratory review: control 4 read "PASS … exercised: 1 preemption(s)" while its
+    only preemption's priorities were unknown to the policy — not compared at all."""
+    db = inc.load_store(clickhouse_client)  # no recorded violation: control 4 passes
+    env = {"GPULEDGER_CLICKHOUSE_DSN": clickhouse_dsn, "GPULEDGER_CLICKHOUSE_DATABASE": db, "GPULEDGER_DATA_DIR": str(tmp_path), "COLUMNS": "250"}
+    known = next(c for c in json.loads(audit(env, *RANGE, "--format", "json").output)["controls"] if c["id"] == 4)
+    assert known["status"] == "PASS" and "not compared" not in known["note"], known
+    unknown_policy = tmp_path / "policy.yaml"
+    unknown_policy.write_text("business_priority:\n  by_priority_class: {}\n")
+    report = json.loads(audit(env, *RANGE, "--policy", str(unknown_policy), "--format", "json").output)
+    control4 = next(c for c in report["controls"] if c["id"] == 4)
+    assert control4["status"] == "PASS" and "1 preemption(s) not compared: a side's business priority is unknown" in control4["note"], control4
