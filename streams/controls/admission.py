@@ -251,6 +251,10 @@ def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: 
     mode = policy.admission.mode_for(subject.namespace, env)
     fail_closed = policy.admission.decided_fail_closed(subject.namespace, env)
     where = env or "an unknown environment"
+    # What to have the release approved for (the advice of a denial): "approved for an unknown
+    # environment" named nothing anyone can approve for.
+    approve_for = env or ("its environment (none is known: label it gpuledger.io/environment=<environment> or map its namespace "
+                          "in the policy's admission.namespaces)")
     at_iso = now.isoformat()
     loaded = state is not None and state.ready.is_set()
 
@@ -305,11 +309,11 @@ def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: 
     tail = ("; " + "; ".join(rejected_overrides)) if rejected_overrides else ""
     if not rid:
         return done("deny", "no-release-identity", f"{subject.ref} requests {subject.gpus} GPU(s) in {where} but names no release: "
-                    f"label it (and its pod template) gpuledger.io/release-id=<release id> with a release approved for {where}" + tail)
+                    f"label it (and its pod template) gpuledger.io/release-id=<release id> with a release approved for {approve_for}" + tail)
     rel = Release(state, rid)
     if not rel.known:
         return done("deny", "unknown-release", f"release {rid} is not known to gpuledger (no release event names it): register it "
-                    f"(gpuledger release register) and have it approved for {where}" + tail)
+                    f"(gpuledger release register) and have it approved for {approve_for}" + tail)
     approved, cause = False, None
     for at, value, eid in approval_changes(rel, policy, env):
         if at > now:

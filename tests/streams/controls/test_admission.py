@@ -114,6 +114,11 @@ def test_an_unknown_release_and_a_missing_release_label_are_denied():
     assert decision(state=loaded()).rule == "unknown-release"
     d = decision(job({"gpuledger.io/environment": "prod"}), loaded())
     assert d.rule == "no-release-identity" and "gpuledger.io/release-id=<release id>" in d.message and "2 GPU(s)" in d.message
+    assert d.message.endswith("with a release approved for prod"), d.message
+    # Nothing says its environment: the advice says how to name one, not "approved for an unknown environment".
+    nowhere = decision(job({}), loaded())
+    assert nowhere.rule == "no-release-identity" and "approved for an unknown environment" not in nowhere.message, nowhere.message
+    assert "with a release approved for its environment (none is known: label it gpuledger.io/environment=<environment>" in nowhere.message
 
 
 def test_an_environment_without_approval_requirement_and_a_cpu_only_object_are_allowed():
