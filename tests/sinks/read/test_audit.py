@@ -427,3 +427,19 @@ def test_a_preemption_whose_priorities_are_unknown_is_said_at_the_control(clickh
     report = json.loads(audit(env, *RANGE, "--policy", str(unknown_policy), "--format", "json").output)
     control4 = next(c for c in report["controls"] if c["id"] == 4)
     assert control4["status"] == "PASS" and "1 preemption(s) not compared: a side's business priority is unknown" in control4["note"], control4
+
+
+def test_control_6s_sample_is_the_most_completely_joined_alert(clickhouse_client, clickhouse_dsn, tmp_path):
+    """From an exploratory review: the sampled alert was the last quality alert, joined by its model
+    alone (workload, pod and node/GPU gaps), beside an alert joined whole."""
+    db = inc.load_store(clickhouse_client)
+    starts = inc.T0 + timedelta(minutes=80)
+    payload = {"alertname": "ModelQualityDegraded", "severity": "critical", "labels": {"model": "fraud-scorer", "model_version": "7"},
+               "annotations": {}, "starts_at": starts.isoformat()}
+    by_model = inc._ce("alert", "alert.firing", starts, {"alert_fingerprint": "fp-model-only", "release_id": inc.R7, **inc.MANIFEST7}, payload,
+                       attribution="model_version_match", summary="ModelQualityDegraded (critical) firing", key="fp-model-only")
+    asyncio.run(SinkWriters(clickhouse_client, db).store_correlated([by_model]))
+    env = {"GPULEDGER_CLICKHOUSE_DSN": clickhouse_dsn, "GPULEDGER_CLICKHOUSE_DATABASE": db, "GPULEDGER_DATA_DIR": str(tmp_path)}
+    section = next(s for s in json.loads(audit(env, *RANGE, "--format", "json").output)["evidence"] if s["control"] == 6)
+    steps = {r["step"]: r["value"] for r in section["rows"]}
+    assert steps["workload"] == inc.W7 and steps["node/gpu"] == f"node-b/{inc.GPU_B}" and inc.FP in steps["alert"], steps
