@@ -257,13 +257,39 @@ def running_broker(data_dir: Path) -> dict | None:
     return state
 
 
+def port_file(data_dir: Path) -> Path:
+    """The port the data dir's broker last listened on (kept by ``down``)."""
+    return Path(data_dir) / "kafka" / "port"
+
+
+def _last_port(data_dir: Path) -> int | None:
+    """The port of the data dir's last broker, when nothing listens on it now."""
+    import socket
+
+    try:
+        port = int(port_file(data_dir).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return None
+    return port
+
+
 def up(data_dir: Path, cache_dir: Path) -> dict:
+    """Start the data dir's background broker (or return the running one) — on the port its last
+    one listened on when that is free: a worker, receiver or collector reads the bootstrap once
+    at start, and a broker restarted (``kafka down; kafka up``) on a new port left them dialling
+    the old one until they were restarted; on the same port they reconnect by themselves."""
     existing = running_broker(data_dir)
     if existing:
         return existing
-    broker = LocalKafka(Path(data_dir) / "kafka", cache_dir).start()
+    broker = LocalKafka(Path(data_dir) / "kafka", cache_dir, port=_last_port(data_dir)).start()
     state = {"pid": broker.proc.pid, "bootstrap": broker.bootstrap, "log": str(broker.log_file), "version": KAFKA_VERSION}
     state_file(data_dir).write_text(json.dumps(state))
+    port_file(data_dir).write_text(str(broker.port))
     return state
 
 

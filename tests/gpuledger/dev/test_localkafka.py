@@ -33,6 +33,14 @@ def test_up_status_down(tmp_path):
     assert down.returncode == 0 and "stopped" in down.stdout
     after = gl("kafka", "status", env=env)
     assert after.returncode == 3 and "no local Kafka" in after.stdout
+    # Up again: on the same port (the worker, receiver and collectors read the bootstrap once at
+    # start; on a new port they dialled the old one until restarted), and the topics are still there.
+    try:
+        again = gl("kafka", "up", env=env)
+        assert again.returncode == 0 and again.stdout.strip().splitlines()[-1] == bootstrap, (again.stdout, again.stderr)
+        assert "gpuledger.alert.v1" in AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=10).topics
+    finally:
+        assert gl("kafka", "down", env=env).returncode == 0
 
 
 STARTER = r"""
