@@ -116,7 +116,7 @@ def dsn_problem(dsn: str) -> str | None:
         parts = urlsplit(dsn)
         if parts.netloc:
             return (f"{dsn!r}: a chdb DSN is chdb:// followed by an absolute path (three slashes, chdb:///dir); this one reads "
-                    f"as a host {parts.netloc!r} — did you mean chdb://{Path(parts.netloc + parts.path).resolve()}?")
+                    f"as a host {parts.netloc!r} — did you mean chdb:///{parts.netloc}{parts.path}?")
         if not parts.path.strip("/"):
             return f"{dsn!r}: no directory after chdb://"
     return None

@@ -228,6 +228,8 @@ def test_a_sandbox_dsn_of_the_wrong_form_or_a_file_and_an_unwritable_work_dir_ar
     cat, _ = history
     out = gpuledger(kafka_bootstrap, cat, tmp_path, "replay", "--into", "chdb://tmp/rr-sb/twoslash")
     assert out.returncode == 2 and "three slashes" in out.stderr and "'tmp'" in out.stderr, out.stderr
+    # The hint is the DSN with its third slash (it was resolved against the working directory).
+    assert "did you mean chdb:///tmp/rr-sb/twoslash?" in " ".join(out.stderr.split()), out.stderr
     (tmp_path / "afile").write_text("x")
     out = gpuledger(kafka_bootstrap, cat, tmp_path, "replay", "--into", f"chdb://{tmp_path / 'afile'}")
     assert out.returncode == 2 and "is a file" in out.stderr, out.stderr
