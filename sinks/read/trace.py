@@ -374,7 +374,9 @@ class _Resolver:
             return ("pod", f"{namespace}/{pod}")
         return None
 
-    def gpu(self, node: str, gpu_id: str, at_s: str | None = None) -> tuple[str, str] | None:
+    def gpu(self, node: str, gpu_id: str, at_s: str | None = None, entry: bool = False) -> tuple[str, str] | None:
+        """``entry``: the trace's own entry point (``--gpu``), which a GPU's alerts can answer when
+        no allocation held it; not when an alert's chain goes through its GPU."""
         at_s = at_s or self.at_s
         allocs = self.store.latest("gpu_allocations", ALLOC_COLS, "node = {node:String} AND gpu_id = {gpu:String}",
                                    {"node": node, "gpu": gpu_id}, order="started_at, allocation_id")
@@ -383,8 +385,10 @@ class _Resolver:
         if not held_whole and (slices := self.slices(node, gpu_id, at_s)):
             return self._shared_root(node, gpu_id, at_s, slices)
         if alloc is None:
-            if gpu_id.isdigit():  # the DCGM index (`n3/0`), which no allocation names
+            if gpu_id.isdigit() and entry:  # the DCGM index (`n3/0`), which no allocation names
                 return self._dcgm_index(node, gpu_id, at_s)
+            if entry and (alerted := self._alerted_gpu(node, gpu_id)) is not None:
+                return alerted
             self._unknown_parents(node, gpu_id, at_s)
             return None
         if at_s and alloc["ended_at"] is not None and alloc["ended_at"] <= at_s:
@@ -393,6 +397,20 @@ class _Resolver:
             # (the chain is its last holder's: said, or an idle GPU read as held by it now)
             self.notes.append(f"no allocation holds {node}/{gpu_id} now; the last one ended at {alloc['ended_at']} (the chain is its holder's)")
         return _root_from_identity(alloc)
+
+    def _alerted_gpu(self, node: str, gpu_id: str) -> tuple[str, str] | None:
+        """A GPU no allocation ever held but alerts name (an idle GPU failing): the chain of its
+        latest alert as of ``--at`` — it read "matches nothing in the store" beside its alerts."""
+        rows = self.store.latest("enriched_alerts", ALERT_COLS, _at_cond("occurred_at", self.at), {"node": node, "gpu": gpu_id, **_at_params(self.at)},
+                                 after="node = {node:String} AND gpu_id = {gpu:String}", after_columns=("node", "gpu_id"),
+                                 order="occurred_at, correlation_id")
+        if not rows:
+            return None
+        last = rows[-1]
+        fps = {r["alert_fingerprint"] for r in rows}
+        self.notes.append(f"no allocation held {node}/{gpu_id}{' by ' + self.at_s if self.at_s else ''}; {len(fps)} alert(s) name it — the "
+                          f"chain is its latest alert's, {last['alertname']} {last['alert_fingerprint']} at {last['occurred_at']}")
+        return _root_from_identity(last) or ("alert", last["alert_fingerprint"])
 
     def _dcgm_index(self, node: str, index: str, at_s: str | None) -> tuple[str, str] | None:
         """``NODE/INDEX``: the GPU of that index on the node, as a DCGM exporter alert's labels map
@@ -413,7 +431,7 @@ class _Resolver:
         uuids = sorted({r["gpu_id"] for r in rows})
         self.notes.append(f"{node}/{index} is the DCGM index of {row['gpu_id']} (labels of alert {row['alert_fingerprint']} at {row['occurred_at']})"
                           + (f"; the store's alerts name {len(uuids)} GPUs at that index over time: {', '.join(uuids)}" if len(uuids) > 1 else ""))
-        return self.gpu(node, row["gpu_id"], at_s)
+        return self.gpu(node, row["gpu_id"], at_s, entry=True)
 
     def slices(self, node: str, gpu_id: str, at_s: str | None) -> list[dict]:
         """The allocations of MIG slices / time-slicing shares of physical GPU ``gpu_id``
@@ -1010,7 +1028,9 @@ def trace(reader, database: str, kind: str, value: str, at: datetime | None = No
     elif kind == "pod":
         root = resolver.pod(*_split_pair(value, "pod", ENTRY_FORMS["pod"]))
     elif kind == "gpu":
-        root = resolver.gpu(*_split_pair(value, "gpu", ENTRY_FORMS["gpu"]))
+        root = resolver.gpu(*_split_pair(value, "gpu", ENTRY_FORMS["gpu"]), entry=True)
+        if root is not None and root[0] == "alert":  # a GPU no allocation held, answered by its latest alert
+            _same, focal = resolver.alert(root[1])
     else:
         name, _, version = value.partition(":")
         root, alternatives = resolver.model(name, version or None)

@@ -714,3 +714,28 @@ def test_a_malformed_entry_point_is_named_before_the_store_is_opened(flag, value
     assert f"expected {form}" in out.output and "cannot connect" not in out.output, out.output
     if flag == "--gpu":  # a node alone: how to name one of its GPUs
         assert "n3/<GPU UUID> or n3/<DCGM index>" in out.output and "WHERE node = 'n3'" in out.output, out.output
+
+
+def test_a_gpu_no_allocation_held_but_alerts_name_is_its_latest_alerts_chain(clickhouse_client):
+    """From an exploratory review: `trace --gpu n0/GPU-0003` said "matches nothing in the store"
+    (exit 4) with 83 alerts naming that GPU — an idle GPU failing looked unknown."""
+    import asyncio
+
+    from sinks.agents import SinkWriters
+
+    db = inc.load_store(clickhouse_client)
+    reader = DirectReader(clickhouse_client)
+    assert trace(reader, db, "gpu", "node-z/GPU-idle-1", at=AT)["entry"]["root"] is None
+    at = inc.T0 + timedelta(minutes=50)
+    labels = {"alertname": "GpuXidError", "Hostname": "node-z", "gpu": "3", "UUID": "GPU-idle-1"}
+    xid = inc._ce("alert", "alert.firing", at, {"alert_fingerprint": "fp-idle", "node": "node-z", "gpu_id": "GPU-idle-1"},
+                  {"alertname": "GpuXidError", "severity": "warning", "labels": labels, "annotations": {}, "starts_at": at.isoformat()},
+                  attribution="unattributed", summary="GpuXidError (warning) firing", key="fp-idle")
+    asyncio.run(SinkWriters(clickhouse_client, db).store_correlated([xid]))
+    result = trace(reader, db, "gpu", "node-z/GPU-idle-1", at=AT)
+    assert result["entry"]["root"] == {"kind": "alert", "id": "fp-idle"}, result["entry"]
+    assert any(g.startswith("no allocation held node-z/GPU-idle-1 by ") and "1 alert(s) name it" in g and "GpuXidError fp-idle" in g
+               for g in result["gaps"]), result["gaps"]
+    assert [a["alert_fingerprint"] for a in result["alerts"] if a["in_chain"]] == ["fp-idle"]
+    # The alert's own chain is unchanged by it (an alert entry does not look for other alerts of its GPU).
+    assert trace(reader, db, "alert", "fp-idle", at=AT)["entry"]["root"] == {"kind": "alert", "id": "fp-idle"}
