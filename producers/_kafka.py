@@ -243,8 +243,10 @@ class ConsumerLag:
         return {"total": sum(v for v in partitions.values() if v is not None), "partitions": dict(sorted(partitions.items())),
                 "unknown": sum(v is None for v in partitions.values()), "age_s": age,
                 # not read yet, or not for 3 intervals: a consumer that is not polled (its sink holding a
-                # batch while the store is down) has no fresh statistics, and its total is not the lag
-                "stale": age is None or age > 3 * self.interval_ms / 1000}
+                # batch while the store is down) has no fresh statistics, and its total is not the lag;
+                # nor is it with no partition assigned (a consumer that cannot reach its broker, or one
+                # the group gave nothing): a 0 there read as "caught up" while the group trailed
+                "stale": age is None or age > 3 * self.interval_ms / 1000 or not partitions}
 
 
 class EventPublisher:

@@ -138,6 +138,8 @@ def _lag_text(lag: dict) -> str:
         return "-"
     if lag.get("age_s") is None:
         return "[yellow]not read yet[/]"
+    if not lag.get("partitions"):
+        return "[yellow]no partition assigned[/]"
     if lag.get("stale"):
         return f"[yellow]{lag['total']:,} ({lag['age_s']:.0f} s old)[/]"
     return f"{lag['total']:,}"

@@ -226,6 +226,12 @@ def test_consumer_lag_counts_what_the_group_has_not_committed_per_assigned_parti
                          "auto.offset.reset": "earliest", **lag.consumer_config()})
     try:
         assert lag.health() == {"total": 0, "partitions": {}, "unknown": 0, "age_s": None, "stale": True}  # no statistics yet
+        # Statistics with no partition assigned (not subscribed yet: as a consumer that cannot reach
+        # its broker) are no lag: stale, not a fresh 0 (an SRE read "caught up" while the group trailed).
+        deadline = time.monotonic() + 10
+        while lag.health()["age_s"] is None and time.monotonic() < deadline:
+            consumer.poll(0.1)
+        assert lag.health()["age_s"] is not None and lag.health()["partitions"] == {} and lag.health()["stale"] is True
         consumer.subscribe([topic])
         read = 0
         deadline = time.monotonic() + 30
