@@ -102,11 +102,39 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cluster", default=None)
     parser.add_argument("--exclude", action="append", default=[], help="a further column to leave out (repeatable)")
     args = parser.parse_args(argv)
-    client = connect(args.dsn, args.database, create=False)
+    from sinks.clickhouse import is_embedded
+    from sinks.errors import SinkError
+    from sinks.read.query import current_owner
+
     try:
-        print(json.dumps(table_checksums(client, args.database, args.cluster, args.exclude)))
-    finally:
-        client.close()
+        # A live embedded store is the running worker's (one chDB directory per process): read it
+        # through its owner, as trace and sql do (it was chDB's "Cannot lock file" and a traceback).
+        owner = current_owner(args.dsn) if is_embedded(args.dsn) else None
+        client = _OwnerClient(owner) if owner else connect(args.dsn, args.database, create=False)
+        try:
+            print(json.dumps(table_checksums(client, args.database, args.cluster, args.exclude)))
+        finally:
+            client.close()
+    except SinkError as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
+class _OwnerClient:
+    """The running worker's read endpoint (``sinks.read.query.RemoteReader``) as the client
+    ``table_checksums`` reads with: ``query(sql, parameters=…).result_rows``."""
+
+    def __init__(self, owner: dict) -> None:
+        from sinks.read.query import RemoteReader
+
+        self.reader = RemoteReader(owner["url"], owner.get("token", ""), 300.0)
+
+    def query(self, sql: str, parameters: dict | None = None):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(result_rows=[tuple(row) for row in self.reader.query(sql, parameters or {}).rows])
+
+    def close(self) -> None:
+        pass
 
 
 if __name__ == "__main__":

@@ -67,6 +67,14 @@ def test_queries_need_the_owner_files_token_which_only_its_user_can_read(kafka_b
     status, body = _post(owner["url"], sql, "not-the-token")
     assert status == 401 and "token" in body["error"]
     assert _post(owner["url"], sql, owner["token"]) == (200, {"columns": ["n"], "rows": [[3]]})
+    # The documented checksum of a live store reads it through its owner too (it was chDB's
+    # "Cannot lock file" and a traceback while the worker ran).
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "sinks.checksum", worker.dsn], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert json.loads(done.stdout)["raw_events"][0] == 3, done.stdout
     # Faust's own pages (tables, router, graph) are not served by the worker.
     for page in ("/table/", "/router/", "/graph/"):
         with pytest.raises(urllib.error.HTTPError) as err:
