@@ -121,15 +121,21 @@ class RepeatFilter(logging.Filter):
     Why: during a broker outage the Kafka clients log every reconnect attempt (measured:
     thousands of ERROR lines a second); one line per state change and a count is what an
     operator can read. Only WARNING and above are filtered; the first line always passes.
+
+    The count goes on the next line that passes, which may come long after the held ones (the
+    next outage): it says when they were — "[repeated N more time(s) between 14:16:39 and
+    14:17:09]", the wall-clock times of the first and last held — not "in the last 60s" (read
+    minutes after an outage, that placed it when the note was written).
     """
 
-    def __init__(self, every_s: float = 60.0, clock=None) -> None:
+    def __init__(self, every_s: float = 60.0, clock=None, wall=None) -> None:
         super().__init__()
         import time
 
         self.every_s = every_s
         self._clock = clock or time.monotonic
-        self._seen: dict[tuple, list] = {}
+        self._wall = wall or time.time
+        self._seen: dict[tuple, list] = {}  # key -> [when it last passed, held since, first held, last held]
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING:
@@ -138,15 +144,24 @@ class RepeatFilter(logging.Filter):
         now = self._clock()
         seen = self._seen.get(key)
         if seen is None or now - seen[0] >= self.every_s:
-            held = seen[1] if seen else 0
-            self._seen[key] = [now, 0]
-            if held:
-                record.msg = f"{record.msg} [repeated {held} more time(s) in the last {self.every_s:.0f}s]"
+            self._seen[key] = [now, 0, None, None]
+            if seen and seen[1]:
+                record.msg = f"{record.msg} [repeated {seen[1]} more time(s) between {_clock_text(seen[2])} and {_clock_text(seen[3])}]"
             if len(self._seen) > 10_000:
                 self._seen.clear()
             return True
+        wall = self._wall()
         seen[1] += 1
+        seen[2] = wall if seen[2] is None else seen[2]
+        seen[3] = wall
         return False
+
+
+def _clock_text(epoch_s: float) -> str:
+    """A held line's time as the log's own lines show times (local, to the second)."""
+    import time
+
+    return time.strftime("%H:%M:%S", time.localtime(epoch_s))
 
 
 def calm_logging(every_s: float = 60.0, handlers: list[logging.Handler] | None = None) -> RepeatFilter:
