@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from gpuledger.cli._common import BootstrapOpt, DsnOpt, console, failing_on, load_settings
+from gpuledger.cli._common import BootstrapOpt, DsnOpt, console, failing_on, load_settings, print_whole
 
 
 def worker(bootstrap: Optional[str] = BootstrapOpt, dsn: Optional[str] = DsnOpt,
@@ -86,26 +86,26 @@ def status(bootstrap: Optional[str] = BootstrapOpt, dsn: Optional[str] = DsnOpt,
                           **({"error": f"the worker at {base} runs app id {other!r}, not {app!r}"} if other else {})}, indent=2))
         raise typer.Exit(0 if ok else 1)
     if base is None:
-        console.print(f"worker {markup(app)}: [red]not found[/] (no owner file for the store, GPULEDGER_STREAMS_WEB_PORT unset: pass --url)")
+        console.print(f"worker {markup(app)}: [red]not found[/] (no owner file for the store, GPULEDGER_STREAMS_WEB_PORT unset: pass --url)", soft_wrap=True)
     elif other is not None:
         console.print(f"worker {markup(app)}: [red]not found[/] — the worker at {markup(base)} runs app id {markup(other)} "
-                      f"(`gpuledger status --app-id {markup(other)}` shows it)")
+                      f"(`gpuledger status --app-id {markup(other)}` shows it)", soft_wrap=True)
     elif page is None:
-        console.print(f"worker {markup(app)}: [red]not answering[/] at {markup(base)}")
+        console.print(f"worker {markup(app)}: [red]not answering[/] at {markup(base)}", soft_wrap=True)
     else:
         colour = "green" if page.get("status") == "ok" else "yellow"
-        console.print(f"worker {markup(app)}: [{colour}]{markup(str(page.get('status')))}[/] at {markup(base)}")
+        console.print(f"worker {markup(app)}: [{colour}]{markup(str(page.get('status')))}[/] at {markup(base)}", soft_wrap=True)
         for problem in [*((page.get("subscriptions") or {}).get("problems") or []), *(page.get("problems") or [])]:
-            console.print(f"  problem: {markup(str(problem))}")
+            console.print(f"  problem: {markup(str(problem))}", soft_wrap=True)
         directory = page.get("release_directory") or {}
         confirmed = (f", confirmed current {directory['confirmed_age_s']:.0f} s ago" if directory.get("confirmed_age_s") is not None else "")
         console.print(f"  release directory: {'ready' if directory.get('ready') else 'loading'}, {directory.get('releases', 0):,} releases"
-                      f"{confirmed}; parked rows: {(page.get('stats') or {}).get('parked', 0):,}")
+                      f"{confirmed}; parked rows: {(page.get('stats') or {}).get('parked', 0):,}", soft_wrap=True)
         if directory.get("problem"):
-            console.print(f"  [yellow]release directory[/]: {markup(str(directory['problem']))}")
+            console.print(f"  [yellow]release directory[/]: {markup(str(directory['problem']))}", soft_wrap=True)
         capped = {kind: n for kind, n in ((page.get("stats") or {}).get("capped") or {}).items() if n}
         if capped:  # a state bound bit: exactness ends there (docs/architecture.md, Bounds)
-            console.print("  [yellow]state bounds hit[/] since start: " + ", ".join(f"{kind.replace('_', ' ')} {n:,}" for kind, n in sorted(capped.items())))
+            console.print("  [yellow]state bounds hit[/] since start: " + ", ".join(f"{kind.replace('_', ' ')} {n:,}" for kind, n in sorted(capped.items())), soft_wrap=True)
         procs = Table("process", "pid", "answering", "nice", "restarts", "last exit", "lag (not committed)")
         for name in ("route", "controls", "sink"):
             child = page.get(name) or {}
@@ -113,9 +113,9 @@ def status(bootstrap: Optional[str] = BootstrapOpt, dsn: Optional[str] = DsnOpt,
             procs.add_row(name, str(child.get("pid") or "-"), "yes" if child.get("answering") else "[red]no[/]", str(child.get("nice", "-")),
                           str(child.get("restarts", 0)), str(child.get("last_exit") if child.get("last_exit") is not None else "-"),
                           _lag_text(lag))
-        console.print(procs)
+        print_whole(procs)
     if kafka_error is not None:
-        console.print(f"consumer groups: [red]{'not read' if answered else 'Kafka did not answer'}[/]: {markup(kafka_error)}")
+        console.print(f"consumer groups: [red]{'not read' if answered else 'Kafka did not answer'}[/]: {markup(kafka_error)}", soft_wrap=True)
     else:
         table = Table("consumer group", "reads", "partitions", "lag (records not committed)", "never committed")
         for group, g in groups.items():
@@ -126,7 +126,7 @@ def status(bootstrap: Optional[str] = BootstrapOpt, dsn: Optional[str] = DsnOpt,
             never = g.get("committed_partitions") == 0 and g["lag"] > 0
             table.add_row(markup(group), markup(reads), str(g["partitions"]),
                           f"[yellow]none committed ({g['lag']:,} records)[/]" if never else f"{g['lag']:,}", str(g["never_committed"]))
-        console.print(table)
+        print_whole(table)
     raise typer.Exit(0 if ok else 1)
 
 

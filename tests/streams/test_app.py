@@ -193,6 +193,19 @@ def test_status_of_a_worker_that_does_not_answer_exits_1_and_still_shows_the_gro
     assert table.exit_code == 1 and "not answering at http://127.0.0.1:1" in table.stdout, table.output
     # A group that committed nothing (here: no worker ever ran) is not shown as a backlog of 5.
     assert re.search(rf"{re.escape(catalogue.prefix)}-app\.route .*none committed \(5 records\)", table.stdout), table.output
+    # Piped (80 columns): every group name whole, on its line (they were cut "gpuledger.ro…").
+    from typer.testing import CliRunner as _Runner
+
+    from gpuledger.cli import app as _cli
+
+    narrow = _Runner().invoke(_cli, ["status", "--url", "http://127.0.0.1:1"], env={
+        "GPULEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap, "GPULEDGER_KAFKA_TOPIC_PREFIX": catalogue.prefix,
+        "GPULEDGER_KAFKA_RAW_PARTITIONS": str(catalogue.raw_partitions), "GPULEDGER_CLICKHOUSE_DSN": nobody.dsn,
+        "GPULEDGER_DATA_DIR": str(tmp_path), "GPULEDGER_STREAMS_APP_ID": f"{catalogue.prefix}-app", "COLUMNS": "80"})
+    for group in (f"{catalogue.prefix}-app.route", f"{catalogue.prefix}-app.sinks"):
+        assert re.search(rf"{re.escape(group)} .*none committed", narrow.stdout), narrow.stdout
+    assert f"{catalogue.prefix}-app.controls " in narrow.stdout, narrow.stdout
+    assert "…" not in narrow.stdout, narrow.stdout
     # No Kafka configured at all (a review's responder after an exercise stopped its broker): the
     # worker's part and a line saying so, not a traceback.
     from typer.testing import CliRunner
