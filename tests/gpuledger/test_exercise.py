@@ -65,8 +65,13 @@ def test_scenario_passes_through_the_real_pipeline(name, kafka_bootstrap, tmp_pa
         # Control 1's evidence: every workload that entered a queue has its policy result before queue entry,
         # and the unapproved one never entered (no control 1 violation for it: prevention, not detection).
         [admission] = [s for s in report["evidence"] if s["control"] == 1]
-        entered = {r["workload"]: r["policy_result"] for r in admission["rows"]}
+        entered = {r["workload"]: r["policy_result"] for r in admission["rows"] if r["queue_entry"] != "never: denied"}
         assert set(entered) == {sim_id for sim_id in (run.cluster.workload_id("ranker-11"), run.cluster.workload_id("ranker-12-retry"))}, entered
+        # The denied ones are there too, as denied at the door: who tried to run what, and why not.
+        denied = {r["workload"]: r["policy_result"] for r in admission["rows"] if r["queue_entry"] == "never: denied"}
+        assert set(denied) == {run.cluster.workload_id("ranker-12"), run.cluster.workload_id("adhoc-notebook")}, denied
+        assert "by rule unapproved (webhook, enforce)" in denied[run.cluster.workload_id("ranker-12")], denied
+        assert "by rule no-release-identity (webhook, enforce)" in denied[run.cluster.workload_id("adhoc-notebook")], denied
         assert all("decision allow at " in p and "by rule approved (webhook, enforce), before queue entry at " in p for p in entered.values()), entered
         assert not [v for v in report["violations"] if v["control"] == 1 and "recsys-ranker-v12-prod" in v["detail"]]
     if name == "retirement":
