@@ -41,8 +41,10 @@ number) is a rollback: ``release.rolled_back`` of the version that held the alia
 ``release.promoted`` of the earlier one, both at the delivery's time.
 Limits: the MLflow user who acted is not in the payload, so ``actor`` is empty; the
 alias holders live in each receiver process (several replicas each learn the topic at
-start, but not each other's moves afterwards) — run one receiver for MLflow; a move
-delivered before an earlier move it follows is judged without it.
+start, but not each other's moves afterwards) — run one receiver for MLflow; MLflow delivers
+from a pool of threads, so the server judges an alias move ``ALIAS_SETTLE_S`` after its own time
+(``producers.receiver.server``): a move delivered later than that behind one it precedes is
+still judged without it.
 """
 
 from __future__ import annotations

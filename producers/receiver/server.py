@@ -110,6 +110,27 @@ def _trace(request: web.Request) -> TraceContext | None:
 
 #: How a signed MLflow delivery's events are proven (``authenticated_by``).
 MLFLOW_PROOF = "mlflow-webhook"
+#: Seconds after an MLflow alias move's own time (its payload's ``timestamp``) before the receiver
+#: judges it: MLflow delivers webhooks from a pool of threads (``MLFLOW_WEBHOOK_DELIVERY_MAX_WORKERS``,
+#: 10), so moves made back to back arrive in any order, and a move judged before the earlier one
+#: it follows arrived recorded no previous holder (a rollback read as a first promotion). Held
+#: this long, the moves of one burst are judged one at a time in the order they were made (the
+#: holders answer from moves strictly before a delivery's time; the waits end in that order). A
+#: delivery later than this behind the one after it is still judged without it (docs/receiver.md).
+ALIAS_SETTLE_S = 1.0
+
+
+def _settle_wait(data: dict) -> float:
+    """How long an alias move still waits: until ``ALIAS_SETTLE_S`` after its own time, at most
+    that long (another machine's clock ahead or behind bounds nothing else)."""
+    from gpuledger.timefmt import parse_timestamp
+
+    try:
+        occurred = parse_timestamp(data["timestamp"])
+    except Exception:  # noqa: BLE001 - an unreadable timestamp is release_events' to refuse, with its field
+        return 0.0
+    left = (occurred - datetime.now(timezone.utc)).total_seconds() + ALIAS_SETTLE_S
+    return min(max(left, 0.0), ALIAS_SETTLE_S)
 #: The proofs of an MLflow alias move where no secret is set: a bearer token on /v1/mlflow (the
 #: credentials file's or an OIDC JWT; shared tokens are per other endpoint), or an earlier signature.
 MLFLOW_TOKEN_PROOFS = ("token", "oidc", MLFLOW_PROOF)
@@ -459,6 +480,7 @@ class LifecycleReceiver:
             # and only once the holders were read from the release topic.
             if not await asyncio.to_thread(self.alias_holders.ready.wait, self.publish_timeout_s):
                 raise PublishError("MLflow alias holders are still being read from the release topic")
+            await asyncio.sleep(_settle_wait(data))
             async with self._alias_moves:
                 events = await self._mlflow_publish(request, data, delivery_id, principal)
                 for event in events:
