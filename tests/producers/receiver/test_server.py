@@ -220,6 +220,43 @@ def test_mlflow_webhooks_become_release_events(receiver, catalogue, kafka_bootst
     assert {key for key, _ in records} == {"fraud-detector:7"}
 
 
+def test_mlflow_alias_moves_that_arrive_out_of_order_are_judged_in_the_order_they_were_made(receiver, catalogue, kafka_bootstrap):
+    """MLflow delivers webhooks from a pool of threads: of two moves made back to back, the later
+    can arrive first. Judged on arrival, it recorded no previous holder (the real-MLflow test
+    `test_alias_moves_made_back_to_back…` failed so on a loaded machine)."""
+    import threading
+    from datetime import datetime, timedelta, timezone
+
+    rx = receiver(mlflow_secret="whsec-s3cr3t")
+    now = datetime.now(timezone.utc)
+
+    def move(version: str, at: datetime) -> bytes:
+        return json.dumps({"entity": "model_version_alias", "action": "created", "timestamp": at.isoformat(),
+                           "data": {"name": "ranker-ooo", "alias": "prod", "version": version}}).encode()
+
+    # The receiver has read the alias holders (an alias delivery waits for that: two waiting then
+    # went on in any order) — another model's move, answered, says so.
+    ready = json.dumps({"entity": "model_version_alias", "action": "created", "timestamp": (now - timedelta(minutes=1)).isoformat(),
+                        "data": {"name": "ranker-ready", "alias": "prod", "version": "1"}}).encode()
+    assert rx.post("/v1/mlflow", ready, headers=mlflow_headers(ready, "whsec-s3cr3t"))[0] == 200
+    now = datetime.now(timezone.utc)  # (the moves are made now: MLflow sends them at once)
+    first, second = move("1", now), move("2", now + timedelta(milliseconds=50))
+    answers: dict[str, tuple] = {}
+    late = threading.Thread(target=lambda: answers.__setitem__("first", rx.post("/v1/mlflow", first, headers=mlflow_headers(first, "whsec-s3cr3t"))))
+    answers["second"] = None
+    early = threading.Thread(target=lambda: answers.__setitem__("second", rx.post("/v1/mlflow", second, headers=mlflow_headers(second, "whsec-s3cr3t"))))
+    early.start()  # the later move first …
+    time.sleep(0.2)  # (an ordering of two requests, not a wait for a condition: the earlier move arrives 200 ms after the later one)
+    late.start()
+    early.join(30)
+    late.join(30)
+    assert answers["first"][0] == 200 and answers["second"][0] == 200, answers
+    records = {e.event_id: e for _, e in events_on(kafka_bootstrap, catalogue.release, 3)}
+    promoted_2 = records[answers["second"][1]["event_ids"][0]]
+    assert (promoted_2.event_type, promoted_2.identity.release_id, promoted_2.payload.superseded_release_id) == \
+        ("release.promoted", "ranker-ooo:2", "ranker-ooo:1"), promoted_2
+
+
 def test_mlflow_redelivery_is_dropped_by_delivery_id(receiver, catalogue, kafka_bootstrap):
     rx = receiver()
     body = sample("mlflow", "model_version_alias_created_prod.json")
