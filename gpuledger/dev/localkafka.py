@@ -23,7 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
-from gpuledger.dev.process import free_port, with_parent_command
+from gpuledger.dev.process import bindable, free_port, with_parent_command
 
 log = logging.getLogger(__name__)
 
@@ -264,18 +264,11 @@ def port_file(data_dir: Path) -> Path:
 
 def _last_port(data_dir: Path) -> int | None:
     """The port of the data dir's last broker, when nothing listens on it now."""
-    import socket
-
     try:
         port = int(port_file(data_dir).read_text().strip())
     except (OSError, ValueError):
         return None
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return None
-    return port
+    return port if bindable(port) else None
 
 
 def up(data_dir: Path, cache_dir: Path) -> dict:

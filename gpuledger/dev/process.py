@@ -81,6 +81,16 @@ def _reserve(port: int) -> bool:
     return False
 
 
+def bindable(port: int) -> bool:
+    """Whether nothing listens on 127.0.0.1:``port`` now (a bind succeeds)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for a child service to listen on).
 
@@ -96,13 +106,8 @@ def free_port() -> int:
     rng = random.SystemRandom()
     for _ in range(200):
         port = rng.randrange(10_000, low)
-        if port in _handed_out:
+        if port in _handed_out or not bindable(port):
             continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
         if not _reserve(port):
             continue
         _handed_out.add(port)

@@ -110,6 +110,9 @@ def _trace(request: web.Request) -> TraceContext | None:
 
 #: How a signed MLflow delivery's events are proven (``authenticated_by``).
 MLFLOW_PROOF = "mlflow-webhook"
+#: The proofs of an MLflow alias move where no secret is set: a bearer token on /v1/mlflow (the
+#: credentials file's or an OIDC JWT; shared tokens are per other endpoint), or an earlier signature.
+MLFLOW_TOKEN_PROOFS = ("token", "oidc", MLFLOW_PROOF)
 #: Seconds after an MLflow alias move's own time (its payload's ``timestamp``) before the receiver
 #: judges it: MLflow delivers webhooks from a pool of threads (``MLFLOW_WEBHOOK_DELIVERY_MAX_WORKERS``,
 #: 10), so moves made back to back arrive in any order, and a move judged before the earlier one
@@ -131,9 +134,6 @@ def _settle_wait(data: dict) -> float:
         return 0.0
     left = (occurred - datetime.now(timezone.utc)).total_seconds() + ALIAS_SETTLE_S
     return min(max(left, 0.0), ALIAS_SETTLE_S)
-#: The proofs of an MLflow alias move where no secret is set: a bearer token on /v1/mlflow (the
-#: credentials file's or an OIDC JWT; shared tokens are per other endpoint), or an earlier signature.
-MLFLOW_TOKEN_PROOFS = ("token", "oidc", MLFLOW_PROOF)
 
 
 def _stamped(event: ReleaseEvent, **update: Any) -> ReleaseEvent:

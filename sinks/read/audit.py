@@ -683,7 +683,7 @@ class Evidence:
             if r["event_type"].startswith("alert."):
                 episodes[(r["identity"].get("alert_fingerprint"), _payload(r).get("starts_at"))].append(r)
         total = attributed = q_total = q_attr = 0
-        sample = None
+        sample, sample_rank = None, None
         matcher = self.policy.telemetry.quality_alerts
         for (_fp, starts), rows in sorted(episodes.items(), key=lambda kv: (str(kv[0][1]), str(kv[0][0]))):
             if not self._in_range(starts or rows[0]["occurred_at"]):
@@ -698,9 +698,9 @@ class Evidence:
                 q_attr += quality
                 joined = max(joined_rows, key=_joined_links)  # (the first of the most complete)
                 rank = (_joined_links(joined), quality)
-                if sample is None or rank >= sample[0]:
-                    sample = (rank, joined, p)
-        return total, attributed, q_total, q_attr, (sample[0][1], sample[1], sample[2]) if sample else None
+                if sample_rank is None or rank >= sample_rank:
+                    sample, sample_rank = (quality, joined, p), rank
+        return total, attributed, q_total, q_attr, sample
 
     def _sample_steps(self, row: dict, p: dict) -> list[dict]:
         """The sampled alert joined to its release, workload, pod, GPU and the scheduling before it."""

@@ -132,15 +132,20 @@ def _query_error(exc: Exception) -> QueryError:
     return QueryError(str(exc).splitlines()[0] if str(exc) else repr(exc))
 
 
-def _one_statement(client, text: str) -> None:
-    """Refuse ``text`` unless ClickHouse's parser sees exactly one statement in it (a
-    ``;`` inside a string or comment is fine; chDB would run a second statement)."""
-    if ";" not in text:
-        return
+def _parse(client, text: str, refusal: str = "") -> None:
+    """Raise ClickHouse's parser error on ``text`` as a QueryError (after ``refusal``), with the
+    position in ``text`` itself: ``formatQuery`` parses the text it is given and runs nothing."""
     try:
         client.query(readonly_sql("SELECT formatQuery({q:String})"), parameters={"q": text})
     except Exception as exc:  # noqa: BLE001 - driver errors vary by backend
-        raise QueryError(f"one statement at a time: {_query_error(exc)}") from exc
+        raise QueryError(f"{refusal}{_query_error(exc)}") from exc
+
+
+def _one_statement(client, text: str) -> None:
+    """Refuse ``text`` unless ClickHouse's parser sees exactly one statement in it (a
+    ``;`` inside a string or comment is fine; chDB would run a second statement)."""
+    if ";" in text:
+        _parse(client, text, "one statement at a time: ")
 
 
 def _check_statement(client, statement: str, keyword: str, parameters: dict) -> None:
@@ -171,13 +176,9 @@ def readonly_statement(client, sql: str, parameters: dict | None = None, limits:
         return readonly_sql(body, limits)
     if keyword not in STATEMENT_KEYWORDS:
         if keyword:
-            # A typo ("SELEC 1") is ClickHouse's syntax error, not a write refused: its parser says
-            # which, with the position in the person's own text (formatQuery parses the text it is
-            # given and runs nothing; a write parses, and is refused below).
-            try:
-                client.query(readonly_sql("SELECT formatQuery({q:String})"), parameters={"q": body})
-            except Exception as exc:  # noqa: BLE001 - driver errors vary by backend
-                raise _query_error(exc) from exc
+            # A typo ("SELEC 1") is ClickHouse's syntax error, not a write refused (a write parses,
+            # and is refused below).
+            _parse(client, body)
         raise QueryError(f"read-only statements only ({READ_STATEMENTS}); this one starts with {keyword or 'nothing'!r}")
     statement = body[start:]
     _one_statement(client, statement)

@@ -125,12 +125,16 @@ def _add_pod(parent: Tree, key: str, p: dict) -> None:
         pnode.add(f"GPU: {GAP}")
 
 
+def _last_denial(wl: dict) -> dict | None:
+    """gpuledger admit's last decision on the workload, when it was a denial."""
+    decisions = wl.get("admission_decisions") or []
+    return decisions[-1] if decisions and decisions[-1].get("decision") == "deny" else None
+
+
 def _no_admission(wl: dict) -> str:
     """A workload never admitted: a gap — unless gpuledger admit denied it and nothing was let
     through after, the outcome expected of a denial (it read as a missing link, in red)."""
-    decisions = wl.get("admission_decisions") or []
-    if decisions and decisions[-1].get("decision") == "deny":
-        d = decisions[-1]
+    if (d := _last_denial(wl)) is not None:
         return f"[yellow]not admitted[/]: denied by gpuledger admit at {m(d['occurred_at'])} (rule {m(d.get('rule', '?'))})"
     return f"admission: {GAP}"
 
@@ -148,8 +152,7 @@ def _precedes(decision_at: str, mark: str) -> bool:
 def _denied_at_the_door(wl: dict) -> bool:
     """gpuledger admit denied the workload and the scheduler never saw it: its queue, cluster
     queue and priority are nowhere to be found, and that is the denial's outcome, not a gap."""
-    decisions = wl.get("admission_decisions") or []
-    return not wl.get("state") and bool(decisions) and decisions[-1].get("decision") == "deny"
+    return not wl.get("state") and _last_denial(wl) is not None
 
 
 def _add_workloads(root: Tree, workloads: list[dict], pods: dict[str, dict]) -> None:
