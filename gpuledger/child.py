@@ -133,9 +133,10 @@ def child_main(tag: str, loglevel: str, main: Coroutine, nice: int = 0, gc_young
     takes its creator's), its log lines tagged ``[tag]``, calm logging, the tuned garbage
     collector (young threshold ``gc_young``, default ``gctune.GEN0``), then ``main`` until it returns."""
     from gpuledger import gctune
-    from gpuledger.telemetry import calm_logging
+    from gpuledger.telemetry import calm_logging, log_format, log_levels
 
-    logging.basicConfig(level=loglevel.upper(), format=f"[%(asctime)s] [%(process)d] [%(levelname)s] [{tag}] %(name)s: %(message)s")
+    logging.basicConfig(format=log_format(tag))
+    log_levels(logging.getLevelName(loglevel.upper()))  # (the worker's -v: the libraries' lines too)
     if nice:
         os.nice(nice)
         log.info("running at niceness %d", os.getpriority(os.PRIO_PROCESS, 0))

@@ -114,6 +114,62 @@ def context_from_headers(headers: Iterable[tuple[str, bytes]] | Mapping[str, byt
     return extract(carrier)
 
 
+#: The packages whose own INFO lines a long-running command (``SERVICE_COMMANDS``) prints
+#: without ``-v``: what it started, which partitions it was given, what it recovered, how it
+#: stopped — an operator's first question of a service is whether it is up. The libraries
+#: under them (Faust, mode, aiokafka, librdkafka through ``librdkafka``) stay at WARNING
+#: unless ``-v``: their INFO is a line per internal service start and group round.
+OWN_LOGGERS = ("gpuledger", "streams", "sinks", "producers", "schemas")
+
+#: The commands that run until stopped and log their own INFO lines without -v. Not `receive`: it
+#: says where it listens on its own, and its INFO lines are one per request (two, with the
+#: publisher's), a cost at thousands of requests a second; `-v` shows them.
+SERVICE_COMMANDS = frozenset({"worker", "admit", "collect"})
+
+
+def log_format(tag: str) -> str:
+    """The one line format of every gpuledger process: the worker and its child processes
+    (``[route]``, ``[controls]``, ``[sink]``) share one stream, so each line says which
+    process wrote it — ``[time] [pid] [LEVEL] [tag] logger: message``."""
+    return f"[%(asctime)s] [%(process)d] [%(levelname)s] [{tag}] %(name)s: %(message)s"
+
+
+class Demote(logging.Filter):
+    """Lower a library's records that name one of ``conditions`` to ``level``, keeping them
+    only where their logger is enabled at it: a condition the library retries by itself and
+    gpuledger reports in its own terms (the health page), not an error to page anyone for."""
+
+    def __init__(self, level: int, *conditions: str) -> None:
+        super().__init__()
+        self.level, self.conditions = level, conditions
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno <= self.level or not any(c in record.getMessage() for c in self.conditions):
+            return True
+        record.levelno, record.levelname = self.level, logging.getLevelName(self.level)
+        # (the logger let it through at its own level: kept only where the lower one is logged)
+        return logging.getLogger(record.name).isEnabledFor(self.level)
+
+
+#: Library records demoted in every gpuledger process (``log_levels``). aiokafka logs an ERROR
+#: when a group's coordinator is not available yet — every first start of a group (its offsets
+#: partition's coordinator loading) — and retries until it is; a worker that never gets its
+#: partitions says so on its health page (``no partition … assigned``) and in `gpuledger status`.
+DEMOTED = {"aiokafka.consumer.group_coordinator": Demote(logging.INFO, "GroupCoordinatorNotAvailableError")}
+
+
+def log_levels(level: int, service: bool = True) -> None:
+    """The root logger at ``level`` (WARNING, or INFO with ``-v``), for a service its own
+    loggers (``OWN_LOGGERS``) at INFO at least, and the libraries' ``DEMOTED`` records lowered."""
+    logging.getLogger().setLevel(level)
+    if service:
+        for name in OWN_LOGGERS:
+            logging.getLogger(name).setLevel(min(level, logging.INFO))
+    for name, demote in DEMOTED.items():
+        if demote not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(demote)
+
+
 class RepeatFilter(logging.Filter):
     """Let a repeated log line (same logger, level and message template) through once,
     then at most once per ``every_s`` with how many were held back in between.

@@ -313,6 +313,8 @@ class NoTablesManager(TableManager):
     ``PartitionStore``s), so every start and restart waited that second for nothing.
     Faust's documented extension point (the ``TableManager`` setting)."""
 
+    logger = logging.getLogger(f"{TableManager.__module__}.gpuledger")  # lifecycle lines: Faust's (a library's INFO; streams.transport)
+
     async def on_start(self) -> None:
         if not self.should_stop:
             await self._update_channels()
@@ -436,6 +438,10 @@ def run_worker(settings, loglevel: str = "info") -> None:
     children = list(ctx.children().values())
     for child in children:
         child.start()
+    from sinks.clickhouse import redact
+
+    log.info("worker %s starting: health at %s, Kafka at %s, store %s", settings.streams.app_id, app.gpuledger_web_url,
+             ctx.bootstrap, redact(settings.clickhouse_dsn))
     profile = os.environ.get("GPULEDGER_PROFILE")  # benchmarks --profile
     profiler = None
     if profile:
@@ -445,6 +451,9 @@ def run_worker(settings, loglevel: str = "info") -> None:
         profiler.enable()
     try:
         worker = faust.Worker(app, loglevel=loglevel, quiet=True, redirect_stdouts=False, override_logging=False)
+        # No start-up spinner: Faust's writes a backspace and "show cursor" (ESC[?25h) to stdout when
+        # it ends even where stdout is not a terminal, and they opened a line of the worker's log.
+        worker.spinner = None
         stop_within(app, worker, children)
         worker.execute_from_commandline()
     finally:
@@ -468,4 +477,5 @@ def run_worker(settings, loglevel: str = "info") -> None:
             child.signal_stop()  # both stop at once, then each is waited for
         for child in children:
             child.stop()
+        log.info("worker %s stopped", settings.streams.app_id)
 

@@ -786,7 +786,7 @@ class PartitionStore:
         from confluent_kafka.admin import AdminClient
 
         try:
-            admin = AdminClient(self._consumer_config)  # (the client settings: bootstrap and security)
+            admin = AdminClient({**self._consumer_config, "logger": logging.getLogger("librdkafka")})  # (bootstrap and security)
             description = admin.describe_topics(TopicCollection([self.changelog]), request_timeout=self.read_within_s)[self.changelog]
             return str(description.result(timeout=self.read_within_s).topic_id)
         except Exception as exc:  # noqa: BLE001 - an optimisation lost, not the state

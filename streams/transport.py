@@ -18,13 +18,37 @@ from the consumer when the consumer starts (its ``Fetcher``), after Faust constr
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 from faust.transport.drivers import aiokafka as faust_aiokafka
+
+#: Faust's own lifecycle lines ("[^--Consumer]: Starting...") under Faust's loggers, as they
+#: were before this subclass: a library's INFO (gpuledger.telemetry.OWN_LOGGERS). A logger of
+#: its own below Faust's: mode replaces a class's logger that mode itself made (``__modex__``).
+_FAUST_LOG = logging.getLogger(f"{faust_aiokafka.__name__}.gpuledger")
 
 #: Milliseconds a broker may hold a fetch of the worker's consumer without data.
 FETCH_MAX_WAIT_MS = 100
 
 
 class ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
+    logger = _FAUST_LOG
+
+    async def on_thread_stop(self) -> None:
+        """Faust's stop of the consumer, without the traceback a stop during a broker outage
+        printed ("Exception in thread ... CancelledError"): aiokafka's ``Fetcher.close`` cancels
+        its pending fetch requests and awaits each without suppressing the cancellation it
+        caused — one sleeping on its retry back-off (the broker away) raises it out of
+        ``AIOKafkaConsumer.stop``. The fetcher is closed by then; what the consumer's stop had
+        left (its client's connections, to a broker that is away) ends with the process."""
+        try:
+            await super().on_thread_stop()
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # this stop itself is cancelled: let it be
+                raise
+            self.log.info("consumer stopped while Kafka was unreachable (its last fetch was cancelled)")
+
     def _create_worker_consumer(self, transport):
         consumer = super()._create_worker_consumer(transport)
         consumer._fetch_max_wait_ms = FETCH_MAX_WAIT_MS  # aiokafka passes it to its Fetcher in start()
@@ -32,6 +56,8 @@ class ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
 
 
 class Consumer(faust_aiokafka.Consumer):
+    logger = _FAUST_LOG
+
     def _new_consumer_thread(self) -> ConsumerThread:
         return ConsumerThread(self, loop=self.loop, beacon=self.beacon)
 

@@ -248,3 +248,35 @@ def test_the_receiver_logs_a_kafka_outage_once_not_per_attempt(catalogue, tmp_pa
         assert log.count("cannot read MLflow alias holders") == 1, log  # (it retries every second)
     finally:
         service.stop(grace=10)
+
+
+def test_the_worker_stopped_during_a_kafka_outage_exits_0_in_time_without_a_traceback(catalogue, tmp_path):
+    """Found by an exploratory review: SIGTERM while the broker was away stopped the worker in
+    time but printed "Exception in thread ... asyncio.exceptions.CancelledError" with a 30-line
+    traceback — aiokafka's fetcher close re-raising the cancellation of a fetch sleeping on its
+    retry back-off (streams.transport.ConsumerThread). A broker of the test's own, stopped under
+    a worker that has stored its input; then SIGTERM."""
+    from gpuledger.dev.localkafka import LocalKafka
+    from gpuledger.dev.process import wait_for_worker
+    from gpuledger.settings import default_cache_dir
+    from producers._kafka import ensure_topics
+    from sinks.read.query import owner_file
+    from streams.progress import worker_health
+
+    with ExitStack() as stack:
+        broker = stack.enter_context(LocalKafka(tmp_path / "kafka", default_cache_dir(), with_parent=True))
+        ensure_topics({"bootstrap.servers": broker.bootstrap}, catalogue)
+        comp = worker(stack, broker.bootstrap, catalogue, tmp_path)
+        service = comp.service.start()
+        stack.callback(service.kill)
+        comp.busy()
+        url = wait_for_worker(service, owner_file(f"chdb://{tmp_path / 'worker' / 'data' / 'clickhouse'}"))
+        broker.stop()
+        # the worker has seen the outage: its health page no longer says ok
+        wait_until(lambda: (page := worker_health(url)) is not None and page.get("status") != "ok", "the worker degraded", service, 60)
+        started = time.monotonic()
+        code = service.stop(grace=STOP_WITHIN_S)
+        took = time.monotonic() - started
+        log = service.log_path.read_text(errors="replace")
+        assert code == 0 and took < STOP_WITHIN_S, f"exit {code} after {took:.1f}s:\n{service.log_tail()}"
+        assert "Traceback" not in log and "Exception in thread" not in log, log[-6000:]

@@ -27,16 +27,24 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="gpuledger: o
 
 
 @app.callback()
-def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at INFO.")) -> None:
+def _root(ctx: typer.Context,
+          verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at INFO, the libraries' lines too (the worker, admit and "
+                                                                        "the collectors log their own at INFO anyway).")) -> None:
+    from gpuledger.telemetry import SERVICE_COMMANDS, log_format, log_levels
+
     root = logging.getLogger()
     before = list(root.handlers)
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # A repeated warning once a minute with a count, in every command (the receiver and the collectors
+    command = ctx.invoked_subcommand or "gpuledger"
+    logging.basicConfig(format=log_format(command))
+    # Levels (a service's own INFO lines without -v: gpuledger.telemetry.OWN_LOGGERS) and a repeated
+    # warning once a minute with a count, in every command (the receiver and the collectors
     # logged each Kafka reconnect attempt during an outage, ~7 lines a second; the worker did this already)
-    # — on the handler set up here only: a host's own handlers (a test runner's capture) keep every line.
+    # — on the handler set up here only: a host's own handlers (a test runner's capture) keep every line,
+    # and its levels.
     if ours := [h for h in root.handlers if h not in before]:
         from gpuledger.telemetry import calm_logging
 
+        log_levels(logging.INFO if verbose else logging.WARNING, service=command in SERVICE_COMMANDS)
         calm_logging(handlers=ours)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from enum import Enum
 from typing import Optional
 
@@ -22,8 +23,10 @@ def worker(bootstrap: Optional[str] = BootstrapOpt, dsn: Optional[str] = DsnOpt,
     from streams.controls.policy import PolicyError
 
     settings = load_settings(bootstrap, dsn, streams={"app_id": app_id, "web_port": web_port})
+    # The libraries' level (-v: INFO) is the child processes' too.
+    loglevel = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
     with failing_on(PolicyError, SettingsError, code=2), failing_on(ProducerError, SinkError):
-        run_worker(settings)
+        run_worker(settings, loglevel)
 
 
 class StatusFormat(str, Enum):

@@ -165,6 +165,40 @@ def test_a_clean_stop_commits_the_open_epochs_and_leaves_without_the_hard_stop(k
     assert {tp: committed.get(tp, 0) for tp in ends} == ends and any(ends.values()), ends
 
 
+def test_the_worker_says_without_v_that_it_started_where_it_answers_and_that_it_stopped_in_one_line_format(kafka_bootstrap, catalogue,
+                                                                                                            worker_factory):
+    """`gpuledger worker` without -v: an operator reads that it started (its health address, Kafka,
+    the store), each child process's own start, and that it stopped — every line of every process
+    in one format that names its process — and none of the libraries' INFO lines (Faust's
+    "[^--Consumer]: Starting...", aiokafka's group rounds), which -v adds (docs/operations.md, Logs)."""
+    import re
+
+    app_id = f"{catalogue.prefix}-app"
+    quiet = worker_factory(catalogue, verbose=False)
+    publish(kafka_bootstrap, catalogue, SCENARIO)
+    wait_for(quiet.reader, expected())
+    assert quiet.service.stop(grace=30) == 0
+    log = quiet.service.log_tail(400)
+    lines = [line for line in log.splitlines() if line.strip()]
+    shape = re.compile(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\] \[\d+\] \[(INFO|WARNING|ERROR|CRITICAL)\] \[(worker|route|controls|sink)\] [\w.]+: ")
+    assert lines and all(shape.match(line) for line in lines), "\n".join(line for line in lines if not shape.match(line))
+    assert re.search(rf"\[worker\] streams\.app: worker {re.escape(app_id)} starting: health at {re.escape(quiet.url)}, "
+                     rf"Kafka at {re.escape(kafka_bootstrap)}, store {re.escape(quiet.dsn)}$", log, re.M), log
+    assert re.search(r"\[route\] streams\.intake: route stage: \d+ partition\(s\) assigned", log), log
+    assert re.search(r"\[controls\] streams\.intake: controls stage: \d+ partition\(s\) assigned", log), log
+    assert "[sink] gpuledger.child: running at niceness" in log, log
+    assert lines[-1].endswith(f"[worker] streams.app: worker {app_id} stopped"), lines[-3:]
+    assert not [line for line in lines if re.search(r"\] (faust|mode|aiokafka)\.", line) and "[INFO]" in line], log
+    # a healthy start on a fresh group: aiokafka's "GroupCoordinatorNotAvailableError" is not an ERROR here
+    assert not [line for line in lines if "[ERROR]" in line or "[CRITICAL]" in line], log
+
+    loud = worker_factory(catalogue, app_id=f"{app_id}-v")  # -v (the fixture's default)
+    assert loud.service.stop(grace=30) == 0
+    log = loud.service.log_tail(400)
+    assert "[INFO] [worker] faust.worker: [^Worker]: Starting..." in log, log
+    assert re.search(r"\[INFO\] \[(controls|route)\] aiokafka\.", log) or "[INFO] [worker] aiokafka." in log, log
+
+
 def status_of(bootstrap, cat, worker, *args):
     from typer.testing import CliRunner
 
