@@ -264,7 +264,9 @@ class LifecycleReceiver:
         except PayloadError as exc:
             if counters:
                 counters.add_rejected(exc.reason)
-            log.debug("%s: rejected (%s) %s", route, exc.reason, exc)
+            # A WARNING, not DEBUG: a sender does not retry a 4xx (Alertmanager drops the whole group), so
+            # this line is where an operator learns what was refused and why (repeats: once a minute, counted).
+            log.warning("%s: answering %d to %s, refused (%s): %s", route, exc.status, request.remote, exc.reason, exc)
             return _error(exc.status, str(exc), exc.field, **exc.details)
         except PublishError as exc:
             # ``_publish`` has counted the events as rejected(kafka_unavailable).

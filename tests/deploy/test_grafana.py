@@ -30,6 +30,7 @@ GRAFANA = ROOT / "deploy" / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "gpuledger.json"
 FROM, TO = inc.T0 - timedelta(hours=1), inc.T0 + timedelta(hours=3)
 INTERVAL_S = 60
+GHOST = "ghost-v1"  # a release id no release event describes
 
 
 def substitute(sql: str, database: str, start: datetime = FROM, end: datetime = TO, interval_s: int = INTERVAL_S) -> str:
@@ -66,8 +67,15 @@ def store(clickhouse_client):
                           opened_at=inc.T0 + timedelta(minutes=40), closed_at=inc.T0 + timedelta(minutes=40),
                           detail="withdrawn: alert LateModel joined a release that arrived late")
 
+    # An alert whose label names a release no release event describes (docs/architecture.md,
+    # Parking): release_label, a release_id, no release_state — not an attributed alert.
+    ghost_at = inc.T0 + timedelta(minutes=70)
+    ghost = inc._ce("alert", "alert.firing", ghost_at, {"alert_fingerprint": "fp-ghost", "release_id": GHOST},
+                    {"alertname": "GhostRelease", "severity": "warning", "starts_at": ghost_at.isoformat()},
+                    summary="GhostRelease (warning) firing", key="fp-ghost")
+
     async def go():
-        await writers.store_correlated(inc.correlated_rows())
+        await writers.store_correlated([*inc.correlated_rows(), ghost])
         await writers.store_allocations(inc.allocation_rows())
         await writers.store_violations([violation, withdrawn])
     asyncio.run(go())
@@ -107,7 +115,14 @@ def test_the_panels_say_what_happened(store):
     held = run_readonly(client, substitute(by_title["panel GPU-hours by release"], db)).dicts()
     assert {r["release"] for r in held} == {inc.R7, "unattributed"}
     alerts = run_readonly(client, substitute(by_title["panel Alerts by release and name"], db)).dicts()
-    assert {(r["release"], r["alertname"]) for r in alerts} >= {(inc.R7, "ModelQualityDegraded"), ("unattributed", "GpuXidError")}
+    assert {(r["release"], r["alertname"]) for r in alerts} == {(inc.R7, "ModelQualityDegraded"), ("unattributed", "GpuXidError"),
+                                                                 (f"{GHOST} (no release event)", "GhostRelease")}
+    # Firing in range: ModelQualityDegraded (one row: its versions collapse), GpuXidError, GhostRelease —
+    # one of three joined to a described release (the ghost's label alone does not count).
+    coverage = run_readonly(client, substitute(by_title["panel Alert attribution coverage"], db)).dicts()
+    assert coverage == [{"attributed_percent": 33.3, "alerts": 3}]
+    firing = run_readonly(client, substitute(by_title["panel Firing alerts by release"], db)).dicts()
+    assert {r["release"] for r in firing} == {inc.R7, "unattributed", f"{GHOST} (no release event)"}
     series = run_readonly(client, substitute(by_title["panel GPUs held by release"], db)).dicts()
     peak = max(r["gpus"] for r in series if r["release"] == inc.R7)
     assert peak == 1  # one pod at a time: preempted on node-a, then re-admitted on node-b

@@ -12,6 +12,7 @@ import asyncio
 import copy
 import http.client
 import json
+import logging
 import tempfile
 import threading
 import time
@@ -338,7 +339,8 @@ def test_bad_input_is_rejected_and_nothing_is_published(receiver, catalogue, kaf
     assert counters["releases"]["rejected.unknown_event_type"] == 2
 
 
-def test_control_and_bidi_characters_in_identity_are_422_naming_the_field(receiver, catalogue, kafka_bootstrap):
+def test_control_and_bidi_characters_in_identity_are_422_naming_the_field(receiver, catalogue, kafka_bootstrap, caplog):
+    caplog.set_level(logging.WARNING, logger="producers.receiver.server")
     rx = receiver()
     rlo_name = json.loads(sample("alertmanager", "quality_firing.json"))
     rlo_name["alerts"][0]["labels"]["alertname"] = "Gpu\u202eexe.gnp"
@@ -359,6 +361,10 @@ def test_control_and_bidi_characters_in_identity_are_422_naming_the_field(receiv
         status, answer = rx.post(path, body)
         assert (status, answer["field"]) == (422, field), (path, answer)
         assert text in answer["error"] and "\u202e" not in answer["error"] and "\x00" not in answer["error"], answer
+    # Each refusal is a WARNING naming the field (a sender does not retry a 4xx: the log is where it shows).
+    refused = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "refused" in r.getMessage()]
+    assert len(refused) == len(cases) and all(f"answering 422 to 127.0.0.1, refused" in m and f"{field}: " in m and text in m
+                                              for m, (_, _, field, text) in zip(refused, cases)), refused
     # Free text may carry them (escaped on output): an annotation with U+202E is accepted.
     rlo_note = json.loads(sample("alertmanager", "quality_firing.json"))
     rlo_note["alerts"][0]["annotations"]["description"] = "look \u202e here"
