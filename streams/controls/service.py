@@ -117,7 +117,8 @@ class ControlsStage(StageContext):
 
     async def follow_releases(self) -> None:
         await follow_release_topic(self.bootstrap, self.catalogue.release, self.directory, lambda _keys: None,
-                                   signal_initial=False, client_config=self.settings.kafka.aiokafka_config())
+                                   signal_initial=False, client_config=self.settings.kafka.aiokafka_config(),
+                                   until=self.settings.streams.replay_to)
 
 
 async def serve(settings, port: int) -> None:

@@ -421,7 +421,7 @@ def install_correlate_agents(app, ctx, route_topic) -> Correlator:
     async def follow_releases():
         await follow_release_topic(ctx.bootstrap, ctx.catalogue.release, corr.directory, lambda keys: corr.runtime.pending_refresh.update(keys),
                                    signal_initial=False,  # a loaded partition catches up from its mark (DIRECTORY_MARK)
-                                   client_config=ctx.settings.kafka.aiokafka_config())
+                                   client_config=ctx.settings.kafka.aiokafka_config(), until=ctx.settings.streams.replay_to)
 
     @app.timer(interval=HOUSEKEEPING_S)
     async def correlation_housekeeping():

@@ -35,6 +35,7 @@ from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
+from datetime import datetime
 
 from schemas import EventDecodeError, decode_event
 from schemas.release import ENDING_EVENTS, LIFECYCLE_EVENTS
@@ -277,7 +278,8 @@ class ReleaseDirectory:
 
 async def follow_release_topic(bootstrap: str, topic: str, directory: ReleaseDirectory,
                                on_change: Callable[[list[str]], None], stop: asyncio.Event | None = None,
-                               client_config: dict | None = None, signal_initial: bool = True, retry_s: float | None = None) -> None:
+                               client_config: dict | None = None, signal_initial: bool = True, retry_s: float | None = None,
+                               until: datetime | None = None) -> None:
     """Read ``topic`` from the beginning forever into ``directory`` (no consumer group).
     ``client_config``: aiokafka security settings (KafkaSettings.aiokafka_config()).
     ``signal_initial=False``: ``on_change`` hears of changes after the directory is ready
@@ -285,7 +287,12 @@ async def follow_release_topic(bootstrap: str, topic: str, directory: ReleaseDir
     ``retry_s``: when no broker can be reached at start, try again every ``retry_s`` seconds
     (until ``stop``) instead of raising — for a caller that serves while not ready (admit);
     other errors (authentication, configuration) still raise. Once connected, aiokafka itself
-    rides out a broker that goes away."""
+    rides out a broker that goes away.
+    ``until``: the end of a replay's range (``streams.replay_to``): release events after it are
+    not applied — the directory reads the whole topic at start, and a rollback after ``--to``
+    judged the range's workloads as of it (a control-2 violation after the range's end that
+    the live store, which saw the workload stop first, never had). Events before the range's
+    start are applied: they are what the range's events are attributed to."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
     from aiokafka.errors import KafkaConnectionError
 
@@ -343,7 +350,9 @@ async def follow_release_topic(bootstrap: str, topic: str, directory: ReleaseDir
             for tp, messages in batch.items():
                 for msg in messages:
                     try:
-                        changed.update(directory.apply(decode_event(msg.value)))
+                        event = decode_event(msg.value)
+                        if until is None or event.occurred_at <= until:
+                            changed.update(directory.apply(event))
                     except EventDecodeError:
                         pass  # dead-lettered by the routing agent, which reads the same record
                     except Exception:  # noqa: BLE001 - one bad record must not stop the directory

@@ -37,6 +37,24 @@ FROM = T0 + timedelta(minutes=10, seconds=7 * 10)
 TO = T0 + timedelta(minutes=10, seconds=7 * 30)
 
 
+#: After the range: fr-2 rolled back from prod while pods of it (fp-14, fp-20, fp-26: scheduled in the
+#: range, their GPUs never released) still run there — control 2 in the live store. A replay ending at TO must
+#: not know of it (exploratory review: the release directory read it anyway, and the sandbox
+#: opened a violation after --to that the range could not have).
+ROLLBACK_AT = TO + timedelta(minutes=1)
+
+
+def rollback():
+    from schemas import Identity, ReleaseEvent, Source, make_event_id
+    from schemas.release import ReleasePayload
+
+    ident = Identity(release_id="fr-2", model_name="fm2", model_version="2", image_digest=f"sha256:{2:064x}", owner="team-0",
+                     environment="prod")
+    return ReleaseEvent(event_id=make_event_id("f", ("fr-2", "rollback")), event_type="release.rolled_back", occurred_at=ROLLBACK_AT,
+                        observed_at=ROLLBACK_AT, source=Source(collector="test"), identity=ident,
+                        payload=ReleasePayload(actor="alice", reason="quality regression", to_environment="prod"))
+
+
 def iso(value: datetime) -> str:
     return value.isoformat().replace("+00:00", "Z")
 
@@ -45,7 +63,7 @@ def iso(value: datetime) -> str:
 def history(kafka_bootstrap):
     cat = TopicCatalogue(prefix=f"replay{uuid.uuid4().hex[:6]}", raw_partitions=4)
     ensure_topics({"bootstrap.servers": kafka_bootstrap}, cat)
-    events = fleet(PODS)
+    events = [*fleet(PODS), rollback()]
     EventPublisher({"bootstrap.servers": kafka_bootstrap}, cat, "test").publish_batch(events)
     # The edge's dead letters (the receiver's, the collectors'): one refused inside the range
     # replay's range, one before it.
@@ -157,6 +175,11 @@ def test_a_range_replay_holds_only_the_range_and_attributes_to_earlier_releases(
                                 "--format", "json").stdout)["notes"] == []
     tree = gpuledger(kafka_bootstrap, cat, tmp_path, "trace", "--pod", "fleet/fp-12", "--dsn", sandbox)
     assert tree.returncode == 0 and "this store is a replay" in tree.stdout, tree.stderr + tree.stdout
+    # Nothing after --to: fr-2's rollback opened control 2 in the live store, not in the sandbox.
+    after = ("SELECT control_id, release_id FROM gpuledger.violations FINAL "
+             f"WHERE opened_at > toDateTime64('{TO.strftime('%F %T')}', 3, 'UTC') AND NOT startsWith(detail, 'withdrawn:') ORDER BY control_id")
+    assert sql(kafka_bootstrap, cat, tmp_path, sandbox, after) == []
+    assert {"control_id": 2, "release_id": "fr-2"} in sql(kafka_bootstrap, cat, tmp_path, live[0].dsn, after)
 
 
 def test_a_resumed_replay_waits_for_the_rows_its_recovered_state_parked(kafka_bootstrap, tmp_path):
