@@ -181,8 +181,8 @@ class StreamsSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _range_ordered(self) -> StreamsSettings:
-        if self.replay_from and self.replay_to and self.replay_from >= self.replay_to:
-            raise ValueError(f"GPULEDGER_STREAMS_REPLAY_FROM {self.replay_from.isoformat()} is not before GPULEDGER_STREAMS_REPLAY_TO {self.replay_to.isoformat()}")
+        if self.replay_from and self.replay_to and self.replay_from > self.replay_to:  # (equal: one instant, the range is closed)
+            raise ValueError(f"GPULEDGER_STREAMS_REPLAY_FROM {self.replay_from.isoformat()} is after GPULEDGER_STREAMS_REPLAY_TO {self.replay_to.isoformat()}")
         return self
 
     def in_range(self, occurred_at: datetime) -> bool:

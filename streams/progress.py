@@ -32,7 +32,7 @@ import logging
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
@@ -77,6 +77,9 @@ class Look:
     run_lag: int
     parked: int | None
     status: str | None
+    #: Per consumer group that reads the raw topics (``<app id>.route``, ``<app id>.sinks``): the raw
+    #: records it has committed — ``done`` is their minimum, so one group's late commit holds it.
+    done_by: dict = field(default_factory=dict)
 
     @property
     def caught_up(self) -> bool:
@@ -175,16 +178,18 @@ class RunProgress:
         first = {**self.first, **self._offsets(run_parts, OffsetSpec.earliest())}
         ends = self._offsets(run_parts, OffsetSpec.latest())
         done = left = lag = 0
+        done_by: dict[str, int] = {}
         for tp, end in self.targets.items():
-            readers = [offsets for group, offsets in committed.items() if tp[0] in self.groups[group]]
-            at = [max(offsets.get(tp, 0), first[tp]) for offsets in readers]
-            left += sum(max(end - a, 0) for a in at)
+            at = {group: max(offsets.get(tp, 0), first[tp]) for group, offsets in committed.items() if tp[0] in self.groups[group]}
+            left += sum(max(end - a, 0) for a in at.values())
             if tp[0] in self.raw:
-                done += min(min(at), end) - first[tp]
+                done += min(min(at.values()), end) - first[tp]
+                for group, a in at.items():
+                    done_by[group] = done_by.get(group, 0) + min(a, end) - first[tp]
         for tp, end in ends.items():
             lag += sum(_behind(end, offsets, tp, first) for group, offsets in committed.items() if tp[0] in self.groups[group])
         stats = (health or {}).get("stats", {})
-        return Look(done, self.total, left, lag, stats.get("parked"), (health or {}).get("status"))
+        return Look(done, self.total, left, lag, stats.get("parked"), (health or {}).get("status"), done_by)
 
     def group_lag(self) -> dict[str, dict]:
         """Per consumer group of the run, now: the topics it reads, their ``partitions``, the

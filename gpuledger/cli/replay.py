@@ -1,12 +1,13 @@
 """`gpuledger replay`: the postmortem replay of a time range into a sandbox store (gpuledger/replay.py).
 
 Exit codes: 0 caught up; 1 the worker died, Kafka or the store failed, or ``--timeout``
-passed; 2 bad options or a refusal; 130 interrupted (the worker is stopped; ``--resume``
-continues).
+passed; 2 bad options or a refusal; 130 interrupted (Ctrl-C), 143 terminated (SIGTERM) — in
+both the worker is stopped and ``--resume`` continues.
 """
 
 from __future__ import annotations
 
+import signal
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
@@ -24,7 +25,7 @@ def replay(
     resume: bool = typer.Option(False, "--resume", help="Continue the replay of --app-id (its group has committed offsets; its range is reused) instead of refusing."),
     database: Optional[str] = typer.Option(None, "--database", help="Database in the sandbox (default: GPULEDGER_CLICKHOUSE_DATABASE)."),
     work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="The worker's data dir (Faust state, worker.log, replay.json). Default: $GPULEDGER_DATA_DIR/replays/<app id>."),
-    timeout: Optional[float] = typer.Option(None, "--timeout", help="Give up (exit 1) after this many seconds without catching up. Default: wait."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", min=1.0, help="Give up (exit 1) after this many seconds without catching up. Default: wait."),
     bootstrap: Optional[str] = BootstrapOpt,
 ) -> None:
     """Postmortem replay: rebuild a time range's tables from the raw topics into a sandbox store."""
@@ -59,20 +60,55 @@ def replay(
     problems = refusals(plan, settings)
     if problems:
         fail("refusing to replay:\n  " + "\n  ".join(problems), 2)
+    if is_embedded(into) and (problem := sandbox_dir_problem(into)):
+        fail(f"refusing to replay:\n  {problem}", 2)
+    # SIGTERM (timeout, systemd, kill) ends the replay as Ctrl-C does: the worker stopped, the resume said.
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         result = run_replay(plan, settings, err, timeout)
     except ReplayRefused as exc:
         fail(str(exc), 2)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         # Everything the resume must be told again (its record, replay.json, is in the work dir).
         extra = "" if work_dir == settings.data_dir / "replays" / app_id else f" --work-dir {work_dir}"
         extra += "" if plan.database == settings.clickhouse.database else f" --database {plan.database}"
-        err.print(f"interrupted; the worker is stopped. Continue with: gpuledger replay --resume --app-id {plan.app_id} "
+        how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+        err.print(f"{how}; the worker is stopped. Continue with: gpuledger replay --resume --app-id {plan.app_id} "
                   f"--into {redact(plan.into)}{extra}", highlight=False, soft_wrap=True)
-        raise typer.Exit(130)
-    except (ReplayError, ProducerError, SinkError) as exc:
+        raise typer.Exit(143 if isinstance(exc, Terminated) else 130)
+    except SinkError as exc:
+        # (the store named is --into: the sink's own hint names the live store's setting)
+        fail(f"--into {redact(plan.into)}: {str(exc).removesuffix(' Check GPULEDGER_CLICKHOUSE_DSN.')}")
+    except (ReplayError, ProducerError) as exc:
         fail(str(exc))
     print_summary(plan, result)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM during a replay, raised where Ctrl-C's KeyboardInterrupt is (and handled as it is)."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+def sandbox_dir_problem(into: str) -> str | None:
+    """Why the sandbox directory of a chDB ``--into`` cannot be used (None: it can): it is created
+    here, and the file the sink writes beside it (its owner file) must be writable. Before,
+    a path under a file or under /proc started the worker, whose sink crashed three times
+    with a traceback after ~25 s — and the app id had committed offsets by then, refusing a retry."""
+    from sinks.clickhouse import chdb_path
+    from sinks.read.query import owner_file
+
+    path = Path(chdb_path(into))
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = owner_file(into).with_suffix(".probe")
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        return f"--into {into}: the sandbox directory {path} cannot be created or written beside ({exc.strerror or exc}: {exc.filename or path})"
+    return None
 
 
 def register(root: typer.Typer) -> None:
