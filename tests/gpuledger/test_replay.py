@@ -281,6 +281,31 @@ def test_a_sandbox_the_sink_cannot_write_ends_the_replay_naming_why(kafka_bootst
     assert "cannot be written" in out.stderr and "pm`x" in out.stderr, out.stderr
 
 
+def stuck_replay(kafka_bootstrap, cat, tmp_path, app_id: str, **popen) -> subprocess.Popen:
+    """`gpuledger replay` into a database the store refuses (pm`x): it never catches up, so its
+    worker is running whenever the test signals it."""
+    env = {**os.environ, "GPULEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap, "GPULEDGER_KAFKA_TOPIC_PREFIX": cat.prefix,
+           "GPULEDGER_KAFKA_RAW_PARTITIONS": str(cat.raw_partitions), "GPULEDGER_DATA_DIR": str(tmp_path / "data"),
+           "GPULEDGER_CLICKHOUSE_DSN": "chdb:///nonexistent/live", **ENV}
+    return subprocess.Popen([sys.executable, "-m", "gpuledger.cli", "replay", "--into", f"chdb://{tmp_path / 'sb'}", "--database", "pm`x",
+                             "--app-id", app_id], env=env, **popen)
+
+
+def replay_workers(replay: subprocess.Popen) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(replay.pid)], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if "gpuledger.cli" in line and "worker" in line]
+
+
+def wait_for_worker_of(replay: subprocess.Popen) -> list[int]:
+    import time
+
+    deadline = time.monotonic() + 120
+    while not (pids := replay_workers(replay)) and time.monotonic() < deadline and replay.poll() is None:
+        time.sleep(0.2)  # (polling for the child to appear)
+    assert pids, "the replay started no worker"
+    return pids
+
+
 def test_a_replay_killed_takes_its_worker_with_it(kafka_bootstrap, history, tmp_path):
     """From an exploratory review's leftovers: a `gpuledger replay` ended by SIGKILL (a CI step's
     timeout, `kill -9`) left its worker running for ever, retrying a sandbox it could not write.
@@ -289,22 +314,9 @@ def test_a_replay_killed_takes_its_worker_with_it(kafka_bootstrap, history, tmp_
     import time
 
     cat, _ = history
-    env = {**os.environ, "GPULEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap, "GPULEDGER_KAFKA_TOPIC_PREFIX": cat.prefix,
-           "GPULEDGER_KAFKA_RAW_PARTITIONS": str(cat.raw_partitions), "GPULEDGER_DATA_DIR": str(tmp_path / "data"),
-           "GPULEDGER_CLICKHOUSE_DSN": "chdb:///nonexistent/live", **ENV}
-    replay = subprocess.Popen([sys.executable, "-m", "gpuledger.cli", "replay", "--into", f"chdb://{tmp_path / 'sb'}", "--database", "pm`x",
-                               "--app-id", f"{cat.prefix}-killed"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def worker_pids() -> list[int]:
-        out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(replay.pid)], capture_output=True, text=True).stdout
-        return [int(line.split()[0]) for line in out.splitlines() if "gpuledger.cli" in line and "worker" in line]
-
+    replay = stuck_replay(kafka_bootstrap, cat, tmp_path, f"{cat.prefix}-killed", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
-        while not (pids := worker_pids()) and time.monotonic() < deadline and replay.poll() is None:
-            time.sleep(0.2)  # (polling for the child to appear)
-        assert pids, "the replay started no worker"
-        [worker] = pids
+        [worker] = wait_for_worker_of(replay)
         replay.send_signal(signal.SIGKILL)
         replay.wait(30)
 
@@ -322,7 +334,7 @@ def test_a_replay_killed_takes_its_worker_with_it(kafka_bootstrap, history, tmp_
     finally:
         if replay.poll() is None:
             replay.kill()
-        for pid in [*worker_pids(), *([worker] if "worker" in locals() else [])]:
+        for pid in [*replay_workers(replay), *([worker] if "worker" in locals() else [])]:
             try:
                 os.killpg(pid, signal.SIGKILL)  # (its session: the worker and its stages)
             except ProcessLookupError:
@@ -359,32 +371,18 @@ def test_sigterm_stops_the_replay_and_its_worker_and_says_how_to_resume(kafka_bo
     """SIGTERM (timeout, systemd, kill) ended a replay with exit 143 and nothing said; its worker
     is now stopped as on Ctrl-C, and the resume command printed."""
     import signal
-    import time
 
     cat, _ = history
-    env = {**os.environ, "GPULEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap, "GPULEDGER_KAFKA_TOPIC_PREFIX": cat.prefix,
-           "GPULEDGER_KAFKA_RAW_PARTITIONS": str(cat.raw_partitions), "GPULEDGER_DATA_DIR": str(tmp_path / "data"),
-           "GPULEDGER_CLICKHOUSE_DSN": "chdb:///nonexistent/live", **ENV}
     app_id = f"{cat.prefix}-termed"
-    # (a database the store refuses: the replay never catches up, so it is running when signalled)
-    replay = subprocess.Popen([sys.executable, "-m", "gpuledger.cli", "replay", "--into", f"chdb://{tmp_path / 'sb'}", "--database", "pm`x",
-                               "--app-id", app_id], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-    def worker_pids() -> list[int]:
-        out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(replay.pid)], capture_output=True, text=True).stdout
-        return [int(line.split()[0]) for line in out.splitlines() if "gpuledger.cli" in line and "worker" in line]
-
+    replay = stuck_replay(kafka_bootstrap, cat, tmp_path, app_id, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while not (pids := worker_pids()) and time.monotonic() < deadline and replay.poll() is None:
-            time.sleep(0.2)  # (polling for the child to appear)
-        assert pids, "the replay started no worker"
+        pids = wait_for_worker_of(replay)
         replay.send_signal(signal.SIGTERM)
         _, stderr = replay.communicate(timeout=90)
         assert replay.returncode == 143, stderr
         said = " ".join(stderr.split())
         assert f"terminated (SIGTERM); the worker is stopped. Continue with: gpuledger replay --resume --app-id {app_id}" in said, stderr
-        assert worker_pids() == [] and subprocess.run(["ps", "-p", str(pids[0])], capture_output=True).returncode != 0, \
+        assert replay_workers(replay) == [] and subprocess.run(["ps", "-p", str(pids[0])], capture_output=True).returncode != 0, \
             "the replay's worker is still running"
     finally:
         if replay.poll() is None:
