@@ -93,21 +93,27 @@ def _terminated(signum, frame) -> None:
 
 
 def sandbox_dir_problem(into: str) -> str | None:
-    """Why the sandbox directory of a chDB ``--into`` cannot be used (None: it can): it is created
-    here, and the file the sink writes beside it (its owner file) must be writable. Before,
-    a path under a file or under /proc started the worker, whose sink crashed three times
-    with a traceback after ~25 s — and the app id had committed offsets by then, refusing a retry."""
+    """Why the sandbox directory of a chDB ``--into`` cannot be made (None: it can): where it and
+    the file the sink writes beside it (its owner file) go, the nearest directory that exists
+    must take a new file. Judged without creating anything (a refusal after this one leaves no
+    trace). Before, a path under a file or under /proc started the worker, whose sink crashed
+    three times with a traceback after ~25 s — and the app id had committed offsets by then,
+    refusing a retry."""
+    import tempfile
+
     from sinks.clickhouse import chdb_path
-    from sinks.read.query import owner_file
 
     path = Path(chdb_path(into))
+    where = path.parent
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    if not where.is_dir():
+        return f"--into {into}: the sandbox directory {path} cannot be created: {where} is a file"
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = owner_file(into).with_suffix(".probe")
-        probe.write_text("")
-        probe.unlink()
+        with tempfile.TemporaryFile(dir=where):
+            pass
     except OSError as exc:
-        return f"--into {into}: the sandbox directory {path} cannot be created or written beside ({exc.strerror or exc}: {exc.filename or path})"
+        return f"--into {into}: the sandbox directory {path} cannot be created in {where} ({exc.strerror or exc})"
     return None
 
 
