@@ -752,17 +752,26 @@ class Evidence:
             ended = next((h for h in state["history"] if h[1] in ("release.retired", "release.revoked") and _history_time(h) <= self.end), None)
             if ended or rid in cited:
                 mine = [v for v in self._of(8) if v["identity"].get("release_id") == rid]
+                verdict = _verdict(mine)
+                deadline = _history_time(ended) + self.policy.retirement.grace if ended else None
+                if (verdict == "no violation recorded" and deadline is not None and self.judged_until is not None
+                        and self.judged_until < deadline <= self.end):
+                    # (as control 5's windows: the worker judges the grace period's end on event time)
+                    verdict = (f"{NOT_JUDGED}: the grace period ended at {_z(deadline)}, after the latest event in the store "
+                               f"({_z(self.judged_until)}); the worker judges it when an event's time passes it")
                 out.append({"release": rid, "ended": f"{ended[1].split('.', 1)[1]} by {_event_text(ended)}" if ended else "",
-                            "verdict": _verdict(mine)})
+                            "verdict": verdict})
                 # Exercised in the range: ended in it, or cited by a control 8 violation in it (one ended
                 # before the range is listed, as context; counted, a quiet range passed control 8).
                 exercised += bool(rid in cited or (ended and self._in_range(_history_time(ended))))
         flagged = [v for v in self._of(8)]
-        return self._section(8, "Retired releases reconciled to zero capacity",
-                             f"{len(out)} retired/revoked release(s); {len({v['identity'].get('release_id') for v in flagged})} still held "
-                             f"capacity after the grace period ({len(flagged)} control 8 violation(s), "
-                             f"{sum(1 for v in flagged if v['closed_at'] is None)} open)",
-                             ["release", "ended", "verdict"], out, exercised, "retired/revoked release(s)")
+        section = self._section(8, "Retired releases reconciled to zero capacity",
+                                f"{len(out)} retired/revoked release(s); {len({v['identity'].get('release_id') for v in flagged})} still held "
+                                f"capacity after the grace period ({len(flagged)} control 8 violation(s), "
+                                f"{sum(1 for v in flagged if v['closed_at'] is None)} open)",
+                                ["release", "ended", "verdict"], out, exercised, "retired/revoked release(s)")
+        section["unjudged"] = sum(1 for r in out if r["verdict"].startswith(NOT_JUDGED))
+        return section
 
 
 def _first_priority_class(rows: list[dict]) -> str | None:

@@ -396,6 +396,30 @@ def test_a_reservation_window_ending_after_the_last_event_is_not_judged_yet(clic
     assert not [n for n in again["notes"] if n.startswith("the latest event")]
 
 
+def test_a_retirement_grace_period_ending_after_the_last_event_is_not_judged_yet(clickhouse_client, clickhouse_dsn, tmp_path):
+    """As control 5's windows: a release retired in the range whose grace period (1 h by default)
+    ended after the store's latest event read "no violation recorded" — the worker judges the
+    grace period's end on event time, and no event came after it."""
+    db = inc.load_store(clickhouse_client)
+
+    def retired(rid: str, manifest: dict, minutes: int):
+        return inc._ce("release", "release.retired", inc.T0 + timedelta(minutes=minutes), {"release_id": rid, **manifest},
+                       {"actor": "alice", "reason": "superseded"}, attribution="release_event", release_state="release.retired")
+    # The store's latest event is at T0 + 95 min: R6's grace ends at T0 + 80 (judged), R7-staging's at T0 + 100 (not yet).
+    asyncio.run(SinkWriters(clickhouse_client, db).store_correlated([retired(inc.R6, inc.MANIFEST6, 20),
+                                                                     retired(inc.R7_STAGING, inc.MANIFEST7_STAGING, 40)]))
+    env = {"GPULEDGER_CLICKHOUSE_DSN": clickhouse_dsn, "GPULEDGER_CLICKHOUSE_DATABASE": db, "GPULEDGER_DATA_DIR": str(tmp_path), "COLUMNS": "250"}
+    report = json.loads(audit(env, *RANGE, "--format", "json").output)
+    rows = {r["release"]: r for r in next(s for s in report["evidence"] if s["control"] == 8)["rows"]}
+    assert rows[inc.R7_STAGING]["verdict"].startswith("not judged yet: the grace period ended at 2026-11-30T13:40:00Z, after the latest "
+                                                      "event in the store (2026-11-30T13:35:00Z)"), rows[inc.R7_STAGING]
+    assert rows[inc.R6]["verdict"] == "no violation recorded", rows[inc.R6]
+    control8 = next(c for c in report["controls"] if c["id"] == 8)
+    assert control8["status"] == "PASS" and "1 deadline(s) after the latest event in the store, not judged yet" in control8["note"], control8
+    again = json.loads(audit(env, *RANGE, "--reevaluate", "--format", "json").output)
+    assert not [r for s in again["evidence"] for r in s["rows"] if str(r.get("verdict", "")).startswith("not judged")]
+
+
 def test_control_1s_queue_entry_is_the_first_event_published_within_its_second(clickhouse_client, clickhouse_dsn, tmp_path):
     """From an exploratory review: among a workload's submission, quota reservation and admission
     in one whole second, the entry event was picked by correlation id (a hash)."""
