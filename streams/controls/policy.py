@@ -373,8 +373,8 @@ class Policy(_Model):
             return None  # a name typed as "group:x" is not the group
         if identity in role.members:
             return identity
-        if identity.startswith("user:") and identity[5:] in role.members:
-            return identity[5:]  # "user:alice" is the proven form of the bare "alice" older policies list
+        if (bare := _bare(identity)) is not None and bare in role.members:
+            return bare  # "user:alice" is the proven form of the bare "alice" older policies list
         return next((GROUP_MEMBER + g for g in groups if GROUP_MEMBER + g in role.members), None)
 
     def _grant(self, identity: str, groups: tuple[str, ...], action: str) -> tuple[str, str] | None:
@@ -383,7 +383,7 @@ class Policy(_Model):
         order). On the controls' hot path: every evaluation asks it for every lifecycle event."""
         if not identity or identity.startswith(GROUP_MEMBER):
             return None
-        bare = identity[5:] if identity.startswith("user:") else None
+        bare = _bare(identity)
         through_group = None
         for name, role in self.roles.items():
             if action not in role.actions:
@@ -469,6 +469,16 @@ class Policy(_Model):
 
     def owner_for(self, control_id: int) -> str:
         return self.roles[self.control(control_id).accountable].owner
+
+
+def _bare(identity: str) -> str | None:
+    """The bare policy name a proven ``user:<name>`` identity stands for (``alice`` for
+    ``user:alice``), None for any other. Never a name that is itself typed (``user:group:oncall``,
+    an OIDC subject "group:oncall", is a user; read as "group:oncall" it held that group's roles
+    with no group proven — exploratory review): a bare member has no prefix."""
+    if not identity.startswith("user:") or ":" in identity[5:]:
+        return None
+    return identity[5:]
 
 
 def _held(grant: tuple[str, str]) -> str:

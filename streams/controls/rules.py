@@ -824,13 +824,21 @@ def _release_controls(rid: str, rows: list[dict], links: dict, found: Findings, 
         action = ACTION_OF_EVENT.get(row["type"])
         if action:
             later = [r for r in rows[n + 1:] if r["type"] == row["type"] and r["p"].get("target") == row["p"].get("target")
-                     and r["p"].get("to_environment") == row["p"].get("to_environment")]
+                     and _decided_for(r) == _decided_for(row)]
             _authority(rid, row, action, later, base, found, clock, ctx.policy)
     reservations = reservation_events(rows)
     for res_id, entry in sorted(reservations.items()):
         if entry["created"] is not None:
             _capacity(rid, res_id, entry, allocs, base, found, clock, ctx.policy)
     _retirement(rid, rows, reservations, allocs, running, base, found, clock, ctx.policy)
+
+
+def _decided_for(row: dict) -> str | None:
+    """The environment a lifecycle decision is for: its ``to_environment``, else its identity's
+    ``environment`` (how an approval names it; the release directory reads it so too). A repeat
+    ratifies only the same decision: an approval for dev closed an unauthorised approval for prod
+    as "ratified" while nobody with the right ever approved prod (exploratory review)."""
+    return row["p"].get("to_environment") or row["i"].get("environment")
 
 
 def _action_text(row: dict) -> str:
@@ -847,12 +855,17 @@ def _authority(rid: str, row: dict, action: str, later: list[dict], base: dict, 
     proven = decision_actor(p)  # proven or not, delegated or not: the policy judges both
     if not policy.allowed(proven, action):
         ratified = next((r for r in later if policy.allowed(decision_actor(r["p"]), action)), None)
-        expiry = clock.reached(_t(p["expires_at"])) if p.get("expires_at") else None
+        # Only an emergency override's expiry ends it: any other event's expires_at is the actor's own word (an
+        # unauthorised approval carrying expires_at one second later closed its own violation: exploratory review).
+        override = action in policy.emergency_overrides.actions
+        expiry = clock.reached(_t(p["expires_at"])) if override and p.get("expires_at") else None
         closed = _min(_t(ratified["at"]) if ratified else None, expiry)
         why = policy.why_not(proven, action)
-        if ratified is not None:
+        if ratified is not None and (expiry is None or _t(ratified["at"]) <= expiry):
             by = decision_actor(ratified["p"])
             why += f"; ratified at {iso_z(ratified['at'])} by {actor_text(by)} ({policy.granted(by, action)})"
+        elif expiry is not None:
+            why += f"; the override expired at {iso_z(expiry)}"
         found.add(7, ("unauthorized", row["id"]), at, closed, [row["id"], ratified["id"] if ratified else None],
                   {**base, "node": p.get("target") if row["type"] == "release.node_isolated" else None},
                   f"{what} of release {rid} without the decision right: {why}")

@@ -361,6 +361,15 @@ def test_a_right_granted_to_a_group_counts_only_through_authenticated_groups_and
     assert "zoe holds no role; none grants isolate_node" in one(run(typed, policy=lax), 7).detail
     # A typed actor named like the group is not the group.
     assert not lax.allowed("group:oncall", "isolate_node") and not lax.allowed("unauthenticated:group:oncall", "isolate_node")
+    # Nor is a proven user whose name reads as one (an OIDC subject "group:oncall" is user:group:oncall), alone, acted
+    # for by a service, or typed (exploratory review: the bare-name match read it as "group:oncall", and it held the role).
+    assert not GROUPS.allowed("user:group:oncall", "isolate_node") and GROUPS.memberships("user:group:oncall") == []
+    assert not GROUPS.allowed("service:ci-runner>user:group:oncall\x1fci", "isolate_node")
+    assert not lax.allowed("unauthenticated:user:group:oncall", "isolate_node")
+    forged = [rel("release.registered", 0, "r5"), rel("release.node_isolated", 11, "r5", target="n3", actor="user:group:oncall",
+                                                      authenticated_by="oidc")]
+    assert "user:group:oncall holds no role; none grants isolate_node" in one(run(forged, policy=GROUPS), 7).detail
+    assert GROUPS.allowed("user:alice", "approve")  # a bare policy member ("alice") still matches its proven form
     # Proven, without the group: control 7 says which groups were considered.
     outsider = history({"actor": "user:yves", "authenticated_by": "token", "actor_groups": ("interns",)})
     assert any("user:yves (groups: interns) holds no role; none grants isolate_node" in v.detail for v in of(outsider, 7))
@@ -392,6 +401,28 @@ def test_authority_opens_then_closes_on_ratification_and_overlong_override_close
     v = one(run(long, watermark=300), 7)
     assert "past the 4h maximum" in v.detail and v.opened_at == at(250) and v.closed_at is None
     assert one(run(long, watermark=400), 7).closed_at == at(370)
+
+
+def test_only_the_same_decision_ratifies_and_only_an_overrides_expiry_ends_it():
+    """From an exploratory review: an unauthorised approval for prod was closed as "ratified" by an
+    approval for dev (the environment of an approval is its identity's; only to_environment was
+    compared), and an unauthorised approval carrying expires_at one second later closed its own
+    violation then, saying nothing — expiry ends an emergency override only."""
+    prod_by_mallory = [rel("release.registered", 0), rel("release.approved", 1, actor="mallory", approval_id="CHG-9")]
+    dev = one(run([*prod_by_mallory, rel("release.approved", 5, actor="alice", env="dev", approval_id="CHG-10")], watermark=60), 7)
+    assert dev.closed_at is None and "ratified" not in dev.detail, dev.detail
+    prod = one(run([*prod_by_mallory, rel("release.approved", 5, actor="alice", env="dev", approval_id="CHG-10"),
+                    rel("release.approved", 8, actor="alice", approval_id="CHG-11")], watermark=60), 7)
+    assert prod.closed_at == at(8) and "; ratified at 2026-11-01T08:08:00.000Z by alice" in prod.detail, prod.detail
+    self_expiring = [rel("release.registered", 0), rel("release.approved", 1, actor="mallory", expires_at=at(1) + timedelta(seconds=1)),
+                     rel("release.promoted", 2, actor="mallory", to_environment="prod", expires_at=at(2) + timedelta(seconds=1)),
+                     rel("release.node_isolated", 3, actor="mallory", target="n3", expires_at=at(4))]
+    assert [(v.opened_at, v.closed_at) for v in sorted(of(run(self_expiring, watermark=60), 7), key=lambda v: v.opened_at)] == \
+        [(at(1), None), (at(2), None), (at(3), None)]
+    # An emergency override by an actor without the right ends when it expires, and says so.
+    paused = one(run([rel("release.registered", 0), rel("release.queue_paused", 3, actor="mallory", target="prod-inference",
+                                                       expires_at=at(30))], watermark=60), 7)
+    assert paused.closed_at == at(30) and paused.detail.endswith("; the override expired at 2026-11-01T08:30:00.000Z"), paused.detail
 
 
 # --- 8. Retirement ----------------------------------------------------------------------------
