@@ -497,12 +497,21 @@ def pod_view(pod: Mapping, resources: Iterable[str], prefix: str, index: KueueIn
         ident = {**info.identity, **ident}
     identity = Identity(workload_id=workload_id, pod_uid=meta.uid, namespace=meta.namespace, pod=meta.name,
                         node=spec.get("nodeName") or None, image_digest=digests[0] if digests else None, **ident)
+    # The priority class and its value from one source: the pod's own PriorityClass, else its Workload's
+    # (Kueue's WorkloadPriorityClass: the pod then runs at spec.priority 0, and the pod's row read
+    # "priority=high (0)" — a priority-1000 workload that looked like 0 beside the one it preempted).
+    own_priority = spec.get("priority") if isinstance(spec.get("priority"), int) else None
+    if spec.get("priorityClassName") or info is None or (info.priority_class is None and info.priority is None):
+        priority_class, priority = spec.get("priorityClassName") or (info.priority_class if info else None), own_priority
+        priority = priority if priority is not None else (info.priority if info else None)
+    else:
+        priority_class, priority = info.priority_class, info.priority
     payload: dict[str, Any] = {
         "object_kind": "Pod",
         "queue": meta.labels.get(KUEUE_QUEUE_LABEL) or (info.queue if info else None),
         "cluster_queue": info.cluster_queue if info else None,
-        "priority_class": spec.get("priorityClassName") or (info.priority_class if info else None),
-        "priority": spec.get("priority") if isinstance(spec.get("priority"), int) else (info.priority if info else None),
+        "priority_class": priority_class,
+        "priority": priority,
         "phase": status.get("phase"),
         "gpus_requested": gpus,
         "image_digests": tuple(digests),

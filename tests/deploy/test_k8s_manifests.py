@@ -279,6 +279,26 @@ def test_podresources_daemonset_env_and_args_are_what_the_collector_reads():
     assert result.exit_code == 0, result.output
 
 
+def test_both_collectors_count_the_same_gpu_resources():
+    """From an exploratory review: the scheduler collector's Deployment set
+    GPULEDGER_SCHEDULER_GPU_RESOURCES=nvidia.com/gpu while the pod-resources DaemonSet kept the
+    default (MIG slices included): MIG allocations arrived with no workload, queue or preemption
+    history. The two lists must be the same (docs/collectors.md)."""
+    from producers.kubernetes.config import SchedulerCollectorSettings
+
+    def env_of(path: str, kind: str) -> dict:
+        doc = next(d for f, _, d in MANIFESTS if f == path and d["kind"] == kind)
+        (container,) = doc["spec"]["template"]["spec"]["containers"]
+        return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+    scheduler = env_of("base/scheduler/collector.yaml", "Deployment")
+    podresources = env_of("base/podresources/daemonset.yaml", "DaemonSet")
+    default = ",".join(SchedulerCollectorSettings().gpu_resources)
+    assert default == ",".join(PodResourcesSettings().resources)
+    assert (scheduler.get("GPULEDGER_SCHEDULER_GPU_RESOURCES", default)
+            == podresources.get("GPULEDGER_PODRESOURCES_RESOURCES", default)), (scheduler, podresources)
+
+
 # --- every pod of deploy/k8s ----------------------------------------------------------------
 
 #: The one pod that runs as root (the kubelet's pod-resources socket is root-owned).

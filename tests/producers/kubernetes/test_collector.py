@@ -718,6 +718,28 @@ def test_workload_facts_v1beta2_and_v1beta1_priority_class():
         assert [f.transition for f in workload_facts(wl)] == ["queued", "admitted"]
 
 
+def test_a_kueue_pods_priority_is_its_workloads_class_and_value_not_the_pods_zero():
+    """From an exploratory review on a real cluster: a pod of a Workload with a WorkloadPriorityClass
+    runs at spec.priority 0 without a priorityClassName; its row took the class from the Workload
+    and the value from the pod — `trace` read "priority=high (0)". Both come from one source."""
+    from producers.kubernetes.mapping import KueueIndex, pod_view
+
+    index = KueueIndex()
+    index.add(workload_info(make_workload("ml", "job-serve-high-1", "gpu", "high", 1000, owner=("Job", "serve-high", "job-uid-high")),
+                            ("nvidia.com/gpu",), "gpuledger.io/"))
+    kueue_pod = make_pod("ml", "serve-high-0", node="gpu-1", priority=0, owner=("Job", "serve-high", "job-uid-high"),
+                         labels={"kueue.x-k8s.io/queue-name": "gpu"})
+    view = pod_view(kueue_pod, ("nvidia.com/gpu",), "gpuledger.io/", index)
+    assert (view.payload["priority_class"], view.payload["priority"]) == ("high", 1000)
+    # A pod with a PriorityClass of its own keeps its own class and value.
+    own = make_pod("ml", "serve-high-1", node="gpu-1", priority_class="system-critical", priority=2000,
+                   owner=("Job", "serve-high", "job-uid-high"))
+    assert (pod_view(own, ("nvidia.com/gpu",), "gpuledger.io/", index).payload["priority_class"],
+            pod_view(own, ("nvidia.com/gpu",), "gpuledger.io/", index).payload["priority"]) == ("system-critical", 2000)
+    # Without a Workload: the pod's own value, as before.
+    assert pod_view(make_pod("ml", "bare", node="gpu-1", priority=5), ("nvidia.com/gpu",), "gpuledger.io/", index).payload["priority"] == 5
+
+
 def test_mig_job_and_its_workload_are_collected_with_defaults(api, make_collector, kafka_bootstrap, catalogue):
     """Issue #13.4: with default settings a job asking for MIG slices (nvidia.com/mig-*) is a
     GPU job — its Workload, its pod and its preemption reach the scheduler topic — and
