@@ -466,6 +466,9 @@ class FakeKubeApi:
         self.server_version = server_version
         self._kueue_versions: tuple[str, ...] = ()
         self.set_kueue_versions(kueue_versions)
+        #: (group, version, plural) of resources whose version is not served while the group's is
+        #: (a CRD version with served: false, the CRD's other kinds still served at it).
+        self._unserved: set[tuple[str, str, str]] = set()
 
         self._cond = threading.Condition(threading.RLock())
         self._objects: dict[tuple[str, str, str], dict] = {}
@@ -561,7 +564,15 @@ class FakeKubeApi:
             raise ValueError(f"unknown kueue versions: {sorted(unknown)}")
         self._kueue_versions = tuple(versions)
 
+    def set_served(self, group: str, version: str, plural: str, served: bool) -> None:
+        """Serve or stop serving one resource at one version while its group keeps listing the
+        version (as `served: false` on one CRD's version does: Workloads at v1beta1 only, the
+        other Kueue kinds still at v1beta2)."""
+        (self._unserved.discard if served else self._unserved.add)((group, version, plural))
+
     def _served(self, rt: ResourceType) -> bool:
+        if (rt.group, rt.version, rt.plural) in self._unserved:
+            return False
         return rt.group != KUEUE_GROUP or rt.version in self._kueue_versions
 
     # ------------------------------------------------------------ store
@@ -816,7 +827,7 @@ class FakeKubeApi:
     def _resource_list(self, group: str, version: str) -> dict:
         resources = []
         for rt in RESOURCE_TYPES.values():
-            if rt.group != group or rt.version != version:
+            if rt.group != group or rt.version != version or not self._served(rt):
                 continue
             entry = {"name": rt.plural, "singularName": rt.singular, "namespaced": rt.namespaced,
                      "kind": rt.kind, "verbs": _ALL_VERBS}

@@ -346,7 +346,12 @@ class SchedulerCollector:
         else:
             self.events.list_fn = (lambda **kw: ev1.list_namespaced_event(ns, **kw)) if ns else ev1.list_event_for_all_namespaces
             self.events.field_selector = "regarding.kind=Pod"
-        version = next((v for v in KUEUE_VERSIONS if v in served.get(KUEUE_GROUP, [])), None) if self.settings.kueue else None
+        # A version the group lists need not serve Workloads (a CRD's version can be served: false while
+        # the group's other kinds are served at it): a listed version was taken, every request was 404 and
+        # nothing at all was collected (exploratory review) — the version is the first that serves them.
+        version = next((v for v in KUEUE_VERSIONS if v in served.get(KUEUE_GROUP, []) and _serves(custom, KUEUE_GROUP, v, "workloads",
+                                                                                                  self.settings.request_timeout_s)),
+                       None) if self.settings.kueue else None
         if version != self.kueue_version or not self._discovered_at:
             log.info("kueue: %s", f"watching {KUEUE_GROUP}/{version} Workloads" if version else "not served by this cluster; Workloads skipped")
             self.workloads.rv = None
@@ -761,9 +766,9 @@ class SchedulerCollector:
                     self.discover()
                 except _DISCOVERY_ERRORS as dexc:
                     log.warning("discovery failed: %s", dexc)
-            level = logging.ERROR if isinstance(exc, ApiException) and exc.status in (401, 403) else logging.WARNING
-            # The first failure of a streak is logged at its level, the repeats at DEBUG.
-            log.log(level if state.attempt_number == 1 else logging.DEBUG, "%s: %s: %s; retrying in %.1fs", res.name,
+            # The first failure of a streak is logged at its level, the repeats at DEBUG; the resource is in
+            # the message's template (``_per_resource``), so the repeat filter holds back repeats per resource.
+            log.log(_level(exc) if state.attempt_number == 1 else logging.DEBUG, _per_resource(res, "%s: %s; retrying in %.1fs"),
                     type(exc).__name__, _short(exc), retry_delay(state))
             failing = True
 
@@ -784,15 +789,26 @@ class SchedulerCollector:
 
         Raises ``KubeApiError`` when the API server fails, ``ProducerError`` when Kafka does.
         """
-        total = 0
+        total, denied = 0, {}
         try:
             self.discover()
             for res in (self.slices, self.claims, self.workloads, self.pods, self.events):
                 if res.list_fn is not None:
-                    total += self.sync(res, self._stop)
+                    try:
+                        total += self.sync(res, self._stop)
+                    except ApiException as exc:
+                        if res is self.pods or exc.status not in (401, 403):
+                            raise
+                        # Not granted (RBAC): as in watch mode, the others are not held back by it.
+                        log.error(_per_resource(res, "the collector may not list it (%s); the other resources are listed without it"),
+                                  _short(exc))
+                        denied[res.name] = _short(exc)
         except _DISCOVERY_ERRORS as exc:
             raise KubeApiError(f"scheduler collector: {_short(exc)}") from exc
         self.state.save(force=True)
+        if denied:
+            raise KubeApiError(f"scheduler collector: the credentials may not list {', '.join(denied)} "
+                               f"({', '.join(sorted(set(denied.values())))}; deploy/k8s RBAC): published {total} event(s) of the other resources")
         return total
 
     def run(self, stop: threading.Event | None = None) -> None:
@@ -812,13 +828,14 @@ class SchedulerCollector:
                 if res.list_fn is not None:
                     try:
                         call_with_backoff(lambda r=res: self._first_list(r, stop), retry_on=_RETRIABLE, **backoff,
-                                          on_retry=lambda st, r=res: log.warning("%s: initial list failed: %s; retrying in %.1fs", r.name,
-                                                                                _short(retry_error(st)), retry_delay(st)))
+                                          on_retry=lambda st, r=res: log.log(_level(retry_error(st)),
+                                                                             _per_resource(r, "initial list failed: %s; retrying in %.1fs"),
+                                                                             _short(retry_error(st)), retry_delay(st)))
                     except _Denied as exc:
                         # Not granted (RBAC): the others must not wait for it. Its own loop
                         # below keeps trying (backing off) and lists it once it is granted.
-                        log.error("%s: the collector may not list it (%s); collecting the other resources without it until its "
-                                  "credentials may list and watch %s (deploy/k8s RBAC)", res.name, _short(exc.__cause__), res.name)
+                        log.error(_per_resource(res, "the collector may not list it (%s); collecting the other resources without it until its "
+                                                     f"credentials may list and watch {res.name} (deploy/k8s RBAC)"), _short(exc.__cause__))
             for res in (self.slices, self.claims, self.workloads, self.pods, self.events):
                 t = threading.Thread(target=self._loop, args=(res, stop), name=f"scheduler-{res.name}", daemon=True)
                 t.start()
@@ -871,6 +888,31 @@ class SchedulerCollector:
                 self.state.save(force=True)
             except StateFileError as exc:
                 log.error("%s", exc)
+
+
+def _serves(custom: k8s.CustomObjectsApi, group: str, version: str, plural: str, timeout: float) -> bool:
+    """Whether ``group/version`` serves ``plural`` (its APIResourceList names it)."""
+    try:
+        listed = custom.get_api_resources(group, version, _request_timeout=timeout)
+    except ApiException as exc:
+        if exc.status == 404:
+            return False
+        raise
+    return any(r.name == plural for r in listed.resources or [])
+
+
+def _level(exc: BaseException) -> int:
+    """A failed request's log level: ERROR when the credentials are refused (401/403: someone must
+    grant them), WARNING otherwise (the API server away: it comes back)."""
+    return logging.ERROR if isinstance(exc, ApiException) and exc.status in (401, 403) else logging.WARNING
+
+
+def _per_resource(res: _Resource, template: str) -> str:
+    """A log message template naming the resource itself — not as a %s argument: the repeat filter
+    (``gpuledger.telemetry.RepeatFilter``) holds back a template's repeats for a minute, and with the
+    resource as an argument a second resource's "may not list it" ERROR was held back as a repeat of
+    the first's (three missing grants, one line: exploratory review)."""
+    return f"{res.name}: {template}"  # (resource names are Kubernetes plurals: no '%' in them)
 
 
 def _short(exc: BaseException) -> str:

@@ -306,6 +306,25 @@ def test_v1beta1_only_cluster(make_collector, kafka_bootstrap, catalogue):
     assert pod_event.payload.cluster_queue == "cq-b"
 
 
+def test_the_workload_version_is_one_that_serves_workloads_not_just_one_the_group_lists(make_collector, kafka_bootstrap, catalogue):
+    """From an exploratory review on a real cluster: Workloads served at v1beta1 only (the CRD's
+    v1beta2 `served: false`) while Kueue's other kinds kept v1beta2, so the group still listed it:
+    the collector chose v1beta2, every Workload request was 404 and nothing at all was collected
+    (`--once`: "HTTP 404 Not Found", exit 1)."""
+    from gpuledger.sim.kube_api import KUEUE_GROUP
+
+    with FakeKubeApi(kueue_versions=("v1beta2", "v1beta1")) as server:
+        server.set_served(KUEUE_GROUP, "v1beta2", "workloads", False)
+        server.create(WORKLOADS_V1BETA1, make_workload("research", "pod-group-7", "lq", "high", 500, version="v1beta1", created=T0))
+        server.create(PODS, make_pod("research", "worker-0", node="gpu-9", created=at(5),
+                                     annotations={"kueue.x-k8s.io/workload": "pod-group-7"}))
+        collector = make_collector(server)
+        assert collector.run_once() == 4  # the Workload queued; the pod submitted, scheduled, running
+        assert collector.kueue_version == "v1beta1"
+    events = published(kafka_bootstrap, catalogue.scheduler, 4)
+    assert [e.identity.workload_id for e in events if e.payload.object_kind == "Workload"] == ["research/pod-group-7"]
+
+
 def test_kueue_absent_pods_still_collected_and_kueue_found_later(make_collector, kafka_bootstrap, catalogue):
     with FakeKubeApi(kueue_versions=()) as server:
         server.create(PODS, make_pod("ml", "train-0", node="gpu-1", created=T0, owner=("Job", "train"),
@@ -854,23 +873,59 @@ def test_dra_resource_claims_publish_who_holds_which_gpu_once_and_every_end(api,
            {("gpu-node-1", "gpu.nvidia.com/gpu-node-1/gpu-0", "b-gpu")}
 
 
+def test_once_lists_what_it_may_and_then_names_what_it_may_not(api, make_collector, kafka_bootstrap, catalogue):
+    """`collect scheduler --once` with credentials that may not list Workloads ended at the first
+    refusal — "error: scheduler collector: HTTP 403 Forbidden", no resource named, nothing
+    published. It now lists the others, publishes them, and fails naming what it could not list."""
+    from producers.kubernetes.collector import KubeApiError
+
+    api.create(PODS, make_pod("ml", "a", node="gpu-1", created=T0))
+    api.create(WORKLOADS_V1BETA2, make_workload("ml", "train", pod_sets=[make_pod_set(gpus=1)]))
+    api.fail_next(5, 403, path="workloads", reason="Forbidden", message="workloads.kueue.x-k8s.io is forbidden")
+    collector = make_collector(api)
+    try:
+        with pytest.raises(KubeApiError) as exc:
+            collector.run_once()
+    finally:
+        collector.close()
+    assert str(exc.value).startswith("scheduler collector: the credentials may not list workloads (HTTP 403 Forbidden; deploy/k8s RBAC): "
+                                     "published 3 event(s) of the other resources"), str(exc.value)
+    events = published(kafka_bootstrap, catalogue.scheduler, 3)
+    assert {e.identity.pod for e in events} == {"a"} and not [e for e in events if e.payload.object_kind == "Workload"]
+
+
 def test_a_resource_the_credentials_may_not_list_does_not_hold_back_the_others(api, make_collector, kafka_bootstrap, catalogue,
                                                                              caplog):
     """Workloads forbidden (a ClusterRole without kueue.x-k8s.io): pods are still collected,
     the refusal is an ERROR naming the resource, and Workloads are listed once granted."""
+    from gpuledger.telemetry import RepeatFilter
+
     caplog.set_level(logging.INFO, logger="producers.kubernetes")
+    # As the CLI logs (gpuledger.telemetry.calm_logging): three missing grants were one ERROR line, the
+    # others held back for a minute as repeats of the first's template (exploratory review).
+    calm = logging.Handler()
+    calm.emit = lambda record: calm.records.append(record)
+    calm.records = []
+    calm.addFilter(RepeatFilter())
+    logging.getLogger("producers.kubernetes").addHandler(calm)
     api.create(PODS, make_pod("ml", "a", node="gpu-1", created=T0))
     api.create(WORKLOADS_V1BETA2, make_workload("ml", "train", pod_sets=[make_pod_set(gpus=1)]))
-    api.fail_next(12, 403, path="workloads", reason="Forbidden",
-                  message='workloads.kueue.x-k8s.io is forbidden: User "system:serviceaccount:gpuledger:collector" cannot list resource')
+    for path in ("workloads", "resourceclaims"):
+        api.fail_next(12, 403, path=path, reason="Forbidden",
+                      message=f'{path} is forbidden: User "system:serviceaccount:gpuledger:collector" cannot list resource')
     collector = make_collector(api)
-    with running(collector):
-        wait_sent(collector, 3)  # the pod's events, while every Workload request is refused
-        assert collector.workloads.rv is None
-        errors = [r for r in caplog.records if r.levelno == logging.ERROR and r.getMessage().startswith("workloads: the collector may not list it")]
-        assert len(errors) == 1 and "HTTP 403" in errors[0].getMessage()
-        wait_until(lambda: collector.workloads.rv is not None, timeout=30, what="workloads listed once the refusals stop")
-        wait_sent(collector, 4)
+    try:
+        with running(collector):
+            wait_sent(collector, 3)  # the pod's events, while every Workload request is refused
+            assert collector.workloads.rv is None
+            errors = [r for r in caplog.records if r.levelno == logging.ERROR and r.getMessage().startswith("workloads: the collector may not list it")]
+            assert len(errors) == 1 and "HTTP 403" in errors[0].getMessage()
+            shown = {r.getMessage().split(":", 1)[0] for r in calm.records if r.levelno == logging.ERROR and "may not list it" in r.getMessage()}
+            assert shown == {"workloads", "resourceclaims"}, [r.getMessage() for r in calm.records]
+            wait_until(lambda: collector.workloads.rv is not None, timeout=30, what="workloads listed once the refusals stop")
+            wait_sent(collector, 4)
+    finally:
+        logging.getLogger("producers.kubernetes").removeHandler(calm)
     events = published(kafka_bootstrap, catalogue.scheduler, 4)
     assert Counter(e.identity.pod or e.identity.workload_id for e in events)["a"] == 3
     assert [e for e in events if e.payload.object_kind == "Workload"], "the Workload was never published"
