@@ -273,6 +273,7 @@ class _Resource:
     field_selector: str | None
     handle: Callable[[str, Mapping, _Batch], None]
     rv: str | None = None
+    failing: bool = False  # its requests are failing (a streak ``_loop`` logged); cleared by ``_recovered``
 
 
 class _Denied(Exception):
@@ -691,6 +692,7 @@ class SchedulerCollector:
         if res.field_selector:
             kw["field_selector"] = res.field_selector
         resp = res.list_fn(**kw)
+        self._recovered(res)  # the watch is open: say so now, not when it ends (up to watch_timeout_s later)
         with self._streams_lock:
             self._streams.add(resp)
         try:
@@ -745,18 +747,26 @@ class SchedulerCollector:
         try:
             if res.rv is None:
                 self.sync(res, stop)
+                self._recovered(res)
             else:
                 self._watch(res, stop)
         except _Expired as exc:
             log.info("%s: watch expired (%s); re-listing", res.name, exc)
             res.rv = None
 
+    @staticmethod
+    def _recovered(res: _Resource) -> None:
+        """A request of ``res`` succeeded: the end of a failure streak is logged once, as soon as it
+        ends — not when the request that ended it returns (a watch: up to ``watch_timeout_s``, 300 s,
+        of a WARNING left unresolved while data flowed: exploratory review)."""
+        if res.failing:
+            res.failing = False
+            log.info("%s: recovered", res.name)
+
     def _loop(self, res: _Resource, stop: threading.Event) -> None:
         """List once, then watch from the list's resourceVersion until stopped; failures back off."""
-        failing = False
 
         def failed(state: RetryCallState) -> None:
-            nonlocal failing
             exc = retry_error(state)
             if isinstance(exc, ApiException) and exc.status == 404 and res is not self.pods:
                 # The group/version went away (Kueue uninstalled, events API changed): look again.
@@ -770,7 +780,7 @@ class SchedulerCollector:
             # the message's template (``_per_resource``), so the repeat filter holds back repeats per resource.
             log.log(_level(exc) if state.attempt_number == 1 else logging.DEBUG, _per_resource(res, "%s: %s; retrying in %.1fs"),
                     type(exc).__name__, _short(exc), retry_delay(state))
-            failing = True
+            res.failing = True
 
         while not stop.is_set():
             try:
@@ -778,9 +788,7 @@ class SchedulerCollector:
                                   max_s=self.settings.backoff_max_s, retry_on=_RETRIABLE, on_retry=failed)
             except Stopped:
                 return
-            if failing:
-                log.info("%s: recovered", res.name)
-                failing = False
+            self._recovered(res)
 
     # -- lifecycle ------------------------------------------------------------------------
 

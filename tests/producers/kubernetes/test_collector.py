@@ -873,6 +873,24 @@ def test_dra_resource_claims_publish_who_holds_which_gpu_once_and_every_end(api,
            {("gpu-node-1", "gpu.nvidia.com/gpu-node-1/gpu-0", "b-gpu")}
 
 
+def test_recovery_is_logged_when_the_watch_opens_again_not_when_it_ends(api, make_collector, caplog):
+    """From an exploratory review on a real cluster: after an API server restart, "pods: recovered"
+    came only when the watch that ended the outage returned (up to watch_timeout_s, 300 s): a
+    WARNING stood unresolved in the log while data flowed. It is logged when the watch opens."""
+    caplog.set_level(logging.INFO, logger="producers.kubernetes")
+    api.create(PODS, make_pod("ml", "a", node="gpu-1", created=T0))
+    collector = make_collector(api, watch_timeout_s=120)
+    with running(collector):
+        wait_sent(collector, 3)
+        wait_watching(api, PODS)
+        api.fail_next(3, 503, path="pods")
+        api.drop_watches(PODS)  # the API server goes away; the next requests fail, then it is back
+        wait_until(lambda: [r for r in caplog.records if r.getMessage() == "pods: recovered"], timeout=20, what="'pods: recovered' logged")
+        assert api.open_watches(PODS) == 1  # ... while the watch that ended the outage is still open
+        failed = [r for r in caplog.records if r.getMessage().startswith("pods: ") and r.levelno == logging.WARNING]
+        assert failed and failed[0].created < next(r.created for r in caplog.records if r.getMessage() == "pods: recovered")
+
+
 def test_once_lists_what_it_may_and_then_names_what_it_may_not(api, make_collector, kafka_bootstrap, catalogue):
     """`collect scheduler --once` with credentials that may not list Workloads ended at the first
     refusal — "error: scheduler collector: HTTP 403 Forbidden", no resource named, nothing
