@@ -266,7 +266,9 @@ class LifecycleReceiver:
                 counters.add_rejected(exc.reason)
             # A WARNING, not DEBUG: a sender does not retry a 4xx (Alertmanager drops the whole group), so
             # this line is where an operator learns what was refused and why (repeats: once a minute, counted).
-            log.warning("%s: answering %d to %s, refused (%s): %s", route, exc.status, request.remote, exc.reason, exc)
+            # (route, status and reason in the template, not as arguments: the repeat filter folds a template's repeats
+            # for a minute, and one template for every refusal showed only the first of a minute's)
+            log.warning(f"{route}: answering {exc.status}, refused ({exc.reason}), to %s: %s", request.remote, exc)
             return _error(exc.status, str(exc), exc.field, **exc.details)
         except PublishError as exc:
             # ``_publish`` has counted the events as rejected(kafka_unavailable).

@@ -753,7 +753,8 @@ class Evidence:
             if ended or rid in cited:
                 mine = [v for v in self._of(8) if v["identity"].get("release_id") == rid]
                 verdict = _verdict(mine)
-                deadline = _history_time(ended) + self.policy.retirement.grace if ended else None
+                # (a retirement the policy does not count — unproven, with require_for_rights — is never judged: ``Policy.stops``)
+                deadline = _history_time(ended) + self.policy.retirement.grace if ended and self.policy.stops(ended[4]) else None
                 if (verdict == "no violation recorded" and deadline is not None and self.judged_until is not None
                         and self.judged_until < deadline <= self.end):
                     # (as control 5's windows: the worker judges the grace period's end on event time)

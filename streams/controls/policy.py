@@ -471,12 +471,18 @@ class Policy(_Model):
         return self.roles[self.control(control_id).accountable].owner
 
 
+#: The prefixes of a typed policy member (``group:oncall``, ``user:alice``, ``service:ci``): a bare
+#: name never starts with one.
+TYPED_MEMBER = ("group:", "user:", "service:")
+
+
 def _bare(identity: str) -> str | None:
     """The bare policy name a proven ``user:<name>`` identity stands for (``alice`` for
-    ``user:alice``), None for any other. Never a name that is itself typed (``user:group:oncall``,
-    an OIDC subject "group:oncall", is a user; read as "group:oncall" it held that group's roles
-    with no group proven — exploratory review): a bare member has no prefix."""
-    if not identity.startswith("user:") or ":" in identity[5:]:
+    ``user:alice``; ``system:serviceaccount:ci:deployer`` for an OIDC subject of that name), None
+    for any other. Never a typed member: ``user:group:oncall`` (an OIDC subject "group:oncall")
+    is a user, and read as "group:oncall" it held that group's roles with no group proven
+    (exploratory review)."""
+    if not identity.startswith("user:") or identity[5:].startswith(TYPED_MEMBER):
         return None
     return identity[5:]
 

@@ -814,6 +814,7 @@ def _release_controls(rid: str, rows: list[dict], links: dict, found: Findings, 
     """5, 7 and 8 for one release."""
     rows = _sorted(r for r in rows if r["type"].startswith("release."))
     manifest = ctx.release(rid).manifest
+    own_env = {eid: env for _at, _etype, eid, env, _actor in ctx.release(rid).history}  # each event's own environment
     base = {"release_id": rid, **{k: manifest.get(k) for k in ("model_name", "model_version", "environment", "owner", "image_digest")}}
     # By allocation id: a changelog from before allocations were kept by their pod can still
     # hold a node/GPU key's copy of one; the pod's (its newer versions) wins.
@@ -824,7 +825,7 @@ def _release_controls(rid: str, rows: list[dict], links: dict, found: Findings, 
         action = ACTION_OF_EVENT.get(row["type"])
         if action:
             later = [r for r in rows[n + 1:] if r["type"] == row["type"] and r["p"].get("target") == row["p"].get("target")
-                     and _decided_for(r) == _decided_for(row)]
+                     and _decided_for(r, own_env) == _decided_for(row, own_env)]
             _authority(rid, row, action, later, base, found, clock, ctx.policy)
     reservations = reservation_events(rows)
     for res_id, entry in sorted(reservations.items()):
@@ -833,11 +834,17 @@ def _release_controls(rid: str, rows: list[dict], links: dict, found: Findings, 
     _retirement(rid, rows, reservations, allocs, running, base, found, clock, ctx.policy)
 
 
-def _decided_for(row: dict) -> str | None:
-    """The environment a lifecycle decision is for: its ``to_environment``, else its identity's
-    ``environment`` (how an approval names it; the release directory reads it so too). A repeat
-    ratifies only the same decision: an approval for dev closed an unauthorised approval for prod
-    as "ratified" while nobody with the right ever approved prod (exploratory review)."""
+def _decided_for(row: dict, own_env: dict[str, str | None]) -> str | None:
+    """The environment a lifecycle decision is for, as the event itself named it: its
+    ``to_environment``, else its identity's ``environment`` — read from the release directory's
+    entry of the event (``own_env``), because the row's identity is filled in from the release's
+    manifest where the event names none (an approval naming no environment, which covers every
+    one, read as the manifest's). A repeat ratifies only the same decision: an approval for dev
+    closed an unauthorised approval for prod as "ratified" while nobody with the right ever
+    approved prod (exploratory review). An event the directory no longer holds (past its history
+    bound) falls back to the row."""
+    if row["id"] in own_env:
+        return own_env[row["id"]]
     return row["p"].get("to_environment") or row["i"].get("environment")
 
 

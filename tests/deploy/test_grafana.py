@@ -74,8 +74,15 @@ def store(clickhouse_client):
                     {"alertname": "GhostRelease", "severity": "warning", "starts_at": ghost_at.isoformat()},
                     summary="GhostRelease (warning) firing", key="fp-ghost")
 
+    # An alert attributed to a described release before that release's first event: no release_state as of
+    # its time, yet attributed (control 6 counts it) — not "no release event" (review of the change).
+    early_at = inc.T0 - timedelta(minutes=10)
+    early = inc._ce("alert", "alert.firing", early_at, {"alert_fingerprint": "fp-early", "release_id": inc.R7, **inc.MANIFEST7},
+                    {"alertname": "EarlyBird", "severity": "warning", "starts_at": early_at.isoformat()},
+                    summary="EarlyBird (warning) firing", key="fp-early")
+
     async def go():
-        await writers.store_correlated([*inc.correlated_rows(), ghost])
+        await writers.store_correlated([*inc.correlated_rows(), ghost, early])
         await writers.store_allocations(inc.allocation_rows())
         await writers.store_violations([violation, withdrawn])
     asyncio.run(go())
@@ -116,11 +123,11 @@ def test_the_panels_say_what_happened(store):
     assert {r["release"] for r in held} == {inc.R7, "unattributed"}
     alerts = run_readonly(client, substitute(by_title["panel Alerts by release and name"], db)).dicts()
     assert {(r["release"], r["alertname"]) for r in alerts} == {(inc.R7, "ModelQualityDegraded"), ("unattributed", "GpuXidError"),
-                                                                 (f"{GHOST} (no release event)", "GhostRelease")}
-    # Firing in range: ModelQualityDegraded (one row: its versions collapse), GpuXidError, GhostRelease —
-    # one of three joined to a described release (the ghost's label alone does not count).
+                                                                 (f"{GHOST} (no release event)", "GhostRelease"), (inc.R7, "EarlyBird")}
+    # Firing in range: ModelQualityDegraded (one row: its versions collapse), GpuXidError, GhostRelease, EarlyBird —
+    # two of four joined to a described release (the ghost's label alone does not count; the early one does).
     coverage = run_readonly(client, substitute(by_title["panel Alert attribution coverage"], db)).dicts()
-    assert coverage == [{"attributed_percent": 33.3, "alerts": 3}]
+    assert coverage == [{"attributed_percent": 50.0, "alerts": 4}]
     firing = run_readonly(client, substitute(by_title["panel Firing alerts by release"], db)).dicts()
     assert {r["release"] for r in firing} == {inc.R7, "unattributed", f"{GHOST} (no release event)"}
     series = run_readonly(client, substitute(by_title["panel GPUs held by release"], db)).dicts()

@@ -370,6 +370,11 @@ def test_a_right_granted_to_a_group_counts_only_through_authenticated_groups_and
                                                       authenticated_by="oidc")]
     assert "user:group:oncall holds no role; none grants isolate_node" in one(run(forged, policy=GROUPS), 7).detail
     assert GROUPS.allowed("user:alice", "approve")  # a bare policy member ("alice") still matches its proven form
+    # ... and so does a bare name with ':' in it that is not a typed member (an OIDC subject such as a service account's)
+    deployer = GROUPS.model_copy(update={"roles": {**GROUPS.roles, "deployers": Role(owner="team-platform",
+                                                                                      members=("system:serviceaccount:ci:deployer",),
+                                                                                      actions=("approve",))}})
+    assert deployer.allowed("user:system:serviceaccount:ci:deployer", "approve")
     # Proven, without the group: control 7 says which groups were considered.
     outsider = history({"actor": "user:yves", "authenticated_by": "token", "actor_groups": ("interns",)})
     assert any("user:yves (groups: interns) holds no role; none grants isolate_node" in v.detail for v in of(outsider, 7))
@@ -414,6 +419,11 @@ def test_only_the_same_decision_ratifies_and_only_an_overrides_expiry_ends_it():
     prod = one(run([*prod_by_mallory, rel("release.approved", 5, actor="alice", env="dev", approval_id="CHG-10"),
                     rel("release.approved", 8, actor="alice", approval_id="CHG-11")], watermark=60), 7)
     assert prod.closed_at == at(8) and "; ratified at 2026-11-01T08:08:00.000Z by alice" in prod.detail, prod.detail
+    # An approval naming no environment (it covers every one) is its own decision: its row reads the manifest's
+    # environment, but a later approval for dev does not ratify it (review of the change).
+    anywhere = one(run([rel("release.registered", 0), rel("release.approved", 1, actor="mallory", env=None),
+                        rel("release.approved", 5, actor="alice", env="dev", approval_id="CHG-10")], watermark=60), 7)
+    assert anywhere.closed_at is None and "ratified" not in anywhere.detail, anywhere.detail
     self_expiring = [rel("release.registered", 0), rel("release.approved", 1, actor="mallory", expires_at=at(1) + timedelta(seconds=1)),
                      rel("release.promoted", 2, actor="mallory", to_environment="prod", expires_at=at(2) + timedelta(seconds=1)),
                      rel("release.node_isolated", 3, actor="mallory", target="n3", expires_at=at(4))]

@@ -340,7 +340,16 @@ def test_bad_input_is_rejected_and_nothing_is_published(receiver, catalogue, kaf
 
 
 def test_control_and_bidi_characters_in_identity_are_422_naming_the_field(receiver, catalogue, kafka_bootstrap, caplog):
+    from gpuledger.telemetry import RepeatFilter
+
     caplog.set_level(logging.WARNING, logger="producers.receiver.server")
+    # As the CLI logs (gpuledger.telemetry.calm_logging): one template for every refusal showed only a
+    # minute's first (review of the change).
+    calm = logging.Handler()
+    calm.emit = lambda record: calm.records.append(record)
+    calm.records = []
+    calm.addFilter(RepeatFilter())
+    logging.getLogger("producers.receiver.server").addHandler(calm)
     rx = receiver()
     rlo_name = json.loads(sample("alertmanager", "quality_firing.json"))
     rlo_name["alerts"][0]["labels"]["alertname"] = "Gpu\u202eexe.gnp"
@@ -363,8 +372,12 @@ def test_control_and_bidi_characters_in_identity_are_422_naming_the_field(receiv
         assert text in answer["error"] and "\u202e" not in answer["error"] and "\x00" not in answer["error"], answer
     # Each refusal is a WARNING naming the field (a sender does not retry a 4xx: the log is where it shows).
     refused = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "refused" in r.getMessage()]
-    assert len(refused) == len(cases) and all(f"answering 422 to 127.0.0.1, refused" in m and f"{field}: " in m and text in m
-                                              for m, (_, _, field, text) in zip(refused, cases)), refused
+    assert len(refused) == len(cases) and all("answering 422, refused (" in m and "), to 127.0.0.1: " in m and f"{field}: " in m
+                                              and text in m for m, (_, _, field, text) in zip(refused, cases)), refused
+    # Through the repeat filter: each route and reason shows (the two bodies refused alike on one route fold into one).
+    logging.getLogger("producers.receiver.server").removeHandler(calm)
+    shown = {m.split(", to ")[0] for m in (r.getMessage() for r in calm.records) if "refused" in m}
+    assert shown == {m.split(", to ")[0] for m in refused} and len(shown) >= 3, shown
     # Free text may carry them (escaped on output): an annotation with U+202E is accepted.
     rlo_note = json.loads(sample("alertmanager", "quality_firing.json"))
     rlo_note["alerts"][0]["annotations"]["description"] = "look \u202e here"

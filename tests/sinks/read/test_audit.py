@@ -418,6 +418,12 @@ def test_a_retirement_grace_period_ending_after_the_last_event_is_not_judged_yet
     assert control8["status"] == "PASS" and "1 deadline(s) after the latest event in the store, not judged yet" in control8["note"], control8
     again = json.loads(audit(env, *RANGE, "--reevaluate", "--format", "json").output)
     assert not [r for s in again["evidence"] for r in s["rows"] if str(r.get("verdict", "")).startswith("not judged")]
+    # A retirement the policy does not count (unproven, with require_for_rights: Policy.stops) is never judged: not "yet".
+    strict = tmp_path / "strict.yaml"
+    strict.write_text("version: 1\nauthentication:\n  require_for_rights: true\n")
+    report = json.loads(audit(env, *RANGE, "--format", "json", "--policy", str(strict)).output)
+    rows = {r["release"]: r for r in next(s for s in report["evidence"] if s["control"] == 8)["rows"]}
+    assert rows[inc.R7_STAGING]["verdict"] == "no violation recorded", rows[inc.R7_STAGING]
 
 
 def test_control_1s_queue_entry_is_the_first_event_published_within_its_second(clickhouse_client, clickhouse_dsn, tmp_path):
