@@ -82,8 +82,13 @@ def _reserve(port: int) -> bool:
 
 
 def bindable(port: int) -> bool:
-    """Whether nothing listens on 127.0.0.1:``port`` now (a bind succeeds)."""
+    """Whether nothing listens on 127.0.0.1:``port`` now (a bind succeeds). With SO_REUSEADDR, as
+    the servers we start bind (Kafka's JVM, aiohttp): a port whose last server's connections sit
+    in TIME-WAIT is free for them, and without it `kafka down; kafka up` read the broker's last
+    port as taken and moved it, stranding every client (exploratory review). A listening socket
+    still makes the bind fail."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:

@@ -325,6 +325,13 @@ def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: 
         how = next((e[1].split(".", 1)[1] for e in rel.history if e[2] == cause), "revoked")
         return done("deny", "revoked", f"release {rid} was {how}; it may not start new GPU work in {where}; "
                     "run an approved release instead" + tail, evidence=(cause,))
+    # Revoked or retired without ever having been approved here: an end, not a wait for an approval. As
+    # "unapproved" its Workload stayed Pending in its queue for ever, holding quota, and the message asked for an
+    # approval of a revoked release (exploratory review). (A revocation the policy does not count: Policy.stops.)
+    ended = [e for e in rel.history if e[0] <= now and e[1] in ("release.revoked", "release.retired") and policy.stops(e[4])]
+    if ended:
+        return done("deny", "revoked", f"release {rid} was {ended[-1][1].split('.', 1)[1]}; it may not start new GPU work in {where}; "
+                    "run an approved release instead" + tail, evidence=(ended[-1][2],))
     # The lifecycle state, not the latest event of any kind: after an override the message said
     # 'is admission_overridden, not approved for prod'.
     latest = state.lifecycle_state_as_of(rid, at_iso)
@@ -338,6 +345,7 @@ def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: 
         last = unentitled[-1]
         return done("deny", "approval-not-entitled", f"release {rid} was approved only by {actor_text(last[4]) or 'no recorded actor'}, "
                     f"which does not count for {where}: {policy.why_not(last[4], 'approve')}; approvals need the `approve` right "
-                    f"({_approvers(policy)})" + tail, evidence=(last[2],))
+                    f"({_approvers(policy)}): gpuledger release approve --release-id {rid} --env {env or '<env>'} --actor <approver>" + tail,
+                    evidence=(last[2],))
     return done("deny", "unapproved", f"release {rid} is {shown}, not approved for {where}; approvals need the `approve` right "
                 f"({_approvers(policy)}): gpuledger release approve --release-id {rid} --env {env or '<env>'} --actor <approver>" + tail)

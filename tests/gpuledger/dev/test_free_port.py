@@ -80,3 +80,22 @@ def test_another_user_gets_ports_while_this_users_claims_exist(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     port, claimed = proc.stdout.split()
     assert int(port) >= 10_000 and claimed == "True", proc.stdout
+
+
+def test_a_port_whose_last_server_left_connections_in_time_wait_is_bindable_one_listened_on_is_not():
+    """`kafka down; kafka up` moved the broker to a new port when its last port's server-side
+    connections sat in TIME-WAIT (the bind check did not set SO_REUSEADDR, as the broker does)."""
+    from gpuledger.dev.process import bindable
+
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", free_port()))
+    server.listen()
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = server.accept()
+    assert not bindable(port)  # listened on
+    accepted.close()  # the server side closes first: its end of the connection goes to TIME-WAIT
+    client.close()
+    server.close()
+    assert bindable(port)

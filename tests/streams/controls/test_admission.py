@@ -94,6 +94,16 @@ def test_a_revoked_or_retired_release_is_denied():
         assert (d.verdict, d.rule) == ("deny", "revoked") and f"was {'revoked' if command == 'revoke' else 'retired'}" in d.message
 
 
+def test_a_release_revoked_without_ever_being_approved_here_is_revoked_not_unapproved():
+    """From an exploratory review on a real cluster: a release approved for staging only and then
+    revoked was denied as "unapproved" in prod — its Workload waited Pending in its queue for ever,
+    holding quota, told to get the revoked release approved. A revocation ends it (Rejected)."""
+    state = loaded(registered, approved_by("alice", env="staging"), lambda s: release(s, "revoke", 20, reason="data leak", actor="alice"))
+    d = decision(state=state)
+    assert (d.verdict, d.rule) == ("deny", "revoked") and "was revoked" in d.message and "gpuledger release approve" not in d.message, d.message
+    assert decision(state=loaded(registered, lambda s: release(s, "retire", 20, reason="old", actor="alice"))).rule == "revoked"
+
+
 def test_an_unproven_revocation_does_not_block_an_approved_release_where_proof_is_required():
     """With require_for_rights, an anonymous POST of release.revoked by 'mallory' made admission
     deny every new pod of an approved release. Without it (the default) a revocation is a brake,
@@ -281,10 +291,10 @@ def test_a_deny_names_the_releases_lifecycle_state_where_it_is_approved_and_an_e
                                                        window_start=(T0 + timedelta(hours=2)).isoformat(),
                                                        window_end=(T0 + timedelta(hours=3)).isoformat())))
     assert promoted.message.startswith(f"release {RID} is promoted (approved for staging), not approved for prod;"), promoted.message
-    # Approvals before a revocation are not 'approved for' anything any more; nor are those without the right.
+    # A revocation ends it, whatever was approved before (an end, not a wait for an approval).
     revoked = decision(state=loaded(registered, approved_by("alice", env="staging"), approved_by("mallory", env="staging", minutes=11),
                                     lambda s: release(s, "revoke", 12, actor="alice", reason="drift")))
-    assert revoked.message.startswith(f"release {RID} is revoked, not approved for prod;"), revoked.message
+    assert revoked.rule == "revoked" and revoked.message.startswith(f"release {RID} was revoked;"), revoked.message
 
 
 def test_kueue_workloads_and_pods_are_subjects_too():
