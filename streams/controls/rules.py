@@ -66,6 +66,8 @@ from schemas.release import actor_text, decision_actor
 
 START = frozenset({"scheduler.admitted", "scheduler.scheduled", "scheduler.running", "scheduler.pods_ready"})
 STOP = frozenset({"scheduler.preempted", "scheduler.evicted", "scheduler.finished", "scheduler.deleted", "scheduler.requeued"})
+#: Stops after which the object cannot start again (``intervals``: the last of their instant).
+TERMINAL = frozenset({"scheduler.finished", "scheduler.deleted"})
 SCHEDULER_KEPT = START | STOP
 MAX_ROWS = 1000
 MAX_DROPPED_IDS = 256
@@ -411,15 +413,36 @@ def _sorted(rows) -> list[dict]:
 
 
 def intervals(rows: list[dict]) -> list[tuple]:
-    """Running intervals of one object: (start, end|None, start row, end row|None)."""
+    """Running intervals of one object: (start, end|None, start row, end row|None).
+
+    Kubernetes times are whole seconds, so a start and a stop often share one: the rows of one
+    instant are taken in the order that gives both their meaning — its starts before its stops when
+    one of those ends the object (finished, deleted: nothing starts after it; a pod running and
+    finished in one second) or while nothing runs (started and stopped at once: a zero-length
+    interval); while it runs and the stop is a preemption, eviction or requeue, the stops first
+    (stopped and admitted again). By id alone (a hash) a finish sorted before the running row
+    opened an interval no later row closed: a control 1/2 violation open for ever on a workload
+    that had finished (exploratory review, real cluster)."""
     out, current = [], None
-    for row in _sorted(r for r in rows if r["type"] in SCHEDULER_KEPT):
-        if current is None and row["type"] in START:
-            current = [_t(row["at"]), None, row, None]
-        elif current is not None and row["type"] in STOP:
-            current[1], current[3] = _t(row["at"]), row
-            out.append(tuple(current))
-            current = None
+    kept = _sorted(r for r in rows if r["type"] in SCHEDULER_KEPT)
+    i = 0
+    while i < len(kept):
+        at = _t(kept[i]["at"])
+        j = i
+        while j < len(kept) and _t(kept[j]["at"]) == at:
+            j += 1
+        instant = kept[i:j]
+        ends = any(r["type"] in TERMINAL for r in instant)
+        first = START if current is None or ends else STOP
+        ordered = [r for r in instant if r["type"] in first] + [r for r in instant if r["type"] not in first]
+        for row in sorted(ordered, key=lambda r: r["type"] in TERMINAL):  # (stable: a terminal stop last of all)
+            if current is None and row["type"] in START:
+                current = [at, None, row, None]
+            elif current is not None and row["type"] in STOP:
+                current[1], current[3] = at, row
+                out.append(tuple(current))
+                current = None
+        i = j
     if current is not None:
         out.append(tuple(current))
     return out

@@ -435,6 +435,26 @@ def test_only_the_same_decision_ratifies_and_only_an_overrides_expiry_ends_it():
     assert paused.closed_at == at(30) and paused.detail.endswith("; the override expired at 2026-11-01T08:30:00.000Z"), paused.detail
 
 
+def test_a_pod_running_and_finished_in_one_second_closes_its_violation():
+    """From an exploratory review on a real cluster: `scheduler.running` and `scheduler.finished` in
+    one whole second were ordered by id (a hash); a finish sorted first was ignored and the running
+    row opened an interval nothing closed — control 1 open for ever on workloads that had finished.
+    Six pods (their ids order both ways); each one's violation closes at the finish."""
+    events = [rel("release.registered", 0, "r9")]
+    for n in range(6):
+        pod, wl = f"quick-{n}", f"ml/Job/quick-{n}"
+        events += [sched("scheduler.scheduled", 10, pod=pod, workload=wl, release_id="r9"),
+                   sched("scheduler.running", 11, pod=pod, workload=wl, release_id="r9"),
+                   sched("scheduler.finished", 11, pod=pod, workload=wl, release_id="r9")]
+    found = of(run(events, watermark=60), 1)
+    assert len(found) == 6 and all(v.closed_at == at(11) for v in found), [(v.detail, v.closed_at) for v in found]
+    # Preempted and admitted again in one second while it runs: stopped, then running again — the first
+    # admission's violation closes, the second's is open.
+    again = [rel("release.registered", 0, "r9"), sched("scheduler.admitted", 10, kind="Workload", release_id="r9"),
+             sched("scheduler.preempted", 12, kind="Workload", release_id="r9"), sched("scheduler.admitted", 12, kind="Workload", release_id="r9")]
+    assert sorted(((v.opened_at, v.closed_at) for v in of(run(again, watermark=60), 1)), key=str) == [(at(10), at(12)), (at(12), None)]
+
+
 # --- 8. Retirement ----------------------------------------------------------------------------
 
 def _holding():
