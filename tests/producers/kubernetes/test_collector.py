@@ -916,34 +916,27 @@ def test_a_resource_the_credentials_may_not_list_does_not_hold_back_the_others(a
                                                                              caplog):
     """Workloads forbidden (a ClusterRole without kueue.x-k8s.io): pods are still collected,
     the refusal is an ERROR naming the resource, and Workloads are listed once granted."""
-    from gpuledger.telemetry import RepeatFilter
+    from tests.fixtures.logs import calm_records
 
     caplog.set_level(logging.INFO, logger="producers.kubernetes")
-    # As the CLI logs (gpuledger.telemetry.calm_logging): three missing grants were one ERROR line, the
-    # others held back for a minute as repeats of the first's template (exploratory review).
-    calm = logging.Handler()
-    calm.emit = lambda record: calm.records.append(record)
-    calm.records = []
-    calm.addFilter(RepeatFilter())
-    logging.getLogger("producers.kubernetes").addHandler(calm)
     api.create(PODS, make_pod("ml", "a", node="gpu-1", created=T0))
     api.create(WORKLOADS_V1BETA2, make_workload("ml", "train", pod_sets=[make_pod_set(gpus=1)]))
     for path in ("workloads", "resourceclaims"):
         api.fail_next(12, 403, path=path, reason="Forbidden",
                       message=f'{path} is forbidden: User "system:serviceaccount:gpuledger:collector" cannot list resource')
     collector = make_collector(api)
-    try:
+    # As the CLI logs: three missing grants were one ERROR line, the others held back for a minute as
+    # repeats of the first's template (exploratory review).
+    with calm_records("producers.kubernetes") as calm:
         with running(collector):
             wait_sent(collector, 3)  # the pod's events, while every Workload request is refused
             assert collector.workloads.rv is None
             errors = [r for r in caplog.records if r.levelno == logging.ERROR and r.getMessage().startswith("workloads: the collector may not list it")]
             assert len(errors) == 1 and "HTTP 403" in errors[0].getMessage()
-            shown = {r.getMessage().split(":", 1)[0] for r in calm.records if r.levelno == logging.ERROR and "may not list it" in r.getMessage()}
-            assert shown == {"workloads", "resourceclaims"}, [r.getMessage() for r in calm.records]
+            shown = {r.getMessage().split(":", 1)[0] for r in calm if r.levelno == logging.ERROR and "may not list it" in r.getMessage()}
+            assert shown == {"workloads", "resourceclaims"}, [r.getMessage() for r in calm]
             wait_until(lambda: collector.workloads.rv is not None, timeout=30, what="workloads listed once the refusals stop")
             wait_sent(collector, 4)
-    finally:
-        logging.getLogger("producers.kubernetes").removeHandler(calm)
     events = published(kafka_bootstrap, catalogue.scheduler, 4)
     assert Counter(e.identity.pod or e.identity.workload_id for e in events)["a"] == 3
     assert [e for e in events if e.payload.object_kind == "Workload"], "the Workload was never published"

@@ -340,50 +340,44 @@ def test_bad_input_is_rejected_and_nothing_is_published(receiver, catalogue, kaf
 
 
 def test_control_and_bidi_characters_in_identity_are_422_naming_the_field(receiver, catalogue, kafka_bootstrap, caplog):
-    from gpuledger.telemetry import RepeatFilter
+    from tests.fixtures.logs import calm_records
 
     caplog.set_level(logging.WARNING, logger="producers.receiver.server")
-    # As the CLI logs (gpuledger.telemetry.calm_logging): one template for every refusal showed only a
-    # minute's first (review of the change).
-    calm = logging.Handler()
-    calm.emit = lambda record: calm.records.append(record)
-    calm.records = []
-    calm.addFilter(RepeatFilter())
-    logging.getLogger("producers.receiver.server").addHandler(calm)
-    rx = receiver()
-    rlo_name = json.loads(sample("alertmanager", "quality_firing.json"))
-    rlo_name["alerts"][0]["labels"]["alertname"] = "Gpu\u202eexe.gnp"
-    nul_pod = json.loads(sample("alertmanager", "gpu_xid_firing.json"))
-    nul_pod["alerts"][0]["labels"]["exported_pod"] = "\x00"
-    forged_actor = release_event(payload={"actor": "alice\u202e", "approval_id": "CHG-1"})
-    nul_release = release_event(identity={"release_id": "fraud-detector:7\x00"})
-    mlflow_rlo = json.loads(sample("mlflow", "model_version_alias_created_prod.json"))
-    mlflow_rlo["data"]["name"] = "fraud\u202edetector"
-    cases = [
-        ("/v1/alertmanager", rlo_name, "alerts[0].labels.alertname", "U+202E (RIGHT-TO-LEFT OVERRIDE)"),
-        ("/v1/alertmanager", nul_pod, "alerts[0].labels.exported_pod", "U+0000"),
-        ("/v1/releases", forged_actor, "payload.actor", "U+202E"),
-        ("/v1/releases", nul_release, "identity.release_id", "U+0000"),
-        ("/v1/mlflow", mlflow_rlo, "data.name", "U+202E"),
-    ]
-    for path, body, field, text in cases:
-        status, answer = rx.post(path, body)
-        assert (status, answer["field"]) == (422, field), (path, answer)
-        assert text in answer["error"] and "\u202e" not in answer["error"] and "\x00" not in answer["error"], answer
-    # Each refusal is a WARNING naming the field (a sender does not retry a 4xx: the log is where it shows).
-    refused = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "refused" in r.getMessage()]
-    assert len(refused) == len(cases) and all("answering 422, refused (" in m and "), to 127.0.0.1: " in m and f"{field}: " in m
-                                              and text in m for m, (_, _, field, text) in zip(refused, cases)), refused
-    # Through the repeat filter: each route and reason shows (the two bodies refused alike on one route fold into one).
-    logging.getLogger("producers.receiver.server").removeHandler(calm)
-    shown = {m.split(", to ")[0] for m in (r.getMessage() for r in calm.records) if "refused" in m}
-    assert shown == {m.split(", to ")[0] for m in refused} and len(shown) >= 3, shown
-    # Free text may carry them (escaped on output): an annotation with U+202E is accepted.
-    rlo_note = json.loads(sample("alertmanager", "quality_firing.json"))
-    rlo_note["alerts"][0]["annotations"]["description"] = "look \u202e here"
-    assert rx.post("/v1/alertmanager", rlo_note)[0] == 200
-    assert len(events_on(kafka_bootstrap, catalogue.alert, 2)) == 2
-    assert events_on(kafka_bootstrap, catalogue.release, 0, timeout=3) == []
+    # As the CLI logs: one template for every refusal showed only a minute's first (review of the change).
+    with calm_records("producers.receiver.server") as calm:
+        rx = receiver()
+        rlo_name = json.loads(sample("alertmanager", "quality_firing.json"))
+        rlo_name["alerts"][0]["labels"]["alertname"] = "Gpu\u202eexe.gnp"
+        nul_pod = json.loads(sample("alertmanager", "gpu_xid_firing.json"))
+        nul_pod["alerts"][0]["labels"]["exported_pod"] = "\x00"
+        forged_actor = release_event(payload={"actor": "alice\u202e", "approval_id": "CHG-1"})
+        nul_release = release_event(identity={"release_id": "fraud-detector:7\x00"})
+        mlflow_rlo = json.loads(sample("mlflow", "model_version_alias_created_prod.json"))
+        mlflow_rlo["data"]["name"] = "fraud\u202edetector"
+        cases = [
+            ("/v1/alertmanager", rlo_name, "alerts[0].labels.alertname", "U+202E (RIGHT-TO-LEFT OVERRIDE)"),
+            ("/v1/alertmanager", nul_pod, "alerts[0].labels.exported_pod", "U+0000"),
+            ("/v1/releases", forged_actor, "payload.actor", "U+202E"),
+            ("/v1/releases", nul_release, "identity.release_id", "U+0000"),
+            ("/v1/mlflow", mlflow_rlo, "data.name", "U+202E"),
+        ]
+        for path, body, field, text in cases:
+            status, answer = rx.post(path, body)
+            assert (status, answer["field"]) == (422, field), (path, answer)
+            assert text in answer["error"] and "\u202e" not in answer["error"] and "\x00" not in answer["error"], answer
+        # Each refusal is a WARNING naming the field (a sender does not retry a 4xx: the log is where it shows).
+        refused = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "refused" in r.getMessage()]
+        assert len(refused) == len(cases) and all("answering 422, refused (" in m and "), to 127.0.0.1: " in m and f"{field}: " in m
+                                                  and text in m for m, (_, _, field, text) in zip(refused, cases)), refused
+        # Through the repeat filter: each route and reason shows (the two bodies refused alike on one route fold into one).
+        shown = {m.split(", to ")[0] for m in (r.getMessage() for r in calm) if "refused" in m}
+        assert shown == {m.split(", to ")[0] for m in refused} and len(shown) >= 3, shown
+        # Free text may carry them (escaped on output): an annotation with U+202E is accepted.
+        rlo_note = json.loads(sample("alertmanager", "quality_firing.json"))
+        rlo_note["alerts"][0]["annotations"]["description"] = "look \u202e here"
+        assert rx.post("/v1/alertmanager", rlo_note)[0] == 200
+        assert len(events_on(kafka_bootstrap, catalogue.alert, 2)) == 2
+        assert events_on(kafka_bootstrap, catalogue.release, 0, timeout=3) == []
 
 
 def test_release_event_from_a_future_schema_version_is_refused_and_dead_lettered(receiver, catalogue, kafka_bootstrap):
