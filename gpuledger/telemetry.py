@@ -134,6 +134,15 @@ def log_format(tag: str) -> str:
     return f"[%(asctime)s] [%(process)d] [%(levelname)s] [{tag}] %(name)s: %(message)s"
 
 
+def demote(record: logging.LogRecord, level: int) -> bool:
+    """Lower ``record`` to ``level`` and say whether to keep it: only where its logger is enabled at
+    that level — the logger let it through at its own level, and a handler without a level prints
+    whatever reaches it (a filter's return value)."""
+    if record.levelno > level:
+        record.levelno, record.levelname = level, logging.getLevelName(level)
+    return logging.getLogger(record.name).isEnabledFor(level)
+
+
 class Demote(logging.Filter):
     """Lower a library's records that name one of ``conditions`` to ``level``, keeping them
     only where their logger is enabled at it: a condition the library retries by itself and
@@ -146,9 +155,7 @@ class Demote(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno <= self.level or not any(c in record.getMessage() for c in self.conditions):
             return True
-        record.levelno, record.levelname = self.level, logging.getLevelName(self.level)
-        # (the logger let it through at its own level: kept only where the lower one is logged)
-        return logging.getLogger(record.name).isEnabledFor(self.level)
+        return demote(record, self.level)
 
 
 #: Library records demoted in every gpuledger process (``log_levels``). aiokafka logs an ERROR

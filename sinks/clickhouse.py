@@ -39,6 +39,7 @@ from urllib.parse import urlsplit
 import clickhouse_connect
 from clickhouse_connect.driver.client import Client
 
+from gpuledger.telemetry import demote
 from sinks.errors import StoreLocked, StoreUnavailable
 from sinks.migrations import migrate
 from sinks.retry import OutageLog
@@ -74,11 +75,8 @@ class _SinkCallFilter(logging.Filter):
             args = record.args if isinstance(record.args, tuple) else ()
             report.column = f"column `{args[0]}` of type {args[1]}" if len(args) >= 2 else ""
         if record.levelno > logging.DEBUG:
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
             record.exc_info = record.exc_text = None  # the traceback is the sink's to report
-        # Demoted, the record is dropped unless its logger is on at DEBUG (``-v``): the logger
-        # let it through at its own level, and a handler without a level prints what reaches it.
-        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return demote(record, logging.DEBUG)  # (dropped unless its logger is on at DEBUG)
 
 
 _FILTER = _SinkCallFilter()

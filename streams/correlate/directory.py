@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable
 from contextvars import ContextVar
 from datetime import datetime
 
+from gpuledger.telemetry import demote
 from schemas import EventDecodeError, decode_event
 from schemas.release import ENDING_EVENTS, LIFECYCLE_EVENTS
 from sinks.retry import OutageLog
@@ -61,9 +62,7 @@ class _DemoteWhileRetrying(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if not _retrying.get() or record.levelno <= logging.DEBUG:
             return True
-        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-        # The logger let it through as an ERROR: a DEBUG record is kept only where DEBUG is logged.
-        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return demote(record, logging.DEBUG)
 
 
 _DEMOTE = _DemoteWhileRetrying()
