@@ -40,12 +40,12 @@ def replay(
     now = datetime.now(timezone.utc)
     if resume and not app_id:
         fail("--resume needs the --app-id of the replay to continue", 2)
-    from sinks.clickhouse import chdb_path, dsn_problem, is_embedded
+    from sinks.clickhouse import dsn_problem, is_embedded
 
     if (problem := dsn_problem(into)):
         fail(f"--into {problem}", 2)
-    if is_embedded(into) and (path := Path(chdb_path(into))).exists() and not path.is_dir():
-        fail(f"--into {into}: {path} is a file, not a directory for the sandbox store", 2)
+    if is_embedded(into) and (problem := sandbox_dir_problem(into)):
+        fail(problem, 2)
     app_id = app_id or default_app_id(now)
     work_dir = work_dir or settings.data_dir / "replays" / app_id
     before = ReplayPlan.recorded(work_dir) if resume else None
@@ -60,8 +60,6 @@ def replay(
     problems = refusals(plan, settings)
     if problems:
         fail("refusing to replay:\n  " + "\n  ".join(problems), 2)
-    if is_embedded(into) and (problem := sandbox_dir_problem(into)):
-        fail(f"refusing to replay:\n  {problem}", 2)
     # SIGTERM (timeout, systemd, kill) ends the replay as Ctrl-C does: the worker stopped, the resume said.
     signal.signal(signal.SIGTERM, _terminated)
     try:
@@ -93,7 +91,7 @@ def _terminated(signum, frame) -> None:
 
 
 def sandbox_dir_problem(into: str) -> str | None:
-    """Why the sandbox directory of a chDB ``--into`` cannot be made (None: it can): where it and
+    """Why the sandbox directory of a chDB ``--into`` cannot be used (None: it can): it is a file, or where it and
     the file the sink writes beside it (its owner file) go, the nearest directory that exists
     must take a new file. Judged without creating anything (a refusal after this one leaves no
     trace). Before, a path under a file or under /proc started the worker, whose sink crashed
@@ -104,6 +102,8 @@ def sandbox_dir_problem(into: str) -> str | None:
     from sinks.clickhouse import chdb_path
 
     path = Path(chdb_path(into))
+    if path.exists() and not path.is_dir():
+        return f"--into {into}: {path} is a file, not a directory for the sandbox store"
     where = path.parent
     while not where.exists() and where != where.parent:
         where = where.parent
