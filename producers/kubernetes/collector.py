@@ -805,7 +805,7 @@ class SchedulerCollector:
                     try:
                         total += self.sync(res, self._stop)
                     except ApiException as exc:
-                        if res is self.pods or exc.status not in (401, 403):
+                        if not self._denied(res, exc):
                             raise
                         # Not granted (RBAC): as in watch mode, the others are not held back by it.
                         log.error(_per_resource(res, "the collector may not list it (%s); the other resources are listed without it"),
@@ -869,9 +869,14 @@ class SchedulerCollector:
         try:
             self._initial_sync(res, stop)
         except ApiException as exc:
-            if res is not self.pods and exc.status in (401, 403):
+            if self._denied(res, exc):
                 raise _Denied(res.name) from exc
             raise
+
+    def _denied(self, res: _Resource, exc: ApiException) -> bool:
+        """Whether ``exc`` is the credentials refusing ``res`` (401/403) where the others go on
+        without it (``run``, ``run_once``): every resource but pods, without which there is nothing."""
+        return res is not self.pods and exc.status in (401, 403)
 
     def _initial_sync(self, res: _Resource, stop: threading.Event) -> None:
         """The first list of ``res``; a list expired while it ran (410) is simply listed again."""
