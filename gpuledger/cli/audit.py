@@ -23,7 +23,7 @@ class AuditFormat(str, Enum):
 def audit(
     start: Optional[str] = typer.Option(None, "--from", help="Start of the range (RFC 3339; no zone means UTC). Default: 24h before --to."),
     end: Optional[str] = typer.Option(None, "--to", help="End of the range, and the time the controls are evaluated as of. Default: now."),
-    fmt: AuditFormat = typer.Option(AuditFormat.table, "--format", help="table, json or html."),
+    fmt: AuditFormat = typer.Option(AuditFormat.table, "--format", help="table, json or html. json lists every evidence row; table and html show 25 of a list, violations and denials first."),
     policy_file: Optional[str] = typer.Option(None, "--policy", help="Policy YAML for --reevaluate and the descriptive columns (default: GPULEDGER_POLICY_FILE, else the built-in default)."),
     reevaluate: bool = typer.Option(False, "--reevaluate", help="Re-run the controls over the stored history under --policy instead of reporting the violations the worker recorded (labelled RE-EVALUATION)."),
     lookback: str = typer.Option("30d", "--lookback", help="How much history before --from to read (workloads admitted earlier, reservations made earlier): 90s, 15m, 2h, 1d, 1h30m."),

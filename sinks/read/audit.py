@@ -25,7 +25,9 @@ have said", never the record.
 
 Limits: history older than ``--lookback`` before ``--from`` is not read (release
 lifecycle is always read in full); at most ``MAX_ROWS`` rows per table (the report
-says when it was truncated). Descriptive columns (business priorities, quality alerts,
+says when it was truncated). The JSON lists every evidence row; the table and HTML show
+``LIST_LIMIT`` rows of a section, violations and denials first (``shown_rows``), and say
+what they left out. Descriptive columns (business priorities, quality alerts,
 the last environment as "prod") use the given policy, not the one a violation was
 judged under.
 """
@@ -33,7 +35,7 @@ judged under.
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from datetime import datetime, timedelta
 
 from gpuledger.timefmt import TimeFormatError, format_duration, parse_duration, parse_time
@@ -212,6 +214,10 @@ def build_report(history: dict, policy: Policy, start: datetime, end: datetime, 
     }
 
 
+#: An evidence row's verdict when no recorded violation cites it.
+NO_VIOLATION = "no violation recorded"
+#: Control 1's verdict on a workload gpuledger admit denied before it reached a queue.
+DENIED = "denied before queue entry (the control enforced; no violation)"
 #: An evidence row's verdict when its deadline is after the latest event the store holds (``Evidence.judged_until``).
 NOT_JUDGED = "not judged yet"
 #: A preemption's verdict when a side's business priority is unknown to the policy.
@@ -284,7 +290,7 @@ def _event_text(entry: tuple, with_id: str | None = None) -> str:
 def _verdict(violations: list[dict]) -> str:
     """What the recorded violations say about one evidence row (nothing more)."""
     if not violations:
-        return "no violation recorded"
+        return NO_VIOLATION
     return "; ".join(f"{'open' if v['closed_at'] is None else 'closed ' + _z(v['closed_at'])} {v['violation_id'][:8]} "
                      f"[{v['severity']}]: {v['detail']}" for v in violations)
 
@@ -323,10 +329,13 @@ class Evidence:
         t = parse_instant(value)
         return t is not None and self.start <= t <= self.end
 
-    def _section(self, control: int, title: str, summary: str, columns: list[str], rows: list[dict], subjects: int, exercise: str,
-                 limit: int = LIST_LIMIT) -> dict:
-        return {"control": control, "title": title, "summary": summary, "columns": columns, "rows": rows[:limit],
-                "more": max(0, len(rows) - limit), "subjects": subjects, "exercise": exercise}
+    def _section(self, control: int, title: str, summary: str, columns: list[str], rows: list[dict], subjects: int, exercise: str) -> dict:
+        # Every row: the JSON is what automation reads, and a list cut here dropped the evidence
+        # itself (control 1's denials come after every workload that entered a queue). The table
+        # and HTML cap what they show (``shown_rows``); "more" stays, 0, for readers of the JSON
+        # that checked it for a cut list.
+        return {"control": control, "title": title, "summary": summary, "columns": columns, "rows": rows,
+                "more": 0, "subjects": subjects, "exercise": exercise}
 
     def _of(self, control: int) -> list[dict]:
         return [v for v in self.violations if v["control_id"] == control]
@@ -377,7 +386,7 @@ class Evidence:
                         "policy_result": self._policy_result(wid, rows, entry),
                         "approvals": "; ".join(approvals) or ("" if not rid else "no release.approved before queue entry"),
                         "verdict": _verdict(mine)})
-        flagged = sum(1 for r in out if r["verdict"] != "no violation recorded")
+        flagged = sum(1 for r in out if r["verdict"] != NO_VIOLATION)
         denied = self._denied_at_the_door()
         return self._section(1, "Approved identity before queue entry",
                              f"{len(out)} workload(s) entering a queue in the range; {flagged} with a control 1 violation "
@@ -404,7 +413,7 @@ class Evidence:
                         "policy_result": (f"workload {wid}: decision deny at {_z(last['occurred_at'])} by rule {p.get('rule')} "
                                           f"({p.get('gate')}, {p.get('mode')}){who}: {p.get('message') or ''}").rstrip(": "),
                         "approvals": "; ".join(approvals) or ("" if not rid else "no release.approved before the decision"),
-                        "verdict": "denied before queue entry (the control enforced; no violation)"})
+                        "verdict": DENIED})
         return out
 
     def _policy_result(self, wid: str, rows: list[dict], entry: dict) -> str:
@@ -445,7 +454,7 @@ class Evidence:
                 # made a range with no event at all a PASS, exit 0 (docs/controls.md: NO EVENTS, exit 4).
                 exercised += bool(rid in cited or (promos and self._in_range(_history_time(promos[-1])))
                                   or row["scheduling_applied"] != NO_PROD_WORKLOAD)
-        flagged = sum(1 for r in out if r["verdict"] != "no violation recorded")
+        flagged = sum(1 for r in out if r["verdict"] != NO_VIOLATION)
         return self._section(2, f"Release approval traced to the scheduling policy applied in {self.prod}",
                              f"{len(out)} release(s) promoted to {self.prod} or cited by control 2; {flagged} with a control 2 "
                              "violation or a control 7 violation on their approval or promotion",
@@ -501,7 +510,7 @@ class Evidence:
                  {"step": "control 3", "value": _verdict(self._citing(3, [r["correlation_id"] for r in rows]))},
                  *self._scheduling_steps(rows), *self._gpu_steps(rows), *self._manifest_steps(rid, first, rows)]
         return self._section(3, title, f"{counts}; reconstructed: workload {wid} of release {rid}", ["step", "value"], steps,
-                             len(checked), "workload start(s) with a release or model identity", limit=len(steps))  # one run, whole
+                             len(checked), "workload start(s) with a release or model identity")
 
     def _latest_prod_run(self) -> tuple[str, list[dict], dict] | None:
         """The workload whose latest start in prod, with a release, is the latest in the range:
@@ -653,7 +662,7 @@ class Evidence:
         planned_h = gpus * max(0.0, (until - ws).total_seconds()) / 3600
         ids = [row["correlation_id"]] + ([rel["correlation_id"]] if rel else [])
         verdict = _verdict(self._citing(5, ids) + self._citing(7, ids, first_only=True))
-        if (verdict == "no violation recorded" and rel is None and we is not None and self.judged_until is not None
+        if (verdict == NO_VIOLATION and rel is None and we is not None and self.judged_until is not None
                 and self.judged_until < we <= self.end):
             verdict = (f"{NOT_JUDGED}: the window ended at {_z(we)}, after the latest event in the store ({_z(self.judged_until)}); "
                        "the worker judges it when an event's time passes it")
@@ -738,7 +747,7 @@ class Evidence:
                         "target": p.get("target") or p.get("to_environment") or "", "actor": actor or "no actor recorded",
                         "roles": ", ".join(self.policy.memberships(decision_actor(p))), "expires": _z(p.get("expires_at")) or "", "reason": p.get("reason") or "",
                         "verdict": _verdict(self._citing(7, [r["correlation_id"]], first_only=True))})
-        flagged = sum(1 for r in out if r["verdict"] != "no violation recorded")
+        flagged = sum(1 for r in out if r["verdict"] != NO_VIOLATION)
         return self._section(7, "Lifecycle, containment and rollback actions with their actors",
                              f"{len(out)} action(s); {flagged} with a control 7 violation ({len(self._of(7))} violation(s) in the range)",
                              ["at", "action", "release", "target", "actor", "roles", "expires", "reason", "verdict"], out,
@@ -755,7 +764,7 @@ class Evidence:
                 verdict = _verdict(mine)
                 # (a retirement the policy does not count — unproven, with require_for_rights — is never judged: ``Policy.stops``)
                 deadline = _history_time(ended) + self.policy.retirement.grace if ended and self.policy.stops(ended[4]) else None
-                if (verdict == "no violation recorded" and deadline is not None and self.judged_until is not None
+                if (verdict == NO_VIOLATION and deadline is not None and self.judged_until is not None
                         and self.judged_until < deadline <= self.end):
                     # (as control 5's windows: the worker judges the grace period's end on event time)
                     verdict = (f"{NOT_JUDGED}: the grace period ended at {_z(deadline)}, after the latest event in the store "
@@ -805,6 +814,45 @@ def conclusion(report: dict) -> str:
     return f"nothing to audit: no control was exercised between {report['range']['from']} and {report['range']['to']}"
 
 
+#: The kinds of row an evidence list holds, by verdict, in the order the table and HTML list them (``_attention``).
+ROW_KINDS = ("with a recorded violation", "denied before queue entry", "not judged yet or not compared", "with no violation recorded")
+
+
+def _attention(row: dict) -> int:
+    """The kind of an evidence row, an index into ``ROW_KINDS``, read off its verdict. The order
+    is a responder's: what the control caught first (a recorded violation, open or closed: what
+    makes it FAIL), then what it stopped (a denial: who tried to run what, and why not), then
+    what it has not judged, and last the rows that only show it was exercised — the bulk of a
+    busy range, and what a capped list drops. A verdict not recognised here counts as a
+    violation: listed first, never the first dropped."""
+    verdict = row["verdict"]
+    if verdict == DENIED:
+        return 1
+    if verdict.startswith(NOT_JUDGED) or verdict.endswith(NOT_COMPARED):
+        return 2
+    if verdict == NO_VIOLATION or verdict.endswith("; " + NO_VIOLATION):  # (a priority override's: "expires T; " before it)
+        return 3
+    return 0
+
+
+def shown_rows(section: dict) -> tuple[list[dict], str]:
+    """The rows of an evidence section the table and HTML show, and what they say of the rest
+    ("" when nothing is left out). A list of subjects (it has a verdict column) is shown in
+    ``_attention`` order — in the order the JSON has them within a kind —, its first
+    ``LIST_LIMIT`` rows; a reconstruction (control 3's run, control 6's sample: steps) whole,
+    in its order."""
+    rows = section["rows"]
+    if "verdict" not in section["columns"]:
+        return rows, ""
+    ordered = sorted(rows, key=_attention)
+    hidden = ordered[LIST_LIMIT:]
+    if not hidden:
+        return ordered, ""
+    kinds = sorted(Counter(_attention(r) for r in hidden).items())
+    return ordered[:LIST_LIMIT], (f"+{len(hidden)} more not shown: {', '.join(f'{n} {ROW_KINDS[k]}' for k, n in kinds)}; "
+                                  f"--format json lists all {len(rows)}")
+
+
 def render_table(report: dict, console) -> None:
     """The report as rich tables (``--format table``); stored text through ``markup``. Every value
     whole: a column too narrow folds its values onto more lines rather than cutting them with
@@ -831,8 +879,9 @@ def render_table(report: dict, console) -> None:
                        markup(v["policy_version"] or "unrecorded"), markup(v["detail"]))
         console.print(vt)
     for sec in report["evidence"]:
-        t = Table(*sec["columns"], title=f"({sec['control']}) {sec['title']}", caption=markup(sec["summary"]) + (f" (+{sec['more']} more)" if sec["more"] else ""))
-        for row in sec["rows"]:
+        rows, left_out = shown_rows(sec)
+        t = Table(*sec["columns"], title=f"({sec['control']}) {sec['title']}", caption=markup(sec["summary"]) + (f" ({left_out})" if left_out else ""))
+        for row in rows:
             t.add_row(*["" if row.get(c) is None else markup(row.get(c)) for c in sec["columns"]])
         console.print(t)
     if report["truncated"]:
@@ -844,8 +893,12 @@ def render_table(report: dict, console) -> None:
 def render_html(report: dict) -> str:
     """The report as one self-contained HTML page (``templates/audit.html.j2``)."""
     controls = [{"control": f"{c['id']}. {c['title']}", **c} for c in report["controls"]]
+    evidence = []
+    for sec in report["evidence"]:
+        rows, left_out = shown_rows(sec)
+        evidence.append({**sec, "rows": rows, "left_out": left_out})
     return render_page("audit.html.j2", title=f"gpuledger audit {report['range']['from']} – {report['range']['to']}",
-                       report=report, controls=controls, conclusion=conclusion(report))
+                       report=report, controls=controls, evidence=evidence, conclusion=conclusion(report))
 
 
 def write_report(report: dict, fmt: str, output: str | None, console) -> None:

@@ -341,20 +341,24 @@ def test_a_reservation_released_after_a_rollback_leaves_the_release_rolled_back(
     assert {r["release"]: r["state_at_end"] for r in section["rows"]}[inc.R7] == "release.rolled_back", section["rows"]
 
 
+def denial(workload: str, at):
+    """gpuledger admit's webhook denying ``workload`` (namespace/name) R7-staging in prod, for mallory."""
+    from schemas.admission import AdmissionPayload
+
+    namespace, name = workload.split("/")
+    payload = AdmissionPayload(decision="deny", outcome="deny", rule="unapproved", message=f"release {inc.R7_STAGING} is not approved for prod",
+                               mode="enforce", gate="webhook", object_kind="Job", object_name=name, user="mallory", gpus_requested=2,
+                               policy_version=Policy().fingerprint)
+    return inc._ce("admission", "admission.decided", at, {"workload_id": workload, "namespace": namespace, "release_id": inc.R7_STAGING,
+                                                          "environment": "prod"}, payload.model_dump(mode="json"),
+                   summary="admission deny by rule unapproved (webhook, enforce)")
+
+
 def test_a_workload_admit_denied_is_in_control_1s_evidence(clickhouse_client, clickhouse_dsn, tmp_path):
     """From an exploratory review: the audit listed only the workloads that entered a queue — who
     tried to run an unapproved release, and when, was nowhere in it (the decision in the store)."""
-    from schemas.admission import AdmissionPayload
-
     db = inc.load_store(clickhouse_client)
-    at = inc.T0 + timedelta(minutes=20)
-    payload = AdmissionPayload(decision="deny", outcome="deny", rule="unapproved", message=f"release {inc.R7_STAGING} is not approved for prod",
-                               mode="enforce", gate="webhook", object_kind="Job", object_name="sneaky", user="mallory", gpus_requested=2,
-                               policy_version=Policy().fingerprint)
-    denied = inc._ce("admission", "admission.decided", at, {"workload_id": "risk/sneaky", "namespace": "risk", "release_id": inc.R7_STAGING,
-                                                            "environment": "prod"}, payload.model_dump(mode="json"),
-                     summary="admission deny by rule unapproved (webhook, enforce)")
-    asyncio.run(SinkWriters(clickhouse_client, db).store_correlated([denied]))
+    asyncio.run(SinkWriters(clickhouse_client, db).store_correlated([denial("risk/sneaky", inc.T0 + timedelta(minutes=20))]))
     env = {"GPULEDGER_CLICKHOUSE_DSN": clickhouse_dsn, "GPULEDGER_CLICKHOUSE_DATABASE": db, "GPULEDGER_DATA_DIR": str(tmp_path), "COLUMNS": "250"}
     report = json.loads(audit(env, *RANGE, "--format", "json").output)
     section = next(s for s in report["evidence"] if s["control"] == 1)
@@ -365,6 +369,71 @@ def test_a_workload_admit_denied_is_in_control_1s_evidence(clickhouse_client, cl
     assert "denied before queue entry" in row["verdict"] and "1 denied before queue entry by gpuledger admit" in section["summary"]
     assert inc.W7 in {r["workload"] for r in section["rows"]}  # the admitted ones are still there
     assert "risk/sneaky" in audit(env, *RANGE).output
+
+
+BUSY = [f"batch/job-{i:02d}" for i in range(30)]
+DENIED = [f"risk/denied-{i:02d}" for i in range(15)]
+
+
+@pytest.fixture(scope="module")
+def busy_store(clickhouse_client, clickhouse_dsn, tmp_path_factory):
+    """The incident in a busy range: 30 more workloads entering a queue with no violation
+    (namespace batch: listed before the incident's), and 15 gpuledger admit denied — 47 rows
+    in control 1's evidence, the incident's training job with a recorded control 1 violation."""
+    db = f"t_{uuid.uuid4().hex[:12]}"
+    migrate(clickhouse_client, db)
+    submitted = [inc._sched("scheduler.submitted", inc.T0 + timedelta(minutes=21, seconds=i), wid, None, {"queue": "batch"}, ns="batch")
+                 for i, wid in enumerate(BUSY)]
+    denied = [denial(wid, inc.T0 + timedelta(minutes=22, seconds=i)) for i, wid in enumerate(DENIED)]
+    rows = [*inc.correlated_rows(), *submitted, *denied]
+    recorded = ControlEngine(directory_from_rows(rows), Policy()).feed(rows, inc.allocation_rows())
+    recorded.run()
+
+    async def go():
+        writers = SinkWriters(clickhouse_client, db)
+        await writers.store_correlated(rows)
+        await writers.store_allocations(inc.allocation_rows())
+        await writers.store_violations(list(recorded.violations.values()))
+    asyncio.run(go())
+    return {"GPULEDGER_CLICKHOUSE_DSN": clickhouse_dsn, "GPULEDGER_CLICKHOUSE_DATABASE": db,
+            "GPULEDGER_DATA_DIR": str(tmp_path_factory.mktemp("audit-busy")), "COLUMNS": "250"}
+
+
+def test_the_json_lists_every_evidence_row(busy_store):
+    """From a reviewer turning on admission: every evidence list was cut at 25 rows, the JSON's
+    too — a whole-run audit with 15 denials listed none of them (they come after every workload
+    that entered a queue). The JSON is what automation reads: every row, "more" 0."""
+    report = json.loads(audit(busy_store, *RANGE, "--format", "json").output)
+    section = next(s for s in report["evidence"] if s["control"] == 1)
+    workloads = [r["workload"] for r in section["rows"]]
+    assert sorted(workloads) == sorted([*BUSY, inc.W7, inc.WT, *DENIED]), workloads
+    assert section["more"] == 0 and section["subjects"] == len(workloads) == 47
+    assert workloads[-15:] == DENIED  # in its order: the workloads that entered a queue by name, then the denials
+    assert all(r["verdict"] == "denied before queue entry (the control enforced; no violation)" for r in section["rows"][-15:])
+
+
+def test_the_table_and_html_list_violations_and_denials_first(busy_store, tmp_path):
+    """The human formats show 25 rows of a list: the training job's control 1 violation, then the
+    15 denials, then the first 9 of the rest; what is left out is said, with how to see it all."""
+    out = tmp_path / "audit.html"
+    assert audit(busy_store, *RANGE, "--format", "html", "--output", str(out)).exit_code == 1
+    section = out.read_text().split('data-control="1"', 1)[1].split("</section>", 1)[0]
+    shown = [wid for wid in (inc.WT, *DENIED, *BUSY, inc.W7) if f"<td>{wid}</td>" in section]
+    assert shown == [inc.WT, *DENIED, *BUSY[:9]], shown
+    assert [section.index(f"<td>{wid}</td>") for wid in shown] == sorted(section.index(f"<td>{wid}</td>") for wid in shown)
+    left_out = "(+22 more not shown: 22 with no violation recorded; --format json lists all 47)"
+    assert left_out in section, section.split("<table>", 1)[0]
+    table = audit(busy_store, *RANGE)
+    assert table.exit_code == 1 and all(wid in table.output for wid in (inc.WT, *DENIED)), table.output
+    assert left_out in " ".join(table.output.split()), table.output
+
+
+def test_a_list_with_more_denials_than_it_shows_says_how_many_it_left_out(busy_store, monkeypatch):
+    # (a shorter list, so the 15 denials do not fit in it)
+    monkeypatch.setattr("sinks.read.audit.LIST_LIMIT", 10)
+    table = " ".join(audit(busy_store, *RANGE).output.split())
+    assert "(+37 more not shown: 6 denied before queue entry, 31 with no violation recorded; --format json lists all 47)" in table, table
+    assert all(wid in table for wid in (inc.WT, *DENIED[:9])) and not any(wid in table for wid in DENIED[9:]), table
 
 
 def test_a_reservation_window_ending_after_the_last_event_is_not_judged_yet(clickhouse_client, clickhouse_dsn, tmp_path):
