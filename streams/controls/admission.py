@@ -16,8 +16,9 @@ violation for.
 Rules, in order (``RULES``): ``not-gpu``, ``state-not-loaded`` (fail-closed or -open),
 ``approval-not-required``, ``override``, ``no-release-identity``, ``unknown-release``,
 ``revoked``, ``approval-not-entitled``, ``unapproved``, ``approved``. The mode of the
-namespace / environment (``Policy.admission``) then turns a deny into a warning (warn) or
-into an allow that is only recorded (dry-run).
+namespace / environment (``Policy.admission``) then turns a deny into a warning (warn: its
+message then starts by saying it was allowed only because of warn mode and would be denied
+in enforce mode) or into an allow that is only recorded (dry-run).
 
 Limits: control 1 only (approval), not control 2 (promotion); the environment is the stricter of
 the policy's namespace entry and the object's ``gpuledger.io/environment`` label
@@ -271,6 +272,11 @@ def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: 
         verdict: Verdict = "allow"
         if outcome == "deny":
             verdict = {"enforce": "deny", "warn": "warn", "dry-run": "allow"}[mode] if applies_mode else "deny"
+        if verdict == "warn":
+            # The same text is the AdmissionReview warning, the Ready check's message and the
+            # recorded message: worded as a denial alone, it read as one (or as nothing to fix).
+            scope = f"namespace {subject.namespace} in {where}" if subject.namespace else where
+            message = f"Allowed only because the admission mode for {scope} is warn; in enforce mode this would be denied: {message}"
         return Decision(verdict, rule, message, outcome, mode, env, rid,
                         state.lifecycle_state_as_of(rid, at_iso) if (loaded and rid) else None, fail_closed, version,
                         state.version_at(rid, at_iso) if (loaded and rid) else 0, override, tuple(e for e in evidence if e))

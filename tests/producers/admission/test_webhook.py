@@ -36,10 +36,18 @@ def test_a_deny_is_a_403_status_with_our_message_and_an_event_for_the_recorder()
     assert decided.event_id == handler().handle(review(POD, GPU_POD, userInfo={"username": "ci"}))[2]().event_id  # a re-sent review: one fact
 
 
-def test_warn_mode_answers_allowed_with_the_message_as_a_warning():
+def test_warn_mode_answers_allowed_with_a_warning_that_says_it_is_warn_mode_and_would_be_denied_in_enforce_mode():
+    """Found by a review: the warning was the denial's message word for word, so whoever created the
+    object read it as a denial, or did not learn that enforcement would refuse it. The warning (and
+    the recorded message, which the AdmissionCheck's Ready message also is) now says both first."""
+    enforced = handler().handle(review(POD, GPU_POD))[1]["response"]["status"]["message"]
     _, answer, event = handler(Policy(admission=Admission(modes={"prod": "warn"}))).handle(review(POD, GPU_POD))
-    assert answer["response"]["allowed"] is True and answer["response"]["warnings"][0].startswith("Pod serving/p requests 1 GPU(s)")
-    assert (event().payload.decision, event().payload.outcome) == ("warn", "deny")
+    assert answer["response"]["allowed"] is True
+    assert answer["response"]["warnings"] == ["Allowed only because the admission mode for namespace serving in prod is warn; "
+                                              f"in enforce mode this would be denied: {enforced}"], answer
+    assert enforced.startswith("Pod serving/p requests 1 GPU(s)") and "warn" not in enforced  # enforce mode's denial is unchanged
+    payload = event().payload
+    assert (payload.decision, payload.outcome, payload.mode, payload.message) == ("warn", "deny", "warn", answer["response"]["warnings"][0])
 
 
 def test_dry_run_requests_are_recorded_as_such_and_other_kinds_and_deletes_are_allowed_unrecorded():
