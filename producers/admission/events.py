@@ -27,8 +27,16 @@ def decision_message(subject: Subject, decision: Decision, notes: tuple[str, ...
     the AdmissionCheck controller sets on the Workload, and what the ``admission.decided`` event
     records for either gate (the webhook returns those notes as AdmissionReview warnings) — so
     the evidence says why ``gpus_requested`` may count a claim that holds no GPU, and that the
-    release state decided on could not be confirmed current."""
-    return " ".join((decision.message, *subject.claim_notes, *notes))[:MAX_MESSAGE]
+    release state decided on could not be confirmed current.
+
+    Each part is its own sentence, ending with a full stop before the next (one already ending
+    with one keeps it): joined with a space they ran together ("approved for prod gpuledger admit
+    could not confirm…"), and "; " would not set them apart either — a decision's message uses
+    semicolons itself. The last part keeps its own ending, so a message with no notes is the
+    decision's message as it is."""
+    parts = [part.strip() for part in (decision.message, *subject.claim_notes, *notes) if part and part.strip()]
+    ended = [part if part.endswith((".", "!", "?")) else f"{part}." for part in parts[:-1]]
+    return " ".join((*ended, *parts[-1:]))[:MAX_MESSAGE]
 
 
 def decision_event(subject: Subject, decision: Decision, at: datetime, *, gate: str, request_id: str, operation: str | None = None,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
 import orjson
 
 from producers._config import GPU_RESOURCES, ResourceMatcher
@@ -78,8 +80,40 @@ def test_a_pod_whose_dra_claim_cannot_be_read_counts_it_as_a_gpu_and_says_why():
     assert response["warnings"] == ["DRA claim 'gpu' (resourceclaimtemplate serving/one-gpu) could not be read, so it counts as a GPU: "
                                     "gpuledger admit has no API access (GPULEDGER_ADMIT_CLAIMS_IN_CLUSTER, GPULEDGER_ADMIT_IN_CLUSTER or "
                                     "GPULEDGER_ADMIT_KUBECONFIG)"]
-    # The decided event's evidence says it too: its message is the answer's, then the note.
+    # The decided event's evidence says it too: its message is the answer's, then the note, each its own sentence.
     payload = event().payload
     assert (payload.rule, payload.gpus_requested) == ("no-release-identity", 1)
-    assert payload.message == f"{response['status']['message']} {response['warnings'][0]}", payload.message
+    assert payload.message == f"{response['status']['message']}. {response['warnings'][0]}", payload.message
     assert handler().handle(review(POD, dra_pod))[1]["response"]["allowed"] is True  # no reader: a claim is not counted
+
+
+def test_the_recorded_message_sets_the_decision_the_claim_notes_and_the_stale_note_apart_as_sentences():
+    """Found by a review: the decision's message, the notes on unreadable DRA claims and the stale-state
+    note were joined with a space — the AdmissionCheck's message read "approved for prod gpuledger admit
+    could not confirm…". Each now ends with a full stop before the next; one that has its own keeps it."""
+    from dataclasses import replace
+
+    from producers._config import GPU_DRA_DRIVERS
+    from producers.admission.claims import ClaimReader
+    from producers.admission.events import decision_message
+    from streams.controls.admission import decide, subject_of
+
+    state = AdmissionState()
+    state.ready.set()
+    state.confirmed_at = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc).timestamp()  # the follower's last confirmation
+    reader = ReviewHandler(state, Policy(), ResourceMatcher(GPU_RESOURCES), "gpuledger.io/", host="h", stale_after_s=60,
+                           clock=lambda: datetime(2026, 12, 1, 12, 5, tzinfo=timezone.utc), claims=ClaimReader(None, ResourceMatcher(GPU_DRA_DRIVERS)))
+    dra_pod = {"metadata": {"name": "p", "labels": {"gpuledger.io/environment": "prod"}},
+               "spec": {"containers": [{"name": "c", "resources": {"claims": [{"name": "gpu"}]}}],
+                        "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}]}}
+    _, answer, event = reader.handle(review(POD, dra_pod))
+    message = event().payload.message
+    denial, claim_note, stale_note = answer["response"]["status"]["message"], *answer["response"]["warnings"]
+    assert stale_note.startswith("gpuledger admit could not confirm its release state is current since 2026-12-01T12:00:00Z"), stale_note
+    assert message == f"{denial}. {claim_note}. {stale_note}", message
+    assert "release approved for prod. DRA claim 'gpu'" in message and "GPULEDGER_ADMIT_KUBECONFIG). gpuledger admit could not confirm" in message
+    # A part that already ends a sentence is not given a second full stop; a decision alone is unchanged.
+    subject = subject_of({**GPU_POD, "kind": "Pod", "metadata": {**GPU_POD["metadata"], "namespace": "serving"}}, ResourceMatcher(GPU_RESOURCES))
+    decision = decide(subject, state, Policy())
+    assert decision_message(subject, replace(decision, message="denied."), ("a note",)) == "denied. a note"
+    assert decision_message(subject, decision) == decision.message
