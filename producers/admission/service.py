@@ -68,6 +68,7 @@ class DecisionRecorder:
         self.counters = {"recorded": 0, "published": 0, "dropped": 0, "publish_errors": 0}
         self.failing_since: float | None = None  # time.monotonic() of the first failed publish of the batch in hand
         self.last_error: str | None = None
+        self.in_hand = 0  # decisions of the batch being published (out of the queue, so not in qsize())
         self._thread = threading.Thread(target=self._run, name="admit-recorder", daemon=True)
         self._stopping = threading.Event()
 
@@ -97,11 +98,13 @@ class DecisionRecorder:
                     break
             # The webhook hands over a function: the event is built here, not on the request path.
             events = [e() if callable(e) else e for e in events]
+            self.in_hand = len(events)
             while True:
                 try:
                     self.publisher.publish_batch(events)
                     self.counters["published"] += len(events)
                     self.failing_since = self.last_error = None
+                    self.in_hand = 0
                     break
                 except ProducerError as exc:
                     self.counters["publish_errors"] += 1
@@ -113,12 +116,15 @@ class DecisionRecorder:
                         return
 
     def problem(self, after_s: float) -> str | None:
-        """What ``/healthz`` says when decisions could not be published for ``after_s`` seconds."""
+        """What ``/healthz`` says when decisions could not be published for ``after_s`` seconds: how
+        many wait (the batch being retried and the queue behind it), the queue's limit and how many
+        were dropped since start — "over 100000 are dropped" read as if that many had been."""
         since = self.failing_since
         if since is None or time.monotonic() - since <= after_s:
             return None
-        return (f"admission decisions not published for {time.monotonic() - since:.0f} s ({self.queue.qsize()} more waiting; "
-                f"over {self.queue.maxsize} are dropped): {self.last_error}")
+        return (f"admission decisions not published for {time.monotonic() - since:.0f} s: {self.in_hand + self.queue.qsize()} waiting for Kafka "
+                f"(beyond {self.queue.maxsize} queued behind the batch being retried, new ones are dropped; "
+                f"{self.counters['dropped']} dropped since admit started): {self.last_error}")
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping.set()

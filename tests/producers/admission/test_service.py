@@ -114,6 +114,42 @@ def test_bad_bodies_get_400_with_the_reason_and_the_server_keeps_serving(admit, 
     assert call(url, context, "/healthz")[0] == 200
 
 
+@pytest.mark.timeout(120)
+def test_health_says_how_many_decisions_wait_for_kafka_the_queue_limit_and_how_many_were_dropped(catalogue, kafka_bootstrap, tmp_path):
+    """Found by a review: while decisions could not be published, `/healthz` said "(N more waiting;
+    over 100000 are dropped)", which read as if 100000 decisions had been dropped. It now says how
+    many wait, the limit beyond which new ones are dropped, and how many were dropped so far (the
+    count `recorder.dropped` shows). The release state is read from the broker; the decisions go
+    to a Kafka address where no broker listens."""
+    from gpuledger.dev.process import free_port
+
+    ca = tmp_path / "ca.crt"
+    nowhere = EventPublisher({"bootstrap.servers": f"127.0.0.1:{free_port()}"}, catalogue, "admit-test", limit_lookup_timeout_s=1.0)
+    bound = {}
+    service = AdmitService(AdmitSettings(port=0, ca_out=ca, stale_after_s=10, publish_batch=1, publish_queue=2), Policy(), nowhere,
+                           kafka_bootstrap, catalogue.release, on_listening=lambda h, p, pem: bound.update(host=h, port=p, pem=pem))
+    thread = threading.Thread(target=service.run, daemon=True)
+    thread.start()
+    try:
+        poll(lambda: bound or not thread.is_alive(), "admit to listen", 30)
+        url, context = f"https://127.0.0.1:{bound['port']}", ssl.create_default_context(cafile=str(ca))
+        poll(lambda: call(url, context, "/readyz")[0] == 200, "the release state loaded", 60)
+        for n in range(6):  # one batch of 1 being retried and a queue of 2 hold 3 at most: 3 or more are dropped
+            assert call(url, context, "/validate", review(job(f"score-{n}")))[0] == 200
+        health = poll(lambda: (lambda h: h if h["status"] == "degraded" else None)(call(url, context, "/healthz")[1]),
+                      "health to say the decisions are not published", 40)
+        recorder = health["recorder"]
+        assert recorder["published"] == 0 and recorder["dropped"] >= 3, recorder
+        problem = health["problems"][0]
+        assert problem.startswith("admission decisions not published for "), health
+        assert (f" s: {6 - recorder['dropped']} waiting for Kafka (beyond 2 queued behind the batch being retried, new ones are dropped; "
+                f"{recorder['dropped']} dropped since admit started): ") in problem, problem
+    finally:
+        service.stop()
+        thread.join(30)
+    assert not thread.is_alive()
+
+
 @pytest.mark.timeout(180)
 def test_started_while_kafka_is_down_it_answers_state_not_loaded_and_loads_when_kafka_comes_back(tmp_path, caplog):
     """Found by an exploratory review: with Kafka down at start `gpuledger admit` exited (1, "the
