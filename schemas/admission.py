@@ -23,7 +23,7 @@ class AdmissionPayload(Frozen):
     decision: Literal["allow", "deny", "warn"] = Field(description="What was answered: deny only in enforce mode; warn = allowed with a warning.")
     outcome: Literal["allow", "deny"] = Field(description="What the rule said before the mode applied (a dry-run deny is decision allow, outcome deny).")
     rule: IdText = Field(description="The rule that decided (streams.controls.admission.RULES).")
-    message: str = Field(description="The message returned to whoever created the object (or set on the Workload's admission check), followed by a note for each DRA claim that could not be read and was counted as a GPU (the webhook returns those notes as warnings).")
+    message: str = Field(description="The message returned to whoever created the object (or set on the Workload's admission check), followed by a note for each DRA claim that could not be read and was counted as a GPU and, when gpuledger admit could not confirm its release state is current, a note saying since when (the webhook returns those notes as warnings); each part ends with a full stop before the next. A warn- or dry-run-mode allow of what enforce mode would deny starts by saying so.")
     mode: Literal["enforce", "warn", "dry-run"] = Field(description="The mode of the namespace/environment (policy admission section).")
     gate: Literal["webhook", "admission-check"] = Field(description="Who decided: the validating webhook, or the Kueue AdmissionCheck controller.")
     object_kind: IdText = Field(description="Pod, Job or Workload.")

@@ -47,7 +47,7 @@ class AdmitSettings(BaseSettings):
     watch_timeout_s: int = Field(default=300, ge=1, description="Server-side timeout of one Workload watch request.")
     publish_batch: int = Field(default=500, ge=1, description="Most decisions published to Kafka in one batch (decisions are published off the request path).")
     stale_after_s: float = Field(default=STALE_AFTER_S, ge=10, description="The release state counts as stale when it could not be confirmed current (the release topic's end offsets asked and read up to, every 5 s: at least 10) for this many seconds — Kafka unreachable after it loaded: decisions go on from the state in memory, and each says since when it could not be confirmed (an AdmissionReview warning, the Workload check's message, the recorded decision's message); `/healthz` says `degraded` with the reason.")
-    publish_queue: int = Field(default=100_000, ge=1, description="Decisions waiting for Kafka beyond this are dropped (counted, logged): a webhook must answer even when Kafka does not.")
+    publish_queue: int = Field(default=100_000, ge=1, description="Decisions waiting for Kafka beyond this are dropped (counted on /healthz; logged at ERROR when drops begin and with their count when publishing resumes): a webhook must answer even when Kafka does not.")
 
     @field_validator("gpu_resources", "dra_drivers")
     @classmethod

@@ -10,8 +10,9 @@ naming DRA claims has them read from the API server (``producers.admission.claim
 3 s budget, in a worker thread, so the event loop never waits on the API server); a release event
 reaches the state within the follower's poll (200 ms) of Kafka acknowledging it. Decisions
 are published off the request path by the recorder thread in batches (acks=all): the
-webhook answers even while Kafka is down; decisions beyond ``publish_queue`` are dropped
-and counted (``/healthz``), never blocking an answer. ``/readyz`` is 200 once the release
+webhook answers even while Kafka is down; decisions beyond ``publish_queue`` are dropped,
+counted (``/healthz``) and logged (an ERROR when drops begin, the count when publishing resumes),
+never blocking an answer. ``/readyz`` is 200 once the release
 topic has been read up to its end offsets at start-up, 503 before. ``/healthz`` is 200 while the
 process serves; its ``status`` is ``degraded`` (with ``problems``) while the release state could
 not be confirmed current for ``stale_after_s`` (Kafka away after it loaded: decisions go on from
@@ -69,6 +70,7 @@ class DecisionRecorder:
         self.failing_since: float | None = None  # time.monotonic() of the first failed publish of the batch in hand
         self.last_error: str | None = None
         self.in_hand = 0  # decisions of the batch being published (out of the queue, so not in qsize())
+        self._dropped_at_start: int | None = None  # counters["dropped"] when the current run of drops began (None: not dropping)
         self._thread = threading.Thread(target=self._run, name="admit-recorder", daemon=True)
         self._stopping = threading.Event()
 
@@ -81,6 +83,13 @@ class DecisionRecorder:
             self.counters["recorded"] += 1
         except queue.Full:
             self.counters["dropped"] += 1
+            # Loud once per run of drops (not per decision: a busy cluster drops thousands a
+            # minute), and again with the count when publishing takes decisions again (``_run``).
+            if self._dropped_at_start is None:
+                self._dropped_at_start = self.counters["dropped"] - 1
+                log.error("admission decisions are being dropped: %d wait for Kafka (publish_queue), so the record of every "
+                          "decision from now until Kafka takes them again is lost (the webhook still answers; /healthz counts them)",
+                          self.queue.maxsize)
 
     def _run(self) -> None:
         while True:
@@ -105,6 +114,10 @@ class DecisionRecorder:
                     self.counters["published"] += len(events)
                     self.failing_since = self.last_error = None
                     self.in_hand = 0
+                    if (began := self._dropped_at_start) is not None and self.queue.qsize() < self.queue.maxsize:
+                        self._dropped_at_start = None
+                        log.warning("admission decisions are published again; %d were dropped while the queue was full "
+                                    "(%d since admit started)", self.counters["dropped"] - began, self.counters["dropped"])
                     break
                 except ProducerError as exc:
                     self.counters["publish_errors"] += 1

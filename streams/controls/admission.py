@@ -18,7 +18,8 @@ Rules, in order (``RULES``): ``not-gpu``, ``state-not-loaded`` (fail-closed or -
 ``revoked``, ``approval-not-entitled``, ``unapproved``, ``approved``. The mode of the
 namespace / environment (``Policy.admission``) then turns a deny into a warning (warn: its
 message then starts by saying it was allowed only because of warn mode and would be denied
-in enforce mode) or into an allow that is only recorded (dry-run).
+in enforce mode) or into an allow that is only recorded (dry-run: its recorded message says so the
+same way).
 
 Limits: control 1 only (approval), not control 2 (promotion); the environment is the stricter of
 the policy's namespace entry and the object's ``gpuledger.io/environment`` label
@@ -277,6 +278,11 @@ def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: 
             # recorded message: worded as a denial alone, it read as one (or as nothing to fix).
             scope = f"namespace {subject.namespace} in {where}" if subject.namespace else where
             message = f"Allowed only because the admission mode for {scope} is warn; in enforce mode this would be denied: {message}"
+        elif outcome == "deny" and verdict == "allow":
+            # Dry-run: nothing is said to whoever created the object, but the recorded message (and
+            # the AdmissionCheck's Ready message) read as a denial of a workload that was let in.
+            scope = f"namespace {subject.namespace} in {where}" if subject.namespace else where
+            message = f"Allowed and recorded only: the admission mode for {scope} is dry-run; in enforce mode this would be denied: {message}"
         return Decision(verdict, rule, message, outcome, mode, env, rid,
                         state.lifecycle_state_as_of(rid, at_iso) if (loaded and rid) else None, fail_closed, version,
                         state.version_at(rid, at_iso) if (loaded and rid) else 0, override, tuple(e for e in evidence if e))

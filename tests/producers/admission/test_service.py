@@ -350,3 +350,32 @@ def test_with_a_client_ca_only_a_caller_with_its_certificate_is_answered_and_the
         service.stop()
         thread.join(20)
     assert not thread.is_alive()
+
+
+def test_dropped_decisions_are_logged_once_when_drops_begin_and_counted_when_publishing_takes_decisions_again(catalogue, kafka_bootstrap, caplog):
+    """A dropped decision is a gate decision nobody can audit: it was counted on /healthz only,
+    though the setting said "counted, logged". One ERROR when drops begin (not one per decision),
+    one WARNING with the count once the recorder publishes again — on the real broker."""
+    import logging
+
+    from producers.admission.service import DecisionRecorder
+
+    publisher = EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, "admit-test")
+    recorder = DecisionRecorder(publisher, batch=10, capacity=2)
+    events = [build_event(COMMAND["register"], {"release_id": f"rel-drop-{uuid.uuid4().hex[:8]}-{i}", "model": "fraud-scorer",
+                                                 "version": "8", "artifact_digest": "sha256:" + "a" * 64}) for i in range(5)]
+    caplog.set_level(logging.WARNING, logger="producers.admission.service")
+    try:
+        for e in events:  # the recorder's thread is not running yet: its queue holds 2, the other 3 are dropped
+            recorder(e)
+        errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+        assert recorder.counters["dropped"] == 3 and len(errors) == 1, caplog.text
+        assert "admission decisions are being dropped: 2 wait for Kafka" in errors[0].getMessage()
+        recorder.start()
+        poll(lambda: recorder.counters["published"] == 2, timeout=30, what="the 2 queued decisions published")
+        resumed = poll(lambda: [r.getMessage() for r in caplog.records if "published again" in r.getMessage()], timeout=10,
+                       what="the recovery line")
+        assert resumed == ["admission decisions are published again; 3 were dropped while the queue was full (3 since admit started)"]
+    finally:
+        recorder.stop()
+        publisher.close(5)

@@ -52,6 +52,18 @@ def test_warn_mode_answers_allowed_with_a_warning_that_says_it_is_warn_mode_and_
     assert (payload.decision, payload.outcome, payload.mode, payload.message) == ("warn", "deny", "warn", answer["response"]["warnings"][0])
 
 
+def test_dry_run_mode_allows_without_a_warning_and_records_that_it_would_be_denied_in_enforce_mode():
+    """Dry-run says nothing to whoever created the object, but the recorded message (which the
+    AdmissionCheck's Ready message also is) was the denial's word for word, for a workload let in."""
+    enforced = handler().handle(review(POD, GPU_POD))[1]["response"]["status"]["message"]
+    _, answer, event = handler(Policy(admission=Admission(modes={"prod": "dry-run"}))).handle(review(POD, GPU_POD))
+    assert answer["response"]["allowed"] is True and not answer["response"].get("warnings"), answer
+    payload = event().payload
+    assert (payload.decision, payload.outcome, payload.mode) == ("allow", "deny", "dry-run")
+    assert payload.message == ("Allowed and recorded only: the admission mode for namespace serving in prod is dry-run; "
+                               f"in enforce mode this would be denied: {enforced}")
+
+
 def test_dry_run_requests_are_recorded_as_such_and_other_kinds_and_deletes_are_allowed_unrecorded():
     assert handler().handle(review(POD, GPU_POD, dryRun=True))[2]().payload.operation == "CREATE (dry run)"
     for body in (review({"group": "apps", "version": "v1", "kind": "Deployment"}, {"metadata": {"name": "d"}}),
