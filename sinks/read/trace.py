@@ -9,7 +9,9 @@ incident::
     entry            what was asked and what it resolved to (the only entry-specific part)
     release          manifest (model, version, digests, owner, ...), state as of ``at``,
                      approvals, promotions, lifecycle
-    workloads        queue, cluster queue, priority, admissions, preemptions (one per
+    workloads        queue, cluster queue, priority, admissions, gpuledger admit's decisions
+                     (each with its gate, check state and status: allowed, waiting — an
+                     AdmissionCheck left Pending — or denied), preemptions (one per
                      preemption, with the sources that reported it and the preemptor by
                      name), evictions, pods
     pods             namespace/pod, uid, workload, nodes
@@ -638,18 +640,38 @@ def _release_section(rows: list[dict], release_id: str, gaps: list[str]) -> dict
     }
 
 
+def _admission_decision(r: dict) -> dict:
+    """One ``admission.decided`` row as the trace shows it: the decision and rule (``reason``), who
+    decided (``gate``), the state the AdmissionCheck controller set (``check_state``: the payload's
+    ``operation`` at that gate) and ``status``. A ``deny`` is not always a refusal: the controller
+    answers a Workload that may still pass (unapproved, unknown release, state not loaded) with
+    its check ``Pending`` — the Workload keeps its place and is admitted once the approval
+    arrives (producers/admission/controller.py) — so ``status`` is ``waiting`` for that,
+    ``denied`` for a webhook deny or a ``Rejected`` check, else ``allowed``."""
+    decision, _, rule = (r.get("reason") or ":").partition(":")
+    p = json.loads(r.get("payload_json") or "{}")
+    gate = p.get("gate") or None
+    check_state = (p.get("operation") or None) if gate == "admission-check" else None
+    status = "allowed" if decision != "deny" else "waiting" if check_state == "Pending" else "denied"
+    return {"occurred_at": r["occurred_at"], "decision": decision, "rule": rule, "status": status, "gate": gate, "check_state": check_state,
+            "message": r.get("message"), "summary": r.get("summary"), "correlation_id": r["correlation_id"]}
+
+
 def _workload_section(workload_id: str, rows: list[dict], pods: list[dict], gaps: list[str], names: dict[str, str] | None = None) -> dict:
     def latest(field):
         values = [r[field] for r in rows if r.get(field) not in (None, "")]
         return values[-1] if values else None
 
-    decisions = [r for r in rows if r["event_type"] == "admission.decided"]
+    decisions = [_admission_decision(r) for r in rows if r["event_type"] == "admission.decided"]
     rows = [r for r in rows if r["event_type"] != "admission.decided"]
     admissions = [r["occurred_at"] for r in rows if r["event_type"] == "scheduler.admitted"]
-    if rows and not admissions:
+    # Held or refused by gpuledger admit and not admitted since: no admission and no pod are what
+    # its decision says will happen, not missing links (the tree says "waiting" / "denied").
+    held = not admissions and bool(decisions) and decisions[-1]["status"] != "allowed"
+    if rows and not admissions and not held:
         gaps.append(f"workload {workload_id}: no admission event (admitted before the store's history, or never admitted)")
     my_pods = sorted(f"{p['namespace']}/{p['pod']}" for p in pods if p.get("workload_id") == workload_id)
-    if rows and not my_pods:
+    if rows and not my_pods and not held:
         gaps.append(f"workload {workload_id}: no pod seen")
     return {
         "workload_id": workload_id,
@@ -659,10 +681,8 @@ def _workload_section(workload_id: str, rows: list[dict], pods: list[dict], gaps
         "priority": latest("priority"),
         "admitted_at": admissions[0] if admissions else None,
         "admissions": admissions,
-        # gpuledger admit's decisions on the workload (decision:rule in ``reason``, its message).
-        "admission_decisions": [{"occurred_at": r["occurred_at"], "decision": (r.get("reason") or ":").split(":", 1)[0],
-                                 "rule": (r.get("reason") or ":").split(":", 1)[1], "message": r.get("message"),
-                                 "summary": r.get("summary"), "correlation_id": r["correlation_id"]} for r in decisions],
+        # gpuledger admit's decisions on the workload (``_admission_decision``).
+        "admission_decisions": decisions,
         "state": rows[-1]["event_type"] if rows else None,
         "release_id": latest("release_id"),
         "preemptions": _preemptions(rows, names or {}),
@@ -812,7 +832,8 @@ class _Chain:
         release), and the pods and nodes those rows name."""
         if self.workload_ids or self.release_candidates:
             rows = self.store.latest(
-                "workload_timeline", WORKLOAD_COLS, f"workload_id IN {{ws:Array(String)}} AND {_at_cond('occurred_at', self.at)}",
+                # (payload_json: an admission decision's gate and check state, which no column holds)
+                "workload_timeline", (*WORKLOAD_COLS, "payload_json"), f"workload_id IN {{ws:Array(String)}} AND {_at_cond('occurred_at', self.at)}",
                 {"ws": sorted(self.workload_ids | self.release_candidates), **self.at_p}, order=f"workload_id, {WORKLOAD_ORDER}")
             self.workload_ids.update(r["workload_id"] for r in rows
                                      if r["workload_id"] in self.release_candidates and r["release_id"] == self.release_id)

@@ -125,17 +125,54 @@ def _add_pod(parent: Tree, key: str, p: dict) -> None:
         pnode.add(f"GPU: {GAP}")
 
 
+def _status(d: dict) -> str:
+    """A decision's status (``sinks.read.trace._admission_decision``); a result without one
+    (written before it existed) reads its deny as a denial, as it always did."""
+    return d.get("status") or ("denied" if d.get("decision") == "deny" else "allowed")
+
+
 def _last_denial(wl: dict) -> dict | None:
-    """gpuledger admit's last decision on the workload, when it was a denial."""
+    """gpuledger admit's last decision on the workload, when it was a denial (not a wait)."""
     decisions = wl.get("admission_decisions") or []
-    return decisions[-1] if decisions and decisions[-1].get("decision") == "deny" else None
+    return decisions[-1] if decisions and _status(decisions[-1]) == "denied" else None
+
+
+def _wait(wl: dict) -> tuple[dict, dict] | None:
+    """(first, last) of the decisions that hold the workload now — the run of waits its last
+    decision ends — when its last decision is a wait."""
+    decisions = wl.get("admission_decisions") or []
+    if not decisions or _status(decisions[-1]) != "waiting":
+        return None
+    first = len(decisions) - 1
+    while first > 0 and _status(decisions[first - 1]) == "waiting":
+        first -= 1
+    return decisions[first], decisions[-1]
+
+
+#: What a Workload held Pending waits for, by the rule that holds it (streams.controls.admission):
+#: each can still change without a new Workload, which is why the check is Pending, not Rejected.
+WAITS_FOR = {
+    "unapproved": "until {release} is approved for its environment (gpuledger release approve)",
+    "approval-not-entitled": "until {release} is approved by an actor holding the approve right",
+    "unknown-release": "until {release} is registered and approved",
+    "state-not-loaded": "until gpuledger admit has loaded the release state",
+}
 
 
 def _no_admission(wl: dict) -> str:
-    """A workload never admitted: a gap — unless gpuledger admit denied it and nothing was let
-    through after, the outcome expected of a denial (it read as a missing link, in red)."""
+    """A workload never admitted: a gap — unless gpuledger admit holds it (its AdmissionCheck
+    Pending: it waits, and is admitted when what it waits for arrives) or denied it and nothing
+    was let through after, the outcome expected of a denial (it read as a missing link, in red)."""
+    if (held := _wait(wl)) is not None:
+        first, last = held
+        release = f"release {m(wl['release_id'])}" if wl.get("release_id") else "its release"
+        until = WAITS_FOR.get(last.get("rule", ""), "until its release's state changes (the decision's message says what it needs)")
+        again = f", last decided {m(last['occurred_at'])}" if last is not first else ""
+        return (f"[yellow]waiting[/]: held by gpuledger admit since {m(first['occurred_at'])} (rule {m(last.get('rule', '?'))}{again}) — "
+                f"its AdmissionCheck is Pending {until.format(release=release)}; the Workload keeps its place in its queue")
     if (d := _last_denial(wl)) is not None:
-        return f"[yellow]not admitted[/]: denied by gpuledger admit at {m(d['occurred_at'])} (rule {m(d.get('rule', '?'))})"
+        how = " — its AdmissionCheck is Rejected (Kueue deactivates the Workload)" if d.get("check_state") == "Rejected" else ""
+        return f"[yellow]not admitted[/]: denied by gpuledger admit at {m(d['occurred_at'])} (rule {m(d.get('rule', '?'))}){how}"
     return f"admission: {GAP}"
 
 
@@ -164,7 +201,10 @@ def _add_workloads(root: Tree, workloads: list[dict], pods: dict[str, dict]) -> 
                          f"cluster_queue={field(wl.get('cluster_queue'))} priority={prio}")
         for d in wl.get("admission_decisions", []):
             before = f", before admission at {m(wl['admitted_at'])}" if wl.get("admitted_at") and _precedes(d["occurred_at"], wl["admitted_at"]) else ""
-            wnode.add(f"decision {m(d['decision'])} at {m(d['occurred_at'])} by rule {m(d['rule'])}{before}")
+            # (by whom: a deny of the AdmissionCheck controller is a wait when it set the check Pending)
+            gate = (f"  [dim](AdmissionCheck {m(d['check_state'])})[/]" if d.get("check_state") else
+                    f"  [dim]({m(d['gate'])})[/]" if d.get("gate") else "")
+            wnode.add(f"decision {m(d['decision'])} at {m(d['occurred_at'])} by rule {m(d['rule'])}{before}{gate}")
         wnode.add(f"admitted {m(wl['admitted_at'])}" + (f" ({len(wl['admissions'])} admissions)" if len(wl["admissions"]) > 1 else "")
                   if wl.get("admitted_at") else _no_admission(wl))
         in_preemption = {c for ev in wl.get("preemptions", []) for c in ev.get("correlation_ids", [])}

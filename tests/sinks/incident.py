@@ -153,6 +153,26 @@ def alert_rows() -> list[CorrelatedEvent]:
     return [firing0, firing1, resolved, xid, old]
 
 
+def admission_check_row(workload: dict, state, at: datetime) -> CorrelatedEvent:
+    """The Kueue AdmissionCheck controller's decision on ``workload`` (a Workload object) against
+    the release ``state`` (an ``AdmissionState``) at ``at``, as it records it (its decide, check
+    state and event: ``producers.admission.controller.reconcile``) and the worker stores it."""
+    from producers._config import GPU_RESOURCES, ResourceMatcher
+    from producers.admission.controller import check_state
+    from producers.admission.events import decision_event
+    from streams.controls.admission import decide, subject_of
+    from streams.controls.policy import Policy
+    from streams.correlate.release import summarize
+
+    subject = subject_of(workload, ResourceMatcher(GPU_RESOURCES))
+    decision = decide(subject, state, Policy(), at, gate="admission-check")
+    check = check_state(decision)
+    event = decision_event(subject, decision, at, gate="admission-check", request_id=f"{check}|{decision.rule}", operation=check)
+    payload = event.payload.model_dump(mode="json")
+    return _ce("admission", "admission.decided", at, event.identity.model_dump(exclude_none=True), payload,
+               summary=summarize("admission.decided", payload))
+
+
 def correlated_rows() -> list[CorrelatedEvent]:
     return [*release_rows(), *scheduler_rows(), *alert_rows()]
 

@@ -483,6 +483,82 @@ def test_a_workload_shows_gpuledger_admits_decision_before_its_admission(clickho
     assert f"decision allow at {d['occurred_at']} by rule approved, before admission at {section['admitted_at']}" in tree.stdout
 
 
+def test_a_workload_the_admission_check_holds_pending_reads_waiting_not_denied(clickhouse_client, clickhouse_dsn, tmp_path):
+    """From a review (an ML platform engineer running gpuledger admit): a Workload the
+    AdmissionCheck controller holds Pending until its release is approved read "not admitted:
+    denied by gpuledger admit" — a wait, which the approval ends with no resubmission, drawn as
+    a refusal. Its recorded decision is ``deny``; the check state it set says which."""
+    import asyncio
+    import uuid
+
+    from producers.releases import COMMANDS, build_event
+    from sinks.agents import SinkWriters
+    from sinks.migrations import migrate
+    from streams.controls.admission import AdmissionState
+
+    command = {c.name: c for c in COMMANDS}
+    t = inc.T0 + timedelta(hours=4)
+    state = AdmissionState()
+    state.ready.set()
+
+    def release(name: str, rid: str, at, **options) -> None:
+        state.apply(build_event(command[name], {"release_id": rid, "at": at.isoformat(), **options}))
+
+    def workload(name: str, rid: str) -> dict:
+        labels = {"gpuledger.io/release-id": rid, "gpuledger.io/environment": "prod"}
+        return {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Workload", "metadata": {"name": name, "namespace": "risk", "uid": f"uid-{name}"},
+                "spec": {"queueName": "prod-inference", "podSets": [{"name": "main", "count": 1, "template": {"metadata": {"labels": labels},
+                         "spec": {"containers": [{"name": "c", "resources": {"requests": {"nvidia.com/gpu": "1"}}}]}}}]}}
+
+    def submitted(wid: str, rid: str, at):
+        return inc._ce("scheduler", "scheduler.submitted", at, {"workload_id": wid, "namespace": "risk", "release_id": rid},
+                       {"object_kind": "Workload", "queue": "prod-inference", "cluster_queue": "gpu-a100", "gpus_requested": 1})
+
+    waiting, rejected = workload("job-ranker-12-x7k2p", "ranker-v12-prod"), workload("job-ranker-11-b8c4d", "ranker-v11-prod")
+    w12, w11 = "risk/job-ranker-12-x7k2p", "risk/job-ranker-11-b8c4d"
+    # v12: unknown when first decided, registered (still unapproved) when re-decided — Pending both times.
+    first = inc.admission_check_row(waiting, state, t + timedelta(seconds=1))
+    release("register", "ranker-v12-prod", t + timedelta(minutes=1), model="ranker", version="12", artifact_digest="sha256:" + "a" * 64)
+    again = inc.admission_check_row(waiting, state, t + timedelta(minutes=2))
+    # v11: approved then revoked — Rejected (Kueue deactivates the Workload).
+    release("register", "ranker-v11-prod", t - timedelta(days=1), model="ranker", version="11", artifact_digest="sha256:" + "b" * 64)
+    release("approve", "ranker-v11-prod", t - timedelta(hours=20), actor="alice", env="prod")
+    release("revoke", "ranker-v11-prod", t - timedelta(hours=1), actor="alice", reason="drift")
+    refused = inc.admission_check_row(rejected, state, t + timedelta(seconds=1))
+    db = f"t_{uuid.uuid4().hex[:12]}"
+    migrate(clickhouse_client, db)
+    asyncio.run(SinkWriters(clickhouse_client, db).store_correlated(
+        [submitted(w12, "ranker-v12-prod", t), first, again, submitted(w11, "ranker-v11-prod", t), refused]))
+    env = {"GPULEDGER_CLICKHOUSE_DSN": clickhouse_dsn, "GPULEDGER_CLICKHOUSE_DATABASE": db, "GPULEDGER_DATA_DIR": str(tmp_path), "COLUMNS": "300"}
+    at = (t + timedelta(minutes=5)).isoformat()
+    runner = CliRunner()
+
+    out = runner.invoke(cli_app, ["trace", "--workload", w12, "--at", at, "--format", "json"], env=env)
+    assert out.exit_code == 0, out.output
+    result = json.loads(out.stdout)
+    [section] = [w for w in result["workloads"] if w["workload_id"] == w12]
+    assert [(d["decision"], d["rule"], d["gate"], d["check_state"], d["status"]) for d in section["admission_decisions"]] == [
+        ("deny", "unknown-release", "admission-check", "Pending", "waiting"), ("deny", "unapproved", "admission-check", "Pending", "waiting")]
+    # Not admitted and no pod: what the wait means, not missing links.
+    assert not [g for g in result["gaps"] if w12 in g], result["gaps"]
+    tree = runner.invoke(cli_app, ["trace", "--workload", w12, "--at", at], env=env)
+    assert tree.exit_code == 0, tree.output
+    since, last = section["admission_decisions"][0]["occurred_at"], section["admission_decisions"][1]["occurred_at"]
+    assert (f"waiting: held by gpuledger admit since {since} (rule unapproved, last decided {last}) — its AdmissionCheck is Pending until "
+            "release ranker-v12-prod is approved for its environment (gpuledger release approve)") in tree.stdout, tree.stdout
+    assert f"decision deny at {last} by rule unapproved  (AdmissionCheck Pending)" in tree.stdout, tree.stdout
+    assert "denied" not in tree.stdout and "admission: <gap>" not in tree.stdout, tree.stdout
+
+    out = runner.invoke(cli_app, ["trace", "--workload", w11, "--at", at, "--format", "json"], env=env)
+    [section] = [w for w in json.loads(out.stdout)["workloads"] if w["workload_id"] == w11]
+    [d] = section["admission_decisions"]
+    assert (d["decision"], d["rule"], d["check_state"], d["status"]) == ("deny", "revoked", "Rejected", "denied"), d
+    tree = runner.invoke(cli_app, ["trace", "--workload", w11, "--at", at], env=env)
+    assert (f"not admitted: denied by gpuledger admit at {d['occurred_at']} (rule revoked) — its AdmissionCheck is Rejected "
+            "(Kueue deactivates the Workload)") in tree.stdout, tree.stdout
+    assert "waiting" not in tree.stdout, tree.stdout
+
+
 def test_each_eviction_line_names_its_pod():
     """A workload's pods evicted together printed as identical 'evicted <time> <reason>' lines."""
     from sinks.read.tree import render_tree, tree_text
