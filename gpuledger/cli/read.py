@@ -48,7 +48,7 @@ def sql(query: str = typer.Argument(..., help="A SELECT, WITH, SHOW, DESCRIBE, E
 
 def trace(alert: Optional[str] = typer.Option(None, "--alert", help="Alert fingerprint."),
           release: Optional[str] = typer.Option(None, "--release", help="Release id."),
-          workload: Optional[str] = typer.Option(None, "--workload", help="Workload id: NAMESPACE/NAME of the Kueue Workload (job-…), else NAMESPACE/KIND/NAME of the owning Job, JobSet… — as `trace --pod` shows it."),
+          workload: Optional[str] = typer.Option(None, "--workload", help="Workload id: NAMESPACE/NAME of the Kueue Workload (job-…), else NAMESPACE/KIND/NAME of the owning Job, JobSet… — as `trace --pod` shows it. An id no row has (NAMESPACE/NAME of a Job) is taken as the one workload of that namespace and name, if there is one (several: listed)."),
           pod: Optional[str] = typer.Option(None, "--pod", help="Pod as NAMESPACE/NAME."),
           gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU as NODE/GPU_ID with the device id the pod-resources API reported (GPU-… UUID, MIG-…), or as NODE/INDEX with the DCGM index when a DCGM alert in the store maps it (its gpu and UUID labels): the allocation holding it at --at, else the latest."),
           model: Optional[str] = typer.Option(None, "--model", help="Model as NAME[:VERSION] (its most recently active release)."),

@@ -349,6 +349,44 @@ class _Resolver:
             return ("workload", workload_id)
         return None
 
+    def workload_named(self, value: str) -> tuple[tuple[str, str] | None, str | None]:
+        """``--workload`` for an id no row has: (root, the workload id used) when exactly one
+        workload of that namespace has that name, else (None, None); a note says which was
+        picked, which match, or the form an id has. A workload id includes what owns the pods
+        (``producers.kubernetes.mapping``): ``NS/NAME`` of a Kueue Workload, which Kueue names
+        ``<kind>-<owner name>-<5 hex>`` after its Job…, else ``NS/KIND/NAME`` of the owning
+        controller or bare pod — so ``ml/train`` for Job train finds nothing (it is ``ml/Job/train``,
+        or ``ml/job-train-1a2b3`` when Kueue queues it). Matched: ``NS/<any kind>/NAME`` and
+        ``NS/<kind>-NAME-<5 hex>``, for NAME the last segment of ``value`` (``ml/train`` and
+        ``ml/Job/train`` alike); each checked as of ``--at`` as ``workload`` checks an id."""
+        ns, sep, rest = value.partition("/")
+        if not sep:  # (a name alone: no namespace to look in)
+            ns, rest = "", value
+        name = rest.rpartition("/")[2]
+        n, w = ns or "NS", name or "NAME"  # (the examples in the person's own terms)
+        form = (f"a workload id is NAMESPACE/NAME of its Kueue Workload ({n}/job-{w}-<hash> for a queued Job {w}) or else "
+                f"NAMESPACE/KIND/NAME of what owns its pods ({n}/Job/{w}, {n}/JobSet/{w}, {n}/Deployment/{w}, {n}/Pod/{w} for a bare pod) "
+                "— as `trace --pod` shows it")
+        if not ns or not name:
+            self.notes.append(f"no workload has id {value!r}: {form}")
+            return None, None
+        shape = re.compile(rf"^{re.escape(ns)}/(?:[^/]+/{re.escape(name)}|[a-z0-9]+-{re.escape(name)}-[0-9a-f]{{5}})$")
+        cands = self.store.candidates("workload_timeline", "workload_id",
+                                      "startsWith(workload_id, {prefix:String}) AND (endsWith(workload_id, {tail:String}) "
+                                      "OR position(workload_id, {mid:String}) > 0)",
+                                      {"prefix": f"{ns}/", "tail": f"/{name}", "mid": f"-{name}-"})
+        found = [(c, root) for c in cands if c != value and shape.match(c) and (root := self.workload(c)) is not None]
+        if len(found) == 1:
+            picked, root = found[0]
+            self.notes.append(f"no workload has id {value}; traced {picked}, the one workload named {name} in {ns} — {form}")
+            return root, picked
+        if found:
+            self.notes.append(f"no workload has id {value}; {len(found)} workloads named {name} in {ns}: "
+                              f"{', '.join(c for c, _ in found)} — trace one of them with --workload; {form}")
+        else:
+            self.notes.append(f"no workload has id {value}{' as of --at' if self.at else ''}, nor any workload named {name} in {ns}: {form}")
+        return None, None
+
     def pod(self, namespace: str, pod: str) -> tuple[str, str] | None:
         st = self.store
         params = {"ns": namespace, "pod": pod, **_at_params(self.at)}
@@ -1040,12 +1078,16 @@ def trace(reader, database: str, kind: str, value: str, at: datetime | None = No
     resolver = _Resolver(store, at)
     focal: list[dict] = []
     alternatives: list[str] = []
+    entry_point = (kind, value)  # what the window is anchored on (``_Chain._anchor``)
     if kind == "alert":
         root, focal = resolver.alert(value)
     elif kind == "release":
         root = ("release", value)
     elif kind == "workload":
         root = resolver.workload(value)
+        if root is None:  # (``ns/name`` for ``ns/Job/name``: the one workload of that name, else the form an id has)
+            root, picked = resolver.workload_named(value)
+            entry_point = ("workload", picked) if picked else entry_point
     elif kind == "pod":
         root = resolver.pod(*_split_pair(value, "pod", ENTRY_FORMS["pod"]))
     elif kind == "gpu":
@@ -1055,7 +1097,7 @@ def trace(reader, database: str, kind: str, value: str, at: datetime | None = No
     else:
         name, _, version = value.partition(":")
         root, alternatives = resolver.model(name, version or None)
-    chain = _expand(store, root, at, window, focal, (kind, value))
+    chain = _expand(store, root, at, window, focal, entry_point)
     if kind == "release" and not ((chain["release"] or {}).get("lifecycle") or chain["workloads"] or chain["pods"] or chain["alerts"]):
         # A release id is taken as the root as given: one nothing in the store names (a typo, or
         # not yet told) matches nothing — a tree of gaps and exit 0 read as "found, all missing".
@@ -1070,6 +1112,8 @@ def trace(reader, database: str, kind: str, value: str, at: datetime | None = No
                          for t in sorted(store.truncated))
     entry = {"kind": kind, "value": value, "at": norm_time(at) if at else None, "window": format_window(window),
              "root": {"kind": root[0], "id": root[1]} if root else None, "queries": store.queries}
+    if entry_point[1] != value:  # (--workload NS/NAME: the one workload of that name)
+        entry["workload_id"] = entry_point[1]
     if alternatives:
         entry["other_releases"] = alternatives
     if resolver.holders:

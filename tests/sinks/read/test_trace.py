@@ -559,6 +559,60 @@ def test_a_workload_the_admission_check_holds_pending_reads_waiting_not_denied(c
     assert "waiting" not in tree.stdout, tree.stdout
 
 
+def test_a_workload_by_namespace_and_name_is_the_one_workload_of_that_name_else_the_form_is_named(clickhouse_client, clickhouse_dsn, tmp_path):
+    """From a review: `trace --workload ns/name` of a Job, whose workload id is `ns/Job/name`,
+    matched nothing and said nothing of the form an id has. The one workload of that namespace
+    and name is traced, saying so; several are listed; none names the form."""
+    import asyncio
+    import uuid
+
+    from sinks.agents import SinkWriters
+    from sinks.migrations import migrate
+
+    t = inc.T0 + timedelta(hours=5)
+
+    def rows(wid: str, pod: str) -> list:
+        ident = {"workload_id": wid, "namespace": "ml"}
+        return [inc._ce("scheduler", "scheduler.submitted", t, ident, {"object_kind": "Workload", "queue": "research"}),
+                inc._ce("scheduler", "scheduler.scheduled", t + timedelta(seconds=5), {**ident, "pod": pod, "node": "node-c"},
+                        {"object_kind": "Pod"})]
+
+    db = f"t_{uuid.uuid4().hex[:12]}"
+    migrate(clickhouse_client, db)
+    asyncio.run(SinkWriters(clickhouse_client, db).store_correlated(
+        [*rows("ml/Job/train", "train-x1"), *rows("ml/job-sweep-1a2b3", "sweep-x1"), *rows("ml/Job/eval", "eval-x1"),
+         *rows("ml/JobSet/eval", "eval-js-x1"), *rows("ml/Job/train-long", "train-long-x1")]))
+    env = {"GPULEDGER_CLICKHOUSE_DSN": clickhouse_dsn, "GPULEDGER_CLICKHOUSE_DATABASE": db, "GPULEDGER_DATA_DIR": str(tmp_path), "COLUMNS": "400"}
+    runner = CliRunner()
+
+    def run(value: str, *more: str):
+        return runner.invoke(cli_app, ["trace", "--workload", value, *more], env=env)
+
+    # The Job's workload by its namespace and name: the same chain as by its id, and the note says which it traced.
+    out = run("ml/train", "--format", "json")
+    assert out.exit_code == 0, out.output
+    got, exact = json.loads(out.stdout), json.loads(run("ml/Job/train", "--format", "json").stdout)
+    assert got["entry"]["root"] == {"kind": "workload", "id": "ml/Job/train"} and got["entry"]["workload_id"] == "ml/Job/train", got["entry"]
+    assert [w["workload_id"] for w in got["workloads"]] == ["ml/Job/train"], got["workloads"]
+    assert {k: v for k, v in chain_of(got).items() if k != "gaps"} == {k: v for k, v in chain_of(exact).items() if k != "gaps"}
+    assert got["gaps"][0].startswith("no workload has id ml/train; traced ml/Job/train, the one workload named train in ml"), got["gaps"]
+    # A Kueue-queued Job's workload is its Kueue Workload (job-<name>-<hash>): by namespace and name, or by its Job's form.
+    for value in ("ml/sweep", "ml/Job/sweep"):
+        out = run(value, "--format", "json")
+        assert out.exit_code == 0 and json.loads(out.stdout)["entry"]["root"] == {"kind": "workload", "id": "ml/job-sweep-1a2b3"}, out.output
+    # Several kinds of that name: listed, none picked.
+    several = run("ml/eval")
+    assert several.exit_code == 4, several.output
+    assert "2 workloads named eval in ml: ml/Job/eval, ml/JobSet/eval — trace one of them with --workload" in several.stdout, several.stdout
+    # None: the form an id has.
+    none = run("ml/nothing")
+    assert none.exit_code == 4, none.output
+    assert ("no workload has id ml/nothing, nor any workload named nothing in ml: a workload id is NAMESPACE/NAME of its Kueue Workload "
+            "(ml/job-nothing-<hash> for a queued Job nothing) or else NAMESPACE/KIND/NAME of what owns its pods (ml/Job/nothing, ") in none.stdout, none.stdout
+    alone = run("train")
+    assert alone.exit_code == 4 and "no workload has id 'train': " in alone.stdout and "NS/Job/train" in alone.stdout, alone.stdout
+
+
 def test_each_eviction_line_names_its_pod():
     """A workload's pods evicted together printed as identical 'evicted <time> <reason>' lines."""
     from sinks.read.tree import render_tree, tree_text
