@@ -10,8 +10,9 @@ incident::
     release          manifest (model, version, digests, owner, ...), state as of ``at``,
                      approvals, promotions, lifecycle
     workloads        queue, cluster queue, priority, admissions, gpuledger admit's decisions
-                     (each with its gate, check state and status: allowed, waiting — an
-                     AdmissionCheck left Pending — or denied), preemptions (one per
+                     (each with its gate, check state and status: allowed, deferred, waiting
+                     — an AdmissionCheck left Pending — or denied; the webhook's deferral
+                     of a queued Job under its Kueue Workload), preemptions (one per
                      preemption, with the sources that reported it and the preemptor by
                      name), evictions, pods
     pods             namespace/pod, uid, workload, nodes
@@ -49,6 +50,7 @@ import re
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from producers.kubernetes.mapping import KUEUE_JOB_UID_LABEL
 from schemas.release import ENDING_EVENTS, LIFECYCLE_EVENTS, actor_text, decision_actor
 from sinks.migrations import table_name
 from sinks.read.replayed import note as replay_note, replayed
@@ -88,6 +90,9 @@ ALLOC_COLS = ("allocation_id", "version", "node", "gpu_id", "gpu", "mig_instance
               "release_id", "workload_id", "pod_uid", "attribution", "started_at", "ended_at", "end_reason")
 CORRELATED_COLS = ("correlation_id", "version", "event_type", "occurred_at", "attribution", "release_id", "workload_id",
                    "namespace", "pod", "pod_uid", "node", "gpu_id", "alert_fingerprint", "summary")
+#: gpuledger admit's webhook letting a Kueue-queued object in for its AdmissionCheck to decide
+#: (streams.controls.admission.RULES).
+DEFERRED_RULE = "deferred-to-admission-check"
 SCHEDULER_INCIDENT_TYPES = ("scheduler.preempted", "scheduler.evicted", "scheduler.requeued", "scheduler.failed_scheduling")
 ENTRY_KINDS = ("alert", "release", "workload", "pod", "gpu", "model")
 
@@ -376,6 +381,14 @@ class _Resolver:
                                       "OR position(workload_id, {mid:String}) > 0)",
                                       {"prefix": f"{ns}/", "tail": f"/{name}", "mid": f"-{name}-"})
         found = [(c, root) for c in cands if c != value and shape.match(c) and (root := self.workload(c)) is not None]
+        if len(found) > 1:
+            # A queued Job's deferral (NS/Job/NAME) is its Kueue Workload's (NS/job-NAME-…): one workload, not two.
+            ids = [c for c, _ in found]
+            rows = self.store.latest("workload_timeline", ("workload_id", "occurred_at", "correlation_id", "version", "event_type", "payload_json"),
+                                     f"workload_id IN {{ws:Array(String)}} AND {_at_cond('occurred_at', self.at)}", {"ws": ids, **_at_params(self.at)},
+                                     order="workload_id, occurred_at, correlation_id")
+            links = deferral_links(self.store, rows, self.at)
+            found = [(c, root) for c, root in found if links.get(c) not in ids]
         if len(found) == 1:
             picked, root = found[0]
             self.notes.append(f"no workload has id {value}; traced {picked}, the one workload named {name} in {ns} — {form}")
@@ -685,14 +698,19 @@ def _admission_decision(r: dict) -> dict:
     answers a Workload that may still pass (unapproved, unknown release, state not loaded) with
     its check ``Pending`` — the Workload keeps its place and is admitted once the approval
     arrives (producers/admission/controller.py) — so ``status`` is ``waiting`` for that,
-    ``denied`` for a webhook deny or a ``Rejected`` check, else ``allowed``."""
+    ``denied`` for a webhook deny or a ``Rejected`` check, ``deferred`` for the webhook letting a
+    queued object in for the AdmissionCheck to decide (rule ``deferred-to-admission-check``), else
+    ``allowed``."""
     decision, _, rule = (r.get("reason") or ":").partition(":")
     p = json.loads(r.get("payload_json") or "{}")
     gate = p.get("gate") or None
     check_state = (p.get("operation") or None) if gate == "admission-check" else None
-    status = "allowed" if decision != "deny" else "waiting" if check_state == "Pending" else "denied"
-    return {"occurred_at": r["occurred_at"], "decision": decision, "rule": rule, "status": status, "gate": gate, "check_state": check_state,
-            "message": r.get("message"), "summary": r.get("summary"), "correlation_id": r["correlation_id"]}
+    status = ("deferred" if rule == DEFERRED_RULE else "allowed") if decision != "deny" else "waiting" if check_state == "Pending" else "denied"
+    out = {"occurred_at": r["occurred_at"], "decision": decision, "rule": rule, "status": status, "gate": gate, "check_state": check_state,
+           "message": r.get("message"), "summary": r.get("summary"), "correlation_id": r["correlation_id"]}
+    if r.get("recorded_as"):  # (the webhook's deferral of a queued Job, recorded under the Job's id: ``_Chain._attach_deferrals``)
+        out["recorded_as"] = r["recorded_as"]
+    return out
 
 
 def _workload_section(workload_id: str, rows: list[dict], pods: list[dict], gaps: list[str], names: dict[str, str] | None = None) -> dict:
@@ -705,7 +723,7 @@ def _workload_section(workload_id: str, rows: list[dict], pods: list[dict], gaps
     admissions = [r["occurred_at"] for r in rows if r["event_type"] == "scheduler.admitted"]
     # Held or refused by gpuledger admit and not admitted since: no admission and no pod are what
     # its decision says will happen, not missing links (the tree says "waiting" / "denied").
-    held = not admissions and bool(decisions) and decisions[-1]["status"] != "allowed"
+    held = not admissions and bool(decisions) and decisions[-1]["status"] in ("waiting", "denied")
     if rows and not admissions and not held:
         gaps.append(f"workload {workload_id}: no admission event (admitted before the store's history, or never admitted)")
     my_pods = sorted(f"{p['namespace']}/{p['pod']}" for p in pods if p.get("workload_id") == workload_id)
@@ -734,6 +752,39 @@ def _sorted_allocs(allocs) -> list[dict]:
     return sorted(allocs, key=lambda a: (a["started_at"], a["allocation_id"]))
 
 
+def deferral_links(store: Store, rows: list[dict], at: datetime | None) -> dict[str, str]:
+    """Workload id -> the Kueue Workload it is, for the ids among ``rows`` (workload_timeline rows
+    with ``event_type`` and ``payload_json``) that hold only gpuledger admit's webhook deferrals.
+
+    The webhook decides a Kueue-queued Job at its creation, before Kueue has made its Workload,
+    and records the deferral under the Job's own id (``NS/Job/NAME``:
+    ``streams.controls.admission.subject_of``); the Workload's events and its AdmissionCheck's
+    decisions are under ``NS/<workload name>``. So the Job's id read as a second workload holding
+    one deferral and nothing else — drawn as gaps. Its Workload is the one whose
+    ``kueue.x-k8s.io/job-uid`` label (in its events' labels) is the deferred object's uid, as of
+    ``at`` (the latest, if several). An id whose Workload the store does not have is left out."""
+    deferred: dict[str, set[str]] = {}
+    others: set[str] = set()  # ids with any other row
+    for r in rows:
+        p = json.loads(r.get("payload_json") or "{}") if r["event_type"] == "admission.decided" else {}
+        if p.get("gate") == "webhook" and p.get("rule") == DEFERRED_RULE and p.get("object_uid"):
+            deferred.setdefault(r["workload_id"], set()).add(p["object_uid"])
+        else:
+            others.add(r["workload_id"])
+    deferred = {wid: uids for wid, uids in deferred.items() if wid not in others}
+    if not deferred:
+        return {}
+    spaces = sorted({wid.partition("/")[0] + "/" for wid in deferred})
+    # (by the namespace's prefix of the sorting key: the label alone would read the whole table)
+    near = " OR ".join(f"startsWith(workload_id, {{ns{i}:String}})" for i in range(len(spaces)))
+    found = store.latest("workload_timeline", ("workload_id", "occurred_at", "correlation_id", "version", "labels"),
+                         f"({near}) AND labels[{{label:String}}] IN {{uids:Array(String)}} AND {_at_cond('occurred_at', at)}",
+                         {**{f"ns{i}": p for i, p in enumerate(spaces)}, "label": KUEUE_JOB_UID_LABEL,
+                          "uids": sorted(set().union(*deferred.values())), **_at_params(at)}, order="occurred_at, correlation_id")
+    by_uid = {r["labels"][KUEUE_JOB_UID_LABEL]: r["workload_id"] for r in found}  # (in time order: the latest wins)
+    return {wid: by_uid[uid] for wid, uids in deferred.items() for uid in sorted(uids) if uid in by_uid and by_uid[uid] != wid}
+
+
 class _Chain:
     """The chain of one root, gathered in the steps ``_expand`` runs in order: the
     release, its workloads, their pods and allocations, the alerts attributed to any of
@@ -749,6 +800,7 @@ class _Chain:
         self.release_id = self.value if self.kind == "release" else None
         self.release: dict | None = None
         self.workload_ids: set[str] = {self.value} if self.kind == "workload" else set()
+        self.recorded_as: set[str] = set()  # ids whose rows moved to their Kueue Workload (_attach_deferrals)
         self.pod_keys: set[tuple[str, str]] = {tuple(self.value.split("/", 1))} if self.kind == "pod" else set()  # type: ignore[arg-type]
         self.release_rows: list[dict] = []
         self.release_allocs: list[dict] = []
@@ -828,7 +880,7 @@ class _Chain:
             self.violations = []
             return
         rows = self.store.latest("violations", VIOLATION_COLS, _at_cond("opened_at", self.at),
-                                 {"r": self.release_id or "", "wids": sorted(self.workload_ids), "pods": pods, **self.at_p},
+                                 {"r": self.release_id or "", "wids": sorted(self.workload_ids | self.recorded_as), "pods": pods, **self.at_p},
                                  after="(release_id != '' AND release_id = {r:String}) OR (workload_id != '' AND workload_id IN {wids:Array(String)})"
                                        " OR concat(namespace, '/', pod) IN {pods:Array(String)}",
                                  after_columns=("release_id", "workload_id", "namespace", "pod"), order="opened_at, violation_id")
@@ -876,6 +928,7 @@ class _Chain:
             self.workload_ids.update(r["workload_id"] for r in rows
                                      if r["workload_id"] in self.release_candidates and r["release_id"] == self.release_id)
             self.wl_rows = [r for r in rows if r["workload_id"] in self.workload_ids]
+            self._attach_deferrals()
         for r in self.wl_rows:
             if r["namespace"] and r["pod"]:
                 p = self._pod(r["namespace"], r["pod"], r["workload_id"])
@@ -884,6 +937,26 @@ class _Chain:
                     p["nodes"].append(r["node"])
         for ns, name in self.pod_keys:
             self._pod(ns, name)
+
+    def _attach_deferrals(self) -> None:
+        """The webhook's deferral of a Kueue-queued Job, under the Kueue Workload that queues it
+        (``deferral_links``): its rows move there, each keeping the id it was recorded under
+        (``recorded_as``). Without such a Workload the Job's id stays, shown as a deferral."""
+        moved = deferral_links(self.store, self.wl_rows, self.at)
+        if not moved:
+            return
+        new = sorted(set(moved.values()) - self.workload_ids)
+        if new:
+            self.wl_rows += self.store.latest("workload_timeline", (*WORKLOAD_COLS, "payload_json"),
+                                              f"workload_id IN {{ws:Array(String)}} AND {_at_cond('occurred_at', self.at)}",
+                                              {"ws": new, **self.at_p}, order=f"workload_id, {WORKLOAD_ORDER}")
+        for r in self.wl_rows:
+            if r["workload_id"] in moved:
+                r["recorded_as"], r["workload_id"] = r["workload_id"], moved[r["workload_id"]]
+        self.workload_ids = (self.workload_ids - set(moved)) | set(moved.values())
+        self.recorded_as.update(moved)
+        self.wl_rows.sort(key=lambda r: (r["workload_id"], r["occurred_at"], r["source_topic"], r["source_partition"], r["source_offset"],
+                                         r["correlation_id"]))
 
     def read_allocations(self) -> None:
         """Every allocation of the chain's pods (and the release's), and the pods and nodes they add."""
@@ -933,7 +1006,7 @@ class _Chain:
             if starts:
                 return max(starts), "the alert's startsAt"
         if kind == "workload":
-            times = [r["occurred_at"] for r in self.wl_rows if r["workload_id"] == value]
+            times = [r["occurred_at"] for r in self.wl_rows if value in (r["workload_id"], r.get("recorded_as"))]
             if times:
                 return max(times), "the workload's latest event"
         if kind == "pod":

@@ -137,6 +137,13 @@ def _last_denial(wl: dict) -> dict | None:
     return decisions[-1] if decisions and _status(decisions[-1]) == "denied" else None
 
 
+def _deferral(wl: dict) -> dict | None:
+    """The webhook's deferral of a queued object, when it is all the store has under this id: its
+    Kueue Workload (which ``sinks.read.trace`` attaches it to when found) is not in the store."""
+    decisions = wl.get("admission_decisions") or []
+    return decisions[-1] if not wl.get("state") and decisions and _status(decisions[-1]) == "deferred" else None
+
+
 def _wait(wl: dict) -> tuple[dict, dict] | None:
     """(first, last) of the decisions that hold the workload now — the run of waits its last
     decision ends — when its last decision is a wait."""
@@ -170,6 +177,10 @@ def _no_admission(wl: dict) -> str:
         again = f", last decided {m(last['occurred_at'])}" if last is not first else ""
         return (f"[yellow]waiting[/]: held by gpuledger admit since {m(first['occurred_at'])} (rule {m(last.get('rule', '?'))}{again}) — "
                 f"its AdmissionCheck is Pending {until.format(release=release)}; the Workload keeps its place in its queue")
+    if (d := _deferral(wl)) is not None:
+        return (f"[yellow]deferred[/]: let in by gpuledger admit's webhook at {m(d['occurred_at'])} for the AdmissionCheck to decide on its "
+                f"Kueue Workload (rule {m(d.get('rule', '?'))}); no Workload in the store carries its uid (label kueue.x-k8s.io/job-uid): "
+                "its queue, admission and pods are under that Workload")
     if (d := _last_denial(wl)) is not None:
         how = " — its AdmissionCheck is Rejected (Kueue deactivates the Workload)" if d.get("check_state") == "Rejected" else ""
         return f"[yellow]not admitted[/]: denied by gpuledger admit at {m(d['occurred_at'])} (rule {m(d.get('rule', '?'))}){how}"
@@ -188,8 +199,9 @@ def _precedes(decision_at: str, mark: str) -> bool:
 
 def _denied_at_the_door(wl: dict) -> bool:
     """gpuledger admit denied the workload and the scheduler never saw it: its queue, cluster
-    queue and priority are nowhere to be found, and that is the denial's outcome, not a gap."""
-    return not wl.get("state") and _last_denial(wl) is not None
+    queue and priority are nowhere to be found, and that is the denial's outcome, not a gap —
+    nor under a deferral's id (they are its Kueue Workload's)."""
+    return not wl.get("state") and (_last_denial(wl) is not None or _deferral(wl) is not None)
 
 
 def _add_workloads(root: Tree, workloads: list[dict], pods: dict[str, dict]) -> None:
@@ -201,9 +213,11 @@ def _add_workloads(root: Tree, workloads: list[dict], pods: dict[str, dict]) -> 
                          f"cluster_queue={field(wl.get('cluster_queue'))} priority={prio}")
         for d in wl.get("admission_decisions", []):
             before = f", before admission at {m(wl['admitted_at'])}" if wl.get("admitted_at") and _precedes(d["occurred_at"], wl["admitted_at"]) else ""
-            # (by whom: a deny of the AdmissionCheck controller is a wait when it set the check Pending)
-            gate = (f"  [dim](AdmissionCheck {m(d['check_state'])})[/]" if d.get("check_state") else
-                    f"  [dim]({m(d['gate'])})[/]" if d.get("gate") else "")
+            # By whom (a deny of the AdmissionCheck controller is a wait when it set the check Pending)
+            # and the id it was recorded under (the webhook's deferral of a queued Job names the Job).
+            via = ", ".join(v for v in (f"AdmissionCheck {m(d['check_state'])}" if d.get("check_state") else m(d.get("gate") or ""),
+                                        f"recorded as {m(d['recorded_as'])}" if d.get("recorded_as") else "") if v)
+            gate = f"  [dim]({via})[/]" if via else ""
             wnode.add(f"decision {m(d['decision'])} at {m(d['occurred_at'])} by rule {m(d['rule'])}{before}{gate}")
         wnode.add(f"admitted {m(wl['admitted_at'])}" + (f" ({len(wl['admissions'])} admissions)" if len(wl["admissions"]) > 1 else "")
                   if wl.get("admitted_at") else _no_admission(wl))

@@ -173,6 +173,28 @@ def admission_check_row(workload: dict, state, at: datetime) -> CorrelatedEvent:
                summary=summarize("admission.decided", payload))
 
 
+def webhook_row(obj: dict, state, at: datetime, policy=None) -> CorrelatedEvent:
+    """gpuledger admit's webhook deciding the CREATE of ``obj`` (a Job, Pod or Workload) against
+    the release ``state`` at ``at``, as it records it (``producers.admission.webhook.ReviewHandler``)
+    and the worker stores it."""
+    from producers._config import GPU_RESOURCES, ResourceMatcher
+    from producers.admission.webhook import API_VERSION, ReviewHandler
+    from streams.controls.policy import Policy
+    from streams.correlate.release import summarize
+
+    group = obj["apiVersion"].rpartition("/")[0] if "/" in obj["apiVersion"] else ""
+    review = {"apiVersion": API_VERSION, "kind": "AdmissionReview", "request": {
+        "uid": f"review-{obj['metadata']['name']}", "kind": {"group": group, "kind": obj["kind"]}, "operation": "CREATE",
+        "namespace": obj["metadata"]["namespace"], "userInfo": {"username": "alice"}, "object": obj}}
+    handler = ReviewHandler(state, policy or Policy(), ResourceMatcher(GPU_RESOURCES), "gpuledger.io/", clock=lambda: at)
+    status, _answer, event = handler.handle(orjson.dumps(review))
+    assert status == 200 and event is not None, _answer
+    recorded = event()
+    payload = recorded.payload.model_dump(mode="json")
+    return _ce("admission", "admission.decided", at, recorded.identity.model_dump(exclude_none=True), payload,
+               summary=summarize("admission.decided", payload))
+
+
 def correlated_rows() -> list[CorrelatedEvent]:
     return [*release_rows(), *scheduler_rows(), *alert_rows()]
 

@@ -613,6 +613,88 @@ def test_a_workload_by_namespace_and_name_is_the_one_workload_of_that_name_else_
     assert alone.exit_code == 4 and "no workload has id 'train': " in alone.stdout and "NS/Job/train" in alone.stdout, alone.stdout
 
 
+def test_the_webhooks_deferral_of_a_queued_job_is_under_its_kueue_workload(clickhouse_client, clickhouse_dsn, tmp_path):
+    """From a review: the webhook's deferral of a Kueue-queued Job (to the AdmissionCheck) is
+    recorded under the Job's id, NS/Job/NAME — Kueue has made no Workload yet — and trace drew it
+    as a second workload full of <gap>s beside the Workload (NS/job-NAME-<hash>) the check then
+    held. It is that Workload's (by its kueue.x-k8s.io/job-uid label); one whose Workload the
+    store does not have is shown as a deferral."""
+    import asyncio
+    import uuid
+
+    from producers.releases import COMMANDS, build_event
+    from sinks.agents import SinkWriters
+    from sinks.migrations import migrate
+    from streams.controls.admission import AdmissionState
+    from streams.controls.policy import Admission, NamespaceAdmission, Policy
+
+    command = {c.name: c for c in COMMANDS}
+    t = inc.T0 + timedelta(hours=6)
+    state = AdmissionState()
+    state.ready.set()
+    for rid in ("ranker-v12-prod", "ranker-v13-prod"):
+        state.apply(build_event(command["register"], {"release_id": rid, "at": (t - timedelta(hours=1)).isoformat(), "model": "ranker",
+                                                      "version": rid.split("-")[1], "artifact_digest": "sha256:" + "a" * 64}))
+    policy = Policy(admission=Admission(namespaces={"ml": NamespaceAdmission(gate="admission-check")}))
+
+    def job(name: str, rid: str) -> dict:
+        labels = {"gpuledger.io/release-id": rid, "gpuledger.io/environment": "prod"}
+        return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, "namespace": "ml", "uid": f"uid-job-{name}",
+                                                                       "labels": {**labels, "kueue.x-k8s.io/queue-name": "research"}},
+                "spec": {"suspend": True, "template": {"metadata": {"labels": labels}, "spec": {"containers": [
+                    {"name": "c", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}}}
+
+    # Kueue's Workload for Job train (its job-uid label names the Job), held Pending by the AdmissionCheck.
+    labels = {"gpuledger.io/release-id": "ranker-v12-prod", "gpuledger.io/environment": "prod"}
+    workload = {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Workload",
+                "metadata": {"name": "job-train-4f2a1", "namespace": "ml", "uid": "uid-wl-train",
+                             "labels": {"kueue.x-k8s.io/job-uid": "uid-job-train"}},
+                "spec": {"queueName": "research", "podSets": [{"name": "main", "count": 1, "template": {"metadata": {"labels": labels},
+                         "spec": {"containers": [{"name": "c", "resources": {"requests": {"nvidia.com/gpu": "1"}}}]}}}]}}
+    kueue_wl = "ml/job-train-4f2a1"
+    submitted = inc._ce("scheduler", "scheduler.submitted", t + timedelta(seconds=1),
+                        {"workload_id": kueue_wl, "namespace": "ml", "release_id": "ranker-v12-prod"},
+                        {"object_kind": "Workload", "queue": "research", "labels": {"kueue.x-k8s.io/job-uid": "uid-job-train"}})
+    deferral = inc.webhook_row(job("train", "ranker-v12-prod"), state, t, policy)
+    orphan = inc.webhook_row(job("orphan", "ranker-v13-prod"), state, t, policy)
+    assert json.loads(deferral.payload_json)["rule"] == "deferred-to-admission-check" and deferral.identity.workload_id == "ml/Job/train"
+    db = f"t_{uuid.uuid4().hex[:12]}"
+    migrate(clickhouse_client, db)
+    asyncio.run(SinkWriters(clickhouse_client, db).store_correlated(
+        [deferral, submitted, inc.admission_check_row(workload, state, t + timedelta(seconds=2)), orphan]))
+    env = {"GPULEDGER_CLICKHOUSE_DSN": clickhouse_dsn, "GPULEDGER_CLICKHOUSE_DATABASE": db, "GPULEDGER_DATA_DIR": str(tmp_path), "COLUMNS": "300"}
+    at = (t + timedelta(minutes=5)).isoformat()
+    runner = CliRunner()
+
+    def run(value: str, *more: str):
+        out = runner.invoke(cli_app, ["trace", "--workload", value, "--at", at, *more], env=env)
+        assert out.exit_code == 0, out.output
+        return out.stdout
+
+    got = json.loads(run(kueue_wl, "--format", "json"))
+    [section] = got["workloads"]
+    assert section["workload_id"] == kueue_wl, got["workloads"]
+    assert [(d["rule"], d["status"], d.get("recorded_as")) for d in section["admission_decisions"]] == [
+        ("deferred-to-admission-check", "deferred", "ml/Job/train"), ("unapproved", "waiting", None)], section["admission_decisions"]
+    # By the Job's id, the same chain (the id the decision was recorded under still finds it); argMax reads the same.
+    assert chain_of(json.loads(run("ml/Job/train", "--format", "json"))) == chain_of(got)
+    argmax = trace(DirectReader(clickhouse_client), db, "workload", kueue_wl, at=t + timedelta(minutes=5), mode="argmax")
+    assert json.loads(json.dumps(chain_of(argmax), default=str)) == chain_of(got)
+    tree = run(kueue_wl)
+    assert [line.split("── ", 1)[1].split("  ")[0] for line in tree.splitlines() if "── workload " in line] == [f"workload {kueue_wl}"], tree
+    deferred_at = section["admission_decisions"][0]["occurred_at"]
+    assert f"decision allow at {deferred_at} by rule deferred-to-admission-check  (webhook, recorded as ml/Job/train)" in tree, tree
+    # By the Job's namespace and name: its Workload, not a choice between it and its deferral.
+    assert json.loads(run("ml/train", "--format", "json"))["entry"]["workload_id"] == kueue_wl
+
+    # A Job whose Workload the store does not have: what it is, not a workload of gaps.
+    tree = run("ml/Job/orphan")
+    assert "workload ml/Job/orphan  queue=- cluster_queue=- priority=-" in tree, tree
+    assert (f"deferred: let in by gpuledger admit's webhook at {deferred_at} for the AdmissionCheck to decide on its Kueue Workload "
+            "(rule deferred-to-admission-check); no Workload in the store carries its uid") in tree, tree
+    assert "admission: <gap>" not in tree, tree
+
+
 def test_each_eviction_line_names_its_pod():
     """A workload's pods evicted together printed as identical 'evicted <time> <reason>' lines."""
     from sinks.read.tree import render_tree, tree_text
