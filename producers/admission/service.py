@@ -66,7 +66,7 @@ class DecisionRecorder:
     def __init__(self, publisher, batch: int = 500, capacity: int = 100_000) -> None:
         self.publisher, self.batch = publisher, batch
         self.queue: queue.Queue = queue.Queue(maxsize=capacity)
-        self.counters = {"recorded": 0, "published": 0, "dropped": 0, "publish_errors": 0}
+        self.counters = {"recorded": 0, "published": 0, "dropped": 0, "publish_errors": 0, "unrecordable": 0}
         self.failing_since: float | None = None  # time.monotonic() of the first failed publish of the batch in hand
         self.last_error: str | None = None
         self.in_hand = 0  # decisions of the batch being published (out of the queue, so not in qsize())
@@ -106,7 +106,9 @@ class DecisionRecorder:
                 except queue.Empty:
                     break
             # The webhook hands over a function: the event is built here, not on the request path.
-            events = [e() if callable(e) else e for e in events]
+            events = [e for e in map(self._built, events) if e is not None]
+            if not events:
+                continue
             self.in_hand = len(events)
             while True:
                 try:
@@ -127,6 +129,20 @@ class DecisionRecorder:
                     log.warning("admission decisions not published yet (%d): %s", len(events), exc)
                     if self._stopping.wait(1.0):
                         return
+
+    def _built(self, event):
+        """The event a decision's function builds, or None when it cannot be built (an identity
+        field the event refuses: a line break in a ``gpuledger.io/owner`` annotation) — logged and
+        counted (``unrecordable``): raised here, it ended this thread, and no later decision was
+        published while ``/healthz`` said ok."""
+        if not callable(event):
+            return event
+        try:
+            return event()
+        except Exception as exc:  # noqa: BLE001 - one decision must not stop the recording of the others
+            self.counters["unrecordable"] += 1
+            log.error("an admission decision could not be recorded (its event cannot be built): %s", " ".join(str(exc).split()))
+            return None
 
     def problem(self, after_s: float) -> str | None:
         """What ``/healthz`` says when decisions could not be published for ``after_s`` seconds: how

@@ -379,3 +379,27 @@ def test_dropped_decisions_are_logged_once_when_drops_begin_and_counted_when_pub
     finally:
         recorder.stop()
         publisher.close(5)
+
+
+def test_a_decision_whose_event_cannot_be_built_does_not_stop_the_recording_of_the_others(admit, catalogue, kafka_bootstrap, caplog):
+    """Found by a review: the recorder thread builds each decision's event; one that could not be
+    built — a `gpuledger.io/owner` annotation with a line break in it, which the event's identity
+    refuses — ended the thread: no later decision was published, /healthz still said "ok", and once
+    the queue filled the drops were logged as waiting for Kafka. That one is logged and counted; the
+    others are published."""
+    import logging
+
+    url, context, _releases, service = admit
+    poll(lambda: call(url, context, "/readyz")[0] == 200, "the release state loaded", 60)
+    caplog.set_level(logging.ERROR, logger="producers.admission.service")
+    bad = job("score-bad")
+    bad["metadata"]["annotations"] = {"gpuledger.io/owner": "fraud\nteam"}
+    assert call(url, context, "/validate", review(bad))[0] == 200  # the webhook answers it as any other
+    assert call(url, context, "/validate", review(job("score-good")))[0] == 200
+    decided = [decode_event(m.value()) for m in read_topic(kafka_bootstrap, catalogue.scheduler, 1, timeout=20)]
+    assert [e.payload.object_name for e in decided] == ["score-good"], decided
+    health = call(url, context, "/healthz")[1]
+    assert (health["recorder"]["published"], health["recorder"]["unrecordable"], health["recorder"]["dropped"]) == (1, 1, 0), health
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and errors[0].startswith("an admission decision could not be recorded (its event cannot be built): "), errors
+    assert "owner" in errors[0], errors
