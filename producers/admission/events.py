@@ -43,8 +43,9 @@ def decision_event(subject: Subject, decision: Decision, at: datetime, *, gate: 
                    user: str | None = None, host: str | None = None, notes: tuple[str, ...] = (), caller: str | None = None) -> AdmissionEvent:
     ident = {k: v for k, v in subject.identity.items() if k in _IDENTITY}
     pod = subject.name if subject.kind == "Pod" else None
-    identity = Identity(release_id=decision.release_id, environment=decision.environment, namespace=subject.namespace or None,
-                        workload_id=subject.workload_id, pod=pod, pod_uid=subject.uid if pod else None, **ident)
+    identity, refused = _identity(dict(release_id=decision.release_id, environment=decision.environment, namespace=subject.namespace or None,
+                                       workload_id=subject.workload_id, pod=pod, pod_uid=subject.uid if pod else None, **ident))
+    notes = (*notes, refused) if refused else notes
     payload = AdmissionPayload(
         decision=decision.verdict, outcome=decision.outcome, rule=decision.rule, message=decision_message(subject, decision, notes), mode=decision.mode,
         gate=gate,
@@ -55,3 +56,22 @@ def decision_event(subject: Subject, decision: Decision, at: datetime, *, gate: 
     eid = make_event_id(COLLECTOR, (gate, subject.kind, subject.namespace, subject.name, subject.uid, operation), request_id)
     return AdmissionEvent(event_id=eid, event_type="admission.decided", occurred_at=at, observed_at=at,
                           source=Source(collector=COLLECTOR, host=host or socket.gethostname()), identity=identity, payload=payload)
+
+
+def _identity(fields: dict) -> tuple[Identity, str | None]:
+    """The decision's identity, and a note naming the fields left out of it: a value the event
+    refuses (a line break in a ``gpuledger.io/owner`` annotation — a label or annotation is its
+    creator's to write) is not recorded, and the decision is, saying so. Before, the event could
+    not be built at all and the decision went unrecorded (``DecisionRecorder``)."""
+    from pydantic import ValidationError
+
+    try:
+        return Identity(**fields), None
+    except ValidationError as exc:
+        errors = [e for e in exc.errors() if e.get("loc")]
+        refused = sorted({str(e["loc"][0]) for e in errors})
+        if not errors or any(name not in fields for name in refused):
+            raise
+        kept = {k: v for k, v in fields.items() if k not in refused}
+        why = "; ".join(f"{e['loc'][0]}: {e['msg']}" for e in errors)
+        return Identity(**kept), f"Not recorded in this event's identity: {', '.join(refused)} ({why})"

@@ -381,25 +381,55 @@ def test_dropped_decisions_are_logged_once_when_drops_begin_and_counted_when_pub
         publisher.close(5)
 
 
-def test_a_decision_whose_event_cannot_be_built_does_not_stop_the_recording_of_the_others(admit, catalogue, kafka_bootstrap, caplog):
-    """Found by a review: the recorder thread builds each decision's event; one that could not be
-    built — a `gpuledger.io/owner` annotation with a line break in it, which the event's identity
-    refuses — ended the thread: no later decision was published, /healthz still said "ok", and once
-    the queue filled the drops were logged as waiting for Kafka. That one is logged and counted; the
-    others are published."""
-    import logging
-
+def test_a_decision_on_an_object_whose_annotation_the_event_refuses_is_recorded_without_that_field_saying_so(admit, catalogue, kafka_bootstrap):
+    """Found by a review: a ``gpuledger.io/owner`` annotation with a line break in it (an annotation is
+    its creator's to write) made the decision's event impossible to build, which ended the recorder
+    thread — no later decision was published while /healthz said "ok". The decision is recorded now,
+    with that field left out of its identity and a note in its message naming it."""
     url, context, _releases, service = admit
     poll(lambda: call(url, context, "/readyz")[0] == 200, "the release state loaded", 60)
-    caplog.set_level(logging.ERROR, logger="producers.admission.service")
     bad = job("score-bad")
     bad["metadata"]["annotations"] = {"gpuledger.io/owner": "fraud\nteam"}
     assert call(url, context, "/validate", review(bad))[0] == 200  # the webhook answers it as any other
     assert call(url, context, "/validate", review(job("score-good")))[0] == 200
-    decided = [decode_event(m.value()) for m in read_topic(kafka_bootstrap, catalogue.scheduler, 1, timeout=20)]
-    assert [e.payload.object_name for e in decided] == ["score-good"], decided
+    decided = {e.payload.object_name: e for e in (decode_event(m.value()) for m in read_topic(kafka_bootstrap, catalogue.scheduler, 2, timeout=20))}
+    assert sorted(decided) == ["score-bad", "score-good"], decided
+    refused = decided["score-bad"]
+    assert refused.identity.owner is None and refused.identity.release_id == RID, refused.identity
+    assert refused.payload.message.endswith(". Not recorded in this event's identity: owner (owner: Value error, contains U+000A "
+                                            "(control character) at position 5; identifiers must not carry control or bidi characters)"), \
+        refused.payload.message
+    assert decided["score-good"].payload.message == refused.payload.message.split(". Not recorded in")[0].replace("score-bad", "score-good")
     health = call(url, context, "/healthz")[1]
-    assert (health["recorder"]["published"], health["recorder"]["unrecordable"], health["recorder"]["dropped"]) == (1, 1, 0), health
-    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-    assert len(errors) == 1 and errors[0].startswith("an admission decision could not be recorded (its event cannot be built): "), errors
-    assert "owner" in errors[0], errors
+    assert (health["recorder"]["published"], health["recorder"]["unrecordable"]) == (2, 0), health
+
+
+def test_a_decision_whose_event_cannot_be_built_does_not_stop_the_recording_of_the_others(catalogue, kafka_bootstrap, caplog):
+    """The recorder builds each decision's event on its own thread: one that raised ended the thread
+    (no later decision published, /healthz "ok", the drops that followed logged as waiting for
+    Kafka). One that cannot be built is logged and counted (``unrecordable``); the others are
+    published — on the real broker."""
+    import logging
+
+    from producers.admission.service import DecisionRecorder
+
+    def unbuildable():
+        raise ValueError("an event no schema accepts")
+
+    good = build_event(COMMAND["register"], {"release_id": f"rel-{uuid.uuid4().hex[:8]}", "model": "fraud-scorer", "version": "8",
+                                             "artifact_digest": "sha256:" + "a" * 64})
+    publisher = EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, "admit-test")
+    recorder = DecisionRecorder(publisher, batch=10)
+    caplog.set_level(logging.ERROR, logger="producers.admission.service")
+    try:
+        recorder(unbuildable)
+        recorder(lambda: good)
+        recorder.start()
+        poll(lambda: recorder.counters["published"] == 1, "the buildable decision published", 30)
+        assert recorder.counters["unrecordable"] == 1 and recorder._thread.is_alive()
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert errors == ["an admission decision could not be recorded (its event cannot be built): an event no schema accepts"], errors
+        assert [decode_event(m.value()).event_id for m in read_topic(kafka_bootstrap, catalogue.release, 1, timeout=20)] == [good.event_id]
+    finally:
+        recorder.stop()
+        publisher.close(5)
