@@ -71,9 +71,11 @@ class ComponentCounters:
         self.rejected = m.create_counter("gpuledger.events.rejected", description="Events rejected, by reason")
         self.bytes_sent = m.create_counter("gpuledger.bytes.sent", unit="By", description="Bytes sent downstream")
         self.truncated = m.create_counter("gpuledger.fields.truncated", description="Free-text fields cut to their size cap")
+        self.refused = m.create_counter("gpuledger.fields.refused",
+                                        description="Identity values left out of an event that was kept (a label or annotation the schema refuses)")
         self._attrs = {"component": component}
         # Local mirror for health endpoints and tests that read counters back.
-        self.totals: dict[str, int] = {"received": 0, "sent": 0, "rejected": 0, "bytes_sent": 0, "truncated": 0}
+        self.totals: dict[str, int] = {"received": 0, "sent": 0, "rejected": 0, "bytes_sent": 0, "truncated": 0, "refused": 0}
 
     def add_received(self, n: int = 1) -> None:
         self.received.add(n, self._attrs)
@@ -90,6 +92,11 @@ class ComponentCounters:
         """``n`` free-text fields were cut to fit (the event itself was kept)."""
         self.truncated.add(n, self._attrs)
         self.totals["truncated"] += n
+
+    def add_refused(self, field: str, n: int = 1) -> None:
+        """``n`` identity values of ``field`` were left out (the event itself was kept)."""
+        self.refused.add(n, {**self._attrs, "field": field})
+        self.totals["refused"] += n
 
     def add_rejected(self, reason: str, n: int = 1) -> None:
         self.rejected.add(n, {**self._attrs, "reason": reason})

@@ -470,6 +470,7 @@ class SchedulerCollector:
                 self._pods.pop(meta.uid, None)
             else:
                 self._pods[meta.uid] = _PodEntry(meta.namespace, meta.name, True, view.identity, view.payload)
+        self._refused("Pod", meta.namespace, meta.name, view.refused)
         self._add(batch, meta.uid, "Pod", meta.namespace, meta.name, facts, view.identity, view.payload, gone=deleted)
 
     def _handle_workload(self, etype: str, obj: Mapping, batch: _Batch) -> None:
@@ -483,8 +484,16 @@ class SchedulerCollector:
             facts = workload_facts(obj, self.index, deleted=deleted)
         if not info.gpus:
             return
+        self._refused("Workload", info.namespace, info.name, info.refused)
         self._add(batch, info.uid, "Workload", info.namespace, info.name, facts, workload_identity(info),
                   workload_payload(info), gone=deleted)
+
+    def _refused(self, kind: str, namespace: str, name: str, refused: dict[str, str]) -> None:
+        """Say which identity labels/annotations of a collected object were left out, and why (the
+        object is published without them: ``mapping.identity_fields``)."""
+        for key, why in refused.items():
+            log.warning("%s %s/%s: %s left out of its identity (the object is collected without it): %s", kind, namespace, name, key, why)
+            self.counters.add_refused(key.rsplit("/", 1)[-1])
 
     def _gpu_pod(self, pod: Mapping) -> bool:
         """A pod requesting a GPU resource — or, with DRA on, any ResourceClaim (a claim names a

@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from pydantic import ValidationError
+
 from gpuledger.timefmt import TimeFormatError, iso_z, parse_timestamp
 from producers._config import ResourceMatcher
 from producers._limits import TextTrimmer
@@ -168,15 +170,39 @@ def message_digest(message: str | None) -> str:
 # ----------------------------------------------------------------------------- identity
 
 
-def identity_fields(labels: Mapping[str, str] | None, annotations: Mapping[str, str] | None, prefix: str) -> dict[str, str]:
-    """Identity fields named by ``<prefix><key>`` labels (or annotations; labels win)."""
+def identity_fields(labels: Mapping[str, str] | None, annotations: Mapping[str, str] | None, prefix: str,
+                    refused: dict[str, str] | None = None) -> dict[str, str]:
+    """Identity fields named by ``<prefix><key>`` labels (or annotations; labels win).
+
+    A value the event's identity refuses (``Identity``: a control or bidi character — an
+    annotation's value is its creator's to write, a line break included) is left out, and noted
+    in ``refused`` (``{label or annotation key: why}``) when one is given: the object is still
+    collected. Before, it made the whole object unreadable — the collector skipped the pod, so a
+    GPU workload with ``gpuledger.io/owner: "a\\nb"`` never reached gpuledger and no control saw it."""
     out: dict[str, str] = {}
+    problems: dict[str, list[tuple[str, str]]] = {}  # field -> [(key, why)]; an annotation's go when a label gives the field
     for source in (annotations or {}, labels or {}):
         for suffix, field_name in IDENTITY_KEYS.items():
             value = source.get(prefix + suffix)
             if isinstance(value, str) and value.strip():
+                if (why := _identity_problem(field_name, value.strip())) is not None:
+                    problems.setdefault(field_name, []).append((prefix + suffix, why))
+                    continue
                 out[field_name] = value.strip()
+                problems.pop(field_name, None)  # (the label wins over what an annotation said, usable or not)
+    if refused is not None:
+        refused.update(item for items in problems.values() for item in items)
     return out
+
+
+def _identity_problem(field_name: str, value: str) -> str | None:
+    """Why ``Identity`` refuses ``value`` as ``field_name``, or None (its own validation, one field)."""
+    try:
+        Identity(**{field_name: value})
+    except ValidationError as exc:
+        msg = exc.errors()[0]["msg"]
+        return msg.removeprefix("Value error, ")
+    return None
 
 
 def shared_labels(labels: Mapping[str, str] | None, prefix: str) -> dict[str, str]:
@@ -280,6 +306,8 @@ class WorkloadInfo:
     identity: dict[str, str]
     owner_uids: tuple[str, ...]
     job_uid: str | None
+    #: Identity labels/annotations left out: ``{key: why}`` (``identity_fields``).
+    refused: dict[str, str] = field(default_factory=dict)
 
     @property
     def workload_id(self) -> str:
@@ -313,7 +341,8 @@ def workload_info(wl: Mapping, resources: Iterable[str], prefix: str) -> Workloa
             pod_sets[str(a.get("name") or "main")] = quantity(a.get("count"))
     gpus = 0
     labels = dict(meta.labels)
-    identity = identity_fields(meta.labels, meta.annotations, prefix)
+    refused: dict[str, str] = {}
+    identity = identity_fields(meta.labels, meta.annotations, prefix, refused)
     for ps in spec.get("podSets") or []:
         if not isinstance(ps, Mapping):
             continue
@@ -322,7 +351,7 @@ def workload_info(wl: Mapping, resources: Iterable[str], prefix: str) -> Workloa
         gpus += count * gpus_requested(tmpl.get("spec"), resources)
         tmeta = tmpl.get("metadata") or {}
         # Jobs usually label their pod template, not the Workload Kueue derives from them.
-        identity = {**identity_fields(tmeta.get("labels"), tmeta.get("annotations"), prefix), **identity}
+        identity = {**identity_fields(tmeta.get("labels"), tmeta.get("annotations"), prefix, refused), **identity}
         labels = {**(tmeta.get("labels") or {}), **labels}
         if not assignments:
             pod_sets.setdefault(str(ps.get("name") or "main"), count)
@@ -333,7 +362,7 @@ def workload_info(wl: Mapping, resources: Iterable[str], prefix: str) -> Workloa
         priority_class=priority_class, priority=int(priority) if isinstance(priority, (int, float)) else None,
         flavors=flavors, pod_sets=pod_sets, gpus=gpus, labels=shared_labels(labels, prefix), identity=identity,
         owner_uids=tuple(str(o["uid"]) for o in meta.owners if o.get("uid")),
-        job_uid=meta.labels.get(KUEUE_JOB_UID_LABEL),
+        job_uid=meta.labels.get(KUEUE_JOB_UID_LABEL), refused=refused,
     )
 
 
@@ -483,6 +512,8 @@ class PodView:
     gpus: int
     identity: Identity
     payload: dict[str, Any] = field(default_factory=dict)
+    #: Identity labels/annotations left out: ``{key: why}`` (``identity_fields``), the pod's and its Workload's.
+    refused: dict[str, str] = field(default_factory=dict)
 
 
 def pod_view(pod: Mapping, resources: Iterable[str], prefix: str, index: KueueIndex | None = None) -> PodView:
@@ -492,9 +523,11 @@ def pod_view(pod: Mapping, resources: Iterable[str], prefix: str, index: KueueIn
     gpus = gpus_requested(spec, resources)
     workload_id, info = derive_workload_id(pod, index)
     digests = pod_image_digests(pod)
-    ident = identity_fields(meta.labels, meta.annotations, prefix)
+    refused: dict[str, str] = {}
+    ident = identity_fields(meta.labels, meta.annotations, prefix, refused)
     if info is not None:
         ident = {**info.identity, **ident}
+        refused = {**info.refused, **refused}
     identity = Identity(workload_id=workload_id, pod_uid=meta.uid, namespace=meta.namespace, pod=meta.name,
                         node=spec.get("nodeName") or None, image_digest=digests[0] if digests else None, **ident)
     # The priority class and its value from one source: the pod's own PriorityClass, else its Workload's
@@ -519,7 +552,7 @@ def pod_view(pod: Mapping, resources: Iterable[str], prefix: str, index: KueueIn
         "flavors": dict(info.flavors) if info else {},
         "pod_sets": dict(info.pod_sets) if info else {},
     }
-    return PodView(meta.uid, meta.namespace, meta.name, gpus, identity, payload)
+    return PodView(meta.uid, meta.namespace, meta.name, gpus, identity, payload, refused)
 
 
 def pod_image_digests(pod: Mapping) -> list[str]:

@@ -69,7 +69,7 @@ class Subject:
     identity: dict[str, str]  # shared identifiers from the object's labels/annotations
     workload_id: str  # as the scheduler collector names the workload (namespace/Kind/name; a Kueue Workload: namespace/name)
     queued: bool  # managed by Kueue: a suspended Job with a queue-name label, or a Workload itself (a Pod: never)
-    claim_notes: tuple[str, ...] = ()  # DRA claims that could not be read, each counted as a GPU (producers.admission.claims)
+    claim_notes: tuple[str, ...] = ()  # DRA claims that could not be read, each counted as a GPU (producers.admission.claims); identity labels/annotations left out (refusal_notes)
 
     @property
     def ref(self) -> str:
@@ -89,6 +89,7 @@ def subject_of(obj: Mapping, resources: ResourceMatcher, prefix: str = "gpuledge
     # The collector's mapping wants a uid; an object under admission may not have one yet.
     obj = {**obj, "metadata": {"creationTimestamp": "1970-01-01T00:00:00Z", **meta, "name": name, "uid": uid or "-"}}
     notes: list[str] = []
+    refused: dict[str, str] = {}  # identity labels/annotations left out (identity_fields), said in the decision's notes
 
     def claimed(pod_spec: Mapping | None) -> int:
         if claims is None or not (pod_spec or {}).get("resourceClaims"):
@@ -103,26 +104,35 @@ def subject_of(obj: Mapping, resources: ResourceMatcher, prefix: str = "gpuledge
         # the gate's later removal is an UPDATE this webhook is not sent (a Job Kueue admits creates
         # its pods after the AdmissionCheck: they are decided here, as approved work).
         gpus = gpus_requested(obj.get("spec"), resources) + claimed(obj.get("spec"))
-        return Subject("Pod", ns, name, uid, gpus, identity_fields(labels, annotations, prefix), wid, False, tuple(notes))
+        ident = identity_fields(labels, annotations, prefix, refused)
+        return Subject("Pod", ns, name, uid, gpus, ident, wid, False, tuple(notes + refusal_notes(refused)))
     if kind == "Job":
         spec = obj.get("spec") or {}
         tmpl = spec.get("template") or {}
         tmeta = tmpl.get("metadata") or {}
         parallelism = spec.get("parallelism", 1)
         per_pod = gpus_requested(tmpl.get("spec"), resources) + claimed(tmpl.get("spec"))
-        ident = {**identity_fields(tmeta.get("labels"), tmeta.get("annotations"), prefix), **identity_fields(labels, annotations, prefix)}
+        ident = {**identity_fields(tmeta.get("labels"), tmeta.get("annotations"), prefix, refused),
+                 **identity_fields(labels, annotations, prefix, refused)}
         # Queued means managed, not labelled: a queue-name label alone (a Job no Kueue manages) was
         # let through as deferred, and no Workload, so no check, ever saw it. Kueue's webhook
         # suspends the Jobs it manages; one its creator suspended and resumes creates pods, which
         # are decided here.
         return Subject("Job", ns, name, uid, per_pod * (parallelism if isinstance(parallelism, int) and parallelism > 0 else 1), ident,
-                       f"{ns}/Job/{name}", KUEUE_QUEUE_LABEL in labels and spec.get("suspend") is True, tuple(notes))
+                       f"{ns}/Job/{name}", KUEUE_QUEUE_LABEL in labels and spec.get("suspend") is True, tuple(notes + refusal_notes(refused)))
     if kind == "Workload":
         info = workload_info(obj, resources, prefix)
         gpus = info.gpus + sum(quantity(ps.get("count", 1)) * claimed((ps.get("template") or {}).get("spec"))
                                for ps in (obj.get("spec") or {}).get("podSets") or [] if isinstance(ps, Mapping))
-        return Subject("Workload", ns, name, uid, gpus, dict(info.identity), info.workload_id, True, tuple(notes))
+        return Subject("Workload", ns, name, uid, gpus, dict(info.identity), info.workload_id, True, tuple(notes + refusal_notes(info.refused)))
     raise ValueError(f"gpuledger admit decides Pods, Jobs and Kueue Workloads, not {kind or 'an object without kind'}")
+
+
+def refusal_notes(refused: Mapping[str, str]) -> list[str]:
+    """A note per identity label/annotation left out of the subject (``identity_fields``): the
+    decision is taken without it, and says why — a release id that was refused otherwise read as
+    "names no release"."""
+    return [f"Its {key} was not used: {why}" for key, why in refused.items()]
 
 
 @dataclass(frozen=True)

@@ -396,10 +396,9 @@ def test_a_decision_on_an_object_whose_annotation_the_event_refuses_is_recorded_
     assert sorted(decided) == ["score-bad", "score-good"], decided
     refused = decided["score-bad"]
     assert refused.identity.owner is None and refused.identity.release_id == RID, refused.identity
-    assert refused.payload.message.endswith(". Not recorded in this event's identity: owner (owner: Value error, contains U+000A "
-                                            "(control character) at position 5; identifiers must not carry control or bidi characters)"), \
-        refused.payload.message
-    assert decided["score-good"].payload.message == refused.payload.message.split(". Not recorded in")[0].replace("score-bad", "score-good")
+    assert refused.payload.message.endswith(". Its gpuledger.io/owner was not used: contains U+000A (control character) at position 5; "
+                                            "identifiers must not carry control or bidi characters"), refused.payload.message
+    assert decided["score-good"].payload.message == refused.payload.message.split(". Its gpuledger.io/owner")[0].replace("score-bad", "score-good")
     health = call(url, context, "/healthz")[1]
     assert (health["recorder"]["published"], health["recorder"]["unrecordable"]) == (2, 0), health
 

@@ -129,3 +129,40 @@ def test_the_recorded_message_sets_the_decision_the_claim_notes_and_the_stale_no
     decision = decide(subject, state, Policy())
     assert decision_message(subject, replace(decision, message="denied."), ("a note",)) == "denied. a note"
     assert decision_message(subject, decision) == decision.message
+
+
+def test_an_identity_annotation_the_event_refuses_is_not_used_and_the_answer_says_so():
+    """A release id (or owner) annotation with a control or bidi character in it — an annotation is its
+    creator's to write — is not used: the decision is taken without it and says why, in the answer's
+    warnings and the recorded message (it read as "names no release", and the event could not be built)."""
+    pod = {"metadata": {"name": "p", "labels": {"gpuledger.io/environment": "prod"},
+                        "annotations": {"gpuledger.io/release-id": "rel-\u202e1", "gpuledger.io/owner": "fraud\nteam"}},
+           "spec": GPU_POD["spec"]}
+    _, answer, event = handler().handle(review(POD, pod))
+    response = answer["response"]
+    assert response["allowed"] is False and response["status"]["message"].startswith("Pod serving/p requests 1 GPU(s) in prod but names no release")
+    notes = ["Its gpuledger.io/release-id was not used: contains U+202E (RIGHT-TO-LEFT OVERRIDE) at position 4; identifiers must not carry "
+             "control or bidi characters",
+             "Its gpuledger.io/owner was not used: contains U+000A (control character) at position 5; identifiers must not carry "
+             "control or bidi characters"]
+    assert response["warnings"] == notes, response
+    decided = event()
+    assert (decided.identity.release_id, decided.identity.owner, decided.payload.rule) == (None, None, "no-release-identity")
+    assert decided.payload.message == f"{response['status']['message']}. {notes[0]}. {notes[1]}"
+
+
+def test_an_event_is_built_without_an_identity_value_its_schema_refuses_and_says_which():
+    """The last safety net of the record (``producers.admission.events._identity``): a subject whose
+    identity holds a value the event refuses — built by a caller other than ``subject_of``, which
+    leaves such values out — gives an event without it, its message naming it, not no event."""
+    from producers.admission.events import decision_event
+    from streams.controls.admission import Subject, decide
+
+    subject = Subject("Pod", "serving", "p", "uid-1", 1, {"owner": "fraud\nteam", "environment": "prod"}, "serving/Pod/p", False)
+    state = AdmissionState()
+    state.ready.set()
+    decided = decide(subject, state, Policy())
+    event = decision_event(subject, decided, datetime(2026, 12, 6, tzinfo=timezone.utc), gate="webhook", request_id="r1")
+    assert event.identity.owner is None and event.identity.environment == "prod"
+    assert event.payload.message == (f"{decided.message}. Not recorded in this event's identity: owner (owner: Value error, contains U+000A "
+                                     "(control character) at position 5; identifiers must not carry control or bidi characters)")

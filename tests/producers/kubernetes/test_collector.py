@@ -540,6 +540,32 @@ def test_malformed_objects_are_skipped_counted_and_the_rest_published(api, make_
     assert Counter(e.identity.pod or e.identity.workload_id for e in events) == {"good": 3, "ml/fine": 1}
 
 
+def test_an_identity_annotation_the_event_refuses_is_left_out_and_the_pod_is_still_collected(api, make_collector, kafka_bootstrap,
+                                                                                               catalogue, caplog):
+    """Found by a review: a line break in a ``gpuledger.io/owner`` annotation (an annotation's value is
+    its creator's to write) made the pod unreadable as a whole — "Pod ml/p skipped", counted as
+    malformed — so a GPU workload could keep its whole history out of gpuledger, and every control
+    blind to it, with one annotation. The pod is collected without that field, which is said and
+    counted; a label naming the same field still wins over the annotation."""
+    caplog.set_level(logging.WARNING, logger="producers.kubernetes")
+    api.create(PODS, make_pod("ml", "hidden", node="gpu-1", created=T0, labels={"gpuledger.io/release-id": "rel-1"},
+                              annotations={"gpuledger.io/owner": "fraud\nteam", "gpuledger.io/model": "fraud-\u202escorer"}))
+    api.create(PODS, make_pod("ml", "labelled", node="gpu-1", created=T0, labels={"gpuledger.io/owner": "fraud-team"},
+                              annotations={"gpuledger.io/owner": "fraud\nteam"}))
+    collector = make_collector(api)
+    sent = collector.run_once()
+    events = published(kafka_bootstrap, catalogue.scheduler, sent)
+    by_pod = {e.identity.pod: e.identity for e in events}
+    assert sorted(by_pod) == ["hidden", "labelled"] and sent >= 2, events
+    assert (by_pod["hidden"].release_id, by_pod["hidden"].owner, by_pod["hidden"].model_name) == ("rel-1", None, None)
+    assert by_pod["labelled"].owner == "fraud-team"  # the label's usable value; the annotation's is not said to be refused
+    assert collector.counters.totals.get("rejected.malformed", 0) == 0 and collector.counters.totals["refused"] == 2
+    said = sorted(r.getMessage() for r in caplog.records if "left out of its identity" in r.getMessage())
+    assert said[0] == ("Pod ml/hidden: gpuledger.io/model left out of its identity (the object is collected without it): "
+                       "contains U+202E (RIGHT-TO-LEFT OVERRIDE) at position 6; identifiers must not carry control or bidi characters")
+    assert len(said) == 2 and said[1].startswith("Pod ml/hidden: gpuledger.io/owner left out of its identity"), said
+
+
 def test_oversize_events_are_cut_or_dead_lettered_never_dropped(api, make_collector, kafka_bootstrap, catalogue):
     # A scheduler message far over its 8 KiB cap: cut with a marker, the event published.
     message = "0/64 nodes are available: " + "64 Insufficient nvidia.com/gpu. " * 10_000
