@@ -35,7 +35,9 @@ def summarize(event_type: str, payload: dict) -> str:
     if et == "admission.decided":
         return f"admission {p.get('decision')} by rule {p.get('rule')} ({p.get('gate')}, {p.get('mode')})"
     if et.startswith("gpu."):
-        return f"{what} {p.get('device_id') or ''} on {p.get('node')}".strip()
+        # (a node's allocatable snapshot names no one device: its count instead — it read "allocatable  on n3")
+        subject = p.get("device_id") or (f"{len(p['devices'])} device(s) of {p.get('resource_name')}" if p.get("devices") else None)
+        return f"{what} {subject} on {p.get('node')}" if subject else f"{what} on {p.get('node')}"
     return f"{what} {p.get('reason') or ''}".strip()
 
 

@@ -1224,3 +1224,14 @@ def test_a_long_list_of_ids_let_go_is_searched_as_a_set_never_a_stale_one():
     assert _gone(state, "id1000") and not _gone(state, "id0") and _gone(state, "id500")
     assert fold_row(state, {"id": "id0", "payload": "", "summary": ""}) is True
     assert fold_row(state, {"id": "id700", "payload": "", "summary": ""}) is False and sorted(state["rows"]) == ["id0"]
+
+
+def test_a_gpu_rows_summary_names_its_device_or_for_a_nodes_allocatable_snapshot_how_many():
+    """A node's allocatable snapshot names no one device: its summary read "allocatable  on n3" (a
+    docs review ran the demo's query). It gives the count and the resource now."""
+    from streams.correlate.release import summarize
+
+    assert summarize("gpu.allocatable", {"node": "n3", "resource_name": "nvidia.com/gpu", "devices": ["GPU-a", "GPU-b"]}) == \
+        "allocatable 2 device(s) of nvidia.com/gpu on n3"
+    assert summarize("gpu.assigned", {"node": "n3", "device_id": "GPU-a"}) == "assigned GPU-a on n3"
+    assert summarize("gpu.allocatable", {"node": "n3"}) == "allocatable on n3"
