@@ -38,19 +38,18 @@ from kubernetes.watch.watch import iter_resp_lines
 from producers._config import ResourceMatcher
 from producers.admission.config import STALE_AFTER_S
 from producers.admission.events import decision_event, decision_message
-from streams.controls.admission import AdmissionState, Decision, decide, subject_of
+from streams.controls.admission import PERMANENT_RULES, AdmissionState, Decision, decide, subject_of
 from streams.controls.policy import Policy
 
 log = logging.getLogger(__name__)
 
 GROUP, VERSION = "kueue.x-k8s.io", "v1beta2"
-PERMANENT = frozenset({"revoked", "no-release-identity"})
 
 
 def check_state(decision: Decision) -> str:
     if decision.allowed:
         return "Ready"
-    return "Rejected" if decision.rule in PERMANENT else "Pending"
+    return "Rejected" if decision.rule in PERMANENT_RULES else "Pending"
 
 
 def _admitted(wl: dict) -> bool:

@@ -52,6 +52,10 @@ Verdict = Literal["allow", "deny", "warn"]
 Gate = Literal["webhook", "admission-check"]
 
 #: Every rule a decision can name, in evaluation order.
+#: The deny rules that end a queued Workload's wait (its AdmissionCheck ``Rejected``: neither can change
+#: without a new Workload); every other deny holds it ``Pending`` in its queue until the answer changes
+#: (``producers.admission.controller.check_state``).
+PERMANENT_RULES = frozenset({"revoked", "no-release-identity"})
 RULES = ("not-gpu", "state-not-loaded", "approval-not-required", "deferred-to-admission-check", "override", "no-release-identity",
          "unknown-release", "revoked", "approval-not-entitled", "unapproved", "approved")
 OVERRIDE_EVENT = "release.admission_overridden"
@@ -283,16 +287,19 @@ def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: 
         verdict: Verdict = "allow"
         if outcome == "deny":
             verdict = {"enforce": "deny", "warn": "warn", "dry-run": "allow"}[mode] if applies_mode else "deny"
-        if verdict == "warn":
-            # The same text is the AdmissionReview warning, the Ready check's message and the
-            # recorded message: worded as a denial alone, it read as one (or as nothing to fix).
-            scope = f"namespace {subject.namespace} in {where}" if subject.namespace else where
-            message = f"Allowed only because the admission mode for {scope} is warn; in enforce mode this would be denied: {message}"
-        elif outcome == "deny" and verdict == "allow":
+        if outcome == "deny" and verdict in ("warn", "allow"):
+            # Warn: the same text is the AdmissionReview warning, the Ready check's message and the
+            # recorded message — worded as a denial alone, it read as one (or as nothing to fix).
             # Dry-run: nothing is said to whoever created the object, but the recorded message (and
-            # the AdmissionCheck's Ready message) read as a denial of a workload that was let in.
+            # the Ready check's) read as a denial of a workload that was let in. At the
+            # AdmissionCheck, enforce mode holds a Workload in its queue unless the rule ends its
+            # wait (PERMANENT_RULES): "would be denied" overstated a wait for an approval.
             scope = f"namespace {subject.namespace} in {where}" if subject.namespace else where
-            message = f"Allowed and recorded only: the admission mode for {scope} is dry-run; in enforce mode this would be denied: {message}"
+            enforced = ("would wait in its queue (its AdmissionCheck Pending)" if gate == "admission-check" and rule not in PERMANENT_RULES
+                        else "would be denied")
+            message = (f"Allowed only because the admission mode for {scope} is warn; in enforce mode this {enforced}: {message}"
+                       if verdict == "warn" else
+                       f"Allowed and recorded only: the admission mode for {scope} is dry-run; in enforce mode this {enforced}: {message}")
         return Decision(verdict, rule, message, outcome, mode, env, rid,
                         state.lifecycle_state_as_of(rid, at_iso) if (loaded and rid) else None, fail_closed, version,
                         state.version_at(rid, at_iso) if (loaded and rid) else 0, override, tuple(e for e in evidence if e))

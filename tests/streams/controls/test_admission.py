@@ -202,6 +202,24 @@ def test_modes_turn_a_deny_into_a_warning_or_a_recorded_allow(mode, verdict):
     assert d.allowed == (verdict != "deny") and d.warnings == ([d.message] if verdict == "warn" else [])
 
 
+@pytest.mark.parametrize("mode", ["warn", "dry-run"])
+def test_a_softened_denial_at_the_admission_check_says_enforce_mode_would_hold_the_workload_or_reject_it(mode):
+    """Found by a review: warn and dry-run messages said "in enforce mode this would be denied", but at
+    the AdmissionCheck enforce mode holds an unapproved Workload Pending in its queue until its
+    approval; only the rules that end its wait (PERMANENT_RULES) reject it. The webhook does deny."""
+    policy = Policy(admission=Admission(modes={"prod": mode}))
+    lead = {"warn": "Allowed only because the admission mode for namespace serving in prod is warn; in enforce mode this ",
+            "dry-run": "Allowed and recorded only: the admission mode for namespace serving in prod is dry-run; in enforce mode this "}[mode]
+    enforced = decision(state=loaded(registered), gate="admission-check")
+    held = decision(state=loaded(registered), policy=policy, gate="admission-check")
+    assert held.message == f"{lead}would wait in its queue (its AdmissionCheck Pending): {enforced.message}"
+    at_the_door = decision(state=loaded(registered), policy=policy)
+    assert at_the_door.message == f"{lead}would be denied: {decision(state=loaded(registered)).message}"
+    nameless = job({"gpuledger.io/environment": "prod"}, queue="q")
+    rejected = decision(nameless, loaded(registered), policy, gate="admission-check")
+    assert rejected.rule == "no-release-identity" and rejected.message.startswith(f"{lead}would be denied: ")
+
+
 def test_a_namespace_mode_wins_over_the_environment_mode():
     policy = Policy(admission=Admission(modes={"prod": "enforce"}, namespaces={"serving": NamespaceAdmission(mode="dry-run")}))
     assert decision(state=loaded(registered), policy=policy).verdict == "allow"
