@@ -87,9 +87,10 @@ class DecisionRecorder:
             # minute), and again with the count when publishing takes decisions again (``_run``).
             if self._dropped_at_start is None:
                 self._dropped_at_start = self.counters["dropped"] - 1
-                log.error("admission decisions are being dropped: %d wait for Kafka (publish_queue), so the record of every "
-                          "decision from now until Kafka takes them again is lost (the webhook still answers; /healthz counts them)",
-                          self.queue.maxsize)
+                log.error("admission decisions are being dropped: the queue of decisions waiting to be published is full "
+                          "(publish_queue %d, behind a batch of %d being published%s), so the record of every decision until it "
+                          "drains is lost (the webhook still answers; /healthz counts them)", self.queue.maxsize, self.in_hand,
+                          f"; the last publish failed: {self.last_error}" if self.last_error else "")
 
     def _run(self) -> None:
         while True:
