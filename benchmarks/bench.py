@@ -259,6 +259,7 @@ class WorkerRun:
     gc: dict | None = None  # the worker's, its route stage's and its sink's garbage collections so far (gpuledger.gctune.stats)
     stolen_cores: float | None = None  # of the machine's CPU, what the hypervisor took for others meanwhile (machine_busy)
     stage_busy: dict | None = None  # each stage's event loop held over the rate's window (stage_busy)
+    first_routed: int = 0  # events of the first routed batch (routed before queryable_s's clock started)
 
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -403,6 +404,7 @@ def follow_worker(service: ServiceProcess, url: str, reader: RemoteReader, expec
     first: list[float] = []  # the end of the first correlated batch
     n_first = [0]
     routed_at: list[float] = []  # the end of the first routed batch
+    routed_first: list[int] = []  # how many events that batch routed
     cpu_first: list = []  # (CPU readings, correlated_in) at the first look that saw a routed batch
 
     def correlated():
@@ -411,6 +413,7 @@ def follow_worker(service: ServiceProcess, url: str, reader: RemoteReader, expec
             cpu_first.append((cpu_seconds(service.proc.pid), stats.get("correlated_in", 0), broker_seconds(broker_pid),
                               machine_busy()[2], time.monotonic(), (health(url, "epochs"), health(url, "gc"))))
             routed_at.append(stats.get("first_route_batch_at", time.monotonic()))
+            routed_first.append(stats.get("first_route_batch", 0))
         if stats.get("correlated_in", 0) and not first:
             # The route stage is a process of its own and may start routing before the
             # correlation agent has its partitions: the clock starts when that agent has
@@ -443,7 +446,8 @@ def follow_worker(service: ServiceProcess, url: str, reader: RemoteReader, expec
         print(f"  ! {exc}", flush=True)
     gc = {"worker": health(url, "gc"), **{name: (health(url, name) or {}).get("gc") or {} for name in CHILDREN}}
     run = WorkerRun(events=expected, events_per_s=rate, correlated_s=done - first[0], queryable_s=queryable, cpu_ms_per_event=cpu, gc=gc,
-                    after_route_s=first[0] - routed_at[0] if routed_at else None, stolen_cores=stolen, stage_busy=busy)
+                    after_route_s=first[0] - routed_at[0] if routed_at else None, stolen_cores=stolen, stage_busy=busy,
+                    first_routed=routed_first[0] if routed_first else 0)
     if rate is None:
         run.notes.append("every input arrived in the first routed batch: too few events to measure a rate")
     return run
@@ -984,10 +988,11 @@ def _rate(r: dict, phase: str) -> float | None:
 
 
 def end_to_end_rate(worker: dict) -> float | None:
-    """Phase 3's inputs stored per second: 99 % of them over the time from the first routed batch
-    until that many were queryable (``WorkerRun.queryable_s``)."""
+    """Phase 3's inputs stored per second: 99 % of them, less the first routed batch's (routed before
+    the clock started), over the time from the end of that batch until that many were queryable
+    (``WorkerRun.queryable_s``)."""
     queryable, events = worker.get("queryable_s"), worker.get("events")
-    return 0.99 * events / queryable if queryable and events else None
+    return (0.99 * events - worker.get("first_routed", 0)) / queryable if queryable and events else None
 
 
 def ratios(r: dict) -> dict:
