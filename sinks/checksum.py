@@ -98,10 +98,16 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m sinks.checksum", description=__doc__.split("\n\n")[0])
     parser.add_argument("dsn", help="chdb:///path or http(s)://... of the store")
-    parser.add_argument("--database", default="gpuledger")
+    # The readers' setting by default, as trace and sql take it: a sandbox replayed into another database
+    # is read with GPULEDGER_CLICKHOUSE_DATABASE set (docs/operations.md), and this read 'gpuledger' regardless.
+    parser.add_argument("--database", default=None, help="the store's database (default: GPULEDGER_CLICKHOUSE_DATABASE, else gpuledger)")
     parser.add_argument("--cluster", default=None)
     parser.add_argument("--exclude", action="append", default=[], help="a further column to leave out (repeatable)")
     args = parser.parse_args(argv)
+    if args.database is None:
+        from gpuledger.settings import Settings
+
+        args.database = Settings().clickhouse.database
     from sinks.clickhouse import is_embedded
     from sinks.errors import SinkError
     from sinks.read.query import current_owner

@@ -109,3 +109,21 @@ def test_command_prints_the_checksums_of_a_store_it_opens(tmp_path):
     sums = json.loads(out.stdout)
     assert sums["correlated_events"][0] == len(inc.latest(inc.correlated_rows()))
     assert sums["gpu_allocations"] == [0, 0]
+
+
+def test_command_reads_the_database_the_readers_setting_names(tmp_path):
+    """A sandbox replayed with --database is read with GPULEDGER_CLICKHOUSE_DATABASE set, as trace and
+    sql read it (docs/operations.md); the command read 'gpuledger' regardless (docs review)."""
+    import os
+
+    dsn = f"chdb://{tmp_path / 'store'}"
+    script = ("import asyncio; from sinks.clickhouse import connect; from sinks.migrations import migrate; "
+              "from sinks.agents import SinkWriters; from tests.sinks import incident as inc; "
+              f"c = connect({dsn!r}, 'pm', create=True); migrate(c, 'pm'); "
+              "asyncio.run(SinkWriters(c, 'pm').store_correlated(inc.correlated_rows()))")
+    subprocess.run([sys.executable, "-c", script], cwd=REPO, check=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "sinks.checksum", dsn], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "GPULEDGER_CLICKHOUSE_DATABASE": "pm"})
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["correlated_events"][0] == len(inc.latest(inc.correlated_rows()))
+
