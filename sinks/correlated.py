@@ -17,6 +17,7 @@ typed columns empty.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 from schemas.outputs import DeadLetter
@@ -30,7 +31,8 @@ CORRELATED_COLUMNS = (
     "correlation_id", "version", "event_type", "occurred_at", "attribution", *IDENTITY_FIELDS,
     "release_state", "summary", *SOURCE_FIELDS, "payload_json",
 )
-DEAD_LETTER_COLUMNS = ("reason", "error", "stage", "source_topic", "source_partition", "source_offset", "key", "value", "failed_at")
+DEAD_LETTER_COLUMNS = ("reason", "error", "stage", "source_topic", "source_partition", "source_offset", "key", "value", "failed_at",
+                       "letter_id")
 
 MANIFEST_FIELDS = ("model_name", "model_version", "artifact_digest", "image_digest", "config_digest", "dataset_ref",
                    "environment", "owner", "data_class")
@@ -64,6 +66,19 @@ def identity_values(ident, fields: tuple[str, ...]) -> list[str]:
     return [get(f) or "" for f in fields]
 
 
+def letter_id(letter: DeadLetter) -> str:
+    """What tells apart, in ``dead_letters``, the letters that share a source offset and stage: nothing
+    for one that names its source offset (a record processed again and dead-lettered again is one
+    row), else a digest of its reason, key and value — letters without a source offset (the edge's:
+    a collector's event too large to travel, a receiver's event from a newer schema; an output
+    refused that names no input; admit's) all had the key (topic, -1, -1, stage), and N of them were
+    one row (migration 5)."""
+    if letter.source_partition is not None and letter.source_offset is not None:
+        return ""
+    material = "\x1f".join((letter.reason, letter.key or "", letter.value))
+    return hashlib.sha256(material.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
 def dead_letter_rows(batch: Sequence[DeadLetter]) -> list[list]:
     return [[d.reason, d.error, d.stage, d.source_topic or "", -1 if d.source_partition is None else d.source_partition,
-             -1 if d.source_offset is None else d.source_offset, d.key or "", d.value, d.failed_at] for d in batch]
+             -1 if d.source_offset is None else d.source_offset, d.key or "", d.value, d.failed_at, letter_id(d)] for d in batch]

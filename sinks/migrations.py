@@ -482,6 +482,17 @@ FROM (SELECT record, JSONExtract(record, '""" + _RECORD_TUPLE + """') AS r FROM 
               "Tuple(alertname String, severity String, starts_at String, ends_at String, labels Map(String, String), "
               "annotations Map(String, String), generator_url String, receiver String, group_key String)"),
     )),
+    Migration(5, "dead letters that name no source offset are kept apart", (
+        # The key (source_topic, source_partition, source_offset, stage) collapsed every dead letter
+        # without a source offset — the edge's (a collector's event too large to travel, a receiver's
+        # event from a newer schema), an output refused that names no input, admit's — into one row per
+        # topic and stage: N oversize events, one row. ``letter_id`` (the sink's ``dead_letter_rows``)
+        # is empty for a letter that names its source offset, else a digest of its reason, key and value.
+        # Added without a default, as ClickHouse requires of a column added to the sorting key.
+        "ALTER TABLE {db}.dead_letters {on_cluster} ADD COLUMN IF NOT EXISTS letter_id String, "
+        "MODIFY ORDER BY (source_topic, source_partition, source_offset, stage, letter_id)",
+        "{cluster_only}ALTER TABLE {db}.dead_letters_dist {on_cluster} ADD COLUMN IF NOT EXISTS letter_id String",
+    )),
 )
 
 _CREATE_RE = re.compile(r"^CREATE TABLE IF NOT EXISTS \{db\}\.(\w+) ")

@@ -204,3 +204,31 @@ def test_the_worker_store_is_lazy_and_migrates_on_its_first_connect(clickhouse_c
 
 def _databases(client, name: str) -> list:
     return client.query("SELECT name FROM system.databases WHERE name = {n:String}", parameters={"n": name}).result_rows
+
+
+def test_dead_letters_that_name_no_source_offset_are_each_a_row(clickhouse_client, clickhouse_db):
+    """Found by a review: ``dead_letters`` is keyed by (source_topic, source_partition, source_offset,
+    stage), and a letter without a source offset — the edge's (a collector's events too large to
+    travel, a receiver's events from a newer schema), admit's, an output refused that names no
+    input — is stored with -1, -1: three oversize events of the scheduler collector were one row
+    (FINAL, and after a merge on disk too). Each is a row now; a letter sent again (the same event)
+    and a source record dead-lettered again by the same stage are still one."""
+    from datetime import datetime, timedelta, timezone
+
+    from schemas import DeadLetter
+
+    migrate(clickhouse_client, clickhouse_db)
+    now = datetime.now(timezone.utc)
+    edge = [DeadLetter(reason="event_too_large", error=f"{300_000 + i} bytes", stage="scheduler-collector", source_topic="gl.scheduler.v1",
+                       key=f"ns/pod-{i}", value=f'{{"event_id": "e{i}"', failed_at=now) for i in range(3)]
+    future = [DeadLetter(reason="unsupported_schema_version", error="newer", stage="receiver.releases", key=f"rel-{i}",
+                         value=f'{{"schema_version": 2, "n": {i}}}', failed_at=now) for i in range(2)]
+    sourced = [DeadLetter(reason="not_json", error="not JSON", stage="streams.route_events", source_topic="gl.alert.v1",
+                          source_partition=0, source_offset=7, key="k", value="{oops", failed_at=now + timedelta(seconds=s)) for s in (0, 5)]
+    writers = SinkWriters(clickhouse_client, clickhouse_db, **FAST)
+    assert asyncio.run(writers.store_dead_letters([*edge, *future, *sourced])) == []
+    assert asyncio.run(writers.store_dead_letters([edge[0].model_copy(update={"failed_at": now + timedelta(minutes=1)})])) == []
+    clickhouse_client.command(f"OPTIMIZE TABLE `{clickhouse_db}`.dead_letters FINAL")
+    stored = sorted(clickhouse_client.query(f"SELECT stage, key FROM `{clickhouse_db}`.dead_letters").result_rows)
+    assert stored == [("receiver.releases", "rel-0"), ("receiver.releases", "rel-1"), ("scheduler-collector", "ns/pod-0"),
+                      ("scheduler-collector", "ns/pod-1"), ("scheduler-collector", "ns/pod-2"), ("streams.route_events", "k")]
