@@ -3,7 +3,8 @@
 Input: records of the four raw topics (bytes). Output: rows of ``raw_events``, one
 columnar insert per batch (the agent in ``sinks/agents.py``).
 Decoding is loose on purpose: the log keeps every record that *is* an envelope —
-a JSON object with ``event_id``, ``event_type`` and a timezone-aware ``occurred_at`` —
+a JSON object with ``event_id``, ``event_type`` and a timezone-aware ``occurred_at`` (RFC 3339,
+or any other form the envelope's schema reads) —
 even when its family schema rejects it (the dead letter says why). Records that are
 not envelopes at all (not JSON, no id, naive or unreadable time) are skipped and
 counted (``rejected.not_an_envelope``): the correlate agent has already dead-lettered
@@ -29,18 +30,46 @@ class NotAnEnvelope(ValueError):
     """A raw record without the envelope fields the log needs."""
 
 
+_SCHEMA_TIME = None  # pydantic's reading of an envelope time (``_schema_time``), built on first use
+
+
+def _schema_time(value) -> datetime | None:
+    """``value`` as the envelope's schema reads a time (``schemas.envelope.UtcDatetime``), or None."""
+    global _SCHEMA_TIME
+    from pydantic import TypeAdapter, ValidationError
+
+    from schemas.envelope import UtcDatetime
+
+    if _SCHEMA_TIME is None:
+        _SCHEMA_TIME = TypeAdapter(UtcDatetime)
+    try:
+        return _SCHEMA_TIME.validate_python(value)
+    except ValidationError:
+        return None
+
+
 def _aware(value, field: str, required: bool = True) -> datetime | None:
-    if not isinstance(value, str) or not value:
+    if value is None or value == "":
         if required:
             raise NotAnEnvelope(f"{field}: missing")
         return None
-    try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError as exc:
-        raise NotAnEnvelope(f"{field}: not an RFC 3339 time") from exc
-    if parsed.tzinfo is None:
-        raise NotAnEnvelope(f"{field}: no timezone")
-    return parsed.astimezone(timezone.utc)
+    if isinstance(value, str):
+        try:
+            parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            parsed = None
+        if parsed is not None:
+            if parsed.tzinfo is None:
+                raise NotAnEnvelope(f"{field}: no timezone")
+            return parsed.astimezone(timezone.utc)
+    # A time the envelope's schema reads and this fast path does not (a number of seconds since the
+    # epoch, a lower-case 't' or 'z'): the route stage routes such an event — the log keeps it too,
+    # at the time the correlated tables have (it was skipped as "not an envelope", dead-lettered by
+    # nobody, and the trace's manifest as of a time missed it).
+    parsed = _schema_time(value)
+    if parsed is None:
+        raise NotAnEnvelope(f"{field}: not an RFC 3339 time" if isinstance(value, str) else f"{field}: missing")
+    return parsed
 
 
 def raw_event_row(value: bytes | str, topic: str, partition: int, offset: int) -> list:
