@@ -12,7 +12,8 @@ reaches the state within the follower's poll (200 ms) of Kafka acknowledging it.
 are published off the request path by the recorder thread in batches (acks=all): the
 webhook answers even while Kafka is down; decisions beyond ``publish_queue`` are dropped,
 counted (``/healthz``) and logged (an ERROR when drops begin, the count when publishing resumes),
-never blocking an answer. ``/readyz`` is 200 once the release
+never blocking an answer; a decision whose event the schema refuses is dead-lettered (stage
+``admit.recorder``), counted (``unrecordable``) and logged, and the others go on. ``/readyz`` is 200 once the release
 topic has been read up to its end offsets at start-up, 503 before. ``/healthz`` is 200 while the
 process serves; its ``status`` is ``degraded`` (with ``problems``) while the release state could
 not be confirmed current for ``stale_after_s`` (Kafka away after it loaded: decisions go on from
@@ -107,12 +108,15 @@ class DecisionRecorder:
                 except queue.Empty:
                     break
             # The webhook hands over a function: the event is built here, not on the request path.
-            events = [e for e in map(self._built, events) if e is not None]
-            if not events:
+            events, letters = self._build(events)
+            if not events and not letters:
                 continue
             self.in_hand = len(events)
             while True:
                 try:
+                    while letters:  # (each sent once: a retry does not send it again)
+                        self.publisher.publish_raw(self.publisher.catalogue.deadletter, None, letters[0])
+                        letters.pop(0)
                     self.publisher.publish_batch(events)
                     self.counters["published"] += len(events)
                     self.failing_since = self.last_error = None
@@ -131,19 +135,31 @@ class DecisionRecorder:
                     if self._stopping.wait(1.0):
                         return
 
-    def _built(self, event):
-        """The event a decision's function builds, or None when it cannot be built (an identity
-        field the event refuses: a line break in a ``gpuledger.io/owner`` annotation) — logged and
-        counted (``unrecordable``): raised here, it ended this thread, and no later decision was
-        published while ``/healthz`` said ok."""
-        if not callable(event):
-            return event
-        try:
-            return event()
-        except Exception as exc:  # noqa: BLE001 - one decision must not stop the recording of the others
-            self.counters["unrecordable"] += 1
-            log.error("an admission decision could not be recorded (its event cannot be built): %s", " ".join(str(exc).split()))
-            return None
+    def _build(self, items: list) -> tuple[list, list[bytes]]:
+        """The batch's events, and a dead letter for each decision whose event cannot be built (a
+        value the event refuses that ``decision_event`` does not leave out: a userInfo.username with
+        a bidi override, or not a string) — logged and counted (``unrecordable``): raised here, it
+        ended this thread, and no later decision was published while ``/healthz`` said ok; only
+        logged, the decision was lost. Its dead letter (stage ``admit.recorder``) keeps what was
+        decided (``describes``: the request uid, object, user, decision, rule and message)."""
+        from schemas import encode_event
+        from schemas.outputs import dead_letter
+
+        events, letters = [], []
+        for item in items:
+            try:
+                events.append(item() if callable(item) else item)
+            except Exception as exc:  # noqa: BLE001 - one decision must not stop the recording of the others
+                self.counters["unrecordable"] += 1
+                error = " ".join(str(exc).split())
+                log.error("an admission decision could not be recorded (its event cannot be built): %s", error)
+                try:
+                    described = item.describes() if hasattr(item, "describes") else None
+                except Exception:  # noqa: BLE001 - the letter goes without it, never this thread
+                    described = None
+                letters.append(encode_event(dead_letter("validation", f"admission decision could not be recorded: {error}", "admit.recorder",
+                                                        None, None, None, None, described)))
+        return events, letters
 
     def problem(self, after_s: float) -> str | None:
         """What ``/healthz`` says when decisions could not be published for ``after_s`` seconds: how

@@ -113,4 +113,9 @@ class ReviewHandler:
             return decision_event(subject, decision, now, gate="webhook", request_id=uid, operation=operation, user=user, host=host, notes=notes,
                                   caller=caller)
 
+        # What the recorder's dead letter says of a decision whose event the schema refuses
+        # (``DecisionRecorder._build``; called there, off the request path too).
+        event.describes = lambda: orjson.dumps({"request_uid": uid, "operation": operation, "user": user, "caller": caller,
+                                                "object": subject.workload_id, "decision": decision.verdict, "rule": decision.rule,
+                                                "message": decision.message}).decode()
         return 200, _answer(uid, decision.allowed, decision.message, [*decision.warnings, *subject.claim_notes, *notes]), event

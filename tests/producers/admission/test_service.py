@@ -433,3 +433,30 @@ def test_a_decision_whose_event_cannot_be_built_does_not_stop_the_recording_of_t
     finally:
         recorder.stop()
         publisher.close(5)
+
+
+@pytest.mark.parametrize("username", ["mallory\u202egnp.exe", 42])
+def test_a_decision_whose_user_the_event_refuses_is_dead_lettered_with_what_was_decided(admit, catalogue, kafka_bootstrap, username):
+    """Found by a review: a userInfo.username with a bidi override (or not a string) makes the
+    decision's event unbuildable — ``decision_event`` leaves out only identity fields the event
+    refuses, not the payload's ``user``. The recorder then logged and counted it and the decision
+    was lost: published nowhere, in no table. It goes to the dead-letter topic now, with the error
+    and what was decided; the decisions after it are published."""
+    url, context, releases, service = admit
+    poll(lambda: call(url, context, "/readyz")[0] == 200, "the release state loaded", 30)
+    bad = orjson.loads(review(job("bad-user"), uid="req-bad"))
+    bad["request"]["userInfo"]["username"] = username
+    status, answer = call(url, context, "/validate", orjson.dumps(bad))
+    assert status == 200 and answer["response"]["uid"] == "req-bad"
+    status, _answer = call(url, context, "/validate", review(job("after-it"), uid="req-after"))
+    assert status == 200
+    decided = [decode_event(m.value()) for m in read_topic(kafka_bootstrap, catalogue.scheduler, 1, timeout=20)]
+    assert [e.payload.object_name for e in decided] == ["after-it"]
+    from schemas import DeadLetter
+    letters = [DeadLetter.model_validate_json(m.value()) for m in read_topic(kafka_bootstrap, catalogue.deadletter, 1, timeout=20)]
+    assert [(d.reason, d.stage) for d in letters] == [("validation", "admit.recorder")]
+    assert letters[0].error.startswith("admission decision could not be recorded: 1 validation error for AdmissionPayload user "), letters[0].error
+    described = orjson.loads(letters[0].value)
+    assert (described["request_uid"], described["object"], described["user"], described["decision"]) == ("req-bad", "serving/Job/bad-user", username, "deny")
+    health = call(url, context, "/healthz")[1]
+    assert health["recorder"]["unrecordable"] == 1 and health["recorder"]["published"] == 1
