@@ -460,3 +460,42 @@ def test_a_decision_whose_user_the_event_refuses_is_dead_lettered_with_what_was_
     assert (described["request_uid"], described["object"], described["user"], described["decision"]) == ("req-bad", "serving/Job/bad-user", username, "deny")
     health = call(url, context, "/healthz")[1]
     assert health["recorder"]["unrecordable"] == 1 and health["recorder"]["published"] == 1
+
+
+def test_a_decision_too_large_for_a_record_is_dead_lettered_and_the_others_published(catalogue, kafka_bootstrap):
+    """Found by a review: an event over the raw topic's record limit (an object name no API server
+    would accept, from a direct caller) raised EventTooLarge, a ProducerError, and was retried for
+    ever: no later decision was published. It is dead-lettered (reason event_too_large), the others
+    published — on the real broker."""
+    from datetime import datetime, timezone
+
+    from producers.admission.events import decision_event
+    from producers.admission.service import DecisionRecorder
+    from schemas import DeadLetter
+    from streams.controls.admission import AdmissionState, Subject, decide
+
+    publisher = EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, "admit-test")
+    state = AdmissionState()
+    state.ready.set()
+    at = datetime(2026, 12, 6, tzinfo=timezone.utc)
+
+    def event_for(name: str):
+        subject = Subject("Pod", "serving", name, f"uid-{len(name)}", 1, {"environment": "prod"}, f"serving/Pod/{name[:20]}", False)
+        return decision_event(subject, decide(subject, state, Policy(), at), at, gate="webhook", request_id=name[:20])
+
+    huge = event_for("p" * (publisher.max_event_bytes + 1000))
+    fine = event_for("fine")
+    recorder = DecisionRecorder(publisher, batch=10)
+    try:
+        recorder(huge)
+        recorder(fine)
+        recorder.start()
+        poll(lambda: recorder.counters["published"] == 1, "the decision that fits published", 30)
+        assert recorder.counters["too_large"] == 1
+        letters = [DeadLetter.model_validate_json(m.value()) for m in read_topic(kafka_bootstrap, catalogue.deadletter, 1, timeout=20)]
+        assert [(d.reason, d.stage) for d in letters] == [("event_too_large", "admit.recorder")], letters
+        assert [decode_event(m.value()).event_id for m in read_topic(kafka_bootstrap, catalogue.scheduler, 1, timeout=20)] == [fine.event_id]
+    finally:
+        recorder.stop()
+        publisher.close(5)
+
