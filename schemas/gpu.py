@@ -60,8 +60,18 @@ class GpuEvent(EventBase):
         ident = self.identity
         if not (ident.node):
             raise ValueError("identity.node is required for gpu events")
+        p = self.payload
+        # What names the entity the event belongs to (streams.correlate.routing.entity_key): without
+        # it, assignments from every node were folded into one made-up pod "None/None" and a device
+        # into "gpu:<node>/None" (exact-or-loud review) — refused here, the event is dead-lettered.
+        if self.event_type in ("gpu.assigned", "gpu.released"):
+            missing = [n for n, v in (("namespace", p.namespace or ident.namespace), ("pod", p.pod or ident.pod),
+                                      ("device_id", p.device_id)) if not v]
+            if missing:
+                raise ValueError(f"{self.event_type} needs payload (or identity) {', '.join(missing)}")
+        if self.event_type == "gpu.device" and not p.device_id:
+            raise ValueError("gpu.device needs payload device_id")
         if self.event_type.startswith("gpu.claim_"):
-            p = self.payload
             missing = [n for n in ("namespace", "pod", "device_id", "driver", "pool", "claim") if not getattr(p, n)]
             if missing:
                 raise ValueError(f"{self.event_type} needs payload {', '.join(missing)}")

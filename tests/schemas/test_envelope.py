@@ -153,6 +153,26 @@ def test_what_the_kubelet_and_device_plugins_report_passes():
         decode_event({**data, "payload": {**data["payload"], "numa_nodes": [2**63]}})
 
 
+@pytest.mark.parametrize("event_type, drop, names", [
+    ("gpu.assigned", ("namespace", "pod"), "namespace, pod"),
+    ("gpu.released", ("device_id",), "device_id"),
+    ("gpu.device", ("device_id",), "device_id"),
+])
+def test_a_gpu_event_without_what_names_its_entity_is_refused(event_type, drop, names):
+    """Found by a review: a gpu.assigned/released naming no pod passed, and the route stage folded
+    assignments from every node into one made-up entity, pod "None/None" (a device without its id into
+    "gpu:<node>/None"); refused, it is dead-lettered with the reason."""
+    data = {"event_id": "abcdefgh12", "event_type": event_type, "occurred_at": "2026-01-01T00:00:00Z",
+            "observed_at": "2026-01-01T00:00:00Z", "source": {"collector": "podresources"}, "identity": {"node": "n1"},
+            "payload": {"node": "n1", "namespace": "ml", "pod": "p", "device_id": "GPU-1"}}
+    decode_event(data)  # whole, it passes
+    with pytest.raises(EventDecodeError, match=f"needs payload.*{names}"):
+        decode_event({**data, "payload": {k: v for k, v in data["payload"].items() if k not in drop}})
+    if event_type != "gpu.device":  # the pod named by the identity instead passes
+        decode_event({**data, "identity": {"node": "n1", "namespace": "ml", "pod": "p"},
+                      "payload": {"node": "n1", "device_id": "GPU-1"}})
+
+
 def test_integers_at_their_range_pass_and_route_exactly():
     from streams.correlate.routing import routed_event
 
