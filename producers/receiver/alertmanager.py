@@ -219,6 +219,9 @@ def _alert_draft(alert: Any, where: str, problems: list[tuple[str, str]], sizes:
     if not isinstance(fingerprint, str) or not fingerprint.strip():
         problems.append((f"{where}.fingerprint", "field required (a non-empty string)"))
     else:
+        # As the event id takes it (stripped): the duplicate check below compared the raw text, so
+        # "abc" and "abc " with other labels were both accepted under one id, and one was lost.
+        fingerprint = fingerprint.strip()
         _identity_text(fingerprint, f"{where}.fingerprint", problems, sizes)
     alert_labels = _alert_labels(alert, where, problems, sizes)
     annotations = _string_map(alert.get("annotations"), f"{where}.annotations", problems)
