@@ -329,12 +329,12 @@ class SinkLoop:
             stats["stored"] += len(records) - len(rejected)
         if "allocations" in by_kind:
             batch, sources = await self._decode(by_kind["allocations"], GpuAllocation, "sinks.store_allocations")
-            await self.sinks.store_allocations(batch, sources)
-            stats["allocations_stored"] += len(batch)
+            rejected = await self.sinks.store_allocations(batch, sources)
+            stats["allocations_stored"] += len(batch) - len(rejected)  # (the rejected ones are dead-lettered)
         if "violations" in by_kind:
             batch, sources = await self._decode(by_kind["violations"], Violation, "sinks.store_violations")
-            await self.sinks.store_violations(batch, sources)
-            stats["violations_stored"] += len(batch)
+            rejected = await self.sinks.store_violations(batch, sources)
+            stats["violations_stored"] += len(batch) - len(rejected)
         if "raw" in by_kind:
             raw = by_kind["raw"]
             outside = self.sinks.raw_out_of_range

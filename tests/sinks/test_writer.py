@@ -232,3 +232,39 @@ def test_dead_letters_that_name_no_source_offset_are_each_a_row(clickhouse_clien
     stored = sorted(clickhouse_client.query(f"SELECT stage, key FROM `{clickhouse_db}`.dead_letters").result_rows)
     assert stored == [("receiver.releases", "rel-0"), ("receiver.releases", "rel-1"), ("scheduler-collector", "ns/pod-0"),
                       ("scheduler-collector", "ns/pod-1"), ("scheduler-collector", "ns/pod-2"), ("streams.route_events", "k")]
+
+
+def test_the_sinks_stored_counts_leave_out_the_rows_the_store_rejected(clickhouse_client, clickhouse_db):
+    """``allocations_stored`` (and ``violations_stored``) on the worker's health page counted every
+    decoded record, the rows the store refused (and dead-lettered) too (exact-or-loud review)."""
+    import collections
+
+    from benchmarks.engine_cpu import Msg
+    from sinks.agents import SinkLoop
+
+    migrate(clickhouse_client, clickhouse_db)
+    rejected: list[RejectedRow] = []
+
+    async def on_rejected(row: RejectedRow) -> None:
+        rejected.append(row)
+
+    class Context:  # what SinkLoop.store reads of its process: its stats, and an output for dead letters it makes itself
+        stats: collections.Counter = collections.Counter()
+        output = None
+
+    loop = SinkLoop.__new__(SinkLoop)  # the batch logic without its consumer
+    loop.ctx, loop._shapes, loop.in_range = Context(), {}, lambda _at: True
+    loop.sinks = SinkWriters(clickhouse_client, clickhouse_db, on_rejected=on_rejected, **FAST)
+    loop.kind = {"run.allocations.v1": "allocations"}
+
+    async def flush(mark=None):
+        return None
+
+    loop.ctx.output = type("Output", (), {"flush": staticmethod(flush)})()
+    allocations = inc.allocation_rows()
+    bad = {**orjson.loads(encode_event(allocations[0])), "allocation_id": "bad", "version": -1}  # version is a UInt64
+    records = [Msg("run.allocations.v1", 0, i, b"k", encode_event(a)) for i, a in enumerate(allocations)]
+    asyncio.run(loop.store([*records, Msg("run.allocations.v1", 0, 99, b"k", orjson.dumps(bad))]))
+    assert [r.source.offset for r in rejected] == [99]
+    stored = clickhouse_client.query(f"SELECT count() FROM {clickhouse_db}.gpu_allocations").result_rows[0][0]  # every version
+    assert loop.ctx.stats["allocations_stored"] == len(allocations) == stored
