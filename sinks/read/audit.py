@@ -26,8 +26,8 @@ have said", never the record.
 Limits: history older than ``--lookback`` before ``--from`` is not read (release
 lifecycle is always read in full); at most ``MAX_ROWS`` rows per table (the report
 says when it was truncated). The JSON lists every evidence row; the table and HTML show
-``LIST_LIMIT`` rows of a section, violations and denials first (``shown_rows``), and say
-what they left out. Descriptive columns (business priorities, quality alerts,
+``LIST_LIMIT`` rows of a section, violations, denials and waits first (``shown_rows``), and
+say what they left out. Descriptive columns (business priorities, quality alerts,
 the last environment as "prod") use the given policy, not the one a violation was
 judged under.
 """
@@ -45,7 +45,8 @@ from sinks.migrations import table_name
 from sinks.read.replayed import note as replay_note, replayed
 from sinks.read.pages import render_page
 from sinks.read.text import markup
-from sinks.read.trace import Store, ch_time, parse_instant, time_before
+from sinks.read.decisions import check_state, decision_status, wait_run
+from sinks.read.trace import Store, ch_time, deferral_links, parse_instant, time_before
 from streams.controls.policy import ACTION_OF_EVENT, CONTROL_NAMES, CONTROL_TITLES, Policy
 from streams.controls.rules import START, ControlEngine, compact_row, directory_from_rows, is_withdrawn, peak_concurrency, preemption_clusters
 
@@ -128,12 +129,18 @@ def load_history(reader, database: str, start: datetime, end: datetime, lookback
                     f"WHERE opened_at <= {{to:DateTime64(3)}} AND (closed_at IS NULL OR closed_at >= {{from:DateTime64(3)}}) "
                     f"ORDER BY control_id, opened_at, violation_id LIMIT {MAX_ROWS}")
     recorded = [_stored_violation(r) for r in reader.query(recorded_sql, {"db": database, **params}).dicts() if not is_withdrawn(r)]
+    # The webhook's deferral of a Kueue-queued Job is recorded under the Job's id (NS/Job/NAME), its
+    # Workload's events and AdmissionCheck decisions under the Workload's: the Job id -> that Workload,
+    # as of --to, found as the trace finds it (``deferral_links``), so control 1 reads them as one.
+    links = deferral_links(store, [{"workload_id": r["identity"]["workload_id"], "event_type": r["event_type"], "payload_json": r["payload_json"]}
+                                   for r in rows if r["identity"].get("workload_id")], end)
     # The latest event time in the store, whatever the range: what the worker's event-time watermark
     # reached at most, so what its recorded verdicts can have judged (``build_report``).
     latest_sql = f"SELECT max(occurred_at) AS latest, count() AS n FROM {{db:Identifier}}.{table_name('correlated_events', cluster)}"
     latest = reader.query(latest_sql, {"db": database}).dicts()[0]
     return {"rows": rows, "allocations": allocations, "recorded": recorded, "events_in_range": events, "truncated": sorted(store.truncated),
-            "replayed": replayed(reader, database), "latest_event": parse_instant(latest["latest"]) if latest["n"] else None}
+            "replayed": replayed(reader, database), "latest_event": parse_instant(latest["latest"]) if latest["n"] else None,
+            "deferral_links": links}
 
 
 def _as_of(v: dict, end: datetime) -> dict:
@@ -218,6 +225,12 @@ def build_report(history: dict, policy: Policy, start: datetime, end: datetime, 
 NO_VIOLATION = "no violation recorded"
 #: Control 1's verdict on a workload gpuledger admit denied before it reached a queue.
 DENIED = "denied before queue entry (the control enforced; no violation)"
+#: Control 1's verdict on a Workload whose AdmissionCheck gpuledger admit set Rejected, not admitted
+#: since (Kueue deactivates it): "denied in its queue: …" (``_stop_verdict``).
+DENIED_IN_QUEUE = "denied in its queue"
+#: Control 1's verdict on a Workload gpuledger admit's AdmissionCheck holds Pending, not admitted
+#: since: "waiting in its queue: held by gpuledger admit (rule R) since T — no violation" (``_stop_verdict``).
+WAITING = "waiting in its queue"
 #: An evidence row's verdict when its deadline is after the latest event the store holds (``Evidence.judged_until``).
 NOT_JUDGED = "not judged yet"
 #: A preemption's verdict when a side's business priority is unknown to the policy.
@@ -287,6 +300,28 @@ def _event_text(entry: tuple, with_id: str | None = None) -> str:
     return f"{actor}{' ' + with_id if with_id else ''} at {_z(_history_time(entry))}"
 
 
+def _stop_verdict(status: str, first: dict, last: dict) -> str:
+    """Control 1's verdict on a workload gpuledger admit stops in its queue (``Evidence._stopped``)
+    and no recorded violation cites: the control enforcing, as a denial at the door is — a wait
+    is not a refusal (the approval ends it with no resubmission), so it is told apart."""
+    rule = _payload(last).get("rule")
+    if status == "waiting":
+        return f"{WAITING}: held by gpuledger admit (rule {rule}) since {_z(first['occurred_at'])} — no violation"
+    return (f"{DENIED_IN_QUEUE}: its AdmissionCheck Rejected by gpuledger admit (rule {rule}) at {_z(last['occurred_at'])} "
+            "(the control enforced; no violation)")
+
+
+def _decision_text(d: dict) -> str:
+    """One of gpuledger admit's decisions as control 1 cites it: "decision D at T by rule R (gate
+    [check state], mode[, recorded as ID])" — the check state the AdmissionCheck set tells its
+    wait (Pending) from its refusal (Rejected); the id is the one it was recorded under when
+    that is not the workload's (the webhook's deferral of a queued Job: ``deferral_links``)."""
+    p = _payload(d)
+    check = check_state(p)
+    return (f"decision {p.get('decision')} at {_z(d['occurred_at'])} by rule {p.get('rule')} ({p.get('gate')}{' ' + check if check else ''}, "
+            f"{p.get('mode')}{', recorded as ' + d['recorded_as'] if d.get('recorded_as') else ''})")
+
+
 def _verdict(violations: list[dict]) -> str:
     """What the recorded violations say about one evidence row (nothing more)."""
     if not violations:
@@ -314,10 +349,19 @@ class Evidence:
         self.release_rows = {r["correlation_id"]: r for r in self.rows if r["event_type"].startswith("release.")}
         self.workloads: dict[str, list[dict]] = defaultdict(list)
         self.workload_of: dict[str, str] = {}
-        self.decisions: dict[str, list[dict]] = defaultdict(list)  # gpuledger admit's admission.decided, by workload
+        # gpuledger admit's admission.decided, by workload, in time order, each with its status
+        # (``sinks.read.decisions``: the trace reads it the same way). The webhook's deferral of a
+        # Kueue-queued Job is under the Workload that queues it (``load_history``), keeping the id it
+        # was recorded under (``recorded_as``): apart, it was nowhere in the Workload's policy result.
+        links = history.get("deferral_links") or {}
+        self.decisions: dict[str, list[dict]] = defaultdict(list)
         for r in self.rows:
-            if r["event_type"] == "admission.decided" and r["identity"].get("workload_id"):
-                self.decisions[r["identity"]["workload_id"]].append(r)
+            if r["event_type"] == "admission.decided" and (wid := r["identity"].get("workload_id")):
+                p = _payload(r)
+                d = {**r, "status": decision_status(p.get("decision"), p.get("rule"), check_state(p))}
+                if links.get(wid):
+                    d["recorded_as"] = wid
+                self.decisions[links.get(wid) or wid].append(d)
             if r["event_type"].startswith("scheduler."):
                 ident = r["identity"]
                 key = ident.get("workload_id") or (f"{ident.get('namespace')}/{ident.get('pod')}" if ident.get("pod") else r["correlation_id"])
@@ -372,7 +416,7 @@ class Evidence:
 
     # (1)
     def admission(self) -> dict:
-        out = []
+        out, flagged = [], 0
         cited = self._cited_workloads(1)
         for wid, rows in sorted(self.workloads.items()):
             entry = next((r for r in rows if r["event_type"] in QUEUE_ENTRY), None) or (rows[0] if wid in cited else None)
@@ -381,65 +425,133 @@ class Evidence:
             rid = entry["identity"].get("release_id") or self._release_of(rows)
             approvals = self._approvals_before(rid, parse_instant(entry["occurred_at"])) if rid else []
             mine = self._citing(1, [r["correlation_id"] for r in rows])
+            stopped = self._stopped(wid, rows)
+            flagged += bool(mine)
             out.append({"workload": wid, "release": rid or "no release identity", "environment": entry["identity"].get("environment") or "",
                         "queue_entry": _z(entry["occurred_at"]), "entry_event": entry["event_type"],
-                        "policy_result": self._policy_result(wid, rows, entry),
+                        "policy_result": self._policy_result(wid, rows, entry, stopped),
                         "approvals": "; ".join(approvals) or ("" if not rid else "no release.approved before queue entry"),
-                        "verdict": _verdict(mine)})
-        flagged = sum(1 for r in out if r["verdict"] != NO_VIOLATION)
-        denied = self._denied_at_the_door()
+                        # (a recorded violation is the verdict whatever admit decided: the record, not our reading of it)
+                        "verdict": _verdict(mine) if mine or stopped is None else _stop_verdict(*stopped)})
+        decided = self._decided_only()
+        listed = out + decided
+        door = sum(1 for r in listed if r["verdict"] == DENIED)
+        rejected = sum(1 for r in listed if r["verdict"].startswith(DENIED_IN_QUEUE + ":"))
+        waiting = sum(1 for r in listed if r["verdict"].startswith(WAITING + ":"))
         return self._section(1, "Approved identity before queue entry",
                              f"{len(out)} workload(s) entering a queue in the range; {flagged} with a control 1 violation "
-                             f"({len(self._of(1))} violation(s)); {len(denied)} denied before queue entry by gpuledger admit",
+                             f"({len(self._of(1))} violation(s)); {door} denied before queue entry by gpuledger admit; {rejected} denied "
+                             f"in their queue (AdmissionCheck Rejected) and {waiting} waiting in their queue (AdmissionCheck Pending) "
+                             "by gpuledger admit",
                              ["workload", "release", "environment", "queue_entry", "entry_event", "policy_result", "approvals", "verdict"],
-                             out + denied, len(out) + len(denied), "workload(s) entering a queue or denied entry")
+                             listed, len(listed), "workload(s) entering a queue, or denied or held by gpuledger admit")
 
-    def _denied_at_the_door(self) -> list[dict]:
-        """The workloads gpuledger admit denied in the range that the scheduler never saw: the
-        control enforced before queue entry — who tried to run what, when, and why not (they were
-        in no section of the audit: it listed the workloads that entered a queue only)."""
+    def _stopped(self, wid: str, rows: list[dict]) -> tuple[str, dict, dict] | None:
+        """How gpuledger admit's AdmissionCheck stops the workload as of the range's end, when it
+        does and nothing among ``rows`` (its scheduler rows) started it since: ``("waiting", first,
+        last)`` — its last decisions hold it Pending in its queue, since the first of that run —
+        or ``("denied", last, last)`` — its last set the check Rejected. A ``deny`` the check left
+        Pending is a wait, not a refusal: it read "denied" like the webhook's. A webhook's denial
+        is not one of these: it refuses an object's creation (``_decided_only``)."""
+        decisions = self.decisions.get(wid, [])
+        held = wait_run(decisions, lambda d: d["status"])
+        if held is not None:
+            status, (first, last) = "waiting", held
+        elif decisions and decisions[-1]["status"] == "denied" and check_state(_payload(decisions[-1])) == "Rejected":
+            status, first, last = "denied", decisions[-1], decisions[-1]
+        else:
+            return None
+        since = parse_instant(first["occurred_at"])
+        if any(r["event_type"] in START and precedes(since, parse_instant(r["occurred_at"])) for r in rows):
+            return None  # (admitted after all: its allow was not recorded, or no longer needed)
+        return status, first, last
+
+    def _decided_only(self) -> list[dict]:
+        """The workloads gpuledger admit denied or holds, last decided in the range, whose
+        scheduler events the store does not have: who tried to run what, when, and why not (they
+        were in no section of the audit: it listed the workloads that entered a queue only). The
+        webhook's denial: denied before queue entry ("never: denied"). The AdmissionCheck's: a
+        Workload in its queue (the check is decided there) held Pending — waiting — or Rejected."""
         out = []
         for wid, decisions in sorted(self.decisions.items()):
             last = decisions[-1]
+            if wid in self.workloads or not self._in_range(last["occurred_at"]):
+                continue
+            stopped = self._stopped(wid, [])
             p = _payload(last)
-            if wid in self.workloads or p.get("decision") != "deny" or not self._in_range(last["occurred_at"]):
+            if stopped is None and p.get("decision") != "deny":
                 continue
             ident = last["identity"]
             rid = ident.get("release_id")
             approvals = self._approvals_before(rid, parse_instant(last["occurred_at"])) if rid else []
-            who = f" (user {p['user']})" if p.get("user") else ""
+            if stopped is not None:
+                queue_entry, policy_result, verdict = ("in its queue (no scheduler event in the store)",
+                                                       self._stopped_text(wid, *stopped), _stop_verdict(*stopped))
+            else:
+                who = f" (user {p['user']})" if p.get("user") else ""
+                queue_entry, verdict = "never: denied", DENIED
+                policy_result = f"workload {wid}: {_decision_text(last)}{who}: {p.get('message') or ''}".rstrip(": ")
             out.append({"workload": wid, "release": rid or "no release identity", "environment": ident.get("environment") or "",
-                        "queue_entry": "never: denied", "entry_event": "admission.decided",
-                        "policy_result": (f"workload {wid}: decision deny at {_z(last['occurred_at'])} by rule {p.get('rule')} "
-                                          f"({p.get('gate')}, {p.get('mode')}){who}: {p.get('message') or ''}").rstrip(": "),
+                        "queue_entry": queue_entry, "entry_event": "admission.decided", "policy_result": policy_result,
                         "approvals": "; ".join(approvals) or ("" if not rid else "no release.approved before the decision"),
-                        "verdict": DENIED})
+                        "verdict": verdict})
         return out
 
-    def _policy_result(self, wid: str, rows: list[dict], entry: dict) -> str:
+    def _stopped_text(self, wid: str, status: str, first: dict, last: dict, after: str = "") -> str:
+        """The policy result of a workload gpuledger admit's AdmissionCheck stops (``_stopped``):
+        the webhook's deferral of its Job first, when recorded (it came first), then the check's
+        last decision (since when it holds it, for a wait), ``after``, and that decision's message
+        — what it waits for, or why it was refused — last, as a denial's is."""
+        deferred = "".join(f"{text}; " for text in self._deferrals(wid, last))
+        held = f"held in its queue by gpuledger admit since {_z(first['occurred_at'])}: " if status == "waiting" else ""
+        message = _payload(last).get("message") or ""
+        return f"workload {wid}: {deferred}{held}{_decision_text(last)}{after}: {message}".rstrip(": ")
+
+    def _deferrals(self, wid: str, chosen: dict) -> list[str]:
+        """The webhook's deferrals of the workload to its AdmissionCheck (its Job's, recorded under
+        the Job's id), beside the decision ``chosen`` for its policy result: "deferred by the
+        webhook: decision allow at T by rule deferred-to-admission-check (webhook, …)"."""
+        return [f"deferred by the webhook: {_decision_text(d)}" for d in self.decisions.get(wid, [])
+                if d["status"] == "deferred" and d is not chosen]
+
+    def _policy_result(self, wid: str, rows: list[dict], entry: dict, stopped: tuple | None = None) -> str:
         """gpuledger admit's decision that let the workload in (``admission.decided``): the
         latest one before its queue entry, else (an AdmissionCheck decides a Workload already
-        queued) the latest before its admission. Facts only: what was recorded."""
+        queued) the latest before its admission — with the waits that held it before (a Pending
+        hold later admitted), and the webhook's deferral of its Job. One ``stopped`` (held or
+        refused in its queue: ``_stopped``): that decision. Facts only: what was recorded."""
         decisions = self.decisions.get(wid, [])
         if not decisions:
             return "no admission decision recorded (gpuledger admit not enforcing here)"
         entry_at = parse_instant(entry["occurred_at"])
+        if stopped is not None:
+            return self._stopped_text(wid, *stopped, after=f", after queue entry at {_z(entry_at)}")
+        # The webhook's deferral hands the decision to the AdmissionCheck: what let the workload in
+        # is the check's decision (the deferral, before queue entry, would be picked at that mark).
+        deciding = [d for d in decisions if d["status"] != "deferred"] or decisions
         admitted = next((r for r in rows if r["event_type"] in START), None)
         marks = [(entry_at, "queue entry")] + ([(parse_instant(admitted["occurred_at"]), "admission")] if admitted else [])
         for mark, what in marks:
-            before = [d for d in decisions if precedes(parse_instant(d["occurred_at"]), mark)]
+            before = [d for d in deciding if precedes(parse_instant(d["occurred_at"]), mark)]
             if before:
                 d = before[-1]
-                p = _payload(d)
                 gap = mark - parse_instant(d["occurred_at"])
                 delta = ("+0s: within the second of a Kubernetes timestamp" if gap < timedelta(0) else
                          f"+{gap.total_seconds() * 1000:.0f}ms" if gap < timedelta(seconds=1) else f"+{format_duration(gap)}")
-                return (f"workload {wid}: decision {p.get('decision')} at {_z(d['occurred_at'])} by rule {p.get('rule')} "
-                        f"({p.get('gate')}, {p.get('mode')}), before {what} at {_z(mark)} ({delta})")
-        d = decisions[0]
-        p = _payload(d)
-        return (f"workload {wid}: decision {p.get('decision')} at {_z(d['occurred_at'])} by rule {p.get('rule')} "
-                f"({p.get('gate')}, {p.get('mode')}), after queue entry at {_z(entry_at)}")
+                head = f"workload {wid}: {_decision_text(d)}, before {what} at {_z(mark)} ({delta})"
+                break
+        else:
+            d = deciding[0]
+            head = f"workload {wid}: {_decision_text(d)}, after queue entry at {_z(entry_at)}"
+        # A Pending hold the workload was admitted after: the run of waits just before the decision.
+        i = next(k for k, x in enumerate(decisions) if x is d)
+        held = wait_run(decisions[:i], lambda x: x["status"])
+        if held is not None:
+            first = next(k for k, x in enumerate(decisions) if x is held[0])
+            rules = ", ".join(dict.fromkeys(str(_payload(x).get("rule")) for x in decisions[first:i]))
+            head += (f"; held in its queue before it since {_z(decisions[first]['occurred_at'])} (rule {rules}, AdmissionCheck Pending; "
+                     f"{i - first} decision(s))")
+        return "; ".join([head, *self._deferrals(wid, d)])
 
     # (2)
     def promotion(self) -> dict:
@@ -815,23 +927,27 @@ def conclusion(report: dict) -> str:
 
 
 #: The kinds of row an evidence list holds, by verdict, in the order the table and HTML list them (``_attention``).
-ROW_KINDS = ("with a recorded violation", "denied before queue entry", "not judged yet or not compared", "with no violation recorded")
+ROW_KINDS = ("with a recorded violation", "denied by gpuledger admit", "waiting in their queue", "not judged yet or not compared",
+             "with no violation recorded")
 
 
 def _attention(row: dict) -> int:
     """The kind of an evidence row, an index into ``ROW_KINDS``, read off its verdict. The order
     is a responder's: what the control caught first (a recorded violation, open or closed: what
     makes it FAIL), then what it stopped (a denial: who tried to run what, and why not), then
-    what it has not judged, and last the rows that only show it was exercised — the bulk of a
-    busy range, and what a capped list drops. A verdict not recognised here counts as a
-    violation: listed first, never the first dropped."""
+    what it holds (a Workload waiting in its queue for an approval: stopped for now, and let
+    through once that arrives), then what it has not judged, and last the rows that only show
+    it was exercised — the bulk of a busy range, and what a capped list drops. A verdict not
+    recognised here counts as a violation: listed first, never the first dropped."""
     verdict = row["verdict"]
-    if verdict == DENIED:
+    if verdict == DENIED or verdict.startswith(DENIED_IN_QUEUE + ":"):
         return 1
-    if verdict.startswith(NOT_JUDGED) or verdict.endswith(NOT_COMPARED):
+    if verdict.startswith(WAITING + ":"):
         return 2
-    if verdict == NO_VIOLATION or verdict.endswith("; " + NO_VIOLATION):  # (a priority override's: "expires T; " before it)
+    if verdict.startswith(NOT_JUDGED) or verdict.endswith(NOT_COMPARED):
         return 3
+    if verdict == NO_VIOLATION or verdict.endswith("; " + NO_VIOLATION):  # (a priority override's: "expires T; " before it)
+        return 4
     return 0
 
 

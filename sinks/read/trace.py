@@ -53,6 +53,7 @@ from typing import Any
 from producers.kubernetes.mapping import KUEUE_JOB_UID_LABEL
 from schemas.release import ENDING_EVENTS, LIFECYCLE_EVENTS, actor_text, decision_actor
 from sinks.migrations import table_name
+from sinks.read.decisions import DEFERRED_RULE, check_state as decided_check_state, decision_status
 from sinks.read.replayed import note as replay_note, replayed
 
 DEFAULT_WINDOW = timedelta(hours=2)
@@ -90,9 +91,6 @@ ALLOC_COLS = ("allocation_id", "version", "node", "gpu_id", "gpu", "mig_instance
               "release_id", "workload_id", "pod_uid", "attribution", "started_at", "ended_at", "end_reason")
 CORRELATED_COLS = ("correlation_id", "version", "event_type", "occurred_at", "attribution", "release_id", "workload_id",
                    "namespace", "pod", "pod_uid", "node", "gpu_id", "alert_fingerprint", "summary")
-#: gpuledger admit's webhook letting a Kueue-queued object in for its AdmissionCheck to decide
-#: (streams.controls.admission.RULES).
-DEFERRED_RULE = "deferred-to-admission-check"
 SCHEDULER_INCIDENT_TYPES = ("scheduler.preempted", "scheduler.evicted", "scheduler.requeued", "scheduler.failed_scheduling")
 ENTRY_KINDS = ("alert", "release", "workload", "pod", "gpu", "model")
 
@@ -704,8 +702,8 @@ def _admission_decision(r: dict) -> dict:
     decision, _, rule = (r.get("reason") or ":").partition(":")
     p = json.loads(r.get("payload_json") or "{}")
     gate = p.get("gate") or None
-    check_state = (p.get("operation") or None) if gate == "admission-check" else None
-    status = ("deferred" if rule == DEFERRED_RULE else "allowed") if decision != "deny" else "waiting" if check_state == "Pending" else "denied"
+    check_state = decided_check_state(p)
+    status = decision_status(decision, rule, check_state)  # (sinks.read.decisions: the audit reads a decision the same way)
     out = {"occurred_at": r["occurred_at"], "decision": decision, "rule": rule, "status": status, "gate": gate, "check_state": check_state,
            "message": r.get("message"), "summary": r.get("summary"), "correlation_id": r["correlation_id"]}
     if r.get("recorded_as"):  # (the webhook's deferral of a queued Job, recorded under the Job's id: ``_Chain._attach_deferrals``)

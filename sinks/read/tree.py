@@ -15,6 +15,7 @@ import io
 
 from rich.tree import Tree
 
+from sinks.read.decisions import wait_run
 from sinks.read.text import markup as m
 
 GAP = "[red]<gap>[/]"
@@ -145,15 +146,8 @@ def _deferral(wl: dict) -> dict | None:
 
 
 def _wait(wl: dict) -> tuple[dict, dict] | None:
-    """(first, last) of the decisions that hold the workload now — the run of waits its last
-    decision ends — when its last decision is a wait."""
-    decisions = wl.get("admission_decisions") or []
-    if not decisions or _status(decisions[-1]) != "waiting":
-        return None
-    first = len(decisions) - 1
-    while first > 0 and _status(decisions[first - 1]) == "waiting":
-        first -= 1
-    return decisions[first], decisions[-1]
+    """(first, last) of the decisions that hold the workload now (``sinks.read.decisions.wait_run``)."""
+    return wait_run(wl.get("admission_decisions") or [], _status)
 
 
 #: What a Workload held Pending waits for, by the rule that holds it (streams.controls.admission):

@@ -432,8 +432,144 @@ def test_a_list_with_more_denials_than_it_shows_says_how_many_it_left_out(busy_s
     # (a shorter list, so the 15 denials do not fit in it)
     monkeypatch.setattr("sinks.read.audit.LIST_LIMIT", 10)
     table = " ".join(audit(busy_store, *RANGE).output.split())
-    assert "(+37 more not shown: 6 denied before queue entry, 31 with no violation recorded; --format json lists all 47)" in table, table
+    assert "(+37 more not shown: 6 denied by gpuledger admit, 31 with no violation recorded; --format json lists all 47)" in table, table
     assert all(wid in table for wid in (inc.WT, *DENIED[:9])) and not any(wid in table for wid in DENIED[9:]), table
+
+
+ADMIT_AT = inc.T0 + timedelta(hours=4)
+ADMIT_RANGE = ["--from", (ADMIT_AT - timedelta(hours=1)).isoformat(), "--to", (ADMIT_AT + timedelta(hours=1)).isoformat()]
+HELD, LET_IN = "ml/job-ranker-12-x7k2p", "ml/job-ranker-13-b8c4d"  # queued Kueue Workloads of Jobs ranker-12, ranker-13
+REJECTED, HELD_UNSEEN = "ml/job-ranker-11-q9w8e", "ml/job-ranker-14-z5y6x"  # decided by the AdmissionCheck, no scheduler event stored
+
+
+def z(at) -> str:
+    return at.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@pytest.fixture(scope="module")
+def admit_store(clickhouse_client, clickhouse_dsn, tmp_path_factory):
+    """gpuledger admit gating namespace ml with its Kueue AdmissionCheck: the webhook defers Jobs
+    ranker-12 and ranker-13 (recorded under NS/Job/NAME), Kueue queues their Workloads, and the
+    check holds both Pending (releases unapproved); v13 is approved and ranker-13 admitted,
+    ranker-12 still held at --to. Two Workloads the store has only the check's decisions of: one
+    Rejected (release revoked), one held Pending (release unknown). And a webhook denial. The
+    decisions are the webhook's and the controller's own (tests/sinks/incident.py)."""
+    from producers.releases import COMMANDS, build_event
+    from streams.controls.admission import AdmissionState
+    from streams.controls.policy import Admission, NamespaceAdmission
+
+    command = {c.name: c for c in COMMANDS}
+    t = ADMIT_AT
+    state = AdmissionState()
+    state.ready.set()
+
+    def release(name: str, rid: str, at, **options) -> None:
+        state.apply(build_event(command[name], {"release_id": rid, "at": at.isoformat(), **options}))
+
+    for version in ("11", "12", "13"):
+        release("register", f"ranker-v{version}-prod", t - timedelta(days=1), model="ranker", version=version, artifact_digest="sha256:" + "a" * 64)
+    release("approve", "ranker-v11-prod", t - timedelta(hours=20), actor="alice", env="prod")
+    release("revoke", "ranker-v11-prod", t - timedelta(hours=2), actor="alice", reason="drift")
+    policy = Policy(admission=Admission(namespaces={"ml": NamespaceAdmission(gate="admission-check")}))
+
+    def pod_template(rid: str) -> dict:
+        return {"metadata": {"labels": {"gpuledger.io/release-id": rid, "gpuledger.io/environment": "prod"}},
+                "spec": {"containers": [{"name": "c", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}
+
+    def job(name: str, rid: str) -> dict:
+        return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, "namespace": "ml", "uid": f"uid-job-{name}", "labels": {
+                "gpuledger.io/release-id": rid, "gpuledger.io/environment": "prod", "kueue.x-k8s.io/queue-name": "research"}},
+                "spec": {"suspend": True, "template": pod_template(rid)}}
+
+    def workload(wid: str, rid: str, job_name: str) -> dict:
+        return {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Workload",
+                "metadata": {"name": wid.split("/")[1], "namespace": "ml", "uid": f"uid-{wid}", "labels": {"kueue.x-k8s.io/job-uid": f"uid-job-{job_name}"}},
+                "spec": {"queueName": "research", "podSets": [{"name": "main", "count": 1, "template": pod_template(rid)}]}}
+
+    def scheduler(etype: str, wid: str, rid: str, job_name: str, at):
+        return inc._ce("scheduler", etype, at, {"workload_id": wid, "namespace": "ml", "release_id": rid, "environment": "prod"},
+                       {"object_kind": "Workload", "queue": "research", "cluster_queue": "gpu-a100", "gpus_requested": 1,
+                        "labels": {"kueue.x-k8s.io/job-uid": f"uid-job-{job_name}"}})
+
+    held, let_in = workload(HELD, "ranker-v12-prod", "ranker-12"), workload(LET_IN, "ranker-v13-prod", "ranker-13")
+    rows = [inc.webhook_row(job("ranker-12", "ranker-v12-prod"), state, t, policy), inc.webhook_row(job("ranker-13", "ranker-v13-prod"), state, t, policy),
+            scheduler("scheduler.submitted", HELD, "ranker-v12-prod", "ranker-12", t + timedelta(seconds=1)),
+            scheduler("scheduler.submitted", LET_IN, "ranker-v13-prod", "ranker-13", t + timedelta(seconds=1)),
+            inc.admission_check_row(held, state, t + timedelta(seconds=2)), inc.admission_check_row(let_in, state, t + timedelta(seconds=2))]
+    release("approve", "ranker-v13-prod", t + timedelta(minutes=1), actor="alice", env="prod")
+    rows += [inc.admission_check_row(let_in, state, t + timedelta(minutes=1, seconds=1)),
+             scheduler("scheduler.admitted", LET_IN, "ranker-v13-prod", "ranker-13", t + timedelta(minutes=1, seconds=2)),
+             inc.admission_check_row(held, state, t + timedelta(minutes=2)),
+             inc.admission_check_row(workload(REJECTED, "ranker-v11-prod", "ranker-11"), state, t + timedelta(minutes=3)),
+             inc.admission_check_row(workload(HELD_UNSEEN, "ranker-v14-prod", "ranker-14"), state, t + timedelta(minutes=3)),
+             denial("risk/sneaky", t + timedelta(minutes=4))]
+    db = f"t_{uuid.uuid4().hex[:12]}"
+    migrate(clickhouse_client, db)
+    asyncio.run(SinkWriters(clickhouse_client, db).store_correlated(rows))
+    return {"GPULEDGER_CLICKHOUSE_DSN": clickhouse_dsn, "GPULEDGER_CLICKHOUSE_DATABASE": db,
+            "GPULEDGER_DATA_DIR": str(tmp_path_factory.mktemp("audit-admit")), "COLUMNS": "250"}
+
+
+def test_a_workload_the_admission_check_holds_pending_is_waiting_in_its_queue_not_denied(admit_store):
+    """From a review: the AdmissionCheck controller records ``deny`` both when it rejects a
+    Workload and when it holds it Pending until its release is approved, and control 1 read every
+    deny as "denied before queue entry" — a Workload waiting in its queue for an approval, which
+    it gets with no resubmission, reported as refused. The check state (the payload's operation)
+    tells them apart, as the trace does. And the webhook's deferral of a queued Job, recorded
+    under the Job's id, was in no Workload's policy result."""
+    report = json.loads(audit(admit_store, *ADMIT_RANGE, "--format", "json").output)
+    section = next(s for s in report["evidence"] if s["control"] == 1)
+    rows = {r["workload"]: r for r in section["rows"]}
+    assert set(rows) == {HELD, LET_IN, REJECTED, HELD_UNSEEN, "risk/sneaky"}, rows  # (the Jobs' ids are their Workloads')
+    t = ADMIT_AT
+    since, last = z(t + timedelta(seconds=2)), z(t + timedelta(minutes=2))
+
+    held = rows[HELD]
+    assert held["verdict"] == f"waiting in its queue: held by gpuledger admit (rule unapproved) since {since} — no violation", held
+    # (the webhook's deferral of its Job first: it came first; the check's message last: what it waits for)
+    assert held["policy_result"].startswith(
+        f"workload {HELD}: deferred by the webhook: decision allow at {z(t)} by rule deferred-to-admission-check (webhook, enforce, "
+        f"recorded as ml/Job/ranker-12); held in its queue by gpuledger admit since {since}: decision deny at {last} by rule unapproved "
+        f"(admission-check Pending, enforce), after queue entry at {z(t + timedelta(seconds=1))}: release ranker-v12-prod is registered, "
+        "not approved for prod"), held["policy_result"]
+
+    # Held Pending, then admitted once v13 was approved: an admitted workload, its evidence showing the hold.
+    let_in = rows[LET_IN]
+    assert let_in["verdict"] == "no violation recorded", let_in
+    assert let_in["policy_result"] == (
+        f"workload {LET_IN}: decision allow at {z(t + timedelta(minutes=1, seconds=1))} by rule approved (admission-check Ready, enforce), "
+        f"before admission at {z(t + timedelta(minutes=1, seconds=2))} (+1s); held in its queue before it since {since} (rule unapproved, "
+        f"AdmissionCheck Pending; 1 decision(s)); deferred by the webhook: decision allow at {z(t)} by rule deferred-to-admission-check "
+        "(webhook, enforce, recorded as ml/Job/ranker-13)"), let_in["policy_result"]
+
+    # Only the check's decisions in the store: a Workload in its queue, held or refused there.
+    unseen = rows[HELD_UNSEEN]
+    assert unseen["queue_entry"] == "in its queue (no scheduler event in the store)", unseen
+    assert unseen["verdict"] == f"waiting in its queue: held by gpuledger admit (rule unknown-release) since {z(t + timedelta(minutes=3))} — no violation"
+    rejected = rows[REJECTED]
+    assert rejected["verdict"] == (f"denied in its queue: its AdmissionCheck Rejected by gpuledger admit (rule revoked) at "
+                                   f"{z(t + timedelta(minutes=3))} (the control enforced; no violation)"), rejected
+    assert rejected["policy_result"].startswith(f"workload {REJECTED}: decision deny at {z(t + timedelta(minutes=3))} by rule revoked "
+                                                "(admission-check Rejected, enforce): "), rejected
+    assert rows["risk/sneaky"]["verdict"] == "denied before queue entry (the control enforced; no violation)"
+    assert ("2 workload(s) entering a queue in the range; 0 with a control 1 violation (0 violation(s)); 1 denied before queue entry by "
+            "gpuledger admit; 1 denied in their queue (AdmissionCheck Rejected) and 2 waiting in their queue (AdmissionCheck Pending) "
+            "by gpuledger admit") in section["summary"], section["summary"]
+
+
+def test_waiting_workloads_are_listed_after_the_denials_and_counted_when_left_out(admit_store, monkeypatch, tmp_path):
+    """A held Workload is what control 1 is stopping for now: after the denials, before the rows
+    that only show the control was exercised — and a list too short for it says how many."""
+    monkeypatch.setattr("sinks.read.audit.LIST_LIMIT", 3)
+    out = tmp_path / "audit.html"
+    assert audit(admit_store, *ADMIT_RANGE, "--format", "html", "--output", str(out)).exit_code == 0
+    section = out.read_text().split('data-control="1"', 1)[1].split("</section>", 1)[0]
+    shown = sorted((section.index(f"<td>{wid}</td>"), wid) for wid in (HELD, LET_IN, REJECTED, HELD_UNSEEN, "risk/sneaky")
+                   if f"<td>{wid}</td>" in section)
+    assert [wid for _at, wid in shown] == [REJECTED, "risk/sneaky", HELD], shown
+    left_out = "(+2 more not shown: 1 waiting in their queue, 1 with no violation recorded; --format json lists all 5)"
+    assert left_out in section, section.split("<table>", 1)[0]
+    assert left_out in " ".join(audit(admit_store, *ADMIT_RANGE).output.split())
 
 
 def test_a_reservation_window_ending_after_the_last_event_is_not_judged_yet(clickhouse_client, clickhouse_dsn, tmp_path):
