@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ssl
 import threading
 import time
@@ -25,24 +26,34 @@ COMMAND = {c.name: c for c in COMMANDS}
 RID = "fraud-scorer-v8-prod"
 
 
+@contextlib.contextmanager
+def running(settings: AdmitSettings, publisher, bootstrap: str, release_topic: str):
+    """An AdmitService run on its own thread until the block ends; yields (its base url, the service)
+    once it listens. It must stop when asked (the thread is joined, and checked)."""
+    bound = {}
+    service = AdmitService(settings, Policy(), publisher, bootstrap, release_topic,
+                           on_listening=lambda h, p, pem: bound.update(host=h, port=p, pem=pem))
+    thread = threading.Thread(target=service.run, daemon=True)
+    thread.start()
+    try:
+        poll(lambda: bound or not thread.is_alive(), "admit to listen", 30)
+        assert thread.is_alive()
+        yield f"https://127.0.0.1:{bound['port']}", service
+    finally:
+        service.stop()
+        thread.join(30)
+    assert not thread.is_alive()
+
+
 @pytest.fixture
 def admit(catalogue, kafka_bootstrap, tmp_path):
     """A running AdmitService on a free port with a generated certificate; yields (base url, ssl context, publisher)."""
     ca = tmp_path / "ca.crt"
     publisher = EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, "admit-test")
-    bound = {}
-    service = AdmitService(AdmitSettings(port=0, ca_out=ca), Policy(), publisher, kafka_bootstrap, catalogue.release,
-                           on_listening=lambda h, p, pem: bound.update(host=h, port=p, pem=pem))
-    thread = threading.Thread(target=service.run, daemon=True)
-    thread.start()
-    poll(lambda: bound, "admit to listen", 30)
-    context = ssl.create_default_context(cafile=str(ca))
-    releases = EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, "releases-test")
-    yield f"https://127.0.0.1:{bound['port']}", context, releases, service
-    service.stop()
-    thread.join(20)
-    releases.close(5)
-    assert not thread.is_alive()
+    with running(AdmitSettings(port=0, ca_out=ca), publisher, kafka_bootstrap, catalogue.release) as (url, service):
+        releases = EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, "releases-test")
+        yield url, ssl.create_default_context(cafile=str(ca)), releases, service
+        releases.close(5)
 
 
 def call(url: str, context, path: str, body: bytes | None = None) -> tuple[int, dict]:
@@ -125,14 +136,9 @@ def test_health_says_how_many_decisions_wait_for_kafka_the_queue_limit_and_how_m
 
     ca = tmp_path / "ca.crt"
     nowhere = EventPublisher({"bootstrap.servers": f"127.0.0.1:{free_port()}"}, catalogue, "admit-test", limit_lookup_timeout_s=1.0)
-    bound = {}
-    service = AdmitService(AdmitSettings(port=0, ca_out=ca, stale_after_s=10, publish_batch=1, publish_queue=2), Policy(), nowhere,
-                           kafka_bootstrap, catalogue.release, on_listening=lambda h, p, pem: bound.update(host=h, port=p, pem=pem))
-    thread = threading.Thread(target=service.run, daemon=True)
-    thread.start()
-    try:
-        poll(lambda: bound or not thread.is_alive(), "admit to listen", 30)
-        url, context = f"https://127.0.0.1:{bound['port']}", ssl.create_default_context(cafile=str(ca))
+    settings = AdmitSettings(port=0, ca_out=ca, stale_after_s=10, publish_batch=1, publish_queue=2)
+    with running(settings, nowhere, kafka_bootstrap, catalogue.release) as (url, _service):
+        context = ssl.create_default_context(cafile=str(ca))
         poll(lambda: call(url, context, "/readyz")[0] == 200, "the release state loaded", 60)
         for n in range(6):  # one batch of 1 being retried and a queue of 2 hold 3 at most: 3 or more are dropped
             assert call(url, context, "/validate", review(job(f"score-{n}")))[0] == 200
@@ -144,10 +150,6 @@ def test_health_says_how_many_decisions_wait_for_kafka_the_queue_limit_and_how_m
         assert problem.startswith("admission decisions not published for "), health
         assert (f" s: {6 - recorder['dropped']} waiting for Kafka (beyond 2 queued behind the batch being retried, new ones are dropped; "
                 f"{recorder['dropped']} dropped since admit started): ") in problem, problem
-    finally:
-        service.stop()
-        thread.join(30)
-    assert not thread.is_alive()
 
 
 @pytest.mark.timeout(180)
@@ -172,53 +174,45 @@ def test_started_while_kafka_is_down_it_answers_state_not_loaded_and_loads_when_
     bootstrap = f"127.0.0.1:{port}"
     cat = TopicCatalogue(prefix=f"t{uuid.uuid4().hex[:10]}", raw_partitions=2)
     ca = tmp_path / "ca.crt"
-    bound = {}
-    service = AdmitService(AdmitSettings(port=0, ca_out=ca), Policy(), EventPublisher({"bootstrap.servers": bootstrap}, cat, "admit-test"),
-                           bootstrap, cat.release, on_listening=lambda h, p, pem: bound.update(host=h, port=p, pem=pem))
-    thread = threading.Thread(target=service.run, daemon=True)
-    thread.start()
     broker = None
     try:
-        poll(lambda: bound or not thread.is_alive(), "admit to listen", 30)
-        assert thread.is_alive()
-        url, context = f"https://127.0.0.1:{bound['port']}", ssl.create_default_context(cafile=str(ca))
-        prod = call(url, context, "/validate", review(job("score-prod")))[1]["response"]
-        assert prod["allowed"] is False and prod["status"]["message"].startswith("gpuledger admit has not loaded the release state yet; prod is fail-closed")
-        staging_job = job("score-staging")
-        for labels in (staging_job["metadata"]["labels"], staging_job["spec"]["template"]["metadata"]["labels"]):
-            labels["gpuledger.io/environment"] = "staging"
-        staging = call(url, context, "/validate", review(staging_job))[1]["response"]
-        assert staging["allowed"] is True and "staging is fail-open" in staging["warnings"][0]
-        assert call(url, context, "/readyz")[0] == 503
-        refused = lambda: [r for r in caplog.records if r.name == "aiokafka" and "Unable connect" in r.getMessage()]  # noqa: E731
-        poll(lambda: len(refused()) >= 3, "three refused connection attempts", 30)
-        assert all(r.levelno == logging.DEBUG for r in refused())  # aiokafka's line per attempt, demoted
-        warned = [r for r in caplog.records if r.name == "streams.correlate.directory" and r.levelno >= logging.WARNING]
-        assert len(warned) == 1 and "failing" in warned[0].getMessage() and "KafkaConnectionError" in warned[0].getMessage()
+        with running(AdmitSettings(port=0, ca_out=ca), EventPublisher({"bootstrap.servers": bootstrap}, cat, "admit-test"), bootstrap,
+                     cat.release) as (url, service):
+            context = ssl.create_default_context(cafile=str(ca))
+            prod = call(url, context, "/validate", review(job("score-prod")))[1]["response"]
+            assert prod["allowed"] is False and prod["status"]["message"].startswith("gpuledger admit has not loaded the release state yet; prod is fail-closed")
+            staging_job = job("score-staging")
+            for labels in (staging_job["metadata"]["labels"], staging_job["spec"]["template"]["metadata"]["labels"]):
+                labels["gpuledger.io/environment"] = "staging"
+            staging = call(url, context, "/validate", review(staging_job))[1]["response"]
+            assert staging["allowed"] is True and "staging is fail-open" in staging["warnings"][0]
+            assert call(url, context, "/readyz")[0] == 503
+            refused = lambda: [r for r in caplog.records if r.name == "aiokafka" and "Unable connect" in r.getMessage()]  # noqa: E731
+            poll(lambda: len(refused()) >= 3, "three refused connection attempts", 30)
+            assert all(r.levelno == logging.DEBUG for r in refused())  # aiokafka's line per attempt, demoted
+            warned = [r for r in caplog.records if r.name == "streams.correlate.directory" and r.levelno >= logging.WARNING]
+            assert len(warned) == 1 and "failing" in warned[0].getMessage() and "KafkaConnectionError" in warned[0].getMessage()
 
-        broker = LocalKafka(Path(tempfile.mkdtemp(prefix="gpuledger-admit-kafka-")), default_cache_dir(), port=port, log_level="WARN",
-                            with_parent=True).start()
-        ensure_topics({"bootstrap.servers": bootstrap}, cat)
-        releases = EventPublisher({"bootstrap.servers": bootstrap}, cat, "releases-test")
-        try:
-            for command, options in (("register", {"model": "fraud-scorer", "version": "8", "artifact_digest": "sha256:" + "a" * 64}),
-                                     ("approve", {"actor": "alice", "env": "prod"})):
-                publish(releases, command, **options)
-        finally:
-            releases.close(5)
-        poll(lambda: call(url, context, "/readyz")[0] == 200 and service.state.applied >= 2, "the release state loaded", 60)
-        assert call(url, context, "/validate", review(job("score-later")))[1]["response"]["allowed"] is True
-        connected = [r.getMessage() for r in caplog.records if r.name == "streams.correlate.directory" and "connected after" in r.getMessage()]
-        assert len(connected) == 1, connected
-        # The answers given while Kafka was down are evidence too: published once it is back.
-        decided = {e.payload.object_name: e.payload.rule for e in map(decode_event, (m.value() for m in read_topic(bootstrap, cat.scheduler, 3)))}
-        assert decided == {"score-prod": "state-not-loaded", "score-staging": "state-not-loaded", "score-later": "approved"}, decided
+            broker = LocalKafka(Path(tempfile.mkdtemp(prefix="gpuledger-admit-kafka-")), default_cache_dir(), port=port, log_level="WARN",
+                                with_parent=True).start()
+            ensure_topics({"bootstrap.servers": bootstrap}, cat)
+            releases = EventPublisher({"bootstrap.servers": bootstrap}, cat, "releases-test")
+            try:
+                for command, options in (("register", {"model": "fraud-scorer", "version": "8", "artifact_digest": "sha256:" + "a" * 64}),
+                                         ("approve", {"actor": "alice", "env": "prod"})):
+                    publish(releases, command, **options)
+            finally:
+                releases.close(5)
+            poll(lambda: call(url, context, "/readyz")[0] == 200 and service.state.applied >= 2, "the release state loaded", 60)
+            assert call(url, context, "/validate", review(job("score-later")))[1]["response"]["allowed"] is True
+            connected = [r.getMessage() for r in caplog.records if r.name == "streams.correlate.directory" and "connected after" in r.getMessage()]
+            assert len(connected) == 1, connected
+            # The answers given while Kafka was down are evidence too: published once it is back.
+            decided = {e.payload.object_name: e.payload.rule for e in map(decode_event, (m.value() for m in read_topic(bootstrap, cat.scheduler, 3)))}
+            assert decided == {"score-prod": "state-not-loaded", "score-staging": "state-not-loaded", "score-later": "approved"}, decided
     finally:
-        service.stop()
-        thread.join(20)
-        if broker is not None:
+        if broker is not None:  # (after the service stopped: the block above)
             broker.stop()
-    assert not thread.is_alive()
 
 
 def test_kafka_gone_after_the_state_loaded_health_degrades_and_every_decision_says_since_when_the_state_is_unconfirmed(tmp_path, monkeypatch):
@@ -253,50 +247,43 @@ def test_kafka_gone_after_the_state_loaded_health_degrades_and_every_decision_sa
         publish(releases, command, **options)
     releases.close(5)
     ca = tmp_path / "ca.crt"
-    bound = {}
-    service = AdmitService(AdmitSettings(port=0, ca_out=ca, stale_after_s=10), Policy(), EventPublisher({"bootstrap.servers": bootstrap}, cat, "admit-test"),
-                           bootstrap, cat.release, on_listening=lambda h, p, pem: bound.update(host=h, port=p, pem=pem))
-    thread = threading.Thread(target=service.run, daemon=True)
-    thread.start()
     try:
-        poll(lambda: bound or not thread.is_alive(), "admit to listen", 30)
-        url, context = f"https://127.0.0.1:{bound['port']}", ssl.create_default_context(cafile=str(ca))
-        poll(lambda: call(url, context, "/readyz")[0] == 200, "the release state loaded", 60)
-        poll(lambda: (call(url, context, "/healthz")[1]["release_state"]["confirmed_age_s"] or 99) < 2, "the state confirmed current", 30)
-        health = call(url, context, "/healthz")[1]
-        assert health["status"] == "ok" and "problems" not in health, health
-        fresh = call(url, context, "/validate", review(job("score-fresh")))[1]["response"]
-        assert fresh["allowed"] is True and not fresh.get("warnings"), fresh
+        with running(AdmitSettings(port=0, ca_out=ca, stale_after_s=10), EventPublisher({"bootstrap.servers": bootstrap}, cat, "admit-test"),
+                     bootstrap, cat.release) as (url, _service):
+            context = ssl.create_default_context(cafile=str(ca))
+            poll(lambda: call(url, context, "/readyz")[0] == 200, "the release state loaded", 60)
+            poll(lambda: (call(url, context, "/healthz")[1]["release_state"]["confirmed_age_s"] or 99) < 2, "the state confirmed current", 30)
+            health = call(url, context, "/healthz")[1]
+            assert health["status"] == "ok" and "problems" not in health, health
+            fresh = call(url, context, "/validate", review(job("score-fresh")))[1]["response"]
+            assert fresh["allowed"] is True and not fresh.get("warnings"), fresh
 
-        broker.stop()
-        stopped = time.time()
-        status, health = poll(lambda: (lambda r: r if r[1]["status"] == "degraded" else None)(call(url, context, "/healthz")),
-                              "health to say degraded", 40)
-        assert status == 200
-        assert time.time() - stopped >= 8  # not before the state was stale_after_s old (it was confirmed < 2 s before the stop)
-        state = health["release_state"]
-        assert state["ready"] is True and state["confirmed_age_s"] > 10, state
-        assert health["problems"][0].startswith(f"release state not confirmed current for {int(state['confirmed_age_s'])}"), health
-        assert f"since {state['confirmed_current_at']}" in health["problems"][0] and "stale after 10 s" in health["problems"][0], health
-        answer = call(url, context, "/validate", review(job("score-stale")))[1]["response"]
-        # The decision is still taken on the state in memory (approved), and says what it may miss.
-        assert answer["allowed"] is True, answer
-        assert answer["warnings"] == [f"gpuledger admit could not confirm its release state is current since {state['confirmed_current_at']} "
-                                      "(the release topic cannot be read): approvals, revocations and overrides published after that are "
-                                      "not seen by this decision"], answer
+            broker.stop()
+            stopped = time.time()
+            status, health = poll(lambda: (lambda r: r if r[1]["status"] == "degraded" else None)(call(url, context, "/healthz")),
+                                  "health to say degraded", 40)
+            assert status == 200
+            assert time.time() - stopped >= 8  # not before the state was stale_after_s old (it was confirmed < 2 s before the stop)
+            state = health["release_state"]
+            assert state["ready"] is True and state["confirmed_age_s"] > 10, state
+            assert health["problems"][0].startswith(f"release state not confirmed current for {int(state['confirmed_age_s'])}"), health
+            assert f"since {state['confirmed_current_at']}" in health["problems"][0] and "stale after 10 s" in health["problems"][0], health
+            answer = call(url, context, "/validate", review(job("score-stale")))[1]["response"]
+            # The decision is still taken on the state in memory (approved), and says what it may miss.
+            assert answer["allowed"] is True, answer
+            assert answer["warnings"] == [f"gpuledger admit could not confirm its release state is current since {state['confirmed_current_at']} "
+                                          "(the release topic cannot be read): approvals, revocations and overrides published after that are "
+                                          "not seen by this decision"], answer
 
-        broker = LocalKafka(data, default_cache_dir(), port=port, log_level="WARN", with_parent=True).start()
-        poll(lambda: call(url, context, "/healthz")[1]["status"] == "ok", "health ok again once the broker is back", 90)
-        assert not call(url, context, "/validate", review(job("score-back")))[1]["response"].get("warnings")
-        decided = {e.payload.object_name: e.payload.message for e in map(decode_event, (m.value() for m in read_topic(bootstrap, cat.scheduler, 3)))}
-        assert set(decided) == {"score-fresh", "score-stale", "score-back"}, decided
-        assert decided["score-stale"].endswith(answer["warnings"][0]), decided
-        assert "could not confirm" not in decided["score-fresh"] + decided["score-back"], decided
+            broker = LocalKafka(data, default_cache_dir(), port=port, log_level="WARN", with_parent=True).start()
+            poll(lambda: call(url, context, "/healthz")[1]["status"] == "ok", "health ok again once the broker is back", 90)
+            assert not call(url, context, "/validate", review(job("score-back")))[1]["response"].get("warnings")
+            decided = {e.payload.object_name: e.payload.message for e in map(decode_event, (m.value() for m in read_topic(bootstrap, cat.scheduler, 3)))}
+            assert set(decided) == {"score-fresh", "score-stale", "score-back"}, decided
+            assert decided["score-stale"].endswith(answer["warnings"][0]), decided
+            assert "could not confirm" not in decided["score-fresh"] + decided["score-back"], decided
     finally:
-        service.stop()
-        thread.join(20)
-        broker.stop()
-    assert not thread.is_alive()
+        broker.stop()  # (after the service stopped: the block above)
 
 
 def test_with_a_client_ca_only_a_caller_with_its_certificate_is_answered_and_the_decision_records_it(catalogue, kafka_bootstrap, tmp_path):
@@ -315,15 +302,9 @@ def test_with_a_client_ca_only_a_caller_with_its_certificate_is_answered_and_the
     bundle = tmp_path / "bundle.crt"
     bundle.write_bytes(ca_file.read_bytes() + (tmp_path / "named" / "client-ca.crt").read_bytes())
     served_ca = tmp_path / "ca.crt"
-    bound = {}
-    service = AdmitService(AdmitSettings(port=0, ca_out=served_ca, client_ca_file=bundle, client_names=("kube-apiserver-webhook-client",)),
-                           Policy(), EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, "admit-test"), kafka_bootstrap,
-                           catalogue.release, on_listening=lambda h, p, pem: bound.update(host=h, port=p, pem=pem))
-    thread = threading.Thread(target=service.run, daemon=True)
-    thread.start()
-    try:
-        poll(lambda: bound or not thread.is_alive(), "admit to listen", 30)
-        url = f"https://127.0.0.1:{bound['port']}"
+    settings = AdmitSettings(port=0, ca_out=served_ca, client_ca_file=bundle, client_names=("kube-apiserver-webhook-client",))
+    with running(settings, EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, "admit-test"), kafka_bootstrap,
+                 catalogue.release) as (url, service):
 
         def context(pair=None):
             ctx = ssl.create_default_context(cafile=str(served_ca))
@@ -346,10 +327,6 @@ def test_with_a_client_ca_only_a_caller_with_its_certificate_is_answered_and_the
         assert service.counters["unauthenticated"] == 2
         decided = [decode_event(m.value()).payload for m in read_topic(kafka_bootstrap, catalogue.scheduler, 1)]
         assert [(d.object_name, d.user, d.caller) for d in decided] == [("from-the-api-server", "model-team-ci", "x509:kube-apiserver-webhook-client")]
-    finally:
-        service.stop()
-        thread.join(20)
-    assert not thread.is_alive()
 
 
 def test_dropped_decisions_are_logged_once_when_drops_begin_and_counted_when_publishing_takes_decisions_again(catalogue, kafka_bootstrap, caplog):
