@@ -95,15 +95,22 @@ def test_a_changed_value_or_a_missing_row_changes_the_checksum(clickhouse_client
     assert "correlated_events" in differing(base, missing)
 
 
-def test_command_prints_the_checksums_of_a_store_it_opens(tmp_path):
-    # A chDB directory per process: the command is how a process that already holds one
-    # (the bench) reads another store.
+def _incident_store(tmp_path, database: str) -> str:
+    """The incident's correlated rows in an embedded store of their own, in ``database``, written by
+    another process (a chDB directory per process); its DSN."""
     dsn = f"chdb://{tmp_path / 'store'}"
     script = ("import asyncio; from sinks.clickhouse import connect; from sinks.migrations import migrate; "
               "from sinks.agents import SinkWriters; from tests.sinks import incident as inc; "
-              f"c = connect({dsn!r}, 'gpuledger'); migrate(c, 'gpuledger'); "
-              "asyncio.run(SinkWriters(c, 'gpuledger').store_correlated(inc.correlated_rows()))")
+              f"c = connect({dsn!r}, {database!r}); migrate(c, {database!r}); "
+              f"asyncio.run(SinkWriters(c, {database!r}).store_correlated(inc.correlated_rows()))")
     subprocess.run([sys.executable, "-c", script], cwd=REPO, check=True, timeout=120)
+    return dsn
+
+
+def test_command_prints_the_checksums_of_a_store_it_opens(tmp_path):
+    # A chDB directory per process: the command is how a process that already holds one
+    # (the bench) reads another store.
+    dsn = _incident_store(tmp_path, "gpuledger")
     out = subprocess.run([sys.executable, "-m", "sinks.checksum", dsn], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     sums = json.loads(out.stdout)
@@ -116,12 +123,7 @@ def test_command_reads_the_database_the_readers_setting_names(tmp_path):
     sql read it (docs/operations.md); the command read 'gpuledger' regardless (docs review)."""
     import os
 
-    dsn = f"chdb://{tmp_path / 'store'}"
-    script = ("import asyncio; from sinks.clickhouse import connect; from sinks.migrations import migrate; "
-              "from sinks.agents import SinkWriters; from tests.sinks import incident as inc; "
-              f"c = connect({dsn!r}, 'pm', create=True); migrate(c, 'pm'); "
-              "asyncio.run(SinkWriters(c, 'pm').store_correlated(inc.correlated_rows()))")
-    subprocess.run([sys.executable, "-c", script], cwd=REPO, check=True, timeout=120)
+    dsn = _incident_store(tmp_path, "pm")
     out = subprocess.run([sys.executable, "-m", "sinks.checksum", dsn], cwd=REPO, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "GPULEDGER_CLICKHOUSE_DATABASE": "pm"})
     assert out.returncode == 0, out.stderr

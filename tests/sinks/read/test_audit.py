@@ -22,22 +22,27 @@ RANGE = ["--from", "2026-11-30T11:00:00Z", "--to", "2026-11-30T14:00:00Z"]
 QUIET = ["--from", (inc.T0 - timedelta(days=3, hours=1)).isoformat(), "--to", (inc.T0 - timedelta(days=2, hours=12)).isoformat()]
 
 
-@pytest.fixture(scope="module")
-def store(clickhouse_client, clickhouse_dsn, tmp_path_factory):
+def judged_store(clickhouse_client, clickhouse_dsn, data_dir, rows: list) -> dict:
+    """``rows`` (with the incident's allocations) and the violations the control engine records for
+    them, written to a fresh database through the sink's writers; the audit command's environment."""
     db = f"t_{uuid.uuid4().hex[:12]}"
     migrate(clickhouse_client, db)
-    writers = SinkWriters(clickhouse_client, db)
-    rows = inc.correlated_rows()
     recorded = ControlEngine(directory_from_rows(rows), Policy()).feed(rows, inc.allocation_rows())
     recorded.run()
 
     async def go():
+        writers = SinkWriters(clickhouse_client, db)
         await writers.store_correlated(rows)
         await writers.store_allocations(inc.allocation_rows())
         await writers.store_violations(list(recorded.violations.values()))
     asyncio.run(go())
-    return {"GPULEDGER_CLICKHOUSE_DSN": clickhouse_dsn, "GPULEDGER_CLICKHOUSE_DATABASE": db,
-            "GPULEDGER_DATA_DIR": str(tmp_path_factory.mktemp("audit")), "COLUMNS": "250"}
+    return {"GPULEDGER_CLICKHOUSE_DSN": clickhouse_dsn, "GPULEDGER_CLICKHOUSE_DATABASE": db, "GPULEDGER_DATA_DIR": str(data_dir),
+            "COLUMNS": "250"}
+
+
+@pytest.fixture(scope="module")
+def store(clickhouse_client, clickhouse_dsn, tmp_path_factory):
+    return judged_store(clickhouse_client, clickhouse_dsn, tmp_path_factory.mktemp("audit"), inc.correlated_rows())
 
 
 def audit(env, *args):
@@ -244,22 +249,9 @@ def test_bad_options_and_policy_exit_2(store, tmp_path):
 @pytest.fixture(scope="module")
 def enforced_store(clickhouse_client, clickhouse_dsn, tmp_path_factory):
     """The incident with gpuledger admit enforcing: the webhook's decision on W7 a moment before it was submitted."""
-    db = f"t_{uuid.uuid4().hex[:12]}"
-    migrate(clickhouse_client, db)
     submitted = next(r for r in inc.correlated_rows() if r.event_type == "scheduler.submitted" and r.identity.workload_id == inc.W7)
-    decided = inc.admission_row(timedelta(milliseconds=40))
-    rows = [*inc.correlated_rows(), decided]
-    recorded = ControlEngine(directory_from_rows(rows), Policy()).feed(rows, inc.allocation_rows())
-    recorded.run()
-
-    async def go():
-        writers = SinkWriters(clickhouse_client, db)
-        await writers.store_correlated(rows)
-        await writers.store_allocations(inc.allocation_rows())
-        await writers.store_violations(list(recorded.violations.values()))
-    asyncio.run(go())
-    return {"GPULEDGER_CLICKHOUSE_DSN": clickhouse_dsn, "GPULEDGER_CLICKHOUSE_DATABASE": db,
-            "GPULEDGER_DATA_DIR": str(tmp_path_factory.mktemp("audit-enforced")), "COLUMNS": "250"}, submitted
+    rows = [*inc.correlated_rows(), inc.admission_row(timedelta(milliseconds=40))]
+    return judged_store(clickhouse_client, clickhouse_dsn, tmp_path_factory.mktemp("audit-enforced"), rows), submitted
 
 
 def test_control_1_evidence_shows_the_policy_result_before_queue_entry(enforced_store, store):
@@ -380,23 +372,10 @@ def busy_store(clickhouse_client, clickhouse_dsn, tmp_path_factory):
     """The incident in a busy range: 30 more workloads entering a queue with no violation
     (namespace batch: listed before the incident's), and 15 gpuledger admit denied — 47 rows
     in control 1's evidence, the incident's training job with a recorded control 1 violation."""
-    db = f"t_{uuid.uuid4().hex[:12]}"
-    migrate(clickhouse_client, db)
     submitted = [inc._sched("scheduler.submitted", inc.T0 + timedelta(minutes=21, seconds=i), wid, None, {"queue": "batch"}, ns="batch")
                  for i, wid in enumerate(BUSY)]
     denied = [denial(wid, inc.T0 + timedelta(minutes=22, seconds=i)) for i, wid in enumerate(DENIED)]
-    rows = [*inc.correlated_rows(), *submitted, *denied]
-    recorded = ControlEngine(directory_from_rows(rows), Policy()).feed(rows, inc.allocation_rows())
-    recorded.run()
-
-    async def go():
-        writers = SinkWriters(clickhouse_client, db)
-        await writers.store_correlated(rows)
-        await writers.store_allocations(inc.allocation_rows())
-        await writers.store_violations(list(recorded.violations.values()))
-    asyncio.run(go())
-    return {"GPULEDGER_CLICKHOUSE_DSN": clickhouse_dsn, "GPULEDGER_CLICKHOUSE_DATABASE": db,
-            "GPULEDGER_DATA_DIR": str(tmp_path_factory.mktemp("audit-busy")), "COLUMNS": "250"}
+    return judged_store(clickhouse_client, clickhouse_dsn, tmp_path_factory.mktemp("audit-busy"), [*inc.correlated_rows(), *submitted, *denied])
 
 
 def test_the_json_lists_every_evidence_row(busy_store):
