@@ -14,6 +14,7 @@ them with the reason. Guarantees: ``raw_events`` is a ReplacingMergeTree keyed b
 
 from __future__ import annotations
 
+import functools
 from datetime import datetime, timezone
 
 import orjson
@@ -30,20 +31,22 @@ class NotAnEnvelope(ValueError):
     """A raw record without the envelope fields the log needs."""
 
 
-_SCHEMA_TIME = None  # pydantic's reading of an envelope time (``_schema_time``), built on first use
+@functools.cache
+def _time_adapter():
+    """pydantic's reading of an envelope time, built on first use (only a time the fast path cannot read needs it)."""
+    from pydantic import TypeAdapter
+
+    from schemas.envelope import UtcDatetime
+
+    return TypeAdapter(UtcDatetime)
 
 
 def _schema_time(value) -> datetime | None:
     """``value`` as the envelope's schema reads a time (``schemas.envelope.UtcDatetime``), or None."""
-    global _SCHEMA_TIME
-    from pydantic import TypeAdapter, ValidationError
+    from pydantic import ValidationError
 
-    from schemas.envelope import UtcDatetime
-
-    if _SCHEMA_TIME is None:
-        _SCHEMA_TIME = TypeAdapter(UtcDatetime)
     try:
-        return _SCHEMA_TIME.validate_python(value)
+        return _time_adapter().validate_python(value)
     except ValidationError:
         return None
 
