@@ -42,7 +42,7 @@ broker in service is warm), then runs, one after the other over those topics:
    the machine's cores were (and the local broker's share): a live run that needs more
    than the machine has queues at every hop, whatever the worker does (the summary sets the
    live CPU per event of all processes, publisher and broker included, beside the bulk
-   phase's, and the cores each kept busy, and the latency run's rate as a share of phase 3's end-to-end
+   phase's, and the cores each kept busy, and by process what live cost beyond bulk, and the latency run's rate as a share of phase 3's end-to-end
    rate — 99 % of its inputs over the time until they were queryable: the correlated rate counts the
    correlation stage alone, while the sink, at a lower priority, stores behind it). Then **restart**:
    the latency worker, stopped cleanly, is started again with 200 new events waiting;
@@ -995,6 +995,17 @@ def end_to_end_rate(worker: dict) -> float | None:
     return (0.99 * events - worker.get("first_routed", 0)) / queryable if queryable and events else None
 
 
+def live_premium(live_cpu: dict, bulk_cpu: dict, lat: dict) -> list[tuple[str, float]]:
+    """What each process cost per event live beyond what it cost in the bulk phase (ms; the
+    broker's and the publisher's live shares from their cores over the achieved rate — the bulk
+    phase published before its clock started: its publisher costs nothing there), largest first."""
+    live = {**live_cpu, "broker": lat["broker_cpu_cores"] * 1000 / lat["achieved_rate"],
+            "publisher": lat["publisher_cpu_cores"] * 1000 / lat["achieved_rate"]}
+    deltas = {name: live.get(name, 0.0) - bulk_cpu.get(name, 0.0) for name in {*live, *bulk_cpu}}
+    return sorted(((name, d) for name, d in deltas.items() if name != "other" or round(d, 6)),  # (no other child: left out)
+                  key=lambda item: (-round(item[1], 6), item[0]))
+
+
 def ratios(r: dict) -> dict:
     wp = _ratio(_rate(r, "worker"), _rate(r, "passthrough"))
     return {"worker_vs_passthrough_pct": wp * 100 if wp else None, "replay_vs_worker": _ratio(_rate(r, "replay"), _rate(r, "worker"))}
@@ -1046,6 +1057,8 @@ def report(r: dict) -> str:
             lines.append(f"CPU per event, all processes: live {live_ms:.3f} ms (publisher and broker included), bulk {bulk_ms:.3f} ms; "
                          f"cores busy: live {lat['achieved_rate'] * live_ms / 1000:.2f} at {lat['achieved_rate']:,.0f}/s, "
                          f"bulk {bulk_rate * bulk_ms / 1000:.2f} at {bulk_rate:,.0f}/s")
+            lines.append("  live − bulk per event, by process: " + ", ".join(
+                f"{name} {delta:+.3f} ms" for name, delta in live_premium(live_cpu, bulk_cpu, lat)))
         e2e = end_to_end_rate(r.get("worker") or {})
         if e2e:
             # The rate the whole pipeline, sink included, sustained in phase 3. The correlated

@@ -67,6 +67,22 @@ def test_the_summary_sets_the_live_cpu_per_event_of_all_processes_beside_the_bul
                     "cores busy: live 1.60 at 4,000/s, bulk 1.25 at 5,000/s")
 
 
+def test_the_summary_says_which_process_costs_more_per_event_live_than_in_bulk_largest_first():
+    """Where the live run's extra CPU per event goes, process by process (the publisher's whole
+    share is extra: the bulk phase published before its clock started), largest first: the line
+    that tells a session chasing the latency target where to look."""
+    from benchmarks.bench import report
+
+    r = {"published": 1000, "config": {"prefix": "p"}, "ratios": {"worker_vs_passthrough_pct": None, "replay_vs_worker": None},
+         "worker": {"events_per_s": 5000.0, "cpu_ms_per_event": {"worker": 0.1, "route": 0.02, "sink": 0.08, "broker": 0.05}},
+         "latency": {"p50_s": 1.0, "p99_s": 2.5, "achieved_rate": 4000.0, "complete": True, "machine_busy_cores": 1.6, "machine_cores": 2,
+                     "cpu_ms_per_event": {"worker": 0.15, "route": 0.03, "sink": 0.07}, "broker_cpu_cores": 0.4, "publisher_cpu_cores": 0.08}}
+    line = next(x for x in report(r).splitlines() if x.startswith("  live − bulk"))
+    # broker 0.4 / 4000 s = 0.1 ms live vs 0.05; publisher 0.08 / 4000 s = 0.02 ms vs none; sink cheaper live
+    assert line == ("  live − bulk per event, by process: broker +0.050 ms, worker +0.050 ms, publisher +0.020 ms, "
+                    "route +0.010 ms, sink -0.010 ms")
+
+
 def test_each_stage_busy_share_is_its_loops_held_time_over_the_run_and_the_correlations_collections():
     """``stage_busy``: per stage, the change of its health ``busy_s`` over the live run's wall
     time; the correlation stage (the worker's own process) adds its collections (health ``gc``)."""
