@@ -29,7 +29,7 @@ def test_the_worker_consumes_through_its_transport_with_a_short_fetch_wait(kafka
 def test_the_correlation_agent_takes_its_batches_with_the_configured_short_wait(kafka_bootstrap, monkeypatch, tmp_path):
     """Faust's ``take_events`` waits ``within`` after every batch unless a whole batch is
     waiting (streams.runner.run_batches): the correlation agent passes
-    ``streams.correlate_within_s`` (default 0.01 s, not the runner's 0.1 s)."""
+    ``streams.correlate_within_s`` (default 0.25 s, not the runner's 0.1 s)."""
     from streams.correlate import agents
     from streams.runner import WITHIN_S
 
@@ -49,8 +49,8 @@ def test_the_correlation_agent_takes_its_batches_with_the_configured_short_wait(
         await agent.fun("the stream")
 
     asyncio.run(drive(Settings()))
-    monkeypatch.setenv("GPULEDGER_STREAMS_CORRELATE_WITHIN_S", "0.25")
+    monkeypatch.setenv("GPULEDGER_STREAMS_CORRELATE_WITHIN_S", "0.05")
     asyncio.run(drive(Settings()))
-    assert Settings().streams.correlate_within_s == 0.25 and WITHIN_S == 0.1
-    assert taken == [("the stream", "correlate_entities", Settings().streams.packed_batch_messages // Settings().streams.pack_max, 0.01),
-                     ("the stream", "correlate_entities", 50, 0.25)]
+    assert Settings().streams.correlate_within_s == 0.05 and WITHIN_S == 0.1
+    assert taken == [("the stream", "correlate_entities", Settings().streams.packed_batch_messages // Settings().streams.pack_max, 0.25),
+                     ("the stream", "correlate_entities", 50, 0.05)]
