@@ -995,12 +995,18 @@ def end_to_end_rate(worker: dict) -> float | None:
     return (0.99 * events - worker.get("first_routed", 0)) / queryable if queryable and events else None
 
 
-def live_premium(live_cpu: dict, bulk_cpu: dict, lat: dict) -> list[tuple[str, float]]:
-    """What each process cost per event live beyond what it cost in the bulk phase (ms; the
-    broker's and the publisher's live shares from their cores over the achieved rate — the bulk
-    phase published before its clock started: its publisher costs nothing there), largest first."""
-    live = {**live_cpu, "broker": lat["broker_cpu_cores"] * 1000 / lat["achieved_rate"],
+def live_shares(live_cpu: dict, lat: dict) -> dict[str, float]:
+    """The latency run's CPU per event (ms) of every process: the worker's and its children's, and
+    the broker's and the publisher's from the cores they kept busy over the achieved rate."""
+    return {**live_cpu, "broker": lat["broker_cpu_cores"] * 1000 / lat["achieved_rate"],
             "publisher": lat["publisher_cpu_cores"] * 1000 / lat["achieved_rate"]}
+
+
+def live_premium(live_cpu: dict, bulk_cpu: dict, lat: dict) -> list[tuple[str, float]]:
+    """What each process cost per event live (``live_shares``) beyond what it cost in the bulk
+    phase (ms; the bulk phase published before its clock started: its publisher costs nothing
+    there), largest first."""
+    live = live_shares(live_cpu, lat)
     deltas = {name: live.get(name, 0.0) - bulk_cpu.get(name, 0.0) for name in {*live, *bulk_cpu}}
     return sorted(((name, d) for name, d in deltas.items() if name != "other" or round(d, 6)),  # (no other child: left out)
                   key=lambda item: (-round(item[1], 6), item[0]))
@@ -1052,7 +1058,7 @@ def report(r: dict) -> str:
             # work per event and more (smaller batches, and the publishing the bulk phase did
             # before its clock started), so at 80 % of a rate the machine bounded it needs
             # about the cores the bulk phase had, and queues at every hop.
-            live_ms = sum(live_cpu.values()) + (lat["broker_cpu_cores"] + lat["publisher_cpu_cores"]) * 1000 / lat["achieved_rate"]
+            live_ms = sum(live_shares(live_cpu, lat).values())
             bulk_ms = sum(bulk_cpu.values())
             lines.append(f"CPU per event, all processes: live {live_ms:.3f} ms (publisher and broker included), bulk {bulk_ms:.3f} ms; "
                          f"cores busy: live {lat['achieved_rate'] * live_ms / 1000:.2f} at {lat['achieved_rate']:,.0f}/s, "

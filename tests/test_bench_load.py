@@ -51,16 +51,22 @@ def test_the_live_load_sends_the_mix_stamped_at_the_time_the_rate_schedules_it(k
                                                     "payload": payload})) == encode_event(e)
 
 
+def _bulk_and_live(live_sink_ms: float) -> dict:
+    """A bench result with a bulk phase (5,000/s) and a latency run (4,000/s), as the summary reads them."""
+    return {"published": 1000, "config": {"prefix": "p"}, "ratios": {"worker_vs_passthrough_pct": None, "replay_vs_worker": None},
+            "worker": {"events_per_s": 5000.0, "cpu_ms_per_event": {"worker": 0.1, "route": 0.02, "sink": 0.08, "broker": 0.05}},
+            "latency": {"p50_s": 1.0, "p99_s": 2.5, "achieved_rate": 4000.0, "complete": True, "machine_busy_cores": 1.6, "machine_cores": 2,
+                        "cpu_ms_per_event": {"worker": 0.15, "route": 0.03, "sink": live_sink_ms}, "broker_cpu_cores": 0.4,
+                        "publisher_cpu_cores": 0.08}}
+
+
 def test_the_summary_sets_the_live_cpu_per_event_of_all_processes_beside_the_bulk_phases():
     """``make bench``'s summary line for what the latency target asks of the machine: the live
     run's CPU per event with the publisher's and the broker's share (cores / events/s), the bulk
     phase's (its processes' and broker's ms per event), and the cores each kept busy."""
     from benchmarks.bench import report
 
-    r = {"published": 1000, "config": {"prefix": "p"}, "ratios": {"worker_vs_passthrough_pct": None, "replay_vs_worker": None},
-         "worker": {"events_per_s": 5000.0, "cpu_ms_per_event": {"worker": 0.1, "route": 0.02, "sink": 0.08, "broker": 0.05}},
-         "latency": {"p50_s": 1.0, "p99_s": 2.5, "achieved_rate": 4000.0, "complete": True, "machine_busy_cores": 1.6, "machine_cores": 2,
-                     "cpu_ms_per_event": {"worker": 0.15, "route": 0.03, "sink": 0.1}, "broker_cpu_cores": 0.4, "publisher_cpu_cores": 0.08}}
+    r = _bulk_and_live(live_sink_ms=0.1)
     line = next(x for x in report(r).splitlines() if x.startswith("CPU per event, all processes: live"))
     # live: 0.15 + 0.03 + 0.1 + (0.4 + 0.08) / 4000 s = 0.28 + 0.12 ms; bulk: 0.25 ms
     assert line == ("CPU per event, all processes: live 0.400 ms (publisher and broker included), bulk 0.250 ms; "
@@ -73,10 +79,7 @@ def test_the_summary_says_which_process_costs_more_per_event_live_than_in_bulk_l
     that tells a session chasing the latency target where to look."""
     from benchmarks.bench import report
 
-    r = {"published": 1000, "config": {"prefix": "p"}, "ratios": {"worker_vs_passthrough_pct": None, "replay_vs_worker": None},
-         "worker": {"events_per_s": 5000.0, "cpu_ms_per_event": {"worker": 0.1, "route": 0.02, "sink": 0.08, "broker": 0.05}},
-         "latency": {"p50_s": 1.0, "p99_s": 2.5, "achieved_rate": 4000.0, "complete": True, "machine_busy_cores": 1.6, "machine_cores": 2,
-                     "cpu_ms_per_event": {"worker": 0.15, "route": 0.03, "sink": 0.07}, "broker_cpu_cores": 0.4, "publisher_cpu_cores": 0.08}}
+    r = _bulk_and_live(live_sink_ms=0.07)
     line = next(x for x in report(r).splitlines() if x.startswith("  live − bulk"))
     # broker 0.4 / 4000 s = 0.1 ms live vs 0.05; publisher 0.08 / 4000 s = 0.02 ms vs none; sink cheaper live
     assert line == ("  live − bulk per event, by process: broker +0.050 ms, worker +0.050 ms, publisher +0.020 ms, "
