@@ -66,7 +66,7 @@ import heapq
 from bisect import bisect_left, bisect_right, insort
 from collections import defaultdict
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import accumulate, islice
 from operator import itemgetter
 
 import orjson
@@ -610,8 +610,9 @@ class Resolution:
         return self.attribution == "unattributed" or (self.release_id is not None and not directory.known(self.release_id))
 
     def version(self, directory, at_iso: str | None) -> int:
-        return (self.base + sum(directory.version_at(r, at_iso) for r in self.named)
-                + directory.candidates_version(self.candidates))
+        named = (directory.versions_at(self.named, at_iso) if at_iso is not None
+                 else sum(directory.version_at(r, None) for r in self.named))
+        return self.base + named + directory.candidates_version(self.candidates)
 
 
 UNATTRIBUTED = Resolution({}, "unattributed", None, [])
@@ -865,13 +866,13 @@ class Coverage:
         self._links: dict[str, dict] = {}                 # source -> the link indexed
         self._keys: list[tuple[str, str, str]] = []       # (start, allocation id, source) of every interval, sorted
         self._starts: list[str] = []                      # in the order of _keys: each interval's start, end, itself
-        self._ends: list[str | None] = []
+        self._ends: list[str] = []                        # (an open end as OPEN_END, which no time reaches)
         self._ivs: list[dict] = []
-        self._reach: list[str] | None = None              # running max of _ends, an open end as OPEN_END (None: to compute)
+        self._reach: list[str] = []                       # running max of _ends: the part still valid (``_reaches``)
         self._firsts: list[tuple[str, str]] = []          # (earliest start, source) of every link with intervals, sorted
         self._first_starts: list[str] = []                # in the order of _firsts: the start, the link's version
         self._vs: list[int] = []
-        self._cum: list[int] | None = None                # running sums of _vs (None: to compute)
+        self._cum: list[int] = [0]                        # running sums of _vs, from 0: the part still valid (``_prefix``)
         self._rid_starts: dict[str, list[str]] = {}       # release -> the starts of the intervals naming it, sorted
         self._rid_index: tuple[list[str], list[str]] | None = None  # (earliest starts, releases) sorted (None: to compute)
         if links:
@@ -897,7 +898,7 @@ class Coverage:
         self._keys = [key for key, _iv in entries]
         self._starts = [key[0] for key in self._keys]
         self._ivs = [iv for _key, iv in entries]
-        self._ends = [iv["end"] for iv in self._ivs]
+        self._ends = [OPEN_END if iv["end"] is None else iv["end"] for iv in self._ivs]
         self._firsts = [first for first, _v in firsts]
         self._first_starts = [first[0] for first in self._firsts]
         self._vs = [v for _first, v in firsts]
@@ -930,18 +931,21 @@ class Coverage:
                 k = bisect_right(self._keys, key)
                 self._keys.insert(k, key)
                 self._starts.insert(k, iv["start"])
-                self._ends.insert(k, iv["end"])
+                self._ends.insert(k, OPEN_END if iv["end"] is None else iv["end"])
                 self._ivs.insert(k, iv)
+            del self._reach[k:]  # (the running max before k is as it was)
             rid = iv["identity"].get("release_id")
             if rid:
                 starts = self._rid_starts.setdefault(rid, [])
+                first = starts[0] if starts else None
                 if remove:
                     starts.remove(iv["start"])
                     if not starts:
                         del self._rid_starts[rid]
                 else:
                     insort(starts, iv["start"])
-                self._rid_index = None
+                if (starts[0] if starts else None) != first:
+                    self._rid_index = None  # (only a release's earliest start is in the index: a later one changes nothing)
         first = (min(iv["start"] for iv in intervals), source)
         if remove:
             k = bisect_left(self._firsts, first)
@@ -955,8 +959,7 @@ class Coverage:
             self._firsts.insert(k, first)
             self._first_starts.insert(k, first[0])
             self._vs.insert(k, link.get("v", 0))
-        self._cum = None
-        self._reach = None
+        del self._cum[k + 1:]  # (the sums of the versions before k are as they were)
 
     def _covering(self, at: str):
         """The intervals that hold it at ``at`` (started by ``at``, not ended by then), latest
@@ -968,8 +971,7 @@ class Coverage:
         for k in range(bisect_right(self._starts, at) - 1, -1, -1):
             if reach[k] <= at:
                 return
-            end = ends[k]
-            if end is None or at < end:
+            if at < ends[k]:
                 yield ivs[k]
 
     def at(self, at: str) -> tuple[list[dict], int, tuple[str, ...]]:
@@ -1003,15 +1005,27 @@ class Coverage:
         return (select_holders(latest, None), *self._prefix(at))
 
     def _reaches(self) -> list[str]:
-        if self._reach is None:
-            self._reach = list(accumulate((OPEN_END if end is None else end for end in self._ends), max))
-        return self._reach
+        """The running max of the ends, extended from the part a change left valid (``_index``
+        cuts it at the changed position): a GPU's new holders start last, so that is mostly
+        the last few — recomputing it whole at every change grew with the holders it had
+        (engine_cpu, 240,000 events: a tenth of ``_refresh_gpu``'s samples)."""
+        reach, ends = self._reach, self._ends
+        done = len(reach)
+        if done < len(ends):
+            if done and reach[-1] == OPEN_END:
+                reach.extend([OPEN_END] * (len(ends) - done))  # (an open end reaches past every time: the rest is open too)
+            elif done:
+                reach.extend(islice(accumulate(ends[done:], max, initial=reach[-1]), 1, None))  # (without the initial one)
+            else:
+                reach.extend(accumulate(ends, max))
+        return reach
 
     def _prefix(self, at: str) -> tuple[int, tuple[str, ...]]:
         """The versions of the links with an interval started by ``at``, and those intervals' releases."""
-        if self._cum is None:
-            self._cum = list(accumulate(self._vs, initial=0))
-        version = self._cum[bisect_right(self._first_starts, at)]
+        cum = self._cum
+        if len(cum) <= len(self._vs):  # (extended from the part a change left valid, as ``_reaches``)
+            cum.extend(islice(accumulate(self._vs[len(cum) - 1:], initial=cum[-1]), 1, None))  # (without the initial one)
+        version = cum[bisect_right(self._first_starts, at)]
         if self._rid_index is None:
             by_start = sorted((starts[0], rid) for rid, starts in self._rid_starts.items())
             self._rid_index = ([start for start, _rid in by_start], [rid for _start, rid in by_start])
@@ -1305,10 +1319,10 @@ class GpuMemo:
     parked, and the rows at or after ``low`` — the earliest start of any link that is new or
     replaced since (a row before it has the same prefix as before; a link *gone* — detached
     past ``MAX_LINKS`` — moves no row: ``prefixes`` says why). A change of the
-    directory (its generation), or rows that left, mean a full pass. The entity's interests
-    are counted per row (``counts``), so they need no walk either."""
+    directory (its generation), or rows that left, mean a full pass. The rows are counted per
+    set of interests (``counts``), so the entity's interests need no walk either."""
 
-    __slots__ = ("links", "stamp", "rows", "_order", "_prefixes", "low", "generation", "times", "watch", "counts", "devices", "coverage",
+    __slots__ = ("links", "stamp", "rows", "_order", "_top", "_prefixes", "low", "generation", "times", "watch", "counts", "_interests", "devices", "coverage",
                  "_followed", "indexed", "gone", "floor")
 
     def __init__(self) -> None:
@@ -1316,12 +1330,14 @@ class GpuMemo:
         self.stamp = 0
         self.rows: dict[str, tuple] = {}                 # row id -> (deps, interests) when last derived
         self._order: tuple[list, list[str], list[int]] = ([], [], [])  # (earliest start, stamp) of the links, sorted; its two columns
+        self._top: list[int] = [0]                       # highest stamp of each prefix of _order, from the empty one: the part still valid
         self._prefixes: tuple[list[str], list[int]] | None = None
         self.low: str | None = None                      # earliest start of a link changed since the last refresh
         self.generation = -1                             # the directory's, at the last full pass
         self.times: list[tuple[str, str]] = []           # (row time, row id) of the rows in ``rows``, sorted
         self.watch: set[str] = set()                     # parked rows
-        self.counts: dict[str, int] = {}                 # interest -> rows that have it
+        self.counts: dict[tuple, int] = {}               # a row's interests (a tuple) -> rows that have them
+        self._interests: list[str] | None = None         # every interest of ``counts``, sorted (None: to compute)
         self.devices = False                             # a ``gpu.device`` row (a DRA device entity) is among the rows
         self.coverage: Coverage | None = None            # of the current links (built when a row is first derived, then kept up to date)
         self._followed: JournaledLinks | None = None     # the state's links, as last seen (``prefixes``)
@@ -1361,6 +1377,7 @@ class GpuMemo:
         if not changed and self._prefixes is not None:
             return self._prefixes
         order, starts, stamps = self._order
+        top = self._top
         for src in changed:
             link = links.get(src)
             known = seen.pop(src, None)
@@ -1386,7 +1403,7 @@ class GpuMemo:
                         self.gone = since
                 if known[2] is not None:
                     k = bisect_left(order, (known[2], known[1]))
-                    del order[k], starts[k], stamps[k]
+                    del order[k], starts[k], stamps[k], top[k + 1:]
             if link is not None:
                 self.stamp += 1
                 first = min((iv["start"] for iv in link.get("intervals", ())), default=None)
@@ -1397,9 +1414,19 @@ class GpuMemo:
                     order.insert(k, (first, self.stamp))
                     starts.insert(k, first)
                     stamps.insert(k, self.stamp)
+                    del top[k + 1:]
             if self.coverage is not None:
                 self.coverage.set(src, link)
-        self._prefixes = (starts, list(accumulate(stamps, max, initial=0)))
+        # The prefixes' highest stamps, extended from the part the changes left valid: a new or
+        # replaced link takes the highest stamp yet, so every prefix that holds it has that one —
+        # a GPU's new holders start last, and recomputing them all at every change grew with the
+        # holders it had (engine_cpu, 240,000 events: a tenth of ``_refresh_gpu``'s samples).
+        if len(top) <= len(stamps):
+            if top[-1] == self.stamp:
+                top.extend([self.stamp] * (len(stamps) + 1 - len(top)))
+            else:
+                top.extend(islice(accumulate(stamps[len(top) - 1:], max, initial=top[-1]), 1, None))  # (without the initial one)
+        self._prefixes = (starts, top)
         return self._prefixes
 
     def candidates(self, rows: dict, generation: int) -> list[str] | None:
@@ -1421,13 +1448,10 @@ class GpuMemo:
         old = self.rows.get(rid)
         if old is None:
             insort(self.times, (record["starts_at"] or record["at"], rid))
-        else:
-            for interest in old[1]:
-                self.counts[interest] -= 1
-                if not self.counts[interest]:
-                    del self.counts[interest]
-        for interest in interests:
-            self.counts[interest] = self.counts.get(interest, 0) + 1
+        elif old[1] != interests:
+            self._count(old[1], -1)
+        if old is None or old[1] != interests:
+            self._count(interests, 1)
         self.rows[rid] = (deps, interests)
         self.devices = self.devices or "device" in record
         if record["parked"]:
@@ -1435,9 +1459,29 @@ class GpuMemo:
         else:
             self.watch.discard(rid)
 
+    def _count(self, interests: tuple, by: int) -> None:
+        """Rows counted by their interests as a whole: a node/GPU row's are a release for every
+        release run on it before the row (tens), counting them one by one per row derived was a
+        twentieth of a node/GPU refresh (engine_cpu, 240,000 events) — and the rows of a GPU
+        share a few such sets."""
+        n = self.counts.get(interests, 0) + by
+        if n:
+            self.counts[interests] = n
+            if n == by:
+                self._interests = None  # (a new set)
+        else:
+            del self.counts[interests]
+            self._interests = None
+
+    def interests(self) -> list[str]:
+        """Every interest of the rows, sorted."""
+        if self._interests is None:
+            self._interests = sorted(set().union(*self.counts))
+        return self._interests
+
     def reset(self, generation: int) -> None:
         """Before a full pass: every row is derived (or found unchanged) again."""
-        self.rows, self.times, self.watch, self.counts = {}, [], set(), {}
+        self.rows, self.times, self.watch, self.counts, self._interests = {}, [], set(), {}, None
         self.generation, self.devices = generation, False
 
 
@@ -1566,7 +1610,7 @@ def _refresh_gpu(state: dict, directory, park: bool, memo: GpuMemo, out: Outcome
                 assert previous.get(rid) == (deps, tuple(res.interests)) and after == deps and len(out.correlated) == emitted, \
                     f"GpuMemo skipped a row that changed: {rid}"
         memo.derived(record, after, tuple(res.interests))
-    state["interests"] = sorted(memo.counts)
+    state["interests"] = list(memo.interests())
     memo.floor = state["gone"]["steps"][0][0] if state.get("gone") and state["gone"]["steps"] else None
     if memo.devices:  # (device_link walks every row: not for the node/GPUs of alerts, which have none)
         _refresh_device(state, out)

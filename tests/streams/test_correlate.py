@@ -188,3 +188,32 @@ def test_routed_rows_and_routed_events_correlate_alike(kafka_bootstrap, settings
     assert len(states) > 100 and len(records) >= 600
     assert states == old_states
     assert records == old_records
+
+
+def test_the_summed_versions_of_a_set_of_releases_are_their_versions_summed_one_by_one():
+    """``ReleaseDirectory.versions_at`` (a node/GPU row's releases, merged and kept per set until
+    the next release event) answers as ``version_at`` summed release by release: sets small and
+    large, with a release no event describes, at times before, between and after the events —
+    and again after each new release event changes the histories it merged."""
+    import random
+
+    from tests.streams.harness import at
+
+    rng = random.Random(11)
+    kinds = ["release.registered", "release.approved", "release.promoted", "release.rolled_back", "release.retired"]
+    events = [release(kind, rng.randint(0, 120), rid=f"r{n}", version=str(n), digest=f"sha256:{n:064x}",
+                      **({"to_environment": "prod"} if kind in ("release.promoted", "release.rolled_back") else {}))
+              for n in range(8) for kind in rng.sample(kinds, rng.randint(1, 4))]
+    rng.shuffle(events)
+    d = ReleaseDirectory()
+    sets = [(), ("r1",), ("r0", "r1", "r2"), tuple(f"r{n}" for n in range(8)), ("r1", "r3", "r5", "r7", "r-unknown"),
+            tuple(f"r{n}" for n in range(2, 7))]
+    checked = 0
+    for event in events:
+        d.apply(event)
+        for rids in sets:
+            for minutes in range(-5, 130, 9):
+                when = at(minutes).isoformat()
+                assert d.versions_at(rids, when) == sum(d.version_at(rid, when) for rid in rids), (rids, when)
+                checked += 1
+    assert checked > 1000 and d.versions_at(sets[3], at(200).isoformat()) > 2 * len(events)

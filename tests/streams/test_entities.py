@@ -558,6 +558,45 @@ def test_a_gpu_memo_finds_changed_links_by_their_journal_and_refuses_unnoted_cha
     assert memo.prefixes(loaded)[0] == starts and type(loaded["links"]) is JournaledLinks
 
 
+def test_a_gpu_memo_keeps_its_prefixes_and_interests_as_computing_them_again_gives(monkeypatch):
+    """``GpuMemo.prefixes`` keeps each prefix's highest stamp up to date from the first position
+    a change touched, and ``GpuMemo.interests`` the union of its rows' interests counted per set:
+    under random holders new, replaced (earlier and later starts) and evicted past ``MAX_LINKS``,
+    and rows derived again with other interests, both are what computing them from scratch gives."""
+    from itertools import accumulate
+
+    from streams.correlate import entities
+    from streams.correlate.entities import GpuMemo, fold_link, new_entity
+
+    monkeypatch.setattr(entities, "MAX_LINKS", 12)
+    rng = random.Random(5)
+
+    def link(v: int, second: int) -> dict:
+        return {"intervals": [{"id": f"a{second}-{v}", "start": f"2026-11-01T00:{second // 60:02d}:{second % 60:02d}+00:00", "end": None,
+                               "identity": {}}], "v": v}
+
+    state, memo = new_entity("gpu:n1/GPU-1"), GpuMemo()
+    versions: dict[str, int] = {}
+    rows: dict[str, tuple] = {}
+    for step in range(400):
+        for _ in range(rng.randint(1, 3)):
+            source = f"pod:ns/p{rng.randint(0, 30)}"
+            versions[source] = versions.get(source, 0) + 1
+            fold_link(state, source, link(versions[source], rng.randint(0, 900)))
+        starts, top = memo.prefixes(state)
+        stamps = [stamp for _start, stamp in memo._order[0]]
+        assert starts == sorted(start for _link, _stamp, start in memo.links.values() if start is not None), step
+        assert top == list(accumulate(stamps, max, initial=0)), step
+        rid = f"r{step}"
+        interests = tuple(sorted(rng.sample([f"rid:r{n}" for n in range(8)], rng.randint(0, 3))))
+        record = {"id": rng.choice([rid, *list(rows)[:5]]), "starts_at": None, "at": f"2026-11-01T01:00:{step % 60:02d}+00:00", "parked": False}
+        memo.derived(record, (), interests)
+        rows[record["id"]] = interests
+        assert memo.interests() == sorted(set().union(*rows.values())), step
+        assert sum(memo.counts.values()) == len(rows), step
+    assert state["detached"] > 100
+
+
 def test_a_state_an_older_worker_wrote_with_version_digest_pairs_goes_on_as_one_with_bare_versions(monkeypatch):
     """The worker keeps a bare int per emitted row, allocation and forward (``sent_version``:
     no tracked container for the collector to walk); a worker before 2026-12 kept
