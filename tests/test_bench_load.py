@@ -8,9 +8,10 @@ from __future__ import annotations
 import uuid
 from datetime import datetime, timedelta, timezone
 
+import orjson
 import pytest
 
-from benchmarks.bench import LiveLoad
+from benchmarks.bench import LiveLoad, Stamps
 from benchmarks.mix import RELEASES, events
 from producers._kafka import EventPublisher, ensure_topics
 from schemas import decode_event, encode_event
@@ -49,6 +50,25 @@ def test_the_live_load_sends_the_mix_stamped_at_the_time_the_rate_schedules_it(k
         # apart from the times, the event the product's encoder gives
         assert encode_event(sent.model_copy(update={"occurred_at": e.occurred_at, "observed_at": e.observed_at,
                                                     "payload": payload})) == encode_event(e)
+
+
+def test_the_live_loads_stamps_are_the_times_the_encoder_writes_for_the_scheduled_instants():
+    """``Stamps`` (the text up to the second made once per second) writes what the product's
+    encoder writes for ``datetime.fromtimestamp`` of each scheduled instant — at rates whose
+    instants fall on every microsecond rounding, across second (and day) boundaries."""
+    stamps = Stamps()
+    start = datetime(2026, 12, 4, 23, 59, 58, 999_999, tzinfo=timezone.utc).timestamp()
+    checked = 0
+    for rate in (7_850.0, 3_100.0, 999.7):
+        for j in range(int(3 * rate)):
+            instant = start + j / rate
+            expected = orjson.dumps(datetime.fromtimestamp(instant, timezone.utc), option=orjson.OPT_UTC_Z | orjson.OPT_NAIVE_UTC)
+            written = stamps(instant)
+            if b"." not in expected:  # (orjson, as isoformat, writes no fraction for a whole second; the stamp writes six zeros)
+                expected = expected[:-2] + b'.000000Z"'
+            assert written == expected, (rate, j)
+            checked += 1
+    assert checked > 30_000 and stamps(start) == b'"2026-12-04T23:59:58.999999Z"' and stamps(start + 1e-6) == b'"2026-12-04T23:59:59.000000Z"'
 
 
 def _bulk_and_live(live_sink_ms: float) -> dict:
