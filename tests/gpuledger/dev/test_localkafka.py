@@ -4,7 +4,9 @@ import os
 import subprocess
 import sys
 
-from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin import AdminClient, ConfigResource
+
+from gpuledger.dev.localkafka import CLEANER_BYTES_PER_S
 
 
 def gl(*args, env):
@@ -21,6 +23,11 @@ def test_up_status_down(tmp_path):
         assert bootstrap.startswith("127.0.0.1:")
         md = AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=10)
         assert md.brokers
+        # The broker took the throttle of its log cleaner (a key it did not know it would ignore)
+        resource = ConfigResource(ConfigResource.Type.BROKER, str(next(iter(md.brokers))))
+        admin = AdminClient({"bootstrap.servers": bootstrap})
+        configs = admin.describe_configs([resource])[resource].result(timeout=10)
+        assert float(configs["log.cleaner.io.max.bytes.per.second"].value) == CLEANER_BYTES_PER_S, configs["log.cleaner.io.max.bytes.per.second"]
         status = gl("kafka", "status", env=env)
         assert status.returncode == 0 and status.stdout.strip().splitlines()[-1] == bootstrap
         # Other commands find the local broker when GPULEDGER_KAFKA_BOOTSTRAP is unset.
