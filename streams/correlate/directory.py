@@ -198,14 +198,14 @@ class ReleaseDirectory:
     #: Release sets whose merged times ``versions_at`` keeps between release events, at most.
     MERGED_MAX = 4096
 
-    def versions_at(self, rids: tuple[str, ...], at_iso: str) -> int:
+    def versions_at(self, rids: tuple[str, ...], at_iso: str | None) -> int:
         """``sum(version_at(rid, at_iso) for rid in rids)``, by one bisection: a node/GPU row names
         every release its holders ran before it (``Coverage``), up to every release there is, and
         summing them release by release — a bisection each — per row derived was a tenth of a
         node/GPU refresh after 240,000 events of the bench mix (engine_cpu). The releases' event
         times merged, with the constant parts summed, are kept per set of releases until the next
-        release event (the same rows ask with the same set)."""
-        if len(rids) < self.MERGE_FROM:
+        release event (the same rows ask with the same set). ``at_iso`` None: the manifests' versions only."""
+        if at_iso is None or len(rids) < self.MERGE_FROM:
             return sum(self.version_at(rid, at_iso) for rid in rids)
         merged = self._merged.get(rids, False)
         if merged is False:

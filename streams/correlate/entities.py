@@ -67,7 +67,7 @@ from bisect import bisect_left, bisect_right, insort
 from collections import defaultdict
 from dataclasses import dataclass, field
 from itertools import accumulate, islice
-from operator import itemgetter
+from operator import add, itemgetter
 
 import orjson
 
@@ -613,9 +613,7 @@ class Resolution:
         return self.attribution == "unattributed" or (self.release_id is not None and not directory.known(self.release_id))
 
     def version(self, directory, at_iso: str | None) -> int:
-        named = (directory.versions_at(self.named, at_iso) if at_iso is not None
-                 else sum(directory.version_at(r, None) for r in self.named))
-        return self.base + named + directory.candidates_version(self.candidates)
+        return self.base + directory.versions_at(self.named, at_iso) + directory.candidates_version(self.candidates)
 
 
 UNATTRIBUTED = Resolution({}, "unattributed", None, [])
@@ -845,6 +843,21 @@ def _one_holding(group: list[dict]) -> dict:
 OPEN_END = "\uffff"
 
 
+def _extend_running(acc: list, values: list, func, saturated=None) -> list:
+    """``acc`` made ``list(accumulate(values, func, initial=acc[0]))`` again, from the part of it
+    still valid: a change at position k of ``values`` cuts ``acc`` after ``acc[k]``, and this
+    extends it from there (``saturated``: a value ``func`` never leaves, so the rest is that).
+    Why: ``Coverage`` and ``GpuMemo`` keep such running totals over a node/GPU's links, and a new
+    holder starts last — recomputing them whole at every change grew with the holders it had
+    (engine_cpu, 240,000 events: a fifth of ``_refresh_gpu``'s samples)."""
+    if len(acc) <= len(values):
+        if saturated is not None and acc[-1] == saturated:
+            acc.extend([saturated] * (len(values) + 1 - len(acc)))
+        else:
+            acc.extend(islice(accumulate(values[len(acc) - 1:], func, initial=acc[-1]), 1, None))  # (without the initial one)
+    return acc
+
+
 class Coverage:
     """Who held a node/GPU when: its links' intervals (every allocation of it, of each of
     its MIG slices and time-slicing shares) indexed by start.
@@ -871,7 +884,7 @@ class Coverage:
         self._starts: list[str] = []                      # in the order of _keys: each interval's start, end, itself
         self._ends: list[str] = []                        # (an open end as OPEN_END, which no time reaches)
         self._ivs: list[dict] = []
-        self._reach: list[str] = []                       # running max of _ends: the part still valid (``_reaches``)
+        self._reach: list[str] = [""]                     # running max of _ends, from "": the part still valid (``_reaches``)
         self._firsts: list[tuple[str, str]] = []          # (earliest start, source) of every link with intervals, sorted
         self._first_starts: list[str] = []                # in the order of _firsts: the start, the link's version
         self._vs: list[int] = []
@@ -936,7 +949,7 @@ class Coverage:
                 self._starts.insert(k, iv["start"])
                 self._ends.insert(k, OPEN_END if iv["end"] is None else iv["end"])
                 self._ivs.insert(k, iv)
-            del self._reach[k:]  # (the running max before k is as it was)
+            del self._reach[k + 1:]  # (the running max of the ends before k is as it was)
             rid = iv["identity"].get("release_id")
             if rid:
                 starts = self._rid_starts.setdefault(rid, [])
@@ -972,7 +985,7 @@ class Coverage:
         grew with its history)."""
         reach, ends, ivs = self._reaches(), self._ends, self._ivs
         for k in range(bisect_right(self._starts, at) - 1, -1, -1):
-            if reach[k] <= at:
+            if reach[k + 1] <= at:
                 return
             if at < ends[k]:
                 yield ivs[k]
@@ -1008,27 +1021,13 @@ class Coverage:
         return (select_holders(latest, None), *self._prefix(at))
 
     def _reaches(self) -> list[str]:
-        """The running max of the ends, extended from the part a change left valid (``_index``
-        cuts it at the changed position): a GPU's new holders start last, so that is mostly
-        the last few — recomputing it whole at every change grew with the holders it had
-        (engine_cpu, 240,000 events: a tenth of ``_refresh_gpu``'s samples)."""
-        reach, ends = self._reach, self._ends
-        done = len(reach)
-        if done < len(ends):
-            if done and reach[-1] == OPEN_END:
-                reach.extend([OPEN_END] * (len(ends) - done))  # (an open end reaches past every time: the rest is open too)
-            elif done:
-                reach.extend(islice(accumulate(ends[done:], max, initial=reach[-1]), 1, None))  # (without the initial one)
-            else:
-                reach.extend(accumulate(ends, max))
-        return reach
+        """The running max of the ends: ``[k + 1]`` the latest end of the intervals up to k (an open
+        end reaches past every time: the rest is open too)."""
+        return _extend_running(self._reach, self._ends, max, OPEN_END)
 
     def _prefix(self, at: str) -> tuple[int, tuple[str, ...]]:
         """The versions of the links with an interval started by ``at``, and those intervals' releases."""
-        cum = self._cum
-        if len(cum) <= len(self._vs):  # (extended from the part a change left valid, as ``_reaches``)
-            cum.extend(islice(accumulate(self._vs[len(cum) - 1:], initial=cum[-1]), 1, None))  # (without the initial one)
-        version = cum[bisect_right(self._first_starts, at)]
+        version = _extend_running(self._cum, self._vs, add)[bisect_right(self._first_starts, at)]
         if self._rid_index is None:
             by_start = sorted((starts[0], rid) for rid, starts in self._rid_starts.items())
             self._rid_index = ([start for start, _rid in by_start], [rid for _start, rid in by_start])
@@ -1420,16 +1419,9 @@ class GpuMemo:
                     del top[k + 1:]
             if self.coverage is not None:
                 self.coverage.set(src, link)
-        # The prefixes' highest stamps, extended from the part the changes left valid: a new or
-        # replaced link takes the highest stamp yet, so every prefix that holds it has that one —
-        # a GPU's new holders start last, and recomputing them all at every change grew with the
-        # holders it had (engine_cpu, 240,000 events: a tenth of ``_refresh_gpu``'s samples).
-        if len(top) <= len(stamps):
-            if top[-1] == self.stamp:
-                top.extend([self.stamp] * (len(stamps) + 1 - len(top)))
-            else:
-                top.extend(islice(accumulate(stamps[len(top) - 1:], max, initial=top[-1]), 1, None))  # (without the initial one)
-        self._prefixes = (starts, top)
+        # The prefixes' highest stamps (a new or replaced link takes the highest stamp yet, so every
+        # prefix that holds it has that one).
+        self._prefixes = (starts, _extend_running(top, stamps, max, self.stamp))
         return self._prefixes
 
     def candidates(self, rows: dict, generation: int) -> list[str] | None:
