@@ -796,6 +796,10 @@ class Bench:
                 f" SELECT toUnixTimestamp64Milli(min(inserted_at)) - toUnixTimestamp64Milli(any(occurred_at)) AS lag"
                 f" FROM {DB}.correlated_events WHERE toUnixTimestamp64Milli(occurred_at) >= {{since:Int64}} GROUP BY correlation_id)",
                 {"since": since_ms}).dicts()[0]
+            # How many inserts stored them (every row of one insert has its insert's ``inserted_at``):
+            # the sink's fixed cost per insert is most of what a live run costs it beyond a bulk one.
+            inserts = int(reader.query(f"SELECT uniqExact(inserted_at) AS n FROM {DB}.correlated_events "
+                                       "WHERE toUnixTimestamp64Milli(occurred_at) >= {since:Int64}", {"since": since_ms}).dicts()[0]["n"])
             # The same by ten seconds of publishing: a queue that grows for the whole run (a
             # stage short of CPU) reads differently from pauses (one bucket's p99 only).
             buckets = reader.query(
@@ -814,10 +818,12 @@ class Bench:
                "complete": complete, "p50_s": row["p50"] / 1000, "p99_s": row["p99"] / 1000, "max_s": row["max"] / 1000,
                "publisher_cpu_cores": publisher_cpu, "broker_cpu_cores": broker_cores, "machine_busy_cores": machine_cores,
                "machine_stolen_cores": stolen_cores, "machine_cores": cores, "cpu_ms_per_event": live_cpu, "worker": worker,
-               "stage_busy": stages, "rest_cores": rest,
+               "stage_busy": stages, "rest_cores": rest, "correlated_inserts": inserts,
                "by_10s": [{"from_s": int(b["b"]) * 10, "p50_s": b["p50"] / 1000, "p99_s": b["p99"] / 1000} for b in buckets]}
         print(f"    p50 {out['p50_s']:.2f}s, p99 {out['p99_s']:.2f}s, max {out['max_s']:.2f}s over {out['rows']:,} rows "
               f"({achieved:,.0f} events/s achieved; the publisher used {publisher_cpu:.2f} of a core)", flush=True)
+        print(f"    the sink stored them in {inserts:,} inserts of the correlated family ({inserts / max(seconds, 1):.1f} a second of publishing)",
+              flush=True)
         print("    by ten seconds of publishing (p50/p99 s): "
               + ", ".join(f"{b['from_s']}s {b['p50_s']:.2f}/{b['p99_s']:.2f}" for b in out["by_10s"]), flush=True)
         print("    CPU per event while live: " + fmt_cpu(live_cpu), flush=True)

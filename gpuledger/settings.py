@@ -123,7 +123,9 @@ class ClickHouseSettings(BaseSettings):
     # before its window closes: benchmarks/sink_cpu.py, 60,000 events, 0.055-0.056 -> 0.050-0.051
     # ms/event (live batches close on time, well under either).
     batch_rows: int = Field(default=30_000, ge=1, description="Sink flushes a batch at this many rows...")
-    batch_seconds: float = Field(default=0.3, gt=0, description="...or this many seconds after the previous batch closed, whichever comes first (what arrived while the previous batch was being stored is taken at once).")
+    batch_seconds: float = Field(default=0.3, gt=0, description="...or, holding correlated records, no sooner than this many seconds after the previous batch closed: then as soon as a fetch of batch_quiet_seconds brings no more of them (the correlation stage's burst has ended) or the first of them has waited this long (sinks.agents.BatchClock).")
+    batch_quiet_seconds: float = Field(default=0.05, gt=0, le=1, description="A batch holding correlated records closes when a fetch this long brings no more of them (and batch_seconds have passed since the previous batch closed): the correlation stage emits a batch's rows in one burst, and each insert costs the store a fixed few milliseconds a table, so one insert per burst rather than one per batch_seconds. Also the longest a fetch waits: a correlated record is seen at most this long after it arrives.")
+    batch_idle_seconds: float = Field(default=1.0, gt=0, description="A batch holding no correlated records (raw events, allocations, violations, dead letters only) closes this many seconds after the previous batch closed (at least batch_seconds).")
     cluster: str | None = Field(default=None, description="ClickHouse cluster name for ON CLUSTER / Replicated tables.")
     query_timeout_s: float = Field(default=30.0, gt=0, description="Readers' queries (`trace`, `sql`, `audit`, the query endpoint) stop with an error after this many seconds (ClickHouse max_execution_time).")
     query_max_rows: int = Field(default=100_000, ge=1, description="A reader's query whose result has more rows fails with an error naming the limit (never a silently cut result).")

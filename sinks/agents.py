@@ -9,9 +9,12 @@ records as they are into ``correlated_intake``, whose views write ``correlated_e
 ``raw_events`` (only the events of the run's replay range, when it has one:
 ``GPULEDGER_STREAMS_REPLAY_FROM/TO``); dead letters → ``dead_letters``; violations →
 ``violations``.
-Batches close at ``GPULEDGER_CLICKHOUSE_BATCH_ROWS`` records or
-``GPULEDGER_CLICKHOUSE_BATCH_SECONDS`` after the previous batch closed, whichever comes
-first (``SinkLoop.run``).
+Batches close as ``BatchClock`` says: at ``GPULEDGER_CLICKHOUSE_BATCH_ROWS`` records; holding
+correlated records, at the end of the correlation stage's burst (a fetch of
+``GPULEDGER_CLICKHOUSE_BATCH_QUIET_SECONDS`` brings no more of them), no sooner than
+``GPULEDGER_CLICKHOUSE_BATCH_SECONDS`` after the previous batch closed and no later than that
+after the first of them came; holding none, ``GPULEDGER_CLICKHOUSE_BATCH_IDLE_SECONDS`` after the
+previous batch closed (``SinkLoop.run``).
 
 Guarantees: the sink consumer (``SinkLoop``, its own consumer group) commits a batch's
 offsets only after every row of the batch was stored or rejected
@@ -249,6 +252,57 @@ class _Record:
         self.key, self.value = msg.key(), msg.value() or b""
 
 
+#: The kinds of record whose latency a batch is closed for (``BatchClock``): the correlated rows,
+#: which responders query first ("event → queryable").
+HOT_KINDS = frozenset({"correlated"})
+
+
+class BatchClock:
+    """When the sink's batch closes, from what each fetch brought.
+
+    - At ``rows_max`` records (a backlog: a bulk load, a catch-up).
+    - Holding correlated records (``HOT_KINDS``): no sooner than ``within`` after the previous batch
+      closed, and then as soon as a fetch of ``quiet`` seconds brings no more of them (the burst
+      has ended) or the first of them has waited ``within``.
+    - Holding none: ``idle_within`` after the previous batch closed (raw events, allocations,
+      violations, dead letters only).
+
+    Why: the correlation stage emits its rows in bursts, one per batch of its own (every ~0.7 s at
+    ``make bench``'s live rate), and each insert costs the store a fixed ~6-8 ms a table however few
+    rows it carries (docs/store.md) — five to seven tables a batch. Closed every ``within`` whatever
+    came (before 2026-12), a live sink paid that three times a second for a burst it split in two
+    or three; closed at the end of each burst, about once per burst, and a burst's rows wait no
+    window's remainder. What follows the burst (raw events, allocations) rides with it.
+    All times are ``time.monotonic()`` seconds, passed in (tests drive it with their own)."""
+
+    def __init__(self, within: float, quiet: float, idle_within: float, rows_max: int, now: float | None = None) -> None:
+        self.within, self.quiet, self.idle_within, self.rows_max = within, quiet, idle_within, rows_max
+        self.closed = time.monotonic() if now is None else now  # when the previous batch closed
+        self.first_hot: float | None = None  # when the batch's first correlated record was taken
+
+    def wait(self, now: float) -> float:
+        """How long the next fetch may wait for records: ``quiet`` at most — a fetch waits its whole
+        time unless it fills the batch, and a correlated record it brings must not wait for it."""
+        left = self.closed + self.idle_within - now  # (none left: nothing is held, nothing to close)
+        return self.quiet if self.first_hot is not None or left <= 0 else min(self.quiet, left)
+
+    def took(self, now: float, held: int, hot: int) -> bool:
+        """A fetch ended at ``now`` with ``hot`` correlated records among what it brought; the
+        batch holds ``held`` records in all. True: the batch closes now (the clock restarts)."""
+        quiet_now = hot == 0 and self.first_hot is not None
+        if hot and self.first_hot is None:
+            self.first_hot = now
+        if self.first_hot is not None:
+            close = now - self.closed >= self.within and (quiet_now or now - self.first_hot >= self.within)
+        else:
+            close = held > 0 and now - self.closed >= self.idle_within
+        if held >= self.rows_max or (close and held):
+            self.closed, self.first_hot = now, None
+            return True
+        return False
+
+
+
 class SinkLoop:
     """The sink consumer: one confluent-kafka consumer (its own group, ``<app id>.sinks``)
     over every topic the store is built from, one insert per table per batch, offsets
@@ -268,6 +322,8 @@ class SinkLoop:
         self.ctx, self.sinks, self.topics = ctx, sinks, topics
         self.kind = {name: kind for kind, names in topics.items() for name in names}
         self.rows_max, self.within = conf.batch_rows, conf.batch_seconds
+        self.quiet, self.idle_within = conf.batch_quiet_seconds, max(conf.batch_idle_seconds, conf.batch_seconds)
+        self.batch: list[_Record] = []  # taken, not yet stored (their offsets not committed)
         self.in_range = settings.streams.in_range  # a replay's event-time range (`gpuledger replay --from/--to`)
         # The edge's dead-letter topic (receiver, collectors) is read whole by every run; a ranged
         # replay keeps the letters that failed in its range, as it keeps the raw events of it.
@@ -286,29 +342,39 @@ class SinkLoop:
         self._stopping = False
 
     async def run(self) -> None:
-        """Store batches until ``stop()``: the batch in hand is stored and committed first."""
+        """Store batches until ``stop()``: the batch in hand is stored and committed first.
+
+        What closes a batch is ``BatchClock``'s: the records are taken a fetch at a time (each
+        ``consume`` waits at most what the clock says) and the batch is stored once, when it closes.
+        Offsets are committed only after the whole batch is stored — nothing is taken between the
+        store and the commit, so the consumer's positions are the batch's end."""
         import asyncio
 
-        closed = time.monotonic()
+        clock = BatchClock(self.within, self.quiet, self.idle_within, self.rows_max)
         try:
             while not self._stopping:
-                # A batch closes ``within`` seconds after the previous one closed, not after it
-                # was stored: what arrived meanwhile (librdkafka keeps fetching) is taken at
-                # once. Measured from the end of the store, the window came on top of the
-                # store's own time (~0.3-0.5 s for the six inserts of a live batch), and a
-                # correlated row waited a whole window more, on average, to be queryable.
-                wait = max(0.0, self.within - (time.monotonic() - closed))
-                messages = await asyncio.to_thread(self.consumer.consume, self.rows_max, wait)
-                closed = time.monotonic()
-                records = [_Record(m) for m in messages if not m.error()]
+                messages = await asyncio.to_thread(self.consumer.consume, self.rows_max - len(self.batch), clock.wait(time.monotonic()))
+                hot = 0
                 for m in messages:
                     if m.error():
                         log.warning("sink consumer: %s", m.error())
-                if records:
-                    await self.store(records)
-                    await asyncio.to_thread(self.consumer.commit, asynchronous=False)
+                        continue
+                    rec = _Record(m)
+                    self.batch.append(rec)
+                    hot += self.kind[rec.topic] in HOT_KINDS
+                if clock.took(time.monotonic(), len(self.batch), hot):
+                    await self._store_batch()
+            await self._store_batch()  # a clean stop stores what it took
         finally:
             self.consumer.close()  # leave the group now (also when cancelled at shutdown)
+
+    async def _store_batch(self) -> None:
+        import asyncio
+
+        batch, self.batch = self.batch, []
+        if batch:
+            await self.store(batch)
+            await asyncio.to_thread(self.consumer.commit, asynchronous=False)
 
     async def stop(self) -> None:
         self._stopping = True
