@@ -252,7 +252,7 @@ class _Record:
         self.key, self.value = msg.key(), msg.value() or b""
 
 
-#: How long a fetch into an empty batch waits for its first record (``SinkLoop.run``).
+#: How long a fetch into an empty batch waits for its first record (``BatchClock.fetch``).
 IDLE_FETCH_S = 1.0
 
 #: The kinds of record whose latency a batch is closed for (``BatchClock``): the correlated rows,
@@ -283,11 +283,18 @@ class BatchClock:
         self.closed = time.monotonic() if now is None else now  # when the previous batch closed
         self.first_hot: float | None = None  # when the batch's first correlated record was taken
 
-    def wait(self, now: float) -> float:
-        """How long the next fetch may wait for records: ``quiet`` at most — a fetch waits its whole
-        time unless it fills the batch, and a correlated record it brings must not wait for it."""
-        left = self.closed + self.idle_within - now  # (none left: nothing is held, nothing to close)
-        return self.quiet if self.first_hot is not None or left <= 0 else min(self.quiet, left)
+    def fetch(self, now: float, held: int) -> tuple[int, float]:
+        """The next fetch into a batch holding ``held`` records: how many records it may take, and
+        how long it may wait for them. Into an empty batch, one record, waited for however long
+        (up to ``IDLE_FETCH_S``, for a stop to be seen): a fetch returns at its count or its timeout,
+        and a sink at rest that fetched every ``quiet`` woke 20 times a second for nothing (0.01 of
+        a core). Else ``quiet`` at most — a fetch waits its whole time unless it fills the batch,
+        and a correlated record it brings must not wait for it — and never past the idle window."""
+        if held == 0:
+            return 1, IDLE_FETCH_S
+        if self.first_hot is not None:
+            return self.rows_max - held, self.quiet
+        return self.rows_max - held, max(0.0, min(self.quiet, self.closed + self.idle_within - now))
 
     def took(self, now: float, held: int, hot: int) -> bool:
         """A fetch ended at ``now`` with ``hot`` correlated records among what it brought; the
@@ -303,7 +310,6 @@ class BatchClock:
             self.closed, self.first_hot = now, None
             return True
         return False
-
 
 
 class SinkLoop:
@@ -348,7 +354,7 @@ class SinkLoop:
         """Store batches until ``stop()``: the batch in hand is stored and committed first.
 
         What closes a batch is ``BatchClock``'s: the records are taken a fetch at a time (each
-        ``consume`` waits at most what the clock says) and the batch is stored once, when it closes.
+        ``consume`` takes and waits what the clock says) and the batch is stored once, when it closes.
         Offsets are committed only after the whole batch is stored — nothing is taken between the
         store and the commit, so the consumer's positions are the batch's end."""
         import asyncio
@@ -356,11 +362,7 @@ class SinkLoop:
         clock = BatchClock(self.within, self.quiet, self.idle_within, self.rows_max)
         try:
             while not self._stopping:
-                # An empty batch waits for its first record, however long (up to IDLE_FETCH_S, for
-                # stop() to be seen): a fetch returns at its count or its timeout, and a sink at rest
-                # woke every quiet time for nothing (20 times a second; 0.01 of a core).
-                count, wait = ((self.rows_max - len(self.batch), clock.wait(time.monotonic())) if self.batch else (1, IDLE_FETCH_S))
-                messages = await asyncio.to_thread(self.consumer.consume, count, wait)
+                messages = await asyncio.to_thread(self.consumer.consume, *clock.fetch(time.monotonic(), len(self.batch)))
                 hot = 0
                 for m in messages:
                     if m.error():

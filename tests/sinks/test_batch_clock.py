@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sinks.agents import BatchClock
+from sinks.agents import IDLE_FETCH_S, BatchClock
 
 WITHIN, QUIET, IDLE, ROWS = 0.3, 0.1, 1.0, 1000  # (the clock as constructed: not the defaults)
 
@@ -17,7 +17,7 @@ def test_a_burst_of_correlated_records_closes_the_batch_at_the_first_fetch_that_
     c = clock()
     assert not c.took(0.6, held=300, hot=0)          # raw events only: no reason to close before the idle window
     assert not c.took(0.7, held=900, hot=600)        # the burst arrives
-    assert c.wait(0.7) == QUIET
+    assert c.fetch(0.7, 900) == (ROWS - 900, QUIET)
     assert c.took(0.8, held=950, hot=0)              # a quiet fetch: the burst has ended, the batch closes
     assert c.closed == 0.8 and c.first_hot is None
 
@@ -48,7 +48,7 @@ def test_a_steady_stream_of_correlated_records_closes_when_the_first_has_waited_
 def test_without_correlated_records_the_batch_closes_after_the_idle_window():
     c = clock()
     assert not c.took(0.5, held=100, hot=0)
-    assert c.wait(0.95) == pytest.approx(0.05)       # a fetch never waits past the window's end
+    assert c.fetch(0.95, 100)[1] == pytest.approx(0.05)  # a fetch never waits past the window's end
     assert not c.took(0.95, held=150, hot=0)
     assert c.took(1.0, held=160, hot=0)
     assert c.closed == 1.0
@@ -64,14 +64,14 @@ def test_nothing_held_never_closes_and_never_spins():
     c = clock()
     for now in (0.5, 1.0, 5.0, 60.0):
         assert not c.took(now, held=0, hot=0)
-        assert 0 < c.wait(now) <= QUIET               # a fetch of its own length, not a loop of zero-second ones
+        assert c.fetch(now, 0) == (1, IDLE_FETCH_S)   # one record, waited for: not a loop of short fetches
     # After a long silence a correlated record closes its batch at the first quiet fetch.
     assert not c.took(60.1, held=1, hot=1)
     assert c.took(60.2, held=1, hot=0)
 
 
-def test_a_fetch_never_waits_longer_than_quiet():
+def test_a_fetch_into_a_batch_never_waits_longer_than_quiet():
     c = clock()
-    assert c.wait(0.0) == QUIET
+    assert c.fetch(0.0, 5) == (ROWS - 5, QUIET)
     c.took(0.1, held=5, hot=5)
-    assert c.wait(0.1) == QUIET
+    assert c.fetch(0.1, 5) == (ROWS - 5, QUIET)
