@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from gpuledger.settings import ClickHouseSettings
 from producers._kafka import EventPublisher
 from schemas import encode_event
+from tests.fixtures.waiting import until
 from tests.sinks.incident import release_rows
 from tests.streams.harness import release
 
@@ -30,14 +30,6 @@ def _committed(settings, topics: list[str]) -> int:
         return sum(max(tp.offset, 0) for tp in consumer.committed(parts, timeout=10))
     finally:
         consumer.close()
-
-
-async def _until(what: str, probe, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not probe():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 @contextlib.asynccontextmanager
@@ -80,15 +72,15 @@ def test_raw_events_ride_with_the_next_correlated_burst_and_a_clean_stop_stores_
 
     async def scenario(raw_before: int, correlated: list) -> None:
         async with _running_sink(settings, clickhouse_db) as (loop, _task, store):
-            await _until("the raw records taken", lambda: len(loop.batch) == raw_before)
+            await until("the raw records taken", lambda: len(loop.batch) == raw_before)
             assert _count(store, clickhouse_db, "raw_events") == 0 and _committed(settings, raw_topics) == 0
             producer = Producer({"bootstrap.servers": settings.kafka.bootstrap})
             for row in correlated:
                 producer.produce(run.correlated, encode_event(row), row.correlation_id.encode())
             assert producer.flush(10) == 0
-            await _until("the correlated rows stored", lambda: _count(store, clickhouse_db, "correlated_events") >= len(correlated))
+            await until("the correlated rows stored", lambda: _count(store, clickhouse_db, "correlated_events") >= len(correlated))
             # the raw events taken before rode in the same batch: stored, and committed with it
-            await _until("the batch committed", lambda: _committed(settings, [run.correlated]) == len(correlated))
+            await until("the batch committed", lambda: _committed(settings, [run.correlated]) == len(correlated))
             assert _count(store, clickhouse_db, "raw_events") == raw_before and loop.batch == []
             assert _committed(settings, raw_topics) == raw_before
 
@@ -99,7 +91,7 @@ def test_raw_events_ride_with_the_next_correlated_burst_and_a_clean_stop_stores_
 
     async def stopping() -> None:
         async with _running_sink(settings, clickhouse_db) as (loop, task, store):
-            await _until("the new raw records taken", lambda: len(loop.batch) == more)
+            await until("the new raw records taken", lambda: len(loop.batch) == more)
             assert _count(store, clickhouse_db, "raw_events") == 6 and _committed(settings, raw_topics) == 6
             await loop.stop()
             await asyncio.wait_for(task, 30)

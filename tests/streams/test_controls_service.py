@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 import uuid
 
 from confluent_kafka import Consumer, TopicPartition
 
 from tests.fixtures.kafka import read_topic
+from tests.fixtures.waiting import until
 
 KEYS = [f"rel:r{i}" for i in range(12)]
 
@@ -20,14 +20,6 @@ def release_row(i: int) -> dict:
     (``streams.controls.rules.compact_row``): a release registered."""
     return {"id": f"c{i}", "v": 1, "type": "release.registered", "at": f"2026-11-01T08:{i:02d}:00+00:00", "attr": "direct",
             "i": {"release_id": f"r{i}", "owner": "team-a"}, "p": {"actor": "ci-bot"}}
-
-
-async def until(what: str, check, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 def test_a_rebalance_of_the_controls_group_commits_the_epoch_before_the_partitions_go(kafka_bootstrap, catalogue, settings_for):

@@ -12,6 +12,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from producers._kafka import client_config
 from streams.correlate.intake import RawIntake, TimeAlignment
+from tests.fixtures.waiting import until
 
 
 class Rec:
@@ -255,12 +256,6 @@ def test_a_paused_partition_taken_away_and_given_back_is_read_again(kafka_bootst
 
     async def handle(events):
         handled.extend(events)
-
-    async def until(what: str, probe, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while not probe():
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            await asyncio.sleep(0.05)
 
     async def run() -> RawIntake:
         intake = RawIntake(settings, client_config(settings), (sched, alert), ("route_events", handle, _nothing, _nothing, _nothing, 0.2))
