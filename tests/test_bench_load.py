@@ -162,3 +162,32 @@ def test_the_summary_sets_the_latency_runs_rate_against_the_end_to_end_rate_of_t
     assert line == "end to end (phase 3, ≥99% queryable): 5,000 events/s; the latency run's rate is 100 % of it"
     del r["worker"]["queryable_s"]  # the store never got there: no line rather than a made-up rate
     assert not [x for x in report(r).splitlines() if x.startswith("end to end")]
+
+
+def test_publishing_at_a_rate_for_a_time_with_finish_sends_all_it_schedules(kafka_bootstrap):
+    """The latency run's warm-up (``publish_at(..., finish=True)``) publishes every event its
+    rate schedules in its time — the run after it starts at the next event of the mix, so none
+    may be left unsent — stamped at the rate's instants."""
+    from benchmarks.bench import publish_at
+
+    cat = TopicCatalogue(prefix=f"loadtest-{uuid.uuid4().hex[:8]}", raw_partitions=1)
+    ensure_topics({"bootstrap.servers": kafka_bootstrap}, cat)
+    publisher = EventPublisher({"bootstrap.servers": kafka_bootstrap}, cat, "bench")
+    rate, seconds = 40.0, 0.3  # 12 events scheduled, the last ones due in the final tick
+    load = LiveLoad(publisher, 12, start=RELEASES)
+    sent = publish_at(load, rate, seconds, finish=True)
+    load.close()
+    publisher.close(5)
+    assert sent == 12 and load.sent == 12
+
+    expected = list(events(12, start=RELEASES))
+    stamps = {}
+    for family in {cat.for_family(e.event_type) for e in expected}:
+        n = sum(1 for e in expected if cat.for_family(e.event_type) == family)
+        for m in read_topic(kafka_bootstrap, family, min_count=n):
+            event = decode_event(m.value())
+            stamps[event.event_id] = event.occurred_at
+    assert set(stamps) == {e.event_id for e in expected}
+    ordered = [stamps[e.event_id] for e in expected]
+    gaps = [(b - a).total_seconds() for a, b in zip(ordered, ordered[1:])]
+    assert all(abs(g - 1 / rate) < 0.001 for g in gaps), gaps  # stamped 25 ms apart: the rate's schedule
