@@ -816,15 +816,7 @@ class Bench:
             except BenchError as exc:
                 complete = False
                 print(f"  ! {exc} — reporting over the rows stored", flush=True)
-            # First time each input became queryable: min(inserted_at) over its versions
-            # (no FINAL); a merge that already dropped the first version makes it later,
-            # never earlier. occurred_at == observed_at in this run (correlated_events
-            # carries occurred_at).
-            row = reader.query(
-                "SELECT quantileExact(0.5)(lag) AS p50, quantileExact(0.99)(lag) AS p99, max(lag) AS max, count() AS n FROM ("
-                f" SELECT toUnixTimestamp64Milli(min(inserted_at)) - toUnixTimestamp64Milli(any(occurred_at)) AS lag"
-                f" FROM {DB}.correlated_events WHERE toUnixTimestamp64Milli(occurred_at) >= {{since:Int64}} GROUP BY correlation_id)",
-                {"since": since_ms}).dicts()[0]
+            lag = self._lag(reader, since_ms)
             # How many inserts stored them (every row of one insert has its insert's ``inserted_at``):
             # the sink's fixed cost per insert is most of what a live run costs it beyond a bulk one.
             inserts = int(reader.query(f"SELECT uniqExact(inserted_at) AS n FROM {DB}.correlated_events "
@@ -841,14 +833,13 @@ class Bench:
         finally:
             pub.close(5)
             self.stop(service)
-        if not row["n"]:
+        if not lag["rows"]:
             raise BenchError("latency run: no correlated row was stored")
         worker = self.correlated_lag(cat.run(f"{cat.prefix}-app"), since_ms)
-        out = {"target_rate": rate, "achieved_rate": achieved, "seconds": seconds, "published": sent, "rows": int(row["n"]),
-               "complete": complete, "p50_s": row["p50"] / 1000, "p99_s": row["p99"] / 1000, "max_s": row["max"] / 1000,
+        out = {"target_rate": rate, "achieved_rate": achieved, "seconds": seconds, "published": sent, **lag, "complete": complete,
                "publisher_cpu_cores": publisher_cpu, "broker_cpu_cores": broker_cores, "machine_busy_cores": machine_cores,
                "machine_stolen_cores": stolen_cores, "machine_cores": cores, "cpu_ms_per_event": live_cpu, "worker": worker,
-               "stage_busy": stages, "rest_cores": rest, "correlated_inserts": inserts, "warm_up": warmed if warm else None,
+               "stage_busy": stages, "rest_cores": rest, "correlated_inserts": inserts, "warm_up": warmed,
                "by_10s": [{"from_s": int(b["b"]) * 10, "p50_s": b["p50"] / 1000, "p99_s": b["p99"] / 1000} for b in buckets]}
         print(f"    p50 {out['p50_s']:.2f}s, p99 {out['p99_s']:.2f}s, max {out['max_s']:.2f}s over {out['rows']:,} rows "
               f"({achieved:,.0f} events/s achieved; the publisher used {publisher_cpu:.2f} of a core)", flush=True)
@@ -885,15 +876,18 @@ class Bench:
         return out
 
     @staticmethod
-    def _lag(reader: RemoteReader, since_ms: int, until_ms: int) -> dict:
-        """p50/p99 of event → queryable over the events stamped in [since_ms, until_ms)."""
+    def _lag(reader: RemoteReader, since_ms: int, until_ms: int | None = None) -> dict:
+        """p50/p99/max of event → queryable over the events stamped from ``since_ms`` (to before
+        ``until_ms``): the first time each became queryable, min(inserted_at) over its versions
+        (no FINAL; a merge that already dropped the first version makes it later, never earlier).
+        occurred_at == observed_at in the latency run (correlated_events carries occurred_at)."""
+        until = " AND toUnixTimestamp64Milli(occurred_at) < {until:Int64}" if until_ms is not None else ""
         row = reader.query(
-            "SELECT quantileExact(0.5)(lag) AS p50, quantileExact(0.99)(lag) AS p99, count() AS n FROM ("
+            "SELECT quantileExact(0.5)(lag) AS p50, quantileExact(0.99)(lag) AS p99, max(lag) AS max, count() AS n FROM ("
             f" SELECT toUnixTimestamp64Milli(min(inserted_at)) - toUnixTimestamp64Milli(any(occurred_at)) AS lag"
-            f" FROM {DB}.correlated_events WHERE toUnixTimestamp64Milli(occurred_at) >= {{since:Int64}}"
-            " AND toUnixTimestamp64Milli(occurred_at) < {until:Int64} GROUP BY correlation_id)",
-            {"since": since_ms, "until": until_ms}).dicts()[0]
-        return {"rows": int(row["n"]), "p50_s": (row["p50"] or 0) / 1000, "p99_s": (row["p99"] or 0) / 1000}
+            f" FROM {DB}.correlated_events WHERE toUnixTimestamp64Milli(occurred_at) >= {{since:Int64}}{until} GROUP BY correlation_id)",
+            {"since": since_ms} | ({"until": until_ms} if until_ms is not None else {})).dicts()[0]
+        return {"rows": int(row["n"]), "p50_s": (row["p50"] or 0) / 1000, "p99_s": (row["p99"] or 0) / 1000, "max_s": (row["max"] or 0) / 1000}
 
     def restart(self, cat: TopicCatalogue, data_dir: Path, live, n: int = 200) -> dict:
         """Restart to first processed batch after a clean stop (issue 15: under 5 s): the

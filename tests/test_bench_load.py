@@ -19,6 +19,18 @@ from schemas.topics import TopicCatalogue
 from tests.fixtures.kafka import read_topic
 
 
+def _published(bootstrap: str, cat: TopicCatalogue, expected: list) -> dict:
+    """event id -> (topic, key, event decoded) of what is on the family topics of ``expected``
+    (waiting for as many records on each as ``expected`` has for it)."""
+    got = {}
+    for family in {cat.for_family(e.event_type) for e in expected}:
+        n = sum(1 for e in expected if cat.for_family(e.event_type) == family)
+        for m in read_topic(bootstrap, family, min_count=n):
+            event = decode_event(m.value())
+            got[event.event_id] = (m.topic(), m.key(), event)
+    return got
+
+
 def test_the_live_load_sends_the_mix_stamped_at_the_time_the_rate_schedules_it(kafka_bootstrap):
     cat = TopicCatalogue(prefix=f"loadtest-{uuid.uuid4().hex[:8]}", raw_partitions=1)
     ensure_topics({"bootstrap.servers": kafka_bootstrap}, cat)
@@ -32,12 +44,7 @@ def test_the_live_load_sends_the_mix_stamped_at_the_time_the_rate_schedules_it(k
 
     expected = list(events(12, start=RELEASES))  # the historical form of the same 12 events
     assert [e.event_id for e in expected] == [e.event_id for e in list(events(RELEASES + 12))[RELEASES:]]  # start= skips
-    got = {}
-    for family in {cat.for_family(e.event_type) for e in expected}:
-        n = sum(1 for e in expected if cat.for_family(e.event_type) == family)
-        for m in read_topic(kafka_bootstrap, family, min_count=n):
-            event = decode_event(m.value())
-            got[event.event_id] = (m.topic(), m.key(), event)
+    got = _published(kafka_bootstrap, cat, expected)
     assert set(got) == {e.event_id for e in expected}
     for j, e in enumerate(expected):
         topic, key, sent = got[e.event_id]
@@ -181,12 +188,7 @@ def test_publishing_at_a_rate_for_a_time_with_finish_sends_all_it_schedules(kafk
     assert sent == 12 and load.sent == 12
 
     expected = list(events(12, start=RELEASES))
-    stamps = {}
-    for family in {cat.for_family(e.event_type) for e in expected}:
-        n = sum(1 for e in expected if cat.for_family(e.event_type) == family)
-        for m in read_topic(kafka_bootstrap, family, min_count=n):
-            event = decode_event(m.value())
-            stamps[event.event_id] = event.occurred_at
+    stamps = {event_id: event.occurred_at for event_id, (_topic, _key, event) in _published(kafka_bootstrap, cat, expected).items()}
     assert set(stamps) == {e.event_id for e in expected}
     ordered = [stamps[e.event_id] for e in expected]
     gaps = [(b - a).total_seconds() for a, b in zip(ordered, ordered[1:])]
