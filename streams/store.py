@@ -27,10 +27,14 @@ touch for a while (338 MB of JSON for 85,000 entities after 300,000 bench events
 (``SUMMARY_HEADER``) — what the owner's indexes need of it (interests, parked rows,
 deadlines) — and a recovery hands ``on_load`` the summaries and keeps each state as its
 record's bytes (``_cold``) until ``get``/``put``/``delete`` asks for it. The summary is
-computed from the state the record encodes, so it is exact for a state written whole; a
-state in chunks is decoded at once (a crash between its chunks and its head can leave the
-head's summary older than a chunk), as is ``DIRECTORY_MARK`` and a record without the
-header (written before it existed), whose summaries are computed from the decoded state.
+computed from the state the record encodes, so it is exact for a state written whole. A
+changelog's head beside sealed chunks carries no summary (a crash between its chunks and its
+head could leave a head's summary older than a chunk), so a state in chunks read from the
+changelog is decoded at once — as are ``DIRECTORY_MARK`` and a record without the header
+(written before it existed), whose summaries are computed from the decoded state. A snapshot
+holds the whole state's summary beside its head, exact because the snapshot holds every record
+of it: a state in chunks loaded from a snapshot stays cold too (its head and chunks' bytes; they
+were most of a restart's decoding), unless a record of it was read after the snapshot.
 
 Big states (``Chunks``): an entity that keeps growing (a node/GPU collects every alert
 and every pod that ever held it) would be re-encoded whole, and a whole record written,
@@ -711,6 +715,10 @@ class PartitionStore:
                             summaries[p][key] = dict(headers).get(SUMMARY_HEADER)
                         else:
                             summaries[p].pop(key, None)
+                            if self.chunks is not None and SEP in key:
+                                # A chunk written after its head's summary (a snapshot's, or a crash's leftover
+                                # head): the summary may not be the state's any more — decoded at once (``_decode``).
+                                summaries[p].pop(key.rpartition(SEP)[0], None)
                         self.loaded_records += 1
                         if p in from_snapshot:
                             self.snapshot_stats["tail_records"] += 1
@@ -810,17 +818,18 @@ class PartitionStore:
                 parts[base][tag] = value
         summarize = self._summarize
         states: dict[str, dict] = {}
-        cold: dict[str, bytes] = {}
+        cold: dict[str, bytes | tuple[bytes, dict[str, bytes]]] = {}
         cold_summaries: dict[str, bytes] = {}
         marks: dict = {}
         out_summaries: dict = {}
         for key, head in heads.items():
             key_parts = parts.get(key)
             summarized = summarize is not None and key != DIRECTORY_MARK
-            # A state in chunks is decoded now: its head's summary may be older than a chunk a crash left newer.
-            summary = summaries.get(key) if summarized and not key_parts else None
+            # A state in chunks has a summary only from a snapshot, which writes the whole state's (a changelog's
+            # head beside sealed chunks carries none); a chunk read after it dropped it (``_read_partitions``).
+            summary = summaries.get(key) if summarized else None
             if summary is not None:
-                cold[key] = head  # its mark is taken when it is decoded (``_warm``)
+                cold[key] = (head, key_parts) if key_parts else head  # its mark is taken when it is decoded (``_warm``)
                 cold_summaries[key] = summary
                 out_summaries[key] = orjson.loads(summary)
                 continue
@@ -878,7 +887,7 @@ class PartitionStore:
             value = self._cold[partition].get(key)
             if value is not None:
                 try:
-                    decoded = orjson.loads(value)
+                    decoded, layout = self._decode_cold(value)
                 except orjson.JSONDecodeError as exc:  # the state is not there: not the input's fault (the batch waits)
                     where = "snapshot" if partition in self._from_snapshot else "changelog"
                     if where == "snapshot":
@@ -888,18 +897,27 @@ class PartitionStore:
                                                f"from its {where}) does not decode: {exc}")
                     self.outage.failed(failure)
                     raise failure from exc
-                self._warm(partition, key)
+                self._warm(partition, key, layout)
                 state = self.parts[partition][key] = decoded
                 self.decoded_cold += 1
         return state
 
-    def _warm(self, partition: int, key: str) -> bytes | None:
-        """Take ``key`` out of the cold states (its record's bytes, or None if it is not
-        cold), remembering what its record holds, as a recovery does for a decoded state."""
+    def _decode_cold(self, value: bytes | tuple[bytes, dict[str, bytes]]) -> tuple[dict, object]:
+        """A cold state and what its records hold (``_mark``): a whole record, or a head and its chunks."""
+        if isinstance(value, tuple):
+            return decode_chunked(self.chunks, *value)
+        return orjson.loads(value), self._mark(value)
+
+    def _warm(self, partition: int, key: str, mark=None) -> bytes | tuple | None:
+        """Take ``key`` out of the cold states (its record's bytes — a head and its chunks' — or
+        None if it is not cold), remembering what its records hold (``mark``, when the caller
+        decoded it), as a recovery does for a decoded state."""
         value = self._cold[partition].pop(key, None)
         if value is not None:
             self._cold_summaries[partition].pop(key, None)
-            (self._written if self.chunks is None else self._layouts)[partition][key] = self._mark(value)
+            if mark is None:  # put or deleted without being asked for: a chunked state's layout needs its chunks decoded
+                mark = self._decode_cold(value)[1] if isinstance(value, tuple) else self._mark(value)
+            (self._written if self.chunks is None else self._layouts)[partition][key] = mark
         return value
 
     def put(self, partition: int, key: str, state: dict) -> None:
@@ -1020,7 +1038,13 @@ class PartitionStore:
         ``_position``.)"""
         cold_summaries = self._cold_summaries.get(partition, {})
         for key, value in self._cold.get(partition, {}).items():
-            yield key, value, cold_summaries.get(key)
+            if isinstance(value, tuple):  # a head and its chunks, as a snapshot held them
+                head, parts = value
+                yield key, head, cold_summaries.get(key)
+                for tag, part in parts.items():
+                    yield f"{key}{SEP}{tag}", part, None
+            else:
+                yield key, value, cold_summaries.get(key)
         layouts = self._layouts.get(partition, {}) if self.chunks is not None else {}
         states, recorded = self.parts[partition], self._record_bytes.get(partition, {})
         marks = self._written.get(partition, {})
@@ -1046,7 +1070,10 @@ class PartitionStore:
                 for name in self.chunks.fields:
                     member = layout.member.get(name, {})
                     open_ids[name] = [i for i in (state.get(name) or {}) if i not in member]
-                yield key, held(key, orjson.dumps(_head(self.chunks, state, layout, open_ids)), layout.head), None
+                # The whole state's summary (not the changelog head's: it has none), so that the next start keeps it
+                # cold — exact, for the snapshot holds every record of it (a chunk after it drops it: ``_read_partitions``).
+                headers = self._headers(key, state)
+                yield key, held(key, orjson.dumps(_head(self.chunks, state, layout, open_ids)), layout.head), headers[0][1] if headers else None
             if layout is None or not layout.chunks:
                 continue
             for tag, ids in layout.chunks.items():

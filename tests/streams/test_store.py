@@ -729,7 +729,8 @@ def test_a_snapshot_stands_for_its_changelog_up_to_its_offset_and_only_the_recor
     assert snapped.loaded_records == 0 and whole.loaded_records > 0
     assert snapped.health()["snapshots"]["loaded_partitions"] == 2 and snapped.health()["kinds"] == whole.health()["kinds"]
     assert sorted(loads, key=repr) == sorted(whole_loads, key=repr)
-    assert snapped.health()["cold"] == whole.health()["cold"] > 0  # kept encoded, as a changelog read keeps them
+    # kept encoded, as a changelog read keeps them — and a state in chunks too, which a changelog read decodes at once
+    assert snapped.health()["cold"] == whole.health()["cold"] + (1 if shape else 0) and whole.health()["cold"] > 0
     assert _everything(snapped) == _everything(whole) == _everything(writer)
     assert _write(snapped, output, {(0, big["key"]): snapped.get(0, big["key"])}) == 0  # what the changelog holds already
 
@@ -749,7 +750,63 @@ def test_a_snapshot_stands_for_its_changelog_up_to_its_offset_and_only_the_recor
     asyncio.run(whole.ensure([0, 1]))
     assert after.loaded_records == after.health()["snapshots"]["tail_records"] == written > 0
     assert sorted(loads, key=repr) == sorted(whole_loads, key=repr)
+    assert after.health()["cold"] == whole.health()["cold"]  # the state in chunks written after the snapshot: decoded at once
     assert _everything(after) == _everything(whole) == _everything(tail)
+    output.close()
+
+
+def test_a_state_in_chunks_kept_cold_from_a_snapshot_is_written_and_recovered_as_if_decoded(kafka_bootstrap, tmp_path):
+    """A snapshot keeps a state in chunks encoded (its head and chunks) with the whole state's
+    summary; put or deleted without being asked for, it writes what a decoded one would. A
+    chunk written after the snapshot alone (its head unchanged) makes the next load decode the
+    state — the snapshot's summary is not the state's any more."""
+    topic, config, output = _setup(kafka_bootstrap)
+    big = _entity(13, 3)
+    first = _snap_store(topic, config, tmp_path, ENTITY_CHUNKS)
+    first.follow(output)
+    asyncio.run(first.ensure([0, 1]))
+    assert _write(first, output, {(0, big["key"]): big, (0, "pod:ml/p0"): {"key": "pod:ml/p0", "interests": [], "rows": {}}}) > 2
+    assert first.save_snapshots() == {}
+
+    def from_snapshot(loads=None) -> PartitionStore:
+        store = _snap_store(topic, config, tmp_path, ENTITY_CHUNKS, loads)
+        store.follow(output)
+        asyncio.run(store.ensure([0, 1]))
+        return store
+
+    # put again unchanged without being asked for: nothing written; kept cold, a snapshot of it is the same file
+    loads = []
+    cold = from_snapshot(loads)
+    assert cold.health()["cold"] == 2 and cold.loaded_records == 0 and dict(loads)[0][big["key"]] == _summary(big)
+    assert _write(cold, output, {(0, big["key"]): orjson.loads(orjson.dumps(big))}) == 0
+    again = from_snapshot()
+    assert again.save_snapshots() == {} and _everything(from_snapshot()) == _everything(first)
+
+    # a sealed row changed in place: only its chunk is written (the head is the same), and the next load decodes it
+    warm = from_snapshot()
+    state = warm.get(0, big["key"])
+    state["rows"]["e1"]["parked"] = True
+    touched(state["rows"], "e1")
+    written = _write(warm, output, {(0, big["key"]): state})
+    records = _records(kafka_bootstrap, topic, 1)
+    assert written == 1 and records[-1][0].startswith(f"{big['key']}{SEP}rows")
+    loads, whole_loads = [], []
+    after = from_snapshot(loads)
+    whole = _snap_store(topic, config, None, ENTITY_CHUNKS, whole_loads)
+    asyncio.run(whole.ensure([0, 1]))
+    assert after.health()["snapshots"]["tail_records"] == 1 and after.health()["cold"] == 1  # the pod only
+    assert sorted(loads, key=repr) == sorted(whole_loads, key=repr) and ["e1"] == dict(loads)[0][big["key"]][1][:1]
+    assert _everything(after) == _everything(whole) == _everything(warm)
+    assert after.save_snapshots() == {}
+
+    # deleted without being asked for: its head and every chunk tombstoned, as for a decoded state
+    gone = from_snapshot()
+    assert gone.health()["cold"] == 2
+    layout = whole._layouts[0][big["key"]]
+    assert _write(gone, output, {(0, big["key"]): None}) == len(layout.chunks) + 1
+    fresh = _snap_store(topic, config, None, ENTITY_CHUNKS)
+    asyncio.run(fresh.ensure([0, 1]))
+    assert _everything(fresh) == {0: {"pod:ml/p0": {"key": "pod:ml/p0", "interests": [], "rows": {}}}, 1: {}}
     output.close()
 
 
