@@ -415,7 +415,7 @@ def install_correlate_agents(app, ctx, route_topic) -> Correlator:
     async def correlate_entities(stream):
         """Fold routed messages into entity state; emit rows, allocations, links, control inputs."""
         await corr.directory.ready.wait()
-        await run_batches(stream, entities, batch=ctx.packed_batch(), within=ctx.settings.streams.correlate_within_s)
+        await run_batches(stream, entities, batch=ctx.packed_batch(), cadence=ctx.settings.streams.correlate_within_s)
 
     @app.task
     async def follow_releases():

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from streams.runner import Epoch
+from streams import runner
+from streams.runner import TAKE_S, Epoch, run_batches
 
 
 def _events(name: str, n: int) -> list:
@@ -184,3 +185,51 @@ def test_busy_seconds_count_handling_and_taking_commits_not_waiting_for_a_tail(m
         assert epoch.health()["busy_s"] == {"batches": 6.0, "commits": 1.0} and len(acked) == 3
 
     asyncio.run(scenario())
+
+
+def test_with_a_cadence_batches_start_at_most_that_often_and_one_that_ran_longer_is_followed_at_once(monkeypatch):
+    """``run_batches(cadence=...)`` (the correlation stage): Faust's ``take_events`` waits only
+    ``TAKE_S``; a batch that took less than the cadence waits out the rest of it after itself
+    (what arrives meanwhile queues), one that took longer — or came full — does not wait at all.
+    Without a cadence, ``within`` goes to ``take_events`` and nothing else waits. (The clock is
+    the batches' own: each batch says how long it takes.)"""
+    clock = [1000.0]
+    pauses: list[float] = []
+
+    async def pause(seconds: float) -> None:
+        pauses.append(round(seconds, 6))
+        clock[0] += seconds
+
+    monkeypatch.setattr(runner, "_now", lambda: clock[0])
+    monkeypatch.setattr(runner, "_pause", pause)
+
+    class Stream:
+        def __init__(self, batches):
+            self.batches, self.takes = batches, []
+
+        async def take_events(self, max_, within):
+            for batch in self.batches:
+                self.takes.append((max_, within, round(clock[0], 6)))
+                yield batch
+
+    async def handle(events) -> None:
+        clock[0] += events[0].message.took  # how long this batch takes
+
+    def batch(took: float, n: int) -> list:
+        return [SimpleNamespace(message=SimpleNamespace(topic="in", partition=0, offset=i, took=took)) for i in range(n)]
+
+    async def drive(stream, **kw) -> None:
+        epoch = Epoch("test", handle, None, None, None, interval_s=10_000, hold=None, release=lambda events: None)
+        await run_batches(stream, epoch, batch=50, **kw)
+
+    # short (waits 0.25 - TAKE_S - 0.05), long (none), full (none), short again (0.25 - TAKE_S - 0.1)
+    stream = Stream([batch(0.05, 3), batch(0.4, 3), batch(0.01, 50), batch(0.1, 1)])
+    asyncio.run(drive(stream, within=0.1, cadence=0.25))
+    assert TAKE_S == 0.03 and pauses == [0.17, 0.12]
+    assert [t[:2] for t in stream.takes] == [(50, TAKE_S)] * 4
+    assert [t[2] for t in stream.takes] == [1000.0, 1000.22, 1000.62, 1000.63]  # each batch begins right after the previous ended or waited
+
+    pauses.clear()
+    stream = Stream([batch(0.05, 3), batch(0.4, 3)])
+    asyncio.run(drive(stream, within=0.25))
+    assert pauses == [] and [t[:2] for t in stream.takes] == [(50, 0.25)] * 2

@@ -26,10 +26,9 @@ def test_the_worker_consumes_through_its_transport_with_a_short_fetch_wait(kafka
     assert kafka_consumer._group_id == app.conf.id and kafka_consumer._client._bootstrap_servers == [kafka_bootstrap]
 
 
-def test_the_correlation_agent_takes_its_batches_with_the_configured_short_wait(kafka_bootstrap, monkeypatch, tmp_path):
-    """Faust's ``take_events`` waits ``within`` after every batch unless a whole batch is
-    waiting (streams.runner.run_batches): the correlation agent passes
-    ``streams.correlate_within_s`` (default 0.25 s, not the runner's 0.1 s)."""
+def test_the_correlation_agent_takes_its_batches_at_the_configured_cadence(kafka_bootstrap, monkeypatch, tmp_path):
+    """The correlation agent's batches start at most every ``streams.correlate_within_s``
+    (default 0.25 s; streams.runner.run_batches' ``cadence``), not after a fixed wait."""
     from streams.correlate import agents
     from streams.runner import WITHIN_S
 
@@ -37,8 +36,8 @@ def test_the_correlation_agent_takes_its_batches_with_the_configured_short_wait(
     monkeypatch.setenv("GPULEDGER_DATA_DIR", str(tmp_path))
     taken: list[tuple] = []
 
-    async def run_batches(stream, epoch, batch, within):
-        taken.append((stream, epoch.name, batch, within))
+    async def run_batches(stream, epoch, batch, cadence):
+        taken.append((stream, epoch.name, batch, cadence))
 
     monkeypatch.setattr(agents, "run_batches", run_batches)
 
