@@ -18,6 +18,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from gpuledger.dev.process import pid_running
+from gpuledger.settings import Settings
 from producers._kafka import EventPublisher
 from schemas import Identity, ReleaseEvent, Source, make_event_id
 from schemas.release import ReleasePayload
@@ -147,7 +148,7 @@ def test_the_sink_and_its_store_engine_run_below_the_workers_priority(kafka_boot
     import os
 
     ours = os.getpriority(os.PRIO_PROCESS, 0)
-    lowered = min(19, ours + 10)
+    lowered = min(19, ours + Settings().streams.sink_nice)
     worker = worker_factory(catalogue)
     pub = EventPublisher({"bootstrap.servers": kafka_bootstrap}, catalogue, "test")
     pub.publish_batch(_releases("nice", 3))
