@@ -48,6 +48,7 @@ Failures:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -306,20 +307,24 @@ async def run_batches(stream, epoch: Epoch, batch: int = BATCH, within: float = 
     latency (measured in make bench's latency run: the correlation stage held its event
     loop 81 % of the run and idled in that wait the rest, while its backlog grew)."""
     take = within if cadence is None else min(within, TAKE_S)
-    async for events in stream.take_events(batch, within=take):
-        began = _now()
-        task = asyncio.ensure_future(epoch.run_batch(events))
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
+    # Closed on the way out (a stop, also one in the cadence's pause): Faust's take_events acks the
+    # batch it yielded last (its own reference; the epoch holds another) and detaches its buffer in
+    # its ``finally`` — at once, not whenever the abandoned generator is finalized.
+    async with contextlib.aclosing(stream.take_events(batch, within=take)) as batches:
+        async for events in batches:
+            began = _now()
+            task = asyncio.ensure_future(epoch.run_batch(events))
             try:
-                await asyncio.wait_for(task, STOP_GRACE_S)
-                await asyncio.wait_for(epoch.commit_now(), STOP_GRACE_S)
-            except BaseException:  # noqa: BLE001 - any way the batch or its commit did not finish
-                log.critical("%s: stopping with a batch of %d unfinished; exiting without acking it", epoch.name, len(events))
-                os._exit(HARD_EXIT)
-            raise
-        if cadence is not None and len(events) < batch:
-            rest = cadence - take - (_now() - began)
-            if rest > 0:
-                await _pause(rest)  # (cancelled by a stop: as in take_events' own wait, the batch is handled)
+                await asyncio.shield(task)
+            except asyncio.CancelledError:
+                try:
+                    await asyncio.wait_for(task, STOP_GRACE_S)
+                    await asyncio.wait_for(epoch.commit_now(), STOP_GRACE_S)
+                except BaseException:  # noqa: BLE001 - any way the batch or its commit did not finish
+                    log.critical("%s: stopping with a batch of %d unfinished; exiting without acking it", epoch.name, len(events))
+                    os._exit(HARD_EXIT)
+                raise
+            if cadence is not None and len(events) < batch:
+                rest = cadence - take - (_now() - began)
+                if rest > 0:
+                    await _pause(rest)  # (cancelled by a stop: the batch is handled, its epoch committed by the stop)

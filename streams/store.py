@@ -552,8 +552,9 @@ class PartitionStore:
         # was built), so that its owner can let go of what only an unwritten state needed.
         self._on_written = on_written
         self.parts: dict[int, dict[str, dict]] = {}
-        # Per loaded partition: key -> its record's bytes, a state recovered and not asked for yet.
-        self._cold: dict[int, dict[str, bytes]] = {}
+        # Per loaded partition: key -> its record's bytes (a state in chunks: its head's and its chunks' by
+        # tag), a state recovered and not asked for yet.
+        self._cold: dict[int, dict[str, bytes | tuple[bytes, dict[str, bytes]]]] = {}
         # ...and the summary header its record carried (a snapshot writes it again: ``save_snapshots``).
         self._cold_summaries: dict[int, dict[str, bytes]] = {}
         self.decoded_cold = 0
@@ -715,10 +716,10 @@ class PartitionStore:
                             summaries[p][key] = dict(headers).get(SUMMARY_HEADER)
                         else:
                             summaries[p].pop(key, None)
-                            if self.chunks is not None and SEP in key:
-                                # A chunk written after its head's summary (a snapshot's, or a crash's leftover
-                                # head): the summary may not be the state's any more — decoded at once (``_decode``).
-                                summaries[p].pop(key.rpartition(SEP)[0], None)
+                        if self.chunks is not None and SEP in key:
+                            # A chunk written after its head's summary (a snapshot's, or a crash's leftover
+                            # head): the summary may not be the state's any more — decoded at once (``_decode``).
+                            summaries[p].pop(key.rpartition(SEP)[0], None)
                         self.loaded_records += 1
                         if p in from_snapshot:
                             self.snapshot_stats["tail_records"] += 1
@@ -805,8 +806,9 @@ class PartitionStore:
     def _decode(self, records: dict[str, bytes | None], summaries: dict[str, bytes | None]) -> tuple[dict[str, dict], dict[str, bytes], dict, dict, dict]:
         """(decoded states, cold states, marks, summaries, the cold states' summary headers) of
         one partition's last records.
-        A state is left cold (its bytes) when its record carries its summary and is the whole
-        state (not split in chunks); anything else is decoded and summarized here."""
+        A state is left cold when its record carries its summary — its bytes, or a state in chunks
+        (whose summary only a snapshot holds) its head's and chunks' bytes; anything else is decoded
+        and summarized here."""
         heads: dict[str, bytes] = {}
         parts: dict[str, dict[str, bytes]] = defaultdict(dict)
         for key, value in records.items():
@@ -886,37 +888,41 @@ class PartitionStore:
         if state is None and self._cold[partition]:
             value = self._cold[partition].get(key)
             if value is not None:
-                try:
-                    decoded, layout = self._decode_cold(value)
-                except orjson.JSONDecodeError as exc:  # the state is not there: not the input's fault (the batch waits)
-                    where = "snapshot" if partition in self._from_snapshot else "changelog"
-                    if where == "snapshot":
-                        self.snapshots.discard(partition)  # the restart this wait ends in reads the changelog instead
-                        self._not_saveable[partition] = "its snapshot held a state that does not decode (discarded)"  # not written again
-                    failure = StateUnavailable(f"{self.name} store: the recovered state of {key!r} ({self.changelog}[{partition}], "
-                                               f"from its {where}) does not decode: {exc}")
-                    self.outage.failed(failure)
-                    raise failure from exc
+                decoded, layout = self._decode_cold(partition, key, value)
                 self._warm(partition, key, layout)
                 state = self.parts[partition][key] = decoded
                 self.decoded_cold += 1
         return state
 
-    def _decode_cold(self, value: bytes | tuple[bytes, dict[str, bytes]]) -> tuple[dict, object]:
-        """A cold state and what its records hold (``_mark``): a whole record, or a head and its chunks."""
-        if isinstance(value, tuple):
-            return decode_chunked(self.chunks, *value)
-        return orjson.loads(value), self._mark(value)
+    def _decode_cold(self, partition: int, key: str, value: bytes | tuple[bytes, dict[str, bytes]]) -> tuple[dict, object]:
+        """A cold state and what its records hold (``_mark``): a whole record, or a head and its
+        chunks. One that does not decode is not there: not the input's fault — ``StateUnavailable``
+        (the batch waits; a snapshot it came from is discarded, and the restart the wait ends in
+        reads the changelog instead); the state stays cold."""
+        try:
+            if isinstance(value, tuple):
+                return decode_chunked(self.chunks, *value)
+            return orjson.loads(value), self._mark(value)
+        except Exception as exc:  # noqa: BLE001 - whatever is wrong with the bytes (not JSON, a chunk not an object, a tag without a number)
+            where = "snapshot" if partition in self._from_snapshot else "changelog"
+            if where == "snapshot":
+                self.snapshots.discard(partition)
+                self._not_saveable[partition] = "its snapshot held a state that does not decode (discarded)"  # not written again
+            failure = StateUnavailable(f"{self.name} store: the recovered state of {key!r} ({self.changelog}[{partition}], "
+                                       f"from its {where}) does not decode: {type(exc).__name__}: {exc}")
+            self.outage.failed(failure)
+            raise failure from exc
 
     def _warm(self, partition: int, key: str, mark=None) -> bytes | tuple | None:
         """Take ``key`` out of the cold states (its record's bytes — a head and its chunks' — or
         None if it is not cold), remembering what its records hold (``mark``, when the caller
         decoded it), as a recovery does for a decoded state."""
-        value = self._cold[partition].pop(key, None)
+        value = self._cold[partition].get(key)
         if value is not None:
-            self._cold_summaries[partition].pop(key, None)
             if mark is None:  # put or deleted without being asked for: a chunked state's layout needs its chunks decoded
-                mark = self._decode_cold(value)[1] if isinstance(value, tuple) else self._mark(value)
+                mark = self._decode_cold(partition, key, value)[1] if isinstance(value, tuple) else self._mark(value)
+            del self._cold[partition][key]
+            self._cold_summaries[partition].pop(key, None)
             (self._written if self.chunks is None else self._layouts)[partition][key] = mark
         return value
 

@@ -233,3 +233,41 @@ def test_with_a_cadence_batches_start_at_most_that_often_and_one_that_ran_longer
     stream = Stream([batch(0.05, 3), batch(0.4, 3)])
     asyncio.run(drive(stream, within=0.25))
     assert pauses == [] and [t[:2] for t in stream.takes] == [(50, 0.25)] * 2
+
+
+def test_a_stop_in_the_cadences_pause_closes_faust_take_events_at_once(monkeypatch):
+    """Cancelled while it waits out a cadence, ``run_batches`` closes Faust's ``take_events``
+    generator on the way out — whose ``finally`` acks the batch it yielded last and detaches its
+    buffer — rather than leaving that to the abandoned generator's finalization, after a stop's
+    last commit."""
+    forever = asyncio.Event()
+    pausing = asyncio.Event()
+
+    async def pause(seconds: float) -> None:
+        pausing.set()
+        await forever.wait()
+
+    monkeypatch.setattr(runner, "_pause", pause)
+    closed: list[str] = []
+
+    class Stream:
+        async def take_events(self, max_, within):
+            try:
+                yield _events("a", 2)
+                yield _events("b", 2)
+            finally:
+                closed.append("take_events closed")
+
+    async def handle(events) -> None:
+        pass
+
+    async def main() -> None:
+        epoch = Epoch("test", handle, None, None, None, interval_s=10_000, hold=None, release=lambda events: None)
+        task = asyncio.ensure_future(run_batches(Stream(), epoch, batch=50, cadence=0.25))
+        await pausing.wait()
+        assert closed == [] and epoch.batches == 1
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert closed == ["take_events closed"] and epoch.batches == 1 and len(epoch.pending) == 2
+
+    asyncio.run(main())

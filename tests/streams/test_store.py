@@ -774,13 +774,13 @@ def test_a_state_in_chunks_kept_cold_from_a_snapshot_is_written_and_recovered_as
         asyncio.run(store.ensure([0, 1]))
         return store
 
-    # put again unchanged without being asked for: nothing written; kept cold, a snapshot of it is the same file
+    # put again unchanged without being asked for: nothing written; kept cold, a snapshot written from it loads the same
     loads = []
     cold = from_snapshot(loads)
     assert cold.health()["cold"] == 2 and cold.loaded_records == 0 and dict(loads)[0][big["key"]] == _summary(big)
     assert _write(cold, output, {(0, big["key"]): orjson.loads(orjson.dumps(big))}) == 0
     again = from_snapshot()
-    assert again.save_snapshots() == {} and _everything(from_snapshot()) == _everything(first)
+    assert again.health()["cold"] == 2 and again.save_snapshots() == {} and _everything(from_snapshot()) == _everything(first)
 
     # a sealed row changed in place: only its chunk is written (the head is the same), and the next load decodes it
     warm = from_snapshot()
@@ -798,6 +798,16 @@ def test_a_state_in_chunks_kept_cold_from_a_snapshot_is_written_and_recovered_as
     assert sorted(loads, key=repr) == sorted(whole_loads, key=repr) and ["e1"] == dict(loads)[0][big["key"]][1][:1]
     assert _everything(after) == _everything(whole) == _everything(warm)
     assert after.save_snapshots() == {}
+
+    # put changed without being asked for: what a decoded state's put writes (a row added: its head, no sealed chunk)
+    changed = orjson.loads(orjson.dumps(after.get(0, big["key"])))
+    changed["rows"]["z1"] = {"id": "z1", "parked": False}
+    grown = from_snapshot()
+    assert grown.health()["cold"] == 2 and _write(grown, output, {(0, big["key"]): changed}) == 1
+    assert _records(kafka_bootstrap, topic, 1)[-1][0] == big["key"]
+    whole = _snap_store(topic, config, None, ENTITY_CHUNKS)
+    asyncio.run(whole.ensure([0, 1]))
+    assert whole.get(0, big["key"]) == changed and grown.save_snapshots() == {}
 
     # deleted without being asked for: its head and every chunk tombstoned, as for a decoded state
     gone = from_snapshot()
