@@ -1113,3 +1113,17 @@ def test_a_snapshot_holds_the_records_as_written_or_is_not_written(kafka_bootstr
     assert not files.path(0).exists()
     assert reader.save_snapshots() == {0: "its snapshot held a state that does not decode (discarded)"} and not files.path(0).exists()
     output.close()
+
+
+def test_a_cold_state_in_chunks_that_does_not_decode_is_unavailable_and_stays_cold():
+    """A cold head and chunks whose bytes are JSON but not a state in chunks (a chunk that is not an
+    object) is not there — ``StateUnavailable`` (the batch waits), whether a batch asks for it or
+    puts or deletes it unasked — and it stays cold; never a raw error that would dead-letter input."""
+    store = PartitionStore("t", "no-such-changelog", {}, chunks=ENTITY_CHUNKS, summarize=_summary)
+    store.start_empty([0])
+    store._cold[0]["gpu:n1/GPU-1"] = (b'{"key": "gpu:n1/GPU-1", "rows": {}}', {"rows0": b"[1, 2]"})
+    for attempt in (lambda: store.get(0, "gpu:n1/GPU-1"), lambda: store.put(0, "gpu:n1/GPU-1", {"key": "gpu:n1/GPU-1"}),
+                    lambda: store.delete(0, "gpu:n1/GPU-1")):
+        with pytest.raises(StateUnavailable, match="gpu:n1/GPU-1.*does not decode: AttributeError"):
+            attempt()
+    assert store.health()["cold"] == 1 and store.health()["read_failures"] == 3 and store.parts[0] == {}
