@@ -60,6 +60,12 @@ log = logging.getLogger(__name__)
 #: acknowledged (``_revoked`` in ``create_app``): half the group session timeout (10 s), the
 #: bound the stages outside Faust have too (``streams.intake.REVOKE_WAIT_S``).
 REVOKE_FLUSH_S = REVOKE_WAIT_S
+#: A child process that is running and answered its health fetch within this long is shown by
+#: that page (with ``stale_s``) when a fetch goes unanswered: its stage serves the page on the
+#: event loop its batches hold, and at a low priority (the controls: niceness 19) on a machine
+#: whose cores are all busy a batch can outlast the fetch's 2 s — a stall, not a stage gone.
+CHILD_PAGE_GRACE_S = 10.0
+_clock = time.monotonic  # (a test drives it)
 
 
 class WorkerContext(StageContext):
@@ -77,6 +83,7 @@ class WorkerContext(StageContext):
         self.app = None
         self.sink = None  # gpuledger.child.ChildProcess: the sink's process (sinks.service), when this worker runs one
         self.health_client = HealthClient()
+        self._last_pages: dict[str, tuple[float, int | None, dict]] = {}  # child -> (when, its pid, its last page)
         self.stop_deadline: float | None = None  # time.monotonic() of the hard stop, once SIGTERM came (``stop_within``)
         self.saving_snapshots = False
 
@@ -112,6 +119,8 @@ class WorkerContext(StageContext):
                 health["status"] = "degraded"
                 continue
             health[name]["gc"] = page.get("gc")
+            if "stale_s" in page:  # its last page: this fetch went unanswered (``children_health``)
+                health[name]["stale_s"] = page["stale_s"]
             if "store" in page:
                 health[name]["store"] = page["store"]
             if "alignment" in page:
@@ -164,10 +173,22 @@ class WorkerContext(StageContext):
         return out
 
     async def children_health(self) -> dict[str, dict | None]:
-        """Every child's health page (None: it did not answer within 2 s), asked at once."""
+        """Every child's health page, asked at once. One that did not answer within 2 s is None —
+        unless the same process is running and answered within ``CHILD_PAGE_GRACE_S``: then its
+        last page, with ``stale_s`` (how old it is)."""
         children = self.children()
         pages = await asyncio.gather(*(self.health_client.fetch(child.url) for child in children.values()))
-        return dict(zip(children, pages))
+        now, out = _clock(), {}
+        for (name, child), page in zip(children.items(), pages):
+            pid = child.process.pid if child.process is not None else None
+            if page is not None:
+                self._last_pages[name] = (now, pid, page)
+            elif name in self._last_pages and child.alive():
+                when, answered_pid, last = self._last_pages[name]
+                if answered_pid == pid and now - when <= CHILD_PAGE_GRACE_S:
+                    page = {**last, "stale_s": round(now - when, 1)}
+            out[name] = page
+        return out
 
 
 class _TP(NamedTuple):

@@ -89,3 +89,46 @@ def test_the_controls_process_not_answering_or_without_its_partitions_degrades_t
     assert health["subscriptions"] == {"ok": True, "problems": [], "partitions": [0, 1, 2, 3], "raw_partitions": [0, 1, 2, 3],
                                        "controls_partitions": [0, 1, 2, 3]}
     assert (health["stats"]["controls_in"], health["epochs"]["evaluate_controls"]["commits"], health["stores"]["controls"]) == (5, 3, {"keys": 7})
+
+
+def test_a_running_child_that_misses_a_health_fetch_is_shown_by_its_recent_page_not_as_gone(tmp_path, monkeypatch):
+    """A child's stage serves its page on the loop its batches hold (the controls at niceness 19
+    on a busy machine can outlast the 2 s fetch): while the same process runs and answered within
+    CHILD_PAGE_GRACE_S, an unanswered fetch shows its last page (``stale_s``) and the worker stays
+    ``ok``; after that, or for a process that ended or was started anew, it is not answering."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from streams import app as worker_app
+
+    ctx = _worker_with_a_route_process(tmp_path)
+    page = {"raw_assigned": [[t, p] for t in ctx.catalogue.raw_topics for p in range(4)]}
+    clock, answers = [100.0], []
+    monkeypatch.setattr(worker_app, "_clock", lambda: clock[0])
+    route = SimpleNamespace(url="http://127.0.0.1:1", process=SimpleNamespace(pid=41), running=True, restarts=0, last_exit=None)
+    route.alive = lambda: route.running
+    route.health = lambda p: {"answering": p is not None}
+    ctx.route = route
+    ctx.directory.ready.set()
+
+    async def fetch(url):
+        return answers.pop(0)
+
+    ctx.health_client = SimpleNamespace(fetch=fetch)
+
+    def health_after(answer, seconds: float) -> dict:
+        clock[0] += seconds
+        answers.append(answer)
+        return ctx.health(asyncio.run(ctx.children_health()))
+
+    assert health_after(page, 0)["status"] == "ok"
+    stalled = health_after(None, 4)
+    assert stalled["status"] == "ok" and stalled["route"]["stale_s"] == 4.0 and stalled["subscriptions"]["raw_partitions"] == [0, 1, 2, 3]
+    gone = health_after(None, 7)  # 11 s since it answered
+    assert gone["status"] == "degraded" and gone["subscriptions"]["problems"] == ["route stage: not answering"]
+    assert health_after(page, 1)["status"] == "ok"
+    route.process = SimpleNamespace(pid=42)  # restarted: the old process's page is not the new one's
+    assert health_after(None, 1)["subscriptions"]["problems"] == ["route stage: not answering"]
+    assert health_after(page, 1)["status"] == "ok"
+    route.running = False  # ended: at once
+    assert health_after(None, 1)["status"] == "degraded"
