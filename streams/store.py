@@ -1068,9 +1068,8 @@ class PartitionStore:
             if key in recorded:  # changed after it was written (``on_written``): the record it was written as
                 yield key, *recorded[key]
             elif layout is None or not layout.chunks:
-                headers = self._headers(key, state)
                 mark = marks.get(key) if self.chunks is None else (layout.head if layout is not None else None)
-                yield key, held(key, orjson.dumps(state), mark), headers[0][1] if headers else None
+                yield key, held(key, orjson.dumps(state), mark), self._summary(key, state)
             else:
                 open_ids = {}
                 for name in self.chunks.fields:
@@ -1078,8 +1077,7 @@ class PartitionStore:
                     open_ids[name] = [i for i in (state.get(name) or {}) if i not in member]
                 # The whole state's summary (not the changelog head's: it has none), so that the next start keeps it
                 # cold — exact, for the snapshot holds every record of it (a chunk after it drops it: ``_read_partitions``).
-                headers = self._headers(key, state)
-                yield key, held(key, orjson.dumps(_head(self.chunks, state, layout, open_ids)), layout.head), headers[0][1] if headers else None
+                yield key, held(key, orjson.dumps(_head(self.chunks, state, layout, open_ids)), layout.head), self._summary(key, state)
             if layout is None or not layout.chunks:
                 continue
             for tag, ids in layout.chunks.items():
@@ -1098,11 +1096,16 @@ class PartitionStore:
                 "save_seconds": round(stats["save_seconds"], 3)}
 
     # --- the changelog ----------------------------------------------------------------------
-    def _headers(self, key: str, state: dict | None) -> list[tuple[str, bytes]] | None:
-        """The summary header of a state's record (its head's, in chunks)."""
+    def _summary(self, key: str, state: dict | None) -> bytes | None:
+        """A state's encoded summary (None: the store keeps none, or the key has none)."""
         if self._summarize is None or state is None or key == DIRECTORY_MARK:
             return None
-        return [(SUMMARY_HEADER, orjson.dumps(self._summarize(state)))]
+        return orjson.dumps(self._summarize(state))
+
+    def _headers(self, key: str, state: dict | None) -> list[tuple[str, bytes]] | None:
+        """The summary header of a state's record (its head's, in chunks)."""
+        summary = self._summary(key, state)
+        return None if summary is None else [(SUMMARY_HEADER, summary)]
 
     def write_changes(self, output) -> int:
         """Produce a changelog record for every key changed since the last call (the
