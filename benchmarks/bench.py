@@ -448,7 +448,7 @@ def follow_worker(service: ServiceProcess, url: str, reader: RemoteReader, expec
         stats = health(url)
         if stats.get("routed", 0) and not cpu_first:
             cpu_first.append((cpu_seconds(service.proc.pid), stats.get("correlated_in", 0), broker_seconds(broker_pid),
-                              machine_busy()[2], time.monotonic(), (health(url, "epochs"), health(url, "gc"))))
+                              machine_busy()[2], time.monotonic(), (health(url, "epochs"), health(url, "gc")), stats.get("routed", 0)))
             routed_at.append(stats.get("first_route_batch_at", time.monotonic()))
             routed_first.append(stats.get("first_route_batch", 0))
         if stats.get("correlated_in", 0) and not first:
@@ -472,6 +472,11 @@ def follow_worker(service: ServiceProcess, url: str, reader: RemoteReader, expec
         # less than a rate (the worker's own process; its route stage and its sink apart).
         n_cpu = expected - cpu_first[0][1]
         cpu = {name: s * 1000 / n_cpu for name, s in cpu_by_process(cpu_first[0][0], cpu_done, service.proc.pid, children).items()}
+        if "route" in cpu and expected > cpu_first[0][6]:
+            # The route stage runs ahead of the correlation stage: what it had routed by the first
+            # look was routed with CPU before that look, so it is not in its share either (divided
+            # by every event correlated since, it read as a third of what a replay's route costs).
+            cpu["route"] *= n_cpu / (expected - cpu_first[0][6])
         if broker_done is not None:
             cpu["broker"] = (broker_done - cpu_first[0][2]) * 1000 / n_cpu
     queryable = None
