@@ -1103,7 +1103,8 @@ class PartitionStore:
         return orjson.dumps(self._summarize(state))
 
     def _headers(self, key: str, state: dict | None) -> list[tuple[str, bytes]] | None:
-        """The summary header of a state's record (its head's, in chunks)."""
+        """The summary header of a state's changelog record when it is written whole (a head beside sealed
+        chunks carries none: ``write_changes``; only a snapshot holds such a state's summary, ``_records``)."""
         summary = self._summary(key, state)
         return None if summary is None else [(SUMMARY_HEADER, summary)]
 
