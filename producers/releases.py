@@ -12,8 +12,9 @@ the one ``EventPublisher``, and whose event id it prints on stdout.
 Guarantees: the command exits 0 only once Kafka acknowledged the event (acks=all);
 missing identifiers exit 2 naming every missing flag, before any I/O; ``event_id =
 make_event_id("cli", (release_id, event_type, approval_id, env, target,
-reservation_id), occurred_at)``, so a pipeline step retried with the same ``--at``
-publishes the same id and downstream tables keep one row.
+reservation_id, "actor=…", "on_behalf_of=…"), occurred_at)`` (the last two only when given:
+``deciders``), so a pipeline step retried with the same ``--at`` publishes the same id and
+downstream tables keep one row, while another actor's same decision at that time is a fact of its own.
 Limits: without ``--at`` every run is a new fact (new id): pass the pipeline's own
 timestamp to make retries idempotent. Release events always need a release id, admin
 actions included (the release on whose behalf the action was taken).
@@ -89,6 +90,15 @@ def release_natural_key(release_id: str, event_type: str, approval_id: str | Non
                         target: str | None, reservation_id: str | None) -> tuple:
     """What identifies a release decision in its source, whoever publishes it (CLI or receiver)."""
     return (release_id, event_type, approval_id, environment, target, reservation_id)
+
+
+def deciders(actor: str | None, on_behalf_of: str | None) -> tuple:
+    """Who took a decision, as its event id names them (after the natural key): the same decision by
+    another actor, or relayed for another person, is another fact. Without this, the documented
+    pipeline (one ``--at`` for every step) gave an approval by ``ci/123`` and alice's ratification of
+    it one id, and the tables kept whichever came first — control 7 never saw alice's. Empty for an
+    event that names nobody, so those ids are what they were."""
+    return tuple(f"{name}={value}" for name, value in (("actor", actor), ("on_behalf_of", on_behalf_of)) if value)
 
 
 class ReleaseInputError(ProducerError):
@@ -190,7 +200,7 @@ def _event(command: ReleaseCommand, given: dict, occurred: datetime, window_star
     natural_key = release_natural_key(given["release_id"], command.event_type, given.get("approval_id"), given.get("env"),
                                       given.get("target"), given.get("reservation_id"))
     return ReleaseEvent(
-        event_id=make_event_id(EVENT_ID_SOURCE, natural_key, occurred.isoformat()),
+        event_id=make_event_id(EVENT_ID_SOURCE, (*natural_key, *deciders(given.get("actor"), given.get("on_behalf_of"))), occurred.isoformat()),
         event_type=command.event_type,
         occurred_at=occurred,
         observed_at=observed_at or datetime.now(timezone.utc),

@@ -71,7 +71,7 @@ from producers.receiver.alertmanager import alert_events, truncated_alerts
 from producers.receiver.auth import Authenticator, AuthError, CredentialsFile, KeyFetchNeeded, OidcVerifier, Principal
 from producers.receiver.config import ReceiverSettings
 from producers.receiver.mlflow import DELIVERY_ID_HEADER, AliasHolders, DeliveryLog, is_test_delivery, release_events, verify_signature
-from producers.releases import release_natural_key
+from producers.releases import deciders, release_natural_key
 from schemas.envelope import SCHEMA_VERSION, TraceContext, make_event_id
 from schemas.events import EVENT_TYPES, EventDecodeError, decode_event, encode_event
 from schemas.outputs import dead_letter
@@ -316,9 +316,12 @@ class LifecycleReceiver:
         # An unauthenticated caller's id names the actor it claims: with one 'unauthenticated' for
         # everyone, mallory's approval and alice's (same release, approval id, time) had one id, and
         # whichever came first was the one kept.
+        # A decision relayed for another person is another fact than the same one relayed for someone
+        # else (the key names on_behalf_of only when given: an undelegated event's id is what it was).
         caller = principal.identity if principal is not None else f"unauthenticated:{p.actor or ''}"
+        relayed = deciders(None, p.on_behalf_of)
         return _stamped(event, **_proof(principal)).model_copy(update={
-            "event_id": make_event_id(EVENT_ID_SOURCE, (caller, *natural_key), event.occurred_at.isoformat()),  # (a hash: valid)
+            "event_id": make_event_id(EVENT_ID_SOURCE, (caller, *natural_key, *relayed), event.occurred_at.isoformat()),  # (a hash: valid)
         })
 
     async def _read_body(self, request: web.Request) -> bytes:

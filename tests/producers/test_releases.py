@@ -119,6 +119,21 @@ def test_retry_with_the_same_time_keeps_one_event_id(cli):
     assert build_event(approve, {**options, "at": naive}).event_id == first.stdout.strip()
 
 
+def test_the_same_decision_by_another_actor_at_the_same_time_is_another_event(cli, catalogue, kafka_bootstrap):
+    """The documented pipeline gives every step one ``--at``: an approval by CI and alice's
+    ratification of it had one id, and the tables kept only the first (control 7 never saw alice's)."""
+    approve = ["release", "approve", "--release-id", "fraud-detector:7", "--approval-id", "CHG-1", "--at", AT]
+    ci, alice, again = cli(*approve, "--actor", "ci/4711"), cli(*approve, "--actor", "alice"), cli(*approve, "--actor", "alice")
+    relayed = cli(*approve, "--actor", "ci/4711", "--on-behalf-of", "alice")
+    assert ci.exit_code == alice.exit_code == again.exit_code == relayed.exit_code == 0, (ci.output, relayed.output)
+    assert alice.stdout == again.stdout  # a retry is the same fact
+    ids = {ci.stdout.strip(), alice.stdout.strip(), relayed.stdout.strip()}
+    assert len(ids) == 3
+    stored = {e.event_id: (e.payload.actor, e.payload.on_behalf_of) for _, e in released(kafka_bootstrap, catalogue.release, 4)}
+    assert set(stored) == ids
+    assert sorted(stored.values(), key=str) == sorted([("ci/4711", None), ("alice", None), ("ci/4711", "alice")], key=str)
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["register", "--release-id", "r:1"], "release register needs --model, --version, --artifact-digest"),
     (["register"], "release register needs --release-id, --model, --version, --artifact-digest"),

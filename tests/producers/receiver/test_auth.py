@@ -108,6 +108,21 @@ def test_actor_is_the_authenticated_caller_and_delegation_needs_the_right(start,
     assert (via_ci.actor, via_ci.on_behalf_of, via_ci.authenticated_by) == ("service:ci-gitlab", "user:alice", "token")
 
 
+def test_one_decision_relayed_for_two_people_at_one_time_is_two_events(start, credentials, catalogue, kafka_bootstrap):
+    """The id names the person a service relays for: the same approval relayed for alice and for bob
+    at one time had one id, so the tables kept one of the two (a retry of either keeps its own)."""
+    rx = start(policy=DELEGATING, credentials_file=str(credentials))
+    ids = []
+    for person in ("user:alice", "user:bob", "user:alice"):
+        status, answer = rx.post("/v1/releases", release_event(payload={"on_behalf_of": person, "approval_id": "CHG-7"}),
+                                 headers=_bearer(TOKENS["ci"]))
+        assert status == 200, answer
+        ids.append(answer["event_ids"][0])
+    assert ids[0] == ids[2] and ids[0] != ids[1]
+    stored = {e.event_id: e.payload.on_behalf_of for _, e in events_on(kafka_bootstrap, catalogue.release, 3)}
+    assert sorted(stored.values()) == ["user:alice", "user:bob"] and set(stored) == set(ids)
+
+
 def test_the_delegate_right_can_be_held_through_the_callers_group(start, credentials):
     # The policy grants delegate to group:ci; service:ci-gitlab is in it by its credentials file entry, mallory is not.
     by_group = Policy().model_copy(update={"roles": {**Policy().roles, "ci": Role(owner="team-mlops", members=("group:ci",), actions=("delegate",))}})
