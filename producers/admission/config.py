@@ -17,6 +17,8 @@ from producers._config import GPU_DRA_DRIVERS, GPU_RESOURCES, NameList, check_re
 
 CONTROLLER_NAME = "gpuledger.io/release-approval"
 WEBHOOK_PATH = "/validate"
+#: ``WEBHOOK_PATH/<environment>``: the path of the webhook for namespaces labelled
+#: ``gpuledger.io/environment=<environment>`` of a fail-closed environment (``producers.admission.manifests``).
 #: AdmitSettings.stale_after_s's default.
 STALE_AFTER_S = 60.0
 

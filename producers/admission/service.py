@@ -1,6 +1,6 @@
 """``gpuledger admit`` as one long-running process: HTTPS webhook, release follower, AdmissionCheck controller, recorder.
 
-Input: AdmissionReviews on ``POST /validate`` (HTTPS), the release topic (read from the
+Input: AdmissionReviews on ``POST /validate`` and ``/validate/<environment>`` (HTTPS), the release topic (read from the
 beginning into the in-memory ``AdmissionState``, like every worker's release directory),
 and with a kubeconfig the cluster's Kueue Workloads. Output: AdmissionReview answers,
 Workload check states, and one ``admission.decided`` event per decision on Kafka.
@@ -31,6 +31,7 @@ import collections
 import logging
 import time
 import queue
+import re
 import ssl
 import tempfile
 import threading
@@ -52,6 +53,9 @@ from streams.controls.policy import Policy
 from streams.correlate.directory import follow_release_topic
 
 log = logging.getLogger(__name__)
+
+#: A Kubernetes label value (the environment in ``/validate/<environment>``).
+LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 
 #: Seconds between attempts to reach Kafka while the release topic cannot be read at start.
 KAFKA_RETRY_S = 1.0
@@ -211,10 +215,17 @@ class AdmitService:
     # -- HTTP ------------------------------------------------------------------------------------
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes)
-        app.add_routes([web.post(WEBHOOK_PATH, self.validate), web.get("/healthz", self.healthz), web.get("/readyz", self.readyz)])
+        app.add_routes([web.post(WEBHOOK_PATH, self.validate), web.post(WEBHOOK_PATH + "/{environment}", self.validate),
+                        web.get("/healthz", self.healthz), web.get("/readyz", self.readyz)])
         return app
 
     async def validate(self, request: web.Request) -> web.Response:
+        environment = request.match_info.get("environment")
+        if environment is not None and not LABEL_VALUE.fullmatch(environment):
+            self.counters["bad_requests"] += 1
+            self.telemetry.add_rejected("bad_admission_review")
+            return web.json_response({"error": f"{WEBHOOK_PATH}/<environment>: {environment[:80]!r} is not a label value "
+                                               "(the environment a namespace's gpuledger.io/environment label names)"}, status=400)
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -231,9 +242,9 @@ class AdmitService:
         started = time.perf_counter()
         if b'"resourceClaims"' in body:
             # Its DRA claims are read from the API server (blocking calls): off the event loop.
-            status, answer, event = await asyncio.to_thread(self.handler.handle, body, caller)
+            status, answer, event = await asyncio.to_thread(self.handler.handle, body, caller, environment)
         else:
-            status, answer, event = self.handler.handle(body, caller)
+            status, answer, event = self.handler.handle(body, caller, environment)
         self.telemetry.add_received()
         if status != 200:
             self.counters["bad_requests"] += 1

@@ -71,10 +71,15 @@ class ReviewHandler:
         self.claims = claims  # producers.admission.claims.ClaimReader: the GPUs of DRA claims (reads the API server)
         self.policy_version = policy.fingerprint
 
-    def handle(self, body: bytes, caller: str | None = None) -> tuple[int, dict, Callable[[], AdmissionEvent] | None]:
+    def handle(self, body: bytes, caller: str | None = None,
+               namespace_environment: str | None = None) -> tuple[int, dict, Callable[[], AdmissionEvent] | None]:
         """(HTTP status, answer, a function building the decision's event — called off the
         request path by the recorder — or None when there is nothing to record). ``caller``: who
-        called, as its client certificate proved it (``x509:<common name>``), None when not proven."""
+        called, as its client certificate proved it (``x509:<common name>``), None when not proven.
+        ``namespace_environment``: the environment the path of the call names (``/validate/prod``):
+        the webhook configuration sends only namespaces labelled with it there, so it is the
+        namespace's label, which the AdmissionReview does not carry (a floor: it can only make
+        the decision stricter, whoever calls that path)."""
         try:
             request = parse_review(body)
         except BadReview as exc:
@@ -95,6 +100,8 @@ class ReviewHandler:
             subject = subject_of(obj, self.resources, self.prefix, claims=self.claims)
         except (ValueError, TypeError, AttributeError) as exc:
             return 400, {"error": f"request.object cannot be read: {exc}"}, None
+        if namespace_environment:
+            subject = replace(subject, namespace_environment=namespace_environment)
         now = self.clock()
         stale = self.state.stale_note(self.stale_after_s, now.timestamp())
         notes = (stale,) if stale else ()

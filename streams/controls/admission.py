@@ -21,11 +21,12 @@ message then starts by saying it was allowed only because of warn mode and would
 in enforce mode) or into an allow that is only recorded (dry-run: its recorded message says so the
 same way).
 
-Limits: control 1 only (approval), not control 2 (promotion); the environment is the stricter of
-the policy's namespace entry and the object's ``gpuledger.io/environment`` label
-(``Policy.workload_environment``; a label the policy does not list reads as its strictest
-environment), else it is unknown and approval is required (as control 1 treats it). Mode and
-fail-closed are never laxer than the namespace entry's environment's.
+Limits: control 1 only (approval), not control 2 (promotion); the environment is the strictest of
+the policy's namespace entry, the namespace's own ``gpuledger.io/environment`` label when the
+webhook's path says it (``Subject.namespace_environment``: only fail-closed environments have a
+path of their own) and the object's label (``Policy.workload_environment``; a label the policy
+does not list reads as its strictest environment), else it is unknown and approval is required
+(as control 1 treats it). Mode and fail-closed are never laxer than the namespace's environment's.
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ class Subject:
     workload_id: str  # as the scheduler collector names the workload (namespace/Kind/name; a Kueue Workload: namespace/name)
     queued: bool  # managed by Kueue: a suspended Job with a queue-name label, or a Workload itself (a Pod: never)
     claim_notes: tuple[str, ...] = ()  # DRA claims that could not be read, each counted as a GPU (producers.admission.claims); identity labels/annotations left out (refusal_notes)
+    # The namespace's gpuledger.io/environment label, when the webhook the API server called says it
+    # (``/validate/<environment>``: producers.admission.manifests); None when not known.
+    namespace_environment: str | None = None
 
     @property
     def ref(self) -> str:
@@ -249,7 +253,7 @@ def _approved_for(rel: Release, policy: Policy, now: datetime) -> list[str]:
 
 
 def environment_of(subject: Subject, policy: Policy) -> str | None:
-    return policy.workload_environment(subject.namespace, subject.identity.get("environment"))
+    return policy.workload_environment(subject.namespace, subject.identity.get("environment"), subject.namespace_environment)
 
 
 def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: datetime | None = None, *,
@@ -264,8 +268,9 @@ def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: 
     env = environment_of(subject, policy)
     rid = subject.identity.get("release_id")
     # Mode and fail-closed: never laxer than the namespace's environment (Admission.mode_for).
-    mode = policy.admission.mode_for(subject.namespace, env)
-    fail_closed = policy.admission.decided_fail_closed(subject.namespace, env)
+    floor = policy.workload_environment(None, None, subject.namespace_environment)  # (an unlisted label: the strictest)
+    mode = policy.admission.mode_for(subject.namespace, env, floor)
+    fail_closed = policy.admission.decided_fail_closed(subject.namespace, env, floor)
     where = env or "an unknown environment"
     # What to have the release approved for (the advice of a denial): "approved for an unknown
     # environment" named nothing anyone can approve for.

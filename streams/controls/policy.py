@@ -234,20 +234,22 @@ class Admission(_Model):
     def namespace(self, name: str | None) -> NamespaceAdmission:
         return self.namespaces.get(name or "") or NamespaceAdmission()
 
-    def mode_for(self, namespace: str | None, environment: str | None) -> AdmissionMode:
-        """The namespace's own mode, else the stricter of the environment's and the namespace's
+    def mode_for(self, namespace: str | None, environment: str | None, labelled_namespace: str | None = None) -> AdmissionMode:
+        """The namespace's own mode, else the strictest of the environment's and the namespace's
         environment's: the namespace entry is a floor (a workload's label, which its creator
-        writes, made a prod namespace's work 'warn' by naming a later environment set to warn)."""
+        writes, made a prod namespace's work 'warn' by naming a later environment set to warn).
+        ``labelled_namespace``: the namespace's own ``gpuledger.io/environment`` label, as the API
+        server's choice of webhook proves it (``/validate/<environment>``) — a floor as well."""
         ns = self.namespace(namespace)
         if ns.mode:
             return ns.mode
-        envs = (environment, ns.environment) if ns.environment else (environment,)
+        envs = (environment, *(env for env in (ns.environment, labelled_namespace) if env))
         return max((self.modes.get(env or "", self.default_mode) for env in envs), key=MODE_STRICTNESS.index)
 
-    def decided_fail_closed(self, namespace: str | None, environment: str | None) -> bool:
+    def decided_fail_closed(self, namespace: str | None, environment: str | None, labelled_namespace: str | None = None) -> bool:
         """Whether the workload is decided fail-closed: its environment or its namespace's is
-        (the namespace entry is a floor here too)."""
-        return any(env in self.fail_closed for env in (environment, self.namespace(namespace).environment) if env)
+        (the namespace entry, and the namespace's own label, are floors here too)."""
+        return any(env in self.fail_closed for env in (environment, self.namespace(namespace).environment, labelled_namespace) if env)
 
 
 def _default_environments() -> tuple[Environment, ...]:
@@ -335,7 +337,7 @@ class Policy(_Model):
         ``service:mlflow/...`` holds no role by default — from counting at all.)"""
         return not self.authentication.require_for_rights or (bool(actor) and parse_decision(actor).proven)
 
-    def workload_environment(self, namespace: str | None, labelled: str | None) -> str | None:
+    def workload_environment(self, namespace: str | None, labelled: str | None, labelled_namespace: str | None = None) -> str | None:
         """The environment a workload runs in: of its namespace's in the policy
         (``admission.namespaces.<ns>.environment``) and what its own ``gpuledger.io/environment``
         label (or annotation) says, the stricter — the later in promotion order; either alone when
@@ -351,10 +353,25 @@ class Policy(_Model):
         default: 'warn' in a prod namespace whose policy enforced prod), no fail-closed, no
         promotion check (control 2), and a deny message that asked for an approval for an
         environment nothing else knows. As the strictest listed environment it never loosens a
-        rule, and approvals, modes and fail-closed are a real environment's."""
-        mapped = self.admission.namespace(namespace).environment
+        rule, and approvals, modes and fail-closed are a real environment's.
+
+        ``labelled_namespace``: the namespace's own ``gpuledger.io/environment`` label, known to
+        ``gpuledger admit`` from the webhook the API server called (``/validate/<environment>``:
+        the webhook configuration sends a namespace labelled with a fail-closed environment to
+        its own path). It counts as the policy's namespace entry does, the stricter of the two:
+        a namespace labelled prod and not mapped in the policy was decided in an unknown
+        environment — fail-open while the release state loaded, in the namespace whose webhook
+        the API server calls fail-closed."""
+        mapped = self._stricter(self.admission.namespace(namespace).environment, self._listed(labelled_namespace))
+        return self._stricter(mapped, self._listed(labelled))
+
+    def _listed(self, labelled: str | None) -> str | None:
+        """A labelled environment as the policy reads it: one it does not list is its strictest."""
         if labelled and self.environment(labelled) is None and self.environments:
-            labelled = self.environments[-1].name
+            return self.environments[-1].name
+        return labelled or None
+
+    def _stricter(self, mapped: str | None, labelled: str | None) -> str | None:
         if not (mapped and labelled) or mapped == labelled:
             return mapped or labelled or None
         rank = {name: self.environment_rank(name) for name in (mapped, labelled)}

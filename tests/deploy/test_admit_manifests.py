@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from producers.admission.manifests import admission_check, rendered_webhook_yaml
+from producers.admission.manifests import admission_check, rendered_webhook_yaml, webhook_configuration
 
 ADMIT = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "base" / "admit"
 
@@ -21,6 +21,24 @@ def test_the_webhook_configuration_is_the_generated_one():
     assert {(h["rules"][0]["resources"][0], h["failurePolicy"]) for h in hooks} == {
         (r, p) for r in ("pods", "jobs", "workloads") for p in ("Fail", "Ignore")}
     assert all(h["matchConditions"] and h["timeoutSeconds"] <= 10 and h["sideEffects"] == "None" for h in hooks)
+
+
+def test_each_fail_closed_environment_has_its_own_path_and_the_rest_share_the_fail_open_one():
+    """The path tells admit the namespace's environment (the AdmissionReview does not): every
+    namespace labelled with a fail-closed environment reaches exactly one webhook of its kind,
+    whose path names it; every other namespace the fail-open one's /validate."""
+    hooks = webhook_configuration({"url": "https://127.0.0.1:9443"}, fail_closed=("staging", "prod"))["webhooks"]
+    pods = {h["name"]: h for h in hooks if h["rules"][0]["resources"] == ["pods"]}
+    assert {name: (h["clientConfig"]["url"], h["failurePolicy"]) for name, h in pods.items()} == {
+        "pods.fail-closed.staging.admit.gpuledger.io": ("https://127.0.0.1:9443/validate/staging", "Fail"),
+        "pods.fail-closed.prod.admit.gpuledger.io": ("https://127.0.0.1:9443/validate/prod", "Fail"),
+        "pods.admit.gpuledger.io": ("https://127.0.0.1:9443/validate", "Ignore")}
+    selects = {name: next(e for e in h["namespaceSelector"]["matchExpressions"] if e["key"] == "gpuledger.io/environment")
+               for name, h in pods.items()}
+    assert [(e["operator"], e["values"]) for e in selects.values()] == [("In", ["staging"]), ("In", ["prod"]), ("NotIn", ["staging", "prod"])]
+    (service,) = [h["clientConfig"]["service"]["path"] for h in docs("webhook.yaml")[0]["webhooks"]
+                  if h["name"] == "pods.fail-closed.admit.gpuledger.io"]
+    assert service == "/validate/prod"
 
 
 def test_the_kustomization_lists_every_file_and_the_admission_check_is_ours():

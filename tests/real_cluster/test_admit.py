@@ -167,6 +167,32 @@ def test_an_unapproved_release_job_is_denied_by_the_api_server_with_our_message(
     assert {(e.payload.caller, e.payload.user) for e in mine} == {(f"x509:{WEBHOOK_CLIENT_NAME}", "admin")}, {(e.payload.caller, e.payload.user) for e in mine}
 
 
+def test_a_namespace_labelled_prod_and_not_in_the_policy_is_decided_as_prod(admit, kube, ledger, real_cluster):
+    """The real API server calls the fail-closed webhook's own path (/validate/prod) for a namespace
+    labelled prod: admit decides its work in prod although the policy does not map it (before, in
+    an unknown environment: "not approved for its environment (none is known …)", and fail-open
+    while the release state loaded, behind a webhook the API server calls fail-closed)."""
+    _, release = ledger
+    rid = unique("unmapped-scorer-v1")
+    registered(release, rid)
+    unmapped = f"admit-unmapped-{SUFFIX}"
+    assert unmapped not in admit[0].handler.policy.admission.namespaces
+    real_cluster.apply("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                              "metadata": {"name": unmapped, "labels": {"gpuledger.io/environment": "prod", TEST_LABEL: SUFFIX}}})
+    core = k8s.CoreV1Api(kube)
+    try:
+        wait_for(lambda: admit[0].state.state_as_of(rid, datetime.now(timezone.utc).isoformat()) == "release.evaluated", 10, "the release in the state")
+        message = denial(lambda: core.create_namespaced_pod(unmapped, gpu_pod(unique("serve"), unmapped, rid)))
+        assert 'admission webhook "pods.fail-closed.admit.gpuledger.io" denied the request' in message
+        assert f"release {rid} is evaluated, not approved for prod" in message, message
+        release("approve", rid, "--actor", "alice", "--env", "staging")  # not enough for prod
+        message = wait_for(lambda: (m := _denied(lambda: core.create_namespaced_pod(unmapped, gpu_pod(unique("serve"), unmapped, rid), dry_run="All")))
+                           and "approved for staging" in m and m, 10, "the staging approval to be read")
+        assert "is approved for staging, not approved for prod" in message, message
+    finally:
+        core.delete_namespace(unmapped)
+
+
 def test_a_pod_whose_gpu_comes_from_a_dra_claim_is_decided_like_one_requesting_it(admit, kube, ledger):
     """A pod that gets its GPU through a ResourceClaimTemplate requests no extended resource:
     the webhook is sent it anyway (matchConditions: spec.resourceClaims), reads the template and

@@ -153,6 +153,41 @@ def test_health_says_how_many_decisions_wait_for_kafka_the_queue_limit_and_how_m
 
 
 @pytest.mark.timeout(180)
+def test_the_path_of_a_fail_closed_environments_webhook_is_the_namespaces_environment(tmp_path):
+    """The AdmissionReview carries no namespace labels: a namespace labelled prod, which the API
+    server sends to the fail-closed webhook, but not mapped in the policy, was decided in an
+    unknown environment — fail-open while the release state was not loaded. The fail-closed
+    webhooks call /validate/<environment> (producers.admission.manifests), and that is a floor."""
+    from gpuledger.dev.process import free_port
+    from schemas.topics import TopicCatalogue
+
+    bootstrap = f"127.0.0.1:{free_port()}"  # nothing listens: the release state never loads
+    cat = TopicCatalogue(prefix=f"t{uuid.uuid4().hex[:10]}", raw_partitions=2)
+    ca = tmp_path / "ca.crt"
+    unlabelled = job("score")
+    for labels in (unlabelled["metadata"]["labels"], unlabelled["spec"]["template"]["metadata"]["labels"]):
+        labels.pop("gpuledger.io/environment", None)  # (one dict: the job and its template share it)
+    with running(AdmitSettings(port=0, ca_out=ca), EventPublisher({"bootstrap.servers": bootstrap}, cat, "admit-test"), bootstrap,
+                 cat.release) as (url, _service):
+        context = ssl.create_default_context(cafile=str(ca))
+        status, anywhere = call(url, context, "/validate", review(unlabelled))
+        assert status == 200 and anywhere["response"]["allowed"] is True
+        assert "an unknown environment is fail-open" in anywhere["response"]["warnings"][0]
+        status, prod = call(url, context, "/validate/prod", review(unlabelled))
+        assert status == 200 and prod["response"]["allowed"] is False
+        assert prod["response"]["status"]["message"].startswith("gpuledger admit has not loaded the release state yet; prod is fail-closed")
+        # A label the policy does not list reads as its strictest environment, as a workload's does.
+        status, unlisted = call(url, context, "/validate/production", review(unlabelled))
+        assert status == 200 and "prod is fail-closed" in unlisted["response"]["status"]["message"]
+        # A workload's own label can make it stricter, never laxer than its namespace's.
+        dev = job("score-dev")
+        for labels in (dev["metadata"]["labels"], dev["spec"]["template"]["metadata"]["labels"]):
+            labels["gpuledger.io/environment"] = "dev"
+        assert call(url, context, "/validate/prod", review(dev))[1]["response"]["allowed"] is False
+        status, bad = call(url, context, "/validate/not%20a%20label", review(unlabelled))
+        assert status == 400 and "is not a label value" in bad["error"], bad
+
+
 def test_started_while_kafka_is_down_it_answers_state_not_loaded_and_loads_when_kafka_comes_back(tmp_path, caplog):
     """Found by an exploratory review: with Kafka down at start `gpuledger admit` exited (1, "the
     release topic ... cannot be read: KafkaConnectionError"). It serves the state-not-loaded answers
