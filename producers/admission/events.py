@@ -2,8 +2,11 @@
 
 Event id: ``make_event_id("admit", (gate, kind, namespace, name, uid, operation), request)``
 where ``request`` is the AdmissionReview's ``request.uid`` (a re-sent review is the same
-fact) or, for the AdmissionCheck controller, the Workload's resourceVersion and the rule
-(the same Workload state judged the same way is one fact).
+fact) or, for the AdmissionCheck controller, the check state it set and the rule
+(``state|rule``, ``operation`` the state: one Workload put in one state by one rule is one
+fact, however often it is re-listed or the controller restarts — also when only the message
+changed, a stale-state note added or gone, or when the Workload returns to a state and rule it
+had before: those are not recorded again; the Workload's check message shows the latest).
 """
 
 from __future__ import annotations
