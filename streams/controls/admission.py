@@ -24,9 +24,10 @@ same way).
 Limits: control 1 only (approval), not control 2 (promotion); the environment is the strictest of
 the policy's namespace entry, the namespace's own ``gpuledger.io/environment`` label when the
 webhook's path says it (``Subject.namespace_environment``: only fail-closed environments have a
-path of their own) and the object's label (``Policy.workload_environment``; a label the policy
-does not list reads as its strictest environment), else it is unknown and approval is required
-(as control 1 treats it). Mode and fail-closed are never laxer than the namespace's environment's.
+path of their own) and the object's label, else its release's environment as the correlation
+fills a row's identity with it (``labelled_environment``; ``Policy.workload_environment``; a name
+the policy does not list reads as its strictest environment), else it is unknown and approval is
+required (as control 1 treats it). Mode and fail-closed are never laxer than the namespace's environment's.
 """
 
 from __future__ import annotations
@@ -252,8 +253,23 @@ def _approved_for(rel: Release, policy: Policy, now: datetime) -> list[str]:
     return envs
 
 
-def environment_of(subject: Subject, policy: Policy) -> str | None:
-    return policy.workload_environment(subject.namespace, subject.identity.get("environment"), subject.namespace_environment)
+def labelled_environment(subject: Subject, state: ReleaseDirectory | None) -> str | None:
+    """The environment the workload itself names — its ``gpuledger.io/environment`` label, else
+    its release's (the ``--env`` it was registered with), as the correlation fills a row's
+    identity from the release's manifest and control 1 reads it (``rules.workload_environment``).
+    Without the release's, an unlabelled workload in a namespace the policy does not map was
+    decided in an unknown environment, which any approval covers: a staging approval let it in,
+    and control 1 then opened a violation for prod."""
+    if subject.identity.get("environment"):
+        return subject.identity["environment"]
+    rid = subject.identity.get("release_id")
+    if state is None or not rid or not state.ready.is_set() or not state.known(rid):
+        return None
+    return state.manifest(rid).get("environment") or None
+
+
+def environment_of(subject: Subject, policy: Policy, state: ReleaseDirectory | None = None) -> str | None:
+    return policy.workload_environment(subject.namespace, labelled_environment(subject, state), subject.namespace_environment)
 
 
 def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: datetime | None = None, *,
@@ -265,7 +281,7 @@ def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: 
     ``policy_version``: ``policy.fingerprint``, computed once by a long-running caller."""
     now = now or datetime.now(timezone.utc)
     version = policy_version or policy.fingerprint
-    env = environment_of(subject, policy)
+    env = environment_of(subject, policy, state)
     rid = subject.identity.get("release_id")
     # Mode and fail-closed: never laxer than the namespace's environment (Admission.mode_for).
     floor = policy.workload_environment(None, None, subject.namespace_environment)  # (an unlisted label: the strictest)
@@ -279,10 +295,12 @@ def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: 
     at_iso = now.isoformat()
     loaded = state is not None and state.ready.is_set()
 
-    labelled = subject.identity.get("environment")
+    labelled = labelled_environment(subject, state)
     if labelled and env and policy.environment(labelled) is None:
         # Said once, after the rule's message: why the environment is not the one the label names.
-        unlisted = (f" (its gpuledger.io/environment label {labelled!r} names no environment of the policy: "
+        named = ("its gpuledger.io/environment label" if subject.identity.get("environment") else
+                 f"the environment its release {rid} was registered for")
+        unlisted = (f" ({named} {labelled!r} names no environment of the policy: "
                     f"decided as {env}, the strictest it lists)")
     else:
         unlisted = ""

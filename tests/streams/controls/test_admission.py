@@ -140,6 +140,66 @@ def test_unknown_environment_requires_approval_like_control_1():
     assert decision(job({"gpuledger.io/release-id": RID}), loaded(registered)).rule == "unapproved"
 
 
+def test_an_unlabelled_workload_is_decided_in_its_releases_environment_as_control_1_judges_it():
+    """Control 1 reads a workload's environment from its correlated row, whose identity the
+    correlation fills from the release's manifest (the environment its latest release event named).
+    The webhook read only the workload's label: unlabelled, in a namespace the policy does not map,
+    it was an unknown environment, which any approval covers — a release approved for staging and
+    then promoted to prod without a prod approval had its workload let in, and control 1 then
+    opened a violation for prod."""
+    def registered_for(env):
+        return lambda state: (release(state, "register", 0, model="fraud-scorer", version="8", artifact_digest="sha256:" + "a" * 64, env=env),
+                              release(state, "evaluate", 5))
+
+    def promoted(state):
+        release(state, "promote", 20, env="prod", actor="ci/4711")
+
+    unlabelled = job({"gpuledger.io/release-id": RID}, namespace="scratch")
+    staged = loaded(registered_for("staging"), approved_by("alice", env="staging"))
+    assert (decision(unlabelled, staged).rule, decision(unlabelled, staged).environment) == ("approved", "staging")
+    d = decision(unlabelled, loaded(registered_for("staging"), approved_by("alice", env="staging"), promoted))
+    assert (d.verdict, d.rule, d.environment, d.fail_closed) == ("deny", "unapproved", "prod", True)
+    assert "is promoted (approved for staging), not approved for prod" in d.message
+    assert decision(unlabelled, loaded(registered_for("staging"), approved_by("alice", env="staging"), promoted,
+                                       approved_by("carol", minutes=30))).rule == "approved"
+    # The workload's own label still names its environment first (as the row's identity does) ...
+    assert decision(job({"gpuledger.io/release-id": RID, "gpuledger.io/environment": "dev"}, namespace="scratch"),
+                    loaded(registered_for("prod"))).rule == "approval-not-required"
+    # ... the release's environment, like a label, cannot take it out of its namespace's ...
+    mapped = Policy(admission=Admission(namespaces={"fraud-prod": NamespaceAdmission(environment="prod")}))
+    d = decision(job({"gpuledger.io/release-id": RID}, namespace="fraud-prod"), loaded(registered_for("dev")), mapped)
+    assert (d.rule, d.environment) == ("unapproved", "prod")
+    # ... and a name the policy does not list reads as its strictest environment, saying whose name it was.
+    d = decision(unlabelled, loaded(registered_for("production")))
+    assert (d.rule, d.environment) == ("unapproved", "prod")
+    assert f"the environment its release {RID} was registered for 'production' names no environment of the policy" in d.message
+
+
+def test_the_webhook_and_control_1_judge_an_unlabelled_workload_of_a_promoted_release_alike():
+    """The same history through the worker's own join and control functions (the in-memory
+    driver, ``ControlEngine``) and through the webhook's decision: control 1 opens a violation
+    for prod, and the webhook denies for prod — it let the workload in before."""
+    from streams.controls.rules import ControlEngine, directory_from_rows
+    from tests.streams.harness import Driver, pod_event
+    from tests.streams.harness import release as release_event
+
+    history = [release_event("release.registered", 0, env="staging"), release_event("release.evaluated", 5, env=None),
+               release_event("release.approved", 10, env="staging", actor="alice"),
+               release_event("release.promoted", 20, env="prod", to_environment="prod", actor="ci/4711")]
+    scheduled = pod_event("scheduler.scheduled", 30, ns="scratch", workload="scratch/Job/score", release_id="r1")
+    rows = list(Driver().feed([*history, scheduled]).rows.values())
+    engine = ControlEngine(directory_from_rows(rows), Policy()).feed(rows)
+    engine.run()
+    [violation] = [v for v in engine.current() if v.control_id == 1]
+    assert "had no approval for prod" in violation.detail, violation.detail
+    state = AdmissionState()
+    for event in history:
+        state.apply(event)
+    state.ready.set()
+    d = decide(subject_of(job({"gpuledger.io/release-id": "r1"}, namespace="scratch"), GPUS), state, Policy(), history[-1].occurred_at)
+    assert (d.verdict, d.rule, d.environment) == ("deny", "unapproved", "prod"), d.message
+
+
 def test_namespace_entry_names_the_environment_of_unlabelled_workloads():
     policy = Policy(admission=Admission(namespaces={"research": NamespaceAdmission(environment="dev")}))
     assert decision(job({}, namespace="research"), loaded(), policy).rule == "approval-not-required"
