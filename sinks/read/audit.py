@@ -416,16 +416,23 @@ class Evidence:
 
     # (1)
     def admission(self) -> dict:
-        out, flagged = [], 0
+        out, flagged, entered = [], 0, 0
         cited = self._cited_workloads(1)
         for wid, rows in sorted(self.workloads.items()):
             entry = next((r for r in rows if r["event_type"] in QUEUE_ENTRY), None) or (rows[0] if wid in cited else None)
-            if entry is None or not (self._in_range(entry["occurred_at"]) or wid in cited):
+            stopped = self._stopped(wid, rows) if entry is not None else None
+            # A Workload queued before --from that the AdmissionCheck holds as of --to, or rejected
+            # inside the range, is control 1 at work in the range: it was listed nowhere (its queue
+            # entry is outside the range, and the store has its scheduler events, so it is not
+            # among the decided-only ones either).
+            stopped_here = stopped is not None and (stopped[0] == "waiting" or self._in_range(stopped[2]["occurred_at"]))
+            entering = entry is not None and (self._in_range(entry["occurred_at"]) or wid in cited)
+            if not (entering or stopped_here):
                 continue
+            entered += entering
             rid = entry["identity"].get("release_id") or self._release_of(rows)
             approvals = self._approvals_before(rid, parse_instant(entry["occurred_at"])) if rid else []
             mine = self._citing(1, [r["correlation_id"] for r in rows])
-            stopped = self._stopped(wid, rows)
             flagged += bool(mine)
             out.append({"workload": wid, "release": rid or "no release identity", "environment": entry["identity"].get("environment") or "",
                         "queue_entry": _z(entry["occurred_at"]), "entry_event": entry["event_type"],
@@ -439,7 +446,7 @@ class Evidence:
         rejected = sum(1 for r in listed if r["verdict"].startswith(DENIED_IN_QUEUE + ":"))
         waiting = sum(1 for r in listed if r["verdict"].startswith(WAITING + ":"))
         return self._section(1, "Approved identity before queue entry",
-                             f"{len(out)} workload(s) entering a queue in the range; {flagged} with a control 1 violation "
+                             f"{entered} workload(s) entering a queue in the range; {flagged} with a control 1 violation "
                              f"({len(self._of(1))} violation(s)); {door} denied before queue entry by gpuledger admit; {rejected} denied "
                              f"in their queue (AdmissionCheck Rejected) and {waiting} waiting in their queue (AdmissionCheck Pending) "
                              "by gpuledger admit",

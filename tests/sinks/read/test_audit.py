@@ -536,6 +536,23 @@ def test_a_workload_the_admission_check_holds_pending_is_waiting_in_its_queue_no
             "by gpuledger admit") in section["summary"], section["summary"]
 
 
+def test_a_workload_queued_before_the_range_and_held_or_rejected_in_it_is_listed(admit_store):
+    """A Workload that entered its queue before --from and that the AdmissionCheck holds as of
+    --to was in no row of control 1: its queue entry was outside the range, and the store has its
+    scheduler events, so it was not among the workloads known only by their decisions either."""
+    t = ADMIT_AT
+    report = json.loads(audit(admit_store, "--from", (t + timedelta(seconds=90)).isoformat(), "--to", ADMIT_RANGE[3], "--format", "json").output)
+    section = next(s for s in report["evidence"] if s["control"] == 1)
+    rows = {r["workload"]: r for r in section["rows"]}
+    held = rows[HELD]
+    assert held["queue_entry"] == z(t + timedelta(seconds=1)), held  # before --from: the fact as it is
+    assert held["verdict"] == f"waiting in its queue: held by gpuledger admit (rule unapproved) since {z(t + timedelta(seconds=2))} — no violation"
+    # Admitted at +1m2s, before this range: nothing of control 1's in it.
+    assert LET_IN not in rows, rows[LET_IN]
+    assert section["summary"].startswith("0 workload(s) entering a queue in the range; "), section["summary"]
+    assert "and 2 waiting in their queue (AdmissionCheck Pending)" in section["summary"], section["summary"]
+
+
 def test_waiting_workloads_are_listed_after_the_denials_and_counted_when_left_out(admit_store, monkeypatch, tmp_path):
     """A held Workload is what control 1 is stopping for now: after the denials, before the rows
     that only show the control was exercised — and a list too short for it says how many."""
