@@ -231,6 +231,9 @@ DENIED_IN_QUEUE = "denied in its queue"
 #: Control 1's verdict on a Workload gpuledger admit's AdmissionCheck holds Pending, not admitted
 #: since: "waiting in its queue: held by gpuledger admit (rule R) since T — no violation" (``_stop_verdict``).
 WAITING = "waiting in its queue"
+#: Control 1's verdict on a Job the webhook deferred to its AdmissionCheck when the store holds no
+#: Workload, scheduler event or check decision of it: "deferred to its AdmissionCheck: …" (``_decided_only``).
+DEFERRED = "deferred to its AdmissionCheck"
 #: An evidence row's verdict when its deadline is after the latest event the store holds (``Evidence.judged_until``).
 NOT_JUDGED = "not judged yet"
 #: A preemption's verdict when a side's business priority is unknown to the policy.
@@ -445,11 +448,13 @@ class Evidence:
         door = sum(1 for r in listed if r["verdict"] == DENIED)
         rejected = sum(1 for r in listed if r["verdict"].startswith(DENIED_IN_QUEUE + ":"))
         waiting = sum(1 for r in listed if r["verdict"].startswith(WAITING + ":"))
+        deferred = sum(1 for r in listed if r["verdict"].startswith(DEFERRED + ":"))
         return self._section(1, "Approved identity before queue entry",
                              f"{entered} workload(s) entering a queue in the range; {flagged} with a control 1 violation "
                              f"({len(self._of(1))} violation(s)); {door} denied before queue entry by gpuledger admit; {rejected} denied "
                              f"in their queue (AdmissionCheck Rejected) and {waiting} waiting in their queue (AdmissionCheck Pending) "
-                             "by gpuledger admit",
+                             "by gpuledger admit" + (f"; {deferred} deferred to their AdmissionCheck by the webhook with no Workload or "
+                                                     "check decision in the store" if deferred else ""),
                              ["workload", "release", "environment", "queue_entry", "entry_event", "policy_result", "approvals", "verdict"],
                              listed, len(listed), "workload(s) entering a queue, or denied or held by gpuledger admit")
 
@@ -486,6 +491,18 @@ class Evidence:
                 continue
             stopped = self._stopped(wid, [])
             p = _payload(last)
+            if last["status"] == "deferred":
+                # Handed to the AdmissionCheck, and nothing after it in the store: no Workload queued
+                # it, or the check never decided (its controller down: Kueue holds it), or the
+                # collector missed it. It was in no row (the trace showed it "deferred").
+                who = f" (user {p['user']})" if p.get("user") else ""
+                out.append({"workload": wid, "release": last["identity"].get("release_id") or "no release identity",
+                            "environment": last["identity"].get("environment") or "",
+                            "queue_entry": "deferred (no Workload in the store)", "entry_event": "admission.decided",
+                            "policy_result": f"workload {wid}: {_decision_text(last)}{who}: {p.get('message') or ''}".rstrip(": "),
+                            "approvals": "", "verdict": f"{DEFERRED}: by the webhook at {_z(last['occurred_at'])}; the store has no Workload, "
+                                                        "scheduler event or check decision of it — no violation"})
+                continue
             if stopped is None and p.get("decision") != "deny":
                 continue
             ident = last["identity"]
@@ -934,7 +951,7 @@ def conclusion(report: dict) -> str:
 
 
 #: The kinds of row an evidence list holds, by verdict, in the order the table and HTML list them (``_attention``).
-ROW_KINDS = ("with a recorded violation", "denied by gpuledger admit", "waiting in their queue", "not judged yet or not compared",
+ROW_KINDS = ("with a recorded violation", "denied by gpuledger admit", "waiting in their queue", "not judged yet (or deferred, no check decision) or not compared",
              "with no violation recorded")
 
 
@@ -951,8 +968,8 @@ def _attention(row: dict) -> int:
         return 1
     if verdict.startswith(WAITING + ":"):
         return 2
-    if verdict.startswith(NOT_JUDGED) or verdict.endswith(NOT_COMPARED):
-        return 3
+    if verdict.startswith(NOT_JUDGED) or verdict.endswith(NOT_COMPARED) or verdict.startswith(DEFERRED + ":"):
+        return 3  # (a deferral with no check decision: nothing judged it yet)
     if verdict == NO_VIOLATION or verdict.endswith("; " + NO_VIOLATION):  # (a priority override's: "expires T; " before it)
         return 4
     return 0
