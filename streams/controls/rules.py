@@ -847,8 +847,12 @@ def _release_controls(rid: str, rows: list[dict], links: dict, found: Findings, 
     for n, row in enumerate(rows):
         action = ACTION_OF_EVENT.get(row["type"])
         if action:
-            later = [r for r in rows[n + 1:] if r["type"] == row["type"] and r["p"].get("target") == row["p"].get("target")
-                     and _decided_for(r, own_env) == _decided_for(row, own_env)]
+            # A repeat in the same instant ratifies too: rows of one instant are in id order, which
+            # says nothing of which came first — a pipeline giving every step one --at (docs/receiver.md)
+            # had the approver's ratification count or not by the hash of two event ids.
+            at = _t(row["at"])
+            later = [r for m, r in enumerate(rows) if m != n and (m > n or _t(r["at"]) == at) and r["type"] == row["type"]
+                     and r["p"].get("target") == row["p"].get("target") and _decided_for(r, own_env) == _decided_for(row, own_env)]
             _authority(rid, row, action, later, base, found, clock, ctx.policy)
     reservations = reservation_events(rows)
     for res_id, entry in sorted(reservations.items()):
