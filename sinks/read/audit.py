@@ -48,7 +48,7 @@ from sinks.read.text import markup
 from sinks.read.decisions import check_state, decision_status, wait_run
 from sinks.read.trace import Store, ch_time, deferral_links, parse_instant, time_before
 from streams.controls.policy import ACTION_OF_EVENT, CONTROL_NAMES, CONTROL_TITLES, Policy
-from streams.controls.rules import START, ControlEngine, compact_row, directory_from_rows, is_withdrawn, peak_concurrency, preemption_clusters
+from streams.controls.rules import START, TERMINAL, ControlEngine, compact_row, directory_from_rows, is_withdrawn, peak_concurrency, preemption_clusters
 
 MAX_ROWS = 200_000
 LIST_LIMIT = 25
@@ -476,6 +476,8 @@ class Evidence:
         since = parse_instant(first["occurred_at"])
         if any(r["event_type"] in START and precedes(since, parse_instant(r["occurred_at"])) for r in rows):
             return None  # (admitted after all: its allow was not recorded, or no longer needed)
+        if status == "waiting" and any(r["event_type"] in TERMINAL and precedes(since, parse_instant(r["occurred_at"])) for r in rows):
+            return None  # (deleted or finished while held: it waits no more — it read "waiting" for as long as the lookback held it)
         return status, first, last
 
     def _decided_only(self) -> list[dict]:

@@ -419,6 +419,7 @@ ADMIT_AT = inc.T0 + timedelta(hours=4)
 ADMIT_RANGE = ["--from", (ADMIT_AT - timedelta(hours=1)).isoformat(), "--to", (ADMIT_AT + timedelta(hours=1)).isoformat()]
 HELD, LET_IN = "ml/job-ranker-12-x7k2p", "ml/job-ranker-13-b8c4d"  # queued Kueue Workloads of Jobs ranker-12, ranker-13
 REJECTED, HELD_UNSEEN = "ml/job-ranker-11-q9w8e", "ml/job-ranker-14-z5y6x"  # decided by the AdmissionCheck, no scheduler event stored
+GONE = "ml/job-ranker-16-d3l3t"  # queued, held Pending, deleted while held
 DEFERRED_ONLY = "ml/Job/ranker-15"  # deferred by the webhook; no Workload, scheduler event or check decision stored
 
 
@@ -483,6 +484,10 @@ def admit_store(clickhouse_client, clickhouse_dsn, tmp_path_factory):
              inc.admission_check_row(workload(REJECTED, "ranker-v11-prod", "ranker-11"), state, t + timedelta(minutes=3)),
              inc.admission_check_row(workload(HELD_UNSEEN, "ranker-v14-prod", "ranker-14"), state, t + timedelta(minutes=3)),
              denial("risk/sneaky", t + timedelta(minutes=4)),
+             # Queued, held Pending, then deleted while held: waiting no more.
+             scheduler("scheduler.submitted", GONE, "ranker-v12-prod", "ranker-16", t + timedelta(seconds=1)),
+             inc.admission_check_row(workload(GONE, "ranker-v12-prod", "ranker-16"), state, t + timedelta(seconds=2)),
+             scheduler("scheduler.deleted", GONE, "ranker-v12-prod", "ranker-16", t + timedelta(seconds=60)),
              # Deferred by the webhook, and nothing after it: no Workload, scheduler event or check decision.
              inc.webhook_row(job("ranker-15", "ranker-v12-prod"), state, t + timedelta(minutes=5), policy)]
     db = f"t_{uuid.uuid4().hex[:12]}"
@@ -502,7 +507,7 @@ def test_a_workload_the_admission_check_holds_pending_is_waiting_in_its_queue_no
     report = json.loads(audit(admit_store, *ADMIT_RANGE, "--format", "json").output)
     section = next(s for s in report["evidence"] if s["control"] == 1)
     rows = {r["workload"]: r for r in section["rows"]}
-    assert set(rows) == {HELD, LET_IN, REJECTED, HELD_UNSEEN, "risk/sneaky", DEFERRED_ONLY}, rows  # (the Jobs' ids are their Workloads')
+    assert set(rows) == {HELD, LET_IN, REJECTED, HELD_UNSEEN, "risk/sneaky", DEFERRED_ONLY, GONE}, rows  # (the Jobs' ids are their Workloads')
     t = ADMIT_AT
     since, last = z(t + timedelta(seconds=2)), z(t + timedelta(minutes=2))
 
@@ -534,7 +539,9 @@ def test_a_workload_the_admission_check_holds_pending_is_waiting_in_its_queue_no
     assert rejected["policy_result"].startswith(f"workload {REJECTED}: decision deny at {z(t + timedelta(minutes=3))} by rule revoked "
                                                 "(admission-check Rejected, enforce): "), rejected
     assert rows["risk/sneaky"]["verdict"] == "denied before queue entry (the control enforced; no violation)"
-    assert ("2 workload(s) entering a queue in the range; 0 with a control 1 violation (0 violation(s)); 1 denied before queue entry by "
+    # Held, then deleted while held: it entered its queue in the range, and waits no more.
+    assert rows[GONE]["verdict"] == "no violation recorded", rows[GONE]
+    assert ("3 workload(s) entering a queue in the range; 0 with a control 1 violation (0 violation(s)); 1 denied before queue entry by "
             "gpuledger admit; 1 denied in their queue (AdmissionCheck Rejected) and 2 waiting in their queue (AdmissionCheck Pending) "
             "by gpuledger admit; 1 deferred to their AdmissionCheck by the webhook with no Workload or check decision in the store") \
         in section["summary"], section["summary"]
@@ -558,8 +565,9 @@ def test_a_workload_queued_before_the_range_and_held_or_rejected_in_it_is_listed
     held = rows[HELD]
     assert held["queue_entry"] == z(t + timedelta(seconds=1)), held  # before --from: the fact as it is
     assert held["verdict"] == f"waiting in its queue: held by gpuledger admit (rule unapproved) since {z(t + timedelta(seconds=2))} — no violation"
-    # Admitted at +1m2s, before this range: nothing of control 1's in it.
+    # Admitted at +1m2s, before this range: nothing of control 1's in it; deleted while held at +60s: neither.
     assert LET_IN not in rows, rows[LET_IN]
+    assert GONE not in rows, rows[GONE]
     assert section["summary"].startswith("0 workload(s) entering a queue in the range; "), section["summary"]
     assert "and 2 waiting in their queue (AdmissionCheck Pending)" in section["summary"], section["summary"]
 
@@ -574,8 +582,8 @@ def test_waiting_workloads_are_listed_after_the_denials_and_counted_when_left_ou
     shown = sorted((section.index(f"<td>{wid}</td>"), wid) for wid in (HELD, LET_IN, REJECTED, HELD_UNSEEN, "risk/sneaky")
                    if f"<td>{wid}</td>" in section)
     assert [wid for _at, wid in shown] == [REJECTED, "risk/sneaky", HELD], shown
-    left_out = ("(+3 more not shown: 1 waiting in their queue, 1 not judged yet (or deferred, no check decision) or not compared, "
-                "1 with no violation recorded; --format json lists all 6)")
+    left_out = ("(+4 more not shown: 1 waiting in their queue, 1 not judged yet (or deferred, no check decision) or not compared, "
+                "2 with no violation recorded; --format json lists all 7)")
     assert left_out in section, section.split("<table>", 1)[0]
     assert left_out in " ".join(audit(admit_store, *ADMIT_RANGE).output.split())
 
