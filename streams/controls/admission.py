@@ -24,10 +24,10 @@ same way).
 Limits: control 1 only (approval), not control 2 (promotion); the environment is the strictest of
 the policy's namespace entry, the namespace's own ``gpuledger.io/environment`` label when the
 webhook's path says it (``Subject.namespace_environment``: only fail-closed environments have a
-path of their own) and the object's label, else its release's environment as the correlation
-fills a row's identity with it (``labelled_environment``; ``Policy.workload_environment``; a name
-the policy does not list reads as its strictest environment), else it is unknown and approval is
-required (as control 1 treats it). Mode and fail-closed are never laxer than the namespace's environment's.
+path of their own) and the object's label, else the strictest environment its release's events
+named when that one needs an approval (``releases_environment``; ``Policy.workload_environment``; a
+name the policy does not list reads as its strictest environment), else it is unknown and approval
+is required (as control 1 treats it). Mode and fail-closed are never laxer than the namespace's environment's.
 """
 
 from __future__ import annotations
@@ -253,23 +253,46 @@ def _approved_for(rel: Release, policy: Policy, now: datetime) -> list[str]:
     return envs
 
 
-def labelled_environment(subject: Subject, state: ReleaseDirectory | None) -> str | None:
-    """The environment the workload itself names — its ``gpuledger.io/environment`` label, else
-    its release's (the ``--env`` it was registered with), as the correlation fills a row's
-    identity from the release's manifest and control 1 reads it (``rules.workload_environment``).
-    Without the release's, an unlabelled workload in a namespace the policy does not map was
-    decided in an unknown environment, which any approval covers: a staging approval let it in,
-    and control 1 then opened a violation for prod."""
-    if subject.identity.get("environment"):
-        return subject.identity["environment"]
+def releases_environment(subject: Subject, state: ReleaseDirectory | None, policy: Policy) -> str | None:
+    """The environment an unlabelled workload's release names for it: the strictest any of the
+    release's events named (``--env`` of its registration, approval, promotion, …), when that one
+    needs an approval — else None (an unknown environment, as without it).
+
+    Why: control 1 reads a workload's environment from its correlated row, whose identity the
+    correlation fills from the release's manifest; reading only the workload's label, the webhook
+    decided an unlabelled workload in a namespace the policy does not map in an unknown
+    environment, which any approval covers — a release approved for staging and promoted to prod
+    without a prod approval had such workloads let in, and control 1 then opened a violation for
+    prod. Why the strictest of all, not the manifest's latest: the latest of events of one instant
+    is the one whose id sorts last (one ``--at`` for every pipeline step made the answer depend on
+    the CI job's id), and any later event naming a laxer environment (an approval for dev by
+    anyone, an evaluation) would lower it. The strictest never falls, whatever the order, and is
+    never laxer than the row's: what the webhook admits, control 1 accepts. Why only one needing an
+    approval: the release's events are anyone's to publish, so they may make a decision stricter
+    than an unknown environment, never laxer (a release registered for dev alone does not let its
+    unlabelled workloads in unapproved)."""
     rid = subject.identity.get("release_id")
     if state is None or not rid or not state.ready.is_set() or not state.known(rid):
         return None
-    return state.manifest(rid).get("environment") or None
+    entry = state.releases[rid]
+    named = {env for _key, env in entry["fields"].get("environment", ())} | {h[3] for h in entry["history"]}
+    listed = {policy.workload_environment(None, env) for env in named if env}  # (an unlisted name reads as the strictest)
+    ranked = [env for env in listed if policy.environment_rank(env) is not None]
+    if not ranked:
+        return None
+    strictest = max(ranked, key=policy.environment_rank)
+    envp = policy.environment(strictest)
+    return strictest if envp is not None and envp.requires_approval else None
+
+
+def labelled_environment(subject: Subject, state: ReleaseDirectory | None, policy: Policy) -> str | None:
+    """The environment the workload names: its ``gpuledger.io/environment`` label, else its
+    release's (``releases_environment``)."""
+    return subject.identity.get("environment") or releases_environment(subject, state, policy)
 
 
 def environment_of(subject: Subject, policy: Policy, state: ReleaseDirectory | None = None) -> str | None:
-    return policy.workload_environment(subject.namespace, labelled_environment(subject, state), subject.namespace_environment)
+    return policy.workload_environment(subject.namespace, labelled_environment(subject, state, policy), subject.namespace_environment)
 
 
 def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: datetime | None = None, *,
@@ -295,12 +318,10 @@ def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: 
     at_iso = now.isoformat()
     loaded = state is not None and state.ready.is_set()
 
-    labelled = labelled_environment(subject, state)
+    labelled = subject.identity.get("environment")
     if labelled and env and policy.environment(labelled) is None:
         # Said once, after the rule's message: why the environment is not the one the label names.
-        named = ("its gpuledger.io/environment label" if subject.identity.get("environment") else
-                 f"the environment its release {rid} was registered for")
-        unlisted = (f" ({named} {labelled!r} names no environment of the policy: "
+        unlisted = (f" (its gpuledger.io/environment label {labelled!r} names no environment of the policy: "
                     f"decided as {env}, the strictest it lists)")
     else:
         unlisted = ""

@@ -146,7 +146,8 @@ def test_an_unlabelled_workload_is_decided_in_its_releases_environment_as_contro
     The webhook read only the workload's label: unlabelled, in a namespace the policy does not map,
     it was an unknown environment, which any approval covers — a release approved for staging and
     then promoted to prod without a prod approval had its workload let in, and control 1 then
-    opened a violation for prod."""
+    opened a violation for prod. The webhook takes the strictest environment the release's events
+    named (never laxer than the row's, whatever their order) when it needs an approval."""
     def registered_for(env):
         return lambda state: (release(state, "register", 0, model="fraud-scorer", version="8", artifact_digest="sha256:" + "a" * 64, env=env),
                               release(state, "evaluate", 5))
@@ -169,10 +170,25 @@ def test_an_unlabelled_workload_is_decided_in_its_releases_environment_as_contro
     mapped = Policy(admission=Admission(namespaces={"fraud-prod": NamespaceAdmission(environment="prod")}))
     d = decision(job({"gpuledger.io/release-id": RID}, namespace="fraud-prod"), loaded(registered_for("dev")), mapped)
     assert (d.rule, d.environment) == ("unapproved", "prod")
-    # ... and a name the policy does not list reads as its strictest environment, saying whose name it was.
+    # ... a name the policy does not list reads as its strictest environment ...
     d = decision(unlabelled, loaded(registered_for("production")))
     assert (d.rule, d.environment) == ("unapproved", "prod")
-    assert f"the environment its release {RID} was registered for 'production' names no environment of the policy" in d.message
+    # ... it is the strictest any of the release's events named, whatever the order of one instant's
+    # events (the manifest's latest was the one whose id sorts last: the CI job's id decided) ...
+    for promoter in ("ci/1", "ci/2", "ci/3", "ci/4", "ci/5", "ci/6"):
+        one_instant = loaded(lambda state: release(state, "register", 0, model="m", version="8", artifact_digest="sha256:" + "a" * 64,
+                                                   env="staging"),
+                             lambda state: release(state, "approve", 0, actor="alice", env="staging"),
+                             lambda state, p=promoter: release(state, "promote", 0, env="prod", actor=p))
+        d = decision(unlabelled, one_instant)
+        assert (d.verdict, d.rule, d.environment) == ("deny", "unapproved", "prod"), (promoter, d)
+    # ... a later event naming a laxer environment does not lower it (anyone may publish one) ...
+    lowered = loaded(registered_for("staging"), promoted, lambda state: release(state, "approve", 30, actor="mallory", env="dev"),
+                     lambda state: release(state, "evaluate", 31, env="staging"))
+    assert (decision(unlabelled, lowered).rule, decision(unlabelled, lowered).environment) == ("unapproved", "prod")
+    # ... and a release naming only environments that need no approval leaves it unknown: approval needed, as before.
+    d = decision(unlabelled, loaded(registered_for("dev")))
+    assert (d.rule, d.environment) == ("unapproved", None), d
 
 
 def test_the_webhook_and_control_1_judge_an_unlabelled_workload_of_a_promoted_release_alike():
