@@ -31,7 +31,6 @@ import collections
 import logging
 import time
 import queue
-import re
 import ssl
 import tempfile
 import threading
@@ -54,8 +53,6 @@ from streams.correlate.directory import follow_release_topic
 
 log = logging.getLogger(__name__)
 
-#: A Kubernetes label value (the environment in ``/validate/<environment>``).
-LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 
 #: Seconds between attempts to reach Kafka while the release topic cannot be read at start.
 KAFKA_RETRY_S = 1.0
@@ -220,18 +217,6 @@ class AdmitService:
         return app
 
     async def validate(self, request: web.Request) -> web.Response:
-        environment = request.match_info.get("environment")
-        if environment is not None and not LABEL_VALUE.fullmatch(environment):
-            self.counters["bad_requests"] += 1
-            self.telemetry.add_rejected("bad_admission_review")
-            return web.json_response({"error": f"{WEBHOOK_PATH}/<environment>: {environment[:80]!r} is not a label value "
-                                               "(the environment a namespace's gpuledger.io/environment label names)"}, status=400)
-        try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            self.counters["bad_requests"] += 1
-            self.telemetry.add_rejected("too_large")
-            return web.json_response({"error": f"body over {self.config.max_body_bytes} bytes"}, status=413)
         caller = None
         if self.config.client_ca_file is not None:
             caller, refused = self._caller(request.transport.get_extra_info("peercert") if request.transport else None)
@@ -239,6 +224,24 @@ class AdmitService:
                 self.counters["unauthenticated"] += 1
                 self.telemetry.add_rejected("unauthenticated_caller")
                 return web.json_response({"error": refused}, status=401 if caller is None else 403)
+        environment = request.match_info.get("environment")
+        if environment is not None and environment not in self.policy.admission.fail_closed:
+            # Only a fail-closed environment's webhook has a path of its own (producers.admission.manifests),
+            # and only such a floor cannot make a decision laxer than an unknown environment: another
+            # environment's mode or its approval rule (dev: none needed) would. Loud: the webhook
+            # configuration and the policy disagree.
+            self.counters["bad_requests"] += 1
+            self.telemetry.add_rejected("bad_admission_review")
+            return web.json_response({"error": f"{WEBHOOK_PATH}/<environment> serves the policy's fail-closed environments "
+                                               f"({', '.join(self.policy.admission.fail_closed) or 'none'}); {environment[:80]!r} is not one: "
+                                               "the webhook configuration and the policy disagree (generate the configuration from the "
+                                               "policy's admission.fail_closed: docs/admission.md)"}, status=400)
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            self.counters["bad_requests"] += 1
+            self.telemetry.add_rejected("too_large")
+            return web.json_response({"error": f"body over {self.config.max_body_bytes} bytes"}, status=413)
         started = time.perf_counter()
         if b'"resourceClaims"' in body:
             # Its DRA claims are read from the API server (blocking calls): off the event loop.

@@ -78,8 +78,11 @@ class ReviewHandler:
         called, as its client certificate proved it (``x509:<common name>``), None when not proven.
         ``namespace_environment``: the environment the path of the call names (``/validate/prod``):
         the webhook configuration sends only namespaces labelled with it there, so it is the
-        namespace's label, which the AdmissionReview does not carry (a floor: it can only make
-        the decision stricter, whoever calls that path)."""
+        namespace's label, which the AdmissionReview does not carry — a floor of the decision's
+        environment, mode and fail-closed like the policy's namespace entry. The service answers
+        such a path only for a fail-closed environment of the policy, which needs an approval and is
+        decided fail-closed; its mode is the policy's for it (``modes: {prod: warn}`` is warn there, as
+        in a namespace the policy maps to prod)."""
         try:
             request = parse_review(body)
         except BadReview as exc:
