@@ -1,8 +1,8 @@
 """Release state as pure functions: manifest and lifecycle history of one release.
 
 - ``manifest``: identity fields of the release, each with the sort key
-  (occurred_at, event_id) of the event that set it; the latest event wins, so the
-  manifest is the same whatever order the events are processed in.
+  (occurred_at, lifecycle order, event_id: ``_sort_key``) of the event that set it; the latest
+  event wins, so the manifest is the same whatever order the events are processed in.
 - ``history``: the release's lifecycle events, sorted by event time; ``state_as_of``
   answers "what was the release's latest lifecycle event at time t".
 Used by ``streams.correlate.directory``. Limit: ``MAX_HISTORY`` lifecycle events per release.
@@ -41,8 +41,22 @@ def summarize(event_type: str, payload: dict) -> str:
     return f"{what} {p.get('reason') or ''}".strip()
 
 
+#: Events of one instant in the order a release lives them (other release events — reservations,
+#: admin actions — before its lifecycle events). ``_sort_key``.
+LIFECYCLE_ORDER = {etype: str(n) for n, etype in enumerate(
+    ("release.registered", "release.evaluated", "release.approved", "release.promoted", "release.rolled_back",
+     "release.revoked", "release.retired"), start=1)}
+
+
 def _sort_key(event) -> str:
-    return f"{event.occurred_at.isoformat()}|{event.event_id}"
+    """``occurred_at|lifecycle order|event_id`` (everything reads the time before the first '|').
+
+    The lifecycle order decides between events of one instant: they were in event-id order, and
+    the documented pipeline gives every step one ``--at`` (docs/receiver.md) — a release registered,
+    approved and promoted in one instant read ``release.approved`` or ``release.registered``, and
+    its manifest's environment staging rather than prod, by the hash of the ids (a CI job's id
+    changed it; exploratory review). The id still orders two events of one kind and instant."""
+    return f"{event.occurred_at.isoformat()}|{LIFECYCLE_ORDER.get(event.event_type, '0')}|{event.event_id}"
 
 
 def new_state(release_id: str) -> dict:

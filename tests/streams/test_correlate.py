@@ -38,6 +38,29 @@ def test_state_and_environments_as_of_a_time():
     assert d.by_image_digest("sha256:" + "e" * 64) == "r2"
 
 
+def test_events_of_one_instant_are_in_lifecycle_order_whatever_their_ids():
+    """The documented pipeline gives every step one --at: registered, approved and promoted in one
+    instant read ``release.approved`` or ``release.registered`` (and the manifest's environment
+    staging, not prod) by the hash of the ids — a CI job's id decided it (exploratory review)."""
+    from datetime import datetime, timezone
+
+    from producers.releases import COMMANDS, build_event
+
+    command = {c.name: c for c in COMMANDS}
+    at = "2026-12-07T09:10:00Z"
+    for job in range(1, 9):
+        steps = [build_event(command["register"], {"release_id": "relB:1", "model": "m", "version": "1", "artifact_digest": "sha256:" + "a" * 64,
+                                                   "env": "staging", "actor": f"ci/{job}", "at": at}),
+                 build_event(command["approve"], {"release_id": "relB:1", "actor": "alice", "env": "staging", "at": at}),
+                 build_event(command["promote"], {"release_id": "relB:1", "env": "prod", "actor": f"ci/{job}", "at": at})]
+        for order in itertools.permutations(steps):
+            d = ReleaseDirectory()
+            for ev in order:
+                d.apply(ev)
+            assert d.state_as_of("relB:1", datetime(2026, 12, 7, 9, 10, tzinfo=timezone.utc).isoformat()) == "release.promoted", job
+            assert d.manifest("relB:1")["environment"] == "prod", job
+
+
 def test_reapplying_an_event_changes_nothing():
     d = ReleaseDirectory()
     assert d.apply(EVENTS[0])
