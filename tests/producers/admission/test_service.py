@@ -361,7 +361,7 @@ def test_with_a_client_ca_only_a_caller_with_its_certificate_is_answered_and_the
         assert status == 403 and "'someone-else' is not one of the allowed callers" in body["error"], body
         status, body = call(url, context((cert, key)), "/validate", review(job("from-the-api-server")))
         assert status == 200 and body["response"]["allowed"] is False, body  # (no release state: unknown release, prod)
-        assert service.counters["unauthenticated"] == 2
+        assert service.counters["unauthenticated"] == 3  # (the two anonymous calls and the wrong name)
         decided = [decode_event(m.value()).payload for m in read_topic(kafka_bootstrap, catalogue.scheduler, 1)]
         assert [(d.object_name, d.user, d.caller) for d in decided] == [("from-the-api-server", "model-team-ci", "x509:kube-apiserver-webhook-client")]
 
