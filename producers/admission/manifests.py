@@ -61,6 +61,11 @@ def gpu_match_expression(kind: str, resources: Iterable[str] = GPU_RESOURCES) ->
     return f"object.spec.podSets.exists(ps, {_containers_cel('ps.template.spec', resources)})"
 
 
+def _dns_label(name: str) -> str:
+    """An environment's name as a part of a webhook's name (a DNS subdomain: lower case, no '_')."""
+    return name.lower().replace("_", "-")
+
+
 def webhook_configuration(client_config_for: dict, *, name: str = "gpuledger-admit", fail_closed: Iterable[str] = ("prod",),
                           resources: Iterable[str] = GPU_RESOURCES, timeout_seconds: int = 5,
                           extra_namespace_match: list[dict] | None = None) -> dict:
@@ -73,17 +78,21 @@ def webhook_configuration(client_config_for: dict, *, name: str = "gpuledger-adm
     # Per fail-closed environment its own webhook and path (``/validate/prod``): the AdmissionReview
     # carries no namespace labels, so the path is how admit learns the namespace's environment.
     groups = [(env_name, [env_name]) for env_name in fail_closed] + [(None, fail_closed)]
+    names = {env_name: _dns_label(env_name) for env_name in fail_closed}
+    if len(set(names.values())) < len(names):
+        raise ValueError(f"fail_closed environments {fail_closed} give one webhook name twice (lower-cased, '_' as '-')")
     for short, group, version, resource, cel_kind in KINDS:
         for closed_env, values in groups:
             closed = closed_env is not None
-            env = {"key": ENV_LABEL, "operator": "In" if closed else "NotIn", "values": values}
+            # (with no fail-closed environment, the fail-open webhook selects by label not at all: NotIn [] is invalid)
+            env = [{"key": ENV_LABEL, "operator": "In" if closed else "NotIn", "values": values}] if values else []
             path = WEBHOOK_PATH + (f"/{closed_env}" if closed else "")
             if "url" in client_config_for:
                 client = {**client_config_for, "url": client_config_for["url"].rstrip("/") + path}
             else:
                 client = {**client_config_for, "service": {**client_config_for["service"], "path": path}}
             # (the one fail-closed environment's webhooks keep the name they had before it had a path)
-            tag = ("fail-closed." if len(fail_closed) == 1 else f"fail-closed.{closed_env}.") if closed else ""
+            tag = ("fail-closed." if len(fail_closed) == 1 else f"fail-closed.{names[closed_env]}.") if closed else ""
             hooks.append(copy.deepcopy({
                 "name": f"{short}.{tag}admit.gpuledger.io",
                 "admissionReviewVersions": ["v1"],
@@ -96,7 +105,7 @@ def webhook_configuration(client_config_for: dict, *, name: str = "gpuledger-adm
                 "timeoutSeconds": timeout_seconds,
                 # The opt-out is a namespace's only: an objectSelector on gpuledger.io/admit let any Pod or Job
                 # labelled 'disabled' by its creator skip the webhook — in prod, past the fail-closed one too.
-                "namespaceSelector": {"matchExpressions": [excluded, opted_out, env, *(extra_namespace_match or [])]},
+                "namespaceSelector": {"matchExpressions": [excluded, opted_out, *env, *(extra_namespace_match or [])]},
                 "matchConditions": [{"name": "requests-gpu", "expression": gpu_match_expression(cel_kind, resources)}],
             }))
     return {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration", "metadata": {"name": name},

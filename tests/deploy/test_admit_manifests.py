@@ -39,6 +39,14 @@ def test_each_fail_closed_environment_has_its_own_path_and_the_rest_share_the_fa
     (service,) = [h["clientConfig"]["service"]["path"] for h in docs("webhook.yaml")[0]["webhooks"]
                   if h["name"] == "pods.fail-closed.admit.gpuledger.io"]
     assert service == "/validate/prod"
+    # An environment's name that is no DNS label part is made one in the webhook's name (the path keeps it).
+    hooks = webhook_configuration({"url": "https://127.0.0.1:9443"}, fail_closed=("Prod_EU", "prod"))["webhooks"]
+    assert {h["name"] for h in hooks if h["name"].startswith("pods.")} == {
+        "pods.fail-closed.prod-eu.admit.gpuledger.io", "pods.fail-closed.prod.admit.gpuledger.io", "pods.admit.gpuledger.io"}
+    assert "https://127.0.0.1:9443/validate/Prod_EU" in {h["clientConfig"]["url"] for h in hooks}
+    # No fail-closed environment: one fail-open webhook per kind, selecting by no environment label (NotIn [] is invalid).
+    (only,) = [h for h in webhook_configuration({"url": "https://127.0.0.1:9443"}, fail_closed=())["webhooks"] if h["name"].startswith("pods.")]
+    assert only["failurePolicy"] == "Ignore" and all(e["key"] != "gpuledger.io/environment" for e in only["namespaceSelector"]["matchExpressions"])
 
 
 def test_the_kustomization_lists_every_file_and_the_admission_check_is_ours():
