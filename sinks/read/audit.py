@@ -48,7 +48,7 @@ from sinks.read.text import markup
 from sinks.read.decisions import check_state, decision_status, wait_run
 from sinks.read.trace import Store, ch_time, deferral_links, parse_instant, time_before
 from streams.controls.policy import ACTION_OF_EVENT, CONTROL_NAMES, CONTROL_TITLES, Policy
-from streams.controls.rules import START, TERMINAL, ControlEngine, compact_row, directory_from_rows, is_withdrawn, peak_concurrency, preemption_clusters
+from streams.controls.rules import START, TERMINAL, ControlEngine, first_ending, compact_row, directory_from_rows, is_withdrawn, peak_concurrency, preemption_clusters
 
 MAX_ROWS = 200_000
 LIST_LIMIT = 25
@@ -896,7 +896,8 @@ class Evidence:
         cited = {v["identity"].get("release_id") for v in self._of(8)} - {None}
         out, exercised = [], 0
         for rid, state in sorted(self.directory.releases.items()):
-            ended = next((h for h in state["history"] if h[1] in ("release.retired", "release.revoked") and _history_time(h) <= self.end), None)
+            ended = first_ending([h for h in state["history"] if h[1] in ("release.retired", "release.revoked") and _history_time(h) <= self.end],
+                                 _history_time, lambda h: h[1], lambda h: h[4], self.policy, counted_only=False)
             if ended or rid in cited:
                 mine = [v for v in self._of(8) if v["identity"].get("release_id") == rid]
                 verdict = _verdict(mine)

@@ -1000,11 +1000,26 @@ def _holdings(deadline: datetime, reservations: dict, allocs: list[dict], runnin
     return out
 
 
+def first_ending(endings: list, time_of, type_of, actor_of, policy: Policy, counted_only: bool = True):
+    """The release's ending that control 8 counts from (and the audit names): the earliest retirement
+    or revocation the policy counts (``Policy.stops``; any, without ``counted_only``) — of one
+    instant's, one by an actor holding the right (its revoke/retire) before one by an actor without
+    it, so that a CI step and its ratifying approver at one ``--at`` read as the approver's
+    (exploratory review). ``endings`` in time order; ``*_of`` read an entry's time, event type and
+    ``decision_actor``."""
+    counted = [e for e in endings if not counted_only or policy.stops(actor_of(e))]
+    if not counted:
+        return None
+    first = [e for e in counted if time_of(e) == time_of(counted[0])]
+    return next((e for e in first if policy.allowed(actor_of(e), ACTION_OF_EVENT[type_of(e)])), first[0])
+
+
 def _retirement(rid: str, rows: list[dict], reservations: dict, allocs: list[dict], running: list[dict], base: dict, found: Findings,
                 clock: Clock, policy: Policy) -> None:
     """8: a retired or revoked release still holding GPUs, reservations or running workloads after the grace period."""
     # (as for control 1 and admission: ``Policy.stops``)
-    ended = next((r for r in rows if r["type"] in ("release.retired", "release.revoked") and policy.stops(decision_actor(r["p"]))), None)
+    ended = first_ending([r for r in rows if r["type"] in ("release.retired", "release.revoked")], lambda r: _t(r["at"]),
+                         lambda r: r["type"], lambda r: decision_actor(r["p"]), policy)
     if ended is None:
         return
     grace = policy.retirement.grace

@@ -483,6 +483,16 @@ def test_retired_release_still_holding_a_gpu_after_grace_opens():
     assert v.opened_at == at(90) and v.closed_at is None and "GPU n1/GPU-1111" in v.detail and v.owner == "team-capacity"
 
 
+def test_of_one_instants_revocations_control_8_counts_from_the_one_by_an_actor_with_the_right():
+    """A CI step revoking without the right and the approver revoking at the same --at: the
+    violation named the CI's revocation, or the approver's, by the hash of the ids."""
+    for entitled_id, unentitled_id in (("0" * 32, "f" * 32), ("f" * 32, "0" * 32)):
+        ci = rel("release.revoked", 30, actor="ci-pipeline", reason="drift").model_copy(update={"event_id": unentitled_id})
+        alice = rel("release.revoked", 30, actor="alice", reason="drift").model_copy(update={"event_id": entitled_id})
+        v = one(run([*released(), *_holding(), ci, alice], watermark=200), 8)
+        assert v.evidence[0] == entitled_id, (entitled_id, v.evidence)
+
+
 def test_a_violations_times_read_as_the_store_keeps_them():
     """Found by an exploratory review: a detail quoted the event's time to the microsecond
     ("retired at …29.577602+00:00") while the store, `trace` and `audit` have it to the millisecond
