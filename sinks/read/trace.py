@@ -55,6 +55,7 @@ from schemas.release import ENDING_EVENTS, LIFECYCLE_EVENTS, actor_text, decisio
 from sinks.migrations import table_name
 from sinks.read.decisions import DEFERRED_RULE, check_state as decided_check_state, decision_status
 from sinks.read.replayed import note as replay_note, replayed
+from streams.correlate.release import LIFECYCLE_ORDER
 
 DEFAULT_WINDOW = timedelta(hours=2)
 MANIFEST_FIELDS = ("model_name", "model_version", "artifact_digest", "image_digest", "config_digest", "dataset_ref",
@@ -71,6 +72,12 @@ KEYS = {
 }
 VIOLATION_COLS = ("violation_id", "version", "control_id", "title", "severity", "release_id", "workload_id", "namespace", "pod", "node",
                   "gpu_id", "opened_at", "closed_at", "detail")
+#: Release rows in the order the release directory reads them (``streams.correlate.release._sort_key``):
+#: by time, one instant's in the order a release lives them, then by id — by time and id alone, a
+#: release registered, approved and promoted in one instant (one ``--at`` for every pipeline step)
+#: read state ``release.approved`` or ``release.registered`` by the hash of the ids.
+RELEASE_ORDER = ("occurred_at, indexOf([" + ", ".join(f"'{etype}'" for etype in sorted(LIFECYCLE_ORDER, key=LIFECYCLE_ORDER.get))
+                 + "], event_type), correlation_id")
 RELEASE_COLS = ("release_id", "occurred_at", "correlation_id", "version", "event_type", *MANIFEST_FIELDS, "actor", "approval_id",
                 "reason", "to_environment", "superseded_release_id", "target", "expires_at", "release_state", "summary", "payload_json")
 WORKLOAD_COLS = ("workload_id", "occurred_at", "correlation_id", "version", "event_type", "release_id", "namespace", "pod", "pod_uid",
@@ -530,7 +537,7 @@ class _Resolver:
         rows = self.store.latest("release_history", ("release_id", "occurred_at", "correlation_id", "version", "event_type",
                                                      "superseded_release_id", "model_name", "model_version"),
                                  _at_cond("occurred_at", self.at), {"model": name, "mv": version or "", **_at_params(self.at)},
-                                 after=cond, after_columns=("model_name", "model_version"), order="occurred_at, correlation_id")
+                                 after=cond, after_columns=("model_name", "model_version"), order=RELEASE_ORDER)
         last: dict[str, str] = {}
         ended: dict[str, bool] = {}
         ours = {row["release_id"] for row in rows}
@@ -829,7 +836,7 @@ class _Chain:
                              else "alert is attributed to no release, workload or pod (unattributed)")
             return
         self.release_rows = self.store.latest("release_history", RELEASE_COLS, f"release_id = {{r:String}} AND {_at_cond('occurred_at', at)}",
-                                              {"r": rid, **at_p}, order="occurred_at, correlation_id")
+                                              {"r": rid, **at_p}, order=RELEASE_ORDER)
         self.release = _release_section(self.release_rows, rid, self.gaps)
         if at is not None and self.release_rows:
             self.release.update(self._manifest_as_of(rid, at, at_p))
@@ -851,7 +858,7 @@ class _Chain:
         rows = self.store.latest("release_history", ("release_id", "occurred_at", "correlation_id", "version", "event_type",
                                                      "superseded_release_id", "to_environment"),
                                  _at_cond("occurred_at", at), {"r": rid, **at_p}, after="superseded_release_id = {r:String}",
-                                 after_columns=("superseded_release_id",), order="occurred_at, correlation_id")
+                                 after_columns=("superseded_release_id",), order=RELEASE_ORDER)
         steps = []
         for r in rows:
             if r["release_id"] == rid:
@@ -901,13 +908,14 @@ class _Chain:
         A release's rows keep their latest version, rendered with the manifest as known now: a
         release registered in staging and promoted to prod later showed ``environment=prod``
         at an ``--at`` before the promotion. The worker's manifest is, per field, the value of
-        the latest event (by time, then event id) that carries one (``streams.correlate.release``);
+        the latest event (by time, one instant's in lifecycle order, then event id: ``RELEASE_ORDER``)
+        that carries one (``streams.correlate.release``);
         this folds the same from ``raw_events`` (the identities as sent) up to ``at``. A field no
         raw event up to ``at`` carries — raw rows gone (TTL) or never stored — keeps the rows' value."""
         fields = ", ".join(MANIFEST_FIELDS)
         sql = (f"SELECT event_id, occurred_at, {fields} FROM {self.store._table('raw_events')} "
                f"WHERE release_id = {{r:String}} AND startsWith(event_type, 'release.') AND {_at_cond('occurred_at', at)} "
-               f"ORDER BY occurred_at, event_id LIMIT {ROW_LIMIT}")
+               f"ORDER BY {RELEASE_ORDER.replace('correlation_id', 'event_id')} LIMIT {ROW_LIMIT}")
         self.store.queries += 1
         rows = self.store.reader.query(sql, {"db": self.store.database, "r": rid, **at_p}).dicts()
         manifest: dict[str, str] = {}

@@ -20,14 +20,14 @@ SELECT
 FROM (
     SELECT
         release_id,
-        argMax(model_version, occurred_at) AS latest_model_version,
-        argMax(environment, occurred_at) AS latest_environment,
-        argMax(event_type, occurred_at) AS state,
+        argMax(model_version, (occurred_at, indexOf(['release.registered', 'release.evaluated', 'release.approved', 'release.promoted', 'release.rolled_back', 'release.revoked', 'release.retired'], event_type), correlation_id)) AS latest_model_version,
+        argMax(environment, (occurred_at, indexOf(['release.registered', 'release.evaluated', 'release.approved', 'release.promoted', 'release.rolled_back', 'release.revoked', 'release.retired'], event_type), correlation_id)) AS latest_environment,
+        argMax(event_type, (occurred_at, indexOf(['release.registered', 'release.evaluated', 'release.approved', 'release.promoted', 'release.rolled_back', 'release.revoked', 'release.retired'], event_type), correlation_id)) AS state,
         max(occurred_at) AS state_since,
-        argMaxIf(event_type, occurred_at, event_type IN ('release.registered', 'release.evaluated', 'release.approved', 'release.promoted',
+        argMaxIf(event_type, (occurred_at, indexOf(['release.registered', 'release.evaluated', 'release.approved', 'release.promoted', 'release.rolled_back', 'release.revoked', 'release.retired'], event_type), correlation_id), event_type IN ('release.registered', 'release.evaluated', 'release.approved', 'release.promoted',
                                                          'release.rolled_back', 'release.revoked', 'release.retired')) AS lifecycle_state,
-        argMax(owner, occurred_at) AS latest_owner,
-        argMax(artifact_digest, occurred_at) AS latest_artifact_digest
+        argMax(owner, (occurred_at, indexOf(['release.registered', 'release.evaluated', 'release.approved', 'release.promoted', 'release.rolled_back', 'release.revoked', 'release.retired'], event_type), correlation_id)) AS latest_owner,
+        argMax(artifact_digest, (occurred_at, indexOf(['release.registered', 'release.evaluated', 'release.approved', 'release.promoted', 'release.rolled_back', 'release.revoked', 'release.retired'], event_type), correlation_id)) AS latest_artifact_digest
     FROM {db:Identifier}.release_history FINAL
     WHERE model_name = {model:String}
       AND ({version:String} = '' OR model_version = {version:String})

@@ -280,6 +280,35 @@ def test_a_release_whose_latest_event_is_not_of_its_lifecycle_shows_its_lifecycl
     assert f"release {inc.R7}  state=release.rolled_back since 2026-11-30T13:30:00.000Z\n" in before, before
 
 
+def test_a_release_registered_approved_and_promoted_in_one_instant_reads_promoted(clickhouse_client):
+    """One --at for every step of a pipeline (docs/receiver.md): the trace read a release's rows by
+    time and id, and a promoted release read state=release.approved or release.registered, its
+    environment staging, by the hash of the ids (exploratory review). One instant's rows are read
+    in the order a release lives them."""
+    import asyncio
+
+    from sinks.agents import SinkWriters
+    from sinks.migrations import migrate
+    from sinks.read.tree import render_tree, tree_text
+
+    import uuid
+
+    db = f"t_{uuid.uuid4().hex[:12]}"
+    migrate(clickhouse_client, db)
+    rid, at = "onetime:1", inc.T0
+    steps = [("release.promoted", "0" * 32, {"actor": "alice", "to_environment": "prod"}, "prod"),
+             ("release.registered", "1" * 32, {"actor": "ci"}, "staging"),
+             ("release.approved", "2" * 32, {"actor": "alice", "approval_id": "C1"}, "staging")]
+    rows = [inc._ce("release", etype, at, {"release_id": rid, "model_name": "m", "model_version": "1", "environment": env}, payload,
+                    attribution="release_event").model_copy(update={"correlation_id": cid}) for etype, cid, payload, env in steps]
+    asyncio.run(SinkWriters(clickhouse_client, db).store_correlated(rows))
+    result = trace(DirectReader(clickhouse_client), db, "release", rid)
+    rel = result["release"]
+    assert (rel["state"], rel["lifecycle_state"], rel["environment"]) == ("release.promoted", "release.promoted", "prod"), rel
+    assert [e["event_type"] for e in rel["lifecycle"]] == ["release.registered", "release.approved", "release.promoted"]
+    assert f"release {rid}  state=release.promoted since" in tree_text(render_tree(result), width=250)
+
+
 def test_at_before_the_rollback_shows_the_pre_rollback_state(store):
     reader, db = store
     before = trace(reader, db, "release", inc.R7, at=inc.ROLLBACK_AT - timedelta(minutes=1))
