@@ -852,7 +852,8 @@ def _release_controls(rid: str, rows: list[dict], links: dict, found: Findings, 
             # had the approver's ratification count or not by the hash of two event ids.
             at = _t(row["at"])
             later = [r for m, r in enumerate(rows) if m != n and (m > n or _t(r["at"]) == at) and r["type"] == row["type"]
-                     and r["p"].get("target") == row["p"].get("target") and _decided_for(r, own_env) == _decided_for(row, own_env)]
+                     and r["p"].get("target") == row["p"].get("target") and _decided_for(r, own_env) == _decided_for(row, own_env)
+                     and _reservation_of(r) == _reservation_of(row)]
             _authority(rid, row, action, later, base, found, clock, ctx.policy)
     reservations = reservation_events(rows)
     for res_id, entry in sorted(reservations.items()):
@@ -873,6 +874,13 @@ def _decided_for(row: dict, own_env: dict[str, str | None]) -> str | None:
     if row["id"] in own_env:
         return own_env[row["id"]]
     return row["p"].get("to_environment") or row["i"].get("environment")
+
+
+def _reservation_of(row: dict) -> str | None:
+    """The reservation a reservation event is about: part of "the same decision" for control 7 —
+    carol's reservation res-1 ratified mallory's res-evil of 64 GPUs (later, or since the same
+    instant counts, then) as if it were the same (review)."""
+    return (row["p"].get("reservation") or {}).get("reservation_id")
 
 
 def _action_text(row: dict) -> str:

@@ -425,6 +425,23 @@ def test_a_ratification_in_the_same_instant_counts_whatever_the_event_ids():
         assert (v.opened_at, v.closed_at) == (at(1), at(1) + timedelta(seconds=1)), (ratifier_id, v)
 
 
+def test_another_reservation_does_not_ratify_an_unentitled_one():
+    """Review: "the same decision" compared type, target and environment — carol's reservation res-1
+    of 2 GPUs ratified mallory's res-evil of 64 (in the same instant: no violation at all)."""
+    def reserve(res_id, actor, gpus, minutes, eid):
+        return rel("release.reservation_created", minutes, actor=actor, reservation={
+            "reservation_id": res_id, "gpus": gpus, "pool": "a100", "window_start": at(10), "window_end": at(100)}).model_copy(update={"event_id": eid})
+
+    for carol_id, mallory_id in (("0" * 32, "f" * 32), ("f" * 32, "0" * 32)):
+        for minutes in (5, 6):  # the same instant, and carol's a minute later
+            events = [*released(), reserve("res-evil", "mallory", 64, 5, mallory_id), reserve("res-1", "carol", 2, minutes, carol_id)]
+            v = one(run(events, watermark=80), 7)
+            assert v.closed_at is None and "reservation_created" in v.detail and "mallory" in v.detail, (minutes, v.detail)
+    # Carol reserving res-evil itself ratifies it.
+    events = [*released(), reserve("res-evil", "mallory", 64, 5, "f" * 32), reserve("res-evil", "carol", 64, 6, "0" * 32)]
+    assert one(run(events, watermark=80), 7).closed_at == at(6)
+
+
 def test_only_the_same_decision_ratifies_and_only_an_overrides_expiry_ends_it():
     """From an exploratory review: an unauthorised approval for prod was closed as "ratified" by an
     approval for dev (the environment of an approval is its identity's; only to_environment was
