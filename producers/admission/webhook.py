@@ -80,9 +80,9 @@ class ReviewHandler:
         the webhook configuration sends only namespaces labelled with it there, so it is the
         namespace's label, which the AdmissionReview does not carry — a floor of the decision's
         environment, mode and fail-closed like the policy's namespace entry. The service answers
-        such a path only for a fail-closed environment of the policy, which needs an approval and is
-        decided fail-closed; its mode is the policy's for it (``modes: {prod: warn}`` is warn there, as
-        in a namespace the policy maps to prod)."""
+        such a path only for a fail-closed environment of the policy (decided fail-closed); its
+        approval rule and mode are the policy's for it, as in a namespace the policy maps to it
+        (``modes: {prod: warn}`` is warn there)."""
         try:
             request = parse_review(body)
         except BadReview as exc:

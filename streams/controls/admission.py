@@ -43,7 +43,7 @@ from gpuledger.timefmt import iso_z
 from producers._config import ResourceMatcher
 from producers.kubernetes.mapping import KUEUE_QUEUE_LABEL, derive_workload_id, gpus_requested, identity_fields, quantity, workload_info
 from schemas.release import actor_text, decision_actor
-from streams.controls.policy import Policy
+from streams.controls.policy import MODE_STRICTNESS, Policy
 from streams.controls.rules import Release, _covers, approval_changes, iso
 from streams.correlate.directory import ReleaseDirectory
 
@@ -277,12 +277,10 @@ def releases_environment(subject: Subject, state: ReleaseDirectory | None, polic
     entry = state.releases[rid]
     named = {env for _key, env in entry["fields"].get("environment", ())} | {h[3] for h in entry["history"]}
     listed = {policy.workload_environment(None, env) for env in named if env}  # (an unlisted name reads as the strictest)
-    ranked = [env for env in listed if policy.environment_rank(env) is not None]
-    if not ranked:
-        return None
-    strictest = max(ranked, key=policy.environment_rank)
-    envp = policy.environment(strictest)
-    return strictest if envp is not None and envp.requires_approval else None
+    # Only environments that need an approval: a custom strictest one that needs none (a sandbox, or an
+    # unlisted name read as it) let anyone's event drop a release promoted to prod back to unknown.
+    ranked = [env for env in listed if policy.environment_rank(env) is not None and policy.environment(env).requires_approval]
+    return max(ranked, key=policy.environment_rank) if ranked else None
 
 
 def labelled_environment(subject: Subject, state: ReleaseDirectory | None, policy: Policy) -> str | None:
@@ -310,6 +308,12 @@ def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: 
     floor = policy.workload_environment(None, None, subject.namespace_environment)  # (an unlisted label: the strictest)
     mode = policy.admission.mode_for(subject.namespace, env, floor)
     fail_closed = policy.admission.decided_fail_closed(subject.namespace, env, floor)
+    if not subject.identity.get("environment") and releases_environment(subject, state, policy):
+        # The release's environment (anyone's events name it) tightens the approval rule, never the mode:
+        # the mode stays at least what the workload had without it (modes: {staging: warn} turned an
+        # unknown environment's enforce into warn once someone published an evaluation for staging).
+        without = policy.workload_environment(subject.namespace, None, subject.namespace_environment)
+        mode = max(mode, policy.admission.mode_for(subject.namespace, without, floor), key=MODE_STRICTNESS.index)
     where = env or "an unknown environment"
     # What to have the release approved for (the advice of a denial): "approved for an unknown
     # environment" named nothing anyone can approve for.

@@ -189,6 +189,22 @@ def test_an_unlabelled_workload_is_decided_in_its_releases_environment_as_contro
     # ... and a release naming only environments that need no approval leaves it unknown: approval needed, as before.
     d = decision(unlabelled, loaded(registered_for("dev")))
     assert (d.rule, d.environment) == ("unapproved", None), d
+    # The release's environment tightens the approval rule, never the mode: with modes {staging: warn}, an
+    # evaluation for staging (anyone may publish one) turned the unknown environment's enforce into warn (review).
+    warned = Policy(admission=Admission(modes={"staging": "warn"}))
+    d = decision(unlabelled, loaded(registered_for(None), lambda state: release(state, "evaluate", 1, env="staging", actor="mallory")), warned)
+    assert (d.verdict, d.rule, d.mode, d.environment) == ("deny", "unapproved", "enforce", "staging"), d
+    # A custom environment ranked strictest that needs no approval (or an unlisted name read as it) cannot
+    # drop a release promoted to prod back to unknown, which a dev approval covers (review).
+    from streams.controls.policy import Environment
+
+    sandboxed = Policy(environments=(Environment(name="dev", requires_approval=False), Environment(name="staging"), Environment(name="prod"),
+                                     Environment(name="sandbox", requires_approval=False)), admission=Admission(fail_closed=("prod",)))
+    for name in ("sandbox", "sandbx"):
+        history = loaded(registered_for("staging"), promoted, approved_by("alice", env="dev", minutes=30),
+                         lambda state, n=name: release(state, "evaluate", 31, env=n, actor="mallory"))
+        d = decision(unlabelled, history, sandboxed)
+        assert (d.verdict, d.rule, d.environment) == ("deny", "unapproved", "prod"), (name, d)
 
 
 def test_the_webhook_and_control_1_judge_an_unlabelled_workload_of_a_promoted_release_alike():
