@@ -24,10 +24,10 @@ same way).
 Limits: control 1 only (approval), not control 2 (promotion); the environment is the strictest of
 the policy's namespace entry, the namespace's own ``gpuledger.io/environment`` label when the
 webhook's path says it (``Subject.namespace_environment``: only fail-closed environments have a
-path of their own) and the object's label, else the strictest environment its release's events
-named when that one needs an approval (``releases_environment``; ``Policy.workload_environment``; a
-name the policy does not list reads as its strictest environment), else it is unknown and approval
-is required (as control 1 treats it). Mode and fail-closed are never laxer than the namespace's environment's.
+path of their own) and the object's label, else the strictest environment needing an approval
+that its release's events named (``releases_environment``: the mode stays no laxer than without it;
+``Policy.workload_environment``; a name the policy does not list reads as its strictest
+environment), else it is unknown and approval is required (as control 1 treats it). Mode and fail-closed are never laxer than the namespace's environment's.
 """
 
 from __future__ import annotations
@@ -254,9 +254,10 @@ def _approved_for(rel: Release, policy: Policy, now: datetime) -> list[str]:
 
 
 def releases_environment(subject: Subject, state: ReleaseDirectory | None, policy: Policy) -> str | None:
-    """The environment an unlabelled workload's release names for it: the strictest any of the
-    release's events named (``--env`` of its registration, approval, promotion, …), when that one
-    needs an approval — else None (an unknown environment, as without it).
+    """The environment an unlabelled workload's release names for it: the strictest of the
+    environments needing an approval that any of the release's events named (``--env`` of its
+    registration, approval, promotion, …) — else None (an unknown environment, as without it).
+    It tightens the approval rule; ``decide`` keeps the mode no laxer than without it.
 
     Why: control 1 reads a workload's environment from its correlated row, whose identity the
     correlation fills from the release's manifest; reading only the workload's label, the webhook

@@ -876,11 +876,15 @@ def _decided_for(row: dict, own_env: dict[str, str | None]) -> str | None:
     return row["p"].get("to_environment") or row["i"].get("environment")
 
 
-def _reservation_of(row: dict) -> str | None:
+def _reservation_of(row: dict) -> object:
     """The reservation a reservation event is about: part of "the same decision" for control 7 —
     carol's reservation res-1 ratified mallory's res-evil of 64 GPUs (later, or since the same
-    instant counts, then) as if it were the same (review)."""
-    return (row["p"].get("reservation") or {}).get("reservation_id")
+    instant counts, then) as if it were the same (review). Other events: None (a reservation
+    their payload may carry is not what they decide). A reservation event naming none: an object
+    equal to nothing, so it ratifies nothing and nothing ratifies it."""
+    if not row["type"].startswith("release.reservation_"):
+        return None
+    return (row["p"].get("reservation") or {}).get("reservation_id") or object()
 
 
 def _action_text(row: dict) -> str:

@@ -440,6 +440,10 @@ def test_another_reservation_does_not_ratify_an_unentitled_one():
     # Carol reserving res-evil itself ratifies it.
     events = [*released(), reserve("res-evil", "mallory", 64, 5, "f" * 32), reserve("res-evil", "carol", 64, 6, "0" * 32)]
     assert one(run(events, watermark=80), 7).closed_at == at(6)
+    # Only reservation events compare reservations: an approval carrying one is still ratified by alice's (review).
+    junk = rel("release.approved", 1, actor="mallory", reservation={"reservation_id": "x", "gpus": 1}).model_copy(update={"event_id": "f" * 32})
+    v = one(run([rel("release.registered", 0), junk, rel("release.approved", 8, actor="alice")], watermark=60), 7)
+    assert v.closed_at == at(8), v
 
 
 def test_only_the_same_decision_ratifies_and_only_an_overrides_expiry_ends_it():
