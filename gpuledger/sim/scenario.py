@@ -568,6 +568,13 @@ class _References:
             if to.gpu:
                 self.problems.extend(_gpu_ref_problems(self.sc, f"{here}.traces_to.gpu", to.gpu))
             self.in_timeline(f"{here}.traces_to.workload", to.workload)
+            kind = exp.entry[0] if exp.entry else None
+            for name in ("attribution", "release_state"):
+                if getattr(to, name) is not None and kind != "alert":
+                    # Read from the alert's own row (the trace's focal row): on any other entry point the
+                    # check could never pass ("release state at correlation none"; exploratory review).
+                    self.problems.append(f"{here}.traces_to.{name}: only an alert's trace has one (how, and in which release state, "
+                                         f"the alert was correlated); for a release's state use `release_state` with `release:`")
         self.in_timeline(f"{here}.preempted_by", exp.preempted_by)
         if exp.violation:
             self.release(f"{here}.violation.release_id", exp.violation.release_id)

@@ -200,6 +200,8 @@ def test_a_valid_scenario_loads(tmp_path):
     (lambda d: d["expect"].append({"name": "x", "alert": "never", "traces_to": {"node": "n1"}}), "expect[1].alert: no alert 'never' in the timeline"),
     (lambda d: d["expect"].append({"name": "x", "gpu": "n1", "traces_to": {"node": "n1"}}), "expect[1].gpu: expected NODE/INDEX"),
     (lambda d: d["expect"][0].update(at="later"), "expect[0].at: 'later' is neither a step id"),
+    (lambda d: d["expect"].append({"name": "x", "workload": "w", "traces_to": {"release_state": "release.promoted"}}),
+     "expect[1].traces_to.release_state: only an alert's trace has one"),
     (lambda d: d["cluster"].update(nodes=["n1", "n1"]), "cluster.nodes: names must be unique: n1"),
 ])
 def test_a_bad_scenario_is_refused_naming_the_place(tmp_path, patch, message):
