@@ -16,9 +16,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from producers._config import GPU_DRA_DRIVERS, GPU_RESOURCES, NameList, check_resource_patterns
 
 CONTROLLER_NAME = "gpuledger.io/release-approval"
-WEBHOOK_PATH = "/validate"
-#: ``WEBHOOK_PATH/<environment>``: the path of the webhook for namespaces labelled
+#: The webhook's path; ``WEBHOOK_PATH/<environment>`` that of the webhook for namespaces labelled
 #: ``gpuledger.io/environment=<environment>`` of a fail-closed environment (``producers.admission.manifests``).
+WEBHOOK_PATH = "/validate"
 #: AdmitSettings.stale_after_s's default.
 STALE_AFTER_S = 60.0
 

@@ -53,7 +53,6 @@ from streams.correlate.directory import follow_release_topic
 
 log = logging.getLogger(__name__)
 
-
 #: Seconds between attempts to reach Kafka while the release topic cannot be read at start.
 KAFKA_RETRY_S = 1.0
 

@@ -493,33 +493,27 @@ class Evidence:
                 continue
             stopped = self._stopped(wid, [])
             p = _payload(last)
-            if last["status"] == "deferred":
-                # Handed to the AdmissionCheck, and nothing after it in the store: no Workload queued
-                # it, or the check never decided (its controller down: Kueue holds it), or the
-                # collector missed it. It was in no row (the trace showed it "deferred").
-                who = f" (user {p['user']})" if p.get("user") else ""
-                out.append({"workload": wid, "release": last["identity"].get("release_id") or "no release identity",
-                            "environment": last["identity"].get("environment") or "",
-                            "queue_entry": "deferred (no Workload in the store)", "entry_event": "admission.decided",
-                            "policy_result": f"workload {wid}: {_decision_text(last)}{who}: {p.get('message') or ''}".rstrip(": "),
-                            "approvals": "", "verdict": f"{DEFERRED}: by the webhook at {_z(last['occurred_at'])}; the store has no Workload, "
-                                                        "scheduler event or check decision of it — no violation"})
-                continue
-            if stopped is None and p.get("decision") != "deny":
+            # A deferral with nothing after it in the store: handed to the AdmissionCheck, and no Workload
+            # queued it, or the check never decided (its controller down: Kueue holds it), or the collector
+            # missed it. It was in no row (the trace showed it "deferred").
+            deferred = last["status"] == "deferred"
+            if stopped is None and p.get("decision") != "deny" and not deferred:
                 continue
             ident = last["identity"]
             rid = ident.get("release_id")
-            approvals = self._approvals_before(rid, parse_instant(last["occurred_at"])) if rid else []
             if stopped is not None:
                 queue_entry, policy_result, verdict = ("in its queue (no scheduler event in the store)",
                                                        self._stopped_text(wid, *stopped), _stop_verdict(*stopped))
             else:
                 who = f" (user {p['user']})" if p.get("user") else ""
-                queue_entry, verdict = "never: denied", DENIED
                 policy_result = f"workload {wid}: {_decision_text(last)}{who}: {p.get('message') or ''}".rstrip(": ")
+                queue_entry, verdict = (("deferred (no Workload in the store)", f"{DEFERRED}: by the webhook at {_z(last['occurred_at'])}; "
+                                         "the store has no Workload, scheduler event or check decision of it — no violation")
+                                        if deferred else ("never: denied", DENIED))
+            approvals = self._approvals_before(rid, parse_instant(last["occurred_at"])) if rid and not deferred else []
             out.append({"workload": wid, "release": rid or "no release identity", "environment": ident.get("environment") or "",
                         "queue_entry": queue_entry, "entry_event": "admission.decided", "policy_result": policy_result,
-                        "approvals": "; ".join(approvals) or ("" if not rid else "no release.approved before the decision"),
+                        "approvals": "; ".join(approvals) or ("" if not rid or deferred else "no release.approved before the decision"),
                         "verdict": verdict})
         return out
 

@@ -76,8 +76,8 @@ VIOLATION_COLS = ("violation_id", "version", "control_id", "title", "severity", 
 #: by time, one instant's in the order a release lives them, then by id — by time and id alone, a
 #: release registered, approved and promoted in one instant (one ``--at`` for every pipeline step)
 #: read state ``release.approved`` or ``release.registered`` by the hash of the ids.
-RELEASE_ORDER = ("occurred_at, indexOf([" + ", ".join(f"'{etype}'" for etype in sorted(LIFECYCLE_ORDER, key=LIFECYCLE_ORDER.get))
-                 + "], event_type), correlation_id")
+LIFECYCLE_RANK = "indexOf([" + ", ".join(f"'{etype}'" for etype in LIFECYCLE_ORDER) + "], event_type)"
+RELEASE_ORDER = f"occurred_at, {LIFECYCLE_RANK}, correlation_id"
 RELEASE_COLS = ("release_id", "occurred_at", "correlation_id", "version", "event_type", *MANIFEST_FIELDS, "actor", "approval_id",
                 "reason", "to_environment", "superseded_release_id", "target", "expires_at", "release_state", "summary", "payload_json")
 WORKLOAD_COLS = ("workload_id", "occurred_at", "correlation_id", "version", "event_type", "release_id", "namespace", "pod", "pod_uid",
@@ -915,7 +915,7 @@ class _Chain:
         fields = ", ".join(MANIFEST_FIELDS)
         sql = (f"SELECT event_id, occurred_at, {fields} FROM {self.store._table('raw_events')} "
                f"WHERE release_id = {{r:String}} AND startsWith(event_type, 'release.') AND {_at_cond('occurred_at', at)} "
-               f"ORDER BY {RELEASE_ORDER.replace('correlation_id', 'event_id')} LIMIT {ROW_LIMIT}")
+               f"ORDER BY occurred_at, {LIFECYCLE_RANK}, event_id LIMIT {ROW_LIMIT}")
         self.store.queries += 1
         rows = self.store.reader.query(sql, {"db": self.store.database, "r": rid, **at_p}).dicts()
         manifest: dict[str, str] = {}

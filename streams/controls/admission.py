@@ -284,16 +284,6 @@ def releases_environment(subject: Subject, state: ReleaseDirectory | None, polic
     return max(ranked, key=policy.environment_rank) if ranked else None
 
 
-def labelled_environment(subject: Subject, state: ReleaseDirectory | None, policy: Policy) -> str | None:
-    """The environment the workload names: its ``gpuledger.io/environment`` label, else its
-    release's (``releases_environment``)."""
-    return subject.identity.get("environment") or releases_environment(subject, state, policy)
-
-
-def environment_of(subject: Subject, policy: Policy, state: ReleaseDirectory | None = None) -> str | None:
-    return policy.workload_environment(subject.namespace, labelled_environment(subject, state, policy), subject.namespace_environment)
-
-
 def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: datetime | None = None, *,
            gate: Gate = "webhook", policy_version: str | None = None) -> Decision:
     """The decision for ``subject`` at ``now`` (default: the current time).
@@ -303,13 +293,15 @@ def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: 
     ``policy_version``: ``policy.fingerprint``, computed once by a long-running caller."""
     now = now or datetime.now(timezone.utc)
     version = policy_version or policy.fingerprint
-    env = environment_of(subject, policy, state)
+    labelled = subject.identity.get("environment")
+    released = None if labelled else releases_environment(subject, state, policy)
+    env = policy.workload_environment(subject.namespace, labelled or released, subject.namespace_environment)
     rid = subject.identity.get("release_id")
     # Mode and fail-closed: never laxer than the namespace's environment (Admission.mode_for).
     floor = policy.workload_environment(None, None, subject.namespace_environment)  # (an unlisted label: the strictest)
     mode = policy.admission.mode_for(subject.namespace, env, floor)
     fail_closed = policy.admission.decided_fail_closed(subject.namespace, env, floor)
-    if not subject.identity.get("environment") and releases_environment(subject, state, policy):
+    if released:
         # The release's environment (anyone's events name it) tightens the approval rule, never the mode:
         # the mode stays at least what the workload had without it (modes: {staging: warn} turned an
         # unknown environment's enforce into warn once someone published an evaluation for staging).
@@ -323,7 +315,6 @@ def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: 
     at_iso = now.isoformat()
     loaded = state is not None and state.ready.is_set()
 
-    labelled = subject.identity.get("environment")
     if labelled and env and policy.environment(labelled) is None:
         # Said once, after the rule's message: why the environment is not the one the label names.
         unlisted = (f" (its gpuledger.io/environment label {labelled!r} names no environment of the policy: "

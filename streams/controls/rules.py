@@ -899,12 +899,13 @@ def _authority(rid: str, row: dict, action: str, later: list[dict], base: dict, 
     p, at, what = row["p"], _t(row["at"]), _action_text(row)
     actor = p.get("actor")
     proven = decision_actor(p)  # proven or not, delegated or not: the policy judges both
-    ratified = None if policy.allowed(proven, action) else next((r for r in later if policy.allowed(decision_actor(r["p"]), action)), None)
+    entitled = policy.allowed(proven, action)
+    ratified = None if entitled else next((r for r in later if policy.allowed(decision_actor(r["p"]), action)), None)
     # Taken in the same instant by one who holds the right: the decision never stood on the unentitled
     # actor's word alone (a pipeline's CI step and its approver, one --at) — no violation, rather than
     # one opened and closed at once, which failed the audit all the same.
     same_instant = ratified is not None and _t(ratified["at"]) == at and action not in policy.emergency_overrides.actions
-    if not policy.allowed(proven, action) and not same_instant:
+    if not entitled and not same_instant:
         # Only an emergency override's expiry ends it: any other event's expires_at is the actor's own word (an
         # unauthorised approval carrying expires_at one second later closed its own violation: exploratory review).
         override = action in policy.emergency_overrides.actions
