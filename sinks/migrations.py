@@ -392,8 +392,13 @@ ORDER BY violation_id""",
         # sink, naming the constraint). A record a view refuses (a count out of its column's range)
         # is refused whole too: its insert fails, and ClickHouse keeps none of that insert's rows
         # (chDB 26.9; on a cluster, rows the Distributed tables already sent may stay) — the dead
-        # letter holds the record. An absent or null identity, or one that is not an object, reads
-        # as an empty one. On a cluster the views write into the ``_dist`` tables ({dist}); the
+        # letter holds the record. That holds only because correlated_events' view runs after the
+        # views that refuse (chDB 26.9 runs a table's views latest-created first): an ALTER TABLE …
+        # MODIFY QUERY of its view (tried for a migration 6, not kept) made the order vary between
+        # runs, and a refused release record kept its correlated_events row in 1 run of 6 — a
+        # migration that alters these views must first make refusal independent of their order
+        # (check the counts in correlated_fields). An absent or null identity, or one that is not an
+        # object, reads as an empty one. On a cluster the views write into the ``_dist`` tables ({dist}); the
         # intake is local to the node the sink inserts on.
         """CREATE TABLE IF NOT EXISTS {db}.correlated_intake {on_cluster} (record String) ENGINE = Null""",
         """CREATE TABLE IF NOT EXISTS {db}.correlated_fields {on_cluster} (

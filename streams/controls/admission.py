@@ -259,29 +259,22 @@ def releases_environment(subject: Subject, state: ReleaseDirectory | None, polic
     registration, approval, promotion, …) — else None (an unknown environment, as without it).
     It tightens the approval rule; ``decide`` keeps the mode no laxer than without it.
 
-    Why: control 1 reads a workload's environment from its correlated row, whose identity the
-    correlation fills from the release's manifest; reading only the workload's label, the webhook
-    decided an unlabelled workload in a namespace the policy does not map in an unknown
-    environment, which any approval covers — a release approved for staging and promoted to prod
-    without a prod approval had such workloads let in, and control 1 then opened a violation for
-    prod. Why the strictest of all, not the manifest's latest: the latest of events of one instant
-    is the one whose id sorts last (one ``--at`` for every pipeline step made the answer depend on
-    the CI job's id), and any later event naming a laxer environment (an approval for dev by
-    anyone, an evaluation) would lower it. The strictest never falls, whatever the order, and is
-    never laxer than the row's: what the webhook admits, control 1 accepts. Why only one needing an
-    approval: the release's events are anyone's to publish, so they may make a decision stricter
-    than an unknown environment, never laxer (a release registered for dev alone does not let its
-    unlabelled workloads in unapproved)."""
+    Control 1 judges the same workload in the same environment (``rules._approval_environment``, the
+    release's events up to its admission), so what the webhook admits, control 1 accepts.
+
+    Why not the workload's label alone: an unlabelled workload in a namespace the policy does not map
+    was then decided in an unknown environment, which any approval covers — a release approved for
+    staging and promoted to prod without a prod approval had such workloads let in. Why the strictest
+    of all, not the manifest's latest (what the row's identity shows): the latest of events of one
+    instant is the one whose id sorts last, and any later event naming a laxer environment (an
+    approval for dev by anyone, an evaluation) would lower it. The strictest never falls, whatever the
+    order. Why only one needing an approval: ``Policy.approval_environment`` (a release registered for
+    dev alone does not let its unlabelled workloads in unapproved)."""
     rid = subject.identity.get("release_id")
     if state is None or not rid or not state.ready.is_set() or not state.known(rid):
         return None
     entry = state.releases[rid]
-    named = {env for _key, env in entry["fields"].get("environment", ())} | {h[3] for h in entry["history"]}
-    listed = {policy.workload_environment(None, env) for env in named if env}  # (an unlisted name reads as the strictest)
-    # Only environments that need an approval: a custom strictest one that needs none (a sandbox, or an
-    # unlisted name read as it) let anyone's event drop a release promoted to prod back to unknown.
-    ranked = [env for env in listed if policy.environment_rank(env) is not None and policy.environment(env).requires_approval]
-    return max(ranked, key=policy.environment_rank) if ranked else None
+    return policy.approval_environment([env for _key, env in entry["fields"].get("environment", ())] + [h[3] for h in entry["history"]])
 
 
 def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: datetime | None = None, *,

@@ -379,6 +379,20 @@ class Policy(_Model):
             return mapped
         return mapped if rank[mapped] >= rank[labelled] else labelled
 
+    def approval_environment(self, named) -> str | None:
+        """Of the environments ``named`` (a release's events named them), the strictest that needs an
+        approval, as a workload label would read it (an unlisted name: the strictest listed); None when
+        none does. The environment an unlabelled workload of the release is judged in by admission
+        (``streams.controls.admission.releases_environment``) and control 1 (``_approval_environment``).
+
+        Only one needing an approval: the release's events are anyone's to publish, so they may make a
+        judgement stricter than an unknown environment's, never laxer — a custom strictest environment
+        needing none (a sandbox, or an unlisted name read as it) let anyone's event drop a release
+        promoted to prod back to unknown."""
+        listed = {self.workload_environment(None, env) for env in named if env}
+        ranked = [env for env in listed if self.environment_rank(env) is not None and self.environment(env).requires_approval]
+        return max(ranked, key=self.environment_rank) if ranked else None
+
     def environment_rank(self, name: str | None) -> int | None:
         return next((i for i, e in enumerate(self.environments) if e.name == name), None) if name else None
 

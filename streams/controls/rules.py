@@ -143,6 +143,8 @@ def compact_row(record) -> dict | None:
            "i": {k: ident[k] for k in IDENTITY_KEPT if ident.get(k)}, "p": kept}
     if row.get("named_release_id"):
         out["named"] = row["named_release_id"]  # a label named this unknown release; a fallback rule attributed the row
+    if row.get("environment_labelled") is not None:
+        out["el"] = bool(row["environment_labelled"])  # the environment is the row's own (True) or its release's (``_approval_environment``)
     return out
 
 
@@ -664,10 +666,34 @@ def _environment(ident: dict, ctx: Context) -> str | None:
     return ctx.policy.workload_environment(ident.get("namespace"), ident.get("environment"))
 
 
+def _approval_environment(srow: dict, start: datetime, ctx: Context) -> str | None:
+    """The environment control 1 judges a workload admitted at ``start`` in: its row's when the
+    environment is the workload's own (its label: ``el``, ``CorrelatedEvent.environment_labelled``,
+    true) — else the strictest needing an approval that its release's events named by ``start``
+    (``Policy.approval_environment``), floored by its namespace's: the environment the admission
+    webhook decides it in (``admission.releases_environment``).
+
+    Why: an unlabelled workload's row carries its release's manifest environment, the one the
+    release's *latest* event named — which anyone's later event (an evaluation for dev, say) lowered:
+    a release promoted to prod without a prod approval then had its unlabelled workloads judged in
+    dev, which needs none, and control 1 closed or never opened their violation, while the webhook
+    denied the same workloads. A row without ``el`` (stored by a worker before it was recorded) is
+    judged by its row's environment, as it was."""
+    ident = srow["i"]
+    rid = ident.get("release_id")
+    if srow.get("el") is not False or not rid:
+        return _environment(ident, ctx)
+    named = [env for at, _etype, _eid, env, _actor in ctx.release(rid).history if at <= start]
+    state = ctx.directory.releases.get(rid)
+    if state:
+        named += [env for k, env in state["fields"].get("environment", ()) if _t(k.split("|", 1)[0]) <= start]
+    return ctx.policy.workload_environment(ident.get("namespace"), ctx.policy.approval_environment(named))
+
+
 def _admission(key: str, start: datetime, end: datetime | None, srow: dict, erow: dict | None, found: Findings, ctx: Context) -> None:
     """1: admitted with no release identity, or with no approval covering its environment."""
     ident = srow["i"]
-    rid, env = ident.get("release_id"), _environment(ident, ctx)
+    rid, env = ident.get("release_id"), _approval_environment(srow, start, ctx)
     envp = ctx.policy.environment(env)
     if not (envp.requires_approval if envp else True):
         return

@@ -1179,6 +1179,8 @@ def render_row(record: dict, directory, res: Resolution, version: int) -> dict:
         "release_state": directory.state_as_of(rid, record["at"]) if rid else None,
         "summary": record["summary"], "source_topic": record["topic"], "source_partition": record["partition"],
         "source_offset": record["offset"], "payload_json": record["payload"], "named_release_id": res.unknown_named,
+        # Whose the environment is: the row's (its labels) or its release's (control 1 reads it, ``_approval_environment``).
+        "environment_labelled": bool(record["identity"].get("environment") or res.identity.get("environment")),
     }
 
 

@@ -232,6 +232,60 @@ def test_the_webhook_and_control_1_judge_an_unlabelled_workload_of_a_promoted_re
     assert (d.verdict, d.rule, d.environment) == ("deny", "unapproved", "prod"), d.message
 
 
+def test_control_1_judges_an_unlabelled_workload_where_the_webhook_decided_it_whatever_came_later():
+    """Control 1 read an unlabelled workload's environment from its row, the release's manifest: the
+    environment its *latest* event named. Anyone's later event lowered it — an evaluation for dev after
+    a promotion to prod without a prod approval withdrew the violation the webhook's denial stood for —
+    and a later promotion raised it for workloads admitted before (a violation for prod of a staging
+    run). It judges now as the webhook decides: the strictest environment needing an approval that the
+    release's events named by the admission; the workload's own label when it has one. Each history runs
+    through the worker's own join and controls and through the webhook at the admission."""
+    from streams.controls.rules import ControlEngine, directory_from_rows
+    from tests.streams.harness import Driver, at, pod_event
+    from tests.streams.harness import release as release_event
+
+    def judged(history, workloads, at_minute):
+        rows = list(Driver().feed([*history, *workloads]).rows.values())
+        engine = ControlEngine(directory_from_rows(rows), Policy()).feed(rows)
+        engine.run()
+        violations = {v.identity.pod: v.detail for v in engine.current() if v.control_id == 1}
+        state = AdmissionState()
+        for event in history:
+            if event.occurred_at <= at(at_minute):
+                state.apply(event)
+        state.ready.set()
+        return violations, state
+
+    def scheduled(minute, pod, **labels):
+        return pod_event("scheduler.scheduled", minute, ns="scratch", pod=pod, workload=f"scratch/Job/{pod}", release_id="r1", **labels)
+
+    promoted = [release_event("release.registered", 0, env="staging"), release_event("release.approved", 10, env="staging", actor="alice"),
+                release_event("release.promoted", 20, env="prod", to_environment="prod", actor="ci/4711")]
+    lowered = [*promoted, release_event("release.evaluated", 40, env="dev", actor="mallory")]
+    violations, state = judged(lowered, [scheduled(30, "unlabelled"), scheduled(30, "staged", environment="staging")], 30)
+    assert set(violations) == {"unlabelled"} and "had no approval for prod" in violations["unlabelled"], violations
+    d = decide(subject_of(job({"gpuledger.io/release-id": "r1"}, namespace="scratch"), GPUS), state, Policy(), at(30))
+    assert (d.verdict, d.rule, d.environment) == ("deny", "unapproved", "prod"), d.message
+    d = decide(subject_of(job({"gpuledger.io/release-id": "r1", "gpuledger.io/environment": "staging"}, namespace="scratch"), GPUS), state,
+               Policy(), at(30))
+    assert (d.verdict, d.rule, d.environment) == ("allow", "approved", "staging"), d.message
+    # Admitted while the release named only staging (approved): a promotion to prod after it opens nothing.
+    violations, state = judged(promoted, [scheduled(15, "early")], 15)
+    assert violations == {}, violations
+    d = decide(subject_of(job({"gpuledger.io/release-id": "r1"}, namespace="scratch"), GPUS), state, Policy(), at(15))
+    assert (d.verdict, d.rule, d.environment) == ("allow", "approved", "staging"), d.message
+    # A release whose events name only dev (anyone may publish one) leaves an unlabelled workload in an
+    # unknown environment, which needs an approval: the webhook denies it and control 1 opens a violation.
+    dev_only = [release_event("release.registered", 0, env="dev")]
+    violations, state = judged(dev_only, [scheduled(5, "dev-run")], 5)
+    assert set(violations) == {"dev-run"} and "had no approval for its environment" in violations["dev-run"], violations
+    d = decide(subject_of(job({"gpuledger.io/release-id": "r1"}, namespace="scratch"), GPUS), state, Policy(), at(5))
+    assert (d.verdict, d.rule, d.environment) == ("deny", "unapproved", None), d.message
+    # Labelled dev, it is dev (needs none) for both.
+    violations, _ = judged(dev_only, [scheduled(5, "labelled-dev", environment="dev")], 5)
+    assert violations == {}, violations
+
+
 def test_namespace_entry_names_the_environment_of_unlabelled_workloads():
     policy = Policy(admission=Admission(namespaces={"research": NamespaceAdmission(environment="dev")}))
     assert decision(job({}, namespace="research"), loaded(), policy).rule == "approval-not-required"
