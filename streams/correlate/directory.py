@@ -294,26 +294,59 @@ class ReleaseDirectory:
                 envs.remove(env)
         return envs
 
-    def _pick(self, candidates: Iterable[str], environment: str | None) -> str | None:
-        """Deterministic choice among candidate releases: same environment first,
-        then the one whose latest lifecycle event is latest (ties by id)."""
+    def _pick(self, candidates: Iterable[str], environment: str | None, at_iso: str | None = None) -> str | None:
+        """Deterministic choice among candidate releases: same environment first, then — with
+        ``at_iso``, a row's own time — the release serving at that time (``_serving_at``); without
+        it, the one whose latest event is latest (ties by id)."""
         cands = [c for c in candidates if self.known(c)]
         if environment:
             same_env = [c for c in cands if self.manifest(c).get("environment") == environment]
             cands = same_env or cands
         if not cands:
             return None
+        if at_iso is not None:
+            return self._serving_at(cands, at_iso)
         return max(cands, key=lambda c: (self.releases[c]["history"][-1][0], c))
 
-    def by_image_digest(self, digest: str | None, environment: str | None = None) -> str | None:
-        return self._pick(self.by_digest.get(digest, ()), environment) if digest else None
+    def _serving_at(self, cands: list[str], at_iso: str) -> str:
+        """Of releases of one model (or image), the one serving at ``at_iso``: of those with an
+        event by then, one whose lifecycle had not ended by then (its latest lifecycle event then is
+        no rollback, revocation or retirement) first, then one promoted to an environment it was
+        not rolled back from by then (``environments_at``: in service), then the one whose latest
+        event by then is latest, then by id — ``trace --model --at``'s order, without its GPU
+        holdings (not in the directory). When none had an event by then, the first to have one (the row came before its
+        release's first event reached the registry's clock).
 
-    def by_model_version(self, name: str | None, version: str | None, environment: str | None = None) -> str | None:
+        Why: chosen by their latest events overall, an alert naming only its model was attributed
+        to the model's newest release — one registered after the alert fired, and, a day later,
+        one registered for staging and never promoted, which took every model-only alert of the
+        model with it (an exploratory review). The choice is a function of the row's own time and
+        the candidates' events, which the row's version counts (``candidates_version``)."""
+        best, best_key = None, None
+        for c in cands:
+            history = self.releases[c]["history"]
+            times = self._history_times(c, self.releases[c])
+            k = bisect_right(times, at_iso) if times is not None else sum(1 for e in history if e[0].split("|", 1)[0] <= at_iso)
+            if not k:
+                continue
+            lifecycle = next((history[i][1] for i in reversed(range(k)) if history[i][1] in LIFECYCLE_EVENTS), None)
+            key = (lifecycle not in ENDING_EVENTS, bool(self.environments_at(c, at_iso)), history[k - 1][0], c)
+            if best_key is None or key > best_key:
+                best, best_key = c, key
+        if best is None:
+            return min(cands, key=lambda c: (self.releases[c]["history"][0][0], c))
+        return best
+
+    def by_image_digest(self, digest: str | None, environment: str | None = None, at_iso: str | None = None) -> str | None:
+        return self._pick(self.by_digest.get(digest, ()), environment, at_iso) if digest else None
+
+    def by_model_version(self, name: str | None, version: str | None, environment: str | None = None,
+                         at_iso: str | None = None) -> str | None:
         if not name:
             return None
         if version:
-            return self._pick(self.by_model.get((name, version), ()), environment)
-        return self._pick(self.by_model_name.get(name, ()), environment)
+            return self._pick(self.by_model.get((name, version), ()), environment, at_iso)
+        return self._pick(self.by_model_name.get(name, ()), environment, at_iso)
 
 
 async def follow_release_topic(bootstrap: str, topic: str, directory: ReleaseDirectory,

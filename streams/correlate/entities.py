@@ -622,12 +622,14 @@ UNATTRIBUTED = Resolution({}, "unattributed", None, [])
 FALLBACK = {"image_digest_match": "image_digest_fallback", "model_version_match": "model_version_fallback"}
 
 
-def fallback_match(directory, digest: str | None, model: str | None, version: str | None, env: str | None) -> tuple[str | None, str]:
+def fallback_match(directory, digest: str | None, model: str | None, version: str | None, env: str | None,
+                   at_iso: str | None = None) -> tuple[str | None, str]:
     """The release an image digest, else a model (+version), points to — the fallbacks'
-    one order (the digest is immutable, the model+version only a name)."""
-    if (match := directory.by_image_digest(digest, env)):
+    one order (the digest is immutable, the model+version only a name). ``at_iso``: a row's own
+    time, for a row's own facts — the release serving then (``ReleaseDirectory._serving_at``)."""
+    if (match := directory.by_image_digest(digest, env, at_iso)):
         return match, "image_digest_match"
-    if model and (match := directory.by_model_version(model, version, env)):
+    if model and (match := directory.by_model_version(model, version, env, at_iso)):
         return match, "model_version_match"
     return None, "unattributed"
 
@@ -1085,9 +1087,9 @@ def resolve_row(state: dict, record: dict, directory, entity_res: Resolution, co
         rid = own.get("release_id")
         return Resolution({}, "release_event", rid, [f"rid:{rid}"], (rid,) if rid else ())
     if own.get("release_id"):
-        return _labelled(own, directory, own["release_id"], entity_res if kind in ("pod", "wl") else None)
+        return _labelled(own, directory, own["release_id"], entity_res if kind in ("pod", "wl") else None, at)
     if kind in ("pod", "wl"):
-        return _own_fallback(own, directory, entity_res, entity_res.release_id) if entity_res.unresolved(directory) else entity_res
+        return _own_fallback(own, directory, entity_res, entity_res.release_id, at) if entity_res.unresolved(directory) else entity_res
     if kind == "gpu":
         holders, version, rids = (coverage or Coverage(state["links"])).selected(at, record.get("gpu_instance"))
         spanned = False
@@ -1110,7 +1112,7 @@ def resolve_row(state: dict, record: dict, directory, entity_res: Resolution, co
         return Resolution(ident, how, rid, interests, rids, (), version, forgotten=spanned)
     if kind == "model":
         name, version = own.get("model_name"), own.get("model_version")
-        rid = directory.by_model_version(name, version, own.get("environment"))
+        rid = directory.by_model_version(name, version, own.get("environment"), at)  # the release serving when it happened
         lookups = interests_for(model_name=name, model_version=version)
         lookups = lookups[-1:] if version else lookups
         return Resolution({}, "model_version_match" if rid else "unattributed", rid,
@@ -1118,7 +1120,7 @@ def resolve_row(state: dict, record: dict, directory, entity_res: Resolution, co
     return UNATTRIBUTED
 
 
-def _labelled(own: dict, directory, rid: str, entity_res: Resolution | None) -> Resolution:
+def _labelled(own: dict, directory, rid: str, entity_res: Resolution | None, at: str | None = None) -> Resolution:
     """A row that names its release (a label): that release once a release event describes it;
     until then the fallback — the pod's (``entity_res``, a pod/workload entity's resolution, when
     its own label is this one: its facts' image digest, else model+version), else the row's own
@@ -1142,14 +1144,14 @@ def _labelled(own: dict, directory, rid: str, entity_res: Resolution | None) -> 
     if entity_res is not None and entity_res.unknown_named == rid:
         match, how = entity_res.release_id, entity_res.attribution
     else:
-        match, rule = fallback_match(directory, own.get("image_digest"), own.get("model_name"), own.get("model_version"), own.get("environment"))
+        match, rule = fallback_match(directory, own.get("image_digest"), own.get("model_name"), own.get("model_version"), own.get("environment"), at)
         how = FALLBACK[rule] if match else "release_label"
     if match is None:
         return Resolution({}, "release_label", rid, interests, (rid,), candidates, base)
     return Resolution({}, how, match, [*interests, f"rid:{match}"], (rid,), candidates, base, unknown_named=rid)
 
 
-def _own_fallback(own: dict, directory, res: Resolution, named: str | None) -> Resolution:
+def _own_fallback(own: dict, directory, res: Resolution, named: str | None, at: str | None = None) -> Resolution:
     """``res`` (unresolved: no release, or one no release event describes), unless the row's
     own model+version (an alert's labels) or image digest find a release — then that, as a
     fallback naming the unknown id. The version keeps every component ``res`` had, plus the
@@ -1158,7 +1160,7 @@ def _own_fallback(own: dict, directory, res: Resolution, named: str | None) -> R
     if not lookups:
         return res
     candidates = tuple(dict.fromkeys((*res.candidates, *lookups)))
-    match, rule = fallback_match(directory, own.get("image_digest"), own.get("model_name"), own.get("model_version"), own.get("environment"))
+    match, rule = fallback_match(directory, own.get("image_digest"), own.get("model_name"), own.get("model_version"), own.get("environment"), at)
     interests = list(dict.fromkeys([*res.interests, *lookups, *([f"rid:{match}"] if match else [])]))
     if match is None:
         return Resolution(res.identity, res.attribution, res.release_id, interests, res.named, candidates, res.base, res.facts_version,

@@ -1274,3 +1274,34 @@ def test_a_gpu_rows_summary_names_its_device_or_for_a_nodes_allocatable_snapshot
         "allocatable 2 device(s) of nvidia.com/gpu on n3"
     assert summarize("gpu.assigned", {"node": "n3", "device_id": "GPU-a"}) == "assigned GPU-a on n3"
     assert summarize("gpu.allocatable", {"node": "n3"}) == "allocatable on n3"
+
+
+# --- an alert naming only its model: the release serving when it fired ------------------------------------------
+
+def test_a_model_only_alert_is_attributed_to_the_release_serving_when_it_fired_in_any_order():
+    """Chosen by their latest events overall, an alert naming only its model went to the model's
+    newest release: one registered after it fired, and — once a third release was registered for
+    staging a day later, never promoted — to that one, every model-only alert of the model with it
+    (an exploratory review). Each alert now goes to the release serving at its own time, whatever
+    order the events are processed in; one firing before any release of the model, to the first."""
+    def rel(etype, minutes, rid, version, env="prod", **payload):
+        return release(etype, minutes, rid=rid, model="churn", version=version, env=env, digest="sha256:" + version * 64, **payload)
+
+    events = [rel("release.registered", 0, "churn:1", "1"), rel("release.approved", 5, "churn:1", "1", actor="alice"),
+              rel("release.promoted", 10, "churn:1", "1", to_environment="prod"),
+              rel("release.registered", 60, "churn:2", "2"), rel("release.promoted", 70, "churn:2", "2", to_environment="prod"),
+              alert(-30, fp="before-any", model_name="churn"), alert(30, fp="while-1", model_name="churn"),
+              alert(100, fp="while-2", model_name="churn"),
+              rel("release.rolled_back", 200, "churn:2", "2", to_environment="prod"), alert(230, fp="after-rollback", model_name="churn"),
+              rel("release.registered", 24 * 60, "churn:3", "3", env="staging"), alert(24 * 60 + 5, fp="day-2", model_name="churn"),
+              rel("release.promoted", 24 * 60 + 10, "churn:3", "3", env="staging", to_environment="staging"),
+              alert(24 * 60 + 15, fp="day-2-staged", model_name="churn")]
+    # A release registered and never promoted does not take the alerts of the one in service (day 2);
+    # once promoted too, the later one does.
+    expected = {"before-any": "churn:1", "while-1": "churn:1", "while-2": "churn:2", "after-rollback": "churn:1", "day-2": "churn:1",
+                "day-2-staged": "churn:3"}
+    for seed in (None, 1, 2, 3):
+        d = Driver(seed=seed).feed(events).flush_parked()
+        got = {r.identity.alert_fingerprint: r.identity.release_id for r in d.rows.values() if r.event_type.startswith("alert.")}
+        assert got == expected, (seed, got)
+        assert d.conflicts == 0
