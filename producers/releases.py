@@ -30,7 +30,7 @@ from pydantic import ValidationError
 
 from gpuledger.timefmt import TimeFormatError, parse_time
 from producers._errors import ProducerError
-from schemas.envelope import UINT32_MAX, Identity, Source, make_event_id
+from schemas.envelope import MAX_FUTURE_SKEW, UINT32_MAX, Identity, Source, make_event_id
 from schemas.release import ReleaseEvent, ReleasePayload, Reservation, actor_name_problem
 
 COLLECTOR = "releases"
@@ -142,6 +142,10 @@ def build_event(command: ReleaseCommand, options: dict, observed_at: datetime | 
     window_start = _time("--window-start", given.get("window_start"), problems)
     window_end = _time("--window-end", given.get("window_end"), problems)
     expires_at = _time("--expires-at", given.get("expires_at"), problems)
+    observed_at = observed_at or datetime.now(timezone.utc)
+    if occurred - observed_at > MAX_FUTURE_SKEW:  # (``schemas.envelope.EventBase``: said here with the flag's name)
+        problems.append(f"--at {given['at']} is in the future (now {observed_at.isoformat(timespec='seconds')}): a release event records "
+                        f"what happened, at most {MAX_FUTURE_SKEW.total_seconds() / 60:.0f} min ahead of this clock")
     if window_start and window_end and window_end <= window_start:
         problems.append("--window-end must be after --window-start")
     if "gpus" in given and not 0 <= given["gpus"] <= UINT32_MAX:  # (``schemas.release.Reservation.gpus``)

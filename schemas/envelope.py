@@ -13,10 +13,10 @@ from __future__ import annotations
 import hashlib
 import unicodedata
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, model_validator
 
 SCHEMA_VERSION = 1
 
@@ -154,6 +154,19 @@ class Identity(Frozen):
         return Identity(**{**theirs, **mine})
 
 
+#: How far an event's ``occurred_at`` may be past its ``observed_at`` (``EventBase``): clocks disagree.
+MAX_FUTURE_SKEW = timedelta(minutes=15)
+
+
+def _span(delta: timedelta) -> str:
+    """A duration as a person reads it: "36 years", "3 days", "2 h", "20 min"."""
+    seconds = int(delta.total_seconds())
+    for unit, size in (("years", 365 * 86400), ("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= 2 * size or (unit in ("h", "min") and seconds >= size):
+            return f"{seconds // size} {unit}"
+    return f"{seconds} s"
+
+
 class EventBase(Frozen):
     """Fields every event carries, whatever its family."""
 
@@ -165,6 +178,25 @@ class EventBase(Frozen):
     source: Source = Field(description="Producing collector and host.")
     identity: Identity = Field(default_factory=Identity, description="Shared identifiers known at the source.")
     trace: TraceContext = Field(default_factory=TraceContext, description="W3C trace context.")
+
+    @model_validator(mode="after")
+    def _not_after_it_was_observed(self):
+        """An event cannot have happened well after it was observed: ``occurred_at`` more than
+        ``MAX_FUTURE_SKEW`` past ``observed_at`` is refused (the CLI's ``--at``, the receiver's 422,
+        the worker's dead letter — the same rule everywhere, a function of the event alone).
+
+        Why: the controls judge deadlines on event time, their watermark the latest event time
+        seen. ``gpuledger release retire --at 2062-12-05…`` (a year mistyped) was accepted; from
+        then on every reservation window and grace period read as passed — three control 5
+        violations dated weeks ahead for a window not yet open — and the release's state read
+        ``retired since 2062`` (an exploratory review). The skew allowed is for clocks that
+        disagree (the API server's and the collector's, Prometheus' and the receiver's)."""
+        if self.occurred_at - self.observed_at > MAX_FUTURE_SKEW:
+            ahead = self.occurred_at - self.observed_at
+            raise ValueError(f"occurred_at {self.occurred_at.isoformat()} is {_span(ahead)} after observed_at "
+                             f"{self.observed_at.isoformat()}: an event cannot have happened more than "
+                             f"{_span(MAX_FUTURE_SKEW)} after it was observed (a mistyped time, or a wrong clock)")
+        return self
 
     def correlation_key(self) -> str:
         """The shared Kafka key: release_id where known, else the workload key."""

@@ -155,6 +155,9 @@ def test_the_same_decision_by_another_actor_at_the_same_time_is_another_event(cl
     # a value the schema refuses: the flag and why, not a pydantic traceback (exploratory review)
     (["approve", "--release-id", "bad\u202eid", "--actor", "alice"], "--release-id: contains U+202E (RIGHT-TO-LEFT OVERRIDE) at position 3"),
     (["promote", "--release-id", "r:1", "--actor", "alice", "--env", "pro\x01d"], "--env: contains U+0001"),
+    # a year mistyped: the controls' watermark took it, and every deadline read as passed (exploratory review)
+    (["retire", "--release-id", "r:1", "--actor", "bob", "--at", "2062-12-05T10:00:00Z"],
+     "--at 2062-12-05T10:00:00Z is in the future (now "),
 ])
 def test_missing_or_wrong_flags_exit_non_zero_naming_them(tmp_path, args, message):
     # Kafka points at a closed port: the command must fail on its flags, before any I/O.

@@ -36,6 +36,23 @@ def test_times_are_normalised_to_utc_and_naive_times_rejected():
         release_event(occurred_at=datetime(2026, 1, 1, 12))
 
 
+def test_an_event_cannot_have_happened_long_after_it_was_observed():
+    """``--at 2062-…`` (a year mistyped) was accepted, and the controls' event-time watermark took it:
+    every deadline read as passed from then on. 15 minutes of clock skew are allowed; the worker's
+    route stage decodes with the same rule (its dead letter names it)."""
+    observed = datetime(2026, 1, 1, 10, 0, 5, tzinfo=timezone.utc)
+    assert release_event(occurred_at=observed + timedelta(minutes=15)).occurred_at == observed + timedelta(minutes=15)
+    with pytest.raises(ValidationError, match=r"occurred_at 2062-12-05T10:00:00\+00:00 is 36 years after observed_at 2026-01-01T10:00:05\+00:00: "
+                                              r"an event cannot have happened more than 15 min after it was observed"):
+        release_event(occurred_at=datetime(2062, 12, 5, 10, tzinfo=timezone.utc))
+    with pytest.raises(ValidationError, match="is 16 min after observed_at"):
+        release_event(occurred_at=observed + timedelta(minutes=16))
+    raw = orjson.loads(encode_event(release_event()))
+    raw["occurred_at"] = "2026-01-04T10:00:00Z"
+    with pytest.raises(EventDecodeError, match="is 2 days after observed_at"):
+        decode_event(orjson.dumps(raw))
+
+
 def test_models_are_frozen_and_reject_unknown_fields():
     ev = release_event()
     with pytest.raises(ValidationError):

@@ -17,7 +17,7 @@ from producers.receiver.alertmanager import AlertIdentityLabels, alert_events, t
 from schemas import decode_event, encode_event
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "alertmanager"
-T_OBSERVED = datetime(2026, 5, 4, 9, 13, tzinfo=timezone.utc)
+T_OBSERVED = datetime(2026, 5, 4, 12, 0, tzinfo=timezone.utc)  # after every fixture's startsAt/endsAt (EventBase: not after it was observed)
 
 
 def load(name: str) -> dict:
