@@ -89,8 +89,17 @@ DEFAULT_EVENT_REASONS: dict[str, str] = {
     "Preempted": "scheduler.preempted",
     "Preempting": "scheduler.preempted",  # kubelet preempting a pod to admit a critical one
     "Evicted": "scheduler.evicted",  # kubelet node-pressure eviction
-    "TaintManagerEviction": "scheduler.evicted",
+    "TaintManagerEviction": "scheduler.evicted",  # only "Marking for deletion": EVENT_MESSAGE_PREFIXES
 }
+
+#: Event reasons that report both a transition and its calling-off: reason -> the message prefix
+#: of the transition; other messages under the reason are not facts at all. The taint manager
+#: records TaintManagerEviction for "Marking for deletion Pod <ns>/<name>" (it deletes the pod now)
+#: and for "Cancelling deletion of Pod <ns>/<name>" (a scheduled deletion called off, the pod stays;
+#: kubernetes pkg/controller/tainteviction/taint_eviction.go emitPodDeletionEvent,
+#: emitCancelPodDeletionEvent). No scheduler event type says "an eviction did not happen", so a
+#: cancellation is not published.
+EVENT_MESSAGE_PREFIXES: dict[str, str] = {"TaintManagerEviction": "Marking for deletion"}
 
 #: DisruptionTarget reasons that mean the scheduler preempted the pod; any other
 #: reason (EvictionByEvictionAPI, DeletionByTaintManager, DeletionByPodGC,
@@ -714,9 +723,13 @@ def scheduler_preemptor(ev: EventView, lookup: Callable[[str], tuple[str, str] |
 
 def event_fact(ev: EventView, reasons: Mapping[str, str],
                lookup: Callable[[str], tuple[str, str] | None] | None = None) -> Fact | None:
-    """The fact an Event reports, or None when its reason is not one we map."""
+    """The fact an Event reports, or None when its reason is not one we map (or its message
+    calls the transition off: ``EVENT_MESSAGE_PREFIXES``)."""
     event_type = reasons.get(ev.reason)
     if not event_type:
+        return None
+    prefix = EVENT_MESSAGE_PREFIXES.get(ev.reason)
+    if prefix is not None and not ev.message.startswith(prefix):
         return None
     digest = message_digest(ev.message)
     node = preemptor = victim = None

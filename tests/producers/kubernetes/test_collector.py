@@ -474,6 +474,61 @@ def test_event_that_overtakes_its_pod_is_linked_by_reading_the_pod(api, make_col
     assert {e.identity.workload_id for e in events} == {"ml/Pod/fast"}
 
 
+def test_a_cancelled_taint_eviction_is_not_an_eviction(api, make_collector, kafka_bootstrap, catalogue):
+    """The taint manager records TaintManagerEviction both for "Marking for deletion Pod …" and for
+    "Cancelling deletion of Pod …" (a scheduled deletion called off: the pod stays); both were
+    published as scheduler.evicted. The Events here name the pod with its UID so that the pod is
+    found and the message alone decides (the real taint manager's name no UID: next test)."""
+    pod = api.create(PODS, make_pod("ml", "train-0", node="gpu-1", created=T0))
+    collector = make_collector(api)
+    with running(collector):
+        wait_sent(collector, 3)  # submitted, scheduled, running
+        wait_watching(api, PODS, EVENTS)
+        api.create(EVENTS, make_event_v1("ml", "train-0.1", pod, "TaintManagerEviction", "Cancelling deletion of Pod ml/train-0",
+                                         event_time=at(30), reporting_controller="taint-eviction-controller"))
+        api.create(EVENTS, make_event_v1("ml", "train-0.2", pod, "TaintManagerEviction", "Marking for deletion Pod ml/train-0",
+                                         event_time=at(40), reporting_controller="taint-eviction-controller"))
+        wait_sent(collector, 4)  # the Events are handled in order: the cancellation came first
+    events = published(kafka_bootstrap, catalogue.scheduler, 4)
+    (evicted,) = [e for e in events if e.payload.object_kind == "Event"]
+    assert (evicted.event_type, evicted.occurred_at, evicted.identity.pod_uid) == ("scheduler.evicted", at(40), pod["metadata"]["uid"])
+    assert evicted.payload.message == "Marking for deletion Pod ml/train-0"
+
+
+def test_an_event_naming_its_pod_without_uid_is_not_attached_to_a_later_pod_of_that_name(api, make_collector, kafka_bootstrap,
+                                                                                        catalogue):
+    """The taint manager's Events name the pod by namespace/name only. On a watch such an Event's
+    pod was read by name, and after a StatefulSet re-created the pod that was the new pod: the
+    eviction was published on the incarnation that was never evicted. Here the Event, the old
+    pod's deletion and the new pod fall in one second, so a creationTimestamp comparison would not
+    have told them apart either. The eviction is still recorded once, from the old pod's
+    DisruptionTarget condition."""
+    old = api.create(PODS, make_pod("ml", "db-0", node="gpu-1", created=T0, owner=("StatefulSet", "db")))
+    collector = make_collector(api)
+    with running(collector):
+        wait_sent(collector, 3)
+        wait_watching(api, PODS, EVENTS)
+        api.update(PODS, make_pod("ml", "db-0", node="gpu-1", created=T0, owner=("StatefulSet", "db"), uid=old["metadata"]["uid"],
+                                  conditions=[pod_condition("PodScheduled", at=T0),
+                                              disruption_target("DeletionByTaintManager", at=at(61))]))
+        api.delete(PODS, "ml", "db-0")
+        new = api.create(PODS, make_pod("ml", "db-0", node="gpu-2", created=at(61), owner=("StatefulSet", "db")))
+        wait_sent(collector, 8)  # old: evicted, deleted; new: submitted, scheduled, running
+        api.create(EVENTS, make_event_v1("ml", "db-0.1", {"kind": "Pod", "namespace": "ml", "name": "db-0", "apiVersion": "v1"},
+                                         "TaintManagerEviction", "Marking for deletion Pod ml/db-0", event_time=at(61),
+                                         reporting_controller="taint-eviction-controller"))
+        # Handled after the one above (one watch, in order): once it is sent, the one above was decided.
+        api.create(EVENTS, make_event_v1("ml", "db-0.2", new, "Scheduled", "Successfully assigned ml/db-0 to gpu-2", event_time=at(62)))
+        wait_sent(collector, 9)
+    events = published(kafka_bootstrap, catalogue.scheduler, 9)
+    assert [(e.payload.object_kind, e.event_type, e.identity.pod_uid) for e in events if e.payload.object_kind == "Event"] == [
+        ("Event", "scheduler.scheduled", new["metadata"]["uid"])]
+    (evicted,) = [e for e in events if e.event_type == "scheduler.evicted"]
+    assert (evicted.identity.pod_uid, evicted.payload.object_kind, evicted.payload.reason) == (
+        old["metadata"]["uid"], "Pod", "DeletionByTaintManager")
+    assert not api.requests_to("/api/v1/namespaces/ml/pods/db-0")  # not looked up by name at all
+
+
 def test_one_namespace_only(api, make_collector, kafka_bootstrap, catalogue):
     api.create(PODS, make_pod("ml", "mine", node="gpu-1", created=T0))
     api.create(PODS, make_pod("other", "theirs", node="gpu-1", created=T0))
