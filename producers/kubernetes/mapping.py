@@ -7,7 +7,7 @@ and the ``SchedulerEvent`` for each, plus the ``workload_id`` of a pod.
 Guarantees: no I/O, no clock reads except where a caller passes ``now``; the same
 object always yields the same facts with the same event ids, so a re-list, a restart
 or an HA pair re-derives identical events (``make_event_id("kubernetes", (uid,
-transition, reason), <transition time | message digest>)``).
+transition, reason), <transition time | message digest | '' for running and deleted>)``).
 Size: the one free-text field, ``payload.message`` (condition and Event messages), is
 cut to ``FREE_TEXT_BYTES`` (8 KiB) with a ``…[truncated N bytes]`` marker by ``to_event``;
 the event id is derived from the full message, so it does not change.
@@ -580,6 +580,9 @@ def pod_image_digests(pod: Mapping) -> list[str]:
 
 
 def _container_times(status: Mapping, where: str) -> tuple[list[datetime], list[datetime]]:
+    """(starts, finishes) of the containers: every start the status still shows — the current
+    run's and the previous one's (``lastState.terminated``), so that a restart does not hide an
+    earlier start — and the current finishes."""
     started, finished = [], []
     for s in status.get("containerStatuses") or []:
         if not isinstance(s, Mapping):
@@ -587,9 +590,11 @@ def _container_times(status: Mapping, where: str) -> tuple[list[datetime], list[
         state = s.get("state") or {}
         run = state.get("running") or {}
         term = state.get("terminated") or {}
+        last = (s.get("lastState") or {}).get("terminated") or {}
         name = s.get("name")
         for value, bucket, what in ((run.get("startedAt"), started, "running.startedAt"),
                                     (term.get("startedAt"), started, "terminated.startedAt"),
+                                    (last.get("startedAt"), started, "lastState.terminated.startedAt"),
                                     (term.get("finishedAt"), finished, "terminated.finishedAt")):
             t = optional_time(value, f"{where} container {name} {what}")
             if t:
@@ -618,8 +623,12 @@ def pod_facts(pod: Mapping, deleted: bool = False, now: datetime | None = None) 
     facts += _scheduling_facts(conditions, node, start_time or meta.created, where)
     phase = status.get("phase")
     if phase == "Running" or (phase in ("Succeeded", "Failed") and started):
+        # One running per pod: its id does not carry the time (an empty version, as deleted),
+        # because the earliest start the status shows moves — a restart replaces a container's
+        # running.startedAt and keeps only the previous run in lastState — and a pod re-listed
+        # after the state file was lost must not publish a second running under another id.
         at = min(started) if started else (start_time or meta.created)
-        facts.append(Fact("running", "running", "scheduler.running", at, iso(at), node=node))
+        facts.append(Fact("running", "running", "scheduler.running", at, "", node=node))
     disrupted = _disruption_fact(conditions, status, node, ObjectRef(kind="Pod", namespace=meta.namespace, name=meta.name, uid=meta.uid),
                                  ended_at, where)
     facts += [disrupted] if disrupted else []

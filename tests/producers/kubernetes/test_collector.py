@@ -575,6 +575,55 @@ def test_restart_publishes_changes_made_while_down_and_no_duplicates(api, make_c
     assert ("ml/wl", "quota_reserved") in got
 
 
+def test_one_running_per_pod_even_after_container_restarts_and_a_lost_state_file(api, make_collector, kafka_bootstrap, catalogue,
+                                                                                 tmp_path):
+    """running's id carried the earliest *current* container start: a restart replaces
+    running.startedAt (the previous run moves to lastState), so a pod re-listed after the state file
+    was lost published a second running under another id (and, while the container waited in
+    CrashLoopBackOff, one more at startTime)."""
+    state_dir = tmp_path / "state-lost"
+    pod = make_pod("ml", "train-0", node="gpu-1", created=T0)
+    uid = pod["metadata"]["uid"]
+    status = pod["status"]["containerStatuses"][0]
+    status["state"] = {"running": {"startedAt": "2026-11-30T10:00:10Z"}}
+    api.create(PODS, pod)
+
+    def relist_without_state(container_status) -> int:
+        (state_dir / "scheduler-state.json").unlink(missing_ok=True)
+        api.update(PODS, {**pod, "status": {**pod["status"], "containerStatuses": [{**status, **container_status}]}})
+        collector = make_collector(api, state_dir)
+        try:
+            return collector.run_once()
+        finally:
+            collector.close()
+
+    first = make_collector(api, state_dir)
+    assert first.run_once() == 3  # submitted, scheduled, running
+    first.close()
+    restarted = {"state": {"running": {"startedAt": "2026-11-30T10:00:50Z"}}, "restartCount": 1,
+                 "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "startedAt": "2026-11-30T10:00:10Z",
+                                              "finishedAt": "2026-11-30T10:00:49Z"}}}
+    kept = make_collector(api, state_dir)  # with the state file: nothing new
+    api.update(PODS, {**pod, "status": {**pod["status"], "containerStatuses": [{**status, **restarted}]}})
+    assert kept.run_once() == 0
+    kept.close()
+    assert relist_without_state(restarted) == 3  # state lost: everything again, under the same ids
+    crash_looping = {"state": {"waiting": {"reason": "CrashLoopBackOff"}}, "restartCount": 2, "ready": False, "started": False,
+                     "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "startedAt": "2026-11-30T10:00:50Z",
+                                                  "finishedAt": "2026-11-30T10:00:55Z"}}}
+    assert relist_without_state(crash_looping) == 3
+
+    events = read_topic(kafka_bootstrap, catalogue.scheduler, min_count=9, timeout=20, settle=1.0)
+    by_type: dict[str, list] = {}
+    for e in (decode_event(m.value()) for m in events):
+        assert e.identity.pod_uid == uid
+        by_type.setdefault(e.event_type, []).append(e)
+    assert sorted(by_type) == ["scheduler.running", "scheduler.scheduled", "scheduler.submitted"]
+    assert all(len(evs) == 3 and len({e.event_id for e in evs}) == 1 for evs in by_type.values())  # one fact each, sent 3 times
+    running_at = sorted(e.occurred_at for e in by_type["scheduler.running"])
+    assert running_at == [at(10), at(10), at(50)]  # the earliest start the status still shows (lastState keeps one run)
+
+
 def test_malformed_objects_are_skipped_counted_and_the_rest_published(api, make_collector, kafka_bootstrap, catalogue):
     no_uid = make_pod("ml", "no-uid", node="gpu-1")
     no_uid["metadata"]["uid"] = ""
