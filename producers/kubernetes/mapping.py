@@ -435,9 +435,41 @@ def kueue_preemptor(message: str | None, index: KueueIndex | None) -> ObjectRef 
     return _ref("Workload", None, None, wl_uid)
 
 
+def _requeued_again(conditions: Any, where: str) -> Fact | None:
+    """A requeue after the one the Requeued condition's own lastTransitionTime stands for.
+
+    Kueue sets Requeued without a transition time of its own (``workload.SetRequeuedCondition``):
+    Requeued=True reason=Preempted stays True through re-admission, and the next preemption sets
+    it again unchanged, so every later requeue looked like the first. The Evicted condition does
+    get a new time per eviction (``SetEvictedCondition``; re-admission turns it False). So a
+    later requeue is proven by Evicted=True with Requeued's reason and a lastTransitionTime after
+    Requeued's, once the quota is released (QuotaReserved not True: the job reconciler sets
+    Requeued and unsets the reservation in one patch, after the job stopped). The fact is keyed
+    on that eviction's time and dated when the quota was released (else the eviction).
+    ``status.requeueState.count`` does not tell: Kueue counts only PodsReady-timeout evictions
+    there (``UpdateRequeueState``), and those requeue through Requeued=False then True, which
+    gives the condition a new time anyway.
+    """
+    requeued, evicted, reserved = _cond(conditions, "Requeued"), _cond(conditions, "Evicted"), _cond(conditions, "QuotaReserved")
+    if not (requeued and evicted and requeued.get("status") == "True" and evicted.get("status") == "True"):
+        return None
+    if evicted.get("reason") != requeued.get("reason") or (reserved and reserved.get("status") == "True"):
+        return None
+    since = parse_time(requeued.get("lastTransitionTime"), f"{where} condition Requeued.lastTransitionTime")
+    evicted_at = parse_time(evicted.get("lastTransitionTime"), f"{where} condition Evicted.lastTransitionTime")
+    if evicted_at <= since:
+        return None  # the eviction the condition's own time already stands for
+    released = optional_time((reserved or {}).get("lastTransitionTime"), f"{where} condition QuotaReserved.lastTransitionTime")
+    at = released if released and released > evicted_at else evicted_at
+    reason = requeued.get("reason") or "Requeued"
+    return Fact(f"Requeued|{reason}|{iso(evicted_at)}", "requeued", "scheduler.requeued", at, iso(evicted_at), reason,
+                requeued.get("message") or None)
+
+
 def workload_facts(wl: Mapping, index: KueueIndex | None = None, deleted: bool = False, now: datetime | None = None) -> list[Fact]:
     """Every transition a Workload's current state proves: queued, each condition that
-    is True (one fact per (type, reason, lastTransitionTime)), and deleted."""
+    is True (one fact per (type, reason, lastTransitionTime)), a requeue the Requeued
+    condition does not date (``_requeued_again``), and deleted."""
     meta = meta_of(wl, "Workload")
     where = f"Workload {meta.namespace}/{meta.name}"
     spec = wl.get("spec") or {}
@@ -461,6 +493,8 @@ def workload_facts(wl: Mapping, index: KueueIndex | None = None, deleted: bool =
             victim = self_ref if preemptor else None
         facts.append(Fact(f"{ctype}|{reason}|{iso(at)}", event_type.split(".", 1)[1], event_type, at, iso(at),
                           reason, message, preemptor=preemptor, victim=victim))
+    if again := _requeued_again(status.get("conditions"), where):
+        facts.append(again)
     if deleted:
         at = meta.deletion or now or datetime.now(timezone.utc)
         facts.append(Fact("deleted", "deleted", "scheduler.deleted", at, ""))

@@ -283,6 +283,55 @@ def test_kueue_workload_transitions_with_preemptor(api, make_collector, kafka_bo
     assert types(urgent_events) == ["queued", "quota_reserved", "admitted"]
 
 
+def test_every_preemption_cycle_of_a_workload_is_a_requeue(api, make_collector, kafka_bootstrap, catalogue, tmp_path):
+    """Kueue sets Requeued without a transition time of its own: Requeued=True reason=Preempted
+    stays True through re-admission and the next preemption sets it again unchanged, so the second
+    requeue had the first one's (type, reason, lastTransitionTime) and was never published. The
+    statuses below are the ones Kueue v0.17 writes (workload.Evict, the job reconciler's
+    SetRequeuedCondition + UnsetQuotaReservationWithCondition, SetQuotaReservation on re-admission);
+    each step is listed by a collector restarted on the same state file."""
+    adm = {"clusterQueue": "gpu-cq", "podSetAssignments": [pod_set_assignment("main", {"nvidia.com/gpu": "a100"}, count=1)]}
+    spec = dict(queue_name="team-q", priority_class="low", priority=10, owner=("Job", "train", "job-uid-train"), created=T0)
+    wl = api.create(WORKLOADS_V1BETA2, make_workload("ml", "job-train-9z8y7", **spec))
+    msg = "Preempted to accommodate a workload (UID: wl-urgent, JobUID: job-uid-urgent) due to prioritization in the ClusterQueue"
+
+    def step(conditions, admission=None) -> int:
+        api.update(WORKLOADS_V1BETA2, make_workload("ml", "job-train-9z8y7", **spec, uid=wl["metadata"]["uid"],
+                                                    conditions=conditions, admission=admission))
+        collector = make_collector(api, tmp_path / "wl-state")
+        try:
+            return collector.run_once()
+        finally:
+            collector.close()
+
+    def admitted(t):
+        return [workload_condition("QuotaReserved", reason="QuotaReserved", at=at(t)), workload_condition("Admitted", at=at(t))]
+
+    def preempted(evicted_at, released_at):  # evicted, then the job stopped: quota released and requeued in one patch
+        return [workload_condition("QuotaReserved", "False", "Pending", message=msg, at=at(released_at)),
+                workload_condition("Admitted", "False", "NoReservation", at=at(released_at)),
+                workload_condition("Evicted", reason="Preempted", message=msg, at=at(evicted_at)),
+                workload_condition("Preempted", reason="InClusterQueue", message=msg, at=at(evicted_at))]
+
+    requeued = workload_condition("Requeued", reason="Preempted", message=msg, at=at(31))  # never re-dated by Kueue
+    assert step(admitted(10), adm) == 3  # queued, quota_reserved, admitted
+    assert step(preempted(30, 31) + [requeued]) == 3  # evicted, preempted, requeued
+    readmitted = admitted(40) + [workload_condition("Evicted", "False", "QuotaReserved", message="Previously: " + msg, at=at(40)),
+                                 workload_condition("Preempted", "False", "QuotaReserved", message="Previously: " + msg, at=at(40)),
+                                 requeued]
+    assert step(readmitted, adm) == 2  # quota_reserved, admitted again
+    # Preempted again: Evicted is re-dated; the quota is still held while the job stops ...
+    stopping = admitted(40) + preempted(60, 60)[2:] + [requeued]
+    assert step(stopping, adm) == 2  # evicted, preempted; no requeue yet
+    assert step(preempted(60, 62) + [requeued]) == 1  # ... then released: the second requeue
+    assert step(preempted(60, 62) + [requeued]) == 0
+
+    events = published(kafka_bootstrap, catalogue.scheduler, 13)
+    requeues = [e for e in events if e.event_type == "scheduler.requeued"]
+    assert [(e.occurred_at, e.payload.reason) for e in requeues] == [(at(31), "Preempted"), (at(62), "Preempted")]
+    assert types(events).count("evicted") == 2 and types(events).count("quota_reserved") == 2
+
+
 def test_v1beta1_only_cluster(make_collector, kafka_bootstrap, catalogue):
     with FakeKubeApi(kueue_versions=("v1beta1",)) as server:
         adm = {"clusterQueue": "cq-b", "podSetAssignments": [pod_set_assignment("main", {"nvidia.com/gpu": "h100"}, count=2)]}
