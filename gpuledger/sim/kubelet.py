@@ -18,6 +18,12 @@ Behaviour that matters to clients and can be toggled:
 * ``exhaust_next(n)`` makes the next ``n`` calls (any method) fail with
   RESOURCE_EXHAUSTED "rejected by rate limit", exactly like the kubelet's
   rate-limiting interceptor.
+* ``rate_limit(qps, burst)`` puts the kubelet's own limiter in front of every
+  method: one token bucket for all clients together, full at start, refilled
+  at ``qps``, a call without a token refused at once with RESOURCE_EXHAUSTED
+  (pkg/kubelet/apis/podresources/grpc/ratelimit.go: ``rate.NewLimiter(qps,
+  burst)`` and ``Allow()``; the kubelet's defaults are 100 and 10,
+  ``DEFAULT_QPS`` / ``DEFAULT_BURST``). ``clock`` lets a test step time itself.
 * ``Get`` for an unknown pod answers ``not_found_code`` (default NOT_FOUND).
   NOTE: the real kubelet returns a plain Go error here too, i.e. UNKNOWN with
   "pod <name> in namespace <ns> not found"; set ``not_found_code =
@@ -41,7 +47,9 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent import futures
 from typing import Iterable, Mapping, Sequence, Union
 
@@ -56,6 +64,9 @@ from producers.podresources.proto import podresources_v1_pb2_grpc as pb_grpc
 RATE_LIMIT_MESSAGE = "rejected by rate limit"
 GET_DISABLED_MESSAGE = "PodResources API Get method disabled"
 GET_UNKNOWN_METHOD_MESSAGE = "unknown method Get for service v1.PodResourcesLister"
+# The kubelet's limiter of this API (ratelimit.go DefaultQPS, DefaultBurstTokens).
+DEFAULT_QPS = 100.0
+DEFAULT_BURST = 10
 
 # sockaddr_un.sun_path is 108 bytes on Linux including the NUL terminator;
 # gRPC fails obscurely on longer paths, so check up front.
@@ -175,6 +186,37 @@ def _coerce_pod(p: PodLike) -> pb.PodResources:
 
 
 # --------------------------------------------------------------------------
+# Rate limiting
+# --------------------------------------------------------------------------
+
+class TokenBucket:
+    """Go's ``rate.Limiter`` as the kubelet uses it: ``allow()`` only, never waiting.
+
+    Starts with ``burst`` tokens, earns ``qps`` per second of ``clock`` up to ``burst``,
+    and a call takes one token or is refused. Written out rather than taken from a
+    library: none of the project's dependencies has one, and Go's semantics (a full
+    bucket at start, refusal without queueing) are what the double must reproduce.
+    Not thread-safe by itself: the kubelet double calls it under its lock.
+    """
+
+    def __init__(self, qps: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        if qps <= 0 or burst < 1:
+            raise ValueError(f"qps must be > 0 and burst >= 1, not {qps} and {burst}")
+        self.qps, self.burst, self._clock = float(qps), int(burst), clock
+        self._tokens = float(burst)
+        self._at = clock()
+
+    def allow(self) -> bool:
+        now = self._clock()
+        self._tokens = min(float(self.burst), self._tokens + max(0.0, now - self._at) * self.qps)
+        self._at = now
+        if self._tokens < 1.0:
+            return False
+        self._tokens -= 1.0
+        return True
+
+
+# --------------------------------------------------------------------------
 # Servicer and server
 # --------------------------------------------------------------------------
 
@@ -254,7 +296,9 @@ class FakeKubelet:
         self._get_gate_disabled = False
         self._not_found_code = grpc.StatusCode.NOT_FOUND
         self._exhausted_remaining = 0
+        self._limiter: TokenBucket | None = None
         self._calls: Counter[str] = Counter()
+        self._refused: Counter[str] = Counter()
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -360,6 +404,12 @@ class FakeKubelet:
         with self._lock:
             self._exhausted_remaining = n
 
+    def rate_limit(self, qps: float | None = DEFAULT_QPS, burst: int = DEFAULT_BURST,
+                   clock: Callable[[], float] = time.monotonic) -> None:
+        """Limit all calls together as the kubelet does (see module docstring); ``qps=None`` turns it off."""
+        with self._lock:
+            self._limiter = None if qps is None else TokenBucket(qps, burst, clock)
+
     # -- call accounting ---------------------------------------------------
 
     @property
@@ -374,9 +424,17 @@ class FakeKubelet:
         with self._lock:
             return self._calls[method]
 
+    def refused_count(self, method: str) -> int:
+        """Calls of ``method`` refused with RESOURCE_EXHAUSTED (``exhaust_next`` or the rate limit)."""
+        if method not in self.METHODS:
+            raise KeyError(method)
+        with self._lock:
+            return self._refused[method]
+
     def reset_calls(self) -> None:
         with self._lock:
             self._calls.clear()
+            self._refused.clear()
 
     def _admit(self, method: str, context: grpc.ServicerContext) -> None:
         """Count the call, then apply rate limiting before any method logic,
@@ -386,5 +444,9 @@ class FakeKubelet:
             limited = self._exhausted_remaining > 0
             if limited:
                 self._exhausted_remaining -= 1
+            elif self._limiter is not None:
+                limited = not self._limiter.allow()
+            if limited:
+                self._refused[method] += 1
         if limited:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, RATE_LIMIT_MESSAGE)

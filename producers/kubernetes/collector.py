@@ -570,6 +570,18 @@ class SchedulerCollector:
             # Listing Events right after Pods: an unknown pod is gone, and was not a GPU
             # pod we published (those are in the state file).
             return None
+        if not uid:
+            # An Event naming its pod without a UID (the taint manager's TaintManagerEviction is
+            # recorded from a namespace/name only) is not looked up by name: the pod read now may
+            # be a later pod of the same name — a StatefulSet re-creates it right after exactly
+            # such an eviction — and nothing can tell the two apart safely. Comparing the Event's
+            # time with the pod's creationTimestamp was the alternative, but both are whole
+            # seconds from two clocks (the reporting controller's, the API server's), so an Event
+            # and a re-creation in the same second, or a little clock skew, would still attach the
+            # Event to the wrong pod. Nothing is lost by refusing: the taint manager sets
+            # DisruptionTarget=True reason DeletionByTaintManager on the pod itself (with its UID)
+            # before deleting it, which pod_facts publishes as scheduler.evicted.
+            return None
         # A watched Event overtook its pod's watch event: ask once.
         try:
             resp = k8s.CoreV1Api(self.api).read_namespaced_pod(name, ns, _preload_content=False,

@@ -7,7 +7,7 @@ and the ``SchedulerEvent`` for each, plus the ``workload_id`` of a pod.
 Guarantees: no I/O, no clock reads except where a caller passes ``now``; the same
 object always yields the same facts with the same event ids, so a re-list, a restart
 or an HA pair re-derives identical events (``make_event_id("kubernetes", (uid,
-transition, reason), <transition time | message digest>)``).
+transition, reason), <transition time | message digest | '' for running and deleted>)``).
 Size: the one free-text field, ``payload.message`` (condition and Event messages), is
 cut to ``FREE_TEXT_BYTES`` (8 KiB) with a ``…[truncated N bytes]`` marker by ``to_event``;
 the event id is derived from the full message, so it does not change.
@@ -89,8 +89,17 @@ DEFAULT_EVENT_REASONS: dict[str, str] = {
     "Preempted": "scheduler.preempted",
     "Preempting": "scheduler.preempted",  # kubelet preempting a pod to admit a critical one
     "Evicted": "scheduler.evicted",  # kubelet node-pressure eviction
-    "TaintManagerEviction": "scheduler.evicted",
+    "TaintManagerEviction": "scheduler.evicted",  # only "Marking for deletion": EVENT_MESSAGE_PREFIXES
 }
+
+#: Event reasons that report both a transition and its calling-off: reason -> the message prefix
+#: of the transition; other messages under the reason are not facts at all. The taint manager
+#: records TaintManagerEviction for "Marking for deletion Pod <ns>/<name>" (it deletes the pod now)
+#: and for "Cancelling deletion of Pod <ns>/<name>" (a scheduled deletion called off, the pod stays;
+#: kubernetes pkg/controller/tainteviction/taint_eviction.go emitPodDeletionEvent,
+#: emitCancelPodDeletionEvent). No scheduler event type says "an eviction did not happen", so a
+#: cancellation is not published.
+EVENT_MESSAGE_PREFIXES: dict[str, str] = {"TaintManagerEviction": "Marking for deletion"}
 
 #: DisruptionTarget reasons that mean the scheduler preempted the pod; any other
 #: reason (EvictionByEvictionAPI, DeletionByTaintManager, DeletionByPodGC,
@@ -426,9 +435,41 @@ def kueue_preemptor(message: str | None, index: KueueIndex | None) -> ObjectRef 
     return _ref("Workload", None, None, wl_uid)
 
 
+def _requeued_again(conditions: Any, where: str) -> Fact | None:
+    """A requeue after the one the Requeued condition's own lastTransitionTime stands for.
+
+    Kueue sets Requeued without a transition time of its own (``workload.SetRequeuedCondition``):
+    Requeued=True reason=Preempted stays True through re-admission, and the next preemption sets
+    it again unchanged, so every later requeue looked like the first. The Evicted condition does
+    get a new time per eviction (``SetEvictedCondition``; re-admission turns it False). So a
+    later requeue is proven by Evicted=True with Requeued's reason and a lastTransitionTime after
+    Requeued's, once the quota is released (QuotaReserved not True: the job reconciler sets
+    Requeued and unsets the reservation in one patch, after the job stopped). The fact is keyed
+    on that eviction's time and dated when the quota was released (else the eviction).
+    ``status.requeueState.count`` does not tell: Kueue counts only PodsReady-timeout evictions
+    there (``UpdateRequeueState``), and those requeue through Requeued=False then True, which
+    gives the condition a new time anyway.
+    """
+    requeued, evicted, reserved = _cond(conditions, "Requeued"), _cond(conditions, "Evicted"), _cond(conditions, "QuotaReserved")
+    if not (requeued and evicted and requeued.get("status") == "True" and evicted.get("status") == "True"):
+        return None
+    if evicted.get("reason") != requeued.get("reason") or (reserved and reserved.get("status") == "True"):
+        return None
+    since = parse_time(requeued.get("lastTransitionTime"), f"{where} condition Requeued.lastTransitionTime")
+    evicted_at = parse_time(evicted.get("lastTransitionTime"), f"{where} condition Evicted.lastTransitionTime")
+    if evicted_at <= since:
+        return None  # the eviction the condition's own time already stands for
+    released = optional_time((reserved or {}).get("lastTransitionTime"), f"{where} condition QuotaReserved.lastTransitionTime")
+    at = released if released and released > evicted_at else evicted_at
+    reason = requeued.get("reason") or "Requeued"
+    return Fact(f"Requeued|{reason}|{iso(evicted_at)}", "requeued", "scheduler.requeued", at, iso(evicted_at), reason,
+                requeued.get("message") or None)
+
+
 def workload_facts(wl: Mapping, index: KueueIndex | None = None, deleted: bool = False, now: datetime | None = None) -> list[Fact]:
     """Every transition a Workload's current state proves: queued, each condition that
-    is True (one fact per (type, reason, lastTransitionTime)), and deleted."""
+    is True (one fact per (type, reason, lastTransitionTime)), a requeue the Requeued
+    condition does not date (``_requeued_again``), and deleted."""
     meta = meta_of(wl, "Workload")
     where = f"Workload {meta.namespace}/{meta.name}"
     spec = wl.get("spec") or {}
@@ -452,6 +493,8 @@ def workload_facts(wl: Mapping, index: KueueIndex | None = None, deleted: bool =
             victim = self_ref if preemptor else None
         facts.append(Fact(f"{ctype}|{reason}|{iso(at)}", event_type.split(".", 1)[1], event_type, at, iso(at),
                           reason, message, preemptor=preemptor, victim=victim))
+    if again := _requeued_again(status.get("conditions"), where):
+        facts.append(again)
     if deleted:
         at = meta.deletion or now or datetime.now(timezone.utc)
         facts.append(Fact("deleted", "deleted", "scheduler.deleted", at, ""))
@@ -571,6 +614,9 @@ def pod_image_digests(pod: Mapping) -> list[str]:
 
 
 def _container_times(status: Mapping, where: str) -> tuple[list[datetime], list[datetime]]:
+    """(starts, finishes) of the containers: every start the status still shows — the current
+    run's and the previous one's (``lastState.terminated``), so that a restart does not hide an
+    earlier start — and the current finishes."""
     started, finished = [], []
     for s in status.get("containerStatuses") or []:
         if not isinstance(s, Mapping):
@@ -578,9 +624,11 @@ def _container_times(status: Mapping, where: str) -> tuple[list[datetime], list[
         state = s.get("state") or {}
         run = state.get("running") or {}
         term = state.get("terminated") or {}
+        last = (s.get("lastState") or {}).get("terminated") or {}
         name = s.get("name")
         for value, bucket, what in ((run.get("startedAt"), started, "running.startedAt"),
                                     (term.get("startedAt"), started, "terminated.startedAt"),
+                                    (last.get("startedAt"), started, "lastState.terminated.startedAt"),
                                     (term.get("finishedAt"), finished, "terminated.finishedAt")):
             t = optional_time(value, f"{where} container {name} {what}")
             if t:
@@ -609,8 +657,12 @@ def pod_facts(pod: Mapping, deleted: bool = False, now: datetime | None = None) 
     facts += _scheduling_facts(conditions, node, start_time or meta.created, where)
     phase = status.get("phase")
     if phase == "Running" or (phase in ("Succeeded", "Failed") and started):
+        # One running per pod: its id does not carry the time (an empty version, as deleted),
+        # because the earliest start the status shows moves — a restart replaces a container's
+        # running.startedAt and keeps only the previous run in lastState — and a pod re-listed
+        # after the state file was lost must not publish a second running under another id.
         at = min(started) if started else (start_time or meta.created)
-        facts.append(Fact("running", "running", "scheduler.running", at, iso(at), node=node))
+        facts.append(Fact("running", "running", "scheduler.running", at, "", node=node))
     disrupted = _disruption_fact(conditions, status, node, ObjectRef(kind="Pod", namespace=meta.namespace, name=meta.name, uid=meta.uid),
                                  ended_at, where)
     facts += [disrupted] if disrupted else []
@@ -714,9 +766,13 @@ def scheduler_preemptor(ev: EventView, lookup: Callable[[str], tuple[str, str] |
 
 def event_fact(ev: EventView, reasons: Mapping[str, str],
                lookup: Callable[[str], tuple[str, str] | None] | None = None) -> Fact | None:
-    """The fact an Event reports, or None when its reason is not one we map."""
+    """The fact an Event reports, or None when its reason is not one we map (or its message
+    calls the transition off: ``EVENT_MESSAGE_PREFIXES``)."""
     event_type = reasons.get(ev.reason)
     if not event_type:
+        return None
+    prefix = EVENT_MESSAGE_PREFIXES.get(ev.reason)
+    if prefix is not None and not ev.message.startswith(prefix):
         return None
     digest = message_digest(ev.message)
     node = preemptor = victim = None

@@ -35,6 +35,12 @@ Guarantees:
 - The kubelet being absent, rate limiting (RESOURCE_EXHAUSTED) and UNAVAILABLE are
   retried with the producers' one back-off (``producers._runtime``); the process stays up, counts
   every failed poll, and logs once per change of failure state.
+- ``Get`` never fails a poll for being rate limited: the kubelet limits this API for all its
+  clients together (burst 10, 100/s, refused at once), so a poll that asked about every pod
+  gone from ``List`` (a drain, a multi-pod Job ending) would be refused again on every retry
+  and never publish. A poll asks at most ``max_gets_per_poll`` of them, those asked longest
+  ago first, and stops asking at the first refusal; the pods not asked stay held and are
+  decided by a later poll, so their releases come a few polls late but do come.
 - Malformed entries (empty pod/container/resource name, empty or whitespace device
   id) are skipped with a logged reason and counted once each; the rest is published.
 - An event too large to travel (over the publisher's ``max_event_bytes``; in practice
@@ -47,7 +53,8 @@ Limits:
 - The API names pods by namespace/name only (no UID): a pod deleted and re-created
   under the same name with the same devices between two polls is invisible.
 - A release is inferred from absence at poll time, so its ``occurred_at`` is when the
-  collector noticed, at most one interval (plus back-off) late.
+  collector noticed, at most one interval (plus back-off) late — more when more pods than
+  ``max_gets_per_poll`` left at once or ``Get`` was rate limited (one interval per further poll).
 - A release may be published for an assignment whose publish failed part-way (the
   collector cannot know whether Kafka kept it); downstream treats a release of an
   unknown assignment as a no-op. Conversely, if a batch holding a release fails after
@@ -185,6 +192,7 @@ class PollResult:
     rejected: int = 0
     published: int = 0
     held: int = 0
+    deferred: int = 0  # pods missing from List kept held without a Get answer (cap or rate limit)
 
 
 class PodResourcesCollector:
@@ -210,6 +218,10 @@ class PodResourcesCollector:
         self._stub: pb_grpc.PodResourcesListerStub | None = None
         self._get_served: bool | None = None  # unknown until first asked
         self._alloc_served: bool | None = None
+        self._polls = 0
+        #: (namespace, pod) missing from List -> the poll that last asked Get about it (fair turns under the cap)
+        self._asked: dict[tuple[str, str], int] = {}
+        self._deferred = 0
         self._last_rejects: set[Reject] = set()
         self._failing: str | None = None
         self._failed_polls = 0
@@ -277,14 +289,14 @@ class PodResourcesCollector:
 
     def _still_there(self, namespace: str, pod: str) -> pb.PodResources | None:
         """Ask Get about a pod List no longer shows; the pod if it still exists, else None."""
-        if self._get_served is False or not self.settings.confirm_releases_with_get:
+        if not self._asks_get():
             return None
         try:
             response = self._call("Get", pb.GetPodResourcesRequest(pod_name=pod, pod_namespace=namespace))
         except KubeletUnavailable as exc:
             cause = exc.__cause__
             if not isinstance(cause, grpc.RpcError) or exc.kind != "rpc_error":
-                raise  # rate limited / unavailable: retry the whole poll later
+                raise  # rate limited: the caller keeps the pod held; unavailable: the poll is retried
             if _not_served(cause):
                 log.info("kubelet on %s does not serve Get (%s): releases are taken from List alone", self.node, cause.details())
                 self._get_served = False
@@ -297,13 +309,47 @@ class PodResourcesCollector:
         self._get_served = True
         return response.pod_resources
 
+    def _asks_get(self) -> bool:
+        return self._get_served is not False and self.settings.confirm_releases_with_get
+
+    def _keep_held(self, obs: Observation, namespace: str, pod: str) -> None:
+        """Observe a pod's published assignments as they are: its release waits for a poll that can ask Get."""
+        for key, held in self.state.assignments.items():
+            if key.namespace == namespace and key.pod == pod:
+                obs.assignments[key] = held.numa
+
     def _observe(self) -> Observation:
+        self._polls += 1
         listed = self._call("List", pb.ListPodResourcesRequest())
         obs = observe(listed.pod_resources, self._allocatable(), self._matches, self._dra)
-        # A pod that vanished from List is confirmed with Get before its devices are released.
+        # A pod that vanished from List is confirmed with Get before its devices are released:
+        # at most max_gets_per_poll of them per poll, and none after the kubelet's rate limit
+        # refused one (its bucket is shared with every other client; asking on would only be
+        # refused too). The others stay held this poll; the ones asked longest ago go first
+        # next time, so a pod Get keeps finding cannot starve the rest.
         held_pods = {(k.namespace, k.pod) for k in self.state.assignments}
-        for namespace, pod in sorted(held_pods - {(p.namespace, p.name) for p in listed.pod_resources}):
-            found = self._still_there(namespace, pod)
+        missing = held_pods - {(p.namespace, p.name) for p in listed.pod_resources}
+        self._asked = {p: n for p, n in self._asked.items() if p in missing}
+        gets, refused, self._deferred = 0, False, 0
+        for namespace, pod in sorted(missing, key=lambda p: (self._asked.get(p, 0), p)):
+            if self._asks_get():
+                if refused or gets >= self.settings.max_gets_per_poll:
+                    self._keep_held(obs, namespace, pod)
+                    self._deferred += 1
+                    continue
+                gets += 1
+                self._asked[(namespace, pod)] = self._polls
+            try:
+                found = self._still_there(namespace, pod)
+            except KubeletUnavailable as exc:
+                if exc.kind != "resource_exhausted":
+                    raise  # the kubelet is down or slow: retry the whole poll later
+                log.info("node %s: kubelet rate-limited Get %s/%s: it and %d other pod(s) missing from List stay held until a later poll",
+                         self.node, namespace, pod, len(missing) - gets)
+                refused = True
+                self._keep_held(obs, namespace, pod)
+                self._deferred += 1
+                continue
             if found is not None and found.name == pod and found.namespace == namespace:
                 observe_pod(found, self._matches, obs, self._dra)
         return obs
@@ -361,12 +407,12 @@ class PodResourcesCollector:
         obs = self._observe()
         rejected = self._account_rejects(obs.rejects)
         plan = plan_changes(self.state, obs, observed.isoformat(timespec="microseconds"))
-        result = PollResult(len(plan.assigned), len(plan.released), len(plan.allocatable), rejected, 0, len(obs.assignments))
+        result = PollResult(len(plan.assigned), len(plan.released), len(plan.allocatable), rejected, 0, len(obs.assignments), self._deferred)
         if plan.empty:
             if self._dirty:
                 self._store.save(self.state)
                 self._dirty = False
-            log.debug("node %s: %d device assignment(s) held, no change", self.node, result.held)
+            log.debug("node %s: %d device assignment(s) held, no change; %d pod(s) missing from List await Get", self.node, result.held, result.deferred)
             return result
         events = ([self._assignment_event(k, h, "released", observed) for k, h in plan.released]
                   + [self._assignment_event(k, h, "assigned", observed) for k, h in plan.assigned]
@@ -385,8 +431,9 @@ class PodResourcesCollector:
         except StateFileError:
             self._dirty = True  # published; the next poll retries the write
             raise
-        log.info("node %s: published %d event(s): %d assigned, %d released, %d allocatable; %d assignment(s) held, %d malformed skipped",
-                 self.node, result.published, result.assigned, result.released, result.allocatable, result.held, rejected)
+        log.info("node %s: published %d event(s): %d assigned, %d released, %d allocatable; %d assignment(s) held, %d malformed skipped, "
+                 "%d pod(s) missing from List await Get", self.node, result.published, result.assigned, result.released, result.allocatable,
+                 result.held, rejected, result.deferred)
         return result
 
     # -- lifecycle ---------------------------------------------------------------

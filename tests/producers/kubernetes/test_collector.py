@@ -283,6 +283,55 @@ def test_kueue_workload_transitions_with_preemptor(api, make_collector, kafka_bo
     assert types(urgent_events) == ["queued", "quota_reserved", "admitted"]
 
 
+def test_every_preemption_cycle_of_a_workload_is_a_requeue(api, make_collector, kafka_bootstrap, catalogue, tmp_path):
+    """Kueue sets Requeued without a transition time of its own: Requeued=True reason=Preempted
+    stays True through re-admission and the next preemption sets it again unchanged, so the second
+    requeue had the first one's (type, reason, lastTransitionTime) and was never published. The
+    statuses below are the ones Kueue v0.17 writes (workload.Evict, the job reconciler's
+    SetRequeuedCondition + UnsetQuotaReservationWithCondition, SetQuotaReservation on re-admission);
+    each step is listed by a collector restarted on the same state file."""
+    adm = {"clusterQueue": "gpu-cq", "podSetAssignments": [pod_set_assignment("main", {"nvidia.com/gpu": "a100"}, count=1)]}
+    spec = dict(queue_name="team-q", priority_class="low", priority=10, owner=("Job", "train", "job-uid-train"), created=T0)
+    wl = api.create(WORKLOADS_V1BETA2, make_workload("ml", "job-train-9z8y7", **spec))
+    msg = "Preempted to accommodate a workload (UID: wl-urgent, JobUID: job-uid-urgent) due to prioritization in the ClusterQueue"
+
+    def step(conditions, admission=None) -> int:
+        api.update(WORKLOADS_V1BETA2, make_workload("ml", "job-train-9z8y7", **spec, uid=wl["metadata"]["uid"],
+                                                    conditions=conditions, admission=admission))
+        collector = make_collector(api, tmp_path / "wl-state")
+        try:
+            return collector.run_once()
+        finally:
+            collector.close()
+
+    def admitted(t):
+        return [workload_condition("QuotaReserved", reason="QuotaReserved", at=at(t)), workload_condition("Admitted", at=at(t))]
+
+    def preempted(evicted_at, released_at):  # evicted, then the job stopped: quota released and requeued in one patch
+        return [workload_condition("QuotaReserved", "False", "Pending", message=msg, at=at(released_at)),
+                workload_condition("Admitted", "False", "NoReservation", at=at(released_at)),
+                workload_condition("Evicted", reason="Preempted", message=msg, at=at(evicted_at)),
+                workload_condition("Preempted", reason="InClusterQueue", message=msg, at=at(evicted_at))]
+
+    requeued = workload_condition("Requeued", reason="Preempted", message=msg, at=at(31))  # never re-dated by Kueue
+    assert step(admitted(10), adm) == 3  # queued, quota_reserved, admitted
+    assert step(preempted(30, 31) + [requeued]) == 3  # evicted, preempted, requeued
+    readmitted = admitted(40) + [workload_condition("Evicted", "False", "QuotaReserved", message="Previously: " + msg, at=at(40)),
+                                 workload_condition("Preempted", "False", "QuotaReserved", message="Previously: " + msg, at=at(40)),
+                                 requeued]
+    assert step(readmitted, adm) == 2  # quota_reserved, admitted again
+    # Preempted again: Evicted is re-dated; the quota is still held while the job stops ...
+    stopping = admitted(40) + preempted(60, 60)[2:] + [requeued]
+    assert step(stopping, adm) == 2  # evicted, preempted; no requeue yet
+    assert step(preempted(60, 62) + [requeued]) == 1  # ... then released: the second requeue
+    assert step(preempted(60, 62) + [requeued]) == 0
+
+    events = published(kafka_bootstrap, catalogue.scheduler, 13)
+    requeues = [e for e in events if e.event_type == "scheduler.requeued"]
+    assert [(e.occurred_at, e.payload.reason) for e in requeues] == [(at(31), "Preempted"), (at(62), "Preempted")]
+    assert types(events).count("evicted") == 2 and types(events).count("quota_reserved") == 2
+
+
 def test_v1beta1_only_cluster(make_collector, kafka_bootstrap, catalogue):
     with FakeKubeApi(kueue_versions=("v1beta1",)) as server:
         adm = {"clusterQueue": "cq-b", "podSetAssignments": [pod_set_assignment("main", {"nvidia.com/gpu": "h100"}, count=2)]}
@@ -474,6 +523,61 @@ def test_event_that_overtakes_its_pod_is_linked_by_reading_the_pod(api, make_col
     assert {e.identity.workload_id for e in events} == {"ml/Pod/fast"}
 
 
+def test_a_cancelled_taint_eviction_is_not_an_eviction(api, make_collector, kafka_bootstrap, catalogue):
+    """The taint manager records TaintManagerEviction both for "Marking for deletion Pod …" and for
+    "Cancelling deletion of Pod …" (a scheduled deletion called off: the pod stays); both were
+    published as scheduler.evicted. The Events here name the pod with its UID so that the pod is
+    found and the message alone decides (the real taint manager's name no UID: next test)."""
+    pod = api.create(PODS, make_pod("ml", "train-0", node="gpu-1", created=T0))
+    collector = make_collector(api)
+    with running(collector):
+        wait_sent(collector, 3)  # submitted, scheduled, running
+        wait_watching(api, PODS, EVENTS)
+        api.create(EVENTS, make_event_v1("ml", "train-0.1", pod, "TaintManagerEviction", "Cancelling deletion of Pod ml/train-0",
+                                         event_time=at(30), reporting_controller="taint-eviction-controller"))
+        api.create(EVENTS, make_event_v1("ml", "train-0.2", pod, "TaintManagerEviction", "Marking for deletion Pod ml/train-0",
+                                         event_time=at(40), reporting_controller="taint-eviction-controller"))
+        wait_sent(collector, 4)  # the Events are handled in order: the cancellation came first
+    events = published(kafka_bootstrap, catalogue.scheduler, 4)
+    (evicted,) = [e for e in events if e.payload.object_kind == "Event"]
+    assert (evicted.event_type, evicted.occurred_at, evicted.identity.pod_uid) == ("scheduler.evicted", at(40), pod["metadata"]["uid"])
+    assert evicted.payload.message == "Marking for deletion Pod ml/train-0"
+
+
+def test_an_event_naming_its_pod_without_uid_is_not_attached_to_a_later_pod_of_that_name(api, make_collector, kafka_bootstrap,
+                                                                                        catalogue):
+    """The taint manager's Events name the pod by namespace/name only. On a watch such an Event's
+    pod was read by name, and after a StatefulSet re-created the pod that was the new pod: the
+    eviction was published on the incarnation that was never evicted. Here the Event, the old
+    pod's deletion and the new pod fall in one second, so a creationTimestamp comparison would not
+    have told them apart either. The eviction is still recorded once, from the old pod's
+    DisruptionTarget condition."""
+    old = api.create(PODS, make_pod("ml", "db-0", node="gpu-1", created=T0, owner=("StatefulSet", "db")))
+    collector = make_collector(api)
+    with running(collector):
+        wait_sent(collector, 3)
+        wait_watching(api, PODS, EVENTS)
+        api.update(PODS, make_pod("ml", "db-0", node="gpu-1", created=T0, owner=("StatefulSet", "db"), uid=old["metadata"]["uid"],
+                                  conditions=[pod_condition("PodScheduled", at=T0),
+                                              disruption_target("DeletionByTaintManager", at=at(61))]))
+        api.delete(PODS, "ml", "db-0")
+        new = api.create(PODS, make_pod("ml", "db-0", node="gpu-2", created=at(61), owner=("StatefulSet", "db")))
+        wait_sent(collector, 8)  # old: evicted, deleted; new: submitted, scheduled, running
+        api.create(EVENTS, make_event_v1("ml", "db-0.1", {"kind": "Pod", "namespace": "ml", "name": "db-0", "apiVersion": "v1"},
+                                         "TaintManagerEviction", "Marking for deletion Pod ml/db-0", event_time=at(61),
+                                         reporting_controller="taint-eviction-controller"))
+        # Handled after the one above (one watch, in order): once it is sent, the one above was decided.
+        api.create(EVENTS, make_event_v1("ml", "db-0.2", new, "Scheduled", "Successfully assigned ml/db-0 to gpu-2", event_time=at(62)))
+        wait_sent(collector, 9)
+    events = published(kafka_bootstrap, catalogue.scheduler, 9)
+    assert [(e.payload.object_kind, e.event_type, e.identity.pod_uid) for e in events if e.payload.object_kind == "Event"] == [
+        ("Event", "scheduler.scheduled", new["metadata"]["uid"])]
+    (evicted,) = [e for e in events if e.event_type == "scheduler.evicted"]
+    assert (evicted.identity.pod_uid, evicted.payload.object_kind, evicted.payload.reason) == (
+        old["metadata"]["uid"], "Pod", "DeletionByTaintManager")
+    assert not api.requests_to("/api/v1/namespaces/ml/pods/db-0")  # not looked up by name at all
+
+
 def test_one_namespace_only(api, make_collector, kafka_bootstrap, catalogue):
     api.create(PODS, make_pod("ml", "mine", node="gpu-1", created=T0))
     api.create(PODS, make_pod("other", "theirs", node="gpu-1", created=T0))
@@ -518,6 +622,55 @@ def test_restart_publishes_changes_made_while_down_and_no_duplicates(api, make_c
         ("keep", "finished"), ("goes", "deleted"), ("pend", "scheduled"), ("pend", "running"),
         ("new", "submitted"), ("new", "failed_scheduling")}
     assert ("ml/wl", "quota_reserved") in got
+
+
+def test_one_running_per_pod_even_after_container_restarts_and_a_lost_state_file(api, make_collector, kafka_bootstrap, catalogue,
+                                                                                 tmp_path):
+    """running's id carried the earliest *current* container start: a restart replaces
+    running.startedAt (the previous run moves to lastState), so a pod re-listed after the state file
+    was lost published a second running under another id (and, while the container waited in
+    CrashLoopBackOff, one more at startTime)."""
+    state_dir = tmp_path / "state-lost"
+    pod = make_pod("ml", "train-0", node="gpu-1", created=T0)
+    uid = pod["metadata"]["uid"]
+    status = pod["status"]["containerStatuses"][0]
+    status["state"] = {"running": {"startedAt": "2026-11-30T10:00:10Z"}}
+    api.create(PODS, pod)
+
+    def relist_without_state(container_status) -> int:
+        (state_dir / "scheduler-state.json").unlink(missing_ok=True)
+        api.update(PODS, {**pod, "status": {**pod["status"], "containerStatuses": [{**status, **container_status}]}})
+        collector = make_collector(api, state_dir)
+        try:
+            return collector.run_once()
+        finally:
+            collector.close()
+
+    first = make_collector(api, state_dir)
+    assert first.run_once() == 3  # submitted, scheduled, running
+    first.close()
+    restarted = {"state": {"running": {"startedAt": "2026-11-30T10:00:50Z"}}, "restartCount": 1,
+                 "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "startedAt": "2026-11-30T10:00:10Z",
+                                              "finishedAt": "2026-11-30T10:00:49Z"}}}
+    kept = make_collector(api, state_dir)  # with the state file: nothing new
+    api.update(PODS, {**pod, "status": {**pod["status"], "containerStatuses": [{**status, **restarted}]}})
+    assert kept.run_once() == 0
+    kept.close()
+    assert relist_without_state(restarted) == 3  # state lost: everything again, under the same ids
+    crash_looping = {"state": {"waiting": {"reason": "CrashLoopBackOff"}}, "restartCount": 2, "ready": False, "started": False,
+                     "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "startedAt": "2026-11-30T10:00:50Z",
+                                                  "finishedAt": "2026-11-30T10:00:55Z"}}}
+    assert relist_without_state(crash_looping) == 3
+
+    events = read_topic(kafka_bootstrap, catalogue.scheduler, min_count=9, timeout=20, settle=1.0)
+    by_type: dict[str, list] = {}
+    for e in (decode_event(m.value()) for m in events):
+        assert e.identity.pod_uid == uid
+        by_type.setdefault(e.event_type, []).append(e)
+    assert sorted(by_type) == ["scheduler.running", "scheduler.scheduled", "scheduler.submitted"]
+    assert all(len(evs) == 3 and len({e.event_id for e in evs}) == 1 for evs in by_type.values())  # one fact each, sent 3 times
+    running_at = sorted(e.occurred_at for e in by_type["scheduler.running"])
+    assert running_at == [at(10), at(10), at(50)]  # the earliest start the status still shows (lastState keeps one run)
 
 
 def test_malformed_objects_are_skipped_counted_and_the_rest_published(api, make_collector, kafka_bootstrap, catalogue):

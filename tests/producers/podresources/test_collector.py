@@ -42,7 +42,9 @@ from producers.podresources.snapshot import (
 from schemas import DeadLetter, decode_event
 from schemas.envelope import make_event_id
 from tests.fixtures.kafka import read_topic
-from tests.fixtures.kubelet import FakeKubelet, container, devices, pod
+from producers.podresources.proto import podresources_v1_pb2 as pb
+from producers.podresources.proto import podresources_v1_pb2_grpc as pb_grpc
+from tests.fixtures.kubelet import DEFAULT_BURST, DEFAULT_QPS, FakeKubelet, container, devices, pod
 
 NODE = "gpu-node-1"
 GPU_A = "GPU-8f1c2d3e-4a5b-6c7d-8e9f-0a1b2c3d4e5f"
@@ -419,6 +421,40 @@ def test_rate_limited_kubelet_is_backed_off_then_published(kubelet, make_collect
     assert collector.failures == {"resource_exhausted": 3}
     assert elapsed >= 0.025 + 0.05 + 0.1  # at least the jittered minimum of three growing back-offs
     assert types(gpu_events(kafka_bootstrap, catalogue, 1)) == {"gpu.assigned": 1}
+
+
+def test_many_pods_leaving_at_once_are_released_within_the_kubelets_rate_limit(kubelet, make_collector, kafka_bootstrap, catalogue):
+    """A drain: 12 pods holding GPUs leave List at once. The kubelet limits this API for all its
+    clients together (burst 10, 100/s, refused at once); the poll asked Get about every one of
+    them, was refused part-way, failed, and every retry asked the same again: the node never
+    published anything more. Now a poll asks at most max_gets_per_poll, a refused Get keeps its
+    pod held, and later polls release the rest."""
+    now = [0.0]
+    kubelet.rate_limit(DEFAULT_QPS, DEFAULT_BURST, clock=lambda: now[0])  # time moves only when the test says so
+    gpus = [f"GPU-{i:08x}-0000-4000-8000-000000000000" for i in range(12)]
+    kubelet.set_pods([trainer(f"job-{i}", ids=[gpu]) for i, gpu in enumerate(gpus)])
+    collector = make_collector()
+    assert collector.poll_once().assigned == 12
+    kubelet.set_pods([])
+    now[0] += 1.0  # the bucket full again; then another client of the socket (dcgm-exporter, say) spends 6 of its 10 tokens
+    with grpc.insecure_channel(kubelet.address) as channel:
+        other = pb_grpc.PodResourcesListerStub(channel)
+        for _ in range(6):
+            other.List(pb.ListPodResourcesRequest(), timeout=5)
+
+    released, polls = [], 0
+    while sum(released) < 12 and polls < 6:
+        gets_before = kubelet.call_count("Get")
+        released.append(collector.poll_once().released)  # a failed poll raises here
+        assert kubelet.call_count("Get") - gets_before <= 5  # the default max_gets_per_poll
+        polls += 1
+        now[0] += 0.1  # one poll interval: the bucket refills
+    # 4 tokens left: List, GetAllocatableResources, two Gets, the third refused; then 5 per poll.
+    assert released == [2, 5, 5]
+    assert kubelet.refused_count("Get") == 1 and kubelet.refused_count("List") == 0
+    events = gpu_events(kafka_bootstrap, catalogue, 24)
+    assert types(events) == {"gpu.assigned": 12, "gpu.released": 12}
+    assert sorted(e.payload.device_id for _, e in events if e.event_type == "gpu.released") == sorted(gpus)
 
 
 def test_socket_missing_is_retried_without_spinning_then_published(sock_path, make_collector, kafka_bootstrap, catalogue, caplog):

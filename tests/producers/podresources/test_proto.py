@@ -23,6 +23,8 @@ from google.protobuf.descriptor import FieldDescriptor as FD
 from producers.podresources.proto import podresources_v1_pb2 as pb
 from producers.podresources.proto import podresources_v1_pb2_grpc as pb_grpc
 from tests.fixtures.kubelet import (
+    DEFAULT_BURST,
+    DEFAULT_QPS,
     GET_DISABLED_MESSAGE,
     RATE_LIMIT_MESSAGE,
     FakeKubelet,
@@ -393,6 +395,32 @@ def test_exhaust_next_then_recovers(kubelet, stub):
     assert len(resp.pod_resources) == 2
     # Rejected calls still count: the kubelet received them.
     assert kubelet.calls == {"List": 2, "GetAllocatableResources": 1, "Get": 0}
+
+
+def test_rate_limit_is_one_token_bucket_for_all_methods_like_the_kubelets(kubelet, stub):
+    """rate.NewLimiter(100, 10) with Allow(): full at start, refused at once when empty, refilled with time."""
+    now = [0.0]
+    kubelet.rate_limit(DEFAULT_QPS, DEFAULT_BURST, clock=lambda: now[0])
+    kubelet.set_pods(_gpu_pods())
+    calls = [lambda: stub.List(pb.ListPodResourcesRequest(), timeout=TIMEOUT),
+             lambda: stub.Get(pb.GetPodResourcesRequest(pod_name="trainer-0", pod_namespace="ml"), timeout=TIMEOUT)]
+
+    def outcomes(n):
+        codes = []
+        for i in range(n):
+            try:
+                calls[i % 2]()
+                codes.append("ok")
+            except grpc.RpcError as exc:
+                codes.append(exc.code().name)
+        return codes
+
+    assert outcomes(12) == ["ok"] * 10 + ["RESOURCE_EXHAUSTED"] * 2
+    now[0] += 0.03  # 100/s: three tokens
+    assert outcomes(4) == ["ok"] * 3 + ["RESOURCE_EXHAUSTED"]
+    now[0] += 60  # never more than the burst
+    assert outcomes(11).count("ok") == 10
+    assert kubelet.refused_count("List") + kubelet.refused_count("Get") == 4
 
 
 def test_set_pods_snapshot_is_isolated_from_caller(kubelet, stub):
