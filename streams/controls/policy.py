@@ -489,6 +489,8 @@ class Policy(_Model):
         d = parse_decision(actor)
         if not d.proven and self.authentication.require_for_rights:
             return f"{actor_text(actor).removesuffix(' (unauthenticated)')} was not authenticated (no credential proved who published it)"
+        if d.person is not None and not d.actor:  # (straight to Kafka with --on-behalf-of alone: an empty actor read "  acted for")
+            return f"no recorded actor acted for {d.person} (nobody to hold the delegate right)"
         if d.person is not None and self._grant(d.actor, d.groups, "delegate") is None:
             return f"{d.actor} acted for {d.person} without the delegate right" + _groups_text(d.groups)
         who, groups = (d.person, ()) if d.person is not None else (d.actor, d.groups)

@@ -152,6 +152,8 @@ def test_the_same_decision_by_another_actor_at_the_same_time_is_another_event(cl
     (["reserve", "--release-id", "r:1", "--reservation-id", "x", "--gpus", "-1"], "--gpus must be from 0 to 4,294,967,295"),
     (["approve", "--release-id", "r:1", "--actor", "ci>alice"], "--actor: contains '>' at position 2"),
     (["approve", "--release-id", "r:1", "--actor", "ci", "--on-behalf-of", "x>alice"], "--on-behalf-of: contains '>'"),
+    # a relay with nobody relaying: stored with a null actor it read "someone for alice" (exploratory review)
+    (["promote", "--release-id", "r:1", "--env", "prod", "--on-behalf-of", "alice"], "--on-behalf-of names the person a service acts for: give the service as --actor"),
     # a value the schema refuses: the flag and why, not a pydantic traceback (exploratory review)
     (["approve", "--release-id", "bad\u202eid", "--actor", "alice"], "--release-id: contains U+202E (RIGHT-TO-LEFT OVERRIDE) at position 3"),
     (["promote", "--release-id", "r:1", "--actor", "alice", "--env", "pro\x01d"], "--env: contains U+0001"),
