@@ -29,6 +29,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gpuledger.timefmt import parse_duration
+from schemas.envelope import nfc
 from schemas.release import actor_text, parse_decision
 
 #: Every decision a role can be given. Release lifecycle events and admin actions map
@@ -98,7 +99,7 @@ class Role(_Model):
         empty = [m for m in members if m.startswith(GROUP_MEMBER) and not m[len(GROUP_MEMBER):].strip()]
         if empty:
             raise ValueError("a group member needs a name after 'group:' (e.g. group:oncall)")
-        return members
+        return tuple(nfc(m) for m in members)  # (as the actors they are compared with: ``schemas.envelope.nfc``)
 
 
 class ControlPolicy(_Model):
