@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -45,7 +45,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn
 from rich.text import Text
 
-from gpuledger.timefmt import STORE_TIMES, TIME_EXAMPLE, TimeFormatError, TimeOutOfRange, parse_duration, parse_time
+from gpuledger.timefmt import STORE_TIMES, TIME_EXAMPLE, DurationOutOfRange, TimeFormatError, TimeOutOfRange, parse_duration, parse_time
 from sinks.clickhouse import chdb_path, is_embedded, redact
 
 
@@ -68,6 +68,8 @@ def parse_instant(text: str, option: str, now: datetime) -> datetime:
                             f"RFC 3339 ({TIME_EXAMPLE}); a Unix timestamp is neither")
     try:
         ago = parse_duration(text)
+    except DurationOutOfRange:  # longer than a timedelta holds: before year 1, so before the store's earliest time
+        ago = timedelta.max
     except TimeFormatError:
         ago = None
     if ago is not None:

@@ -22,6 +22,7 @@ Limits: no week/month units (months have no fixed length); no leap seconds.
 
 from __future__ import annotations
 
+import math
 import re
 from datetime import date, datetime, timedelta, timezone
 from typing import Any
@@ -45,6 +46,11 @@ class TimeFormatError(ValueError):
 
 class TimeOutOfRange(TimeFormatError):
     """A time, but outside those the store keeps (``STORE_TIMES``)."""
+
+
+class DurationOutOfRange(TimeFormatError):
+    """A duration of the grammar, but longer than a ``timedelta`` holds (``timedelta.max``:
+    999999999 days); it was an ``OverflowError``, a traceback."""
 
 
 def _zone(text: str | None) -> timezone | None:
@@ -143,7 +149,9 @@ def clickhouse_time(value: datetime) -> str:
 def parse_duration(value: Any, what: str | None = None) -> timedelta:
     """``90s``, ``15m``, ``2h``, ``1d``, ``1h30m``, ``1.5h`` or a number of seconds → ``timedelta`` (never negative).
 
-    Raises ``TimeFormatError`` otherwise, prefixed by ``what`` (e.g. the flag) when given.
+    Raises ``TimeFormatError`` otherwise, prefixed by ``what`` (e.g. the flag) when given;
+    ``DurationOutOfRange`` (one) for a duration longer than ``timedelta.max`` (``99999999999d``,
+    a number of seconds of 400 digits: once an ``OverflowError`` that no caller caught).
     """
     prefix = f"{what}: " if what else ""
     if isinstance(value, timedelta):
@@ -163,9 +171,17 @@ def parse_duration(value: Any, what: str | None = None) -> timedelta:
             raise TimeFormatError(f"{prefix}not a duration: {value!r} (use {DURATION_EXAMPLES} or a number of seconds)")
     else:
         raise TimeFormatError(f"{prefix}not a duration: {value!r} (use {DURATION_EXAMPLES} or a number of seconds)")
+    if math.isnan(seconds):
+        raise TimeFormatError(f"{prefix}not a duration: {value!r} (use {DURATION_EXAMPLES} or a number of seconds)")
     if seconds < 0:
         raise TimeFormatError(f"{prefix}a duration cannot be negative, got {value!r}")
-    return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
+    if isinstance(value, timedelta):
+        return value
+    try:
+        return timedelta(seconds=seconds)
+    except OverflowError:  # (infinite, or more than 999999999 days)
+        raise DurationOutOfRange(f"{prefix}{value!r} is longer than the longest duration gpuledger holds "
+                                 f"({timedelta.max.days}d)") from None
 
 
 def format_duration(value: timedelta) -> str:

@@ -126,6 +126,10 @@ def build_event(command: ReleaseCommand, options: dict, observed_at: datetime | 
     missing = [FLAGS[name] for name in command.required if name not in given and not (actor_from_credential and name == "actor")]
     if missing:
         problems.append(f"release {command.name} needs {', '.join(missing)}")
+    if "on_behalf_of" in given and "actor" not in given and not actor_from_credential:
+        # (stored with no actor, it read "someone for alice" and control 7 "  acted for alice")
+        problems.append("--on-behalf-of names the person a service acts for: give the service as --actor "
+                        "(through the receiver its token names it)")
     for scope, names in _SCOPED.items():
         if scope not in command.scopes:
             stray = [FLAGS[n] for n in names if n in given]

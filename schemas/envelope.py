@@ -51,20 +51,44 @@ def identity_text_problem(value: str) -> str | None:
     return None
 
 
+def nfc(value: str) -> str:
+    """``value`` in Unicode normalization form C: what every identifier is stored and compared as.
+
+    Why: one text can be typed as different code points — ``café`` as ``caf`` + U+00E9, or as
+    ``cafe`` + U+0301 (a combining acute accent: macOS file names, some input methods, copied
+    text). They look the same and are *canonically equivalent* (Unicode says they are the same
+    text), yet compared as strings they were two releases: ``release approve --release-id`` in
+    one form and ``trace --release`` in the other matched nothing (exploratory review).
+    Why NFC and not refusing combining marks: NFC only ever maps a text to one canonically
+    equivalent to it, so no id that already means one thing comes to mean another; and a name
+    that needs a combining mark (no precomposed character exists) stays possible. Why not NFKC:
+    compatibility folding (``ﬁ`` → ``fi``, full-width → ASCII) changes what a text says, not
+    only how it is encoded. Lookalikes across scripts (Cyrillic ``а``) are different text and
+    stay different. ASCII is its own NFC: every ASCII id — each Kubernetes name, uid, digest and
+    hash id — is unchanged (and ``isascii`` is O(1) in CPython, so their cost is one call)."""
+    return value if value.isascii() else unicodedata.normalize("NFC", value)
+
+
 def refusing(problem: Callable[[str], str | None], fine: Callable[[str], bool] | None = None) -> AfterValidator:
     """A validator that refuses a string ``problem`` finds fault with, with its words (the one
     rule, said once, for the schema and for the checks before a model is built: ``IdText``,
-    ``schemas.release.ActorIdText``). ``fine``: a test, in C, that ``problem`` would find no
-    fault with the value — ``problem``'s own fast path, taken without calling it: every id of
-    every event goes through this (~9 per bench event), and a second Python frame per id cost
-    the route stage's decoding ~5 % (``decode_event``, min of 9 runs: 10.3 -> 9.8 us per bench event)."""
+    ``schemas.release.ActorIdText``), and gives the string in NFC (``nfc``: checked after
+    normalising, so the rule holds for what is stored). ``fine``: a test, in C, that ``problem``
+    would find no fault with the value — ``problem``'s own fast path, taken without calling it:
+    every id of every event goes through this (~9 per bench event), and a second Python frame per
+    id cost the route stage's decoding ~5 % (``decode_event``, min of 9 runs: 10.3 -> 9.8 us per bench event)."""
+    normalize = unicodedata.normalize
     if fine is None:
         def check(value: str) -> str:
+            if not value.isascii():
+                value = normalize("NFC", value)
             if (why := problem(value)):
                 raise ValueError(why)
             return value
     else:
         def check(value: str) -> str:
+            if not value.isascii():
+                value = normalize("NFC", value)
             if fine(value) or not (why := problem(value)):
                 return value
             raise ValueError(why)
@@ -72,7 +96,8 @@ def refusing(problem: Callable[[str], str | None], fine: Callable[[str], bool] |
 
 
 #: A string that identifies something (an id, a name, a label, an actor): no control or
-#: bidi characters. Free text (reasons, messages, annotations) stays ``str``, escaped on output.
+#: bidi characters, and in Unicode NFC (``nfc``: two spellings of one text are one id).
+#: Free text (reasons, messages, annotations) stays ``str``, escaped on output.
 #: (``str.isprintable``: ``identity_text_problem``'s fast path — a printable string has none.)
 IdText = Annotated[str, refusing(identity_text_problem, str.isprintable)]
 
@@ -105,10 +130,15 @@ def make_event_id(source: str, natural_key: str | tuple[Any, ...], source_versio
     fingerprint + status + startsAt, a pod's uid + transition); ``source_version`` is
     the source's own version of it (a resourceVersion, a delivery id) when that is
     part of the fact's identity. Re-sending the same fact yields the same id.
+    Computed on the NFC of the key (``nfc``, as ``IdText`` stores it): producers derive ids
+    from what a source sent, before validation, and one fact typed in two canonically
+    equivalent spellings must be one id. (The NFC of the joined text is the join of each
+    part's NFC: the separators are starters nothing composes with.) ASCII keys, and keys
+    already in NFC, keep the ids they always had.
     """
     if isinstance(natural_key, tuple):
         natural_key = "\x1f".join("" if part is None else str(part) for part in natural_key)
-    material = "\x1e".join((source, natural_key, "" if source_version is None else str(source_version)))
+    material = nfc("\x1e".join((source, natural_key, "" if source_version is None else str(source_version))))
     return hashlib.sha256(material.encode("utf-8")).hexdigest()[:32]
 
 

@@ -45,6 +45,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from producers._errors import PayloadError, ProducerError
+from schemas.envelope import nfc
 from schemas.release import ActorIdText, actor_name_problem
 
 log = logging.getLogger(__name__)
@@ -275,7 +276,7 @@ class OidcVerifier:
             raise AuthError(f"Authorization: the token's {s.identity_claim!r} claim is not a name")
         # Checked here, by the release schema's rule: a name it refuses was stamped on the event
         # unchecked, answered 200, and dead-lettered by the worker — accepted, never recorded.
-        identity = s.identity_prefix + name
+        identity = nfc(s.identity_prefix + name)  # (as the schema stores it: the body's actor is compared with it)
         problem = actor_name_problem(identity)
         if problem:
             raise AuthError(f"Authorization: the token's {s.identity_claim!r} claim cannot name a caller: the identity it makes "
@@ -286,6 +287,7 @@ class OidcVerifier:
         if not isinstance(groups, list) or not all(isinstance(g, str) for g in groups):
             # Ignored before: a caller whose groups the issuer meant to say was silently groupless.
             raise AuthError(f"Authorization: the token's {s.groups_claim!r} claim is not a list of group names")
+        groups = [nfc(g) for g in groups]
         for i, group in enumerate(groups):
             problem = actor_name_problem(group)
             if problem:

@@ -311,6 +311,13 @@ class LifecycleReceiver:
                 raise PayloadError(f"{where}payload.on_behalf_of: {principal.identity} may not act on behalf of {p.on_behalf_of!r}: "
                                    "no role of the policy gives it the delegate right", field=f"{where}payload.on_behalf_of",
                                    reason="forbidden", status=403)
+        elif p.on_behalf_of:
+            # Only a proven service's delegate right makes a relay mean anything (docs/controls.md, "Who an
+            # actor is"): anonymously it was answered 200 and stored as "someone for user:alice".
+            raise PayloadError(f"{where}payload.on_behalf_of: acting on behalf of {p.on_behalf_of!r} needs a credential: only an "
+                               "authenticated service holding the policy's delegate right may relay a person's decision "
+                               "(send its bearer token; without one, name yourself in payload.actor)",
+                               field=f"{where}payload.on_behalf_of", reason="forbidden", status=403)
         natural_key = release_natural_key(event.identity.release_id, event.event_type, p.approval_id, event.identity.environment,
                                           p.target, p.reservation.reservation_id if p.reservation else None)
         # An unauthenticated caller's id names the actor it claims: with one 'unauthenticated' for

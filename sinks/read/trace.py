@@ -51,6 +51,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from producers.kubernetes.mapping import KUEUE_JOB_UID_LABEL
+from schemas.envelope import nfc
 from schemas.release import ENDING_EVENTS, LIFECYCLE_EVENTS, actor_text, decision_actor
 from sinks.migrations import table_name
 from sinks.read.decisions import DEFERRED_RULE, check_state as decided_check_state, decision_status
@@ -1152,6 +1153,7 @@ def trace(reader, database: str, kind: str, value: str, at: datetime | None = No
         raise TraceError(f"unknown entry point {kind!r}; use one of {', '.join(ENTRY_KINDS)}")
     if not value:
         raise TraceError(f"--{kind}: empty value")
+    value = nfc(value)  # (identifiers are stored in NFC: 'cafe' + U+0301 is the release 'café')
     window = DEFAULT_WINDOW if window is None else window  # (0 is a window: the chain alone, no neighbours)
     store = Store(reader, database, cluster, mode)
     resolver = _Resolver(store, at)

@@ -29,6 +29,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gpuledger.timefmt import parse_duration
+from schemas.envelope import nfc
 from schemas.release import actor_text, parse_decision
 
 #: Every decision a role can be given. Release lifecycle events and admin actions map
@@ -98,7 +99,7 @@ class Role(_Model):
         empty = [m for m in members if m.startswith(GROUP_MEMBER) and not m[len(GROUP_MEMBER):].strip()]
         if empty:
             raise ValueError("a group member needs a name after 'group:' (e.g. group:oncall)")
-        return members
+        return tuple(nfc(m) for m in members)  # (as the actors they are compared with: ``schemas.envelope.nfc``)
 
 
 class ControlPolicy(_Model):
@@ -489,6 +490,8 @@ class Policy(_Model):
         d = parse_decision(actor)
         if not d.proven and self.authentication.require_for_rights:
             return f"{actor_text(actor).removesuffix(' (unauthenticated)')} was not authenticated (no credential proved who published it)"
+        if d.person is not None and not d.actor:  # (straight to Kafka with --on-behalf-of alone: an empty actor read "  acted for")
+            return f"no recorded actor acted for {d.person} (nobody to hold the delegate right)"
         if d.person is not None and self._grant(d.actor, d.groups, "delegate") is None:
             return f"{d.actor} acted for {d.person} without the delegate right" + _groups_text(d.groups)
         who, groups = (d.person, ()) if d.person is not None else (d.actor, d.groups)

@@ -92,3 +92,31 @@ def test_the_streams_time_text_is_isoformat_of_the_utc_time_whatever_the_shape()
         quick += quick_utc_isoformat(text) is not None
     assert quick == 8  # pydantic's JSON and isoformat() of the 4 UTC times; every other shape is parsed
 
+
+
+def test_a_duration_longer_than_a_timedelta_holds_is_bad_input_on_every_flag(tmp_path):
+    """`trace --window 99999999999d`, `audit --lookback …`, `replay --from/--to …` ended in
+    an OverflowError traceback, exit 1 (exploratory review): the grammar's error, exit 2, like
+    `--window soon`. A policy field of the grammar says so too (it was the same traceback)."""
+    from typer.testing import CliRunner
+
+    from gpuledger.cli import app
+    from streams.controls.policy import PolicyError, parse_policy
+
+    huge, longest = "99999999999d", f"{timedelta.max.days}d"
+    with pytest.raises(TimeFormatError, match=rf"--window: '{huge}' is longer than the longest duration gpuledger holds \({longest}\)"):
+        parse_duration(huge, "--window")
+    for bad in ("9" * 400, float("inf"), float("nan")):
+        with pytest.raises(TimeFormatError):
+            parse_duration(bad)
+    assert parse_duration(longest) == timedelta(days=timedelta.max.days)
+    env = {"GPULEDGER_DATA_DIR": str(tmp_path), "COLUMNS": "200"}
+    runner = CliRunner()
+    for args, said in ((["trace", "--pod", "ml/ocr-a", "--window", huge], f"error: --window: '{huge}' is longer than"),
+                       (["audit", "--lookback", huge], f"error: --lookback: '{huge}' is longer than"),
+                       (["replay", "--into", f"chdb://{tmp_path / 'sb'}", "--from", huge], f"error: --from '{huge}': a duration before now reaching before 1900-01-01"),
+                       (["replay", "--into", f"chdb://{tmp_path / 'sb'}", "--from", "1d", "--to", huge], f"error: --to '{huge}': a duration before now")):
+        out = runner.invoke(app, args, env=env)
+        assert out.exit_code == 2 and said in out.output, (args, out.output)
+    with pytest.raises(PolicyError, match=rf"emergency_overrides.max_duration: '{huge}' is longer than the longest duration"):
+        parse_policy(f"emergency_overrides:\n  max_duration: {huge}\n", "policy.yaml")

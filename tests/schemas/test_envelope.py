@@ -135,6 +135,26 @@ def test_identifiers_refuse_control_and_bidi_characters_free_text_keeps_them(bad
     assert Identity(pod="caf\u00e9-\u4e2d\u6587").pod == "caf\u00e9-\u4e2d\u6587"  # non-ASCII letters are fine
 
 
+NFD, NFC = "cafe\u0301:1", "caf\u00e9:1"  # one text: 'café:1' with a combining accent, and precomposed
+
+
+def test_identifiers_are_one_spelling_of_their_text_nfc_and_ascii_ids_are_unchanged():
+    """'cafe' + U+0301 and 'caf' + U+00E9 were two releases (exploratory review): an identifier is
+    stored in NFC, and an event id is hashed from its key's NFC. ASCII and NFC keys keep their ids
+    (pinned: the ids every stored event has)."""
+    assert NFD != NFC
+    via_nfd = decode_event(release_event().model_dump(mode="json") | {"identity": {"release_id": NFD, "model_name": "m\u0301"},
+                                                                      "payload": {"actor": "jose\u0301", "approval_id": "CHG-\u00e9"}})
+    assert (via_nfd.identity.release_id, via_nfd.identity.model_name) == (NFC, "\u1e3f")  # (m + U+0301 composes to U+1E3F)
+    assert (via_nfd.payload.actor, via_nfd.payload.approval_id) == ("jos\u00e9", "CHG-\u00e9")
+    assert Identity(release_id=NFC) == Identity(release_id=NFD)
+    assert make_event_id("cli", (NFD, "release.approved"), "1") == make_event_id("cli", (NFC, "release.approved"), "1")
+    assert make_event_id("cli", ("r:1", "release.approved", None), "2026-05-04T09:00:00+00:00") == "c02ea47e7df79cff2c35b201087881f2"
+    assert make_event_id("mlflow", (NFC, "x"), "d") == "6db34adce662fa4ede97034137a2e218"
+    # Compatibility characters are other text (no NFKC folding); a combining mark alone is still allowed.
+    assert Identity(release_id="\ufb01le").release_id == "\ufb01le" and Identity(release_id="\u0301x").release_id == "\u0301x"
+
+
 def _scheduler(payload: dict) -> dict:
     return {"event_id": "abcdefgh12", "event_type": "scheduler.admitted", "occurred_at": "2026-01-01T00:00:00Z",
             "observed_at": "2026-01-01T00:00:00Z", "source": {"collector": "kueue"},

@@ -296,6 +296,15 @@ def test_admin_action_without_the_right_and_override_without_expiry_open():
     assert "has no expiry" in details[0]
 
 
+def test_a_relay_with_no_recorded_actor_says_so():
+    """An event naming on_behalf_of and no actor (the receiver took it anonymously; straight to Kafka
+    it still can be written): control 7 read "without the decision right:  acted for user:alice"."""
+    detail = one(run([*released(), rel("release.node_isolated", 10, on_behalf_of="user:alice", target="n3")], watermark=30), 7).detail
+    assert "node_isolated n3 of release r1 without the decision right: no recorded actor acted for user:alice (nobody to hold the " \
+           "delegate right)" in detail, detail
+    assert ":  " not in detail, detail
+
+
 PROVEN = POLICY.model_copy(update={
     "authentication": POLICY.authentication.model_copy(update={"require_for_rights": True}),
     "roles": {**POLICY.roles, "ci": Role(owner="team-mlops", members=("service:ci-gitlab",), actions=("delegate",))}})

@@ -499,3 +499,50 @@ def test_alias_holders_are_only_moves_a_credential_proved(start, credentials, ca
         [("release.promoted", "rt-hold:8", "rt-hold:6", "user:alice")],  # a proven one is
         [("release.rolled_back", "rt-hold:8", "rt-hold:7", "user:alice"), ("release.promoted", "rt-hold:7", "rt-hold:8", "user:alice")],
     ]
+
+
+def test_an_anonymous_relay_is_403_naming_on_behalf_of_and_nothing_is_stored(start, catalogue, kafka_bootstrap):
+    """An anonymous POST naming on_behalf_of was answered 200 and stored with a null actor
+    ("someone for user:alice (unauthenticated)"; control 7 read "…:  acted for user:alice"):
+    only a proven service's delegate right makes a relay mean anything (exploratory review)."""
+    rx = start()  # no credential configured: anonymous posts are taken on loopback
+    for payload in ({"on_behalf_of": "user:alice", "approval_id": "CHG-1"},
+                    {"actor": "ci", "on_behalf_of": "user:alice", "approval_id": "CHG-1"}):
+        status, answer = rx.post("/v1/releases", release_event(payload=payload))
+        assert (status, answer["field"]) == (403, "payload.on_behalf_of"), answer
+        assert "acting on behalf of 'user:alice' needs a credential" in answer["error"], answer
+    status, answer = rx.post("/v1/releases", [release_event(), release_event(payload={"on_behalf_of": "user:alice"})])
+    assert (status, answer["field"]) == (403, "[1].payload.on_behalf_of"), answer  # all-or-nothing
+    # Anonymous posts naming only themselves are still taken: the one stored event is this one.
+    status, own = rx.post("/v1/releases", release_event(payload={"actor": "ci", "approval_id": "CHG-2"}))
+    assert status == 200, own
+    [(_, stored)] = events_on(kafka_bootstrap, catalogue.release, 1)
+    assert (stored.event_id, stored.payload.actor, stored.payload.on_behalf_of) == (own["event_ids"][0], "ci", None)
+
+
+def test_the_readmes_ci_curl_example_works_as_documented(start, credentials, catalogue, kafka_bootstrap):
+    """README.md's CI example, run by bash and curl as written (only the URL is this receiver's):
+    stored as the CI service relaying for the person; a caller without the delegate right is refused."""
+    import os
+    import re
+    import subprocess
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    [script] = [b for b in re.findall(r"```sh\n(.*?)```", readme, re.S) if "curl" in b and "/v1/releases" in b]
+    rx = start(policy=DELEGATING, credentials_file=str(credentials))
+    script = script.replace("https://gpuledger-receiver.gpuledger.svc:9095", rx.url).replace("curl -sf", "curl -sS -w '\\n%{http_code}'")
+    env = {"PATH": os.environ["PATH"], "CI_PIPELINE_CREATED_AT": "2026-05-04T09:00:00Z", "GITLAB_USER_LOGIN": "alice"}
+
+    def run(token: str) -> tuple[int, dict]:
+        out = subprocess.run(["bash", "-c", script], env={**env, "CI_RECEIVER_TOKEN": token}, capture_output=True, text=True, timeout=60)
+        body, _, status = out.stdout.rpartition("\n")
+        return int(status), json.loads(body)
+
+    status, answer = run(TOKENS["ci"])
+    assert status == 200, answer
+    [(_, stored)] = events_on(kafka_bootstrap, catalogue.release, 1)
+    assert stored.event_id == answer["event_ids"][0] and stored.event_type == "release.promoted"
+    assert (stored.payload.actor, stored.payload.on_behalf_of, stored.payload.authenticated_by) == ("service:ci-gitlab", "user:alice", "token")
+    status, answer = run(TOKENS["mallory"])  # a caller without the delegate right
+    assert (status, answer["field"]) == (403, "payload.on_behalf_of"), answer

@@ -980,3 +980,25 @@ def test_a_gpu_no_allocation_held_but_alerts_name_is_its_latest_alerts_chain(cli
     assert [a["alert_fingerprint"] for a in result["alerts"] if a["in_chain"]] == ["fp-idle"]
     # The alert's own chain is unchanged by it (an alert entry does not look for other alerts of its GPU).
     assert trace(reader, db, "alert", "fp-idle", at=AT)["entry"]["root"] == {"kind": "alert", "id": "fp-idle"}
+
+
+def test_a_release_traced_in_another_spelling_of_its_id_is_found(clickhouse_client, clickhouse_dsn, tmp_path):
+    """`release approve --release-id "$(printf 'cafe\\u0301:1')"` then `trace --release
+    "$(printf 'caf\\u00e9:1')"` matched nothing (exploratory review): identifiers are stored in
+    NFC and the trace's entry point is read in NFC, so either spelling finds the release."""
+    import asyncio
+
+    from sinks.agents import SinkWriters
+
+    nfd, nfc = "cafe\u0301:1", "caf\u00e9:1"
+    db = inc.load_store(clickhouse_client)
+    row = inc._ce("release", "release.approved", inc.T0, {"release_id": nfd, "model_name": "cafe\u0301", "model_version": "1"},
+                  {"actor": "alice", "approval_id": "CHG-7"}, attribution="release_event", release_state="release.approved")
+    asyncio.run(SinkWriters(clickhouse_client, db).store_correlated([row]))
+    env = {"GPULEDGER_CLICKHOUSE_DSN": clickhouse_dsn, "GPULEDGER_CLICKHOUSE_DATABASE": db, "GPULEDGER_DATA_DIR": str(tmp_path),
+           "COLUMNS": "200"}
+    for spelling in (nfc, nfd):
+        out = CliRunner().invoke(cli_app, ["trace", "--release", spelling, "--format", "json"], env=env)
+        assert out.exit_code == 0, (ascii(spelling), out.output)
+        got = json.loads(out.stdout)
+        assert got["entry"]["root"] == {"kind": "release", "id": nfc} and got["release"]["state"] == "release.approved", got["release"]

@@ -147,3 +147,14 @@ def test_a_controls_block_changes_only_what_it_names(tmp_path):
     bad.write_text("controls:\n  retirement:\n    accountable: nobody\n")
     with pytest.raises(PolicyError, match="no role named 'nobody'"):
         load_policy(bad)
+
+
+def test_a_member_typed_in_another_spelling_of_the_actors_name_holds_the_role():
+    """Actors are stored in NFC (schemas.envelope.nfc): a member written with a combining accent
+    ('jose' + U+0301) is the actor 'jos\u00e9' the events name."""
+    from streams.controls.policy import Role
+
+    policy = Policy().model_copy(update={"roles": {**Policy().roles, "approvers": Role(owner="team-a", members=("jose\u0301",),
+                                                                                      actions=("approve",))}})
+    assert policy.roles["approvers"].members == ("jos\u00e9",)
+    assert policy.allowed("jos\u00e9", "approve") and policy.allowed("user:jos\u00e9", "approve")
