@@ -816,6 +816,7 @@ class _Chain:
         self.violations: list[dict] = []  # read_violations
         self.allocs: dict[str, dict] = {}
         self.alert_rows: dict[str, dict] = {}
+        self.earlier_episodes: list[dict] = []  # the entry alert's episodes before its latest, not in the chain
         self.anchor_s: str | None = None
         self.anchor_what = "nothing"
         self.entry: tuple[str, str] = root  # the entry point (kind, value); set by _expand
@@ -996,7 +997,14 @@ class _Chain:
         chain_alerts = self.store.latest(
             "enriched_alerts", ALERT_COLS, _at_cond("occurred_at", self.at), params, after=" OR ".join(f"({c})" for c in conds),
             after_columns=("release_id", "workload_id", "namespace", "pod"), order="occurred_at, correlation_id") if conds else []
-        self.alert_rows = {r["correlation_id"]: r for r in [*chain_alerts, *focal_alerts]}
+        # The entry alert's latest episode (its rows of the latest startsAt) is the chain's; an earlier
+        # episode is listed, out of the chain, unless attributed to it: it fired on another pod, which
+        # joined the chain after its allocations were read ("no GPU allocation seen" of a pod that held
+        # the GPU — an exploratory review), with its release's violations.
+        episode = focal_alerts[-1].get("starts_at") if focal_alerts else None
+        current = [r for r in focal_alerts if r.get("starts_at") == episode]
+        self.alert_rows = {r["correlation_id"]: r for r in [*chain_alerts, *current]}
+        self.earlier_episodes = [r for r in focal_alerts if r["correlation_id"] not in self.alert_rows]
         for r in self.alert_rows.values():
             if r.get("namespace") and r.get("pod") and (r["namespace"], r["pod"]) not in self.pods:
                 self._pod(r["namespace"], r["pod"], r.get("workload_id") or None, [r["node"]] if r.get("node") else [])
@@ -1113,7 +1121,8 @@ class _Chain:
                 rule = {"model_version_fallback": "model+version", "image_digest_fallback": "image digest"}.get(r["attribution"], r["attribution"])
                 self.gaps.append(f"alert {r['alert_fingerprint']}: attributed to {r['release_id']} by its {rule} (rule "
                                  f"{r['attribution']}): the release id its labels name matches no release event (control 3)")
-        alerts = [_brief_alert(r, True) for r in self.alert_rows.values()] + [_brief_alert(r, False) for r in self.others_alerts]
+        outside = {r["correlation_id"]: r for r in [*self.earlier_episodes, *self.others_alerts]}
+        alerts = [_brief_alert(r, True) for r in self.alert_rows.values()] + [_brief_alert(r, False) for r in outside.values()]
         return sorted(alerts, key=lambda a: (a["occurred_at"], a["correlation_id"]))
 
     def result(self) -> dict:

@@ -1002,3 +1002,31 @@ def test_a_release_traced_in_another_spelling_of_its_id_is_found(clickhouse_clie
         assert out.exit_code == 0, (ascii(spelling), out.output)
         got = json.loads(out.stdout)
         assert got["entry"]["root"] == {"kind": "release", "id": nfc} and got["release"]["state"] == "release.approved", got["release"]
+
+
+def test_an_alerts_earlier_episode_is_listed_without_pulling_its_pod_into_the_chain(clickhouse_client):
+    """An exploratory review: an alert that fired, resolved and fired again on another pod — the
+    trace of its latest firing took the earlier firing's pod into the chain after the chain's
+    allocations were read, and said "no GPU allocation seen" of a pod that held the GPU. The
+    earlier episode is listed (not in the chain); its pod is not in the chain."""
+    import asyncio
+
+    from sinks.agents import SinkWriters
+
+    db = inc.load_store(clickhouse_client)
+    starts, ends = inc.T0 + timedelta(minutes=61), inc.T0 + timedelta(minutes=63)
+    ident = {"alert_fingerprint": inc.FP, "namespace": "training", "pod": inc.PT, "workload_id": inc.WT, "node": "node-a",
+             "gpu_id": inc.GPU_A}
+    payload = {"alertname": "ModelQualityDegraded", "severity": "critical", "labels": {"namespace": "training", "pod": inc.PT},
+               "starts_at": starts.isoformat()}
+    earlier = [inc._ce("alert", "alert.firing", starts, ident, payload, attribution="gpu_assignment", key="earlier-firing"),
+               inc._ce("alert", "alert.resolved", ends, ident, {**payload, "ends_at": ends.isoformat()}, attribution="gpu_assignment",
+                       key="earlier-resolved")]
+    asyncio.run(SinkWriters(clickhouse_client, db).store_correlated(earlier))
+    result = trace(DirectReader(clickhouse_client), db, "alert", inc.FP, window=timedelta(0))
+    assert result["release"]["release_id"] == inc.R7
+    assert {(p["namespace"], p["pod"]) for p in result["pods"]} == {("risk", inc.P1), ("risk", inc.P2)}, result["pods"]
+    assert not [g for g in result["gaps"] if inc.PT in g], result["gaps"]
+    listed = {(a["starts_at"][:16], a["status"], a["in_chain"]) for a in result["alerts"] if a["alert_fingerprint"] == inc.FP}
+    assert ("2026-11-30T13:01", "firing", False) in listed and ("2026-11-30T13:01", "resolved", False) in listed, listed
+    assert ("2026-11-30T13:05", "firing", True) in listed, listed
