@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gpuledger.timefmt import parse_duration
@@ -62,7 +62,20 @@ CONTROL_TITLES: dict[int, str] = {
     5: "Capacity reservation", 6: "Telemetry correlation", 7: "Incident authority", 8: "Retirement",
 }
 
-Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
+#: The longest duration a policy field takes: the controls add them to event times (a grace period
+#: after a retirement, an override's maximum), and ``max_duration: 999999999d`` — accepted, the
+#: longest a ``timedelta`` holds — overflowed the first date it was added to, in the worker.
+MAX_POLICY_DURATION = timedelta(days=36500)
+
+
+def _bounded(value: timedelta) -> timedelta:
+    if value > MAX_POLICY_DURATION:
+        raise ValueError(f"at most {MAX_POLICY_DURATION.days}d (100 years) — a duration is added to event times, and a longer one "
+                         f"overflows them")
+    return value
+
+
+Duration = Annotated[timedelta, BeforeValidator(parse_duration), AfterValidator(_bounded)]
 
 #: A role member naming a group (``group:oncall``): every actor the receiver authenticated
 #: with that group (credentials file ``groups``, the OIDC groups claim) is a member.

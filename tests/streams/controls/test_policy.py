@@ -158,3 +158,14 @@ def test_a_member_typed_in_another_spelling_of_the_actors_name_holds_the_role():
                                                                                       actions=("approve",))}})
     assert policy.roles["approvers"].members == ("jos\u00e9",)
     assert policy.allowed("jos\u00e9", "approve") and policy.allowed("user:jos\u00e9", "approve")
+
+
+def test_a_policy_duration_is_at_most_a_hundred_years():
+    """``max_duration: 999999999d`` (the longest a timedelta holds) was accepted, and the worker's
+    controls overflowed the first time they added it to an event time (a review of the fix that
+    made such durations a clean error on the command line). The policy says so, naming the line."""
+    with pytest.raises(PolicyError, match=r"pol.yaml:3: emergency_overrides.max_duration: at most 36500d \(100 years\)"):
+        parse_policy("version: 1\nemergency_overrides:\n  max_duration: 999999999d\n", "pol.yaml")
+    with pytest.raises(PolicyError, match=r"pol.yaml:4: environments.0.observation_window: at most 36500d"):
+        parse_policy("version: 1\nenvironments:\n  - name: prod\n    observation_window: 40000d\n", "pol.yaml")
+    assert parse_policy("version: 1\nretirement:\n  grace: 36500d\n").retirement.grace.days == 36500
