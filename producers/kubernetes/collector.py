@@ -478,7 +478,12 @@ class SchedulerCollector:
         deleted = etype == "DELETED"
         with self._lock:
             if deleted:
-                self.index.remove(info.uid)
+                # Kept for tombstone_ttl_s: its pods' finished/deleted usually come after it (a
+                # deleted Job takes both), and must still name it. The state it was last seen in
+                # stands (its pods ran under it), else the deleted object's.
+                if self.index.by_uid(info.uid) is None:
+                    self.index.add(info)
+                self.index.tombstone(info.uid)
             else:
                 self.index.add(info)
             facts = workload_facts(obj, self.index, deleted=deleted)
@@ -696,7 +701,7 @@ class SchedulerCollector:
                       {"object_kind": res.kind}, gone=True)
             if res.kind == "Workload":
                 with self._lock:
-                    self.index.remove(uid)
+                    self.index.tombstone(uid)
         published += self._flush(batch, stop)
         _merge(counts, batch.counts)
         res.rv = rv
@@ -870,6 +875,8 @@ class SchedulerCollector:
                 t.start()
                 threads.append(t)
             while not stop.wait(1.0):
+                with self._lock:
+                    self.index.prune(self.settings.tombstone_ttl_s)
                 try:
                     self.state.prune(self.settings.tombstone_ttl_s)
                     self.state.save()  # what the interval held back

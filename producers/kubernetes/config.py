@@ -46,7 +46,7 @@ class SchedulerCollectorSettings(BaseSettings):
     backoff_max_s: float = Field(default=30.0, gt=0, description="Cap of the retry delay.")
     discovery_interval_s: float = Field(default=300.0, gt=0, description="How often to look again for Kueue while it is not installed.")
     state_flush_interval_s: float = Field(default=1.0, ge=0, description="Minimum seconds between two state-file writes (0: after every published batch); always written on stop.")
-    tombstone_ttl_s: float = Field(default=3600.0, ge=0, description="How long a deleted object's entry is kept so late Events still link to it.")
+    tombstone_ttl_s: float = Field(default=3600.0, ge=0, description="How long a deleted object's entry is kept so late Events still link to it, and a deleted Kueue Workload so its pods' last events (finished, deleted) still carry it.")
     host: str = Field(default_factory=lambda: os.environ.get("POD_NAME") or socket.gethostname(), description="Source host recorded in every event (default: POD_NAME, else the hostname).")
 
     @field_validator("gpu_resources")

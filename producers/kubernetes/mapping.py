@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -376,12 +377,20 @@ def workload_info(wl: Mapping, resources: Iterable[str], prefix: str) -> Workloa
 
 
 class KueueIndex:
-    """Workloads by uid, by owner/job uid and by name: how pods find their Workload."""
+    """Workloads by uid, by owner/job uid and by name: how pods find their Workload.
+
+    A deleted Workload stays findable until ``prune`` (``tombstone``): deleting a Job deletes its
+    Workload and its pods together, and the pods' ``finished``/``deleted`` usually come last; they
+    must still carry the Workload's id, queue, flavors and identity. A live Workload of the same
+    name or owner (Kueue re-creates one for a Job whose Workload was deleted) replaces it in the
+    name and owner lookups.
+    """
 
     def __init__(self) -> None:
         self._by_uid: dict[str, WorkloadInfo] = {}
         self._by_owner: dict[str, str] = {}
         self._by_name: dict[tuple[str, str], str] = {}
+        self._gone: dict[str, float] = {}  # uid -> when it was deleted (epoch seconds)
 
     def __len__(self) -> int:
         return len(self._by_uid)
@@ -394,7 +403,21 @@ class KueueIndex:
                 self._by_owner[uid] = info.uid
         self._by_name[(info.namespace, info.name)] = info.uid
 
+    def tombstone(self, uid: str, now: float | None = None) -> None:
+        """The Workload was deleted: keep it for its pods' last events, until ``prune``."""
+        if uid in self._by_uid:
+            self._gone.setdefault(uid, now if now is not None else time.time())
+
+    def prune(self, ttl_s: float, now: float | None = None) -> int:
+        """Forget the Workloads deleted more than ``ttl_s`` ago."""
+        now = now if now is not None else time.time()
+        old = [uid for uid, gone in self._gone.items() if now - gone > ttl_s]
+        for uid in old:
+            self.remove(uid)
+        return len(old)
+
     def remove(self, uid: str) -> WorkloadInfo | None:
+        self._gone.pop(uid, None)
         info = self._by_uid.pop(uid, None)
         if info is not None:
             for k in [k for k, v in self._by_owner.items() if v == uid]:

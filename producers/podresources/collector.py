@@ -41,6 +41,11 @@ Guarantees:
   and never publish. A poll asks at most ``max_gets_per_poll`` of them, those asked longest
   ago first, and stops asking at the first refusal; the pods not asked stay held and are
   decided by a later poll, so their releases come a few polls late but do come.
+- A kubelet restart does not release the node's GPUs: a restarted kubelet serves this API
+  before its pods came from the API server, so its first List answers are empty. After each
+  (re)connect (at start, or when the kubelet re-created its socket), a List that lacks at least
+  half of the pods holding GPUs and shows no new GPU pod releases nothing until it has stayed so
+  ``restart_grace_s`` (``_restart_guard``); pods really gone are released after it.
 - Malformed entries (empty pod/container/resource name, empty or whitespace device
   id) are skipped with a logged reason and counted once each; the rest is published.
 - An event too large to travel (over the publisher's ``max_event_bytes``; in practice
@@ -54,7 +59,8 @@ Limits:
   under the same name with the same devices between two polls is invisible.
 - A release is inferred from absence at poll time, so its ``occurred_at`` is when the
   collector noticed, at most one interval (plus back-off) late — more when more pods than
-  ``max_gets_per_poll`` left at once or ``Get`` was rate limited (one interval per further poll).
+  ``max_gets_per_poll`` left at once or ``Get`` was rate limited (one interval per further poll),
+  and up to ``restart_grace_s`` more when they left while the collector or the kubelet restarted.
 - A release may be published for an assignment whose publish failed part-way (the
   collector cannot know whether Kafka kept it); downstream treats a release of an
   unknown assignment as a no-op. Conversely, if a batch holding a release fails after
@@ -73,8 +79,9 @@ import os
 import stat
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Literal
 
@@ -193,6 +200,7 @@ class PollResult:
     published: int = 0
     held: int = 0
     deferred: int = 0  # pods missing from List kept held without a Get answer (cap or rate limit)
+    withheld: int = 0  # pods missing from List kept held because the kubelet may not have its pods yet (restart_grace_s)
 
 
 class PodResourcesCollector:
@@ -202,8 +210,11 @@ class PodResourcesCollector:
     until ``stop`` is called (SIGTERM), then flushes the producer.
     """
 
-    def __init__(self, settings: PodResourcesSettings, publisher: EventPublisher) -> None:
+    def __init__(self, settings: PodResourcesSettings, publisher: EventPublisher,
+                 clock: Callable[[], datetime] | None = None) -> None:
         self.settings = settings
+        #: The time of a poll (``observed_at``; the restart grace is measured with it); tests step it.
+        self._clock = clock or (lambda: datetime.now(timezone.utc))
         self.publisher = publisher
         self.counters = publisher.counters
         self.node = settings.node
@@ -222,6 +233,13 @@ class PodResourcesCollector:
         #: (namespace, pod) missing from List -> the poll that last asked Get about it (fair turns under the cap)
         self._asked: dict[tuple[str, str], int] = {}
         self._deferred = 0
+        #: The kubelet's socket as last seen (device, inode, ctime): a new one is a restarted kubelet.
+        self._socket_id: tuple[int, int, int] | None = None
+        #: A new connection (at start, after a reconnect) whose kubelet has not yet shown the held pods.
+        self._unproven = True
+        #: When a List of an unproven connection first lacked most held pods (the restart grace runs from it).
+        self._suspect_since: datetime | None = None
+        self._withheld = 0
         self._last_rejects: set[Reject] = set()
         self._failing: str | None = None
         self._failed_polls = 0
@@ -238,7 +256,8 @@ class PodResourcesCollector:
     def _connect(self) -> pb_grpc.PodResourcesListerStub:
         path = self.settings.socket
         try:
-            mode = os.stat(path).st_mode
+            st = os.stat(path)
+            mode = st.st_mode
         except FileNotFoundError:
             self._disconnect()  # the kubelet went away; its next socket gets a fresh channel
             raise KubeletUnavailable("socket_missing", f"kubelet pod-resources socket {path} does not exist: is the kubelet running, "
@@ -249,12 +268,21 @@ class PodResourcesCollector:
             self._disconnect()
             raise KubeletUnavailable("not_a_socket", f"{path} exists but is not a unix socket (a hostPath of the socket file "
                                      "itself turns into a directory when the kubelet is down: mount the directory instead)")
+        socket_id = (st.st_dev, st.st_ino, st.st_ctime_ns)
+        if self._socket_id is not None and socket_id != self._socket_id and self._stub is not None:
+            # The kubelet re-created its socket (it restarted) between two polls: gRPC's channel
+            # may reconnect by itself and never fail a call, so the restart is noticed here.
+            log.info("node %s: the kubelet's socket %s was re-created (a kubelet restart): reconnecting", self.node, path)
+            self._disconnect()
+        self._socket_id = socket_id
         if self._stub is None:
             limit = self.settings.max_message_mb * 1024 * 1024
             self._channel = grpc.insecure_channel(f"unix://{path}", options=[("grpc.max_receive_message_length", limit)])
             self._stub = pb_grpc.PodResourcesListerStub(self._channel)
             # A new connection may be a new (upgraded) kubelet: ask again what it serves.
             self._get_served = self._alloc_served = None
+            # ... and a restarted one, which lists no pods until the API server sent them.
+            self._unproven = True
         return self._stub
 
     def _disconnect(self) -> None:
@@ -318,8 +346,52 @@ class PodResourcesCollector:
             if key.namespace == namespace and key.pod == pod:
                 obs.assignments[key] = held.numa
 
-    def _observe(self) -> Observation:
+    def _restart_guard(self, obs: Observation, held_pods: set[tuple[str, str]], missing: set[tuple[str, str]], observed: datetime) -> bool:
+        """Whether this List, on a connection whose kubelet has not yet shown the held pods, must
+        not release any of them; it keeps them held in ``obs`` if so.
+
+        A restarted kubelet serves this API before its pods came from the API server (its List and
+        Get read the same pod list, empty until then; the whole outage if the API server is
+        unreachable), and the collector reconnects within seconds. Such a List looks like every pod
+        left. So a List of a new connection that lacks at least half of the pods holding GPUs (a
+        restarted kubelet may already list static pods from its manifest directory) and shows no
+        GPU pod that was not held (only a kubelet that has the API server's pods can have admitted a
+        new one) releases nothing until it has stayed so ``restart_grace_s``. ``Get`` is not asked
+        meanwhile: its "not found" comes from the same empty list. The first List showing more than
+        half of the held pods, or a new GPU pod, proves the connection and ends the wait.
+        """
+        if not self._unproven:
+            return False
+        pending_pods = {(k.namespace, k.pod) for k in self.state.pending_assignments}
+        newcomers = {(k.namespace, k.pod) for k in obs.assignments} - held_pods - pending_pods
+        suspicious = bool(missing) and 2 * len(missing) >= len(held_pods) and not newcomers and self.settings.restart_grace_s > 0
+        if not suspicious:
+            if self._suspect_since is not None:
+                log.info("node %s: the kubelet lists the node's pods again (%d of %d pod(s) holding GPUs listed%s): releases resume",
+                         self.node, len(held_pods) - len(missing), len(held_pods),
+                         f", {len(newcomers)} new GPU pod(s)" if newcomers else "")
+            self._unproven, self._suspect_since = False, None
+            return False
+        if self._suspect_since is None:
+            self._suspect_since = observed
+            log.warning("node %s: right after connecting, the kubelet's List lacks %d of the %d pod(s) holding GPUs: a restarted kubelet "
+                        "lists no pods until the API server sent them, so nothing is released unless it stays so for %gs",
+                        self.node, len(missing), len(held_pods), self.settings.restart_grace_s)
+        waited = observed - self._suspect_since
+        if waited < timedelta(seconds=self.settings.restart_grace_s):
+            for namespace, pod in missing:
+                self._keep_held(obs, namespace, pod)
+            self._withheld = len(missing)
+            return True
+        log.warning("node %s: %d of %d pod(s) holding GPUs still missing from the kubelet's List after %.0fs (since %s): releasing them, "
+                    "%.0fs after the first poll that missed them", self.node, len(missing), len(held_pods), waited.total_seconds(),
+                    self._suspect_since.isoformat(timespec="seconds"), waited.total_seconds())
+        self._unproven, self._suspect_since = False, None
+        return False
+
+    def _observe(self, observed: datetime) -> Observation:
         self._polls += 1
+        self._withheld = 0
         listed = self._call("List", pb.ListPodResourcesRequest())
         obs = observe(listed.pod_resources, self._allocatable(), self._matches, self._dra)
         # A pod that vanished from List is confirmed with Get before its devices are released:
@@ -331,6 +403,8 @@ class PodResourcesCollector:
         missing = held_pods - {(p.namespace, p.name) for p in listed.pod_resources}
         self._asked = {p: n for p, n in self._asked.items() if p in missing}
         gets, refused, self._deferred = 0, False, 0
+        if self._restart_guard(obs, held_pods, missing, observed):
+            return obs
         for namespace, pod in sorted(missing, key=lambda p: (self._asked.get(p, 0), p)):
             if self._asks_get():
                 if refused or gets >= self.settings.max_gets_per_poll:
@@ -403,16 +477,18 @@ class PodResourcesCollector:
 
     def poll_once(self) -> PollResult:
         """Ask the kubelet, diff, publish, commit. Raises KubeletUnavailable, PublishError, EventTooLarge, StateFileError."""
-        observed = datetime.now(timezone.utc)
-        obs = self._observe()
+        observed = self._clock()
+        obs = self._observe(observed)
         rejected = self._account_rejects(obs.rejects)
         plan = plan_changes(self.state, obs, observed.isoformat(timespec="microseconds"))
-        result = PollResult(len(plan.assigned), len(plan.released), len(plan.allocatable), rejected, 0, len(obs.assignments), self._deferred)
+        result = PollResult(len(plan.assigned), len(plan.released), len(plan.allocatable), rejected, 0, len(obs.assignments), self._deferred,
+                            self._withheld)
         if plan.empty:
             if self._dirty:
                 self._store.save(self.state)
                 self._dirty = False
-            log.debug("node %s: %d device assignment(s) held, no change; %d pod(s) missing from List await Get", self.node, result.held, result.deferred)
+            log.debug("node %s: %d device assignment(s) held, no change; %d pod(s) missing from List await Get, %d the kubelet's pod list",
+                      self.node, result.held, result.deferred, result.withheld)
             return result
         events = ([self._assignment_event(k, h, "released", observed) for k, h in plan.released]
                   + [self._assignment_event(k, h, "assigned", observed) for k, h in plan.assigned]

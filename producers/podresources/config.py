@@ -40,6 +40,7 @@ class PodResourcesSettings(BaseSettings):
     backoff_max_s: float = Field(default=60.0, gt=0, description="Cap of the retry delay.")
     max_message_mb: int = Field(default=16, ge=4, description="Largest List response accepted, in MiB (the kubelet sends up to 16).")
     confirm_releases_with_get: bool = Field(default=True, description="Ask Get whether a pod missing from List is really gone before releasing its devices (skipped when the kubelet does not serve Get).")
+    restart_grace_s: float = Field(default=60.0, ge=0, description="After the collector (re)connects to the kubelet's socket (at start, or when the kubelet re-created it), a List that lacks at least half of the pods holding GPUs, and shows no GPU pod not held before, releases nothing until it has stayed so this long: a restarted kubelet lists no pods until the API server sent them. Pods really gone are then released, observed this much late; 0 turns the wait off.")
     max_gets_per_poll: int = Field(default=5, ge=1, description="Most Get calls in one poll; pods missing from List beyond it (or after the kubelet's rate limit refused a Get) stay held until a later poll asks about them. The kubelet allows all clients of this API together a burst of 10 calls at 100/s; a poll also spends one List and one GetAllocatableResources.")
 
     @field_validator("node")

@@ -283,6 +283,56 @@ def test_kueue_workload_transitions_with_preemptor(api, make_collector, kafka_bo
     assert types(urgent_events) == ["queued", "quota_reserved", "admitted"]
 
 
+def test_a_pods_last_events_keep_its_workload_after_the_workload_was_deleted(api, make_collector, kafka_bootstrap, catalogue):
+    """Deleting a Job deletes its Workload and its pods together, and the pods usually go last. The
+    Workload left the index at once, so the pod's finished/deleted were mapped without it: another
+    workload_id (ns/Job/train: the pod carries no kueue.x-k8s.io/workload annotation), no
+    cluster_queue, flavors or priority, no release id from the Workload's template."""
+    adm = {"clusterQueue": "gpu-cq", "podSetAssignments": [pod_set_assignment("main", {"nvidia.com/gpu": "a100"}, count=1)]}
+    api.create(WORKLOADS_V1BETA2, make_workload(
+        "ml", "job-train-9z8y7", "team-q", "low", 10, owner=("Job", "train", "job-uid-train"), admission=adm,
+        pod_sets=[make_pod_set("main", count=1, labels={"gpuledger.io/release-id": "rel-7"})],
+        conditions=[workload_condition("QuotaReserved", at=at(1)), workload_condition("Admitted", at=at(1))], created=T0))
+    pod_spec = dict(node="gpu-1", created=at(2), labels={"kueue.x-k8s.io/queue-name": "team-q", "kueue.x-k8s.io/podset": "main"},
+                    owner=("Job", "train", "job-uid-train"))
+    pod = api.create(PODS, make_pod("ml", "train-0-abcde", **pod_spec))
+    collector = make_collector(api)
+    with running(collector):
+        wait_sent(collector, 3 + 3)  # the Workload: queued, quota_reserved, admitted; the pod: submitted, scheduled, running
+        wait_watching(api, PODS, WORKLOADS_V1BETA2)
+        api.delete(WORKLOADS_V1BETA2, "ml", "job-train-9z8y7")
+        wait_sent(collector, 7)
+        api.update(PODS, make_pod("ml", "train-0-abcde", phase="Failed", uid=pod["metadata"]["uid"], **pod_spec))
+        wait_sent(collector, 8)
+        api.delete(PODS, "ml", "train-0-abcde")
+        wait_sent(collector, 9)
+
+    events = published(kafka_bootstrap, catalogue.scheduler, 9)
+    pod_events = [e for e in events if e.payload.object_kind == "Pod"]
+    assert sorted(types(pod_events)) == ["deleted", "finished", "running", "scheduled", "submitted"]
+    assert {e.event_type: e.identity.workload_id for e in pod_events} == dict.fromkeys(
+        ("scheduler.submitted", "scheduler.scheduled", "scheduler.running", "scheduler.finished", "scheduler.deleted"), "ml/job-train-9z8y7")
+    for e in pod_events:
+        assert (e.identity.release_id, e.payload.queue, e.payload.cluster_queue) == ("rel-7", "team-q", "gpu-cq"), e.event_type
+        assert e.payload.flavors == {"nvidia.com/gpu": "a100"} and e.payload.priority_class == "low", e.event_type
+    state = collector.state.get(pod["metadata"]["uid"])
+    assert state["id"]["workload_id"] == "ml/job-train-9z8y7" and state["id"]["release_id"] == "rel-7"
+
+
+def test_a_deleted_workload_stays_in_the_index_for_the_tombstone_ttl_and_a_new_one_replaces_it():
+    wl = workload_info(make_workload("ml", "wl", owner=("Job", "train", "job-uid"), uid="wl-1", created=T0), ("nvidia.com/gpu",), "gpuledger.io/")
+    index = KueueIndex()
+    index.add(wl)
+    index.tombstone("wl-1", now=100.0)
+    assert index.by_owner("job-uid") is wl and index.by_name("ml", "wl") is wl
+    again = workload_info(make_workload("ml", "wl", owner=("Job", "train", "job-uid"), uid="wl-2", created=T0), ("nvidia.com/gpu",), "gpuledger.io/")
+    index.add(again)  # Kueue re-creates the Job's Workload: the live one wins
+    assert index.by_owner("job-uid") is again and index.by_name("ml", "wl") is again and index.by_uid("wl-1") is wl
+    assert index.prune(3600, now=100.0 + 3600) == 0
+    assert index.prune(3600, now=100.0 + 3601) == 1
+    assert index.by_uid("wl-1") is None and index.by_owner("job-uid") is again and index.by_name("ml", "wl") is again
+
+
 def test_every_preemption_cycle_of_a_workload_is_a_requeue(api, make_collector, kafka_bootstrap, catalogue, tmp_path):
     """Kueue sets Requeued without a transition time of its own: Requeued=True reason=Preempted
     stays True through re-admission and the next preemption sets it again unchanged, so the second

@@ -17,6 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import grpc
@@ -190,11 +191,12 @@ def kubelet(sock_path) -> Iterator[FakeKubelet]:
 def make_collector(catalogue, settings_for, tmp_path, sock_path) -> Iterator[Callable[..., PodResourcesCollector]]:
     made: list[PodResourcesCollector] = []
 
-    def build(publisher=None, **overrides) -> PodResourcesCollector:
+    def build(publisher=None, clock=None, **overrides) -> PodResourcesCollector:
         settings = PodResourcesSettings(**{
             "node": NODE, "socket": sock_path, "state_dir": tmp_path / "state", "interval_s": 0.1, "rpc_timeout_s": 2.0,
             "backoff_initial_s": 0.05, "backoff_max_s": 0.4, **overrides})
-        collector = PodResourcesCollector(settings, publisher or EventPublisher.from_settings(settings_for(catalogue), "podresources"))
+        collector = PodResourcesCollector(settings, publisher or EventPublisher.from_settings(settings_for(catalogue), "podresources"),
+                                          clock=clock)
         made.append(collector)
         return collector
 
@@ -486,6 +488,86 @@ def test_kubelet_restart_is_picked_up(sock_path, make_collector, kafka_bootstrap
         kubelet.set_pods([trainer(ids=[GPU_A]), trainer("late-0", ids=[GPU_B])])
         assert (collector.poll_once().assigned, collector.poll_once().published) == (1, 0)
     assert types(gpu_events(kafka_bootstrap, catalogue, 2)) == {"gpu.assigned": 2}
+
+
+class StepClock:
+    """The collector's clock, moved only by the test (one poll interval per ``step``)."""
+
+    def __init__(self) -> None:
+        self.now = datetime.now(timezone.utc)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def step(self, seconds: float = 10.0) -> None:
+        self.now += timedelta(seconds=seconds)
+
+
+def test_kubelet_restart_with_an_empty_pod_list_releases_nothing(sock_path, make_collector, kafka_bootstrap, catalogue):
+    """A restarted kubelet serves pod-resources before its pods came from the API server: its List
+    is empty for a while. The collector took that for every pod leaving and released every GPU of
+    the node, then assigned them again under new ids a few polls later: a gap in the history."""
+    clock = StepClock()
+    collector = make_collector(clock=clock, restart_grace_s=60)
+    held = [trainer("a-0", [GPU_A]), trainer("b-0", [GPU_B]), trainer("c-0", [GPU_C])]
+    with FakeKubelet(sock_path) as kubelet:
+        kubelet.set_pods(held)
+        assert collector.poll_once().assigned == 3
+    # The kubelet restarts between two polls (no failed poll in between: gRPC could reconnect by itself).
+    with FakeKubelet(sock_path) as kubelet:
+        for _ in range(4):  # 40 s of empty answers
+            clock.step()
+            result = collector.poll_once()
+            assert (result.released, result.assigned, result.published, result.withheld) == (0, 0, 0, 3)
+        assert kubelet.call_count("Get") == 0  # its "not found" would come from the same empty list
+        clock.step()
+        kubelet.set_pods(held)  # the API server's pods arrived
+        assert collector.poll_once().published == 0
+        # The connection is proven: a pod that really leaves now is released at once.
+        kubelet.set_pods(held[:2])
+        clock.step()
+        assert collector.poll_once().released == 1
+    events = gpu_events(kafka_bootstrap, catalogue, 4)
+    assert types(events) == {"gpu.assigned": 3, "gpu.released": 1}
+    assert [e.identity.pod for _, e in events if e.event_type == "gpu.released"] == ["c-0"]
+
+
+def test_pods_gone_across_a_restart_are_released_after_the_grace(sock_path, make_collector, kafka_bootstrap, catalogue):
+    """The node really drained while the kubelet (and the collector) restarted: the held pods are
+    released once the List stayed without them restart_grace_s, observed that much late."""
+    clock = StepClock()
+    with FakeKubelet(sock_path) as kubelet:
+        kubelet.set_pods([trainer("a-0", [GPU_A]), trainer("b-0", [GPU_B])])
+        assert make_collector(clock=clock).poll_once().assigned == 2
+    collector = make_collector(clock=clock, restart_grace_s=60)  # restarted: its state file holds both pods
+    with FakeKubelet(sock_path) as kubelet:
+        clock.step()
+        first_missed = clock.now
+        assert collector.poll_once().withheld == 2
+        clock.step(59)
+        assert (collector.poll_once().published, collector.poll_once().withheld) == (0, 2)
+        clock.step(1)
+        assert collector.poll_once().released == 2
+        assert collector.poll_once().published == 0
+    events = gpu_events(kafka_bootstrap, catalogue, 4)
+    assert types(events) == {"gpu.assigned": 2, "gpu.released": 2}
+    released = [e for _, e in events if e.event_type == "gpu.released"]
+    assert {e.occurred_at for e in released} == {first_missed + timedelta(seconds=60)}  # when it was published: late, not earlier
+
+
+def test_a_new_gpu_pod_after_a_restart_proves_the_pod_list_and_releases_at_once(sock_path, make_collector, kafka_bootstrap, catalogue):
+    """Only a kubelet that has the API server's pods admits a new one: the held pods it lacks are gone."""
+    clock = StepClock()
+    collector = make_collector(clock=clock, restart_grace_s=60)
+    with FakeKubelet(sock_path) as kubelet:
+        kubelet.set_pods([trainer("a-0", [GPU_A]), trainer("b-0", [GPU_B])])
+        collector.poll_once()
+    with FakeKubelet(sock_path) as kubelet:
+        kubelet.set_pods([trainer("next-0", [GPU_A])])
+        clock.step()
+        result = collector.poll_once()
+        assert (result.released, result.assigned, result.withheld) == (2, 1, 0)
+    assert types(gpu_events(kafka_bootstrap, catalogue, 5)) == {"gpu.assigned": 3, "gpu.released": 2}
 
 
 def test_malformed_entries_skipped_logged_counted_rest_published(kubelet, make_collector, kafka_bootstrap, catalogue, caplog):
