@@ -65,7 +65,7 @@ import hashlib
 import heapq
 from bisect import bisect_left, bisect_right, insort
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import accumulate, islice
 from operator import add, itemgetter
 
@@ -250,6 +250,23 @@ def _needed(state: dict) -> set[str]:
             if op := rec.get(field):
                 holding[(field, op[0])].append((key, op[1], rid))
     keep.update(rid for _key, rid in newest.values())
+    if state["key"].startswith("pod:") and (inc := _facts_and_runs(state)[3]) is not None:
+        # A pod of several incarnations (``Incarnations``): the newest carrier of each incarnation's facts,
+        # the first row of each run of uids (where an incarnation starts: the others can go without a row
+        # changing incarnation or ``seg_le``), and the newest carrier of each release and look-up value named.
+        keys = [entries[-1][0] for mine in inc.own.values() for entries in mine.values()] + inc.run_starts()
+        deleted: dict[str, str] = {}  # (each incarnation's last deletion closes what it still held: ``_held``)
+        for rec in rows.values():
+            if rec["type"] == "scheduler.deleted" and rec["key"] > deleted.get(uid := inc.uid_at(rec["key"]), ""):
+                deleted[uid] = rec["key"]
+        keys += deleted.values()
+        for name in ("release_id", "image_digest", "model_name", "model_version"):
+            last: dict = {}
+            for rec in rows.values():
+                if name in rec["facts"] and rec["key"] > last.get(rec["facts"][name], ""):
+                    last[rec["facts"][name]] = rec["key"]
+            keys += last.values()
+        keep.update(key.split("|", 1)[1] for key in keys)
     for ops in holding.values():  # the intervals as ``_held`` reads them
         ops.sort()
         start = None
@@ -346,21 +363,25 @@ def trim(state: dict) -> None:
         state["bytes"] = sum(_row_bytes(r) for r in rows.values())
         state["retrim_at"] = len(rows) + max(1, MAX_ROWS - int(MAX_ROWS * TRIM_TO))
         return
-    facts_before = facts_of(state)[1]
+    _, facts_before, _, inc = _facts_and_runs(state)
+    if inc is not None:
+        facts_before = inc.const
     sent = state["sent"]
     for old in going:
         del rows[old["id"]]
         sent.pop(old["id"], None)
     state["gone_facts"] = state.get("gone_facts", 0) + facts_before - facts_of(state)[1]
     for old in going:  # what the MIG parents' and the intervals' versions counted (``learned_parents``, ``_held``)
+        # (a pod of several incarnations: with the runs of uids up to the row, which ``_held`` counts per row)
+        counted = 1 if inc is None else 1 + inc.seg_le(old["key"])
         if _teaching(old):
             state["gone_teach"] = state.get("gone_teach", 0) + 1
         for field in ("gpu", "claim"):
             if op := old.get(field):
                 held = state.setdefault("gone_held", {})
-                held[f"{field}|{op[0]}"] = held.get(f"{field}|{op[0]}", 0) + 1
+                held[f"{field}|{op[0]}"] = held.get(f"{field}|{op[0]}", 0) + counted
         if old["type"] == "scheduler.deleted":
-            state["gone_deleted"] = state.get("gone_deleted", 0) + 1
+            state["gone_deleted"] = state.get("gone_deleted", 0) + counted
     # Every id let go since the state's changelog record before its last one (``state_written``), however
     # many, and of the ones before as many as leaves MAX_GONE_IDS in all. A crash after a state's
     # record was written and before its epoch's offsets were committed delivers the epoch again —
@@ -510,9 +531,9 @@ def _let_go(gone: dict, source: str, link: dict) -> None:
             gone["cut"] = max(gone.get("cut", ""), max(end for _start, end in spans0))
     rids = gone["rids"]
     for iv in intervals:
-        rid = iv["identity"].get("release_id")
-        if rid and (rid not in rids or iv["start"] < rids[rid]):
-            rids[rid] = iv["start"]
+        for rid in _iv_rids(iv):
+            if rid not in rids or iv["start"] < rids[rid]:
+                rids[rid] = iv["start"]
     if len(rids) > MAX_GONE_RIDS:  # the release named earliest goes: the rows after it no longer count it (they fall)
         del rids[min(rids, key=lambda rid: (rids[rid], rid))]
 
@@ -563,19 +584,22 @@ FALLBACK_FACTS = frozenset({"release_id", "image_digest", "model_name", "model_v
 
 def facts_of(state: dict) -> tuple[dict, int]:
     """(facts, version component): per field the latest event's value, and the number of
-    runs of equal values per field summed."""
-    facts, version, _ = _facts_and_runs(state)
-    return facts, version
+    runs of equal values per field summed (a pod of several incarnations: with what its
+    incarnations add, ``Incarnations.const`` — what ``trim`` keeps in ``gone_facts``)."""
+    facts, version, _, inc = _facts_and_runs(state)
+    return facts, version if inc is None else inc.const
 
 
-def _facts_and_runs(state: dict, fields: frozenset[str] = frozenset()) -> tuple[dict, int, int]:
+def _facts_and_runs(state: dict, fields: frozenset[str] = frozenset()) -> tuple[dict, int, int, Incarnations | None]:
     """``facts_of``, and the same version component for ``fields`` only (with the part of it
     rows let go took: ``gone_facts`` is all fields', and only grows, so the partial one never
-    drops when rows go) — from one pass over the rows."""
+    drops when rows go) — from one pass over the rows; and a pod's ``Incarnations`` when its
+    rows name more than one pod uid (else None: one incarnation, the facts are the pod's)."""
     per: dict[str, list] = defaultdict(list)
     for rec in state["rows"].values():
+        key = rec["key"]
         for name, value in rec["facts"].items():
-            per[name].append([rec["key"], value])
+            per[name].append([key, value])
     gone = state.get("gone_facts", 0)  # (what rows let go took with them: ``_bound``)
     facts, version, partial = {}, gone, gone
     for name, entries in per.items():
@@ -584,7 +608,99 @@ def _facts_and_runs(state: dict, fields: frozenset[str] = frozenset()) -> tuple[
         if name in fields:
             partial += runs
         facts[name] = entries[-1][1]
-    return facts, version, partial
+    inc = None
+    uids = per.get("pod_uid")
+    if uids and state["key"].startswith("pod:") and any(uid != uids[0][1] for _key, uid in uids):
+        inc = Incarnations([r for r in state["rows"].values() if "pod_uid" in r["facts"]], version, partial, fields, per)
+    return facts, version, partial, inc
+
+
+class Incarnations:
+    """A pod name's incarnations — the pods of one namespace/name told apart by their uid (a
+    StatefulSet's ``ml/srv-0`` deleted and created again; a training operator's pod re-created
+    after a failure) — when its rows name more than one uid. One entity holds them all (the
+    kubelet's ``gpu.assigned``/``gpu.released`` and the alerts name the pod, not its uid), so:
+
+    - a row's incarnation is the uid of the last row carrying one at or before the row's
+      ``_point`` (its key; an alert's start), else the earliest's (``uid_at``);
+    - an incarnation's facts are the latest of its own rows' (those carrying its uid) — a
+      row without a uid cannot be told to belong to one before the uids around it arrive,
+      and taken as latest it rewrote the other incarnation (the review's bug: the second
+      pod's release and uid on the first one's allocation and alerts);
+    - versions (module docstring): a row counts ``const`` — the pod's runs of facts over all
+      its rows as with one incarnation, plus the runs of every incarnation's own facts, plus
+      the runs of uids in key order — and ``seg_le`` of its point: the runs of uids up to it,
+      which grow whenever the row's incarnation can change (the last uid up to it, or the
+      earliest when there is none: ``seg_all``, in ``const``). Each only grows as rows are
+      added, whatever their order; ``const`` is at least the one-incarnation component plus 2,
+      so nothing falls when a second uid arrives. Every release and look-up any row's facts
+      named is named by every row (``named``, ``lookups``), and a holder interval names every
+      release the incarnations resolve to on its node/GPU (``_iv_rids``): a row or interval
+      moving to another incarnation does not stop counting a release's versions. What does not
+      grow with each event: a new row repeating its incarnation's facts, a uid repeating the last.
+    """
+
+    __slots__ = ("keys", "uids", "runs", "facts", "own", "const", "partial_const", "res", "named", "lookups")
+
+    def __init__(self, rows: list[dict], version: int, partial: int, fields: frozenset[str], per: dict[str, list]) -> None:
+        rows = sorted(rows, key=itemgetter("key"))
+        self.keys = [rec["key"] for rec in rows]
+        self.uids = [rec["facts"]["pod_uid"] for rec in rows]
+        self.runs = [0]  # runs[k]: the runs of uids among the first k
+        for k, uid in enumerate(self.uids):
+            self.runs.append(self.runs[-1] + (k == 0 or uid != self.uids[k - 1]))
+        own: dict[str, dict[str, list]] = {}
+        for rec in rows:
+            mine = own.setdefault(rec["facts"]["pod_uid"], {})
+            for name, value in rec["facts"].items():
+                mine.setdefault(name, []).append([rec["key"], value])
+        self.facts: dict[str, dict] = {}
+        own_v = own_partial = 0
+        for uid, mine in own.items():
+            for name, entries in mine.items():
+                runs = segments(entries)
+                own_v += runs
+                if name in fields:
+                    own_partial += runs
+            self.facts[uid] = {name: entries[-1][1] for name, entries in mine.items()}
+        self.own = own  # (the newest carrier of each incarnation's fact: ``_needed``)
+        self.const = version + own_v + self.runs[-1]
+        self.partial_const = partial + own_partial + self.runs[-1]
+        self.res: dict[str, Resolution] = {}
+        # Every release and look-up any row's facts named (a set that only grows as rows arrive — the latest
+        # values' would lose one when a fact changes, and a row's version with it), named by every row.
+        values = {name: sorted({value for _key, value in per.get(name, ())}) for name in ("release_id", "image_digest", "model_name",
+                                                                                            "model_version")}
+        self.named = values["release_id"]
+        self.lookups = [*(f"digest:{d}" for d in values["image_digest"]), *(f"modelname:{m}" for m in values["model_name"]),
+                        *(f"model:{m}:{v}" for m in values["model_name"] for v in values["model_version"])]
+
+    def uid_at(self, point: str) -> str:
+        k = bisect_right(self.keys, point)
+        return self.uids[k - 1] if k else self.uids[0]
+
+    def seg_le(self, point: str) -> int:
+        return self.runs[bisect_right(self.keys, point)]
+
+    def latest(self) -> str:
+        return self.uids[-1]
+
+    def run_starts(self) -> list[str]:
+        """The keys of the first row of each run of uids: letting one go would move where an
+        incarnation starts (``_needed`` keeps them)."""
+        return [self.keys[k] for k in range(len(self.keys)) if k == 0 or self.uids[k] != self.uids[k - 1]]
+
+    def at(self, point: str) -> Resolution:
+        """The resolution of a row at ``point``: its incarnation's, with ``seg_le`` of it."""
+        k = bisect_right(self.keys, point)
+        res, s = self.res[self.uids[k - 1] if k else self.uids[0]], self.runs[k]
+        return replace(res, base=res.base + s, facts_version=res.facts_version + s, fallback_version=res.fallback_version + s)
+
+
+def _point(rec: dict) -> str:
+    """When a row happened, for its incarnation (``Incarnations``): an alert's start (a resolved
+    alert is about the pod that was there when it fired), else its key."""
+    return f"{rec['starts_at']}|{rec['id']}" if rec.get("starts_at") else rec["key"]
 
 
 def links_version(links: dict, gone: dict | None = None) -> int:
@@ -608,6 +724,7 @@ class Resolution:
     unknown_named: str | None = None   # the release id a label names that no release event describes (a fallback rule attributed it)
     forgotten: bool = False            # a node/GPU row inside a detached holder's interval: it keeps what it emitted (``_let_go``)
     fallback_version: int = 0          # a pod/workload entity's: the runs of the facts its label fallback reads (``_labelled``)
+    incarnations: Incarnations | None = None  # a pod of several incarnations: its rows resolve by theirs (``Incarnations.at``)
 
     def unresolved(self, directory) -> bool:
         return self.attribution == "unattributed" or (self.release_id is not None and not directory.known(self.release_id))
@@ -635,12 +752,33 @@ def fallback_match(directory, digest: str | None, model: str | None, version: st
 
 
 def resolve_entity(state: dict, directory) -> Resolution:
-    """Resolution of a pod or workload entity from its facts and links."""
-    f, fv, fallback_v = _facts_and_runs(state, FALLBACK_FACTS)
+    """Resolution of a pod or workload entity from its facts and links. A pod of several
+    incarnations (``Incarnations``): its latest incarnation's, carrying every incarnation's
+    (``Resolution.incarnations``), by which each of its rows resolves (``resolve_row``)."""
+    f, fv, fallback_v, inc = _facts_and_runs(state, FALLBACK_FACTS)
+    linked = sorted((src, link["release_id"]) for src, link in state["links"].items() if link.get("release_id"))
+    if inc is None:
+        return _resolve_facts(f, directory, linked, (), (), fv + links_version(state["links"], state.get("gone_links")), fv, fallback_v)
+    # Every release and look-up any of its rows named is named by all of them (``Incarnations.named``): none
+    # stops counting when a row moves to another incarnation, or a second uid arrives.
+    base = inc.const + links_version(state["links"], state.get("gone_links"))
+    for uid, facts in inc.facts.items():
+        inc.res[uid] = _resolve_facts(facts, directory, linked, inc.named, inc.lookups, base, inc.const, inc.partial_const)
+    interests = sorted({i for res in inc.res.values() for i in res.interests})
+    for res in inc.res.values():
+        res.interests = interests
+        res.incarnations = inc
+    # (the pod as a whole — its interests, what it forwards to its workload: its latest incarnation, now)
+    return inc.at("\uffff")
+
+
+def _resolve_facts(f: dict, directory, linked: list, also_named, also_lookups, base: int, fv: int, fallback_v: int) -> Resolution:
+    """``resolve_entity`` of facts ``f`` (``also_*``: releases and look-ups named besides its own)."""
     env = f.get("environment")
     lookups = interests_for(f.get("image_digest"), f.get("model_name"), f.get("model_version"))
-    linked = sorted((src, link["release_id"]) for src, link in state["links"].items() if link.get("release_id"))
-    named = tuple(sorted(({f["release_id"]} if f.get("release_id") else set()) | {rid for _, rid in linked}))
+    if also_lookups:
+        lookups = list(dict.fromkeys([*lookups, *also_lookups]))
+    named = tuple(sorted(({f["release_id"]} if f.get("release_id") else set()) | {rid for _, rid in linked} | set(also_named)))
     rid, how, unknown = None, "unattributed", None
     if f.get("release_id"):
         rid, how = f["release_id"], "release_label"
@@ -655,8 +793,7 @@ def resolve_entity(state: dict, directory) -> Resolution:
     elif f.get("model_name") and (match := directory.by_model_version(f["model_name"], f.get("model_version"), env)):
         rid, how = match, "model_version_match"
     interests = lookups + [f"rid:{r}" for r in named] + ([f"rid:{rid}"] if rid and rid not in named else [])
-    return Resolution(f, how, rid, interests, named, tuple(lookups), fv + links_version(state["links"], state.get("gone_links")), fv,
-                      unknown, fallback_version=fallback_v)
+    return Resolution(f, how, rid, interests, named, tuple(lookups), base, fv, unknown, fallback_version=fallback_v)
 
 
 
@@ -711,12 +848,16 @@ def device_link(state: dict) -> tuple[dict | None, int]:
     return {"id": state["key"].split("/", 1)[1], **rows[-1][1]}, version
 
 
-def intervals(state: dict) -> list[dict]:
+def intervals(state: dict, inc=...) -> list[dict]:
     """Allocation intervals derived from a pod's gpu rows (order-independent), each with
     the number of gpu events and deletions it was derived from; a MIG slice whose
     physical GPU is not in its id gets it from ``learned_parents``; a DRA device's
-    kubelet and ResourceClaim reports are one interval (``merge_dra``)."""
-    spans = merge_dra(state, _spans(state))
+    kubelet and ResourceClaim reports are one interval (``merge_dra``). ``inc``: the pod's
+    ``Incarnations`` (None: one; left out: found here) — an interval is its starting row's
+    incarnation's, and only that incarnation's deletion ends it (``_held``)."""
+    if inc is ...:
+        inc = _facts_and_runs(state)[3]
+    spans = merge_dra(state, _spans(state, inc), inc)
     dra = dra_devices(state)
     for iv in spans:
         if (known := dra.get(iv["device"])) and not iv["gpu"] and not iv["mig"]:
@@ -730,45 +871,65 @@ def intervals(state: dict) -> list[dict]:
     return spans
 
 
-def _spans(state: dict) -> list[dict]:
+def _spans(state: dict, inc: Incarnations | None = None) -> list[dict]:
     """Device-plugin / kubelet intervals from a pod's ``gpu.assigned``/``gpu.released`` rows."""
     def opened(akey: str, rec: dict) -> dict:
         node, device, container, resource = akey.split("|", 3)
         _akey, _op, gpu, mig = rec["gpu"]
         return {"node": node, "device": device, "container": container or None, "resource": resource, "gpu": gpu, "mig": mig}
 
-    return _held(state, "gpu", opened, lambda _rec: "released")
+    return _held(state, "gpu", opened, lambda _rec: "released", inc)
 
 
-def _held(state: dict, field: str, opened, end_reason) -> list[dict]:
+def _held(state: dict, field: str, opened, end_reason, inc: Incarnations | None = None) -> list[dict]:
     """Intervals from the rows carrying ``field`` (``[allocation key, "a" | "r", …]``),
     per allocation key in event order (sort key): an "a" opens one (``opened(key, row)``
     gives its identity), an "r" closes it (``end_reason(row)``), the pod's last deletion
     closes one still open. Each carries the number of its key's rows and the pod's
-    deletions it was derived from (``v``)."""
+    deletions it was derived from (``v``).
+
+    A pod of several incarnations (``inc``): the last deletion of the incarnation the
+    interval started in closes it (another's deletion, later, is not its end), and ``v``
+    adds, per row of its key and per deletion, the runs of uids up to it
+    (``Incarnations.seg_le``): which incarnation each is can change only when one of those
+    grows — so an allocation's forwards count it without counting each new row of the pod."""
     per: dict[str, list] = defaultdict(list)
-    deletions = sorted(r["at"] for r in state["rows"].values() if r["type"] == "scheduler.deleted")
+    dels = [r for r in state["rows"].values() if r["type"] == "scheduler.deleted"]
+    deletions = sorted(r["at"] for r in dels)
     # (the rows and deletions let go past the bound still count: ``_bound``)
     gone, gone_deleted = state.get("gone_held") or {}, state.get("gone_deleted", 0)
+    if inc is not None:
+        by_uid: dict[str, list[str]] = defaultdict(list)
+        for r in dels:
+            by_uid[inc.uid_at(r["key"])].append(r["at"])
+            gone_deleted += inc.seg_le(r["key"])
     for rec in state["rows"].values():
         if rec.get(field):
             per[rec[field][0]].append(rec)
     out = []
     for akey, rows in sorted(per.items()):
         rows.sort(key=lambda r: r["key"])
+        v = len(rows) + len(deletions) + gone.get(f"{field}|{akey}", 0) + gone_deleted
+        if inc is not None:
+            v += sum(inc.seg_le(r["key"]) for r in rows)
         current = None
         for rec in rows:
             op = rec[field][1]
             if op == "a" and current is None:
                 current = {**opened(akey, rec), "start": rec["at"], "start_event": rec["id"], "end": None, "end_event": None,
-                           "end_reason": None, "v": len(rows) + len(deletions) + gone.get(f"{field}|{akey}", 0) + gone_deleted}
+                           "end_reason": None, "v": v}
+                if inc is not None:
+                    mine = by_uid.get(inc.uid_at(rec["key"]))
+                    current["_deleted"] = max(mine) if mine else None
             elif op == "r" and current is not None:
                 current.update(end=rec["at"], end_event=rec["id"], end_reason=end_reason(rec))
+                current.pop("_deleted", None)
                 out.append(current)
                 current = None
         if current is not None:
-            if deletions and deletions[-1] >= current["start"]:
-                current.update(end=deletions[-1], end_reason="pod_deleted")
+            last = current.pop("_deleted") if inc is not None else (deletions[-1] if deletions else None)
+            if last is not None and last >= current["start"]:
+                current.update(end=last, end_reason="pod_deleted")
             out.append(current)
     return out
 
@@ -777,7 +938,7 @@ def _held(state: dict, field: str, opened, end_reason) -> list[dict]:
 CLAIM_EVENTS = {"gpu.claim_reserved": "a", "gpu.claim_released": "r"}
 
 
-def claim_spans(state: dict) -> list[dict]:
+def claim_spans(state: dict, inc: Incarnations | None = None) -> list[dict]:
     """Holding intervals from a pod's ``gpu.claim_*`` rows: from the reservation to its
     release (``unreserved`` / ``deallocated`` / ``claim_deleted``), else the pod's deletion;
     shaped like ``_spans``' (no container: a claim is the pod's), marked ``claim``."""
@@ -785,10 +946,10 @@ def claim_spans(state: dict) -> list[dict]:
         node, device, resource = dkey.split("|", 2)
         return {"node": node, "device": device, "container": None, "resource": resource, "gpu": None, "mig": None, "claim": True}
 
-    return _held(state, "claim", opened, lambda rec: rec["claim"][2] or "released")
+    return _held(state, "claim", opened, lambda rec: rec["claim"][2] or "released", inc)
 
 
-def merge_dra(state: dict, spans: list[dict]) -> list[dict]:
+def merge_dra(state: dict, spans: list[dict], inc: Incarnations | None = None) -> list[dict]:
     """One allocation per holding of a DRA device, however many sources report it.
 
     The kubelet (pod-resources collector: one span per container using the claim) and the
@@ -803,7 +964,7 @@ def merge_dra(state: dict, spans: list[dict]) -> list[dict]:
     allocation id from the starting event, with no container in it) stays put and both
     sources converge on one ``gpu_allocations`` row. Containers: those the kubelet names.
     Device-plugin spans are returned untouched."""
-    claims = claim_spans(state)
+    claims = claim_spans(state, inc)
     dra = [iv for iv in spans if iv["device"].startswith(iv["resource"] + "/")]
     if not claims and not dra:
         return spans
@@ -908,8 +1069,7 @@ class Coverage:
             firsts.append(((min(iv["start"] for iv in intervals), source), link.get("v", 0)))
             for iv in intervals:
                 entries.append(((iv["start"], iv.get("id") or "", source), iv))
-                rid = iv["identity"].get("release_id")
-                if rid:
+                for rid in _iv_rids(iv):
                     self._rid_starts.setdefault(rid, []).append(iv["start"])
         entries.sort(key=itemgetter(0))  # stable: equal keys in link order, as inserting one by one leaves them
         firsts.sort(key=itemgetter(0))
@@ -952,8 +1112,7 @@ class Coverage:
                 self._ends.insert(k, OPEN_END if iv["end"] is None else iv["end"])
                 self._ivs.insert(k, iv)
             del self._reach[k + 1:]  # (the running max of the ends before k is as it was)
-            rid = iv["identity"].get("release_id")
-            if rid:
+            for rid in _iv_rids(iv):
                 starts = self._rid_starts.setdefault(rid, [])
                 first = starts[0] if starts else None
                 if remove:
@@ -1037,6 +1196,17 @@ class Coverage:
         return version, tuple(sorted(rids[:bisect_right(rid_starts, at)]))
 
 
+def _iv_rids(iv: dict) -> tuple[str, ...]:
+    """The releases a holder's interval names to its node/GPU's rows (a version component and an interest
+    of each row after its start): its own, and — from a pod of several incarnations — every release one
+    of them resolves to (``rids``): an interval that turns out to be another incarnation's (its uid told
+    late) changes release without its GPU's rows ceasing to count the one it named before."""
+    rid = iv["identity"].get("release_id")
+    if "rids" in iv:
+        return tuple(dict.fromkeys((rid, *iv["rids"]) if rid else iv["rids"]))
+    return (rid,) if rid else ()
+
+
 def select_holders(holders: list[dict], instance: dict | None) -> list[dict]:
     """Who an alert on a node/GPU is about: the device's own holder (latest start wins)
     if it was held whole, else every slice/share holder; an alert naming a MIG instance
@@ -1081,6 +1251,8 @@ def resolve_row(state: dict, record: dict, directory, entity_res: Resolution, co
     kind = kind_of(state["key"])
     own = record["identity"]
     at = record["starts_at"] or record["at"]
+    if entity_res.incarnations is not None:
+        entity_res = entity_res.incarnations.at(_point(record))  # (a pod of several incarnations: the row's)
     if record["type"] == "gpu.device":
         return UNATTRIBUTED  # what a device is, not something that happened to a release
     if record["type"].startswith("release."):
@@ -1616,28 +1788,49 @@ def _refresh_gpu(state: dict, directory, park: bool, memo: GpuMemo, out: Outcome
     return out
 
 
-def _refresh_pod(state: dict, directory, res: Resolution, out: Outcome) -> None:
+def _pod_identity(directory, res: Resolution) -> dict:
     rid = res.release_id
-    manifest = directory.manifest(rid) if rid else {}
-    identity = {**manifest, **{k: v for k, v in res.identity.items() if k in IDENTITY_FIELDS}}
+    identity = {**(directory.manifest(rid) if rid else {}), **{k: v for k, v in res.identity.items() if k in IDENTITY_FIELDS}}
     if rid:
         identity["release_id"] = rid
+    return identity
+
+
+def _refresh_pod(state: dict, directory, res: Resolution, out: Outcome) -> None:
+    inc = res.incarnations
+    identity = _pod_identity(directory, res)
     ns, _, pod = state["key"][4:].partition("/")
     identity_version = res.version(directory, None)
+    if inc is not None:
+        # What every incarnation's resolution has alike (the runs of uids up to an interval's start, which say
+        # whose it is, are in its ``v``: ``_held``); each allocation counts its own start's on top.
+        identity_version = inc.res[inc.latest()].version(directory, None)
+        per_uid: dict[str, tuple[Resolution, dict]] = {}
+        every_rid = sorted({r.release_id for r in inc.res.values() if r.release_id})  # (``_iv_rids``)
     per_gpu: dict[str, list] = {}
     gpu_version: dict[str, dict] = defaultdict(dict)  # target -> {allocation key: its event count}
-    for iv in intervals(state):
+    for iv in intervals(state, inc):
         container_part = iv.get("id_container", iv["container"])  # "" for a DRA holding (merge_dra): no source's container in its key
         alloc_id = hashlib.sha256(f"{iv['node']}|{iv['device']}|{ns}/{pod}|{container_part}|{iv['start_event']}".encode()).hexdigest()[:32]
-        ident_iv = {**identity, "node": iv["node"], "gpu_id": iv["device"], "namespace": ns, "pod": pod}
+        res_iv, identity_iv, alloc_v = res, identity, iv["v"] + identity_version
+        if inc is not None:  # the incarnation its starting row is of
+            start_key = state["rows"][iv["start_event"]]["key"]
+            uid = inc.uid_at(start_key)
+            if uid not in per_uid:
+                per_uid[uid] = (inc.res[uid], _pod_identity(directory, inc.res[uid]))
+            res_iv, identity_iv = per_uid[uid]
+            alloc_v += inc.seg_le(start_key)
+        ident_iv = {**identity_iv, "node": iv["node"], "gpu_id": iv["device"], "namespace": ns, "pod": pod}
         row = {"allocation_id": alloc_id, "node": iv["node"], "gpu_id": iv["device"], "gpu": iv["gpu"], "mig_instance": iv["mig"],
                "resource_name": iv["resource"], "namespace": ns, "pod": pod, "container": iv["container"], "identity": ident_iv,
-               "attribution": res.attribution, "started_at": iv["start"], "ended_at": iv["end"], "end_reason": iv["end_reason"],
+               "attribution": res_iv.attribution, "started_at": iv["start"], "ended_at": iv["end"], "end_reason": iv["end_reason"],
                "start_event_id": iv["start_event"], "end_event_id": iv["end_event"]}
-        version = _emit(state["allocs"], alloc_id, iv["v"] + identity_version, row, out)
+        version = _emit(state["allocs"], alloc_id, alloc_v, row, out)
         if version is not None:
             out.allocations.append({**row, "version": version})
-        held = {"id": alloc_id, "start": iv["start"], "end": iv["end"], "identity": ident_iv, "attribution": res.attribution}
+        held = {"id": alloc_id, "start": iv["start"], "end": iv["end"], "identity": ident_iv, "attribution": res_iv.attribution}
+        if inc is not None:
+            held["rids"] = every_rid
         target = f"gpu:{iv['node']}/{iv['device']}"
         per_gpu.setdefault(target, []).append(held)
         gpu_version[target][(iv["container"], iv["resource"], iv["device"])] = iv["v"]
@@ -1654,7 +1847,8 @@ def _refresh_pod(state: dict, directory, res: Resolution, out: Outcome) -> None:
     f = res.identity
     if f.get("workload_id"):
         rel, rel_how = own_release(state, directory, f)
-        lookups = interests_for(f.get("image_digest"), f.get("model_name"), f.get("model_version"))
+        # (its latest incarnation's, for several: the look-ups every incarnation makes, as its rows count them)
+        lookups = interests_for(f.get("image_digest"), f.get("model_name"), f.get("model_version")) if inc is None else res.candidates
         _forward(state, f"wl:{f['workload_id']}", res.facts_version + directory.candidates_version(lookups),
                  {"release_id": rel, "attribution": rel_how, "from": "pod"}, out)
 
