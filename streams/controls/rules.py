@@ -686,7 +686,9 @@ def _approval_environment(srow: dict, start: datetime, ctx: Context) -> str | No
     named = [env for at, _etype, _eid, env, _actor in ctx.release(rid).history if at <= start]
     state = ctx.directory.releases.get(rid)
     if state:
-        named += [env for k, env in state["fields"].get("environment", ()) if _t(k.split("|", 1)[0]) <= start]
+        # (keys are ``occurred_at.isoformat()|…`` in UTC, as ``start.isoformat()`` is: compared as text, not parsed per entry)
+        start_iso = start.astimezone(timezone.utc).isoformat()
+        named += [env for k, env in state["fields"].get("environment", ()) if k.split("|", 1)[0] <= start_iso]
     return ctx.policy.workload_environment(ident.get("namespace"), ctx.policy.approval_environment(named))
 
 
