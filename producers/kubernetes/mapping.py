@@ -519,8 +519,7 @@ def workload_facts(wl: Mapping, index: KueueIndex | None = None, deleted: bool =
     if again := _requeued_again(status.get("conditions"), where):
         facts.append(again)
     if deleted:
-        at = meta.deletion or now or datetime.now(timezone.utc)
-        facts.append(Fact("deleted", "deleted", "scheduler.deleted", at, ""))
+        facts.append(Fact("deleted", "deleted", "scheduler.deleted", _deleted_at(meta.deletion, now), ""))
     facts.sort(key=lambda f: f.occurred_at)
     return facts
 
@@ -693,9 +692,20 @@ def pod_facts(pod: Mapping, deleted: bool = False, now: datetime | None = None) 
         facts.append(Fact("finished", "finished", "scheduler.finished", ended_at, iso(ended_at), status.get("reason") or phase,
                           status.get("message") or None, node=node))
     if deleted:
-        at = meta.deletion or now or datetime.now(timezone.utc)
-        facts.append(Fact("deleted", "deleted", "scheduler.deleted", at, "", node=node))
+        facts.append(Fact("deleted", "deleted", "scheduler.deleted", _deleted_at(meta.deletion, now), "", node=node))
     return facts
+
+
+def _deleted_at(deletion: datetime | None, now: datetime | None) -> datetime:
+    """When a deleted object's deletion happened: its ``deletionTimestamp``, unless that is later
+    than now. A graceful deletion's ``deletionTimestamp`` is the request's time *plus the grace
+    period* — in the future while the object terminates; a GPU pod with a grace period of an hour
+    that exits in seconds is DELETED with it ~1 h ahead. Dated so, the event was refused (an
+    event cannot have happened after it was observed: ``schemas.envelope.EventBase``), the
+    deletion went unpublished until a re-list, and before that check it pushed the controls'
+    event-time watermark an hour ahead (a review of that check)."""
+    clock = now or datetime.now(timezone.utc)
+    return min(deletion, clock) if deletion else clock
 
 
 def _scheduling_facts(conditions: list, node: str | None, fallback: datetime, where: str) -> list[Fact]:

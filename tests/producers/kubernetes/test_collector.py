@@ -1169,3 +1169,23 @@ def test_a_resource_the_credentials_may_not_list_does_not_hold_back_the_others(a
     events = published(kafka_bootstrap, catalogue.scheduler, 4)
     assert Counter(e.identity.pod or e.identity.workload_id for e in events)["a"] == 3
     assert [e for e in events if e.payload.object_kind == "Workload"], "the Workload was never published"
+
+
+def test_a_graceful_deletion_is_dated_when_seen_not_at_its_grace_periods_end():
+    """A graceful deletion's deletionTimestamp is the request's time plus the grace period: a GPU pod
+    with a grace period of an hour that exits in seconds is DELETED with it ~1 h ahead. Dated so, the
+    event was refused (an event cannot have happened 15 min after it was observed) and the deletion
+    went unpublished until a re-list (review of that check). A deletion already past is kept as it is."""
+    from producers.kubernetes.mapping import to_event
+    from schemas import Identity, Source
+
+    seen = T0 + timedelta(hours=2)
+    for kind, facts_of, obj in (("Pod", pod_facts, _pod()), ("Workload", workload_facts, WL_JOB)):
+        ahead = {**obj, "metadata": {**obj["metadata"], "deletionTimestamp": (seen + timedelta(seconds=3590)).strftime("%Y-%m-%dT%H:%M:%SZ")}}
+        [deleted] = [f for f in facts_of(ahead, deleted=True, now=seen) if f.event_type == "scheduler.deleted"]
+        assert deleted.occurred_at == seen, (kind, deleted)
+        event = to_event("uid", deleted, Identity(namespace="ns", pod_uid="uid"), {"object_kind": kind}, Source(collector="kubernetes", host="h"), seen)
+        assert (event.event_type, event.occurred_at) == ("scheduler.deleted", seen)
+        past = {**obj, "metadata": {**obj["metadata"], "deletionTimestamp": (seen - timedelta(seconds=30)).strftime("%Y-%m-%dT%H:%M:%SZ")}}
+        [deleted] = [f for f in facts_of(past, deleted=True, now=seen) if f.event_type == "scheduler.deleted"]
+        assert deleted.occurred_at == seen - timedelta(seconds=30), (kind, deleted)
