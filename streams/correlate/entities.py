@@ -138,6 +138,11 @@ def event_row(event: dict, kind: str, src) -> dict:
     gpu = None
     if kind in ENTITY_FACTS:
         facts = {name: ident[name] for name in ENTITY_FACTS[kind] if name in ident}
+        if etype.startswith("alert."):
+            # An alert's environment label is its rule's, not the pod's: as the pod's fact it set the pod's
+            # rows' environment and made it the pod's own (``environment_labelled``) — a Prometheus rule
+            # labelled environment=dev withdrew the control 1 violation of a prod workload (review).
+            facts.pop("environment", None)
         if etype.startswith("scheduler.") and kind == "pod" and payload.get("image_digests"):
             facts["image_digest"] = payload["image_digests"][0]
         if etype in ("gpu.assigned", "gpu.released"):

@@ -286,6 +286,30 @@ def test_control_1_judges_an_unlabelled_workload_where_the_webhook_decided_it_wh
     assert violations == {}, violations
 
 
+def test_an_alerts_environment_label_does_not_make_a_workloads_environment():
+    """Review: an alert's labels became its pod's facts, environment too — a later alert labelled
+    environment=dev on a prod workload attributed by its image digest set its rows' environment to dev
+    and made it the pod's own, and control 1 withdrew the violation the webhook's denial stood for. The
+    alert's own row keeps its label."""
+    from streams.controls.rules import ControlEngine, directory_from_rows
+    from tests.streams.harness import Driver, alert, pod_event
+    from tests.streams.harness import release as release_event
+
+    promoted = [release_event("release.registered", 0, env="staging"), release_event("release.approved", 10, env="staging", actor="alice"),
+                release_event("release.promoted", 20, env="prod", to_environment="prod", actor="ci/4711")]
+    scheduled = pod_event("scheduler.scheduled", 30, ns="scratch", pod="unl", workload="scratch/Job/unl", digest="sha256:" + "b" * 64)
+    for events in ([*promoted, scheduled], [*promoted, scheduled, alert(35, fp="x", namespace="scratch", pod="unl", environment="dev")]):
+        rows = list(Driver().feed(events).rows.values())
+        engine = ControlEngine(directory_from_rows(rows), Policy()).feed(rows)
+        engine.run()
+        [row] = [r for r in rows if r.event_type == "scheduler.scheduled"]
+        assert (row.identity.release_id, row.identity.environment, row.environment_labelled) == ("r1", "prod", False), row
+        [violation] = [v.detail for v in engine.current() if v.control_id == 1]
+        assert "had no approval for prod" in violation, violation
+    [alert_row] = [r for r in rows if r.event_type == "alert.firing"]
+    assert alert_row.identity.environment == "dev"
+
+
 def test_namespace_entry_names_the_environment_of_unlabelled_workloads():
     policy = Policy(admission=Admission(namespaces={"research": NamespaceAdmission(environment="dev")}))
     assert decision(job({}, namespace="research"), loaded(), policy).rule == "approval-not-required"
