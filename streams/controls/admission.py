@@ -273,8 +273,7 @@ def releases_environment(subject: Subject, state: ReleaseDirectory | None, polic
     rid = subject.identity.get("release_id")
     if state is None or not rid or not state.ready.is_set() or not state.known(rid):
         return None
-    entry = state.releases[rid]
-    return policy.approval_environment([env for _key, env in entry["fields"].get("environment", ())] + [h[3] for h in entry["history"]])
+    return policy.approval_environment(state.environments_named(rid))
 
 
 def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: datetime | None = None, *,

@@ -683,12 +683,8 @@ def _approval_environment(srow: dict, start: datetime, ctx: Context) -> str | No
     rid = ident.get("release_id")
     if srow.get("el") is not False or not rid:
         return _environment(ident, ctx)
-    named = [env for at, _etype, _eid, env, _actor in ctx.release(rid).history if at <= start]
-    state = ctx.directory.releases.get(rid)
-    if state:
-        # (keys are ``occurred_at.isoformat()|…`` in UTC, as ``start.isoformat()`` is: compared as text, not parsed per entry)
-        start_iso = start.astimezone(timezone.utc).isoformat()
-        named += [env for k, env in state["fields"].get("environment", ()) if k.split("|", 1)[0] <= start_iso]
+    ctx.release(rid)  # (read: a release event that changes the answer re-evaluates the key)
+    named = ctx.directory.environments_named(rid, start.astimezone(timezone.utc).isoformat())
     return ctx.policy.workload_environment(ident.get("namespace"), ctx.policy.approval_environment(named))
 
 

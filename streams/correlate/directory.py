@@ -188,10 +188,16 @@ class ReleaseDirectory:
             return 0
         n = 1 + state["manifest_version"]
         if at_iso is not None:
-            times = self._history_times(rid, state)
-            n += state["dropped"] + (bisect_right(times, at_iso) if times is not None
-                                     else sum(1 for entry in state["history"] if entry[0].split("|", 1)[0] <= at_iso))
+            n += state["dropped"] + self._count_as_of(rid, state, at_iso)
         return n
+
+    def _count_as_of(self, rid: str, state: dict, at_iso: str) -> int:
+        """How many of the release's history entries are at or before ``at_iso``: by bisection of
+        its times (``_history_times``), else by walking them."""
+        times = self._history_times(rid, state)
+        if times is not None:
+            return bisect_right(times, at_iso)
+        return sum(1 for entry in state["history"] if entry[0].split("|", 1)[0] <= at_iso)
 
     #: Fewer releases than this are summed one by one (``versions_at``).
     MERGE_FROM = 4
@@ -268,10 +274,9 @@ class ReleaseDirectory:
         state = self.releases.get(rid)
         if not state:
             return None
-        times = self._history_times(rid, state)
-        if times is None:
+        if self._history_times(rid, state) is None:
             return state_as_of(state, at_iso, kinds)
-        k = bisect_right(times, at_iso)
+        k = self._count_as_of(rid, state, at_iso)
         history = state["history"]
         if kinds is None:  # (the rows' release_state: once per rendered row)
             return history[k - 1][1] if k else None
@@ -280,6 +285,17 @@ class ReleaseDirectory:
     def latest_event(self, rid: str) -> str | None:
         state = self.releases.get(rid)
         return state["history"][-1][1] if state and state["history"] else None
+
+    def environments_named(self, rid: str, until_iso: str | None = None) -> list[str]:
+        """Every environment the release's events named — each one's identity ``environment``
+        (``fields``) and, in its history, its ``to_environment`` — by ``until_iso`` when given (the
+        keys' times compared as text: both UTC ``isoformat``). What ``Policy.approval_environment``
+        reads, for admission (all of them) and control 1 (by the workload's admission)."""
+        state = self.releases.get(rid)
+        if not state:
+            return []
+        entries = [*state["fields"].get("environment", ()), *((entry[0], entry[3]) for entry in state["history"])]
+        return [env for key, env in entries if env and (until_iso is None or key.split("|", 1)[0] <= until_iso)]
 
     def environments_at(self, rid: str, at_iso: str) -> list[str]:
         """Environments the release was promoted to (and not rolled back from) at a time."""
@@ -325,8 +341,7 @@ class ReleaseDirectory:
         best, best_key = None, None
         for c in cands:
             history = self.releases[c]["history"]
-            times = self._history_times(c, self.releases[c])
-            k = bisect_right(times, at_iso) if times is not None else sum(1 for e in history if e[0].split("|", 1)[0] <= at_iso)
+            k = self._count_as_of(c, self.releases[c], at_iso)
             if not k:
                 continue
             lifecycle = next((history[i][1] for i in reversed(range(k)) if history[i][1] in LIFECYCLE_EVENTS), None)

@@ -265,7 +265,7 @@ def _needed(state: dict) -> set[str]:
             if rec["type"] == "scheduler.deleted" and rec["key"] > deleted.get(uid := inc.uid_at(rec["key"]), ""):
                 deleted[uid] = rec["key"]
         keys += deleted.values()
-        for name in ("release_id", "image_digest", "model_name", "model_version"):
+        for name in NAMED_FACTS:
             last: dict = {}
             for rec in rows.values():
                 if name in rec["facts"] and rec["key"] > last.get(rec["facts"][name], ""):
@@ -585,6 +585,9 @@ def expire(state: dict, row_ids: list[str]) -> bool:
 #: The facts a pod's label fallback reads (``resolve_entity``: its label, else its image digest,
 #: else its model+version, in its environment) — the version component of its labelled rows.
 FALLBACK_FACTS = frozenset({"release_id", "image_digest", "model_name", "model_version", "environment"})
+#: The facts that name a release or a look-up (``Incarnations``: every row of a pod of several names
+#: every value any of its rows named; ``_needed`` keeps the newest carrier of each).
+NAMED_FACTS = ("release_id", "image_digest", "model_name", "model_version")
 
 
 def facts_of(state: dict) -> tuple[dict, int]:
@@ -674,11 +677,12 @@ class Incarnations:
         self.res: dict[str, Resolution] = {}
         # Every release and look-up any row's facts named (a set that only grows as rows arrive — the latest
         # values' would lose one when a fact changes, and a row's version with it), named by every row.
-        values = {name: sorted({value for _key, value in per.get(name, ())}) for name in ("release_id", "image_digest", "model_name",
-                                                                                            "model_version")}
+        values = {name: sorted({value for _key, value in per.get(name, ())}) for name in NAMED_FACTS}
         self.named = values["release_id"]
-        self.lookups = [*(f"digest:{d}" for d in values["image_digest"]), *(f"modelname:{m}" for m in values["model_name"]),
-                        *(f"model:{m}:{v}" for m in values["model_name"] for v in values["model_version"])]
+        models = values["model_name"]
+        self.lookups = [*(key for d in values["image_digest"] for key in interests_for(image_digest=d)),
+                        *(key for m in models for key in interests_for(model_name=m)),
+                        *(interests_for(model_name=m, model_version=v)[-1] for m in models for v in values["model_version"])]
 
     def uid_at(self, point: str) -> str:
         k = bisect_right(self.keys, point)
