@@ -256,6 +256,21 @@ class ReleaseDirectory:
     def candidates_version(self, interests) -> int:
         return sum(self.count(rid) for interest in interests for rid in sorted(self.candidates(interest)))
 
+    def after(self, interests, since: str) -> int:
+        """Of the look-ups in ``interests`` that more than one release ever answered, how many of
+        their candidates' events are not at or before ``since`` (the count less those in the
+        history by then: an event the history let go counts as after). Grows with every event of
+        such a candidate after ``since``, and as ``since`` moves earlier — what a choice among
+        them as of ``since`` depends on beyond ``candidates_version`` (``entities._resolve_facts``)."""
+        n = 0
+        for interest in interests:
+            cands = self.candidates(interest)
+            if len(cands) > 1:
+                for rid in cands:
+                    if (state := self.releases.get(rid)) and state["events"]:
+                        n += state["events"] - self._count_as_of(rid, state, since)
+        return n
+
     def manifest(self, rid: str) -> dict:
         state = self.releases.get(rid)
         return {f: v[0] for f, v in state["manifest"].items()} if state else {}
@@ -352,8 +367,26 @@ class ReleaseDirectory:
             return min(cands, key=lambda c: (self.releases[c]["history"][0][0], c))
         return best
 
-    def by_image_digest(self, digest: str | None, environment: str | None = None, at_iso: str | None = None) -> str | None:
-        return self._pick(self.by_digest.get(digest, ()), environment, at_iso) if digest else None
+    def by_image_digest(self, digest: str | None, environment: str | None = None, at_iso: str | None = None,
+                        model_name: str | None = None, model_version: str | None = None) -> str | None:
+        """The release an image digest points to. Several releases can share one image — a serving
+        runtime (vLLM, Triton) that loads its model's weights at start: the pod's model labels
+        (``model_name``, ``model_version``), when given, narrow them to that model's (then the
+        usual pick, ``_pick``); none of them that model's, all of them. Without it, a pod labelled
+        ``model=llama`` on the shared runtime image went to whichever release of any model last
+        used that image. The narrowing reads the candidates' manifests, which their counts
+        (``candidates_version``, both look-ups') cover."""
+        if not digest:
+            return None
+        cands = self.by_digest.get(digest, ())
+        if model_name and len(cands) > 1:
+            narrowed = [c for c in cands if self._is_model(c, model_name, model_version)]
+            cands = narrowed or cands
+        return self._pick(cands, environment, at_iso)
+
+    def _is_model(self, rid: str, name: str, version: str | None) -> bool:
+        manifest = self.manifest(rid)
+        return manifest.get("model_name") == name and (not version or manifest.get("model_version") == version)
 
     def by_model_version(self, name: str | None, version: str | None, environment: str | None = None,
                          at_iso: str | None = None) -> str | None:

@@ -23,7 +23,8 @@ order: 1 for the row's own event; per fact field the number of runs of equal val
 in event order (``release.segments``: grows when the latest value can change, not
 when an event repeats it); the versions of the links it reads; the directory's
 ``version_at`` of every release it may name and ``count`` of every candidate a
-look-up consulted. Each component only grows as history is added, so the latest
+look-up consulted (a pod's or workload's rows: every release and look-up any of its rows
+ever named, ``named_values`` — not only its latest facts', which lose one when a label changes). Each component only grows as history is added, so the latest
 version is the row as the whole history has it, and two replays give identical rows
 *and* versions. A row is emitted when its version grows (even if its content did not:
 the final version must not depend on where a run happened to emit). Should its content
@@ -171,6 +172,9 @@ def fold_row(state: dict, row: dict) -> bool:
     rows = state["rows"]
     if row["id"] in rows or _gone(state, row["id"]):
         return False  # (a row let go past the bound went out before it went: ``_bound``)
+    if state.get("key", "").startswith(("pod:", "wl:")):
+        first = state.get("since") or min((rec["at"] for rec in rows.values()), default=row["at"])
+        state["since"] = min(first, row["at"])  # (``since``: never later, even when rows are let go)
     rows[row["id"]] = row
     _bound(state)
     return True
@@ -265,13 +269,16 @@ def _needed(state: dict) -> set[str]:
             if rec["type"] == "scheduler.deleted" and rec["key"] > deleted.get(uid := inc.uid_at(rec["key"]), ""):
                 deleted[uid] = rec["key"]
         keys += deleted.values()
+        keep.update(key.split("|", 1)[1] for key in keys)
+    if state["key"].startswith(("pod:", "wl:")):
+        # The newest carrier of each release and look-up value any row named (``named_values``: every row names
+        # them all; with its last carrier gone, a value left the set and the versions counting it fell).
         for name in NAMED_FACTS:
             last: dict = {}
             for rec in rows.values():
-                if name in rec["facts"] and rec["key"] > last.get(rec["facts"][name], ""):
-                    last[rec["facts"][name]] = rec["key"]
-            keys += last.values()
-        keep.update(key.split("|", 1)[1] for key in keys)
+                if name in rec["facts"] and rec["key"] > last.get(rec["facts"][name], ("",))[0]:
+                    last[rec["facts"][name]] = (rec["key"], rec["id"])
+            keep.update(rid for _key, rid in last.values())
     for ops in holding.values():  # the intervals as ``_held`` reads them
         ops.sort()
         start = None
@@ -368,7 +375,7 @@ def trim(state: dict) -> None:
         state["bytes"] = sum(_row_bytes(r) for r in rows.values())
         state["retrim_at"] = len(rows) + max(1, MAX_ROWS - int(MAX_ROWS * TRIM_TO))
         return
-    _, facts_before, _, inc = _facts_and_runs(state)
+    _, facts_before, _, inc, _ = _facts_and_runs(state)
     if inc is not None:
         facts_before = inc.const
     sent = state["sent"]
@@ -594,11 +601,11 @@ def facts_of(state: dict) -> tuple[dict, int]:
     """(facts, version component): per field the latest event's value, and the number of
     runs of equal values per field summed (a pod of several incarnations: with what its
     incarnations add, ``Incarnations.const`` — what ``trim`` keeps in ``gone_facts``)."""
-    facts, version, _, inc = _facts_and_runs(state)
+    facts, version, _, inc, _ = _facts_and_runs(state)
     return facts, version if inc is None else inc.const
 
 
-def _facts_and_runs(state: dict, fields: frozenset[str] = frozenset()) -> tuple[dict, int, int, Incarnations | None]:
+def _facts_and_runs(state: dict, fields: frozenset[str] = frozenset()) -> tuple[dict, int, int, Incarnations | None, dict]:
     """``facts_of``, and the same version component for ``fields`` only (with the part of it
     rows let go took: ``gone_facts`` is all fields', and only grows, so the partial one never
     drops when rows go) — from one pass over the rows; and a pod's ``Incarnations`` when its
@@ -620,7 +627,34 @@ def _facts_and_runs(state: dict, fields: frozenset[str] = frozenset()) -> tuple[
     uids = per.get("pod_uid")
     if uids and state["key"].startswith("pod:") and any(uid != uids[0][1] for _key, uid in uids):
         inc = Incarnations([r for r in state["rows"].values() if "pod_uid" in r["facts"]], version, partial, fields, per)
-    return facts, version, partial, inc
+    return facts, version, partial, inc, per
+
+
+def _several_named(per: dict[str, list]) -> bool:
+    """Whether a fact ``named_values`` reads had more than one value among the rows."""
+    for name in NAMED_FACTS:
+        entries = per.get(name)
+        if entries and len(entries) > 1:
+            first = entries[0][1]
+            if any(value != first for _key, value in entries):
+                return True
+    return False
+
+
+def named_values(per: dict[str, list]) -> tuple[list[str], list[str]]:
+    """Every release and look-up any of a pod's or workload's rows named (``per``: a fact's
+    ``[key, value]`` entries, as ``_facts_and_runs`` gathers them), which every row of it names:
+    a set that only grows as rows arrive (``_needed`` keeps the newest carrier of each value).
+    The latest values' alone lost one when a fact changed — a pod relabelled from one model to
+    another, a release label replaced — and the versions counting its candidates fell with it:
+    rows changed at a version no higher than before (a shuffled-order probe: 93 conflicts in 40
+    orders), and a run kept whichever it emitted last."""
+    values = {name: sorted({value for _key, value in per.get(name, ())}) for name in NAMED_FACTS}
+    models = values["model_name"]
+    lookups = [*(key for d in values["image_digest"] for key in interests_for(image_digest=d)),
+               *(key for m in models for key in interests_for(model_name=m)),
+               *(interests_for(model_name=m, model_version=v)[-1] for m in models for v in values["model_version"])]
+    return values["release_id"], lookups
 
 
 class Incarnations:
@@ -675,14 +709,7 @@ class Incarnations:
         self.const = version + own_v + self.runs[-1]
         self.partial_const = partial + own_partial + self.runs[-1]
         self.res: dict[str, Resolution] = {}
-        # Every release and look-up any row's facts named (a set that only grows as rows arrive — the latest
-        # values' would lose one when a fact changes, and a row's version with it), named by every row.
-        values = {name: sorted({value for _key, value in per.get(name, ())}) for name in NAMED_FACTS}
-        self.named = values["release_id"]
-        models = values["model_name"]
-        self.lookups = [*(key for d in values["image_digest"] for key in interests_for(image_digest=d)),
-                        *(key for m in models for key in interests_for(model_name=m)),
-                        *(interests_for(model_name=m, model_version=v)[-1] for m in models for v in values["model_version"])]
+        self.named, self.lookups = named_values(per)
 
     def uid_at(self, point: str) -> str:
         k = bisect_right(self.keys, point)
@@ -753,7 +780,7 @@ def fallback_match(directory, digest: str | None, model: str | None, version: st
     """The release an image digest, else a model (+version), points to — the fallbacks'
     one order (the digest is immutable, the model+version only a name). ``at_iso``: a row's own
     time, for a row's own facts — the release serving then (``ReleaseDirectory._serving_at``)."""
-    if (match := directory.by_image_digest(digest, env, at_iso)):
+    if (match := directory.by_image_digest(digest, env, at_iso, model, version)):
         return match, "image_digest_match"
     if model and (match := directory.by_model_version(model, version, env, at_iso)):
         return match, "model_version_match"
@@ -764,15 +791,19 @@ def resolve_entity(state: dict, directory) -> Resolution:
     """Resolution of a pod or workload entity from its facts and links. A pod of several
     incarnations (``Incarnations``): its latest incarnation's, carrying every incarnation's
     (``Resolution.incarnations``), by which each of its rows resolves (``resolve_row``)."""
-    f, fv, fallback_v, inc = _facts_and_runs(state, FALLBACK_FACTS)
+    f, fv, fallback_v, inc, per = _facts_and_runs(state, FALLBACK_FACTS)
     linked = sorted((src, link["release_id"]) for src, link in state["links"].items() if link.get("release_id"))
+    since = since_of(state)
     if inc is None:
-        return _resolve_facts(f, directory, linked, (), (), fv + links_version(state["links"], state.get("gone_links")), fv, fallback_v)
+        # (one value per named fact — nearly every pod and workload — names nothing its latest facts do not)
+        named, lookups = named_values(per) if _several_named(per) else ((), ())
+        return _resolve_facts(f, directory, linked, named, lookups, fv + links_version(state["links"], state.get("gone_links")), fv, fallback_v,
+                              since)
     # Every release and look-up any of its rows named is named by all of them (``Incarnations.named``): none
     # stops counting when a row moves to another incarnation, or a second uid arrives.
     base = inc.const + links_version(state["links"], state.get("gone_links"))
     for uid, facts in inc.facts.items():
-        inc.res[uid] = _resolve_facts(facts, directory, linked, inc.named, inc.lookups, base, inc.const, inc.partial_const)
+        inc.res[uid] = _resolve_facts(facts, directory, linked, inc.named, inc.lookups, base, inc.const, inc.partial_const, since)
     interests = sorted({i for res in inc.res.values() for i in res.interests})
     for res in inc.res.values():
         res.interests = interests
@@ -781,40 +812,55 @@ def resolve_entity(state: dict, directory) -> Resolution:
     return inc.at("\uffff")
 
 
-def _resolve_facts(f: dict, directory, linked: list, also_named, also_lookups, base: int, fv: int, fallback_v: int) -> Resolution:
-    """``resolve_entity`` of facts ``f`` (``also_*``: releases and look-ups named besides its own)."""
+def since_of(state: dict) -> str | None:
+    """When a pod or workload began, for its own look-ups (``_resolve_facts``): its earliest row's
+    time — kept in the state as rows are folded (``fold_row``), so it is never later than before,
+    even when rows are let go past the cap; a state written before it was kept: its rows' earliest."""
+    return state.get("since") or min((rec["at"] for rec in state["rows"].values()), default=None)
+
+
+def _resolve_facts(f: dict, directory, linked: list, also_named, also_lookups, base: int, fv: int, fallback_v: int,
+                   since: str | None = None) -> Resolution:
+    """``resolve_entity`` of facts ``f`` (``also_*``: releases and look-ups named besides its own).
+
+    Its own look-ups (an image digest or model that several releases answer) take the release
+    serving when the pod or workload began (``since``: ``ReleaseDirectory._serving_at``), as a
+    row's own look-up takes the one serving at the row's time: by their latest events overall, a
+    pod labelled only with its model went to the model's newest release — one registered after
+    the pod ended, or a staging release never promoted. That choice is a function of which of the
+    candidates' events are after ``since``, and ``since`` only moves earlier as rows arrive, so
+    the count of those events (``ReleaseDirectory.after``, of the look-ups more than one release
+    answered) only grows: it is in every version the choice reaches."""
     env = f.get("environment")
     lookups = interests_for(f.get("image_digest"), f.get("model_name"), f.get("model_version"))
     if also_lookups:
         lookups = list(dict.fromkeys([*lookups, *also_lookups]))
+    if since is not None and (after := directory.after(lookups, since)):
+        base, fv, fallback_v = base + after, fv + after, fallback_v + after
     named = tuple(sorted(({f["release_id"]} if f.get("release_id") else set()) | {rid for _, rid in linked} | set(also_named)))
     rid, how, unknown = None, "unattributed", None
     if f.get("release_id"):
         rid, how = f["release_id"], "release_label"
         if not directory.known(rid):
-            match, rule = fallback_match(directory, f.get("image_digest"), f.get("model_name"), f.get("model_version"), env)
+            match, rule = fallback_match(directory, f.get("image_digest"), f.get("model_name"), f.get("model_version"), env, since)
             if match:
                 rid, how, unknown = match, FALLBACK[rule], f["release_id"]
     elif linked:
         rid, how = linked[0][1], "workload_release"
-    elif (match := directory.by_image_digest(f.get("image_digest"), env)):
-        rid, how = match, "image_digest_match"
-    elif f.get("model_name") and (match := directory.by_model_version(f["model_name"], f.get("model_version"), env)):
-        rid, how = match, "model_version_match"
+    else:
+        rid, how = fallback_match(directory, f.get("image_digest"), f.get("model_name"), f.get("model_version"), env, since)
     interests = lookups + [f"rid:{r}" for r in named] + ([f"rid:{rid}"] if rid and rid not in named else [])
     return Resolution(f, how, rid, interests, named, tuple(lookups), base, fv, unknown, fallback_version=fallback_v)
 
 
 
 def own_release(state: dict, directory, facts: dict) -> tuple[str | None, str]:
-    """A pod's release from its own facts only (never from links): what it forwards."""
+    """A pod's release from its own facts only (never from links): what it forwards (its look-ups
+    as of when it began, as ``_resolve_facts``'s)."""
     if facts.get("release_id"):
         return facts["release_id"], "release_label"
-    if (match := directory.by_image_digest(facts.get("image_digest"), facts.get("environment"))):
-        return match, "image_digest_match"
-    if facts.get("model_name") and (match := directory.by_model_version(facts["model_name"], facts.get("model_version"), facts.get("environment"))):
-        return match, "model_version_match"
-    return None, "unattributed"
+    return fallback_match(directory, facts.get("image_digest"), facts.get("model_name"), facts.get("model_version"), facts.get("environment"),
+                          since_of(state))
 
 
 def learned_parents(state: dict, spans: list[dict]) -> tuple[dict[str, dict], int]:
@@ -1816,6 +1862,15 @@ def _refresh_pod(state: dict, directory, res: Resolution, out: Outcome) -> None:
         identity_version = inc.res[inc.latest()].version(directory, None)
         per_uid: dict[str, tuple[Resolution, dict]] = {}
         every_rid = sorted({r.release_id for r in inc.res.values() if r.release_id})  # (``_iv_rids``)
+    else:
+        every_rid = None
+    # Every release the pod's resolution could name — those its rows named and every candidate of its
+    # look-ups, a set that only grows — is named by its holdings to their GPU's rows (``_iv_rids``).
+    could = {*res.named, *(rid for interest in res.candidates for rid in directory.candidates(interest))}
+    if inc is not None:
+        could.update(every_rid)
+    if could - {res.release_id}:
+        every_rid = sorted(could)
     per_gpu: dict[str, list] = {}
     gpu_version: dict[str, dict] = defaultdict(dict)  # target -> {allocation key: its event count}
     for iv in intervals(state, inc):
@@ -1838,7 +1893,7 @@ def _refresh_pod(state: dict, directory, res: Resolution, out: Outcome) -> None:
         if version is not None:
             out.allocations.append({**row, "version": version})
         held = {"id": alloc_id, "start": iv["start"], "end": iv["end"], "identity": ident_iv, "attribution": res_iv.attribution}
-        if inc is not None:
+        if every_rid is not None:
             held["rids"] = every_rid
         target = f"gpu:{iv['node']}/{iv['device']}"
         per_gpu.setdefault(target, []).append(held)
@@ -1856,9 +1911,8 @@ def _refresh_pod(state: dict, directory, res: Resolution, out: Outcome) -> None:
     f = res.identity
     if f.get("workload_id"):
         rel, rel_how = own_release(state, directory, f)
-        # (its latest incarnation's, for several: the look-ups every incarnation makes, as its rows count them)
-        lookups = interests_for(f.get("image_digest"), f.get("model_name"), f.get("model_version")) if inc is None else res.candidates
-        _forward(state, f"wl:{f['workload_id']}", res.facts_version + directory.candidates_version(lookups),
+        # (the look-ups its rows count: every value any row named, ``named_values``)
+        _forward(state, f"wl:{f['workload_id']}", res.facts_version + directory.candidates_version(res.candidates),
                  {"release_id": rel, "attribution": rel_how, "from": "pod"}, out)
 
 

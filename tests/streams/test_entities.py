@@ -151,8 +151,8 @@ def _busy_gpu() -> list:
                    gpu_event("gpu.assigned", 11 + 3 * i, pod=pod, device="GPU-9")]
         if i % 3 == 0:
             events.append(gpu_event("gpu.released", 12 + 3 * i, pod=pod, device="GPU-9"))
-    # b7 was first scheduled under a release label its next event corrects: the GPU's interest
-    # in r3 goes as the corrected link replaces the first (when the first arrived first)
+    # b7 was first scheduled under a release label its next event corrects: the GPU keeps its interest
+    # in r3 (its rows' versions count every release b7's rows named: ``named_values``, ``_iv_rids``)
     events += [pod_event("scheduler.queued", 30, pod="b7", release_id="r3"), pod_event("scheduler.running", 33, pod="b7", release_id="r1")]
     events += [alert(5 + 2 * j, fp=f"x{j}", node="n1", gpu_id="GPU-9") for j in range(45)]
     return events
@@ -177,7 +177,8 @@ def test_a_busy_gpu_derives_the_same_rows_incrementally_as_in_full(monkeypatch):
         d = Driver(seed=seed).feed(order).flush_parked()
         got = d.latest(versions=True)
         assert {cid: got[cid] for cid in ref_rows} == ref_rows and len(got) == len(reference.latest()), f"seed {seed}"
-        assert d.entities["gpu:n1/GPU-9"]["interests"] == reference.entities["gpu:n1/GPU-9"]["interests"] == ["rid:r1", "rid:r2"]
+        # (r3 too: b7's first label — a holder names every release its pod's rows named, ``_iv_rids``)
+        assert d.entities["gpu:n1/GPU-9"]["interests"] == reference.entities["gpu:n1/GPU-9"]["interests"] == ["rid:r1", "rid:r2", "rid:r3"]
 
 
 # --- physical GPU vs. MIG slice vs. time-slicing share (#13.2) -------------------------------------
@@ -766,7 +767,8 @@ def test_a_gpu_past_its_link_cap_stores_the_same_rows_and_versions_whatever_the_
     reference = Driver(memos=False).feed(releases).feed(rest).flush_parked()
     gpu = reference.entities["gpu:n1/GPU-9"]
     assert gpu["detached"] == 22 and len(gpu["gone"]["steps"]) == min(22, steps) and reference.conflicts == 0
-    assert gpu["gone"]["rids"] == {"r2": iso(at(11).isoformat()), "r1": iso(at(14).isoformat())}  # b0 (r2), b1 (r1)
+    # b0 (r2), b1 (r1), b7 (r3: its first label — a holder names every release its pod's rows named, ``_iv_rids``)
+    assert gpu["gone"]["rids"] == {"r2": iso(at(11).isoformat()), "r1": iso(at(14).isoformat()), "r3": iso(at(32).isoformat())}
     assert gpu["gone"]["steps"][-1][2] == [[iso(at(11 + 3 * 21).isoformat()), iso(at(13 + 3 * 21).isoformat())]]  # b21, the last detached
     assert "gone" not in reference.entities["wl:ml/Job/train"]  # (its 30 pods past the cap: it keeps no ``gone``)
     # With steps joined, a GPU row before the earliest kept step no longer counts the joined
