@@ -51,6 +51,24 @@ class CorrelatedEvent(Frozen):
                     "environment is not its own in the strictest environment needing an approval that its release's events "
                     "named by its admission, as the admission webhook does. Read by the controls from the topic; not a "
                     "column of correlated_events.")
+    release_known: bool | None = Field(
+        default=None,
+        description="Whether a release event describes identity.release_id (the worker had read one when it wrote the "
+                    "row): false when the row names a release no release event describes — an alert or pod labelled with "
+                    "a mistyped or never-registered release id, emitted once it waited park_ttl_s for one — which is not "
+                    "joined to a release (control 6 counts such an alert episode as unjoined); null when the row names no "
+                    "release, or in a record of a worker before it was recorded. A row whose release is described later is "
+                    "written again with true at a higher version. Not a column of correlated_events.")
+
+
+def joined(attribution: str, release_id: str | None, release_known: bool | None) -> bool:
+    """Whether a row is joined to a release, for control 6 (``streams.controls.rules._telemetry``)
+    and for what the controls stage is sent (``streams.correlate.entities.for_controls``): attributed, or naming a release —
+    one a release event describes (``release_known`` false: a label naming a mistyped or
+    never-registered release, emitted past its park TTL, joined nothing; an exploratory review
+    found such an alert counted as joined, control 6 silent and the audit passing). None: a record
+    of an older worker, which did not say — taken as described, as it was."""
+    return (attribution != "unattributed" or bool(release_id)) and release_known is not False
 
 
 class GpuAllocation(Frozen):

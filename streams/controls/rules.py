@@ -61,7 +61,7 @@ from streams.controls.policy import ACTION_OF_EVENT, CONTROL_TITLES, Policy
 from streams.packing import kind_of
 from gpuledger.timefmt import format_duration, iso_z, quick_utc_isoformat
 from schemas import Identity
-from schemas.outputs import Violation
+from schemas.outputs import Violation, joined
 from schemas.release import actor_text, decision_actor
 
 START = frozenset({"scheduler.admitted", "scheduler.scheduled", "scheduler.running", "scheduler.pods_ready"})
@@ -145,6 +145,8 @@ def compact_row(record) -> dict | None:
         out["named"] = row["named_release_id"]  # a label named this unknown release; a fallback rule attributed the row
     if row.get("environment_labelled") is not None:
         out["el"] = bool(row["environment_labelled"])  # the environment is the row's own (True) or its release's (``_approval_environment``)
+    if row.get("release_known") is False:
+        out["unknown"] = True  # its release_id is one no release event describes: not joined (``_telemetry``)
     return out
 
 
@@ -841,7 +843,7 @@ def _telemetry(rows: list[dict], found: Findings, ctx: Context) -> None:
         episodes[row["p"].get("starts_at") or row["at"]].append(row)
     for starts, ep in sorted(episodes.items()):
         ep = _sorted(ep)
-        if any(r["attr"] != "unattributed" or r["i"].get("release_id") for r in ep):
+        if any(joined(r["attr"], r["i"].get("release_id"), False if r.get("unknown") else None) for r in ep):
             continue
         name = next((r["p"].get("alertname") for r in ep if r["p"].get("alertname")), None)
         labels = next((r["p"].get("labels") for r in ep if r["p"].get("labels")), {}) or {}

@@ -40,7 +40,7 @@ emitted ``unattributed``. Parking never changes a version: it only delays emissi
 Alerts and the controls stage: the one control that reads alert rows (6, an alert no
 row of which could be joined to a release: ``streams.controls.rules._telemetry``) can
 only fire for a fingerprint of which some row was emitted *unjoined* (unattributed, no
-release id). Every other alert row is sent to the controls stage only once its
+release id — or one no release event describes: ``schemas.outputs.joined``). Every other alert row is sent to the controls stage only once its
 fingerprint has had such a row go out on the correlated topic (``for_controls``, on a
 batch's final rows, so a row unjoined in one local pass and joined in the next does not
 count): at that moment the fingerprint joins ``ctl`` and every row of it emitted so far
@@ -74,6 +74,7 @@ import orjson
 
 from gpuledger.timefmt import utc_isoformat
 from schemas import Identity
+from schemas.outputs import joined
 from streams.caps import capped
 from streams.correlate.directory import interests_for
 from streams.correlate.release import segments, summarize
@@ -1410,6 +1411,8 @@ def render_row(record: dict, directory, res: Resolution, version: int) -> dict:
         "source_offset": record["offset"], "payload_json": record["payload"], "named_release_id": res.unknown_named,
         # Whose the environment is: the row's (its labels) or its release's (control 1 reads it, ``_approval_environment``).
         "environment_labelled": bool(record["identity"].get("environment") or res.identity.get("environment")),
+        # (a label naming a release no event describes, emitted past its park TTL: not joined — control 6, routers)
+        "release_known": directory.known(rid) if rid else None,
     }
 
 
@@ -1766,7 +1769,7 @@ def for_controls(state: dict, directory, rows: list[dict]) -> list[dict]:
         if fp in tracked:
             out.append(row)
             continue
-        if row["attribution"] != "unattributed" or row["identity"].get("release_id"):
+        if joined(row["attribution"], row["identity"].get("release_id"), row.get("release_known")):
             continue  # joined: control 6 cannot fire on this fingerprint (yet)
         emitted = {r["correlation_id"] for r in rows}
         kind = kind_of(state["key"])

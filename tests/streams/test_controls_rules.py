@@ -676,6 +676,32 @@ def _telemetry_verdicts(driver):
     return {v.identity.alert_fingerprint: (v.violation_id, v.closed_at, v.evidence) for v in engine.current() if v.control_id == 6}
 
 
+@pytest.mark.parametrize("seed", [None, 1, 2, 3])
+def test_an_alert_naming_a_release_no_event_describes_is_unjoined_until_one_does(seed):
+    """An alert labelled with a release id no release event describes (a typo, a release never
+    registered) goes out past its park TTL naming that id, with ``release_known`` false: not joined —
+    control 6 opens on its episode (it counted as joined: control 6 silent, the audit passing, an
+    exploratory review). The release's first event then joins it: written again, known, withdrawn."""
+    ghost = firing(10, fp="ghost", release_id="ghost-v1-prod", environment="prod")
+    driver = Driver(seed=seed).feed([*released(), ghost]).flush_parked()
+    [row] = [r for r in driver.rows.values() if r.identity.alert_fingerprint == "ghost"]
+    assert (row.attribution, row.identity.release_id, row.release_known) == ("release_label", "ghost-v1-prod", False)
+    assert "ghost" in {r.identity.alert_fingerprint for r in driver.controls.values()}  # sent to the controls stage
+    opened = _telemetry_verdicts(driver)
+    assert "ghost" in opened and opened["ghost"][1] is None  # open
+    [violation] = of(run([*released(), ghost], watermark=400), 6)
+    assert "could not be joined to a release" in violation.detail
+    # The release turns up: the row is written again, known, and the violation withdrawn.
+    driver.feed([release("release.registered", 20, rid="ghost-v1-prod")]).flush_parked()
+    [row] = [r for r in driver.rows.values() if r.identity.alert_fingerprint == "ghost"]
+    assert row.release_known is True
+    assert "ghost" not in _telemetry_verdicts(driver)
+    # An alert on a described release stays joined and is never sent (as before).
+    ok = Driver(seed=seed).feed([*released(), firing(10, fp="fine", release_id="r1")]).flush_parked()
+    assert [r.release_known for r in ok.rows.values() if r.identity.alert_fingerprint == "fine"] == [True]
+    assert "fine" not in {r.identity.alert_fingerprint for r in ok.controls.values()}
+
+
 def _held_gpu(minutes, pod):
     return [sched("scheduler.scheduled", minutes, pod=pod, release_id="r1"), gpu_event("gpu.assigned", minutes, pod=pod, device="GPU-1111")]
 
