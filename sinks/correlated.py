@@ -27,9 +27,10 @@ IDENTITY_FIELDS = (
     "environment", "workload_id", "pod_uid", "namespace", "pod", "node", "gpu_id", "owner", "data_class", "alert_fingerprint",
 )
 SOURCE_FIELDS = ("source_topic", "source_partition", "source_offset")
+#: ``named_release_id`` and ``environment_labelled`` since migration 7 ('' and NULL in rows stored before).
 CORRELATED_COLUMNS = (
     "correlation_id", "version", "event_type", "occurred_at", "attribution", *IDENTITY_FIELDS,
-    "release_state", "summary", *SOURCE_FIELDS, "payload_json",
+    "release_state", "summary", *SOURCE_FIELDS, "payload_json", "named_release_id", "environment_labelled",
 )
 DEAD_LETTER_COLUMNS = ("reason", "error", "stage", "source_topic", "source_partition", "source_offset", "key", "value", "failed_at",
                        "letter_id")

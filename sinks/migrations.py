@@ -168,6 +168,10 @@ def _intake_query(record: str, more: str = "") -> str:
 FROM (SELECT record, JSONExtract(record, '""" + record + """') AS r FROM {db}.correlated_intake)"""
 
 
+#: correlated_events' columns from a row of ``correlated_fields`` (migration 4).
+_CORRELATED_EVENTS_SELECT = """correlation_id, assumeNotNull(version) AS version, event_type, assumeNotNull(occurred_at) AS occurred_at,
+    attribution, """ + _identity_select(_INTAKE_FIELDS) + """, release_state, summary,
+    source_topic, assumeNotNull(source_partition) AS source_partition, assumeNotNull(source_offset) AS source_offset, payload_json"""
 #: The rows of release_history (of the correlated family), and the named Tuple their payload is read into.
 _RELEASE_ROWS = "splitByChar('.', event_type)[1] = 'release' AND tupleElement(identity, 'release_id') != ''"
 _RELEASE_PAYLOAD = ("Tuple(actor String, approval_id String, reason String, to_environment String, superseded_release_id String, "
@@ -191,6 +195,13 @@ _CHECKED_PAYLOADS = (f"JSONExtract(if({_RELEASE_ROWS}, payload_json, '{{}}'), '{
                      f"JSONExtract(if({_WORKLOAD_ROWS}, payload_json, '{{}}'), '{_WORKLOAD_PAYLOAD}') AS workload_payload,\n    "
                      + _uint32(_RESERVATION_GPUS.replace("(p,", "(release_payload,"), "reservation_gpus") + ",\n    "
                      + _uint32(_GPUS_REQUESTED.replace("(p,", "(workload_payload,"), "gpus_requested"))
+#: A correlated record as migration 7's intake reads it: with what the controls judge by that the
+#: row's other fields do not say (``CorrelatedEvent.named_release_id``, ``.environment_labelled``).
+_RECORD_TUPLE_7 = _RECORD_TUPLE[:-1] + ", named_release_id Nullable(String), environment_labelled Nullable(Bool))"
+#: Those two fields as columns: '' for a record without a named release; NULL for a record that
+#: does not say whose its environment is (a worker's before it did).
+_JUDGED_FIELDS = ("ifNull(tupleElement(r, 'named_release_id'), '') AS named_release_id, "
+                  "tupleElement(r, 'environment_labelled') AS environment_labelled")
 #: The columns whose range the intake checks (``_CHECKED_PAYLOADS``), and the table each is a column of:
 #: a record refused for one is the dead letter of that table (``sinks.agents``, its stage).
 RANGE_CHECKED_COLUMNS = {"reservation_gpus": "release_history", "gpus_requested": "workload_timeline"}
@@ -502,10 +513,7 @@ ORDER BY violation_id""",
         # refuse the required ones), the rest as they are.
         "CREATE MATERIALIZED VIEW IF NOT EXISTS {db}.correlated_fields_mv {on_cluster} TO {db}.correlated_fields AS\n"
         + _intake_query(_RECORD_TUPLE),
-        _view("correlated_events", """correlation_id, assumeNotNull(version) AS version, event_type, assumeNotNull(occurred_at) AS occurred_at,
-    attribution, """ + _identity_select(_INTAKE_FIELDS) + """, release_state, summary,
-    source_topic, assumeNotNull(source_partition) AS source_partition, assumeNotNull(source_offset) AS source_offset, payload_json""",
-              "1"),
+        _view("correlated_events", _CORRELATED_EVENTS_SELECT, "1"),
         # The payload's fields as typed columns, each payload parsed once (``JSONExtract`` into a
         # named tuple): a field that is absent, null or of another JSON type reads as empty (a
         # number into a string column as its text), as the rows built in Python did. A count out
@@ -558,6 +566,29 @@ ORDER BY violation_id""",
         + _view_query(_release_history_select("reservation_gpus"), _RELEASE_ROWS, "release_payload"),
         "ALTER TABLE {db}.workload_timeline_mv {on_cluster} MODIFY QUERY "
         + _view_query(_workload_timeline_select("gpus_requested"), _WORKLOAD_ROWS, "workload_payload"),
+    )),
+    Migration(7, "correlated events keep the named release and whose environment a row has", (
+        # What control 1 and control 3 judge a row by beyond its identity: ``named_release_id``,
+        # the release id a label named that no release event describes (the row attributed by a
+        # fallback rule; control 3's "names release X, which no release event describes"), and
+        # ``environment_labelled``, whether the row's environment is the workload's own label
+        # (true) or its release's manifest (false: control 1 then judges the strictest environment
+        # the release's events named by the admission). The worker's controls read them from the
+        # topic; ``gpuledger audit --reevaluate`` re-judges from correlated_events, and judged a row
+        # without them as one of a worker before them. Rows stored before this read '' and NULL —
+        # what such a record says, and how the controls judge it (streams/controls/rules.py).
+        # Safe to alter the views now: no refusal depends on their order (migration 6). In this order,
+        # so that at every step each view reads what the one before writes.
+        "ALTER TABLE {db}.correlated_events {on_cluster} ADD COLUMN IF NOT EXISTS named_release_id String DEFAULT '' AFTER payload_json, "
+        "ADD COLUMN IF NOT EXISTS environment_labelled Nullable(Bool) AFTER named_release_id",
+        "{cluster_only}ALTER TABLE {db}.correlated_events_dist {on_cluster} ADD COLUMN IF NOT EXISTS named_release_id String DEFAULT '' "
+        "AFTER payload_json, ADD COLUMN IF NOT EXISTS environment_labelled Nullable(Bool) AFTER named_release_id",
+        "ALTER TABLE {db}.correlated_fields {on_cluster} ADD COLUMN IF NOT EXISTS named_release_id String, "
+        "ADD COLUMN IF NOT EXISTS environment_labelled Nullable(Bool)",
+        "ALTER TABLE {db}.correlated_fields_mv {on_cluster} MODIFY QUERY "
+        + _intake_query(_RECORD_TUPLE_7, _CHECKED_PAYLOADS + ",\n    " + _JUDGED_FIELDS),
+        "ALTER TABLE {db}.correlated_events_mv {on_cluster} MODIFY QUERY "
+        + _view_query(_CORRELATED_EVENTS_SELECT + ", named_release_id, environment_labelled", "1"),
     )),
 )
 
