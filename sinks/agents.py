@@ -5,7 +5,7 @@ Input: the correlated, allocations, dead-letter and raw topics (and violations, 
 the app passes that topic). Output: one insert per table per batch — correlated → the
 records as they are into ``correlated_intake``, whose views write ``correlated_events`` +
 ``release_history`` / ``workload_timeline`` / ``enriched_alerts`` by family
-(``sinks/migrations.py``, migration 4); allocations → ``gpu_allocations``; raw →
+(``sinks/migrations.py``, migrations 4, 6 and 7); allocations → ``gpu_allocations``; raw →
 ``raw_events`` (only the events of the run's replay range, when it has one:
 ``GPULEDGER_STREAMS_REPLAY_FROM/TO``); dead letters → ``dead_letters``; violations →
 ``violations``.
@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 RAW_OCCURRED_AT = RAW_EVENT_COLUMNS.index("occurred_at")
 
 #: table -> columns of the correlated family: the tables the store builds from the intake of
-#: correlated records (sinks/migrations.py, migration 4), each through its view.
+#: correlated records (sinks/migrations.py, migrations 4, 6 and 7), each through its view.
 CORRELATED_FAMILY = {
     "correlated_events": CORRELATED_COLUMNS,
     "release_history": RELEASE_HISTORY_COLUMNS,

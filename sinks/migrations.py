@@ -2,9 +2,12 @@
 
 Input: a client and a database name (and, for a ClickHouse cluster, its name).
 Output: the correlation tables, recorded in ``{db}.schema_migrations``.
-Guarantees: every statement is idempotent (``IF NOT EXISTS``), so re-running — or
-running against another shard whose ``schema_migrations`` has not seen a migration —
-is harmless; applied migrations are never edited, new ones are appended.
+Guarantees: every statement is idempotent (``IF NOT EXISTS``; a view's ``MODIFY QUERY``
+sets its query again), so re-running — or running against another shard whose
+``schema_migrations`` has not seen a migration — is harmless; applied migrations are never
+edited, new ones are appended. Limit: migrations run in order, so re-running them on a
+cluster sets the intake's query of migration 6 (ON CLUSTER) moments before migration 7's
+again: records stored meanwhile lack migration 7's two columns ('' and NULL).
 
 One definition, two renderings. Statements are templated with ``{db}``,
 ``{on_cluster}`` and ``{engine_*}``: on one node they become plain
@@ -481,8 +484,8 @@ ORDER BY violation_id""",
         # the family's views run: a record without them is refused whole, no table keeping a row of
         # it (and dead-lettered by the sink, naming the constraint). Here a record a view refused (a
         # count out of its column's range) kept the rows of the views ClickHouse ran before that one —
-        # correlated_events' when its view ran first, which depends on where the views' entries sit in
-        # memory, not on their creation order (an ALTER … MODIFY QUERY of a view reshuffles it):
+        # correlated_events' when its view ran first, and that order is not the views' creation order
+        # once one is altered (ALTER … MODIFY QUERY: it varied between stores and between processes):
         # migration 6 moved those checks into the intake's view, before any family view. An absent or
         # null identity, or one that is not an object, reads as an empty one. On a cluster the views
         # write into the ``_dist`` tables ({dist}); the intake is local to the node the sink inserts on.
