@@ -42,15 +42,15 @@ class CorrelatedEvent(Frozen):
     source_partition: int = Field(ge=0, description="Kafka partition of the input.")
     source_offset: int = Field(ge=0, description="Kafka offset of the input.")
     payload_json: str = Field(default="{}", description="The input event's payload, as JSON.")
-    named_release_id: str | None = Field(default=None, description="With a *_fallback attribution: the release id the input (or its pod) named, which no release event describes.")
+    named_release_id: str | None = Field(default=None, description="With a *_fallback attribution: the release id the input (or its pod) named, which no release event describes. Control 3 reports it as a mismatch; stored in correlated_events ('' when none).")
     environment_labelled: bool | None = Field(
         default=None,
         description="Whether identity.environment is the input's own or its entity's (a pod's or workload's "
                     "gpuledger.io/environment label or annotation): false when it is its release's (the manifest's), or "
                     "there is none; null in a record of a worker before it was recorded. Control 1 judges a workload whose "
                     "environment is not its own in the strictest environment needing an approval that its release's events "
-                    "named by its admission, as the admission webhook does. Read by the controls from the topic; not a "
-                    "column of correlated_events.")
+                    "named by its admission, as the admission webhook does. Read by the controls from the topic, and by "
+                    "gpuledger audit --reevaluate from correlated_events (NULL in rows stored before it kept it).")
     release_known: bool | None = Field(
         default=None,
         description="Whether a release event describes identity.release_id (the worker had read one when it wrote the "

@@ -5,7 +5,7 @@ Input: the correlated, allocations, dead-letter and raw topics (and violations, 
 the app passes that topic). Output: one insert per table per batch — correlated → the
 records as they are into ``correlated_intake``, whose views write ``correlated_events`` +
 ``release_history`` / ``workload_timeline`` / ``enriched_alerts`` by family
-(``sinks/migrations.py``, migration 4); allocations → ``gpu_allocations``; raw →
+(``sinks/migrations.py``, migrations 4, 6 and 7); allocations → ``gpu_allocations``; raw →
 ``raw_events`` (only the events of the run's replay range, when it has one:
 ``GPULEDGER_STREAMS_REPLAY_FROM/TO``); dead letters → ``dead_letters``; violations →
 ``violations``.
@@ -51,7 +51,7 @@ from sinks.correlated import (
     WORKLOAD_TIMELINE_COLUMNS,
     dead_letter_rows,
 )
-from sinks.migrations import table_name
+from sinks.migrations import RANGE_CHECKED_COLUMNS, table_name
 from sinks.raw import RAW_EVENT_COLUMNS, NotAnEnvelope, raw_event_row
 from sinks.writer import RecordSource, RejectedRow, TableWriter
 
@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 RAW_OCCURRED_AT = RAW_EVENT_COLUMNS.index("occurred_at")
 
 #: table -> columns of the correlated family: the tables the store builds from the intake of
-#: correlated records (sinks/migrations.py, migration 4), each through its view.
+#: correlated records (sinks/migrations.py, migrations 4, 6 and 7), each through its view.
 CORRELATED_FAMILY = {
     "correlated_events": CORRELATED_COLUMNS,
     "release_history": RELEASE_HISTORY_COLUMNS,
@@ -112,7 +112,7 @@ class SinkWriters:
     async def _write(self, table: str, rows: list[list], sources: Sources) -> list[RejectedRow]:
         rejected = await self.writers[table].write(rows, sources)
         if rejected and table == "correlated_events":
-            rejected = [_refused_by_view(row) for row in rejected]
+            rejected = [_refused_by_range_check(row) for row in rejected]
         if rejected and table == "dead_letters":
             log.error("%d dead letter(s) rejected by %s and dropped (first: %s[%s]@%s: %s)", len(rejected),
                       self.writers[table].table, *_coordinates(rejected[0]), rejected[0].error)
@@ -127,8 +127,9 @@ class SinkWriters:
         came from Kafka (bytes), or a ``CorrelatedEvent``, encoded here. A record without its required
         fields is refused by the intake's constraints (stage ``sinks.correlated_events``, the
         constraint named); one that is not one JSON object, or has a field of the wrong type, by the
-        intake's parser (the field named); one with a value out of its column's range by that
-        table's view (stage ``sinks.<table>``, the column named).
+        intake's parser (the field named); one with a count out of its column's range by the
+        intake's range checks (stage ``sinks.<table>`` of that column's table, the column named) —
+        each before any table's view sees the record, so a refused record leaves no row anywhere.
 
         Why not rows built in Python: parsing the records and building the four tables' rows was
         most of the sink's CPU (``benchmarks/sink_cpu.py``: ~22 us per correlated record, against
@@ -170,20 +171,22 @@ class SinkWriters:
         return skipped
 
 
-_VIEW_RE = re.compile(r"while pushing to view (\S+?)_mv\b")
-#: ClickHouse's code for a ``throwIf`` that fired: the views' range checks (sinks/migrations.py, ``_uint32``).
+_RANGE_RE = re.compile(r"\b(\w+): out of the range of UInt32\b")
+#: ClickHouse's code for a ``throwIf`` that fired: the intake's range checks (sinks/migrations.py, ``_uint32``).
 THROW_IF = 395
 
 
-def _refused_by_view(row: RejectedRow) -> RejectedRow:
-    """A correlated record one of the family's views refused (a ``throwIf`` of its range checks,
-    ``while pushing to view <db>.<table>_mv``) is named after that view's table — its stage
-    ``sinks.<table>`` — as a row that table refused was; any other refusal keeps
-    ``correlated_events`` (a parse error quotes the record, which could name any view)."""
-    match = _VIEW_RE.search(row.error) if row.code == THROW_IF else None
-    if match is None or (table := match.group(1).replace("`", "")).rsplit(".", 1)[-1] not in CORRELATED_FAMILY:
+def _refused_by_range_check(row: RejectedRow) -> RejectedRow:
+    """A correlated record the intake refused for a count out of its column's range (a ``throwIf``
+    of its range checks: "reservation_gpus: out of the range of UInt32") is named after the table
+    that column is of — its stage ``sinks.<table>`` —, as a row that table refused was; any other
+    refusal keeps ``correlated_events`` (a parse error quotes the record, which could say anything).
+    The check runs in the intake's view, before any view of the family (migration 6)."""
+    match = _RANGE_RE.search(row.error) if row.code == THROW_IF else None
+    if match is None or (table := RANGE_CHECKED_COLUMNS.get(match.group(1))) is None:
         return row
-    return dataclasses.replace(row, table=table, stage=f"sinks.{table.rsplit('.', 1)[-1]}")
+    database = row.table.rsplit(".", 1)[0]  # (the writer's table: the intake, database-qualified)
+    return dataclasses.replace(row, table=f"{database}.{table}", stage=f"sinks.{table}")
 
 
 def _coordinates(row: RejectedRow) -> tuple:

@@ -6,7 +6,7 @@ family, ``release_history`` (release.*), ``workload_timeline`` (scheduler.* and 
 rows whose workload is known) and ``enriched_alerts`` (alert.*), with the payload's fields
 as typed columns. The store builds those rows itself: the sink inserts the records as they
 are into ``correlated_intake``, whose materialized views write the four tables
-(``sinks/migrations.py``, migration 4; ``sinks/agents.py``). The column lists here name them
+(``sinks/migrations.py``, migrations 4, 6 and 7; ``sinks/agents.py``). The column lists here name them
 for the readers, the checksums and the docs, and must match the views (tests/sinks/test_migrations.py).
 Dead letters are rows built here (``dead_letter_rows``).
 Guarantees: rows are pure functions of their record, so a re-delivered record yields the
@@ -27,9 +27,10 @@ IDENTITY_FIELDS = (
     "environment", "workload_id", "pod_uid", "namespace", "pod", "node", "gpu_id", "owner", "data_class", "alert_fingerprint",
 )
 SOURCE_FIELDS = ("source_topic", "source_partition", "source_offset")
+#: ``named_release_id`` and ``environment_labelled`` since migration 7 ('' and NULL in rows stored before).
 CORRELATED_COLUMNS = (
     "correlation_id", "version", "event_type", "occurred_at", "attribution", *IDENTITY_FIELDS,
-    "release_state", "summary", *SOURCE_FIELDS, "payload_json",
+    "release_state", "summary", *SOURCE_FIELDS, "payload_json", "named_release_id", "environment_labelled",
 )
 DEAD_LETTER_COLUMNS = ("reason", "error", "stage", "source_topic", "source_partition", "source_offset", "key", "value", "failed_at",
                        "letter_id")

@@ -2,9 +2,12 @@
 
 Input: a client and a database name (and, for a ClickHouse cluster, its name).
 Output: the correlation tables, recorded in ``{db}.schema_migrations``.
-Guarantees: every statement is idempotent (``IF NOT EXISTS``), so re-running — or
-running against another shard whose ``schema_migrations`` has not seen a migration —
-is harmless; applied migrations are never edited, new ones are appended.
+Guarantees: every statement is idempotent (``IF NOT EXISTS``; a view's ``MODIFY QUERY``
+sets its query again), so re-running — or running against another shard whose
+``schema_migrations`` has not seen a migration — is harmless; applied migrations are never
+edited, new ones are appended. Limit: migrations run in order, so re-running them on a
+cluster sets the intake's query of migration 6 (ON CLUSTER) moments before migration 7's
+again: records stored meanwhile lack migration 7's two columns ('' and NULL).
 
 One definition, two renderings. Statements are templated with ``{db}``,
 ``{on_cluster}`` and ``{engine_*}``: on one node they become plain
@@ -139,12 +142,102 @@ def _view(table: str, select: str, where: str, payload: str | None = None) -> st
     """The materialized view that fills ``table`` from ``correlated_fields`` (migration 4):
     ``select`` over the record's fields and, with ``payload`` (a named Tuple type), ``p``: the
     record's payload parsed once into it."""
+    return (f"CREATE MATERIALIZED VIEW IF NOT EXISTS {{db}}.{table}_mv {{on_cluster}} TO {{db}}.{table}{{dist}} AS\n"
+            + _view_query(select, where, payload and f"JSONExtract(payload_json, '{payload}')"))
+
+
+def _view_query(select: str, where: str, payload: str | None = None) -> str:
+    """A family view's query: ``select`` over the rows of ``correlated_fields`` that match ``where``
+    and, with ``payload`` (an expression), ``p``: the row's payload as that expression reads it."""
     source = "{db}.correlated_fields"
     if payload:
-        source = f"(SELECT *, JSONExtract(payload_json, '{payload}') AS p FROM {{db}}.correlated_fields WHERE {where})"
+        source = f"(SELECT *, {payload} AS p FROM {{db}}.correlated_fields WHERE {where})"
         where = "1"
-    return (f"CREATE MATERIALIZED VIEW IF NOT EXISTS {{db}}.{table}_mv {{on_cluster}} TO {{db}}.{table}{{dist}} AS\n"
-            f"SELECT {select}\nFROM {source}" + ("" if where == "1" else f"\nWHERE {where}"))
+    return f"SELECT {select}\nFROM {source}" + ("" if where == "1" else f"\nWHERE {where}")
+
+
+def _intake_query(record: str, more: str = "") -> str:
+    """The query of ``correlated_fields_mv`` (migration 4): a correlated record's fields, ``record``
+    (a named Tuple type) the record as it is parsed, in one ``JSONExtract``; then ``more`` (the
+    columns later migrations added)."""
+    return """SELECT ifNull(tupleElement(r, 'correlation_id'), '') AS correlation_id, tupleElement(r, 'version') AS version,
+    ifNull(tupleElement(r, 'event_type'), '') AS event_type,
+    parseDateTime64BestEffortOrNull(tupleElement(r, 'occurred_at'), 3, 'UTC') AS occurred_at,
+    ifNull(tupleElement(r, 'attribution'), '') AS attribution, tupleElement(r, 'identity') AS identity,
+    ifNull(tupleElement(r, 'release_state'), '') AS release_state, ifNull(tupleElement(r, 'summary'), '') AS summary,
+    ifNull(tupleElement(r, 'source_topic'), '') AS source_topic, tupleElement(r, 'source_partition') AS source_partition,
+    tupleElement(r, 'source_offset') AS source_offset, ifNull(tupleElement(r, 'payload_json'), '{}') AS payload_json,
+    JSONType(record) = 'Object' AS record_is_object""" + (",\n    " + more if more else "") + """
+FROM (SELECT record, JSONExtract(record, '""" + record + """') AS r FROM {db}.correlated_intake)"""
+
+
+#: correlated_events' columns from a row of ``correlated_fields`` (migration 4).
+_CORRELATED_EVENTS_SELECT = """correlation_id, assumeNotNull(version) AS version, event_type, assumeNotNull(occurred_at) AS occurred_at,
+    attribution, """ + _identity_select(_INTAKE_FIELDS) + """, release_state, summary,
+    source_topic, assumeNotNull(source_partition) AS source_partition, assumeNotNull(source_offset) AS source_offset, payload_json"""
+#: The rows of release_history (of the correlated family), and the named Tuple their payload is read into.
+_RELEASE_ROWS = "splitByChar('.', event_type)[1] = 'release' AND tupleElement(identity, 'release_id') != ''"
+_RELEASE_PAYLOAD = ("Tuple(actor String, approval_id String, reason String, to_environment String, superseded_release_id String, "
+                    "reservation Tuple(reservation_id String, gpus Nullable(Float64), pool String, window_start String, window_end String), "
+                    "target String, expires_at String, tags Map(String, String))")
+#: The rows of workload_timeline, and the named Tuple their payload is read into.
+_WORKLOAD_ROWS = "splitByChar('.', event_type)[1] IN ('scheduler', 'admission') AND tupleElement(identity, 'workload_id') != ''"
+_WORKLOAD_PAYLOAD = ("Tuple(object_kind String, queue String, cluster_queue String, priority_class String, priority Nullable(Int64), "
+                     "reason String, decision String, rule String, message String, phase String, gpus_requested Nullable(Float64), "
+                     "image_digests Array(String), preemptor Tuple(kind String, namespace String, name String, uid String), "
+                     "victim Tuple(kind String, namespace String, name String), labels Map(String, String), flavors Map(String, String))")
+#: The counts of those payloads (``p``), each a column of UInt32 range.
+_RESERVATION_GPUS = "tupleElement(tupleElement(p, 'reservation'), 'gpus')"
+_GPUS_REQUESTED = "tupleElement(p, 'gpus_requested')"
+#: What migration 6 adds to a record's fields in the intake: the payload of a row of release_history
+#: or workload_timeline parsed (once: the views read it from here), and its count range-checked —
+#: a record with one out of range is refused before any view of the family sees it. Other rows'
+#: payloads are not parsed (``'{}'`` is). The same Tuple types as migration 4's views, so a payload
+#: reads as it did: a field of another type leaves the whole Tuple empty, count included.
+_CHECKED_PAYLOADS = (f"JSONExtract(if({_RELEASE_ROWS}, payload_json, '{{}}'), '{_RELEASE_PAYLOAD}') AS release_payload,\n    "
+                     f"JSONExtract(if({_WORKLOAD_ROWS}, payload_json, '{{}}'), '{_WORKLOAD_PAYLOAD}') AS workload_payload,\n    "
+                     + _uint32(_RESERVATION_GPUS.replace("(p,", "(release_payload,"), "reservation_gpus") + ",\n    "
+                     + _uint32(_GPUS_REQUESTED.replace("(p,", "(workload_payload,"), "gpus_requested"))
+#: A correlated record as migration 7's intake reads it: with what the controls judge by that the
+#: row's other fields do not say (``CorrelatedEvent.named_release_id``, ``.environment_labelled``).
+_RECORD_TUPLE_7 = _RECORD_TUPLE[:-1] + ", named_release_id Nullable(String), environment_labelled Nullable(Bool))"
+#: Those two fields as columns: '' for a record without a named release; NULL for a record that
+#: does not say whose its environment is (a worker's before it did).
+_JUDGED_FIELDS = ("ifNull(tupleElement(r, 'named_release_id'), '') AS named_release_id, "
+                  "tupleElement(r, 'environment_labelled') AS environment_labelled")
+#: The columns whose range the intake checks (``_CHECKED_PAYLOADS``), and the table each is a column of:
+#: a record refused for one is the dead letter of that table (``sinks.agents``, its stage).
+RANGE_CHECKED_COLUMNS = {"reservation_gpus": "release_history", "gpus_requested": "workload_timeline"}
+
+
+def _release_history_select(reservation_gpus: str) -> str:
+    """release_history's columns from a row of ``correlated_fields`` and its payload ``p``;
+    ``reservation_gpus`` the expression of that column."""
+    return """tupleElement(identity, 'release_id') AS release_id, assumeNotNull(occurred_at) AS occurred_at, correlation_id,
+    assumeNotNull(version) AS version, event_type, """ + _identity_select(_MANIFEST_FIELDS) + """,
+    tupleElement(p, 'actor') AS actor, tupleElement(p, 'approval_id') AS approval_id, tupleElement(p, 'reason') AS reason, tupleElement(p, 'to_environment') AS to_environment,
+    tupleElement(p, 'superseded_release_id') AS superseded_release_id, tupleElement(tupleElement(p, 'reservation'), 'reservation_id') AS reservation_id,
+    """ + reservation_gpus + """, tupleElement(tupleElement(p, 'reservation'), 'pool') AS reservation_pool,
+    parseDateTime64BestEffortOrNull(tupleElement(tupleElement(p, 'reservation'), 'window_start'), 3, 'UTC') AS reservation_window_start,
+    parseDateTime64BestEffortOrNull(tupleElement(tupleElement(p, 'reservation'), 'window_end'), 3, 'UTC') AS reservation_window_end, tupleElement(p, 'target') AS target,
+    parseDateTime64BestEffortOrNull(tupleElement(p, 'expires_at'), 3, 'UTC') AS expires_at, tupleElement(p, 'tags') AS tags, release_state, summary,
+    source_topic, assumeNotNull(source_partition) AS source_partition, assumeNotNull(source_offset) AS source_offset, payload_json"""
+
+
+def _workload_timeline_select(gpus_requested: str) -> str:
+    """workload_timeline's columns from a row of ``correlated_fields`` and its payload ``p``;
+    ``gpus_requested`` the expression of that column."""
+    return """tupleElement(identity, 'workload_id') AS workload_id, assumeNotNull(occurred_at) AS occurred_at, correlation_id,
+    assumeNotNull(version) AS version, event_type, attribution,
+    """ + _identity_select(tuple(f for f in _INTAKE_FIELDS if f != "workload_id")) + """, release_state,
+    tupleElement(p, 'object_kind') AS object_kind, tupleElement(p, 'queue') AS queue, tupleElement(p, 'cluster_queue') AS cluster_queue, tupleElement(p, 'priority_class') AS priority_class,
+    tupleElement(p, 'priority') AS priority,
+    if(tupleElement(p, 'reason') = '' AND event_type = 'admission.decided', concat(tupleElement(p, 'decision'), ':', tupleElement(p, 'rule')), tupleElement(p, 'reason')) AS reason,
+    tupleElement(p, 'message') AS message, tupleElement(p, 'phase') AS phase, """ + gpus_requested + """,
+    tupleElement(p, 'image_digests') AS image_digests, tupleElement(tupleElement(p, 'preemptor'), 'kind') AS preemptor_kind, tupleElement(tupleElement(p, 'preemptor'), 'namespace') AS preemptor_namespace,
+    tupleElement(tupleElement(p, 'preemptor'), 'name') AS preemptor_name, tupleElement(tupleElement(p, 'preemptor'), 'uid') AS preemptor_uid, tupleElement(tupleElement(p, 'victim'), 'kind') AS victim_kind,
+    tupleElement(tupleElement(p, 'victim'), 'namespace') AS victim_namespace, tupleElement(tupleElement(p, 'victim'), 'name') AS victim_name, tupleElement(p, 'labels') AS labels, tupleElement(p, 'flavors') AS flavors, summary,
+    source_topic, assumeNotNull(source_partition) AS source_partition, assumeNotNull(source_offset) AS source_offset, payload_json"""
 
 
 MIGRATIONS: tuple[Migration, ...] = (
@@ -388,18 +481,14 @@ ORDER BY violation_id""",
         # Null). The fields' constraints are that the record is a JSON object and has its required
         # fields (one absent, null, of the wrong type or out of its type's range — a negative or
         # 2^64 version, an unreadable time — reads as NULL and fails its constraint), checked before
-        # the family's views run: a record without them is refused whole (and dead-lettered by the
-        # sink, naming the constraint). A record a view refuses (a count out of its column's range)
-        # is refused whole too: its insert fails, and ClickHouse keeps none of that insert's rows
-        # (chDB 26.9; on a cluster, rows the Distributed tables already sent may stay) — the dead
-        # letter holds the record. That holds only because correlated_events' view runs after the
-        # views that refuse (chDB 26.9 runs a table's views latest-created first): an ALTER TABLE …
-        # MODIFY QUERY of its view (tried for a migration 6, not kept) made the order vary between
-        # runs, and a refused release record kept its correlated_events row in 1 run of 6 — a
-        # migration that alters these views must first make refusal independent of their order
-        # (check the counts in correlated_fields). An absent or null identity, or one that is not an
-        # object, reads as an empty one. On a cluster the views write into the ``_dist`` tables ({dist}); the
-        # intake is local to the node the sink inserts on.
+        # the family's views run: a record without them is refused whole, no table keeping a row of
+        # it (and dead-lettered by the sink, naming the constraint). Here a record a view refused (a
+        # count out of its column's range) kept the rows of the views ClickHouse ran before that one —
+        # correlated_events' when its view ran first, and that order is not the views' creation order
+        # once one is altered (ALTER … MODIFY QUERY: it varied between stores and between processes):
+        # migration 6 moved those checks into the intake's view, before any family view. An absent or
+        # null identity, or one that is not an object, reads as an empty one. On a cluster the views
+        # write into the ``_dist`` tables ({dist}); the intake is local to the node the sink inserts on.
         """CREATE TABLE IF NOT EXISTS {db}.correlated_intake {on_cluster} (record String) ENGINE = Null""",
         """CREATE TABLE IF NOT EXISTS {db}.correlated_fields {on_cluster} (
     correlation_id String,
@@ -425,56 +514,18 @@ ORDER BY violation_id""",
 ) ENGINE = Null""",
         # The record's fields as columns: the text fields '' when absent or null (their constraints
         # refuse the required ones), the rest as they are.
-        """CREATE MATERIALIZED VIEW IF NOT EXISTS {db}.correlated_fields_mv {on_cluster} TO {db}.correlated_fields AS
-SELECT ifNull(tupleElement(r, 'correlation_id'), '') AS correlation_id, tupleElement(r, 'version') AS version,
-    ifNull(tupleElement(r, 'event_type'), '') AS event_type,
-    parseDateTime64BestEffortOrNull(tupleElement(r, 'occurred_at'), 3, 'UTC') AS occurred_at,
-    ifNull(tupleElement(r, 'attribution'), '') AS attribution, tupleElement(r, 'identity') AS identity,
-    ifNull(tupleElement(r, 'release_state'), '') AS release_state, ifNull(tupleElement(r, 'summary'), '') AS summary,
-    ifNull(tupleElement(r, 'source_topic'), '') AS source_topic, tupleElement(r, 'source_partition') AS source_partition,
-    tupleElement(r, 'source_offset') AS source_offset, ifNull(tupleElement(r, 'payload_json'), '{}') AS payload_json,
-    JSONType(record) = 'Object' AS record_is_object
-FROM (SELECT record, JSONExtract(record, '""" + _RECORD_TUPLE + """') AS r FROM {db}.correlated_intake)""",
-        _view("correlated_events", """correlation_id, assumeNotNull(version) AS version, event_type, assumeNotNull(occurred_at) AS occurred_at,
-    attribution, """ + _identity_select(_INTAKE_FIELDS) + """, release_state, summary,
-    source_topic, assumeNotNull(source_partition) AS source_partition, assumeNotNull(source_offset) AS source_offset, payload_json""",
-              "1"),
+        "CREATE MATERIALIZED VIEW IF NOT EXISTS {db}.correlated_fields_mv {on_cluster} TO {db}.correlated_fields AS\n"
+        + _intake_query(_RECORD_TUPLE),
+        _view("correlated_events", _CORRELATED_EVENTS_SELECT, "1"),
         # The payload's fields as typed columns, each payload parsed once (``JSONExtract`` into a
         # named tuple): a field that is absent, null or of another JSON type reads as empty (a
         # number into a string column as its text), as the rows built in Python did. A count out
         # of its column's range (a reservation of -5 GPUs) refuses the record, naming the column
-        # (``_uint32``), rather than wrapping around.
-        _view("release_history", """tupleElement(identity, 'release_id') AS release_id, assumeNotNull(occurred_at) AS occurred_at, correlation_id,
-    assumeNotNull(version) AS version, event_type, """ + _identity_select(_MANIFEST_FIELDS) + """,
-    tupleElement(p, 'actor') AS actor, tupleElement(p, 'approval_id') AS approval_id, tupleElement(p, 'reason') AS reason, tupleElement(p, 'to_environment') AS to_environment,
-    tupleElement(p, 'superseded_release_id') AS superseded_release_id, tupleElement(tupleElement(p, 'reservation'), 'reservation_id') AS reservation_id,
-    """ + _uint32("tupleElement(tupleElement(p, 'reservation'), 'gpus')", "reservation_gpus") + """, tupleElement(tupleElement(p, 'reservation'), 'pool') AS reservation_pool,
-    parseDateTime64BestEffortOrNull(tupleElement(tupleElement(p, 'reservation'), 'window_start'), 3, 'UTC') AS reservation_window_start,
-    parseDateTime64BestEffortOrNull(tupleElement(tupleElement(p, 'reservation'), 'window_end'), 3, 'UTC') AS reservation_window_end, tupleElement(p, 'target') AS target,
-    parseDateTime64BestEffortOrNull(tupleElement(p, 'expires_at'), 3, 'UTC') AS expires_at, tupleElement(p, 'tags') AS tags, release_state, summary,
-    source_topic, assumeNotNull(source_partition) AS source_partition, assumeNotNull(source_offset) AS source_offset, payload_json""",
-              "splitByChar('.', event_type)[1] = 'release' AND tupleElement(identity, 'release_id') != ''",
-              "Tuple(actor String, approval_id String, reason String, to_environment String, superseded_release_id String, "
-              "reservation Tuple(reservation_id String, gpus Nullable(Float64), pool String, window_start String, window_end String), "
-              "target String, expires_at String, tags Map(String, String))"),
+        # (``_uint32``), rather than wrapping around (since migration 6, in the intake's view).
+        _view("release_history", _release_history_select(_uint32(_RESERVATION_GPUS, "reservation_gpus")), _RELEASE_ROWS, _RELEASE_PAYLOAD),
         # Scheduler (and admission) rows of known workloads. An admission decision without a
         # reason reads as ``decision:rule``.
-        _view("workload_timeline", """tupleElement(identity, 'workload_id') AS workload_id, assumeNotNull(occurred_at) AS occurred_at, correlation_id,
-    assumeNotNull(version) AS version, event_type, attribution,
-    """ + _identity_select(tuple(f for f in _INTAKE_FIELDS if f != "workload_id")) + """, release_state,
-    tupleElement(p, 'object_kind') AS object_kind, tupleElement(p, 'queue') AS queue, tupleElement(p, 'cluster_queue') AS cluster_queue, tupleElement(p, 'priority_class') AS priority_class,
-    tupleElement(p, 'priority') AS priority,
-    if(tupleElement(p, 'reason') = '' AND event_type = 'admission.decided', concat(tupleElement(p, 'decision'), ':', tupleElement(p, 'rule')), tupleElement(p, 'reason')) AS reason,
-    tupleElement(p, 'message') AS message, tupleElement(p, 'phase') AS phase, """ + _uint32("tupleElement(p, 'gpus_requested')", "gpus_requested") + """,
-    tupleElement(p, 'image_digests') AS image_digests, tupleElement(tupleElement(p, 'preemptor'), 'kind') AS preemptor_kind, tupleElement(tupleElement(p, 'preemptor'), 'namespace') AS preemptor_namespace,
-    tupleElement(tupleElement(p, 'preemptor'), 'name') AS preemptor_name, tupleElement(tupleElement(p, 'preemptor'), 'uid') AS preemptor_uid, tupleElement(tupleElement(p, 'victim'), 'kind') AS victim_kind,
-    tupleElement(tupleElement(p, 'victim'), 'namespace') AS victim_namespace, tupleElement(tupleElement(p, 'victim'), 'name') AS victim_name, tupleElement(p, 'labels') AS labels, tupleElement(p, 'flavors') AS flavors, summary,
-    source_topic, assumeNotNull(source_partition) AS source_partition, assumeNotNull(source_offset) AS source_offset, payload_json""",
-              "splitByChar('.', event_type)[1] IN ('scheduler', 'admission') AND tupleElement(identity, 'workload_id') != ''",
-              "Tuple(object_kind String, queue String, cluster_queue String, priority_class String, priority Nullable(Int64), "
-              "reason String, decision String, rule String, message String, phase String, gpus_requested Nullable(Float64), "
-              "image_digests Array(String), preemptor Tuple(kind String, namespace String, name String, uid String), "
-              "victim Tuple(kind String, namespace String, name String), labels Map(String, String), flavors Map(String, String))"),
+        _view("workload_timeline", _workload_timeline_select(_uint32(_GPUS_REQUESTED, "gpus_requested")), _WORKLOAD_ROWS, _WORKLOAD_PAYLOAD),
         _view("enriched_alerts", """tupleElement(identity, 'alert_fingerprint') AS alert_fingerprint, assumeNotNull(occurred_at) AS occurred_at, correlation_id,
     assumeNotNull(version) AS version, event_type, attribution,
     """ + _identity_select(tuple(f for f in _INTAKE_FIELDS if f != "alert_fingerprint")) + """, release_state,
@@ -497,6 +548,50 @@ FROM (SELECT record, JSONExtract(record, '""" + _RECORD_TUPLE + """') AS r FROM 
         "ALTER TABLE {db}.dead_letters {on_cluster} ADD COLUMN IF NOT EXISTS letter_id String, "
         "MODIFY ORDER BY (source_topic, source_partition, source_offset, stage, letter_id)",
         "{cluster_only}ALTER TABLE {db}.dead_letters_dist {on_cluster} ADD COLUMN IF NOT EXISTS letter_id String",
+    )),
+    Migration(6, "a record's range checks run before any view of the correlated family", (
+        # The counts' range checks (``_uint32``) were the views' of release_history and
+        # workload_timeline: a record one of them refused was refused whole only when
+        # correlated_events' view ran after it — ClickHouse keeps the rows of the views that ran
+        # before the one that threw. That order is not the views' creation order once a view is
+        # altered (chDB 26.9: ``ALTER TABLE … MODIFY QUERY`` of any of them made it vary between
+        # stores and between processes; tests/sinks/test_correlated.py). Now the intake's view checks
+        # them, parsing the two families' payloads into ``correlated_fields`` (``_CHECKED_PAYLOADS``),
+        # and the two views read them from there: a record is refused before any family view sees it,
+        # as one a constraint of ``correlated_fields`` refuses (those are checked before the table's
+        # views run). Not constraints: a Null table cannot have constraints added (NOT_IMPLEMENTED).
+        # In this order, so that at every step each view reads what the one before writes.
+        "ALTER TABLE {db}.correlated_fields {on_cluster} ADD COLUMN IF NOT EXISTS release_payload " + _RELEASE_PAYLOAD
+        + ", ADD COLUMN IF NOT EXISTS workload_payload " + _WORKLOAD_PAYLOAD
+        + ", ADD COLUMN IF NOT EXISTS reservation_gpus Nullable(UInt32), ADD COLUMN IF NOT EXISTS gpus_requested Nullable(UInt32)",
+        "ALTER TABLE {db}.correlated_fields_mv {on_cluster} MODIFY QUERY " + _intake_query(_RECORD_TUPLE, _CHECKED_PAYLOADS),
+        "ALTER TABLE {db}.release_history_mv {on_cluster} MODIFY QUERY "
+        + _view_query(_release_history_select("reservation_gpus"), _RELEASE_ROWS, "release_payload"),
+        "ALTER TABLE {db}.workload_timeline_mv {on_cluster} MODIFY QUERY "
+        + _view_query(_workload_timeline_select("gpus_requested"), _WORKLOAD_ROWS, "workload_payload"),
+    )),
+    Migration(7, "correlated events keep the named release and whose environment a row has", (
+        # What control 1 and control 3 judge a row by beyond its identity: ``named_release_id``,
+        # the release id a label named that no release event describes (the row attributed by a
+        # fallback rule; control 3's "names release X, which no release event describes"), and
+        # ``environment_labelled``, whether the row's environment is the workload's own label
+        # (true) or its release's manifest (false: control 1 then judges the strictest environment
+        # the release's events named by the admission). The worker's controls read them from the
+        # topic; ``gpuledger audit --reevaluate`` re-judges from correlated_events, and judged a row
+        # without them as one of a worker before them. Rows stored before this read '' and NULL —
+        # what such a record says, and how the controls judge it (streams/controls/rules.py).
+        # Safe to alter the views now: no refusal depends on their order (migration 6). In this order,
+        # so that at every step each view reads what the one before writes.
+        "ALTER TABLE {db}.correlated_events {on_cluster} ADD COLUMN IF NOT EXISTS named_release_id String DEFAULT '' AFTER payload_json, "
+        "ADD COLUMN IF NOT EXISTS environment_labelled Nullable(Bool) AFTER named_release_id",
+        "{cluster_only}ALTER TABLE {db}.correlated_events_dist {on_cluster} ADD COLUMN IF NOT EXISTS named_release_id String DEFAULT '' "
+        "AFTER payload_json, ADD COLUMN IF NOT EXISTS environment_labelled Nullable(Bool) AFTER named_release_id",
+        "ALTER TABLE {db}.correlated_fields {on_cluster} ADD COLUMN IF NOT EXISTS named_release_id String, "
+        "ADD COLUMN IF NOT EXISTS environment_labelled Nullable(Bool)",
+        "ALTER TABLE {db}.correlated_fields_mv {on_cluster} MODIFY QUERY "
+        + _intake_query(_RECORD_TUPLE_7, _CHECKED_PAYLOADS + ",\n    " + _JUDGED_FIELDS),
+        "ALTER TABLE {db}.correlated_events_mv {on_cluster} MODIFY QUERY "
+        + _view_query(_CORRELATED_EVENTS_SELECT + ", named_release_id, environment_labelled", "1"),
     )),
 )
 

@@ -110,12 +110,12 @@ def test_sink_agents_store_every_output_once_through_a_real_worker(kafka_bootstr
         assert time.monotonic() < deadline, f"stats {stats}\ncounts {counts}\nexpected {expected}\n{worker.service.log_tail()}"
         time.sleep(0.3)
     assert stats["raw_skipped"] == 1  # the record that is not an envelope: skipped, counted (and dead-lettered upstream)
-    assert stats["store_rejected"] == 2  # the poison release (by its view) and the record that is not one (by the intake)
+    assert stats["store_rejected"] == 2  # the poison release (by the intake's range checks) and the record that is not one (its parser)
     letter = worker.reader.query(
         "SELECT source_topic, key, error FROM gpuledger.dead_letters FINAL WHERE reason = 'store_rejected' "
         "AND stage = 'sinks.release_history'", {}).dicts()
     assert [(d["source_topic"], d["key"]) for d in letter] == [(run.correlated, "poison")]
-    assert "reservation_gpus" in letter[0]["error"] and "release_history_mv" in letter[0]["error"] and "Hint:" in letter[0]["error"]
+    assert "reservation_gpus" in letter[0]["error"] and "correlated_fields_mv" in letter[0]["error"] and "Hint:" in letter[0]["error"]
 
     # The chain read through the worker's endpoint equals the one read from the direct write.
     through_worker = trace(worker.reader, "gpuledger", "alert", inc.FP, at=AT)

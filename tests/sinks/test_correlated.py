@@ -343,7 +343,7 @@ def test_a_record_is_one_row_whatever_it_holds_and_what_cannot_be_one_is_refused
 
 
 def test_range_checks_hold_where_the_server_evaluates_every_branch(clickhouse_client, clickhouse_db):
-    """The views' range checks do not rely on ``if`` being lazy (a server profile may set
+    """The intake's range checks do not rely on ``if`` being lazy (a server profile may set
     ``short_circuit_function_evaluation = 'disable'``): a count in range is stored, one out of it
     refused; a refused record without a source is dead-lettered as the record itself."""
     import orjson
@@ -362,3 +362,66 @@ def test_range_checks_hold_where_the_server_evaluates_every_branch(clickhouse_cl
     assert rejected[0].dead_letter().value == bad.decode()
     assert clickhouse_client.query(f"SELECT correlation_id, gpus_requested FROM `{clickhouse_db}`.workload_timeline FINAL").result_rows == [
         ("w4", 4)]
+
+
+
+def _realter_views(client, db: str, table: str):
+    """Re-issue, one at a time, the query of each of ``table``'s materialized views (``ALTER TABLE …
+    MODIFY QUERY``, unchanged), yielding each after it was altered: the order ClickHouse runs a table's
+    views in is not their creation order once one is altered (chDB 26.9: it varied between stores and
+    between processes)."""
+    [views] = client.query("SELECT dependencies_table FROM system.tables WHERE database = {db:String} AND name = {t:String}",
+                           parameters={"db": db, "t": table}).result_rows[0]
+    for view in views:
+        query = client.query("SELECT as_select FROM system.tables WHERE database = {db:String} AND name = {v:String}",
+                             parameters={"db": db, "v": view}).result_rows[0][0]
+        client.command(f"ALTER TABLE `{db}`.`{view}` MODIFY QUERY {query}")
+        yield view
+
+
+def test_a_refused_record_leaves_no_row_in_any_table_whatever_order_the_views_run_in(clickhouse_client):
+    """A record the store refuses — a count out of its column's range (a reservation of -5 GPUs, 2^33
+    GPUs requested), a version out of range, an unreadable time, a record that is not an object — is
+    refused before any view of the correlated family sees it, so no table keeps a row of it,
+    whichever order ClickHouse runs the family's views in. That order is not the views' creation
+    order once a view is altered (``ALTER TABLE … MODIFY QUERY``, as a migration does): in fresh
+    stores, each view re-issued in turn, it varied, and a record refused by release_history's view
+    (the range checks were the views' own before migration 6) kept its correlated_events row whenever
+    that view ran first — in most stores, within their four alters. Every round's good records, one
+    per family, are stored in every table they belong in."""
+    import orjson
+
+    from sinks.agents import CORRELATED_FAMILY
+    from sinks.writer import RecordSource
+
+    def rec(cid: str, event_type: str, identity: dict, payload: dict, **fields) -> bytes:
+        return orjson.dumps(_record(correlation_id=cid, event_type=event_type, identity=identity, payload_json=orjson.dumps(payload).decode(),
+                                    **fields))
+
+    bad = [rec("bad-reservation", "release.reservation_created", {"release_id": "rel-1"}, {"reservation": {"gpus": -5}}),
+           rec("bad-gpus", "scheduler.submitted", {"workload_id": "ml/Job/j1", "pod": "p"}, {"gpus_requested": 2 ** 33}),
+           rec("bad-version", "release.registered", {"release_id": "rel-1"}, {}, version=-1),
+           rec("bad-time", "alert.firing", {"alert_fingerprint": "fp-1"}, {}, occurred_at="yesterday"),
+           b'["release.registered"]']
+    good = [rec("good-release", "release.reservation_created", {"release_id": "rel-1"}, {"reservation": {"gpus": 5}}),
+            rec("good-scheduler", "scheduler.submitted", {"workload_id": "ml/Job/j1"}, {"gpus_requested": 4}),
+            rec("good-alert", "alert.firing", {"alert_fingerprint": "fp-1"}, {})]
+    expected = {"correlated_events": ["good-alert", "good-release", "good-scheduler"], "release_history": ["good-release"],
+                "workload_timeline": ["good-scheduler"], "enriched_alerts": ["good-alert"]}
+    batch = bad + good
+    sources = [RecordSource("t.correlated.v1", 0, offset, None, value) for offset, value in enumerate(batch)]
+    for store in range(6):
+        db = f"t_views_{os.getpid()}_{store}_{time.monotonic_ns()}"
+        clickhouse_client.command(f"CREATE DATABASE `{db}`")
+        try:
+            migrate(clickhouse_client, db)
+            for altered in _realter_views(clickhouse_client, db, "correlated_fields"):
+                for table in CORRELATED_FAMILY:
+                    clickhouse_client.command(f"TRUNCATE TABLE `{db}`.{table}")
+                rejected = asyncio.run(SinkWriters(clickhouse_client, db).store_correlated(batch, sources))
+                assert sorted(r.source.offset for r in rejected) == list(range(len(bad))), [r.error for r in rejected]
+                stored = {table: sorted(cid for (cid,) in clickhouse_client.query(f"SELECT correlation_id FROM `{db}`.{table}").result_rows)
+                          for table in CORRELATED_FAMILY}
+                assert stored == expected, (f"store {store}, after altering {altered}", stored)
+        finally:
+            clickhouse_client.command(f"DROP DATABASE IF EXISTS `{db}`")

@@ -191,3 +191,49 @@ def test_cli_db_migrate_and_status(clickhouse_dsn, clickhouse_db, tmp_path):
     assert status.exit_code == 0, status.output
     assert all(f"migration {m.version}\tapplied" in status.stdout for m in MIGRATIONS)
     assert f"{clickhouse_db}.release_history\t0 rows" in status.stdout
+
+
+def test_a_store_written_before_migrations_6_and_7_upgrades_and_its_rows_read_as_they_were(clickhouse_client, clickhouse_db, monkeypatch):
+    """A store migrated to 5 and written to (the intake then dropped ``named_release_id`` and
+    ``environment_labelled``), then migrated by this version: 6 and 7 are applied; its rows read as
+    they were, with the new columns as a record without those fields says (named release '',
+    environment labelled NULL: judged as a worker's before them). Records stored after it keep both
+    fields, their typed columns are the same as before, and a count out of range is refused."""
+    import asyncio
+
+    import orjson
+
+    import sinks.migrations as migrations
+    from sinks.agents import SinkWriters
+
+    def record(cid: str, event_type: str, identity: dict, payload: dict, **fields) -> bytes:
+        return orjson.dumps({"correlation_id": cid, "version": 1, "event_type": event_type, "occurred_at": "2026-11-01T00:00:00Z",
+                             "attribution": "image_digest_fallback", "identity": identity, "source_topic": "t.correlated.v1",
+                             "source_partition": 0, "source_offset": 1, "payload_json": orjson.dumps(payload).decode(), **fields})
+
+    def batch(prefix: str) -> list[bytes]:
+        return [record(f"{prefix}-admitted", "scheduler.admitted", {"workload_id": "ml/Job/j", "release_id": "rel-1"}, {"gpus_requested": 2},
+                       named_release_id="rel-typo", environment_labelled=False),
+                record(f"{prefix}-labelled", "scheduler.scheduled", {"workload_id": "ml/Job/k", "environment": "prod"}, {},
+                       environment_labelled=True),
+                record(f"{prefix}-reserved", "release.reservation_created", {"release_id": "rel-1"}, {"reservation": {"gpus": 8}})]
+
+    db = clickhouse_db
+    monkeypatch.setattr(migrations, "MIGRATIONS", tuple(m for m in MIGRATIONS if m.version <= 5))
+    assert migrate(clickhouse_client, db) == [1, 2, 3, 4, 5]
+    assert asyncio.run(SinkWriters(clickhouse_client, db).store_correlated(batch("old"))) == []
+    monkeypatch.undo()
+    assert migrate(clickhouse_client, db) == [6, 7]
+    assert asyncio.run(SinkWriters(clickhouse_client, db).store_correlated(batch("new"))) == []
+    q = clickhouse_client.query
+    assert q(f"SELECT correlation_id, named_release_id, environment_labelled FROM `{db}`.correlated_events FINAL ORDER BY 1").result_rows == [
+        ("new-admitted", "rel-typo", False), ("new-labelled", "", True), ("new-reserved", "", None),
+        ("old-admitted", "", None), ("old-labelled", "", None), ("old-reserved", "", None)]
+    assert q(f"SELECT correlation_id, gpus_requested FROM `{db}`.workload_timeline FINAL ORDER BY 1").result_rows == [
+        ("new-admitted", 2), ("new-labelled", None), ("old-admitted", 2), ("old-labelled", None)]
+    assert q(f"SELECT correlation_id, reservation_gpus FROM `{db}`.release_history FINAL ORDER BY 1").result_rows == [
+        ("new-reserved", 8), ("old-reserved", 8)]
+    refused = asyncio.run(SinkWriters(clickhouse_client, db).store_correlated(
+        [record("new-negative", "release.reservation_created", {"release_id": "rel-1"}, {"reservation": {"gpus": -1}})]))
+    assert [(r.stage, r.code) for r in refused] == [("sinks.release_history", 395)]
+    assert q(f"SELECT count() FROM `{db}`.correlated_events WHERE correlation_id = 'new-negative'").result_rows == [(0,)]

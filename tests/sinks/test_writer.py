@@ -42,10 +42,11 @@ def _records(rows):
 
 
 def test_a_poison_row_is_dead_lettered_and_the_rest_of_its_batch_stored(clickhouse_client, clickhouse_db):
-    """A release event whose reservation asks for -5 GPUs: release_history's view refuses it
-    (reservation_gpus is Nullable(UInt32): refused by name, not wrapped around). The other
-    records are stored in every table, and the bad one comes back named after that view's
-    table, with ClickHouse's error, a hint and its Kafka record."""
+    """A release event whose reservation asks for -5 GPUs: the intake's view refuses it, before
+    any table's view sees it (reservation_gpus is Nullable(UInt32): refused by name, not wrapped
+    around). The other records are stored in every table, the bad one in none, and it comes back
+    named after the table whose column it did not fit, with ClickHouse's error, a hint and its
+    Kafka record."""
     migrate(clickhouse_client, clickhouse_db)
     releases = inc.release_rows()
     poison = releases[3].model_copy(update={"correlation_id": "poison-1",
@@ -63,12 +64,13 @@ def test_a_poison_row_is_dead_lettered_and_the_rest_of_its_batch_stored(clickhou
     assert rejected == handed and len(handed) == 1
     bad = handed[0]
     assert bad.table == f"{clickhouse_db}.release_history" and bad.stage == "sinks.release_history"
-    assert "reservation_gpus: out of the range of UInt32" in bad.error and "release_history_mv" in bad.error and bad.code == 395 and bad.hint
+    assert "reservation_gpus: out of the range of UInt32" in bad.error and "correlated_fields_mv" in bad.error and bad.code == 395 and bad.hint
     assert bad.source == sources[5] and orjson.loads(bad.row[0])["correlation_id"] == "poison-1"
     history = f"{clickhouse_db}.release_history"
     assert _count(clickhouse_client, history) == len(inc.latest(releases))  # every other row stored
     assert _count(clickhouse_client, history, "correlation_id = 'poison-1'") == 0
     assert _count(clickhouse_client, f"{clickhouse_db}.correlated_events", "correlation_id != 'poison-1'") == len(inc.latest(releases))
+    assert _count(clickhouse_client, f"{clickhouse_db}.correlated_events", "correlation_id = 'poison-1'") == 0
     writer = writers.writers["correlated_events"]
     assert writer.rows_rejected == 1 and writer.counters.totals["rejected.store_rejected"] == 1 and writer.failures == 0
 

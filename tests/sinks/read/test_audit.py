@@ -694,3 +694,55 @@ def test_control_6s_sample_is_the_most_completely_joined_alert(clickhouse_client
     section = next(s for s in json.loads(audit(env, *RANGE, "--format", "json").output)["evidence"] if s["control"] == 6)
     steps = {r["step"]: r["value"] for r in section["rows"]}
     assert steps["workload"] == inc.W7 and steps["node/gpu"] == f"node-b/{inc.GPU_B}" and inc.FP in steps["alert"], steps
+
+
+def test_reevaluate_judges_controls_1_and_3_as_the_worker_did_from_the_stored_rows(clickhouse_client, clickhouse_dsn, tmp_path):
+    """The worker's controls judge a row by two fields beyond its identity: whose its environment is
+    (``environment_labelled``) and the release id its label named that no release event describes
+    (``named_release_id``). The store did not keep them, and ``--reevaluate`` judged an unlabelled
+    workload of a release whose events named only dev in dev (its row's environment: no approval
+    needed) where the worker judged it in an unknown environment (an approval needed, none given), and
+    found no control 3 mismatch for a pod labelled with a mistyped release id that its image digest
+    attributed to the real one. Rows from the real correlation (the entity rules), the worker's
+    verdicts from the rows its controls stage gets; the re-evaluation now lists the same violations
+    of both controls."""
+    from tests.streams.harness import Driver, pod_event, release as release_event
+
+    digest = "sha256:" + "b" * 64
+    d = Driver().feed([release_event("release.registered", 0, env="dev", digest=digest),
+                       pod_event("scheduler.scheduled", 5, ns="scratch", pod="unl", workload="scratch/Job/unl", digest=digest),
+                       pod_event("scheduler.scheduled", 6, ns="scratch", pod="typo", workload="scratch/Job/typo", release_id="r1-typo",
+                                 digest=digest)]).flush_parked()
+    rows, live_rows = list(d.rows.values()), list(d.controls.values())
+    live = ControlEngine(directory_from_rows(live_rows), Policy()).feed(live_rows, list(d.allocations.values()))
+    live.run()
+    db = f"t_{uuid.uuid4().hex[:12]}"
+    migrate(clickhouse_client, db)
+
+    async def store():
+        writers = SinkWriters(clickhouse_client, db)
+        assert await writers.store_correlated(rows) == []
+        assert await writers.store_violations(list(live.violations.values())) == []
+    asyncio.run(store())
+    stored = clickhouse_client.query(f"SELECT pod, release_id, attribution, named_release_id, environment_labelled FROM `{db}`.correlated_events "
+                                     "FINAL WHERE event_type = 'scheduler.scheduled' ORDER BY pod").result_rows
+    assert stored == [("typo", "r1", "image_digest_fallback", "r1-typo", False), ("unl", "r1", "image_digest_match", "", False)]
+
+    env = {"GPULEDGER_CLICKHOUSE_DSN": clickhouse_dsn, "GPULEDGER_CLICKHOUSE_DATABASE": db, "GPULEDGER_DATA_DIR": str(tmp_path), "COLUMNS": "250"}
+    span = ["--from", "2026-11-01T07:00:00Z", "--to", "2026-11-01T10:00:00Z", "--format", "json"]
+    recorded, again = (json.loads(audit(env, *span, *extra).output) for extra in ((), ("--reevaluate",)))
+    assert recorded["mode"] == "recorded" and again["mode"] == "re-evaluation"
+
+    def judged(report, control):
+        return sorted((v["subject"], v["detail"], v["opened_at"], v["closed_at"]) for v in report["violations"] if v["control"] == control)
+
+    assert judged(again, 1) == judged(recorded, 1) == [
+        ("r1", "workload scratch/Job/typo (pod scratch/typo) was admitted (scheduler.scheduled) at 2026-11-01T08:06:00.000Z but release r1 "
+               "had no approval for its environment", "2026-11-01T08:06:00Z", None),
+        ("r1", "workload scratch/Job/unl (pod scratch/unl) was admitted (scheduler.scheduled) at 2026-11-01T08:05:00.000Z but release r1 "
+               "had no approval for its environment", "2026-11-01T08:05:00Z", None)]
+    assert judged(again, 3) == judged(recorded, 3) == [
+        ("r1", "workload scratch/Job/typo (pod scratch/typo) names release r1-typo, which no release event describes; attributed to r1 "
+               "by image digest fallback instead", "2026-11-01T08:06:00Z", None)]
+    status = {report["mode"]: {c["id"]: c["status"] for c in report["controls"]} for report in (recorded, again)}
+    assert status["re-evaluation"][1] == status["recorded"][1] == "FAIL" and status["re-evaluation"][3] == status["recorded"][3] == "FAIL"
