@@ -110,6 +110,12 @@ def load_history(reader, database: str, start: datetime, end: datetime, lookback
              # environment control 1 judges in), as the worker's controls read them from the topic:
              # '' and NULL in a row stored before migration 7 — judged as a worker's before them.
              "named_release_id": r.get("named_release_id") or None, "environment_labelled": r.get("environment_labelled")} for r in raw]
+    # Whether a release event describes a row's release (``CorrelatedEvent.release_known``, not a column: control 6
+    # counts an alert naming a release no event describes as unjoined) — as the worker's directory had them by --to.
+    described = {r["identity"].get("release_id") for r in rows if r["event_type"].startswith("release.")}
+    for r in rows:
+        if (rid := r["identity"].get("release_id")) and not r["event_type"].startswith("release."):
+            r["release_known"] = rid in described
     alloc_cols = ("allocation_id", "version", "node", "gpu_id", "namespace", "pod", "release_id", "workload_id", "attribution",
                   "started_at", "ended_at", "start_event_id", "end_event_id")
     raw_allocs = store.latest("gpu_allocations", alloc_cols, "started_at <= {to:DateTime64(3)}",

@@ -706,13 +706,15 @@ def test_reevaluate_judges_controls_1_and_3_as_the_worker_did_from_the_stored_ro
     attributed to the real one. Rows from the real correlation (the entity rules), the worker's
     verdicts from the rows its controls stage gets; the re-evaluation now lists the same violations
     of both controls."""
-    from tests.streams.harness import Driver, pod_event, release as release_event
+    from tests.streams.harness import Driver, alert, pod_event, release as release_event
 
     digest = "sha256:" + "b" * 64
     d = Driver().feed([release_event("release.registered", 0, env="dev", digest=digest),
                        pod_event("scheduler.scheduled", 5, ns="scratch", pod="unl", workload="scratch/Job/unl", digest=digest),
                        pod_event("scheduler.scheduled", 6, ns="scratch", pod="typo", workload="scratch/Job/typo", release_id="r1-typo",
-                                 digest=digest)]).flush_parked()
+                                 digest=digest),
+                       # an alert labelled with a release no release event describes: not joined (control 6, ``release_known``)
+                       alert(7, fp="ghost", release_id="ghost-v1"), alert(8, fp="fine", release_id="r1")]).flush_parked()
     rows, live_rows = list(d.rows.values()), list(d.controls.values())
     live = ControlEngine(directory_from_rows(live_rows), Policy()).feed(live_rows, list(d.allocations.values()))
     live.run()
@@ -744,5 +746,6 @@ def test_reevaluate_judges_controls_1_and_3_as_the_worker_did_from_the_stored_ro
     assert judged(again, 3) == judged(recorded, 3) == [
         ("r1", "workload scratch/Job/typo (pod scratch/typo) names release r1-typo, which no release event describes; attributed to r1 "
                "by image digest fallback instead", "2026-11-01T08:06:00Z", None)]
+    assert [subject for subject, *_ in judged(again, 6)] == [subject for subject, *_ in judged(recorded, 6)] == ["ghost-v1"]
     status = {report["mode"]: {c["id"]: c["status"] for c in report["controls"]} for report in (recorded, again)}
     assert status["re-evaluation"][1] == status["recorded"][1] == "FAIL" and status["re-evaluation"][3] == status["recorded"][3] == "FAIL"
