@@ -24,6 +24,16 @@ Behaviour that matters to clients and can be toggled:
   (pkg/kubelet/apis/podresources/grpc/ratelimit.go: ``rate.NewLimiter(qps,
   burst)`` and ``Allow()``; the kubelet's defaults are 100 and 10,
   ``DEFAULT_QPS`` / ``DEFAULT_BURST``). ``clock`` lets a test step time itself.
+* ``restart()`` is a kubelet restart as pkg/kubelet (v1.34) does it: the socket is
+  re-created, and the API is served at once (cmd/kubelet/app/server.go ``startKubelet``
+  starts ``ListenAndServePodResources`` beside the kubelet's main loop), before the
+  kubelet has its pods or its devices. ``List`` and ``Get`` show no pod until
+  ``sync_pods()`` (the API server's pods arrived); ``GetAllocatableResources`` lists no
+  device of a resource until ``register_plugin(resource)`` (the device manager restores
+  only the resource names from its checkpoint, with no healthy device —
+  devicemanager ``ManagerImpl.readCheckpoint`` — and ``GetAllocatableDevices`` lists
+  the devices the plugin sent through ListAndWatch after it registered again). What
+  ``set_pods`` / ``set_allocatable`` set is kept: it is what the node really runs.
 * ``Get`` for an unknown pod answers ``not_found_code`` (default NOT_FOUND).
   NOTE: the real kubelet returns a plain Go error here too, i.e. UNKNOWN with
   "pod <name> in namespace <ns> not found"; set ``not_found_code =
@@ -231,13 +241,14 @@ class _Servicer(pb_grpc.PodResourcesListerServicer):
         with self._kubelet._lock:
             # Building the response copies the protos, so later set_pods()
             # calls cannot race with serialization on the gRPC thread.
-            return pb.ListPodResourcesResponse(pod_resources=self._kubelet._pods)
+            return pb.ListPodResourcesResponse(pod_resources=self._kubelet._listed_pods())
 
     def GetAllocatableResources(self, request, context):
         self._kubelet._admit("GetAllocatableResources", context)
         with self._kubelet._lock:
+            registered = self._kubelet._registered
             return pb.AllocatableResourcesResponse(
-                devices=self._kubelet._alloc_devices,
+                devices=[d for d in self._kubelet._alloc_devices if registered is None or d.resource_name in registered],
                 cpu_ids=self._kubelet._alloc_cpu_ids,
                 memory=self._kubelet._alloc_memory,
             )
@@ -250,7 +261,7 @@ class _Servicer(pb_grpc.PodResourcesListerServicer):
             not_found_code = self._kubelet._not_found_code
             found = next(
                 (
-                    p for p in self._kubelet._pods
+                    p for p in self._kubelet._listed_pods()
                     if p.name == request.pod_name
                     and p.namespace == request.pod_namespace
                 ),
@@ -292,6 +303,10 @@ class FakeKubelet:
         self._alloc_devices: list[pb.ContainerDevices] = []
         self._alloc_cpu_ids: list[int] = []
         self._alloc_memory: list[pb.ContainerMemory] = []
+        #: False from restart() until sync_pods(): the kubelet has not yet had its pods from the API server.
+        self._pods_synced = True
+        #: Resources whose device plugin registered since restart(); None: all (no restart).
+        self._registered: set[str] | None = None
         self._get_implemented = True
         self._get_gate_disabled = False
         self._not_found_code = grpc.StatusCode.NOT_FOUND
@@ -329,6 +344,32 @@ class FakeKubelet:
         server.stop(grace).wait()
         if os.path.exists(self.socket_path):
             os.unlink(self.socket_path)
+
+    def restart(self) -> None:
+        """Restart as the kubelet does (see module docstring): a re-created socket, served at
+        once, with no pods until ``sync_pods()`` and no allocatable device of a resource until
+        ``register_plugin(resource)``."""
+        self.stop()
+        with self._lock:
+            self._pods_synced = False
+            self._registered = set()
+        self.start()
+
+    def sync_pods(self) -> None:
+        """The restarted kubelet has had its pods from the API server: List and Get show them."""
+        with self._lock:
+            self._pods_synced = True
+
+    def register_plugin(self, *resources: str) -> None:
+        """The device plugin of ``resources`` registered again and sent its devices (ListAndWatch):
+        GetAllocatableResources lists them."""
+        with self._lock:
+            if self._registered is not None:
+                self._registered.update(resources)
+
+    def _listed_pods(self) -> list[pb.PodResources]:
+        """The pods List and Get see (call under the lock)."""
+        return self._pods if self._pods_synced else []
 
     def __enter__(self) -> "FakeKubelet":
         return self.start()

@@ -2,9 +2,10 @@
 
 Input: the Kubernetes API, through the official ``kubernetes`` client (kubeconfig or
 in-cluster service account): list+watch of Pods (only those requesting one of the
-configured extended resources, default ``nvidia.com/gpu``), Events about pods
-(``events.k8s.io/v1``, or core/v1 where that group is not served) and Kueue
-Workloads (``kueue.x-k8s.io`` v1beta2, else v1beta1; skipped while Kueue is absent
+configured extended resources, default ``nvidia.com/gpu``, or with DRA on naming a
+ResourceClaim), Events about pods (``events.k8s.io/v1``, or core/v1 where that group is
+not served) and Kueue Workloads (by the pods' rule, on their pod sets' templates:
+``kueue.x-k8s.io`` v1beta2, else v1beta1; skipped while Kueue is absent
 and re-discovered every ``discovery_interval_s``), DRA ResourceSlices
 (``resource.k8s.io`` v1, v1beta2 or v1beta1, likewise re-discovered; cluster-wide only):
 what each ``<driver>/<pool>/<device>`` of a GPU driver is (``producers.kubernetes.dra``),
@@ -88,6 +89,7 @@ from producers.kubernetes.mapping import (
     Fact,
     KueueIndex,
     MalformedObject,
+    claims_devices,
     event_fact,
     event_view,
     gpus_requested,
@@ -487,7 +489,7 @@ class SchedulerCollector:
             else:
                 self.index.add(info)
             facts = workload_facts(obj, self.index, deleted=deleted)
-        if not info.gpus:
+        if not self._gpu_work(info.gpus, info.claims):
             return
         self._refused("Workload", info.namespace, info.name, info.refused)
         self._add(batch, info.uid, "Workload", info.namespace, info.name, facts, workload_identity(info),
@@ -500,11 +502,16 @@ class SchedulerCollector:
             log.warning("%s %s/%s: %s left out of its identity (the object is collected without it): %s", kind, namespace, name, key, why)
             self.counters.add_refused(key.rsplit("/", 1)[-1])
 
+    def _gpu_work(self, gpus: int, claims: bool) -> bool:
+        """What the collector publishes, Pods and Kueue Workloads alike: a pod spec (a Workload: one
+        of its pod sets' templates) requesting a GPU resource — or, with DRA on, naming any
+        ResourceClaim (``mapping.claims_devices``). A Workload whose pods get their GPUs only
+        through claims requests no GPU resource; it was skipped while its pods were published."""
+        return bool(gpus) or (self.settings.dra and claims)
+
     def _gpu_pod(self, pod: Mapping) -> bool:
-        """A pod requesting a GPU resource — or, with DRA on, any ResourceClaim (a claim names a
-        device class, not a driver: which device it got is the pod-resources collector's to say)."""
         spec = pod.get("spec") or {}
-        return bool(gpus_requested(spec, self.resources)) or (self.settings.dra and bool(spec.get("resourceClaims")))
+        return self._gpu_work(gpus_requested(spec, self.resources), claims_devices(spec))
 
     def _handle_slice(self, etype: str, obj: Mapping, batch: _Batch) -> None:
         """A ResourceSlice's GPU devices as ``gpu.device`` events, each published once."""

@@ -173,6 +173,15 @@ def gpus_requested(pod_spec: Mapping | None, resources: Iterable[str] | Resource
     return max(regular + sidecars, init_peak)
 
 
+def claims_devices(pod_spec: Mapping | None) -> bool:
+    """Whether a pod spec gets devices through DRA: it names a ResourceClaim or a
+    ResourceClaimTemplate (``spec.resourceClaims``). A claim names a device class, not a driver,
+    so any claim counts: which device it got is the pod-resources collector's to say (and the
+    ResourceClaim's). A Kueue Workload's pod sets carry their pods' template, claims included
+    (Kueue 0.17: ``podSets[].template.spec.resourceClaims``, ``workload.HasDRA``)."""
+    return bool((pod_spec or {}).get("resourceClaims"))
+
+
 def message_digest(message: str | None) -> str:
     return hashlib.sha256((message or "").encode("utf-8")).hexdigest()[:16]
 
@@ -312,6 +321,8 @@ class WorkloadInfo:
     flavors: dict[str, str]
     pod_sets: dict[str, int]
     gpus: int
+    #: A pod set's template names a DRA ResourceClaim (``claims_devices``): GPUs it may get with no extended resource.
+    claims: bool
     labels: dict[str, str]
     identity: dict[str, str]
     owner_uids: tuple[str, ...]
@@ -349,7 +360,7 @@ def workload_info(wl: Mapping, resources: Iterable[str], prefix: str) -> Workloa
             flavors[key] = str(flavor)
         if a.get("count") is not None:
             pod_sets[str(a.get("name") or "main")] = quantity(a.get("count"))
-    gpus = 0
+    gpus, claims = 0, False
     labels = dict(meta.labels)
     refused: dict[str, str] = {}
     identity = identity_fields(meta.labels, meta.annotations, prefix, refused)
@@ -359,6 +370,7 @@ def workload_info(wl: Mapping, resources: Iterable[str], prefix: str) -> Workloa
         tmpl = ps.get("template") or {}
         count = quantity(ps.get("count", 1))
         gpus += count * gpus_requested(tmpl.get("spec"), resources)
+        claims = claims or claims_devices(tmpl.get("spec"))
         tmeta = tmpl.get("metadata") or {}
         # Jobs usually label their pod template, not the Workload Kueue derives from them.
         identity = {**identity_fields(tmeta.get("labels"), tmeta.get("annotations"), prefix, refused), **identity}
@@ -370,7 +382,7 @@ def workload_info(wl: Mapping, resources: Iterable[str], prefix: str) -> Workloa
         queue=spec.get("queueName") or meta.labels.get(KUEUE_QUEUE_LABEL),
         cluster_queue=admission.get("clusterQueue"),
         priority_class=priority_class, priority=int(priority) if isinstance(priority, (int, float)) else None,
-        flavors=flavors, pod_sets=pod_sets, gpus=gpus, labels=shared_labels(labels, prefix), identity=identity,
+        flavors=flavors, pod_sets=pod_sets, gpus=gpus, claims=claims, labels=shared_labels(labels, prefix), identity=identity,
         owner_uids=tuple(str(o["uid"]) for o in meta.owners if o.get("uid")),
         job_uid=meta.labels.get(KUEUE_JOB_UID_LABEL), refused=refused,
     )

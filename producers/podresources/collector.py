@@ -45,7 +45,10 @@ Guarantees:
   before its pods came from the API server, so its first List answers are empty. After each
   (re)connect (at start, or when the kubelet re-created its socket), a List that lacks at least
   half of the pods holding GPUs and shows no new GPU pod releases nothing until it has stayed so
-  ``restart_grace_s`` (``_restart_guard``); pods really gone are released after it.
+  ``restart_grace_s`` (``_restart_guard``); pods really gone are released after it. Nor does it
+  empty the node's allocatable sets: a restarted kubelet lists a resource's devices only once its
+  device plugin registered again, so on a new connection a set smaller than the published one is
+  not published until it has stayed so ``restart_grace_s`` (``_allocatable_guard``, per resource).
 - Malformed entries (empty pod/container/resource name, empty or whitespace device
   id) are skipped with a logged reason and counted once each; the rest is published.
 - An event too large to travel (over the publisher's ``max_event_bytes``; in practice
@@ -60,7 +63,11 @@ Limits:
 - A release is inferred from absence at poll time, so its ``occurred_at`` is when the
   collector noticed, at most one interval (plus back-off) late — more when more pods than
   ``max_gets_per_poll`` left at once or ``Get`` was rate limited (one interval per further poll),
-  and up to ``restart_grace_s`` more when they left while the collector or the kubelet restarted.
+  and up to ``restart_grace_s`` more when they left while the collector or the kubelet restarted
+  (a device leaving the allocatable set across a restart likewise).
+- A device plugin restarting under a running kubelet empties its resource's allocatable set until
+  it registered again (the kubelet marks its devices unhealthy; the kubelet's socket stays): that
+  is published, as the collector cannot tell it from the devices failing.
 - A release may be published for an assignment whose publish failed part-way (the
   collector cannot know whether Kafka kept it); downstream treats a release of an
   unknown assignment as a no-op. Conversely, if a batch holding a release fails after
@@ -201,6 +208,7 @@ class PollResult:
     held: int = 0
     deferred: int = 0  # pods missing from List kept held without a Get answer (cap or rate limit)
     withheld: int = 0  # pods missing from List kept held because the kubelet may not have its pods yet (restart_grace_s)
+    allocatable_withheld: int = 0  # resources whose shrunken allocatable set is not published yet: the device plugin may not have re-registered
 
 
 class PodResourcesCollector:
@@ -240,6 +248,11 @@ class PodResourcesCollector:
         #: When a List of an unproven connection first lacked most held pods (the restart grace runs from it).
         self._suspect_since: datetime | None = None
         self._withheld = 0
+        #: Resources whose allocatable set this connection has shown no smaller than the published one.
+        self._alloc_proven: set[str] = set()
+        #: Resource -> when a connection not yet proven for it first showed its allocatable set shrunken (the grace runs from it).
+        self._alloc_suspect: dict[str, datetime] = {}
+        self._alloc_withheld = 0
         self._last_rejects: set[Reject] = set()
         self._failing: str | None = None
         self._failed_polls = 0
@@ -281,8 +294,10 @@ class PodResourcesCollector:
             self._stub = pb_grpc.PodResourcesListerStub(self._channel)
             # A new connection may be a new (upgraded) kubelet: ask again what it serves.
             self._get_served = self._alloc_served = None
-            # ... and a restarted one, which lists no pods until the API server sent them.
+            # ... and a restarted one, which lists no pods until the API server sent them, and no
+            # allocatable devices of a resource until its device plugin registered again.
             self._unproven = True
+            self._alloc_proven.clear()
         return self._stub
 
     def _disconnect(self) -> None:
@@ -389,11 +404,57 @@ class PodResourcesCollector:
         self._unproven, self._suspect_since = False, None
         return False
 
+    def _allocatable_guard(self, obs: Observation, observed: datetime) -> None:
+        """Keep in ``obs`` the published allocatable set of each resource whose set, on a connection
+        that has not yet shown it whole, is smaller than the published one — for ``restart_grace_s``.
+
+        A restarted kubelet serves this API before its device plugins registered again: its device
+        manager restores from its checkpoint only the resource names, with no healthy device
+        (``devicemanager.ManagerImpl.readCheckpoint``), and ``GetAllocatableResources`` lists a
+        resource's devices only once its plugin has registered and sent them through ListAndWatch
+        (``GetAllocatableDevices`` filters the devices known by the healthy ones). Taken at its word,
+        the node's GPUs left and came back a few seconds later in two ``gpu.allocatable`` events.
+        Per resource, since plugins register one by one: the first set that is not a strict subset of
+        the published one (the same, or with a device not published) proves the resource for this
+        connection; one still smaller after the grace is published (the devices really left).
+        """
+        if obs.allocatable is None or self.settings.restart_grace_s <= 0:
+            return
+        grace = timedelta(seconds=self.settings.restart_grace_s)
+        for resource in sorted(set(self.state.allocatable) | set(obs.allocatable)):
+            if resource in self._alloc_proven:
+                continue
+            published, seen = self.state.allocatable.get(resource), obs.allocatable.get(resource)
+            seen_devices = set(seen.devices) if seen is not None else set()
+            if published is None or not seen_devices < set(published.devices):
+                if self._alloc_suspect.pop(resource, None) is not None:
+                    log.info("node %s: the kubelet lists %d allocatable %s device(s) again: its device plugin registered",
+                             self.node, len(seen_devices), resource)
+                self._alloc_proven.add(resource)
+                continue
+            since = self._alloc_suspect.get(resource)
+            if since is None:
+                since = self._alloc_suspect[resource] = observed
+                log.warning("node %s: right after connecting, the kubelet lists %d of the %d allocatable %s device(s): a restarted kubelet "
+                            "lists a resource's devices only once its device plugin registered again, so the set is not published "
+                            "unless it stays so for %gs", self.node, len(seen_devices), len(published.devices), resource,
+                            self.settings.restart_grace_s)
+            if observed - since < grace:
+                obs.allocatable[resource] = published
+                self._alloc_withheld += 1
+                continue
+            log.warning("node %s: the kubelet still lists %d of the %d allocatable %s device(s) after %.0fs (since %s): publishing the "
+                        "smaller set", self.node, len(seen_devices), len(published.devices), resource, (observed - since).total_seconds(),
+                        since.isoformat(timespec="seconds"))
+            del self._alloc_suspect[resource]
+            self._alloc_proven.add(resource)
+
     def _observe(self, observed: datetime) -> Observation:
         self._polls += 1
-        self._withheld = 0
+        self._withheld = self._alloc_withheld = 0
         listed = self._call("List", pb.ListPodResourcesRequest())
         obs = observe(listed.pod_resources, self._allocatable(), self._matches, self._dra)
+        self._allocatable_guard(obs, observed)
         # A pod that vanished from List is confirmed with Get before its devices are released:
         # at most max_gets_per_poll of them per poll, and none after the kubelet's rate limit
         # refused one (its bucket is shared with every other client; asking on would only be
@@ -482,13 +543,14 @@ class PodResourcesCollector:
         rejected = self._account_rejects(obs.rejects)
         plan = plan_changes(self.state, obs, observed.isoformat(timespec="microseconds"))
         result = PollResult(len(plan.assigned), len(plan.released), len(plan.allocatable), rejected, 0, len(obs.assignments), self._deferred,
-                            self._withheld)
+                            self._withheld, self._alloc_withheld)
         if plan.empty:
             if self._dirty:
                 self._store.save(self.state)
                 self._dirty = False
-            log.debug("node %s: %d device assignment(s) held, no change; %d pod(s) missing from List await Get, %d the kubelet's pod list",
-                      self.node, result.held, result.deferred, result.withheld)
+            log.debug("node %s: %d device assignment(s) held, no change; %d pod(s) missing from List await Get, %d the kubelet's pod list, "
+                      "%d allocatable set(s) a device plugin", self.node, result.held, result.deferred, result.withheld,
+                      result.allocatable_withheld)
             return result
         events = ([self._assignment_event(k, h, "released", observed) for k, h in plan.released]
                   + [self._assignment_event(k, h, "assigned", observed) for k, h in plan.assigned]

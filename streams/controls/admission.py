@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING, Literal
 
 from gpuledger.timefmt import iso_z
 from producers._config import ResourceMatcher
-from producers.kubernetes.mapping import KUEUE_QUEUE_LABEL, derive_workload_id, gpus_requested, identity_fields, quantity, workload_info
+from producers.kubernetes.mapping import (KUEUE_QUEUE_LABEL, claims_devices, derive_workload_id, gpus_requested, identity_fields, quantity,
+                                          workload_info)
 from schemas.release import actor_text, decision_actor
 from streams.controls.policy import MODE_STRICTNESS, Policy
 from streams.controls.rules import Release, _covers, approval_changes, iso
@@ -101,7 +102,7 @@ def subject_of(obj: Mapping, resources: ResourceMatcher, prefix: str = "gpuledge
     refused: dict[str, str] = {}  # identity labels/annotations left out (identity_fields), said in the decision's notes
 
     def claimed(pod_spec: Mapping | None) -> int:
-        if claims is None or not (pod_spec or {}).get("resourceClaims"):
+        if claims is None or not claims_devices(pod_spec):
             return 0
         found = claims(ns, pod_spec)
         notes.extend(found.unresolved)

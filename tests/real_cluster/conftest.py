@@ -123,9 +123,11 @@ def unique(prefix: str) -> str:
 
 def gpu_job(name: str, gpus: int = 1, *, resource: str = "nvidia.com/gpu", parallelism: int = 1, run_for: str | None = None,
             queue: str | None = "gpu", priority_class: str | None = None, labels: dict[str, str] | None = None,
-            namespace: str = NAMESPACE, annotations: dict[str, str] | None = None) -> dict:
+            namespace: str = NAMESPACE, annotations: dict[str, str] | None = None, claim_template: str | None = None) -> dict:
     """A batch/v1 Job whose pods request ``gpus`` of ``resource``; ``run_for`` keeps KWOK's pods Running that long.
-    ``labels`` go on the Job and its pod template, ``annotations`` on the pod template."""
+    ``labels`` go on the Job and its pod template, ``annotations`` on the pod template. With ``claim_template``
+    its pods get their GPU through a DRA claim (``gpu``) from that ResourceClaimTemplate instead, and
+    request no extended resource."""
     kwok = {"pod-complete.stage.kwok.x-k8s.io/delay": run_for, "pod-complete.stage.kwok.x-k8s.io/jitter-delay": run_for} if run_for else {}
     annotations = {**kwok, **(annotations or {})}
     job_labels = dict(labels or {})
@@ -133,15 +135,17 @@ def gpu_job(name: str, gpus: int = 1, *, resource: str = "nvidia.com/gpu", paral
         job_labels["kueue.x-k8s.io/queue-name"] = queue
     if priority_class:
         job_labels["kueue.x-k8s.io/priority-class"] = priority_class
+    resources: dict = {"requests": {"cpu": "1", resource: str(gpus)}, "limits": {resource: str(gpus)}}
+    pod_spec: dict = {"restartPolicy": "Never"}
+    if claim_template:
+        resources = {"requests": {"cpu": "1"}, "claims": [{"name": "gpu"}]}
+        pod_spec["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": claim_template}]
+    pod_spec["containers"] = [{"name": "train", "image": "registry.example/train@sha256:" + "ab" * 32, "resources": resources}]
     return {
         "apiVersion": "batch/v1", "kind": "Job",
         "metadata": {"name": name, "namespace": namespace, "labels": job_labels},
         "spec": {"parallelism": parallelism, "completions": parallelism, "backoffLimit": 0,
-                 "template": {"metadata": {"labels": dict(labels or {}), "annotations": annotations},
-                              "spec": {"restartPolicy": "Never",
-                                       "containers": [{"name": "train", "image": "registry.example/train@sha256:" + "ab" * 32,
-                                                       "resources": {"requests": {"cpu": "1", resource: str(gpus)},
-                                                                     "limits": {resource: str(gpus)}}}]}}},
+                 "template": {"metadata": {"labels": dict(labels or {}), "annotations": annotations}, "spec": pod_spec}},
     }
 
 

@@ -1027,6 +1027,44 @@ def test_mig_job_and_its_workload_are_collected_with_defaults(api, make_collecto
     assert pod_events[0].identity.workload_id == "ml/job-mig-train-1" and pod_events[0].payload.gpus_requested == 1
 
 
+def test_a_workload_whose_pods_claim_their_gpu_through_dra_is_collected_like_its_pods(api, make_collector, kafka_bootstrap, catalogue,
+                                                                                      tmp_path):
+    """Kueue 0.17 keeps a Job's pod template, its DRA claims included, in the Workload's pod sets
+    (``workload_v1beta2_dra_finished.json``: saved from the real cluster, managedFields left out);
+    the Workload requests no GPU resource. Its pod was published (it names a claim) and the Workload
+    skipped: the DRA GPU job had no queued, admitted or finished Workload. One rule for both: a
+    Workload without claims (CPU only) is not collected, nor with DRA off either kind."""
+    import copy
+
+    real = json.loads((Path(__file__).parents[2] / "data" / "kubernetes" / "workload_v1beta2_dra_finished.json").read_text())
+    ns, job = real["metadata"]["namespace"], real["metadata"]["ownerReferences"][0]
+    api.create(WORKLOADS_V1BETA2, real)
+    cpu_only = copy.deepcopy(real)
+    cpu_only["metadata"].update(name="job-cpu-only-1a2b3", uid="uid-cpu-only", ownerReferences=[])
+    template = cpu_only["spec"]["podSets"][0]["template"]["spec"]
+    del template["resourceClaims"], template["containers"][0]["resources"]["claims"]
+    api.create(WORKLOADS_V1BETA2, cpu_only)
+    pod = make_pod(ns, f"{job['name']}-x7k2p", node="gpu-node-2", gpus=0, created=at(2),
+                   labels={"gpuledger.io/release-id": "rel-dra-job", "kueue.x-k8s.io/queue-name": "gpu"},
+                   owner=("Job", job["name"], job["uid"], "batch/v1"))
+    pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}]
+    pod["spec"]["containers"][0]["resources"]["claims"] = [{"name": "gpu"}]
+    api.create(PODS, pod)
+
+    assert make_collector(api, dra=False, state_dir=tmp_path / "dra-off").run_once() == 0
+    collector = make_collector(api)
+    assert collector.run_once() > 0
+    events = published(kafka_bootstrap, catalogue.scheduler, collector.counters.totals["sent"])
+    wl_events = [e for e in events if e.payload.object_kind == "Workload"]
+    assert types(wl_events) == ["queued", "quota_reserved", "admitted", "finished"]
+    wl_id = f"{ns}/{real['metadata']['name']}"
+    assert {e.identity.workload_id for e in wl_events} == {wl_id}
+    assert {e.identity.release_id for e in wl_events} == {"rel-dra-job"}  # from the pod set's template labels
+    assert (wl_events[2].payload.cluster_queue, wl_events[2].payload.gpus_requested) == ("gpu-cluster-queue", 0)
+    pod_events = [e for e in events if e.payload.object_kind == "Pod"]
+    assert pod_events and {e.identity.workload_id for e in pod_events} == {wl_id}
+
+
 def test_resource_patterns_count_every_matching_extended_resource():
     spec = {"containers": [{"resources": {"limits": {"nvidia.com/mig-1g.10gb": "2", "nvidia.com/mig-3g.40gb": "1", "cpu": "4"}}},
                            {"resources": {"requests": {"amd.com/gpu": "1"}, "limits": {"amd.com/gpu": "1"}}}]}

@@ -570,6 +570,82 @@ def test_a_new_gpu_pod_after_a_restart_proves_the_pod_list_and_releases_at_once(
     assert types(gpu_events(kafka_bootstrap, catalogue, 5)) == {"gpu.assigned": 3, "gpu.released": 2}
 
 
+GPU_SET = [devices("nvidia.com/gpu", [GPU_A, GPU_B, GPU_C], numa=[0]), devices("nvidia.com/mig-1g.10gb", [MIG_A], numa=[1])]
+
+
+def allocatable_sets(events) -> dict[str, list[tuple[str, ...]]]:
+    """Each resource's published gpu.allocatable device sets, in the order they were observed."""
+    sets: dict[str, list[tuple[str, ...]]] = {}
+    for _, e in sorted(events, key=lambda ke: ke[1].observed_at):
+        if e.event_type == "gpu.allocatable":
+            sets.setdefault(e.payload.resource_name, []).append(tuple(sorted(e.payload.devices)))
+    return sets
+
+
+def test_kubelet_restart_before_its_device_plugins_registered_keeps_the_allocatable_sets(sock_path, make_collector, kafka_bootstrap, catalogue):
+    """A restarted kubelet lists no allocatable device of a resource until its device plugin registered
+    again (devicemanager readCheckpoint / GetAllocatableDevices). The collector published an empty
+    gpu.allocatable per resource, then the full set again seconds later: the node's GPUs vanished and
+    came back for every consumer."""
+    clock = StepClock()
+    collector = make_collector(clock=clock, restart_grace_s=60)
+    held = [trainer("a-0", [GPU_A])]
+    with FakeKubelet(sock_path) as kubelet:
+        kubelet.set_pods(held)
+        kubelet.set_allocatable(GPU_SET)
+        result = collector.poll_once()
+        assert (result.assigned, result.allocatable) == (1, 2)
+        kubelet.restart()
+        clock.step()
+        kubelet.sync_pods()  # the API server's pods came first: the List is whole, the devices are not
+        result = collector.poll_once()
+        assert (result.published, result.allocatable_withheld) == (0, 2)
+        clock.step()
+        kubelet.register_plugin("nvidia.com/gpu")  # plugins register one by one
+        result = collector.poll_once()
+        assert (result.published, result.allocatable_withheld) == (0, 1)
+        clock.step()
+        kubelet.register_plugin("nvidia.com/mig-1g.10gb")
+        result = collector.poll_once()
+        assert (result.published, result.allocatable_withheld) == (0, 0)
+        # The resources are proven for this connection: a device that really leaves is published at once.
+        kubelet.set_allocatable([devices("nvidia.com/gpu", [GPU_A, GPU_B], numa=[0]), GPU_SET[1]])
+        clock.step()
+        assert collector.poll_once().allocatable == 1
+    events = gpu_events(kafka_bootstrap, catalogue, 4)
+    assert types(events) == {"gpu.assigned": 1, "gpu.allocatable": 3}
+    assert allocatable_sets(events) == {"nvidia.com/gpu": [tuple(sorted((GPU_A, GPU_B, GPU_C))), tuple(sorted((GPU_A, GPU_B)))],
+                                        "nvidia.com/mig-1g.10gb": [(MIG_A,)]}
+
+
+def test_devices_gone_across_a_kubelet_restart_are_published_after_the_grace(sock_path, make_collector, kafka_bootstrap, catalogue):
+    """A GPU really left while the kubelet restarted: its plugin registers without it, and the smaller
+    set is published once it stayed so restart_grace_s, observed that much late."""
+    clock = StepClock()
+    collector = make_collector(clock=clock, restart_grace_s=60)
+    with FakeKubelet(sock_path) as kubelet:
+        kubelet.set_allocatable(GPU_SET)
+        assert collector.poll_once().allocatable == 2
+        kubelet.set_allocatable([devices("nvidia.com/gpu", [GPU_A, GPU_C], numa=[0]), GPU_SET[1]])  # GPU_B fell off the bus
+        kubelet.restart()
+        clock.step()
+        first_missed = clock.now
+        assert collector.poll_once().allocatable_withheld == 2
+        kubelet.register_plugin("nvidia.com/gpu", "nvidia.com/mig-1g.10gb")
+        clock.step(59)
+        result = collector.poll_once()
+        assert (result.published, result.allocatable_withheld) == (0, 1)
+        clock.step(1)
+        result = collector.poll_once()
+        assert (result.allocatable, result.allocatable_withheld) == (1, 0)
+        assert collector.poll_once().published == 0
+    events = gpu_events(kafka_bootstrap, catalogue, 3)
+    assert allocatable_sets(events) == {"nvidia.com/gpu": [tuple(sorted((GPU_A, GPU_B, GPU_C))), tuple(sorted((GPU_A, GPU_C)))],
+                                        "nvidia.com/mig-1g.10gb": [(MIG_A,)]}
+    smaller = [e for _, e in events if e.event_type == "gpu.allocatable" and set(e.payload.devices) == {GPU_A, GPU_C}]
+    assert [e.occurred_at for e in smaller] == [first_missed + timedelta(seconds=60)]  # when it was published: late, not earlier
+
+
 def test_malformed_entries_skipped_logged_counted_rest_published(kubelet, make_collector, kafka_bootstrap, catalogue, caplog):
     caplog.set_level(logging.WARNING, logger="producers.podresources")
     kubelet.set_pods([

@@ -6,7 +6,7 @@ Two concerns:
   (kubernetes/kubernetes staging/src/k8s.io/kubelet/pkg/apis/podresources/v1/api.proto)
   so an accidental edit of producers/podresources/proto/podresources_v1.proto fails here.
 * The double behaves like a kubelet over a real gRPC unix-socket channel:
-  List / GetAllocatableResources / Get, UNIMPLEMENTED Get, rate limiting.
+  List / GetAllocatableResources / Get, UNIMPLEMENTED Get, rate limiting, a restart.
 """
 
 from __future__ import annotations
@@ -431,6 +431,38 @@ def test_set_pods_snapshot_is_isolated_from_caller(kubelet, stub):
     resp = stub.List(pb.ListPodResourcesRequest(), timeout=TIMEOUT)
 
     assert resp.pod_resources[0].name == "p"
+
+
+def test_restart_serves_no_pods_before_sync_and_no_devices_before_their_plugin_registered(kubelet, socket_dir):
+    # pkg/kubelet (v1.34): the API is served at start; pods come from the API server later, a
+    # resource's allocatable devices once its device plugin registered again (readCheckpoint).
+    kubelet.set_pods(_gpu_pods())
+    kubelet.set_allocatable([devices("nvidia.com/gpu", [GPU_UUID], numa=[0]), devices("nvidia.com/mig-1g.10gb", [MIG_A], numa=[1])])
+    before = os.stat(kubelet.socket_path)
+    kubelet.restart()
+    after = os.stat(kubelet.socket_path)
+    assert (after.st_ino, after.st_ctime_ns) != (before.st_ino, before.st_ctime_ns)  # a re-created socket
+    channel = grpc.insecure_channel(kubelet.address)
+    try:
+        stub = pb_grpc.PodResourcesListerStub(channel)
+
+        def allocatable() -> set[str]:
+            return {d.resource_name for d in stub.GetAllocatableResources(pb.AllocatableResourcesRequest(), timeout=TIMEOUT).devices}
+
+        assert list(stub.List(pb.ListPodResourcesRequest(), timeout=TIMEOUT).pod_resources) == []
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Get(pb.GetPodResourcesRequest(pod_name="trainer-0", pod_namespace="ml"), timeout=TIMEOUT)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert allocatable() == set()
+        kubelet.sync_pods()
+        assert [p.name for p in stub.List(pb.ListPodResourcesRequest(), timeout=TIMEOUT).pod_resources] == ["trainer-0", "server-7c9"]
+        assert allocatable() == set()
+        kubelet.register_plugin("nvidia.com/gpu")
+        assert allocatable() == {"nvidia.com/gpu"}
+        kubelet.register_plugin("nvidia.com/mig-1g.10gb")
+        assert allocatable() == {"nvidia.com/gpu", "nvidia.com/mig-1g.10gb"}
+    finally:
+        channel.close()
 
 
 def test_stop_is_idempotent_and_removes_socket(socket_dir):
