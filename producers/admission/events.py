@@ -1,8 +1,9 @@
 """A decision as an ``admission.decided`` event (pure).
 
 Event id: ``make_event_id("admit", (gate, kind, namespace, name, uid, operation), request)``
-where ``request`` is the AdmissionReview's ``request.uid`` (a re-sent review is the same
-fact) or, for the AdmissionCheck controller, the check state it set and the rule
+(a dry run's ``operation`` there followed by " (dry run)", as older records' was), where
+``request`` is the AdmissionReview's ``request.uid`` (a re-sent review is the same fact) or,
+for the AdmissionCheck controller, the check state it set and the rule
 (``state|rule``, ``operation`` the state: one Workload put in one state by one rule is one
 fact, however often it is re-listed or the controller restarts — also when only the message
 changed, a stale-state note added or gone, or when the Workload returns to a state and rule it
@@ -43,7 +44,8 @@ def decision_message(subject: Subject, decision: Decision, notes: tuple[str, ...
 
 
 def decision_event(subject: Subject, decision: Decision, at: datetime, *, gate: str, request_id: str, operation: str | None = None,
-                   user: str | None = None, host: str | None = None, notes: tuple[str, ...] = (), caller: str | None = None) -> AdmissionEvent:
+                   user: str | None = None, host: str | None = None, notes: tuple[str, ...] = (), caller: str | None = None,
+                   dry_run: bool = False) -> AdmissionEvent:
     ident = {k: v for k, v in subject.identity.items() if k in _IDENTITY}
     pod = subject.name if subject.kind == "Pod" else None
     identity, refused = _identity(dict(release_id=decision.release_id, environment=decision.environment, namespace=subject.namespace or None,
@@ -52,11 +54,14 @@ def decision_event(subject: Subject, decision: Decision, at: datetime, *, gate: 
     payload = AdmissionPayload(
         decision=decision.verdict, outcome=decision.outcome, rule=decision.rule, message=decision_message(subject, decision, notes), mode=decision.mode,
         gate=gate,
-        object_kind=subject.kind, object_name=subject.name or "-", object_uid=subject.uid, operation=operation, user=user, caller=caller,
+        object_kind=subject.kind, object_name=subject.name or "-", object_uid=subject.uid, operation=operation, dry_run=dry_run, user=user,
+        caller=caller,
         gpus_requested=max(subject.gpus, 0), release_state=decision.release_state, fail_closed=decision.fail_closed,
         policy_version=decision.policy_version, directory_version=decision.directory_version,
         override_event_id=decision.override_event_id, evidence=decision.evidence)
-    eid = make_event_id(COLLECTOR, (gate, subject.kind, subject.namespace, subject.name, subject.uid, operation), request_id)
+    # (a dry run's id as before it had a field of its own: apart from the real request's, whatever the request uid)
+    keyed = f"{operation} (dry run)" if dry_run else operation
+    eid = make_event_id(COLLECTOR, (gate, subject.kind, subject.namespace, subject.name, subject.uid, keyed), request_id)
     return AdmissionEvent(event_id=eid, event_type="admission.decided", occurred_at=at, observed_at=at,
                           source=Source(collector=COLLECTOR, host=host or socket.gethostname()), identity=identity, payload=payload)
 

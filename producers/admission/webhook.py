@@ -11,7 +11,10 @@ server shows to whoever created the object, ``warnings`` in warn mode — and th
 ``admission.decided`` event to record. A body that is not an AdmissionReview (not JSON,
 wrong apiVersion/kind, no request.uid, no object) is answered 400 with the reason and no
 decision; an object kind we do not decide (the configuration should not send us any) is
-allowed and not recorded. DELETE and CONNECT are allowed unrecorded (no new GPU work).
+allowed and not recorded. DELETE and CONNECT are allowed unrecorded (no new GPU work). A
+server-side dry run (``request.dryRun``: ``kubectl diff``, ``--dry-run=server``) is decided and
+answered like the real request, and recorded with ``dry_run`` set: nothing was created, and no
+reader counts it as enforcement.
 """
 
 from __future__ import annotations
@@ -115,17 +118,16 @@ class ReviewHandler:
             decision = decide(subject, None, self.policy, now, gate="webhook", policy_version=self.policy_version)
             decision = replace(decision, message=f"{decision.message} (decision failed: {exc})")
         user = (request.get("userInfo") or {}).get("username")
-        if request.get("dryRun"):
-            operation = f"{operation} (dry run)"  # decided and recorded, but nothing was created
+        dry_run = request.get("dryRun") is True  # decided and recorded, but nothing was created
         host = self.host
 
         def event() -> AdmissionEvent:
             return decision_event(subject, decision, now, gate="webhook", request_id=uid, operation=operation, user=user, host=host, notes=notes,
-                                  caller=caller)
+                                  caller=caller, dry_run=dry_run)
 
         # What the recorder's dead letter says of a decision whose event the schema refuses
         # (``DecisionRecorder._build``; called there, off the request path too).
-        event.describes = lambda: orjson.dumps({"request_uid": uid, "operation": operation, "user": user, "caller": caller,
+        event.describes = lambda: orjson.dumps({"request_uid": uid, "operation": operation, "dry_run": dry_run, "user": user, "caller": caller,
                                                 "object": subject.workload_id, "decision": decision.verdict, "rule": decision.rule,
                                                 "message": decision.message}).decode()
         return 200, _answer(uid, decision.allowed, decision.message, [*decision.warnings, *subject.claim_notes, *notes]), event
