@@ -255,7 +255,11 @@ class AdmissionCheckController:
                                                            "status": {"admissionChecks": checks}})
         self.counters["patched"] += 1
         self.counters["decided"] += 1
-        self.record(decision_event(subject, decision, now, gate="admission-check", request_id=f"{state}|{decision.rule}",
+        # One hold (or one admission) is one fact, however often it is re-decided; the same state and
+        # rule after an eviction is another: Kueue resets the check to Pending then, with a new
+        # lastTransitionTime (producers.admission.events).
+        since = max((c.get("lastTransitionTime") or "" for c in ours), default="")
+        self.record(decision_event(subject, decision, now, gate="admission-check", request_id=f"{state}|{decision.rule}|{since}",
                                    operation=state, host=self.host, notes=notes))
         log.info("workload %s: check %s by rule %s", subject.workload_id, state, decision.rule)
         return state

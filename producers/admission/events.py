@@ -3,11 +3,16 @@
 Event id: ``make_event_id("admit", (gate, kind, namespace, name, uid, operation), request)``
 (a dry run's ``operation`` there followed by " (dry run)", as older records' was), where
 ``request`` is the AdmissionReview's ``request.uid`` (a re-sent review is the same fact) or,
-for the AdmissionCheck controller, the check state it set and the rule
-(``state|rule``, ``operation`` the state: one Workload put in one state by one rule is one
-fact, however often it is re-listed or the controller restarts — also when only the message
-changed, a stale-state note added or gone, or when the Workload returns to a state and rule it
-had before: those are not recorded again; the Workload's check message shows the latest).
+for the AdmissionCheck controller, the check state it set, the rule and when the check's state
+it read began (``state|rule|lastTransitionTime``, ``operation`` the state): one
+Workload put in one state by one rule within one episode of its check is one fact, however
+often it is re-listed or the controller restarts — also when only the message changed (a
+stale-state note added or gone: not recorded again; the Workload's check message shows the
+latest). An episode ends when the check's state changes: Kueue resets it to Pending, with a new
+lastTransitionTime, when it evicts the Workload, so a Workload held Pending, let in by an
+override, evicted and held again records its second hold too (with ``state|rule`` alone it had
+the first one's id: the store kept one row, and the override's Ready read as its last decision).
+Within one Pending episode, a return to a rule it was held by before is still that first fact.
 """
 
 from __future__ import annotations

@@ -370,6 +370,39 @@ def test_a_controller_whose_release_state_has_not_loaded_decides_nothing_and_hol
     assert not thread.is_alive()
 
 
+def test_a_workload_held_again_after_an_eviction_has_its_second_hold_recorded(admit, kube, ledger, kafka_bootstrap):
+    """Found by a review: the controller's decision id was its check state and rule alone, so a Workload
+    held Pending (unapproved), let in by an override (Ready), evicted and held Pending (unapproved) again
+    recorded its second hold under the first one's id — the store kept one row, and the override's Ready
+    read as its last decision. Now each episode of the check (Kueue resets it to Pending, with a new
+    lastTransitionTime, when it evicts the Workload) is its own fact."""
+    cat, release = ledger
+    rid = unique("fraud-scorer-v11-prod")
+    registered(release, rid)
+    wait_for(lambda: admit[0].state.state_as_of(rid, datetime.now(timezone.utc).isoformat()) == "release.evaluated", 10, "the release in the state")
+    custom, batch = k8s.CustomObjectsApi(kube), k8s.BatchV1Api(kube)
+    name = unique("train")
+    batch.create_namespaced_job(QUEUED, gpu_job(name, labels={"gpuledger.io/release-id": rid}, namespace=QUEUED, run_for="1h"))
+    unapproved = f"release {rid} is evaluated, not approved for prod"
+    wl, check = wait_for(lambda: (r := _check_of(kube, name, QUEUED, CHECK))[1] and unapproved in (r[1].get("message") or "") and r, 60,
+                         "our AdmissionCheck to hold the Workload")
+    wl_name = wl["metadata"]["name"]
+    expires = datetime.now(timezone.utc) + timedelta(seconds=15)
+    release("override-admission", rid, "--actor", "oncall-sre", "--target", f"{QUEUED}/{wl_name}", "--expires-at", expires.isoformat(),
+            "--reason", "INC-312 hotfix")
+    wait_for(lambda: condition(custom.get_namespaced_custom_object("kueue.x-k8s.io", "v1beta2", QUEUED, "workloads", wl_name), "Admitted"),
+             30, "the override to have the Workload admitted")
+    wait_for(lambda: datetime.now(timezone.utc) >= expires, 30, "the override to expire")
+    # Evicted (deactivated): Kueue resets its checks to Pending and releases its quota; the controller holds it again.
+    custom.patch_namespaced_custom_object("kueue.x-k8s.io", "v1beta2", QUEUED, "workloads", wl_name, {"spec": {"active": False}})
+    wl, again = wait_for(lambda: (r := _check_of(kube, name, QUEUED, CHECK))[1] and not condition(r[0], "Admitted")
+                         and unapproved in (r[1].get("message") or "") and r, 60, "the evicted Workload held again")
+    assert again["state"] == "Pending" and again["lastTransitionTime"] > check["lastTransitionTime"], (check, again)
+    decided = _check_decisions(kafka_bootstrap, cat.scheduler, f"{QUEUED}/{wl_name}", lambda es: len(es) >= 3, "three decisions")
+    assert [(e.payload.operation, e.payload.rule) for e in decided] == [("Pending", "unapproved"), ("Ready", "override"), ("Pending", "unapproved")]
+    assert len({e.event_id for e in decided}) == 3, [e.event_id for e in decided]  # the store keeps one row per id: the second hold too
+
+
 def test_a_revoked_release_new_pods_are_denied(admit, kube, ledger):
     _cat, release = ledger
     rid = unique("fraud-scorer-v7-prod")
