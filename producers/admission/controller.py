@@ -16,6 +16,13 @@ loaded) → ``Pending`` with our message: the Workload keeps its place and its q
 reservation and is admitted the moment the approval arrives, with no resubmission.
 (``Retry`` would release the quota but requeue with Kueue's back-off, so admission after
 the approval would wait for that back-off.)
+
+Nothing is decided before the release state has loaded (``AdmissionState.ready``): the watch
+runs and remembers the Workloads, and the first decisions come once the state is loaded — a
+re-decide pass over every Workload waiting on us. Before, the Workloads of a fail-open
+environment were set ``Ready`` unchecked at every restart (``state-not-loaded``), and an
+admitted Workload is never revisited. A Workload is queued for a decision once however
+often it changes before the decision runs (the decision reads its latest version).
 Limits: admitted Workloads are left alone (a revocation after admission is control 8's
 finding, not an eviction); one process per cluster (no leader election).
 """
@@ -44,6 +51,9 @@ from streams.controls.policy import Policy
 log = logging.getLogger(__name__)
 
 GROUP, VERSION = "kueue.x-k8s.io", "v1beta2"
+#: Seconds between looks at whether the release state has loaded, before the first decision
+#: (``AdmissionState.ready`` is the follower's asyncio event: another thread can only look).
+STATE_POLL_S = 0.2
 
 
 def check_state(decision: Decision) -> str:
@@ -75,6 +85,8 @@ class AdmissionCheckController:
         self.checks: set[str] = set()
         self.cache: dict[str, dict] = {}  # namespace/name -> latest Workload seen
         self.work: queue.Queue[str | None] = queue.Queue()
+        self._queued: set[str] = set()  # keys in ``work`` not yet taken (each queued once: ``_enqueue``)
+        self._queued_lock = threading.Lock()
         self.stop_event = threading.Event()
         self.threads: list[threading.Thread] = []
         self.counters = {"decided": 0, "patched": 0, "conflicts": 0, "errors": 0}
@@ -93,10 +105,17 @@ class AdmissionCheckController:
             t.join(timeout=5)
 
     def release_changed(self, _keys=None) -> None:
-        """The release state changed: re-decide every Workload still waiting on us."""
+        """The release state changed (or loaded): re-decide every Workload still waiting on us."""
         for key, wl in list(self.cache.items()):
             if not _admitted(wl):
-                self.work.put(key)
+                self._enqueue(key)
+
+    def _enqueue(self, key: str) -> None:
+        with self._queued_lock:
+            if key in self._queued:
+                return  # (already waiting for a decision, which reads the Workload's latest version)
+            self._queued.add(key)
+        self.work.put(key)
 
     # -- AdmissionChecks ----------------------------------------------------------------------
     def _sync_checks(self) -> None:
@@ -169,18 +188,34 @@ class AdmissionCheckController:
         key = self._key(wl)
         self.cache[key] = wl
         if self._ours(wl) and not _admitted(wl):
-            self.work.put(key)
+            self._enqueue(key)
         return key
 
     def _ours(self, wl: dict) -> list[dict]:
         return [c for c in (wl.get("status") or {}).get("admissionChecks") or [] if c.get("name") in self.checks]
 
     # -- deciding ---------------------------------------------------------------------------------
+    def _await_state(self) -> bool:
+        """Wait until the release state has loaded (True) or the controller is stopped (False)."""
+        while not self.state.ready.is_set():
+            if self.stop_event.wait(STATE_POLL_S):
+                return False
+        return True
+
     def _work_loop(self) -> None:
+        # No decision before the release state has loaded: every Workload would be decided
+        # ``state-not-loaded``. The Workloads seen meanwhile wait in ``work``; the pass below
+        # re-decides every one in the cache that waits on us, whatever the follower signals.
+        if not self._await_state():
+            return
+        log.info("release state loaded: deciding the Workloads waiting on the admission check")
+        self.release_changed()
         while not self.stop_event.is_set():
             key = self.work.get()
             if key is None:
                 return
+            with self._queued_lock:
+                self._queued.discard(key)
             wl = self.cache.get(key)
             if wl is None:
                 continue
@@ -220,7 +255,11 @@ class AdmissionCheckController:
                                                            "status": {"admissionChecks": checks}})
         self.counters["patched"] += 1
         self.counters["decided"] += 1
-        self.record(decision_event(subject, decision, now, gate="admission-check", request_id=f"{state}|{decision.rule}",
+        # One hold (or one admission) is one fact, however often it is re-decided; the same state and
+        # rule after an eviction is another: Kueue resets the check to Pending then, with a new
+        # lastTransitionTime (producers.admission.events).
+        since = max((c.get("lastTransitionTime") or "" for c in ours), default="")
+        self.record(decision_event(subject, decision, now, gate="admission-check", request_id=f"{state}|{decision.rule}|{since}",
                                    operation=state, host=self.host, notes=notes))
         log.info("workload %s: check %s by rule %s", subject.workload_id, state, decision.rule)
         return state

@@ -1,12 +1,18 @@
 """A decision as an ``admission.decided`` event (pure).
 
 Event id: ``make_event_id("admit", (gate, kind, namespace, name, uid, operation), request)``
-where ``request`` is the AdmissionReview's ``request.uid`` (a re-sent review is the same
-fact) or, for the AdmissionCheck controller, the check state it set and the rule
-(``state|rule``, ``operation`` the state: one Workload put in one state by one rule is one
-fact, however often it is re-listed or the controller restarts — also when only the message
-changed, a stale-state note added or gone, or when the Workload returns to a state and rule it
-had before: those are not recorded again; the Workload's check message shows the latest).
+(a dry run's ``operation`` there followed by " (dry run)", as older records' was), where
+``request`` is the AdmissionReview's ``request.uid`` (a re-sent review is the same fact) or,
+for the AdmissionCheck controller, the check state it set, the rule and when the check's state
+it read began (``state|rule|lastTransitionTime``, ``operation`` the state): one
+Workload put in one state by one rule within one episode of its check is one fact, however
+often it is re-listed or the controller restarts — also when only the message changed (a
+stale-state note added or gone: not recorded again; the Workload's check message shows the
+latest). An episode ends when the check's state changes: Kueue resets it to Pending, with a new
+lastTransitionTime, when it evicts the Workload, so a Workload held Pending, let in by an
+override, evicted and held again records its second hold too (with ``state|rule`` alone it had
+the first one's id: the store kept one row, and the override's Ready read as its last decision).
+Within one Pending episode, a return to a rule it was held by before is still that first fact.
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ def decision_message(subject: Subject, decision: Decision, notes: tuple[str, ...
 
 
 def decision_event(subject: Subject, decision: Decision, at: datetime, *, gate: str, request_id: str, operation: str | None = None,
-                   user: str | None = None, host: str | None = None, notes: tuple[str, ...] = (), caller: str | None = None) -> AdmissionEvent:
+                   user: str | None = None, host: str | None = None, notes: tuple[str, ...] = (), caller: str | None = None,
+                   dry_run: bool = False) -> AdmissionEvent:
     ident = {k: v for k, v in subject.identity.items() if k in _IDENTITY}
     pod = subject.name if subject.kind == "Pod" else None
     identity, refused = _identity(dict(release_id=decision.release_id, environment=decision.environment, namespace=subject.namespace or None,
@@ -52,11 +59,14 @@ def decision_event(subject: Subject, decision: Decision, at: datetime, *, gate: 
     payload = AdmissionPayload(
         decision=decision.verdict, outcome=decision.outcome, rule=decision.rule, message=decision_message(subject, decision, notes), mode=decision.mode,
         gate=gate,
-        object_kind=subject.kind, object_name=subject.name or "-", object_uid=subject.uid, operation=operation, user=user, caller=caller,
+        object_kind=subject.kind, object_name=subject.name or "-", object_uid=subject.uid, operation=operation, dry_run=dry_run, user=user,
+        caller=caller,
         gpus_requested=max(subject.gpus, 0), release_state=decision.release_state, fail_closed=decision.fail_closed,
         policy_version=decision.policy_version, directory_version=decision.directory_version,
         override_event_id=decision.override_event_id, evidence=decision.evidence)
-    eid = make_event_id(COLLECTOR, (gate, subject.kind, subject.namespace, subject.name, subject.uid, operation), request_id)
+    # (a dry run's id as before it had a field of its own: apart from the real request's, whatever the request uid)
+    keyed = f"{operation} (dry run)" if dry_run else operation
+    eid = make_event_id(COLLECTOR, (gate, subject.kind, subject.namespace, subject.name, subject.uid, keyed), request_id)
     return AdmissionEvent(event_id=eid, event_type="admission.decided", occurred_at=at, observed_at=at,
                           source=Source(collector=COLLECTOR, host=host or socket.gethostname()), identity=identity, payload=payload)
 

@@ -19,7 +19,8 @@ process serves; its ``status`` is ``degraded`` (with ``problems``) while the rel
 not be confirmed current for ``stale_after_s`` (Kafka away after it loaded: decisions go on from
 memory and each says so) or decisions could not be published for as long. Kafka unreachable at start
 is not fatal: the follower keeps connecting (``KAFKA_RETRY_S``) while reviews get the
-state-not-loaded answer.
+state-not-loaded answer; the AdmissionCheck controller decides nothing before the state has loaded
+(``producers.admission.controller``).
 Limits: a decision not yet published when the process dies is lost (the API server's
 own audit log still has the request); the self-signed certificate changes at each start.
 """

@@ -9,9 +9,13 @@ Input: an ``admission.k8s.io/v1`` AdmissionReview for a Pod, batch Job or Kueue 
 Output: the AdmissionReview answer — ``allowed``, a 403 ``status`` whose message the API
 server shows to whoever created the object, ``warnings`` in warn mode — and the
 ``admission.decided`` event to record. A body that is not an AdmissionReview (not JSON,
-wrong apiVersion/kind, no request.uid, no object) is answered 400 with the reason and no
-decision; an object kind we do not decide (the configuration should not send us any) is
-allowed and not recorded. DELETE and CONNECT are allowed unrecorded (no new GPU work).
+wrong apiVersion/kind, no request.uid, no object, a field of another type than the API server
+sends — ``request.kind``, ``userInfo``, ``operation``, or what the decision reads of the object:
+``SHAPES``) is answered 400 naming the field, and no decision; an object kind we do not decide
+(the configuration should not send us any) is allowed and not recorded. DELETE and CONNECT are
+allowed unrecorded (no new GPU work). A server-side dry run (``request.dryRun``: ``kubectl
+diff``, ``--dry-run=server``) is decided and answered like the real request, and recorded with
+``dry_run`` set: nothing was created, and no reader counts it as enforcement.
 """
 
 from __future__ import annotations
@@ -48,7 +52,71 @@ def parse_review(body: bytes) -> dict:
     request = review.get("request")
     if not isinstance(request, dict) or not isinstance(request.get("uid"), str) or not request["uid"]:
         raise BadReview("request.uid is missing")
+    # What the API server always sends, in the types it sends them. Another shape is not a review
+    # (a hand-made or broken caller): a string request.kind or userInfo was a 500 with a traceback,
+    # and a kind without its group an object of no kind we decide — allowed, unrecorded.
+    kind = request.get("kind")
+    if not isinstance(kind, dict):
+        raise BadReview(f"request.kind must be an object (group, version, kind), not {_json_type(kind)}")
+    for field in ("group", "kind"):
+        if not isinstance(kind.get(field), str):
+            raise BadReview(f"request.kind.{field} must be a string (the core group is \"\"), not {_json_type(kind.get(field))}")
+    for field, types, what in (("userInfo", dict, "an object"), ("namespace", str, "a string"), ("dryRun", bool, "a boolean")):
+        if request.get(field) is not None and not isinstance(request[field], types):
+            raise BadReview(f"request.{field} must be {what}, not {_json_type(request[field])}")
     return request
+
+
+def _json_type(value: Any) -> str:
+    """How JSON names the type of a decoded value (for a 400's message)."""
+    for types, name in ((type(None), "null"), (bool, "a boolean"), ((int, float), "a number"), (str, "a string"), (list, "a list"), (dict, "an object")):
+        if isinstance(value, types):
+            return name
+    return type(value).__name__
+
+
+#: The fields of each decided kind that the decision reads, in the JSON types the API server gives
+#: them (``object_problem``): a dict is an object of those fields, a one-item list a list of that,
+#: ``STRINGS`` a map of strings. A field may be absent or null (its default applies).
+STRINGS = "map of strings"
+_META = {"name": str, "generateName": str, "namespace": str, "uid": str, "labels": STRINGS, "annotations": STRINGS}
+_CONTAINER = {"restartPolicy": str, "resources": {"requests": dict, "limits": dict, "claims": [dict]}}
+_POD_SPEC = {"containers": [_CONTAINER], "initContainers": [_CONTAINER], "resourceClaims": [dict]}
+_TEMPLATE = {"metadata": _META, "spec": _POD_SPEC}
+SHAPES = {
+    "Pod": {"metadata": _META, "spec": _POD_SPEC},
+    "Job": {"metadata": _META, "spec": {"parallelism": int, "suspend": bool, "template": _TEMPLATE}},
+    "Workload": {"metadata": _META, "spec": {"podSets": [{"name": str, "count": int, "template": _TEMPLATE}]}},
+}
+
+
+def object_problem(value: Any, shape: Any, path: str) -> str | None:
+    """Where ``value`` (at ``path``) is not of ``shape`` (``SHAPES``), first found: "request.object.spec.podSets
+    must be a list, not a string" — read leniently, such a field counted no GPU (a Workload whose podSets is a
+    string was allowed as requesting none) or raised (a 500)."""
+    if value is None:
+        return None
+    if isinstance(shape, dict):
+        if not isinstance(value, dict):
+            return f"{path} must be an object, not {_json_type(value)}"
+        return next((p for key, sub in shape.items() if (p := object_problem(value.get(key), sub, f"{path}.{key}"))), None)
+    if isinstance(shape, list):
+        if not isinstance(value, list):
+            return f"{path} must be a list, not {_json_type(value)}"
+        for i, item in enumerate(value):
+            if item is None:
+                return f"{path}[{i}] must not be null"
+            if problem := object_problem(item, shape[0], f"{path}[{i}]"):
+                return problem
+        return None
+    if shape is STRINGS:
+        if not isinstance(value, dict):
+            return f"{path} must be an object, not {_json_type(value)}"
+        bad = next((k for k, v in value.items() if not isinstance(v, str)), None)
+        return None if bad is None else f"{path}[{bad!r}] must be a string, not {_json_type(value[bad])}"
+    if shape is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else f"{path} must be an integer, not {_json_type(value)}"
+    return None if isinstance(value, shape) else f"{path} must be {_json_type(shape())}, not {_json_type(value)}"
 
 
 def _answer(uid: str, allowed: bool, message: str | None = None, warnings: list[str] | None = None) -> dict:
@@ -88,16 +156,19 @@ class ReviewHandler:
         except BadReview as exc:
             return 400, {"error": str(exc)}, None
         uid = request["uid"]
-        kind = request.get("kind") or {}
+        kind = request["kind"]
         operation = request.get("operation")
-        if (kind.get("group", ""), kind.get("kind")) not in DECIDED_KINDS or operation in ("DELETE", "CONNECT"):
+        if (kind["group"], kind["kind"]) not in DECIDED_KINDS or operation in ("DELETE", "CONNECT"):
             return 200, _answer(uid, True), None
         obj = request.get("object")
         if not isinstance(obj, dict):
             return 400, {"error": "request.object is missing"}, None
-        obj = {**obj, "kind": kind.get("kind")}
-        obj.setdefault("metadata", {})
-        if isinstance(obj["metadata"], dict) and not obj["metadata"].get("namespace") and request.get("namespace"):
+        if operation not in ("CREATE", "UPDATE"):
+            return 400, {"error": f"request.operation must be CREATE, UPDATE, DELETE or CONNECT, not {str(operation)[:40]!r}"}, None
+        if problem := object_problem(obj, SHAPES[kind["kind"]], "request.object"):
+            return 400, {"error": f"request.object cannot be read: {problem}"}, None
+        obj = {**obj, "kind": kind["kind"], "metadata": obj.get("metadata") or {}}
+        if not obj["metadata"].get("namespace") and request.get("namespace"):
             obj["metadata"] = {**obj["metadata"], "namespace": request["namespace"]}
         try:
             subject = subject_of(obj, self.resources, self.prefix, claims=self.claims)
@@ -115,17 +186,16 @@ class ReviewHandler:
             decision = decide(subject, None, self.policy, now, gate="webhook", policy_version=self.policy_version)
             decision = replace(decision, message=f"{decision.message} (decision failed: {exc})")
         user = (request.get("userInfo") or {}).get("username")
-        if request.get("dryRun"):
-            operation = f"{operation} (dry run)"  # decided and recorded, but nothing was created
+        dry_run = request.get("dryRun") is True  # decided and recorded, but nothing was created
         host = self.host
 
         def event() -> AdmissionEvent:
             return decision_event(subject, decision, now, gate="webhook", request_id=uid, operation=operation, user=user, host=host, notes=notes,
-                                  caller=caller)
+                                  caller=caller, dry_run=dry_run)
 
         # What the recorder's dead letter says of a decision whose event the schema refuses
         # (``DecisionRecorder._build``; called there, off the request path too).
-        event.describes = lambda: orjson.dumps({"request_uid": uid, "operation": operation, "user": user, "caller": caller,
+        event.describes = lambda: orjson.dumps({"request_uid": uid, "operation": operation, "dry_run": dry_run, "user": user, "caller": caller,
                                                 "object": subject.workload_id, "decision": decision.verdict, "rule": decision.rule,
                                                 "message": decision.message}).decode()
         return 200, _answer(uid, decision.allowed, decision.message, [*decision.warnings, *subject.claim_notes, *notes]), event

@@ -45,7 +45,7 @@ from sinks.migrations import table_name
 from sinks.read.replayed import note as replay_note, replayed
 from sinks.read.pages import render_page
 from sinks.read.text import markup
-from sinks.read.decisions import check_state, decision_status, wait_run
+from sinks.read.decisions import check_state, decision_status, is_dry_run, wait_run
 from sinks.read.trace import Store, ch_time, deferral_links, parse_instant, time_before
 from streams.controls.policy import ACTION_OF_EVENT, CONTROL_NAMES, CONTROL_TITLES, Policy
 from streams.controls.rules import START, TERMINAL, ControlEngine, first_ending, compact_row, directory_from_rows, is_withdrawn, peak_concurrency, preemption_clusters
@@ -368,8 +368,15 @@ class Evidence:
         # was recorded under (``recorded_as``): apart, it was nowhere in the Workload's policy result.
         links = history.get("deferral_links") or {}
         self.decisions: dict[str, list[dict]] = defaultdict(list)
+        # Answers to server-side dry runs (kubectl diff, --dry-run=server): nothing was created, so
+        # they are no evidence of control 1 — counted in its summary only. Among the decisions, a diffed
+        # pod read "never: denied" (the control enforced), and a dry run's allow could be picked as the
+        # decision before queue entry of the real object created after it.
+        self.dry_runs: list[dict] = []
         for r in self.rows:
-            if r["event_type"] == "admission.decided" and (wid := r["identity"].get("workload_id")):
+            if r["event_type"] == "admission.decided" and is_dry_run(_payload(r)):
+                self.dry_runs.append(r)
+            elif r["event_type"] == "admission.decided" and (wid := r["identity"].get("workload_id")):
                 p = _payload(r)
                 d = {**r, "status": decision_status(p.get("decision"), p.get("rule"), check_state(p))}
                 if links.get(wid):
@@ -464,7 +471,9 @@ class Evidence:
                              f"({len(self._of(1))} violation(s)); {door} denied before queue entry by gpuledger admit; {rejected} denied "
                              f"in their queue (AdmissionCheck Rejected) and {waiting} waiting in their queue (AdmissionCheck Pending) "
                              "by gpuledger admit" + (f"; {deferred} deferred to their AdmissionCheck by the webhook with no Workload or "
-                                                     "check decision in the store" if deferred else ""),
+                                                     "check decision in the store" if deferred else "") +
+                             (f"; {dry} server-side dry run(s) answered (kubectl diff, --dry-run=server: nothing created, not counted)"
+                              if (dry := sum(1 for r in self.dry_runs if self._in_range(r["occurred_at"]))) else ""),
                              ["workload", "release", "environment", "queue_entry", "entry_event", "policy_result", "approvals", "verdict"],
                              listed, len(listed), "workload(s) entering a queue, or denied or held by gpuledger admit")
 

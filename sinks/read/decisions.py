@@ -12,6 +12,10 @@ in its queue and is admitted once what it waits for arrives. The check state it 
 payload's ``operation``. And the webhook's ``allow`` by ``deferred-to-admission-check`` lets a
 Kueue-queued object in for the AdmissionCheck to decide on its Workload: a hand-over, not a
 decision that it may run.
+
+A server-side dry run (``kubectl diff``, ``--dry-run=server``, Argo CD's diff) is decided and
+recorded like a real request, but nothing was created: ``is_dry_run``, status ``dry-run``. The
+readers show it as one and never count it as enforcement, nor as a decision on a real object.
 """
 
 from __future__ import annotations
@@ -32,10 +36,23 @@ def check_state(payload: dict) -> str | None:
     return (payload.get("operation") or None) if payload.get("gate") == "admission-check" else None
 
 
-def decision_status(decision: str | None, rule: str | None, check: str | None) -> str:
-    """What a decision did: ``waiting`` (a deny that left the AdmissionCheck ``Pending``),
-    ``denied`` (a webhook deny, or a ``Rejected`` check), ``deferred`` (the webhook handing a
-    queued object to the AdmissionCheck: ``DEFERRED_RULE``), else ``allowed``."""
+#: What an older gpuledger admit recorded as a dry run's ``operation`` (before ``dry_run``): "CREATE (dry run)".
+_DRY_RUN_OPERATION = " (dry run)"
+
+
+def is_dry_run(payload: dict) -> bool:
+    """The decision answered a server-side dry run (the payload's ``dry_run``; recorded before it
+    existed, its ``operation`` ending " (dry run)"): nothing was created."""
+    return payload.get("dry_run") is True or str(payload.get("operation") or "").endswith(_DRY_RUN_OPERATION)
+
+
+def decision_status(decision: str | None, rule: str | None, check: str | None, dry_run: bool = False) -> str:
+    """What a decision did: ``dry-run`` (it answered a server-side dry run: nothing was created,
+    whatever it said), ``waiting`` (a deny that left the AdmissionCheck ``Pending``), ``denied`` (a
+    webhook deny, or a ``Rejected`` check), ``deferred`` (the webhook handing a queued object to the
+    AdmissionCheck: ``DEFERRED_RULE``), else ``allowed``."""
+    if dry_run:
+        return "dry-run"
     if decision != "deny":
         return "deferred" if rule == DEFERRED_RULE else "allowed"
     return "waiting" if check == "Pending" else "denied"

@@ -54,7 +54,7 @@ from producers.kubernetes.mapping import KUEUE_JOB_UID_LABEL
 from schemas.envelope import nfc
 from schemas.release import ENDING_EVENTS, LIFECYCLE_EVENTS, actor_text, decision_actor
 from sinks.migrations import table_name
-from sinks.read.decisions import DEFERRED_RULE, check_state as decided_check_state, decision_status
+from sinks.read.decisions import DEFERRED_RULE, check_state as decided_check_state, decision_status, is_dry_run
 from sinks.read.replayed import note as replay_note, replayed
 from streams.correlate.release import LIFECYCLE_ORDER
 
@@ -706,14 +706,16 @@ def _admission_decision(r: dict) -> dict:
     arrives (producers/admission/controller.py) — so ``status`` is ``waiting`` for that,
     ``denied`` for a webhook deny or a ``Rejected`` check, ``deferred`` for the webhook letting a
     queued object in for the AdmissionCheck to decide (rule ``deferred-to-admission-check``), else
-    ``allowed``."""
+    ``allowed``; ``dry-run`` (with ``dry_run`` true) for the answer to a server-side dry run, where
+    nothing was created."""
     decision, _, rule = (r.get("reason") or ":").partition(":")
     p = json.loads(r.get("payload_json") or "{}")
     gate = p.get("gate") or None
     check_state = decided_check_state(p)
-    status = decision_status(decision, rule, check_state)  # (sinks.read.decisions: the audit reads a decision the same way)
+    dry_run = is_dry_run(p)
+    status = decision_status(decision, rule, check_state, dry_run)  # (sinks.read.decisions: the audit reads a decision the same way)
     out = {"occurred_at": r["occurred_at"], "decision": decision, "rule": rule, "status": status, "gate": gate, "check_state": check_state,
-           "message": r.get("message"), "summary": r.get("summary"), "correlation_id": r["correlation_id"]}
+           "dry_run": dry_run, "message": r.get("message"), "summary": r.get("summary"), "correlation_id": r["correlation_id"]}
     if r.get("recorded_as"):  # (the webhook's deferral of a queued Job, recorded under the Job's id: ``_Chain._attach_deferrals``)
         out["recorded_as"] = r["recorded_as"]
     return out
@@ -724,7 +726,10 @@ def _workload_section(workload_id: str, rows: list[dict], pods: list[dict], gaps
         values = [r[field] for r in rows if r.get(field) not in (None, "")]
         return values[-1] if values else None
 
-    decisions = [_admission_decision(r) for r in rows if r["event_type"] == "admission.decided"]
+    decided = [_admission_decision(r) for r in rows if r["event_type"] == "admission.decided"]
+    # A server-side dry run's answer decided nothing about this workload (nothing was created): shown
+    # apart, never its last decision — a diffed pod read "not admitted: denied by gpuledger admit".
+    decisions = [d for d in decided if not d["dry_run"]]
     rows = [r for r in rows if r["event_type"] != "admission.decided"]
     admissions = [r["occurred_at"] for r in rows if r["event_type"] == "scheduler.admitted"]
     # Held or refused by gpuledger admit and not admitted since: no admission and no pod are what
@@ -743,8 +748,10 @@ def _workload_section(workload_id: str, rows: list[dict], pods: list[dict], gaps
         "priority": latest("priority"),
         "admitted_at": admissions[0] if admissions else None,
         "admissions": admissions,
-        # gpuledger admit's decisions on the workload (``_admission_decision``).
+        # gpuledger admit's decisions on the workload (``_admission_decision``), and its answers to
+        # server-side dry runs of it (status ``dry-run``: nothing was created).
         "admission_decisions": decisions,
+        "dry_runs": [d for d in decided if d["dry_run"]],
         "state": rows[-1]["event_type"] if rows else None,
         "release_id": latest("release_id"),
         "preemptions": _preemptions(rows, names or {}),
@@ -773,6 +780,8 @@ def deferral_links(store: Store, rows: list[dict], at: datetime | None) -> dict[
     others: set[str] = set()  # ids with any other row
     for r in rows:
         p = json.loads(r.get("payload_json") or "{}") if r["event_type"] == "admission.decided" else {}
+        if is_dry_run(p):
+            continue  # (a dry run created no Job: no Workload has its uid, and it is no other row of the id either)
         if p.get("gate") == "webhook" and p.get("rule") == DEFERRED_RULE and p.get("object_uid"):
             deferred.setdefault(r["workload_id"], set()).add(p["object_uid"])
         else:
@@ -938,7 +947,8 @@ class _Chain:
             self.wl_rows = [r for r in rows if r["workload_id"] in self.workload_ids]
             self._attach_deferrals()
         for r in self.wl_rows:
-            if r["namespace"] and r["pod"]:
+            if r["namespace"] and r["pod"] and not (r["event_type"] == "admission.decided" and is_dry_run(json.loads(r.get("payload_json") or "{}"))):
+                # (a dry run's pod was never created: no pod section, no "no GPU allocation seen")
                 p = self._pod(r["namespace"], r["pod"], r["workload_id"])
                 p["pod_uid"] = r["pod_uid"] or p["pod_uid"]
                 if r["node"] and r["node"] not in p["nodes"]:

@@ -191,11 +191,17 @@ def _precedes(decision_at: str, mark: str) -> bool:
     return precedes(as_utc(decision_at), as_utc(mark))
 
 
+def _dry_run_only(wl: dict) -> bool:
+    """All the store has of the workload is gpuledger admit's answer to server-side dry runs of it
+    (``kubectl diff``, ``--dry-run=server``): nothing was created, so nothing is missing."""
+    return not wl.get("state") and not wl.get("admission_decisions") and bool(wl.get("dry_runs"))
+
+
 def _denied_at_the_door(wl: dict) -> bool:
     """gpuledger admit denied the workload and the scheduler never saw it: its queue, cluster
     queue and priority are nowhere to be found, and that is the denial's outcome, not a gap —
-    nor under a deferral's id (they are its Kueue Workload's)."""
-    return not wl.get("state") and (_last_denial(wl) is not None or _deferral(wl) is not None)
+    nor under a deferral's id (they are its Kueue Workload's), nor for a dry run's object."""
+    return not wl.get("state") and (_last_denial(wl) is not None or _deferral(wl) is not None or _dry_run_only(wl))
 
 
 def _add_workloads(root: Tree, workloads: list[dict], pods: dict[str, dict]) -> None:
@@ -213,8 +219,16 @@ def _add_workloads(root: Tree, workloads: list[dict], pods: dict[str, dict]) -> 
                                         f"recorded as {m(d['recorded_as'])}" if d.get("recorded_as") else "") if v)
             gate = f"  [dim]({via})[/]" if via else ""
             wnode.add(f"decision {m(d['decision'])} at {m(d['occurred_at'])} by rule {m(d['rule'])}{before}{gate}")
-        wnode.add(f"admitted {m(wl['admitted_at'])}" + (f" ({len(wl['admissions'])} admissions)" if len(wl["admissions"]) > 1 else "")
-                  if wl.get("admitted_at") else _no_admission(wl))
+        for d in wl.get("dry_runs", []):
+            via = f", recorded as {m(d['recorded_as'])}" if d.get("recorded_as") else ""
+            wnode.add(f"[dim]dry run[/] at {m(d['occurred_at'])}: would be {m(d['decision'])} by rule {m(d['rule'])}  "
+                      f"[dim](webhook, server-side dry run: nothing created, not enforcement{via})[/]")
+        if _dry_run_only(wl):
+            wnode.add("[dim]dry run only[/]: gpuledger admit answered server-side dry runs of it (kubectl diff, --dry-run=server); "
+                      "nothing was created")
+        else:
+            wnode.add(f"admitted {m(wl['admitted_at'])}" + (f" ({len(wl['admissions'])} admissions)" if len(wl["admissions"]) > 1 else "")
+                      if wl.get("admitted_at") else _no_admission(wl))
         in_preemption = {c for ev in wl.get("preemptions", []) for c in ev.get("correlation_ids", [])}
         for ev in wl.get("preemptions", []):
             by = (f" by {m(ev['preemptor'])}" if ev.get("preemptor") else

@@ -13,8 +13,8 @@ instead of at the admission time control 1 later checks. So what the webhook adm
 what control 1 accepts, and what it denies is what control 1 would have opened a
 violation for.
 
-Rules, in order (``RULES``): ``not-gpu``, ``state-not-loaded`` (fail-closed or -open),
-``approval-not-required``, ``override``, ``no-release-identity``, ``unknown-release``,
+Rules, in order (``RULES``): ``not-gpu``, ``state-not-loaded`` (the webhook: fail-closed or -open;
+the AdmissionCheck: always a wait), ``approval-not-required``, ``override``, ``no-release-identity``, ``unknown-release``,
 ``revoked``, ``approval-not-entitled``, ``unapproved``, ``approved``. The mode of the
 namespace / environment (``Policy.admission``) then turns a deny into a warning (warn: its
 message then starts by saying it was allowed only because of warn mode and would be denied
@@ -340,6 +340,12 @@ def decide(subject: Subject, state: AdmissionState | None, policy: Policy, now: 
     if subject.gpus <= 0:
         return done("allow", "not-gpu", f"{subject.ref} requests no GPU")
     if not loaded:
+        if gate == "admission-check":
+            # A queued Workload can wait: fail-open exists for the webhook, whose caller (the API server)
+            # gives up after its timeout. Let through here, a Workload of a fail-open environment was
+            # admitted unchecked at every restart of the controller, which never revisits admitted ones.
+            return done("deny", "state-not-loaded", f"gpuledger admit has not loaded the release state yet; {subject.ref} waits in its "
+                        "queue (its AdmissionCheck Pending) until it has, and is decided then", applies_mode=False)
         if fail_closed:
             return done("deny", "state-not-loaded", f"gpuledger admit has not loaded the release state yet; {where} is fail-closed, "
                         "so GPU workloads wait until it has (retry in a moment)", applies_mode=False)

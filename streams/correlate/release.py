@@ -11,6 +11,7 @@ Used by ``streams.correlate.directory``. Limit: ``MAX_HISTORY`` lifecycle events
 from __future__ import annotations
 
 from schemas.release import decision_actor
+from sinks.read.decisions import is_dry_run  # (the one reading of a dry run, older records' included)
 
 MAX_HISTORY = 500
 MANIFEST_FIELDS = ("model_name", "model_version", "artifact_digest", "image_digest", "config_digest",
@@ -33,7 +34,8 @@ def summarize(event_type: str, payload: dict) -> str:
         replaced = f" ({'replaced by' if moved_out else 'replacing'} {other})" if other else ""
         return f"{what}{env}{replaced}{who}"
     if et == "admission.decided":
-        return f"admission {p.get('decision')} by rule {p.get('rule')} ({p.get('gate')}, {p.get('mode')})"
+        dry = ", dry run: nothing created" if is_dry_run(p) else ""
+        return f"admission {p.get('decision')} by rule {p.get('rule')} ({p.get('gate')}, {p.get('mode')}{dry})"
     if et.startswith("gpu."):
         # (a node's allocatable snapshot names no one device: its count instead — it read "allocatable  on n3")
         subject = p.get("device_id") or (f"{len(p['devices'])} device(s) of {p.get('resource_name')}" if p.get("devices") else None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import threading
 import uuid
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 
 import orjson
@@ -89,17 +90,7 @@ def admit(real_cluster, kube, kafka_bootstrap, ledger):
     admission.create_validating_webhook_configuration(config)
     # The queued namespace: its own ClusterQueue gated by our AdmissionCheck.
     custom = k8s.CustomObjectsApi(kube)
-    custom.create_cluster_custom_object("kueue.x-k8s.io", "v1beta2", "admissionchecks", {**admission_check(CHECK)})
-    quota = [{"name": "cpu", "nominalQuota": "64"}, {"name": "nvidia.com/gpu", "nominalQuota": "16"}]
-    custom.create_cluster_custom_object("kueue.x-k8s.io", "v1beta2", "clusterqueues", {
-        "apiVersion": KUEUE_API, "kind": "ClusterQueue", "metadata": {"name": f"cq-{SUFFIX}"},
-        "spec": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": QUEUED}},
-                 "admissionChecksStrategy": {"admissionChecks": [{"name": CHECK}]},
-                 "resourceGroups": [{"coveredResources": ["cpu", "nvidia.com/gpu"], "flavors": [{"name": FLAVOR, "resources": quota}]}]}})
-    custom.create_namespaced_custom_object("kueue.x-k8s.io", "v1beta2", QUEUED, "localqueues", {
-        "apiVersion": KUEUE_API, "kind": "LocalQueue", "metadata": {"name": "gpu", "namespace": QUEUED}, "spec": {"clusterQueue": f"cq-{SUFFIX}"}})
-    wait_for(lambda: condition(custom.get_cluster_custom_object("kueue.x-k8s.io", "v1beta2", "clusterqueues", f"cq-{SUFFIX}"), "Active"),
-             60, "the gated ClusterQueue to be active (our AdmissionCheck marked Active)")
+    gated_queue(custom, QUEUED, f"cq-{SUFFIX}", admission_check(CHECK))
     yield service, config
     admission.delete_validating_webhook_configuration(config["metadata"]["name"])
     # The bare pods these tests let in run on KWOK until deleted and hold real GPUs of the
@@ -117,6 +108,22 @@ def admit(real_cluster, kube, kafka_bootstrap, ledger):
     service.stop()
     thread.join(20)
     assert not thread.is_alive()
+
+
+def gated_queue(custom: k8s.CustomObjectsApi, namespace: str, cluster_queue: str, check: dict) -> None:
+    """The AdmissionCheck ``check``, a ClusterQueue gated by it for ``namespace`` alone and its LocalQueue
+    ``gpu`` there, once the ClusterQueue is active (the check's controller marked it Active)."""
+    custom.create_cluster_custom_object("kueue.x-k8s.io", "v1beta2", "admissionchecks", check)
+    quota = [{"name": "cpu", "nominalQuota": "64"}, {"name": "nvidia.com/gpu", "nominalQuota": "16"}]
+    custom.create_cluster_custom_object("kueue.x-k8s.io", "v1beta2", "clusterqueues", {
+        "apiVersion": KUEUE_API, "kind": "ClusterQueue", "metadata": {"name": cluster_queue},
+        "spec": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+                 "admissionChecksStrategy": {"admissionChecks": [{"name": check["metadata"]["name"]}]},
+                 "resourceGroups": [{"coveredResources": ["cpu", "nvidia.com/gpu"], "flavors": [{"name": FLAVOR, "resources": quota}]}]}})
+    custom.create_namespaced_custom_object("kueue.x-k8s.io", "v1beta2", namespace, "localqueues", {
+        "apiVersion": KUEUE_API, "kind": "LocalQueue", "metadata": {"name": "gpu", "namespace": namespace}, "spec": {"clusterQueue": cluster_queue}})
+    wait_for(lambda: condition(custom.get_cluster_custom_object("kueue.x-k8s.io", "v1beta2", "clusterqueues", cluster_queue), "Active"),
+             60, f"the gated ClusterQueue {cluster_queue} to be active (its AdmissionCheck marked Active)")
 
 
 def denial(call) -> str:
@@ -275,6 +282,125 @@ def test_in_admission_check_mode_the_workload_waits_and_is_admitted_after_approv
     webhook = {(e.payload.object_kind, e.payload.rule) for e in decided if e.payload.gate == "webhook" and e.identity.release_id == rid}
     # The Job and its Workload were let through to wait in the queue; the pods Kueue's start created were approved.
     assert webhook == {("Job", "deferred-to-admission-check"), ("Workload", "deferred-to-admission-check"), ("Pod", "approved")}
+
+
+def _check_of(kube, job_name: str, namespace: str, check_name: str) -> tuple[dict, dict] | tuple[None, None]:
+    """(the Job's Workload, its state of the AdmissionCheck ``check_name``), or (None, None)."""
+    wl = next(iter(workloads_of(kube, job_name, namespace)), None)
+    check = next((c for c in (wl or {}).get("status", {}).get("admissionChecks") or [] if c["name"] == check_name), None)
+    return (wl, check) if check else (None, None)
+
+
+def _check_decisions(bootstrap: str, topic: str, workload_id: str, until: Callable[[list], bool], what: str) -> list:
+    """The AdmissionCheck controller's decisions on ``workload_id`` on ``topic``, in the order they were
+    decided, once ``until`` holds for them (the recorder publishes off the controller's thread)."""
+    def read():
+        mine = sorted((e for e in (decode_event(m.value()) for m in read_topic(bootstrap, topic, 1, timeout=5))
+                       if e.event_type == "admission.decided" and e.payload.gate == "admission-check" and e.identity.workload_id == workload_id),
+                      key=lambda e: e.occurred_at)
+        return mine if mine and until(mine) else None
+    return wait_for(read, 30, f"{what} on {workload_id}")
+
+
+def test_a_controller_whose_release_state_has_not_loaded_decides_nothing_and_holds_fail_open_workloads_once_it_has(
+        real_cluster, kube, kafka_bootstrap):
+    """Found by an exploratory review: at every start of `gpuledger admit --kubeconfig` (the Deployment
+    is Recreate) the controller decided the waiting Workloads before its release state had loaded —
+    `state-not-loaded`, which a fail-open environment allowed — so it set their checks Ready, Kueue
+    admitted them unchecked, and an admitted Workload is never revisited. Now nothing is decided before
+    the state has loaded (a queued Workload can wait), then every waiting Workload is.
+
+    The state cannot load while the release topic does not exist (the follower waits for it): the
+    controller sees the Workload waiting on its check meanwhile; then the topic appears with the
+    release, registered and evaluated, and the Workload is held Pending for its approval — its only
+    decision. A staging namespace of its own (fail-open), its own AdmissionCheck and controller name,
+    so the module's admit does not decide it."""
+    suffix = uuid.uuid4().hex[:6]
+    ns, check, controller = f"admit-restart-{suffix}", f"release-approval-restart-{suffix}", f"gpuledger.io/release-approval-{suffix}"
+    out = TopicCatalogue(prefix=f"t{uuid.uuid4().hex[:10]}", raw_partitions=4)
+    ensure_topics({"bootstrap.servers": kafka_bootstrap}, out)
+    releases = TopicCatalogue(prefix=f"t{uuid.uuid4().hex[:10]}", raw_partitions=4)  # not created yet: the state cannot load
+    real_cluster.apply("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                              "metadata": {"name": ns, "labels": {"gpuledger.io/environment": "staging"}}})
+    custom, batch, core = k8s.CustomObjectsApi(kube), k8s.BatchV1Api(kube), k8s.CoreV1Api(kube)
+    policy = Policy(admission=Admission(namespaces={ns: NamespaceAdmission(environment="staging", gate="admission-check")}))
+    assert "staging" not in policy.admission.fail_closed  # fail-open: the webhook would let its work in unchecked
+    service = AdmitService(AdmitSettings(port=free_port(), resync_s=5, controller_name=controller), policy,
+                           EventPublisher({"bootstrap.servers": kafka_bootstrap}, out, "admit"), kafka_bootstrap, releases.release, api_client=kube)
+    thread = threading.Thread(target=service.run, daemon=True)
+    thread.start()
+    try:
+        # (the controller marks its AdmissionCheck Active before its state has loaded)
+        gated_queue(custom, ns, f"cq-{ns}", admission_check(check, controller))
+        rid, name = unique("restart-scorer-v1"), unique("train")
+        batch.create_namespaced_job(ns, gpu_job(name, labels={"gpuledger.io/release-id": rid}, namespace=ns))
+
+        def seen_waiting():
+            wl, _ = _check_of(kube, name, ns, check)
+            key = wl and f"{ns}/{wl['metadata']['name']}"
+            cached = service.controller.cache.get(key) if key else None
+            return key if cached and any(c["name"] == check for c in (cached.get("status") or {}).get("admissionChecks") or []) else None
+
+        key = wait_for(seen_waiting, 60, "the controller to see the Workload waiting on its check")
+        assert not service.state.ready.is_set(), "the release state loaded before its topic existed"
+
+        ensure_topics({"bootstrap.servers": kafka_bootstrap}, releases)
+        runner = CliRunner(env={"GPULEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap, "GPULEDGER_KAFKA_TOPIC_PREFIX": releases.prefix})
+        for command, args in (("register", ["--model", "restart-scorer", "--version", "1", "--artifact-digest", "sha256:" + "a" * 64]),
+                              ("evaluate", [])):
+            result = runner.invoke(app, ["release", command, "--release-id", rid, *args])
+            assert result.exit_code == 0, result.output
+        unapproved = f"release {rid} is evaluated, not approved for staging"
+        wl, held = wait_for(lambda: (r := _check_of(kube, name, ns, check))[1] and unapproved in (r[1].get("message") or "") and r,
+                            60, "the Workload held for its approval once the state has loaded")
+        assert held["state"] == "Pending" and held["message"].startswith(unapproved), held
+        assert not condition(wl, "Admitted") and batch.read_namespaced_job(name, ns).spec.suspend is True
+        # Every decision a hold (the state may have loaded with the topic empty or the registration alone:
+        # unknown-release, "registered, not approved" first), none before the state loaded.
+        decided = _check_decisions(kafka_bootstrap, out.scheduler, key, lambda es: unapproved in es[-1].payload.message, "the hold recorded")
+        assert [(e.payload.operation, e.payload.decision) for e in decided] == [("Pending", "deny")] * len(decided), decided
+        assert "state-not-loaded" not in {e.payload.rule for e in decided} and decided[-1].payload.rule == "unapproved", decided
+    finally:
+        service.stop()
+        thread.join(20)
+        core.delete_collection_namespaced_pod(ns, grace_period_seconds=0)
+        core.delete_namespace(ns)
+        custom.delete_cluster_custom_object("kueue.x-k8s.io", "v1beta2", "clusterqueues", f"cq-{ns}")
+        custom.delete_cluster_custom_object("kueue.x-k8s.io", "v1beta2", "admissionchecks", check)
+    assert not thread.is_alive()
+
+
+def test_a_workload_held_again_after_an_eviction_has_its_second_hold_recorded(admit, kube, ledger, kafka_bootstrap):
+    """Found by a review: the controller's decision id was its check state and rule alone, so a Workload
+    held Pending (unapproved), let in by an override (Ready), evicted and held Pending (unapproved) again
+    recorded its second hold under the first one's id — the store kept one row, and the override's Ready
+    read as its last decision. Now each episode of the check (Kueue resets it to Pending, with a new
+    lastTransitionTime, when it evicts the Workload) is its own fact."""
+    cat, release = ledger
+    rid = unique("fraud-scorer-v11-prod")
+    registered(release, rid)
+    wait_for(lambda: admit[0].state.state_as_of(rid, datetime.now(timezone.utc).isoformat()) == "release.evaluated", 10, "the release in the state")
+    custom, batch = k8s.CustomObjectsApi(kube), k8s.BatchV1Api(kube)
+    name = unique("train")
+    batch.create_namespaced_job(QUEUED, gpu_job(name, labels={"gpuledger.io/release-id": rid}, namespace=QUEUED, run_for="1h"))
+    unapproved = f"release {rid} is evaluated, not approved for prod"
+    wl, check = wait_for(lambda: (r := _check_of(kube, name, QUEUED, CHECK))[1] and unapproved in (r[1].get("message") or "") and r, 60,
+                         "our AdmissionCheck to hold the Workload")
+    wl_name = wl["metadata"]["name"]
+    expires = datetime.now(timezone.utc) + timedelta(seconds=15)
+    release("override-admission", rid, "--actor", "oncall-sre", "--target", f"{QUEUED}/{wl_name}", "--expires-at", expires.isoformat(),
+            "--reason", "INC-312 hotfix")
+    wait_for(lambda: condition(custom.get_namespaced_custom_object("kueue.x-k8s.io", "v1beta2", QUEUED, "workloads", wl_name), "Admitted"),
+             30, "the override to have the Workload admitted")
+    wait_for(lambda: datetime.now(timezone.utc) >= expires, 30, "the override to expire")
+    # Evicted (deactivated): Kueue resets its checks to Pending and releases its quota; the controller holds it again.
+    custom.patch_namespaced_custom_object("kueue.x-k8s.io", "v1beta2", QUEUED, "workloads", wl_name, {"spec": {"active": False}})
+    wl, again = wait_for(lambda: (r := _check_of(kube, name, QUEUED, CHECK))[1] and not condition(r[0], "Admitted")
+                         and unapproved in (r[1].get("message") or "") and r, 60, "the evicted Workload held again")
+    assert again["state"] == "Pending" and again["lastTransitionTime"] > check["lastTransitionTime"], (check, again)
+    decided = _check_decisions(kafka_bootstrap, cat.scheduler, f"{QUEUED}/{wl_name}", lambda es: len(es) >= 3, "three decisions")
+    assert [(e.payload.operation, e.payload.rule) for e in decided] == [("Pending", "unapproved"), ("Ready", "override"), ("Pending", "unapproved")]
+    assert len({e.event_id for e in decided}) == 3, [e.event_id for e in decided]  # the store keeps one row per id: the second hold too
 
 
 def test_a_revoked_release_new_pods_are_denied(admit, kube, ledger):

@@ -173,10 +173,10 @@ def admission_check_row(workload: dict, state, at: datetime) -> CorrelatedEvent:
                summary=summarize("admission.decided", payload))
 
 
-def webhook_row(obj: dict, state, at: datetime, policy=None) -> CorrelatedEvent:
+def webhook_row(obj: dict, state, at: datetime, policy=None, dry_run: bool = False) -> CorrelatedEvent:
     """gpuledger admit's webhook deciding the CREATE of ``obj`` (a Job, Pod or Workload) against
-    the release ``state`` at ``at``, as it records it (``producers.admission.webhook.ReviewHandler``)
-    and the worker stores it."""
+    the release ``state`` at ``at`` — a server-side dry run of it with ``dry_run`` (``kubectl diff``)
+    — as it records it (``producers.admission.webhook.ReviewHandler``) and the worker stores it."""
     from producers._config import GPU_RESOURCES, ResourceMatcher
     from producers.admission.webhook import API_VERSION, ReviewHandler
     from streams.controls.policy import Policy
@@ -185,7 +185,7 @@ def webhook_row(obj: dict, state, at: datetime, policy=None) -> CorrelatedEvent:
     group = obj["apiVersion"].rpartition("/")[0] if "/" in obj["apiVersion"] else ""
     review = {"apiVersion": API_VERSION, "kind": "AdmissionReview", "request": {
         "uid": f"review-{obj['metadata']['name']}", "kind": {"group": group, "kind": obj["kind"]}, "operation": "CREATE",
-        "namespace": obj["metadata"]["namespace"], "userInfo": {"username": "alice"}, "object": obj}}
+        "namespace": obj["metadata"]["namespace"], "userInfo": {"username": "alice"}, "object": obj, **({"dryRun": True} if dry_run else {})}}
     handler = ReviewHandler(state, policy or Policy(), ResourceMatcher(GPU_RESOURCES), "gpuledger.io/", clock=lambda: at)
     status, _answer, event = handler.handle(orjson.dumps(review))
     assert status == 200 and event is not None, _answer

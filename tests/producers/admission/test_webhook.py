@@ -64,8 +64,20 @@ def test_dry_run_mode_allows_without_a_warning_and_records_that_it_would_be_deni
                                f"in enforce mode this would be denied: {enforced}")
 
 
-def test_dry_run_requests_are_recorded_as_such_and_other_kinds_and_deletes_are_allowed_unrecorded():
-    assert handler().handle(review(POD, GPU_POD, dryRun=True))[2]().payload.operation == "CREATE (dry run)"
+def test_dry_run_requests_are_answered_like_real_ones_and_recorded_as_dry_runs():
+    """A server-side dry run (kubectl diff, --dry-run=server) gets the real request's answer, and its
+    decision is recorded with ``dry_run`` — not as an operation "CREATE (dry run)" that readers took
+    for enforcement — and its own id."""
+    status, answer, event = handler().handle(review(POD, GPU_POD, dryRun=True))
+    real = handler().handle(review(POD, GPU_POD))
+    assert (status, answer) == real[:2] and answer["response"]["allowed"] is False
+    decided = event()
+    assert (decided.payload.dry_run, decided.payload.operation, decided.payload.rule) == (True, "CREATE", "no-release-identity")
+    assert real[2]().payload.dry_run is False and real[2]().event_id != decided.event_id
+    assert '"dry_run":true' in event.describes()  # (what a dead letter of it would say)
+
+
+def test_other_kinds_and_deletes_are_allowed_unrecorded():
     for body in (review({"group": "apps", "version": "v1", "kind": "Deployment"}, {"metadata": {"name": "d"}}),
                  review(POD, None, operation="DELETE")):
         status, answer, event = handler().handle(body)

@@ -363,6 +363,48 @@ def test_a_workload_admit_denied_is_in_control_1s_evidence(clickhouse_client, cl
     assert "risk/sneaky" in audit(env, *RANGE).output
 
 
+def dry_runs(at) -> list:
+    """gpuledger admit's answers to server-side dry runs, as its webhook records them: a ``kubectl diff``
+    of a prod pod naming an unknown release (denied, had it been real) that was never created, and an
+    Argo CD diff of the incident's Workload W7 a minute before Kueue queued it — recorded by an older
+    gpuledger admit (``operation`` "CREATE (dry run)", no ``dry_run`` field), whose records stay readable."""
+    from streams.controls.admission import AdmissionState
+
+    state = AdmissionState()
+    state.ready.set()
+    gpu = {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "diffed", "namespace": "risk", "labels": {
+           "gpuledger.io/release-id": "fraud-scorer-v9-prod", "gpuledger.io/environment": "prod"}}, "spec": gpu}
+    namespace, name = inc.W7.split("/")
+    labels = {"gpuledger.io/release-id": inc.R7, "gpuledger.io/environment": "prod"}
+    w7 = {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Workload", "metadata": {"name": name, "namespace": namespace, "labels": labels},
+          "spec": {"queueName": "prod-inference", "podSets": [{"name": "main", "count": 1, "template": {"spec": gpu}}]}}
+    older = inc.webhook_row(w7, state, inc.T0 + timedelta(minutes=15), dry_run=True)
+    payload = json.loads(older.payload_json)
+    payload.pop("dry_run")
+    payload["operation"] = "CREATE (dry run)"
+    return [inc.webhook_row(pod, state, at, dry_run=True), older.model_copy(update={"payload_json": json.dumps(payload)})]
+
+
+def test_a_dry_run_is_no_evidence_of_control_1_and_is_counted_as_a_dry_run(clickhouse_client, clickhouse_dsn, tmp_path):
+    """Found by an exploratory review: the webhook's answers to server-side dry runs (kubectl diff,
+    --dry-run=server, Argo CD) were read as enforcement — a diffed pod, never created, was listed
+    "never: denied" (the control enforced) and counted, and a dry run before the real object's
+    creation was its "decision before queue entry". They are counted apart in the summary now."""
+    db = inc.load_store(clickhouse_client)
+    asyncio.run(SinkWriters(clickhouse_client, db).store_correlated(dry_runs(inc.T0 + timedelta(minutes=20))))
+    env = {"GPULEDGER_CLICKHOUSE_DSN": clickhouse_dsn, "GPULEDGER_CLICKHOUSE_DATABASE": db, "GPULEDGER_DATA_DIR": str(tmp_path), "COLUMNS": "250"}
+    report = json.loads(audit(env, *RANGE, "--format", "json").output)
+    section = next(s for s in report["evidence"] if s["control"] == 1)
+    rows = {r["workload"]: r for r in section["rows"]}
+    assert "risk/Pod/diffed" not in rows, rows.get("risk/Pod/diffed")
+    assert rows[inc.W7]["policy_result"] == "no admission decision recorded (gpuledger admit not enforcing here)", rows[inc.W7]["policy_result"]
+    assert "0 denied before queue entry by gpuledger admit" in section["summary"], section["summary"]
+    assert section["summary"].endswith("; 2 server-side dry run(s) answered (kubectl diff, --dry-run=server: nothing created, not counted)"), \
+        section["summary"]
+    assert "risk/Pod/diffed" not in audit(env, *RANGE).output
+
+
 BUSY = [f"batch/job-{i:02d}" for i in range(30)]
 DENIED = [f"risk/denied-{i:02d}" for i in range(15)]
 

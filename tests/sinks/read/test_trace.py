@@ -512,6 +512,46 @@ def test_a_workload_shows_gpuledger_admits_decision_before_its_admission(clickho
     assert f"decision allow at {d['occurred_at']} by rule approved, before admission at {section['admitted_at']}" in tree.stdout
 
 
+def test_a_dry_run_is_shown_as_one_never_as_the_workloads_decision(clickhouse_client, clickhouse_dsn, tmp_path):
+    """Found by an exploratory review: a `kubectl diff` (a server-side dry run) of a GPU pod that was
+    never created read "not admitted: denied by gpuledger admit", and a dry run of a Workload before it
+    was queued was its decision before admission. A dry run is listed apart ("dry run", status
+    ``dry-run``), never the workload's decision — also as an older gpuledger admit recorded it."""
+    import asyncio
+    import uuid
+
+    from sinks.agents import SinkWriters
+    from sinks.migrations import migrate
+    from tests.sinks.read.test_audit import dry_runs
+
+    db = f"t_{uuid.uuid4().hex[:12]}"
+    migrate(clickhouse_client, db)
+    at = inc.T0 + timedelta(minutes=20)
+    asyncio.run(SinkWriters(clickhouse_client, db).store_correlated([*inc.correlated_rows(), *dry_runs(at)]))
+    env = {"GPULEDGER_CLICKHOUSE_DSN": clickhouse_dsn, "GPULEDGER_CLICKHOUSE_DATABASE": db, "GPULEDGER_DATA_DIR": str(tmp_path), "COLUMNS": "300"}
+    runner = CliRunner()
+    out = runner.invoke(cli_app, ["trace", "--workload", "risk/Pod/diffed", "--format", "json"], env=env)
+    assert out.exit_code == 0, out.output
+    result = json.loads(out.stdout)
+    [section] = [w for w in result["workloads"] if w["workload_id"] == "risk/Pod/diffed"]
+    assert section["admission_decisions"] == [], section["admission_decisions"]
+    assert [(d["decision"], d["rule"], d["status"], d["dry_run"]) for d in section["dry_runs"]] == [("deny", "unknown-release", "dry-run", True)]
+    assert not [g for g in result["gaps"] if "risk/Pod/diffed" in g], result["gaps"]
+    tree = runner.invoke(cli_app, ["trace", "--workload", "risk/Pod/diffed"], env=env)
+    assert tree.exit_code == 0, tree.output
+    assert (f"dry run at {section['dry_runs'][0]['occurred_at']}: would be deny by rule unknown-release  (webhook, server-side dry run: "
+            "nothing created, not enforcement)") in tree.stdout, tree.stdout
+    assert "dry run only: gpuledger admit answered server-side dry runs of it (kubectl diff, --dry-run=server); nothing was created" in tree.stdout
+    assert "denied" not in tree.stdout and "pod risk/diffed" not in tree.stdout, tree.stdout
+    assert ("risk", "diffed") not in {(p["namespace"], p["pod"]) for p in result["pods"]} and not [g for g in result["gaps"] if "diffed" in g], result
+    # The incident's Workload, diffed (by an older admit) a minute before it was queued: no decision of its own.
+    out = runner.invoke(cli_app, ["trace", "--workload", inc.W7, "--at", AT.isoformat(), "--format", "json"], env=env)
+    [section] = [w for w in json.loads(out.stdout)["workloads"] if w["workload_id"] == inc.W7]
+    assert section["admission_decisions"] == [] and [d["status"] for d in section["dry_runs"]] == ["dry-run"], section
+    tree = runner.invoke(cli_app, ["trace", "--workload", inc.W7, "--at", AT.isoformat()], env=env)
+    assert "decision deny" not in tree.stdout and f"dry run at {section['dry_runs'][0]['occurred_at']}: would be deny" in tree.stdout, tree.stdout
+
+
 def test_a_workload_the_admission_check_holds_pending_reads_waiting_not_denied(clickhouse_client, clickhouse_dsn, tmp_path):
     """From a review (an ML platform engineer running gpuledger admit): a Workload the
     AdmissionCheck controller holds Pending until its release is approved read "not admitted:

@@ -405,6 +405,24 @@ def test_not_loaded_state_is_fail_closed_in_prod_and_fail_open_elsewhere():
     assert staging.warnings == [staging.message] and closed.warnings == []  # allowed unchecked: told so
 
 
+def test_not_loaded_state_holds_a_queued_workload_at_the_admission_check_whatever_the_environment_and_mode():
+    """Found by an exploratory review: the AdmissionCheck gate allowed `state-not-loaded` in a
+    fail-open environment like the webhook — the controller set the check Ready, and Kueue admitted
+    the Workload unchecked. Fail-open is for the webhook, whose caller gives up after its timeout; a
+    queued Workload can wait: a deny (its check Pending, not Rejected), in warn and dry-run mode too."""
+    from producers.admission.controller import check_state
+
+    staging = job({**PROD, "gpuledger.io/environment": "staging"}, queue="gpu")
+    modes = {"staging": "warn"}, {"staging": "dry-run"}, {}
+    for policy in (Policy(admission=Admission(modes=m)) for m in modes):
+        for obj in (staging, job(PROD, queue="gpu")):
+            held = decision(obj, AdmissionState(), policy, gate="admission-check")
+            assert (held.verdict, held.rule, check_state(held), held.warnings) == ("deny", "state-not-loaded", "Pending", []), held
+            assert held.message == ("gpuledger admit has not loaded the release state yet; Job serving/score waits in its queue (its "
+                                    "AdmissionCheck Pending) until it has, and is decided then"), held.message
+    assert decision(staging, AdmissionState()).verdict == "allow"  # the webhook: fail-open, unchanged
+
+
 def test_admission_check_gate_lets_queued_work_through_the_webhook_but_not_the_check():
     policy = Policy(admission=Admission(namespaces={"serving": NamespaceAdmission(gate="admission-check")}))
     queued = job(PROD, queue="gpu")
