@@ -55,6 +55,60 @@ def rollback():
                         payload=ReleasePayload(actor="alice", reason="quality regression", to_environment="prod"))
 
 
+#: The edge range [EDGE_FROM, EDGE]: after every fleet pod (the last is scheduled at T0 + 10 min + 329 s)
+#: and fr-2's rollback, so that workload fleet/Job/edge of release fr-4, started in it, is its latest
+#: prod run. At EDGE, with the times real senders give: pod edge-1 is deleted (Kubernetes: whole
+#: seconds); 400 us later (Alertmanager sends nanoseconds, Kubernetes' eventTime is MicroTime) an alert on
+#: edge-0 fires and fr-4 is rolled back — stored, and read by `audit --to EDGE` and `trace --at EDGE`, at
+#: EDGE. After EDGE: edge-1's GPU release (the pod-resources poll, 616 ms later), the alert's resolution.
+EDGE = T0 + timedelta(minutes=17)
+EDGE_FROM = EDGE - timedelta(minutes=1)
+MICRO = timedelta(microseconds=400)
+
+
+def edge():
+    from schemas import AlertEvent, GpuEvent, Identity, ReleaseEvent, SchedulerEvent, Source, make_event_id
+    from schemas.alert import AlertPayload
+    from schemas.gpu import GpuPayload
+    from schemas.release import ReleasePayload
+    from schemas.scheduler import SchedulerPayload
+
+    src, digest = Source(collector="test"), f"sha256:{4:064x}"
+    out = []
+    for name, started in (("edge-0", EDGE - timedelta(seconds=20)), ("edge-1", EDGE - timedelta(seconds=30))):
+        pod = Identity(namespace="fleet", pod=name, workload_id="fleet/Job/edge", node="fn0", release_id="fr-4", environment="prod")
+        gpu = Identity(namespace="fleet", pod=name, node="fn0", gpu_id=f"GPU-{name.upper()}")
+        holds = GpuPayload(node="fn0", namespace="fleet", pod=name, container="main", device_id=f"GPU-{name.upper()}", gpu=f"GPU-{name.upper()}")
+        out += [SchedulerEvent(event_id=make_event_id("e", (name, "sched")), event_type="scheduler.scheduled", occurred_at=started,
+                               observed_at=started, source=src, identity=pod, payload=SchedulerPayload(object_kind="Pod", image_digests=(digest,))),
+                GpuEvent(event_id=make_event_id("e", (name, "gpu")), event_type="gpu.assigned", occurred_at=started + timedelta(seconds=1),
+                         observed_at=started, source=src, identity=gpu, payload=holds)]
+        if name == "edge-1":
+            out += [SchedulerEvent(event_id=make_event_id("e", (name, "del")), event_type="scheduler.deleted", occurred_at=EDGE, observed_at=EDGE,
+                                   source=src, identity=pod, payload=SchedulerPayload(object_kind="Pod")),
+                    GpuEvent(event_id=make_event_id("e", (name, "rel")), event_type="gpu.released", occurred_at=EDGE + timedelta(milliseconds=616),
+                             observed_at=EDGE, source=src, identity=gpu, payload=holds)]
+    alert = Identity(alert_fingerprint="fedge", namespace="fleet", pod="edge-0")
+    for etype, at in (("alert.firing", EDGE + MICRO), ("alert.resolved", EDGE + timedelta(seconds=30))):
+        out.append(AlertEvent(event_id=make_event_id("e", ("fedge", etype)), event_type=etype, occurred_at=at, observed_at=at, source=src,
+                              identity=alert, payload=AlertPayload(alertname="Quality", starts_at=EDGE + MICRO,
+                                                                    ends_at=at if etype == "alert.resolved" else None)))
+    release = Identity(release_id="fr-4", model_name="fm1", model_version="4", image_digest=digest, owner="team-0", environment="prod")
+    out.append(ReleaseEvent(event_id=make_event_id("e", ("fr-4", "rollback")), event_type="release.rolled_back", occurred_at=EDGE + MICRO,
+                            observed_at=EDGE + MICRO, source=src, identity=release,
+                            payload=ReleasePayload(actor="alice", reason="quality regression", to_environment="prod")))
+    return out
+
+
+def at_ms(value: datetime) -> datetime:
+    """An event time as the store keeps it (DateTime64(3): cut to the millisecond)."""
+    return value.replace(microsecond=value.microsecond // 1000 * 1000)
+
+
+#: Readers' lines whole (rich folds them at 80 columns without a terminal).
+WIDE = {"COLUMNS": "400"}
+
+
 def iso(value: datetime) -> str:
     return value.isoformat().replace("+00:00", "Z")
 
@@ -63,7 +117,7 @@ def iso(value: datetime) -> str:
 def history(kafka_bootstrap):
     cat = TopicCatalogue(prefix=f"replay{uuid.uuid4().hex[:6]}", raw_partitions=4)
     ensure_topics({"bootstrap.servers": kafka_bootstrap}, cat)
-    events = [*fleet(PODS), rollback()]
+    events = [*fleet(PODS), rollback(), *edge()]
     EventPublisher({"bootstrap.servers": kafka_bootstrap}, cat, "test").publish_batch(events)
     # The edge's dead letters (the receiver's, the collectors'): one refused inside the range
     # replay's range, one before it.
@@ -184,6 +238,49 @@ def test_a_range_replay_holds_only_the_range_and_attributes_to_earlier_releases(
              f"WHERE opened_at > toDateTime64('{TO.strftime('%F %T')}', 3, 'UTC') AND NOT startsWith(detail, 'withdrawn:') ORDER BY control_id")
     assert sql(kafka_bootstrap, cat, tmp_path, sandbox, after) == []
     assert {"control_id": 2, "release_id": "fr-2"} in sql(kafka_bootstrap, cat, tmp_path, live[0].dsn, after)
+
+
+@pytest.fixture(scope="module")
+def edge_replay(kafka_bootstrap, history, live, tmp_path_factory):
+    """The replay of [EDGE_FROM, EDGE] (``edge``): the output, the sandbox DSN, its tmp dir."""
+    cat, _events = history
+    tmp = tmp_path_factory.mktemp("edge")
+    sandbox = f"chdb://{tmp / 'sandbox'}"
+    out = gpuledger(kafka_bootstrap, cat, tmp, "replay", "--into", sandbox, "--app-id", f"{cat.prefix}-edge", "--from", iso(EDGE_FROM),
+                    "--to", iso(EDGE), "--timeout", "300", live_dsn=live[0].dsn)
+    assert out.returncode == 0, out.stderr + out.stdout
+    return out, sandbox
+
+
+def test_a_range_keeps_the_events_the_store_keeps_at_its_bound(kafka_bootstrap, history, live, edge_replay, tmp_path):
+    """Exploratory review: an event at EDGE + 400 us is stored at EDGE (DateTime64(3)), so `audit --to EDGE`
+    and `trace --at EDGE` read it on the live store — and `replay --to EDGE`, comparing to the microsecond,
+    skipped it: the route stage and the raw sink dropped the alert and fr-4's rollback, and the release
+    directory did not apply the rollback (control 2 of the workload still running in prod was not there)."""
+    cat, events = history
+    out, sandbox = edge_replay
+    in_range = [e for e in events if EDGE_FROM <= at_ms(e.occurred_at) <= EDGE]
+    assert {e.event_type for e in in_range if e.occurred_at > EDGE} == {"alert.firing", "release.rolled_back"}
+    assert f": {len(in_range)} in range, {len(events) - len(in_range)} out of range, 0 dead-lettered" in out.stdout, out.stdout
+    # The sandbox's rows are the live store's rows of the range, read with the same bounds.
+    rows = ("SELECT event_type, toString(occurred_at) AS at FROM gpuledger.{table} FINAL WHERE occurred_at >= toDateTime64('{f}', 3, 'UTC') "
+            "AND occurred_at <= toDateTime64('{t}', 3, 'UTC') ORDER BY occurred_at, event_type")
+    for table in ("correlated_events", "raw_events"):
+        query = rows.format(table=table, f=EDGE_FROM.strftime("%F %T"), t=EDGE.strftime("%F %T"))
+        got = sql(kafka_bootstrap, cat, tmp_path, sandbox, query)
+        assert got == sql(kafka_bootstrap, cat, tmp_path, live[0].dsn, query), table
+        assert {"event_type": "release.rolled_back", "at": "2026-11-01 06:17:00.000"} in got, (table, got)
+    # trace --at EDGE reads the alert and the rollback in both stores
+    for dsn in (live[0].dsn, sandbox):
+        tree = gpuledger(kafka_bootstrap, cat, tmp_path, "trace", "--alert", "fedge", "--at", iso(EDGE), "--dsn", dsn, extra_env=WIDE)
+        assert tree.returncode == 0, tree.stderr
+        assert "alert Quality (no severity) firing at 2026-11-01T06:17:00.000Z (fingerprint fedge)" in tree.stdout, tree.stdout
+        assert "release fr-4  state=release.rolled_back since 2026-11-01T06:17:00.000Z" in tree.stdout, tree.stdout
+    # The release directory applied the rollback: the workload still running in prod after it is control 2's, as live.
+    c2 = ("SELECT control_id, release_id, toString(opened_at) AS opened FROM gpuledger.violations FINAL WHERE workload_id = 'fleet/Job/edge' "
+          "AND NOT startsWith(detail, 'withdrawn:') ORDER BY control_id")
+    assert sql(kafka_bootstrap, cat, tmp_path, sandbox, c2) == [{"control_id": 2, "release_id": "fr-4", "opened": "2026-11-01 06:17:00.000"}]
+    assert sql(kafka_bootstrap, cat, tmp_path, live[0].dsn, c2) == sql(kafka_bootstrap, cat, tmp_path, sandbox, c2)
 
 
 def test_a_resumed_replay_waits_for_the_rows_its_recovered_state_parked(kafka_bootstrap, tmp_path):
