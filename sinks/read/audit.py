@@ -42,7 +42,7 @@ from gpuledger.timefmt import TimeFormatError, format_duration, parse_duration, 
 from sinks.correlated import IDENTITY_FIELDS
 from schemas.release import actor_text, decision_actor
 from sinks.migrations import table_name
-from sinks.read.replayed import note as replay_note, replayed
+from sinks.read.replayed import after_end, note as replay_note, replayed
 from sinks.read.pages import render_page
 from sinks.read.text import markup
 from sinks.read.decisions import check_state, decision_status, wait_run
@@ -214,6 +214,7 @@ def build_report(history: dict, policy: Policy, start: datetime, end: datetime, 
         "evidence": sections,
         "truncated": history.get("truncated", []),
         "notes": ([replay_note(history["replayed"])] if history.get("replayed") else [])
+                 + ([said] if (said := after_end(history.get("replayed"), end, "--to")) else [])
                  + ([f"the latest event in the store is at {_z(ev.judged_until)}, before --to: the worker judges deadlines on event time, "
                      f"so one between {_z(ev.judged_until)} and {_z(end)} (a reservation window's end, a grace period) is not judged in "
                      "these recorded verdicts — --reevaluate judges them as of --to"]

@@ -23,6 +23,8 @@ incident::
     alerts           alerts attributed to the chain (all, as of ``at``) and other alerts on
                      its nodes in the window (``in_chain: false``)
     gaps             missing links, said out loud rather than hidden
+    warnings         what the store cannot answer for the question asked, said before the
+                     chain: ``at`` (or now) after the end of a range replay's store
 
 How an entry becomes a chain: the entry resolves to a *root* — the release when one
 is known (alert → its release; workload → the release its rows name; pod → its
@@ -55,7 +57,7 @@ from schemas.envelope import nfc
 from schemas.release import ENDING_EVENTS, LIFECYCLE_EVENTS, actor_text, decision_actor
 from sinks.migrations import table_name
 from sinks.read.decisions import DEFERRED_RULE, check_state as decided_check_state, decision_status
-from sinks.read.replayed import note as replay_note, replayed
+from sinks.read.replayed import after_end, note as replay_note, replayed
 from streams.correlate.release import LIFECYCLE_ORDER
 
 DEFAULT_WINDOW = timedelta(hours=2)
@@ -1196,8 +1198,12 @@ def trace(reader, database: str, kind: str, value: str, at: datetime | None = No
     if kind == "alert" and not focal:
         chain["gaps"].insert(0, f"no alert with fingerprint {value} in the store" + (" as of --at" if at else ""))
     chain["gaps"][:0] = resolver.notes
+    chain["warnings"] = []
     if (replay := replayed(reader, database)):
         chain["gaps"].insert(0, replay_note(replay))
+        # (said first, above the chain — at the bottom among the gaps, a sandbox's "firing, promoted"
+        # as of a time after its end read as the answer at 3 a.m.)
+        chain["warnings"] = [said] if (said := after_end(replay, at, "--at")) else []
     chain["gaps"].extend(f"{t}: more than {ROW_LIMIT} rows matched; the chain shows the first {ROW_LIMIT} (narrow it with --at)"
                          for t in sorted(store.truncated))
     entry = {"kind": kind, "value": value, "at": norm_time(at) if at else None, "window": format_window(window),

@@ -36,6 +36,8 @@ def render_tree(result: dict) -> Tree:
     """The trace as a rich tree; missing links in red."""
     entry = result.get("entry") or {}
     root = Tree(_title(result, entry))
+    for text in result.get("warnings", []):  # (before the chain: what it cannot answer, a sandbox asked after its end)
+        root.add(f"[bold red]warning: {m(text)}[/]")
     win = result.get("window") or {}
     if win.get("to") and win.get("from") == win.get("to"):  # (--window 0)
         root.add("[dim]no window (--window 0): only the chain's own rows" + (f" as of {m(entry['at'])}" if entry.get("at") else "") + "[/]")

@@ -283,6 +283,40 @@ def test_a_range_keeps_the_events_the_store_keeps_at_its_bound(kafka_bootstrap, 
     assert sql(kafka_bootstrap, cat, tmp_path, live[0].dsn, c2) == sql(kafka_bootstrap, cat, tmp_path, sandbox, c2)
 
 
+def test_a_sandbox_asked_about_a_time_after_its_end_says_so_before_the_chain(kafka_bootstrap, history, live, edge_replay, tmp_path):
+    """Exploratory review: `trace --at` a minute after a range sandbox's end said the alert was firing, its
+    release promoted — the live store, resolved and rolled back; only a note at the bottom said the store
+    was a replay, and only of what was before its start."""
+    cat, _ = history
+    _out, sandbox = edge_replay
+    later = EDGE + timedelta(minutes=1)
+    live_tree = gpuledger(kafka_bootstrap, cat, tmp_path, "trace", "--alert", "fedge", "--at", iso(later), "--dsn", live[0].dsn, extra_env=WIDE)
+    assert "alert Quality (no severity) resolved at 2026-11-01T06:17:30.000Z" in live_tree.stdout and "warning" not in live_tree.stdout
+    tree = gpuledger(kafka_bootstrap, cat, tmp_path, "trace", "--alert", "fedge", "--at", iso(later), "--dsn", sandbox, extra_env=WIDE)
+    assert tree.returncode == 0, tree.stderr
+    lines = tree.stdout.splitlines()
+    assert lines[0].startswith("alert Quality (no severity) firing at 2026-11-01T06:17:00.000Z"), tree.stdout
+    # said at once, under the title, before anything the sandbox answers
+    said = ("warning: --at 2026-11-01T06:18:00.000Z is after the end of this replay, 2026-11-01T06:17:00.000Z: events after "
+            "2026-11-01T06:17:00.000Z are not in this store, so what follows is as it stood at 2026-11-01T06:17:00.000Z")
+    assert lines[1].startswith("├── " + said), tree.stdout
+    warnings = json.loads(gpuledger(kafka_bootstrap, cat, tmp_path, "trace", "--alert", "fedge", "--at", iso(later), "--dsn", sandbox,
+                                    "--format", "json").stdout)["warnings"]
+    assert len(warnings) == 1 and warnings[0].startswith(said.removeprefix("warning: ")), warnings
+    # No --at: "now" in the sandbox is its end.
+    now = gpuledger(kafka_bootstrap, cat, tmp_path, "trace", "--alert", "fedge", "--dsn", sandbox, extra_env=WIDE)
+    assert now.stdout.splitlines()[1].startswith('├── warning: no --at: "now" in this replay is its end, 2026-11-01T06:17:00.000Z'), now.stdout
+    # At its end, no warning: the sandbox answers as the live store.
+    at_end = gpuledger(kafka_bootstrap, cat, tmp_path, "trace", "--alert", "fedge", "--at", iso(EDGE), "--dsn", sandbox, extra_env=WIDE)
+    assert "warning" not in at_end.stdout and "this store is a replay" in at_end.stdout, at_end.stdout
+    # audit --to after the end: a note (table and JSON); to its end: none
+    audit = gpuledger(kafka_bootstrap, cat, tmp_path, "audit", "--dsn", sandbox, "--from", iso(EDGE_FROM), "--to", iso(later), extra_env=WIDE)
+    assert "note: --to 2026-11-01T06:18:00.000Z is after the end of this replay, 2026-11-01T06:17:00.000Z: events after" in audit.stdout, audit.stdout
+    notes = json.loads(gpuledger(kafka_bootstrap, cat, tmp_path, "audit", "--dsn", sandbox, "--from", iso(EDGE_FROM), "--to", iso(EDGE),
+                                 "--format", "json").stdout)["notes"]
+    assert len(notes) == 1 and notes[0].startswith("this store is a replay"), notes
+
+
 def test_a_resumed_replay_waits_for_the_rows_its_recovered_state_parked(kafka_bootstrap, tmp_path):
     """A replay stopped once its input was read while rows were still parked (a stray pod no
     release describes, at the end of the history: it waits for the idle flush), then resumed: the
