@@ -6,9 +6,12 @@ scheduled and GPUs assigned before it are not there — an audit of the range th
 control the live store fails (its violation opened before ``--from``), and a trace named no
 holder of a GPU assigned earlier. The replay writes its range into ``replay_range`` (a table
 of its own, not a migration: only sandboxes have it); ``audit`` and ``trace`` read it and say
-what the store is, so nobody takes a sandbox's verdict for the live one's — and, here, what
-a reader says when asked about a time after its end (``after_end``: what happened after
-``--to`` is not in it, so the chain there is the one at ``--to``).
+what the store is, so nobody takes a sandbox's verdict for the live one's — and, here, the
+other things a reader says about one: a time asked after its end (``after_end``: what
+happened after ``--to`` is not in it, so the chain there is the one at ``--to``), an approval
+before its start (``no_approval``: the replay's controls read it, the store does not hold it),
+and a GPU interval its pod's deletion ended (``ended_by_deletion``: the GPU's release may be
+after ``--to``).
 """
 
 from __future__ import annotations
@@ -69,3 +72,24 @@ def after_end(replay: dict[str, Any] | None, at: datetime | None, option: str) -
     return (f"{asked}: events after {to} are not in this store, so what follows is as it stood at {to} — an alert resolved, a "
             f"release rolled back, a GPU released after {to} still show as firing, promoted, held here; ask the live store about "
             f"the time after {to}")
+
+
+def no_approval(replay: dict[str, Any] | None, before: str) -> str:
+    """An evidence row's text for a release with no ``release.approved`` in the store before ``before``
+    (queue entry, admission, ...). In a replay of a range the approval may be before the range: not
+    in this store, though the replay's controls read it (the release directory reads the release
+    topic whole) — "none" beside a passing control read as a contradiction."""
+    if not (replay and replay.get("from")):
+        return f"no release.approved before {before}"
+    return (f"no release.approved before {before} in this replay: it starts at {replay['from']}, and an approval before then is "
+            "not in this store (its controls read every release event, and judged with it)")
+
+
+def ended_by_deletion(replay: dict[str, Any] | None) -> str | None:
+    """How a reader of a range replay shows a GPU interval its pod's deletion ended (``end_reason``
+    ``pod_deleted``: no release of the GPU in the store): the release may have come after the
+    replay's end — the live store, which has it, ends the interval there (held as of ``--to``).
+    None when the store is no replay with an end."""
+    if not (replay and replay.get("to")):
+        return None
+    return f"pod deleted; the GPU's release is not in this replay: after its end, {replay['to']}, or never"

@@ -317,6 +317,43 @@ def test_a_sandbox_asked_about_a_time_after_its_end_says_so_before_the_chain(kaf
     assert len(notes) == 1 and notes[0].startswith("this store is a replay"), notes
 
 
+def test_a_range_sandboxs_evidence_says_what_lies_outside_its_range(kafka_bootstrap, history, live, edge_replay, tmp_path):
+    """Exploratory review: in a range sandbox control 1 said "no release.approved before queue entry" beside
+    a passing verdict (the approval was before --from: not in the sandbox, read by its controls), and control
+    3 showed a GPU interval ended at --to by its pod's deletion where the live store said "held" (the GPU's
+    release came 616 ms after --to)."""
+    cat, _ = history
+    _out, sandbox = edge_replay
+
+    def audit(dsn: str) -> dict:
+        out = gpuledger(kafka_bootstrap, cat, tmp_path, "audit", "--dsn", dsn, "--from", iso(EDGE_FROM), "--to", iso(EDGE), "--format", "json")
+        assert out.returncode in (0, 1), out.stderr + out.stdout
+        return json.loads(out.stdout)
+
+    def section(report: dict, control: int) -> list[dict]:
+        return next(s["rows"] for s in report["evidence"] if s["control"] == control)
+
+    live_report, sandboxed = audit(live[0].dsn), audit(sandbox)
+    edge_live = next(r for r in section(live_report, 1) if r["workload"] == "fleet/Job/edge")
+    edge_sandbox = next(r for r in section(sandboxed, 1) if r["workload"] == "fleet/Job/edge")
+    assert edge_live["approvals"].startswith("alice") and edge_live["verdict"] == edge_sandbox["verdict"] == "no violation recorded"
+    assert edge_sandbox["approvals"] == ("no release.approved before queue entry in this replay: it starts at 2026-11-01T06:16:00.000Z, "
+                                         "and an approval before then is not in this store (its controls read every release event, "
+                                         "and judged with it)"), edge_sandbox
+    gpus = {s["value"].split(" ")[0]: s["value"] for s in section(sandboxed, 3) if s["step"] == "gpu"}
+    assert {s["value"] for s in section(live_report, 3) if s["step"] == "gpu"} == {
+        "fn0/GPU-EDGE-0 2026-11-01T06:16:41Z → held", "fn0/GPU-EDGE-1 2026-11-01T06:16:31Z → held"}
+    assert gpus == {"fn0/GPU-EDGE-0": "fn0/GPU-EDGE-0 2026-11-01T06:16:41Z → held",
+                    "fn0/GPU-EDGE-1": "fn0/GPU-EDGE-1 2026-11-01T06:16:31Z → 2026-11-01T06:17:00Z (pod deleted; the GPU's release is not "
+                                      "in this replay: after its end, 2026-11-01T06:17:00.000Z, or never)"}, gpus
+    # and the trace the same way
+    cut = "(pod deleted; the GPU's release is not in this replay: after its end, 2026-11-01T06:17:00.000Z, or never)"
+    tree = gpuledger(kafka_bootstrap, cat, tmp_path, "trace", "--pod", "fleet/edge-1", "--at", iso(EDGE), "--dsn", sandbox, extra_env=WIDE)
+    assert f"GPU fn0/GPU-EDGE-1  2026-11-01T06:16:31.000Z → 2026-11-01T06:17:00.000Z {cut}" in tree.stdout, tree.stdout
+    live_tree = gpuledger(kafka_bootstrap, cat, tmp_path, "trace", "--pod", "fleet/edge-1", "--at", iso(EDGE), "--dsn", live[0].dsn, extra_env=WIDE)
+    assert "GPU fn0/GPU-EDGE-1  2026-11-01T06:16:31.000Z → held" in live_tree.stdout, live_tree.stdout
+
+
 def test_a_resumed_replay_waits_for_the_rows_its_recovered_state_parked(kafka_bootstrap, tmp_path):
     """A replay stopped once its input was read while rows were still parked (a stray pod no
     release describes, at the end of the history: it waits for the idle flush), then resumed: the
