@@ -180,7 +180,7 @@ def test_a_full_replay_rebuilds_the_live_tables_identically(history, live, full_
     assert out.returncode == 0, out.stderr + out.stdout
     assert f"{len(events)} events on the raw topics" in out.stderr
     assert f"worker log: {tmp / 'data' / 'replays' / (cat.prefix + '-full') / 'worker.log'}" in out.stderr
-    assert f"replayed {len(events)} events" in out.stdout
+    assert f"replayed {len(events)} raw records in " in out.stdout and f": {len(events)} in range, 0 out of range" in out.stdout, out.stdout
     assert f"gpuledger.correlated_events\t{len(events)} rows" in out.stdout
     sums = checksum(sandbox)
     assert sums == live[1]
@@ -354,29 +354,80 @@ def test_a_range_sandboxs_evidence_says_what_lies_outside_its_range(kafka_bootst
     assert "GPU fn0/GPU-EDGE-1  2026-11-01T06:16:31.000Z → held" in live_tree.stdout, live_tree.stdout
 
 
+def parked_at_the_end() -> tuple[list, datetime]:
+    """A small fleet's history and, after every other event, a stray pod no release describes, with an
+    alert on it: their rows stay parked until the idle flush (``GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S``) or
+    an event later than their park TTL (the event-time watermark). The history and the stray's time."""
+    from schemas import AlertEvent, Identity, SchedulerEvent, make_event_id
+    from schemas.alert import AlertPayload
+    from schemas.scheduler import SchedulerPayload
+    from tests.streams.test_faults import SRC
+
+    history = fleet(6)
+    at = max(e.occurred_at for e in history) + timedelta(minutes=1)  # after every other event: nothing moves its watermark on
+    stray = Identity(namespace="fleet", pod="stray-0", node="fn0")
+    return history + [
+        SchedulerEvent(event_id=make_event_id("t", ("stray", "sched")), event_type="scheduler.scheduled", occurred_at=at, observed_at=at,
+                       source=SRC, identity=stray, payload=SchedulerPayload(object_kind="Pod", image_digests=(f"sha256:{'e' * 64}",))),
+        AlertEvent(event_id=make_event_id("t", ("stray", "q")), event_type="alert.firing", occurred_at=at, observed_at=at, source=SRC,
+                   identity=Identity(alert_fingerprint="stray-q", namespace="fleet", pod="stray-0"),
+                   payload=AlertPayload(alertname="Quality", starts_at=at)),
+    ], at
+
+
+def test_the_summary_counts_what_the_replay_read_and_says_what_came_while_it_ran(kafka_bootstrap, tmp_path):
+    """Exploratory review: "replayed 152 events … 104 in range, 54 out of range" — 158: the route stage counted
+    the records published after the replay started (and a record repeating an event is counted as
+    often as it came), the total did not. Here two records come while the replay runs, a repeat of
+    an event of the history and a later event — the replay cannot finish before the route stage read
+    them: the stray's rows stay parked (no idle flush) until the later event moves the watermark."""
+    from schemas import Identity, SchedulerEvent, make_event_id
+    from schemas.scheduler import SchedulerPayload
+    from tests.streams.test_faults import SRC
+
+    cat = TopicCatalogue(prefix=f"late{uuid.uuid4().hex[:6]}", raw_partitions=4)
+    ensure_topics({"bootstrap.servers": kafka_bootstrap}, cat)
+    events, at = parked_at_the_end()
+    publisher = EventPublisher({"bootstrap.servers": kafka_bootstrap}, cat, "test")
+    publisher.publish_batch(events)
+    repeat = next(e for e in events if e.event_type == "scheduler.scheduled" and e.identity.release_id == "fr-1")
+    later = SchedulerEvent(event_id=make_event_id("t", ("late", "sched")), event_type="scheduler.scheduled", occurred_at=at + timedelta(minutes=10),
+                           observed_at=at + timedelta(minutes=10), source=SRC,
+                           identity=Identity(namespace="fleet", pod="late-0", node="fn1", release_id="fr-1"),
+                           payload=SchedulerPayload(object_kind="Pod", image_digests=(f"sha256:{1:064x}",)))
+    env = {**os.environ, "GPULEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap, "GPULEDGER_KAFKA_TOPIC_PREFIX": cat.prefix,
+           "GPULEDGER_KAFKA_RAW_PARTITIONS": str(cat.raw_partitions), "GPULEDGER_DATA_DIR": str(tmp_path / "data"),
+           "GPULEDGER_CLICKHOUSE_DSN": "chdb:///nonexistent/live", **ENV, "GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "3600"}
+    replay = subprocess.Popen([sys.executable, "-m", "gpuledger.cli", "replay", "--into", f"chdb://{tmp_path / 'sandbox'}", "--app-id",
+                               f"{cat.prefix}-late", "--timeout", "300"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # printed once the replay took the raw topics' end offsets (its total), before its worker starts
+        header = next((line for line in replay.stderr if "events on the raw topics" in line), "")
+        assert f"{len(events)} events on the raw topics" in header, header
+        # (one key, one partition: the repeat is read before the later event)
+        assert repeat.correlation_key() == later.correlation_key()
+        publisher.publish_batch([repeat, later])
+        out, err = replay.communicate(timeout=360)
+    finally:
+        if replay.poll() is None:
+            replay.kill()
+    assert replay.returncode == 0, header + err + out
+    n = len(events)
+    assert f"replayed {n + 2} raw records in " in out and f": {n + 2} in range, 0 out of range, 0 dead-lettered\n" in out, out
+    assert f"  {n} were on the raw topics when it started, 2 were published while it ran" in out, out
+    # rows: the repeated event is one row
+    assert f"gpuledger.correlated_events\t{n + 1} rows" in out, out
+
+
 def test_a_resumed_replay_waits_for_the_rows_its_recovered_state_parked(kafka_bootstrap, tmp_path):
     """A replay stopped once its input was read while rows were still parked (a stray pod no
     release describes, at the end of the history: it waits for the idle flush), then resumed: the
     resumed worker has no input left and its recovered rows go out only on the idle timer —
     health said 0 parked (the count the last batch left, and no batch ran), so the resume called
     the run caught up and stopped it first: rows missing, exit 0."""
-    from schemas import AlertEvent, Identity, SchedulerEvent, make_event_id
-    from schemas.alert import AlertPayload
-    from schemas.scheduler import SchedulerPayload
-    from tests.streams.test_faults import SRC
-
     cat = TopicCatalogue(prefix=f"resume{uuid.uuid4().hex[:6]}", raw_partitions=4)
     ensure_topics({"bootstrap.servers": kafka_bootstrap}, cat)
-    history = fleet(6)
-    at = max(e.occurred_at for e in history) + timedelta(minutes=1)  # after every other event: nothing moves its watermark on
-    stray = Identity(namespace="fleet", pod="stray-0", node="fn0")
-    events = history + [
-        SchedulerEvent(event_id=make_event_id("t", ("stray", "sched")), event_type="scheduler.scheduled", occurred_at=at, observed_at=at,
-                       source=SRC, identity=stray, payload=SchedulerPayload(object_kind="Pod", image_digests=(f"sha256:{'e' * 64}",))),
-        AlertEvent(event_id=make_event_id("t", ("stray", "q")), event_type="alert.firing", occurred_at=at, observed_at=at, source=SRC,
-                   identity=Identity(alert_fingerprint="stray-q", namespace="fleet", pod="stray-0"),
-                   payload=AlertPayload(alertname="Quality", starts_at=at)),
-    ]
+    events, _at = parked_at_the_end()
     EventPublisher({"bootstrap.servers": kafka_bootstrap}, cat, "test").publish_batch(events)
     whole = f"chdb://{tmp_path / 'whole'}"
     out = gpuledger(kafka_bootstrap, cat, tmp_path, "replay", "--into", whole, "--app-id", f"{cat.prefix}-whole", "--timeout", "300")
@@ -390,8 +441,8 @@ def test_a_resumed_replay_waits_for_the_rows_its_recovered_state_parked(kafka_bo
     resumed = gpuledger(kafka_bootstrap, cat, tmp_path, "replay", "--resume", "--app-id", app_id, "--into", sandbox, "--timeout", "300",
                         extra_env={"GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "10"})  # (the default: the replay's looks come sooner)
     assert resumed.returncode == 0, resumed.stderr + resumed.stdout
-    assert (f"replayed {len(events)} events (resumed at {len(events)})" in resumed.stdout
-            and "its route stage in this run: 0 in range" in resumed.stdout), resumed.stdout
+    assert (f"replayed {len(events)} raw records (resumed at {len(events)}; this run's route stage read 0)" in resumed.stdout
+            and ": 0 in range, 0 out of range, 0 dead-lettered\n" in resumed.stdout), resumed.stdout
     assert checksum(sandbox) == checksum(whole)
 
 
