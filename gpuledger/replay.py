@@ -334,6 +334,10 @@ class ReplayResult:
     elapsed_s: float
     worker_exit: int | None
     withdrawn: dict[str, int]  # per table: the withdrawn violations' tombstones, left out of ``rows``
+    #: Raw records the route stage read in this run, as its group's committed offsets count them (None:
+    #: Kafka did not say), and how many of them were published after the replay started.
+    read: int | None = None
+    late: int = 0
 
 
 def run_replay(plan: ReplayPlan, settings, console: Console, timeout: float | None = None) -> ReplayResult:
@@ -456,22 +460,41 @@ def _replay_with(progress, plan: ReplayPlan, settings, console: Console, timeout
         raise
     elapsed = time.monotonic() - started
     code = service.stop(grace=60)
+    try:  # (after the stop: the route stage committed what it counted)
+        read, late = progress.raw_read(f"{plan.app_id}.route", committed.get(f"{plan.app_id}.route"))
+    except KafkaException:
+        read, late = None, 0  # (the summary then gives the stage's counts alone: the sandbox is done)
     finish_sandbox(plan, settings.clickhouse.cluster)
     rows, withdrawn = table_rows(plan.into, plan.database, settings.clickhouse.cluster)
-    return ReplayResult(look.done, look.done - first_done[0], last, rows, elapsed, code, withdrawn)
+    return ReplayResult(look.done, look.done - first_done[0], last, rows, elapsed, code, withdrawn, read, late)
 
 
 def print_summary(plan: ReplayPlan, result: ReplayResult) -> None:
-    """The result on stdout: what was replayed, how fast, the rows per table, where to look next."""
+    """The result on stdout: what was replayed, how fast, the rows per table, where to look next.
+
+    The first line counts raw records, as the route stage read them (its group's committed offsets):
+    in range, out of range and dead-lettered add up to them. They are the records on the raw topics
+    when the replay started (the bar's total) plus those published while it ran, said apart — the
+    line counted the latter in its split but not in its total (152 replayed: 104 in range, 54 out).
+    The tables count rows: an event whose record came twice (a re-sent alert, one id) is one row."""
     stats = result.health.get("stats", {})
-    rate = result.events_now / result.elapsed_s if result.elapsed_s > 0 else 0.0
-    # (a resumed replay's worker counts only what it routed itself: say so, not "0 in range")
     resumed = plan.resume
-    # (resumed: the route stage's counts are of what it routed in this run, which need not add up to the
-    # events this run took the replay through — every group of the replay had committed its own share before)
-    print(f"replayed {result.events} events" + (f" (resumed at {result.events - result.events_now})" if resumed else "")
-          + f" in {result.elapsed_s:.1f}s ({rate:,.0f} events/s): " + ("its route stage in this run: " if resumed else "")
-          + f"{stats.get('routed', 0)} in range, {stats.get('out_of_range', 0)} out of range, {stats.get('dead_letters', 0)} dead-lettered")
+    split = (stats.get("routed", 0), stats.get("out_of_range", 0), stats.get("dead_letters", 0))
+    read = result.read if result.read is not None else sum(split)
+    rate = read / result.elapsed_s if result.elapsed_s > 0 else 0.0
+    # (resumed: every group of the replay had committed its own share before; this run's route stage
+    # counts what it read itself)
+    head = (f"replayed {result.events + result.late} raw records (resumed at {result.events - result.events_now}; this run's route "
+            f"stage read {read})" if resumed else f"replayed {read} raw records")
+    counted = ("" if sum(split) == read else
+               f"; the route stage's counts cover {sum(split)} (a stage restarted during the replay counts afresh, and again "
+               "what it reads again)")
+    print(f"{head} in {result.elapsed_s:.1f}s ({rate:,.0f} records/s): {split[0]} in range, {split[1]} out of range, {split[2]} "
+          f"dead-lettered{counted}")
+    if result.late:
+        print(f"  {read - result.late} {'were' if read - result.late != 1 else 'was'} on the raw topics when it started, {result.late} "
+              f"{'were' if result.late != 1 else 'was'} published while it ran (read, not waited for: use --to for a fixed end)")
+    print("rows in the sandbox, as readers see them (an event whose record came twice — a re-sent alert — is one row):")
     for table, n in result.rows.items():
         withdrawn = result.withdrawn.get(table)
         print(f"  {plan.database}.{table}\t{n} rows" + (f" (+{withdrawn} withdrawn, which readers skip: their number depends on the "

@@ -27,7 +27,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from gpuledger.timefmt import parse_time
+from gpuledger.timefmt import parse_time, within
 from producers.kubernetes.config import SchedulerCollectorSettings
 from producers.podresources.config import PodResourcesSettings
 from producers.admission.config import AdmitSettings
@@ -172,8 +172,8 @@ class StreamsSettings(BaseSettings):
     fault: str | None = Field(default=None, pattern=r"^(route|correlate|controls):(before_outputs|during_outputs|after_outputs|after_changelog):[1-9][0-9]*$",
                               description="Fault injection for the crash tests: 'STAGE:POINT:N' ends the process at once (as kill -9 would) the Nth time STAGE (route, correlate, controls) reaches POINT in a batch or an epoch commit: before_outputs (state folded, nothing produced), during_outputs (produced, not acknowledged), after_outputs (the commit's outputs acknowledged, state not written; the route stage's: offsets not committed), after_changelog (state written, input not acked). A route fault ends the route process alone (the worker restarts it, without the fault).")
     verify_journal: bool = Field(default=False, description="For gpuledger's own tests: the entity store looks at every sealed chunk of a state at every write as well, and fails a write whose chunk changed without its journal noting it (`streams.store.VERIFY_JOURNAL`). Costs what the journal saves.")
-    replay_from: datetime | None = Field(default=None, description="Start of the event-time range (occurred_at, inclusive; no zone means UTC) this run processes: the route stage and the raw sink skip earlier events (`gpuledger replay --from`). The release directory reads every release regardless. Unset: no lower bound.")
-    replay_to: datetime | None = Field(default=None, description="End of that range (inclusive, as `gpuledger audit --to` and `trace --at`): later events are skipped (`gpuledger replay --to`), by the release directory too (a release event after the range does not judge the range's workloads). Unset: no upper bound.")
+    replay_from: datetime | None = Field(default=None, description="Start of the event-time range (occurred_at, inclusive, compared to the millisecond as the store keeps times; no zone means UTC) this run processes: the route stage and the raw sink skip earlier events (`gpuledger replay --from`). The release directory reads every release regardless. Unset: no lower bound.")
+    replay_to: datetime | None = Field(default=None, description="End of that range (inclusive and to the millisecond, as `gpuledger audit --to` and `trace --at` read the store: an event at the bound + 400 µs is stored at the bound and kept): later events are skipped (`gpuledger replay --to`), by the release directory too (a release event after the range does not judge the range's workloads). Unset: no upper bound.")
 
     @field_validator("replay_from", "replay_to", mode="before")
     @classmethod
@@ -190,8 +190,10 @@ class StreamsSettings(BaseSettings):
     def in_range(self, occurred_at: datetime) -> bool:
         """Whether an event time lies in [replay_from, replay_to] (always true without a range). Closed, as the
         audit's range and ``trace --at`` are: a replay of [A, B) then an audit of [A, B] (the same bounds)
-        judged the events at B — Kubernetes times are whole seconds, many sit on a round bound — without them."""
-        return (self.replay_from is None or occurred_at >= self.replay_from) and (self.replay_to is None or occurred_at <= self.replay_to)
+        judged the events at B — Kubernetes times are whole seconds, many sit on a round bound — without them.
+        At the store's precision, milliseconds (``gpuledger.timefmt.within``): an event at B + 400 us is stored,
+        and read by the audit, at B."""
+        return within(occurred_at, self.replay_from, self.replay_to)
 
 
 class TelemetrySettings(BaseSettings):

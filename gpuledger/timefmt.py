@@ -17,6 +17,8 @@ Durations: ``90s``, ``15m``, ``2h``, ``1d``, combined from the largest unit down
 Output texts: ``iso_z`` (``…T13:40:00.000Z``: milliseconds, sorts as text), ``iso_z(t, 6)``
 (microseconds, the form inside scheduler event ids), ``format_duration`` (``1h30m``),
 ``clickhouse_time`` (a ``DateTime64(3, 'UTC')`` query parameter).
+Ranges: ``within`` — whether a time lies in a closed range, compared as the store compares
+(``at_store_precision``: milliseconds), the one test every replay range is applied with.
 Limits: no week/month units (months have no fixed length); no leap seconds.
 """
 
@@ -144,6 +146,26 @@ def clickhouse_time(value: datetime) -> str:
     """A ``DateTime64(3, 'UTC')`` query parameter (ClickHouse does not parse ``T…Z`` there)."""
     t = as_utc(value)
     return t.strftime("%Y-%m-%d %H:%M:%S.") + f"{t.microsecond // 1000:03d}"
+
+
+def at_store_precision(value: datetime) -> datetime:
+    """``value`` as the store keeps it: cut to the millisecond (``DateTime64(3)``; ClickHouse drops
+    the digits after the third, never rounds — measured: ``…45.000999`` is stored as ``…45.000``).
+    Query bounds are cut the same way (``clickhouse_time``)."""
+    return value.replace(microsecond=value.microsecond - value.microsecond % 1000)
+
+
+def within(value: datetime, start: datetime | None, end: datetime | None) -> bool:
+    """Whether ``value`` lies in the closed range ``[start, end]`` (None: no bound), each side at the
+    store's precision (``at_store_precision``) — so that a replay's range keeps the events that
+    ``audit --from/--to`` and ``trace --at`` with the same bounds read from the store. Compared to
+    the microsecond, an event at ``…45.000400`` (Kubernetes MicroTime, Alertmanager's nanoseconds),
+    stored as ``…45.000``, was read by ``audit --to …45`` and skipped by ``replay --to …45``; and a
+    bound with microseconds (``--from 2h``) skipped the events stored in its own millisecond."""
+    if start is None and end is None:
+        return True
+    t = at_store_precision(value)
+    return (start is None or t >= at_store_precision(start)) and (end is None or t <= at_store_precision(end))
 
 
 def parse_duration(value: Any, what: str | None = None) -> timedelta:

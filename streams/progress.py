@@ -191,6 +191,22 @@ class RunProgress:
         stats = (health or {}).get("stats", {})
         return Look(done, self.total, left, lag, stats.get("parked"), (health or {}).get("status"), done_by)
 
+    def raw_read(self, group: str, since: dict[tuple[str, int], int] | None = None) -> tuple[int, int]:
+        """(records of the raw topics ``group`` has committed beyond ``since`` — its committed offsets at
+        an earlier time, None: from the first retained record —, how many of them were published after
+        this progress was created, beyond ``total``'s end offsets): what a run read, counted as Kafka
+        counts it, where the stage's own counters also count records published while it ran, and
+        start afresh when its process is restarted."""
+        committed = self.committed().get(group, {})
+        read = late = 0
+        for tp, end in self.targets.items():
+            if tp[0] not in self.raw:
+                continue
+            at = max(committed.get(tp, 0), self.first[tp])
+            read += max(at - max((since or {}).get(tp, 0), self.first[tp]), 0)
+            late += max(at - max(end, (since or {}).get(tp, 0)), 0)
+        return read, late
+
     def group_lag(self) -> dict[str, dict]:
         """Per consumer group of the run, now: the topics it reads, their ``partitions``, the
         ``lag`` (records between each partition's end and the group's committed offset — from

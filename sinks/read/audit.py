@@ -42,7 +42,7 @@ from gpuledger.timefmt import TimeFormatError, format_duration, parse_duration, 
 from sinks.correlated import IDENTITY_FIELDS
 from schemas.release import actor_text, decision_actor
 from sinks.migrations import table_name
-from sinks.read.replayed import note as replay_note, replayed
+from sinks.read.replayed import after_end, ended_by_deletion, no_approval, note as replay_note, replayed
 from sinks.read.pages import render_page
 from sinks.read.text import markup
 from sinks.read.decisions import check_state, decision_status, is_dry_run, wait_run
@@ -117,7 +117,7 @@ def load_history(reader, database: str, start: datetime, end: datetime, lookback
         if (rid := r["identity"].get("release_id")) and not r["event_type"].startswith("release."):
             r["release_known"] = rid in described
     alloc_cols = ("allocation_id", "version", "node", "gpu_id", "namespace", "pod", "release_id", "workload_id", "attribution",
-                  "started_at", "ended_at", "start_event_id", "end_event_id")
+                  "started_at", "ended_at", "end_reason", "start_event_id", "end_event_id")
     raw_allocs = store.latest("gpu_allocations", alloc_cols, "started_at <= {to:DateTime64(3)}",
                               params, after="ended_at IS NULL OR ended_at >= {since:DateTime64(3)}",
                               order="started_at, allocation_id", limit=MAX_ROWS)
@@ -129,6 +129,7 @@ def load_history(reader, database: str, start: datetime, end: datetime, lookback
                             "namespace": a["namespace"], "pod": a["pod"], "attribution": a["attribution"],
                             "identity": {k: a[k] for k in ("release_id", "workload_id") if a.get(k)},
                             "started_at": a["started_at"], "ended_at": None if held_at_end else a["ended_at"],
+                            "end_reason": None if held_at_end else (a.get("end_reason") or None),
                             "start_event_id": a["start_event_id"], "end_event_id": None if held_at_end else (a.get("end_event_id") or None)})
     # Each row once: its versions share its occurred_at, and counted without FINAL they made two stores
     # with identical tables say 67, 70 and 77 events (exploratory review).
@@ -224,6 +225,7 @@ def build_report(history: dict, policy: Policy, start: datetime, end: datetime, 
         "evidence": sections,
         "truncated": history.get("truncated", []),
         "notes": ([replay_note(history["replayed"])] if history.get("replayed") else [])
+                 + ([said] if (said := after_end(history.get("replayed"), end, "--to")) else [])
                  + ([f"the latest event in the store is at {_z(ev.judged_until)}, before --to: the worker judges deadlines on event time, "
                      f"so one between {_z(ev.judged_until)} and {_z(end)} (a reservation window's end, a grace period) is not judged in "
                      "these recorded verdicts — --reevaluate judges them as of --to"]
@@ -356,6 +358,9 @@ class Evidence:
         self.policy = policy
         self.start, self.end = start, end
         self.violations = violations
+        #: The replay that built the store (``sinks.read.replayed``), None for the live store: an approval
+        #: before its range is not in it, a GPU release after its end neither.
+        self.replay = history.get("replayed")
         #: The latest event time in the store when it is before ``end`` in a recorded report: a
         #: deadline after it is not judged by the recorded verdicts (``build_report``).
         self.judged_until: datetime | None = None
@@ -457,7 +462,7 @@ class Evidence:
             out.append({"workload": wid, "release": rid or "no release identity", "environment": entry["identity"].get("environment") or "",
                         "queue_entry": _z(entry["occurred_at"]), "entry_event": entry["event_type"],
                         "policy_result": self._policy_result(wid, rows, entry, stopped),
-                        "approvals": "; ".join(approvals) or ("" if not rid else "no release.approved before queue entry"),
+                        "approvals": "; ".join(approvals) or ("" if not rid else no_approval(self.replay, "queue entry")),
                         # (a recorded violation is the verdict whatever admit decided: the record, not our reading of it)
                         "verdict": _verdict(mine) if mine or stopped is None else _stop_verdict(*stopped)})
         decided = self._decided_only()
@@ -532,7 +537,7 @@ class Evidence:
             approvals = self._approvals_before(rid, parse_instant(last["occurred_at"])) if rid and not deferred else []
             out.append({"workload": wid, "release": rid or "no release identity", "environment": ident.get("environment") or "",
                         "queue_entry": queue_entry, "entry_event": "admission.decided", "policy_result": policy_result,
-                        "approvals": "; ".join(approvals) or ("" if not rid or deferred else "no release.approved before the decision"),
+                        "approvals": "; ".join(approvals) or ("" if not rid or deferred else no_approval(self.replay, "the decision")),
                         "verdict": verdict})
         return out
 
@@ -625,7 +630,7 @@ class Evidence:
         mine = [v for v in self._of(2) if v["identity"].get("release_id") == rid] + self._citing(7, lifecycle, first_only=True)
         promoted = (_event_text(last, _payload(self.release_rows.get(last[2], {})).get("approval_id")) if last
                     else f"no release.promoted to {self.prod} by {_z(self.end)}")
-        return {"release": rid, "approvals": "; ".join(approvals) or "no release.approved before the promotion", "promoted": promoted,
+        return {"release": rid, "approvals": "; ".join(approvals) or no_approval(self.replay, "the promotion"), "promoted": promoted,
                 # The lifecycle state (a reservation released after a rollback is no state of its own).
                 "state_at_end": self.directory.lifecycle_state_as_of(rid, self.end.isoformat()) or "",
                 "scheduling_applied": self._scheduling_applied(rid),
@@ -689,7 +694,11 @@ class Evidence:
 
     def _gpu_steps(self, rows: list[dict]) -> list[dict]:
         pods = {f"{r['identity'].get('namespace')}/{r['identity']['pod']}" for r in rows if r["identity"].get("pod")}
-        return [{"step": "gpu", "value": f"{a['node']}/{a['gpu_id']} {_z(a['started_at'])} → {_z(a['ended_at']) or 'held'}"}
+        # (in a range replay, an interval its pod's deletion ended may have held the GPU past the replay's end:
+        # the live store, which has the release, read "held" where the sandbox read an end, unexplained)
+        deleted = ended_by_deletion(self.replay)
+        return [{"step": "gpu", "value": f"{a['node']}/{a['gpu_id']} {_z(a['started_at'])} → {_z(a['ended_at']) or 'held'}"
+                 + (f" ({deleted})" if deleted and a["ended_at"] and a.get("end_reason") == "pod_deleted" else "")}
                 for a in self.allocations if f"{a['namespace']}/{a['pod']}" in pods]
 
     def _manifest_steps(self, rid: str, first: dict, rows: list[dict]) -> list[dict]:
@@ -697,7 +706,7 @@ class Evidence:
         admitted = parse_instant(first["occurred_at"])
         manifest = self.directory.manifest(rid)
         steps = [{"step": "release", "value": f"{rid} (state at admission: {self.directory.state_as_of(rid, admitted.isoformat()) or '?'})"},
-                 {"step": "approvals", "value": "; ".join(self._approvals_before(rid, admitted)) or "no release.approved before admission"}]
+                 {"step": "approvals", "value": "; ".join(self._approvals_before(rid, admitted)) or no_approval(self.replay, "admission")}]
         for f in ("model_name", "model_version", "artifact_digest", "image_digest", "config_digest", "dataset_ref", "owner"):
             steps.append({"step": f"manifest.{f}", "value": manifest.get(f) or "<gap>"})
         running = sorted({d for r in rows for d in (_payload(r).get("image_digests") or [])})

@@ -17,12 +17,15 @@ incident::
                      name), evictions, pods
     pods             namespace/pod, uid, workload, nodes
     gpus             node/GPU with the chain's allocation intervals, and who else held it
-                     in the window
+                     in the window (in a range replay, an interval its pod's deletion ended
+                     has ``end_note``: the GPU's release may be after the replay's end)
     scheduler_events preemptions, evictions, ... of the chain's workloads and, in the
                      window, of other workloads on the chain's nodes
     alerts           alerts attributed to the chain (all, as of ``at``) and other alerts on
                      its nodes in the window (``in_chain: false``)
     gaps             missing links, said out loud rather than hidden
+    warnings         what the store cannot answer for the question asked, said before the
+                     chain: ``at`` (or now) after the end of a range replay's store
 
 How an entry becomes a chain: the entry resolves to a *root* — the release when one
 is known (alert → its release; workload → the release its rows name; pod → its
@@ -55,7 +58,7 @@ from schemas.envelope import nfc
 from schemas.release import ENDING_EVENTS, LIFECYCLE_EVENTS, actor_text, decision_actor
 from sinks.migrations import table_name
 from sinks.read.decisions import DEFERRED_RULE, check_state as decided_check_state, decision_status, is_dry_run
-from sinks.read.replayed import note as replay_note, replayed
+from sinks.read.replayed import after_end, ended_by_deletion, note as replay_note, replayed
 from streams.correlate.release import LIFECYCLE_ORDER
 
 DEFAULT_WINDOW = timedelta(hours=2)
@@ -1206,8 +1209,13 @@ def trace(reader, database: str, kind: str, value: str, at: datetime | None = No
     if kind == "alert" and not focal:
         chain["gaps"].insert(0, f"no alert with fingerprint {value} in the store" + (" as of --at" if at else ""))
     chain["gaps"][:0] = resolver.notes
+    chain["warnings"] = []
     if (replay := replayed(reader, database)):
         chain["gaps"].insert(0, replay_note(replay))
+        # (said first, above the chain — at the bottom among the gaps, a sandbox's "firing, promoted"
+        # as of a time after its end read as the answer at 3 a.m.)
+        chain["warnings"] = [said] if (said := after_end(replay, at, "--at")) else []
+        _mark_deletion_ends(chain, resolver.holders, ended_by_deletion(replay))
     chain["gaps"].extend(f"{t}: more than {ROW_LIMIT} rows matched; the chain shows the first {ROW_LIMIT} (narrow it with --at)"
                          for t in sorted(store.truncated))
     entry = {"kind": kind, "value": value, "at": norm_time(at) if at else None, "window": format_window(window),
@@ -1219,6 +1227,18 @@ def trace(reader, database: str, kind: str, value: str, at: datetime | None = No
     if resolver.holders:
         entry["gpu_holders"] = resolver.holders
     return {"entry": entry, **chain}
+
+
+def _mark_deletion_ends(chain: dict, holders: list[dict], note: str | None) -> None:
+    """In a range replay, each GPU interval its pod's deletion ended gets ``end_note`` (``note``): the
+    GPU's release may be after the replay's end — the live store ends it there, held as of ``--to``."""
+    if note is None:
+        return
+    intervals = [*holders, *(a for p in chain["pods"] for a in p.get("allocations", [])),
+                 *(a for g in chain["gpus"] for a in (*g.get("allocations", []), *g.get("others_in_window", [])))]
+    for a in intervals:
+        if a.get("ended_at") and a.get("end_reason") == "pod_deleted":
+            a["end_note"] = note
 
 
 def chain_of(result: dict) -> dict:

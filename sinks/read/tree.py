@@ -32,10 +32,17 @@ def _span(start, end, reason=None) -> str:
     return f"{m(start)} → {m(end) if end else 'held'}" + (f" ({m(reason)})" if reason and end else "")
 
 
+def _interval(a: dict) -> str:
+    """A GPU interval: its span and why it ended (a range replay's note on one its pod's deletion ended)."""
+    return _span(a["started_at"], a.get("ended_at"), a.get("end_note") or a.get("end_reason"))
+
+
 def render_tree(result: dict) -> Tree:
     """The trace as a rich tree; missing links in red."""
     entry = result.get("entry") or {}
     root = Tree(_title(result, entry))
+    for text in result.get("warnings", []):  # (before the chain: what it cannot answer, a sandbox asked after its end)
+        root.add(f"[bold red]warning: {m(text)}[/]")
     win = result.get("window") or {}
     if win.get("to") and win.get("from") == win.get("to"):  # (--window 0)
         root.add("[dim]no window (--window 0): only the chain's own rows" + (f" as of {m(entry['at'])}" if entry.get("at") else "") + "[/]")
@@ -121,7 +128,7 @@ def _add_pod(parent: Tree, key: str, p: dict) -> None:
     pnode = parent.add(f"pod {m(key)}" + (f"  uid={m(p['pod_uid'])}" if p.get("pod_uid") else "") +
                        (f"  nodes={m(','.join(p['nodes']))}" if p.get("nodes") else ""))
     for a in p.get("allocations", []):
-        pnode.add(f"GPU {m(a['node'])}/{m(a['gpu_id'])}  {_span(a['started_at'], a.get('ended_at'), a.get('end_reason'))}")
+        pnode.add(f"GPU {m(a['node'])}/{m(a['gpu_id'])}  {_interval(a)}")
     if not p.get("allocations"):
         pnode.add(f"GPU: {GAP}")
 
@@ -256,9 +263,9 @@ def _add_gpus(root: Tree, gpus: list[dict]) -> None:
     for g in gpus:
         gg = gnode.add(f"{m(g['node'])}/{m(g['gpu_id'])}")
         for a in g["allocations"]:
-            gg.add(f"{m(a['namespace'])}/{m(a['pod'])}  {_span(a['started_at'], a.get('ended_at'), a.get('end_reason'))}")
+            gg.add(f"{m(a['namespace'])}/{m(a['pod'])}  {_interval(a)}")
         for a in g.get("others_in_window", []):
-            gg.add(f"[yellow]also[/] {m(a['namespace'])}/{m(a['pod'])}  {_span(a['started_at'], a.get('ended_at'), a.get('end_reason'))}"
+            gg.add(f"[yellow]also[/] {m(a['namespace'])}/{m(a['pod'])}  {_interval(a)}"
                    + (f"  workload={m(a['workload_id'])}" if a.get("workload_id") else ""))
 
 

@@ -38,6 +38,7 @@ from contextvars import ContextVar
 from datetime import datetime
 
 from gpuledger.telemetry import demote
+from gpuledger.timefmt import within
 from schemas import EventDecodeError, decode_event
 from schemas.release import ENDING_EVENTS, LIFECYCLE_EVENTS
 from sinks.retry import OutageLog
@@ -412,8 +413,10 @@ async def follow_release_topic(bootstrap: str, topic: str, directory: ReleaseDir
     ``until``: the end of a replay's range (``streams.replay_to``): release events after it are
     not applied — the directory reads the whole topic at start, and a rollback after ``--to``
     judged the range's workloads as of it (a control-2 violation after the range's end that
-    the live store, which saw the workload stop first, never had). Events before the range's
-    start are applied: they are what the range's events are attributed to."""
+    the live store, which saw the workload stop first, never had). Compared as the route stage
+    compares (``gpuledger.timefmt.within``, milliseconds): a release event at ``until`` + 400 us
+    is stored at ``until`` and is in the range. Events before the range's start are applied:
+    they are what the range's events are attributed to."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
     from aiokafka.errors import KafkaConnectionError
 
@@ -472,7 +475,7 @@ async def follow_release_topic(bootstrap: str, topic: str, directory: ReleaseDir
                 for msg in messages:
                     try:
                         event = decode_event(msg.value)
-                        if until is None or event.occurred_at <= until:
+                        if within(event.occurred_at, None, until):  # (to the millisecond, as the route stage's range)
                             changed.update(directory.apply(event))
                     except EventDecodeError:
                         pass  # dead-lettered by the routing agent, which reads the same record

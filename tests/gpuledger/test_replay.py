@@ -55,6 +55,60 @@ def rollback():
                         payload=ReleasePayload(actor="alice", reason="quality regression", to_environment="prod"))
 
 
+#: The edge range [EDGE_FROM, EDGE]: after every fleet pod (the last is scheduled at T0 + 10 min + 329 s)
+#: and fr-2's rollback, so that workload fleet/Job/edge of release fr-4, started in it, is its latest
+#: prod run. At EDGE, with the times real senders give: pod edge-1 is deleted (Kubernetes: whole
+#: seconds); 400 us later (Alertmanager sends nanoseconds, Kubernetes' eventTime is MicroTime) an alert on
+#: edge-0 fires and fr-4 is rolled back — stored, and read by `audit --to EDGE` and `trace --at EDGE`, at
+#: EDGE. After EDGE: edge-1's GPU release (the pod-resources poll, 616 ms later), the alert's resolution.
+EDGE = T0 + timedelta(minutes=17)
+EDGE_FROM = EDGE - timedelta(minutes=1)
+MICRO = timedelta(microseconds=400)
+
+
+def edge():
+    from schemas import AlertEvent, GpuEvent, Identity, ReleaseEvent, SchedulerEvent, Source, make_event_id
+    from schemas.alert import AlertPayload
+    from schemas.gpu import GpuPayload
+    from schemas.release import ReleasePayload
+    from schemas.scheduler import SchedulerPayload
+
+    src, digest = Source(collector="test"), f"sha256:{4:064x}"
+    out = []
+    for name, started in (("edge-0", EDGE - timedelta(seconds=20)), ("edge-1", EDGE - timedelta(seconds=30))):
+        pod = Identity(namespace="fleet", pod=name, workload_id="fleet/Job/edge", node="fn0", release_id="fr-4", environment="prod")
+        gpu = Identity(namespace="fleet", pod=name, node="fn0", gpu_id=f"GPU-{name.upper()}")
+        holds = GpuPayload(node="fn0", namespace="fleet", pod=name, container="main", device_id=f"GPU-{name.upper()}", gpu=f"GPU-{name.upper()}")
+        out += [SchedulerEvent(event_id=make_event_id("e", (name, "sched")), event_type="scheduler.scheduled", occurred_at=started,
+                               observed_at=started, source=src, identity=pod, payload=SchedulerPayload(object_kind="Pod", image_digests=(digest,))),
+                GpuEvent(event_id=make_event_id("e", (name, "gpu")), event_type="gpu.assigned", occurred_at=started + timedelta(seconds=1),
+                         observed_at=started, source=src, identity=gpu, payload=holds)]
+        if name == "edge-1":
+            out += [SchedulerEvent(event_id=make_event_id("e", (name, "del")), event_type="scheduler.deleted", occurred_at=EDGE, observed_at=EDGE,
+                                   source=src, identity=pod, payload=SchedulerPayload(object_kind="Pod")),
+                    GpuEvent(event_id=make_event_id("e", (name, "rel")), event_type="gpu.released", occurred_at=EDGE + timedelta(milliseconds=616),
+                             observed_at=EDGE, source=src, identity=gpu, payload=holds)]
+    alert = Identity(alert_fingerprint="fedge", namespace="fleet", pod="edge-0")
+    for etype, at in (("alert.firing", EDGE + MICRO), ("alert.resolved", EDGE + timedelta(seconds=30))):
+        out.append(AlertEvent(event_id=make_event_id("e", ("fedge", etype)), event_type=etype, occurred_at=at, observed_at=at, source=src,
+                              identity=alert, payload=AlertPayload(alertname="Quality", starts_at=EDGE + MICRO,
+                                                                    ends_at=at if etype == "alert.resolved" else None)))
+    release = Identity(release_id="fr-4", model_name="fm1", model_version="4", image_digest=digest, owner="team-0", environment="prod")
+    out.append(ReleaseEvent(event_id=make_event_id("e", ("fr-4", "rollback")), event_type="release.rolled_back", occurred_at=EDGE + MICRO,
+                            observed_at=EDGE + MICRO, source=src, identity=release,
+                            payload=ReleasePayload(actor="alice", reason="quality regression", to_environment="prod")))
+    return out
+
+
+def at_ms(value: datetime) -> datetime:
+    """An event time as the store keeps it (DateTime64(3): cut to the millisecond)."""
+    return value.replace(microsecond=value.microsecond // 1000 * 1000)
+
+
+#: Readers' lines whole (rich folds them at 80 columns without a terminal).
+WIDE = {"COLUMNS": "400"}
+
+
 def iso(value: datetime) -> str:
     return value.isoformat().replace("+00:00", "Z")
 
@@ -63,7 +117,7 @@ def iso(value: datetime) -> str:
 def history(kafka_bootstrap):
     cat = TopicCatalogue(prefix=f"replay{uuid.uuid4().hex[:6]}", raw_partitions=4)
     ensure_topics({"bootstrap.servers": kafka_bootstrap}, cat)
-    events = [*fleet(PODS), rollback()]
+    events = [*fleet(PODS), rollback(), *edge()]
     EventPublisher({"bootstrap.servers": kafka_bootstrap}, cat, "test").publish_batch(events)
     # The edge's dead letters (the receiver's, the collectors'): one refused inside the range
     # replay's range, one before it.
@@ -126,7 +180,7 @@ def test_a_full_replay_rebuilds_the_live_tables_identically(history, live, full_
     assert out.returncode == 0, out.stderr + out.stdout
     assert f"{len(events)} events on the raw topics" in out.stderr
     assert f"worker log: {tmp / 'data' / 'replays' / (cat.prefix + '-full') / 'worker.log'}" in out.stderr
-    assert f"replayed {len(events)} events" in out.stdout
+    assert f"replayed {len(events)} raw records in " in out.stdout and f": {len(events)} in range, 0 out of range" in out.stdout, out.stdout
     assert f"gpuledger.correlated_events\t{len(events)} rows" in out.stdout
     sums = checksum(sandbox)
     assert sums == live[1]
@@ -186,29 +240,194 @@ def test_a_range_replay_holds_only_the_range_and_attributes_to_earlier_releases(
     assert {"control_id": 2, "release_id": "fr-2"} in sql(kafka_bootstrap, cat, tmp_path, live[0].dsn, after)
 
 
+@pytest.fixture(scope="module")
+def edge_replay(kafka_bootstrap, history, live, tmp_path_factory):
+    """The replay of [EDGE_FROM, EDGE] (``edge``): the output, the sandbox DSN, its tmp dir."""
+    cat, _events = history
+    tmp = tmp_path_factory.mktemp("edge")
+    sandbox = f"chdb://{tmp / 'sandbox'}"
+    out = gpuledger(kafka_bootstrap, cat, tmp, "replay", "--into", sandbox, "--app-id", f"{cat.prefix}-edge", "--from", iso(EDGE_FROM),
+                    "--to", iso(EDGE), "--timeout", "300", live_dsn=live[0].dsn)
+    assert out.returncode == 0, out.stderr + out.stdout
+    return out, sandbox
+
+
+def test_a_range_keeps_the_events_the_store_keeps_at_its_bound(kafka_bootstrap, history, live, edge_replay, tmp_path):
+    """Exploratory review: an event at EDGE + 400 us is stored at EDGE (DateTime64(3)), so `audit --to EDGE`
+    and `trace --at EDGE` read it on the live store — and `replay --to EDGE`, comparing to the microsecond,
+    skipped it: the route stage and the raw sink dropped the alert and fr-4's rollback, and the release
+    directory did not apply the rollback (control 2 of the workload still running in prod was not there)."""
+    cat, events = history
+    out, sandbox = edge_replay
+    in_range = [e for e in events if EDGE_FROM <= at_ms(e.occurred_at) <= EDGE]
+    assert {e.event_type for e in in_range if e.occurred_at > EDGE} == {"alert.firing", "release.rolled_back"}
+    assert f": {len(in_range)} in range, {len(events) - len(in_range)} out of range, 0 dead-lettered" in out.stdout, out.stdout
+    # The sandbox's rows are the live store's rows of the range, read with the same bounds.
+    rows = ("SELECT event_type, toString(occurred_at) AS at FROM gpuledger.{table} FINAL WHERE occurred_at >= toDateTime64('{f}', 3, 'UTC') "
+            "AND occurred_at <= toDateTime64('{t}', 3, 'UTC') ORDER BY occurred_at, event_type")
+    for table in ("correlated_events", "raw_events"):
+        query = rows.format(table=table, f=EDGE_FROM.strftime("%F %T"), t=EDGE.strftime("%F %T"))
+        got = sql(kafka_bootstrap, cat, tmp_path, sandbox, query)
+        assert got == sql(kafka_bootstrap, cat, tmp_path, live[0].dsn, query), table
+        assert {"event_type": "release.rolled_back", "at": "2026-11-01 06:17:00.000"} in got, (table, got)
+    # trace --at EDGE reads the alert and the rollback in both stores
+    for dsn in (live[0].dsn, sandbox):
+        tree = gpuledger(kafka_bootstrap, cat, tmp_path, "trace", "--alert", "fedge", "--at", iso(EDGE), "--dsn", dsn, extra_env=WIDE)
+        assert tree.returncode == 0, tree.stderr
+        assert "alert Quality (no severity) firing at 2026-11-01T06:17:00.000Z (fingerprint fedge)" in tree.stdout, tree.stdout
+        assert "release fr-4  state=release.rolled_back since 2026-11-01T06:17:00.000Z" in tree.stdout, tree.stdout
+    # The release directory applied the rollback: the workload still running in prod after it is control 2's, as live.
+    c2 = ("SELECT control_id, release_id, toString(opened_at) AS opened FROM gpuledger.violations FINAL WHERE workload_id = 'fleet/Job/edge' "
+          "AND NOT startsWith(detail, 'withdrawn:') ORDER BY control_id")
+    assert sql(kafka_bootstrap, cat, tmp_path, sandbox, c2) == [{"control_id": 2, "release_id": "fr-4", "opened": "2026-11-01 06:17:00.000"}]
+    assert sql(kafka_bootstrap, cat, tmp_path, live[0].dsn, c2) == sql(kafka_bootstrap, cat, tmp_path, sandbox, c2)
+
+
+def test_a_sandbox_asked_about_a_time_after_its_end_says_so_before_the_chain(kafka_bootstrap, history, live, edge_replay, tmp_path):
+    """Exploratory review: `trace --at` a minute after a range sandbox's end said the alert was firing, its
+    release promoted — the live store, resolved and rolled back; only a note at the bottom said the store
+    was a replay, and only of what was before its start."""
+    cat, _ = history
+    _out, sandbox = edge_replay
+    later = EDGE + timedelta(minutes=1)
+    live_tree = gpuledger(kafka_bootstrap, cat, tmp_path, "trace", "--alert", "fedge", "--at", iso(later), "--dsn", live[0].dsn, extra_env=WIDE)
+    assert "alert Quality (no severity) resolved at 2026-11-01T06:17:30.000Z" in live_tree.stdout and "warning" not in live_tree.stdout
+    tree = gpuledger(kafka_bootstrap, cat, tmp_path, "trace", "--alert", "fedge", "--at", iso(later), "--dsn", sandbox, extra_env=WIDE)
+    assert tree.returncode == 0, tree.stderr
+    lines = tree.stdout.splitlines()
+    assert lines[0].startswith("alert Quality (no severity) firing at 2026-11-01T06:17:00.000Z"), tree.stdout
+    # said at once, under the title, before anything the sandbox answers
+    said = ("warning: --at 2026-11-01T06:18:00.000Z is after the end of this replay, 2026-11-01T06:17:00.000Z: events after "
+            "2026-11-01T06:17:00.000Z are not in this store, so what follows is as it stood at 2026-11-01T06:17:00.000Z")
+    assert lines[1].startswith("├── " + said), tree.stdout
+    warnings = json.loads(gpuledger(kafka_bootstrap, cat, tmp_path, "trace", "--alert", "fedge", "--at", iso(later), "--dsn", sandbox,
+                                    "--format", "json").stdout)["warnings"]
+    assert len(warnings) == 1 and warnings[0].startswith(said.removeprefix("warning: ")), warnings
+    # No --at: "now" in the sandbox is its end.
+    now = gpuledger(kafka_bootstrap, cat, tmp_path, "trace", "--alert", "fedge", "--dsn", sandbox, extra_env=WIDE)
+    assert now.stdout.splitlines()[1].startswith('├── warning: no --at: "now" in this replay is its end, 2026-11-01T06:17:00.000Z'), now.stdout
+    # At its end, no warning: the sandbox answers as the live store.
+    at_end = gpuledger(kafka_bootstrap, cat, tmp_path, "trace", "--alert", "fedge", "--at", iso(EDGE), "--dsn", sandbox, extra_env=WIDE)
+    assert "warning" not in at_end.stdout and "this store is a replay" in at_end.stdout, at_end.stdout
+    # audit --to after the end: a note (table and JSON); to its end: none
+    audit = gpuledger(kafka_bootstrap, cat, tmp_path, "audit", "--dsn", sandbox, "--from", iso(EDGE_FROM), "--to", iso(later), extra_env=WIDE)
+    assert "note: --to 2026-11-01T06:18:00.000Z is after the end of this replay, 2026-11-01T06:17:00.000Z: events after" in audit.stdout, audit.stdout
+    notes = json.loads(gpuledger(kafka_bootstrap, cat, tmp_path, "audit", "--dsn", sandbox, "--from", iso(EDGE_FROM), "--to", iso(EDGE),
+                                 "--format", "json").stdout)["notes"]
+    assert len(notes) == 1 and notes[0].startswith("this store is a replay"), notes
+
+
+def test_a_range_sandboxs_evidence_says_what_lies_outside_its_range(kafka_bootstrap, history, live, edge_replay, tmp_path):
+    """Exploratory review: in a range sandbox control 1 said "no release.approved before queue entry" beside
+    a passing verdict (the approval was before --from: not in the sandbox, read by its controls), and control
+    3 showed a GPU interval ended at --to by its pod's deletion where the live store said "held" (the GPU's
+    release came 616 ms after --to)."""
+    cat, _ = history
+    _out, sandbox = edge_replay
+
+    def audit(dsn: str) -> dict:
+        out = gpuledger(kafka_bootstrap, cat, tmp_path, "audit", "--dsn", dsn, "--from", iso(EDGE_FROM), "--to", iso(EDGE), "--format", "json")
+        assert out.returncode in (0, 1), out.stderr + out.stdout
+        return json.loads(out.stdout)
+
+    def section(report: dict, control: int) -> list[dict]:
+        return next(s["rows"] for s in report["evidence"] if s["control"] == control)
+
+    live_report, sandboxed = audit(live[0].dsn), audit(sandbox)
+    edge_live = next(r for r in section(live_report, 1) if r["workload"] == "fleet/Job/edge")
+    edge_sandbox = next(r for r in section(sandboxed, 1) if r["workload"] == "fleet/Job/edge")
+    assert edge_live["approvals"].startswith("alice") and edge_live["verdict"] == edge_sandbox["verdict"] == "no violation recorded"
+    assert edge_sandbox["approvals"] == ("no release.approved before queue entry in this replay: it starts at 2026-11-01T06:16:00.000Z, "
+                                         "and an approval before then is not in this store (its controls read every release event, "
+                                         "and judged with it)"), edge_sandbox
+    gpus = {s["value"].split(" ")[0]: s["value"] for s in section(sandboxed, 3) if s["step"] == "gpu"}
+    assert {s["value"] for s in section(live_report, 3) if s["step"] == "gpu"} == {
+        "fn0/GPU-EDGE-0 2026-11-01T06:16:41Z → held", "fn0/GPU-EDGE-1 2026-11-01T06:16:31Z → held"}
+    assert gpus == {"fn0/GPU-EDGE-0": "fn0/GPU-EDGE-0 2026-11-01T06:16:41Z → held",
+                    "fn0/GPU-EDGE-1": "fn0/GPU-EDGE-1 2026-11-01T06:16:31Z → 2026-11-01T06:17:00Z (pod deleted; the GPU's release is not "
+                                      "in this replay: after its end, 2026-11-01T06:17:00.000Z, or never)"}, gpus
+    # and the trace the same way
+    cut = "(pod deleted; the GPU's release is not in this replay: after its end, 2026-11-01T06:17:00.000Z, or never)"
+    tree = gpuledger(kafka_bootstrap, cat, tmp_path, "trace", "--pod", "fleet/edge-1", "--at", iso(EDGE), "--dsn", sandbox, extra_env=WIDE)
+    assert f"GPU fn0/GPU-EDGE-1  2026-11-01T06:16:31.000Z → 2026-11-01T06:17:00.000Z {cut}" in tree.stdout, tree.stdout
+    live_tree = gpuledger(kafka_bootstrap, cat, tmp_path, "trace", "--pod", "fleet/edge-1", "--at", iso(EDGE), "--dsn", live[0].dsn, extra_env=WIDE)
+    assert "GPU fn0/GPU-EDGE-1  2026-11-01T06:16:31.000Z → held" in live_tree.stdout, live_tree.stdout
+
+
+def parked_at_the_end() -> tuple[list, datetime]:
+    """A small fleet's history and, after every other event, a stray pod no release describes, with an
+    alert on it: their rows stay parked until the idle flush (``GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S``) or
+    an event later than their park TTL (the event-time watermark). The history and the stray's time."""
+    from schemas import AlertEvent, Identity, SchedulerEvent, make_event_id
+    from schemas.alert import AlertPayload
+    from schemas.scheduler import SchedulerPayload
+    from tests.streams.test_faults import SRC
+
+    history = fleet(6)
+    at = max(e.occurred_at for e in history) + timedelta(minutes=1)  # after every other event: nothing moves its watermark on
+    stray = Identity(namespace="fleet", pod="stray-0", node="fn0")
+    return history + [
+        SchedulerEvent(event_id=make_event_id("t", ("stray", "sched")), event_type="scheduler.scheduled", occurred_at=at, observed_at=at,
+                       source=SRC, identity=stray, payload=SchedulerPayload(object_kind="Pod", image_digests=(f"sha256:{'e' * 64}",))),
+        AlertEvent(event_id=make_event_id("t", ("stray", "q")), event_type="alert.firing", occurred_at=at, observed_at=at, source=SRC,
+                   identity=Identity(alert_fingerprint="stray-q", namespace="fleet", pod="stray-0"),
+                   payload=AlertPayload(alertname="Quality", starts_at=at)),
+    ], at
+
+
+def test_the_summary_counts_what_the_replay_read_and_says_what_came_while_it_ran(kafka_bootstrap, tmp_path):
+    """Exploratory review: "replayed 152 events … 104 in range, 54 out of range" — 158: the route stage counted
+    the records published after the replay started (and a record repeating an event is counted as
+    often as it came), the total did not. Here two records come while the replay runs, a repeat of
+    an event of the history and a later event — the replay cannot finish before the route stage read
+    them: the stray's rows stay parked (no idle flush) until the later event moves the watermark."""
+    from schemas import Identity, SchedulerEvent, make_event_id
+    from schemas.scheduler import SchedulerPayload
+    from tests.streams.test_faults import SRC
+
+    cat = TopicCatalogue(prefix=f"late{uuid.uuid4().hex[:6]}", raw_partitions=4)
+    ensure_topics({"bootstrap.servers": kafka_bootstrap}, cat)
+    events, at = parked_at_the_end()
+    publisher = EventPublisher({"bootstrap.servers": kafka_bootstrap}, cat, "test")
+    publisher.publish_batch(events)
+    repeat = next(e for e in events if e.event_type == "scheduler.scheduled" and e.identity.release_id == "fr-1")
+    later = SchedulerEvent(event_id=make_event_id("t", ("late", "sched")), event_type="scheduler.scheduled", occurred_at=at + timedelta(minutes=10),
+                           observed_at=at + timedelta(minutes=10), source=SRC,
+                           identity=Identity(namespace="fleet", pod="late-0", node="fn1", release_id="fr-1"),
+                           payload=SchedulerPayload(object_kind="Pod", image_digests=(f"sha256:{1:064x}",)))
+    env = {**os.environ, "GPULEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap, "GPULEDGER_KAFKA_TOPIC_PREFIX": cat.prefix,
+           "GPULEDGER_KAFKA_RAW_PARTITIONS": str(cat.raw_partitions), "GPULEDGER_DATA_DIR": str(tmp_path / "data"),
+           "GPULEDGER_CLICKHOUSE_DSN": "chdb:///nonexistent/live", **ENV, "GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "3600"}
+    replay = subprocess.Popen([sys.executable, "-m", "gpuledger.cli", "replay", "--into", f"chdb://{tmp_path / 'sandbox'}", "--app-id",
+                               f"{cat.prefix}-late", "--timeout", "300"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # printed once the replay took the raw topics' end offsets (its total), before its worker starts
+        header = next((line for line in replay.stderr if "events on the raw topics" in line), "")
+        assert f"{len(events)} events on the raw topics" in header, header
+        # (one key, one partition: the repeat is read before the later event)
+        assert repeat.correlation_key() == later.correlation_key()
+        publisher.publish_batch([repeat, later])
+        out, err = replay.communicate(timeout=360)
+    finally:
+        if replay.poll() is None:
+            replay.kill()
+    assert replay.returncode == 0, header + err + out
+    n = len(events)
+    assert f"replayed {n + 2} raw records in " in out and f": {n + 2} in range, 0 out of range, 0 dead-lettered\n" in out, out
+    assert f"  {n} were on the raw topics when it started, 2 were published while it ran" in out, out
+    # rows: the repeated event is one row
+    assert f"gpuledger.correlated_events\t{n + 1} rows" in out, out
+
+
 def test_a_resumed_replay_waits_for_the_rows_its_recovered_state_parked(kafka_bootstrap, tmp_path):
     """A replay stopped once its input was read while rows were still parked (a stray pod no
     release describes, at the end of the history: it waits for the idle flush), then resumed: the
     resumed worker has no input left and its recovered rows go out only on the idle timer —
     health said 0 parked (the count the last batch left, and no batch ran), so the resume called
     the run caught up and stopped it first: rows missing, exit 0."""
-    from schemas import AlertEvent, Identity, SchedulerEvent, make_event_id
-    from schemas.alert import AlertPayload
-    from schemas.scheduler import SchedulerPayload
-    from tests.streams.test_faults import SRC
-
     cat = TopicCatalogue(prefix=f"resume{uuid.uuid4().hex[:6]}", raw_partitions=4)
     ensure_topics({"bootstrap.servers": kafka_bootstrap}, cat)
-    history = fleet(6)
-    at = max(e.occurred_at for e in history) + timedelta(minutes=1)  # after every other event: nothing moves its watermark on
-    stray = Identity(namespace="fleet", pod="stray-0", node="fn0")
-    events = history + [
-        SchedulerEvent(event_id=make_event_id("t", ("stray", "sched")), event_type="scheduler.scheduled", occurred_at=at, observed_at=at,
-                       source=SRC, identity=stray, payload=SchedulerPayload(object_kind="Pod", image_digests=(f"sha256:{'e' * 64}",))),
-        AlertEvent(event_id=make_event_id("t", ("stray", "q")), event_type="alert.firing", occurred_at=at, observed_at=at, source=SRC,
-                   identity=Identity(alert_fingerprint="stray-q", namespace="fleet", pod="stray-0"),
-                   payload=AlertPayload(alertname="Quality", starts_at=at)),
-    ]
+    events, _at = parked_at_the_end()
     EventPublisher({"bootstrap.servers": kafka_bootstrap}, cat, "test").publish_batch(events)
     whole = f"chdb://{tmp_path / 'whole'}"
     out = gpuledger(kafka_bootstrap, cat, tmp_path, "replay", "--into", whole, "--app-id", f"{cat.prefix}-whole", "--timeout", "300")
@@ -222,8 +441,8 @@ def test_a_resumed_replay_waits_for_the_rows_its_recovered_state_parked(kafka_bo
     resumed = gpuledger(kafka_bootstrap, cat, tmp_path, "replay", "--resume", "--app-id", app_id, "--into", sandbox, "--timeout", "300",
                         extra_env={"GPULEDGER_STREAMS_PARK_IDLE_FLUSH_S": "10"})  # (the default: the replay's looks come sooner)
     assert resumed.returncode == 0, resumed.stderr + resumed.stdout
-    assert (f"replayed {len(events)} events (resumed at {len(events)})" in resumed.stdout
-            and "its route stage in this run: 0 in range" in resumed.stdout), resumed.stdout
+    assert (f"replayed {len(events)} raw records (resumed at {len(events)}; this run's route stage read 0)" in resumed.stdout
+            and ": 0 in range, 0 out of range, 0 dead-lettered\n" in resumed.stdout), resumed.stdout
     assert checksum(sandbox) == checksum(whole)
 
 

@@ -15,6 +15,7 @@ from gpuledger.timefmt import (
     parse_timestamp,
     quick_utc_isoformat,
     utc_isoformat,
+    within,
 )
 
 AT = datetime(2026, 11, 30, 13, 10, tzinfo=timezone.utc)
@@ -73,6 +74,17 @@ def test_canonical_texts():
     assert iso_z(t, 0) == "2026-11-30T13:10:00Z" and iso_z("2026-11-30 14:10:00.123456+01:00") == "2026-11-30T13:10:00.123Z"
     assert iso_z(None) is None and as_utc(datetime(2026, 11, 30, 13, 10)) == AT
     assert clickhouse_time(t) == "2026-11-30 13:10:00.123"
+
+
+def test_a_range_is_applied_at_the_precision_the_store_keeps_times_at():
+    """``within``: both sides cut to the millisecond, as DateTime64(3) stores an event and reads a bound
+    (``clickhouse_time``) — the replay's range reads what audit's same bounds read."""
+    us = timedelta(microseconds=1)
+    assert within(AT + 400 * us, None, AT) and within(AT + 999 * us, AT, AT)  # stored at AT, read by --to AT
+    assert not within(AT + 1000 * us, None, AT)
+    assert within(AT, AT + 400 * us, None)  # a bound with microseconds (--from 2h) keeps its own millisecond
+    assert not within(AT - us, AT + 400 * us, None)
+    assert within(AT, None, None)
 
 
 def test_the_streams_time_text_is_isoformat_of_the_utc_time_whatever_the_shape():
