@@ -795,22 +795,44 @@ def resolve_entity(state: dict, directory) -> Resolution:
     f, fv, fallback_v, inc, per = _facts_and_runs(state, FALLBACK_FACTS)
     linked = sorted((src, link["release_id"]) for src, link in state["links"].items() if link.get("release_id"))
     since = since_of(state)
+    # What the related entity's link says it could name (``link_rids``): the set only grows, where its
+    # ``release_id`` can move from one release to another and the one left stopped counting here.
+    also = link_rids(state["links"])
     if inc is None:
         # (one value per named fact — nearly every pod and workload — names nothing its latest facts do not)
         named, lookups = named_values(per) if _several_named(per) else ((), ())
+        named = (*named, *also)
         return _resolve_facts(f, directory, linked, named, lookups, fv + links_version(state["links"], state.get("gone_links")), fv, fallback_v,
                               since)
     # Every release and look-up any of its rows named is named by all of them (``Incarnations.named``): none
     # stops counting when a row moves to another incarnation, or a second uid arrives.
     base = inc.const + links_version(state["links"], state.get("gone_links"))
     for uid, facts in inc.facts.items():
-        inc.res[uid] = _resolve_facts(facts, directory, linked, inc.named, inc.lookups, base, inc.const, inc.partial_const, since)
+        inc.res[uid] = _resolve_facts(facts, directory, linked, (*inc.named, *also), inc.lookups, base, inc.const, inc.partial_const, since)
     interests = sorted({i for res in inc.res.values() for i in res.interests})
     for res in inc.res.values():
         res.interests = interests
         res.incarnations = inc
     # (the pod as a whole — its interests, what it forwards to its workload: its latest incarnation, now)
     return inc.at("\uffff")
+
+
+def link_rids(links: dict) -> tuple[str, ...]:
+    """Every release the pods' and workload's links say their sender could name (``rids``: its own rows'
+    release labels, and a pod's look-ups' candidates — ``own_rids``), which a row of the receiver names:
+    a link's ``release_id`` moves (a pod picking another release as an earlier row of it arrives, a
+    label replaced) while the receiver's rows counted the one it named before — they fell (a review's
+    probe: a workload row went from r0 at 36 to r3 at 30)."""
+    return tuple(sorted({rid for link in links.values() for rid in link.get("rids", ())}))
+
+
+def own_rids(state: dict, directory=None, lookups=()) -> set[str]:
+    """The releases an entity's own rows could name: their release labels (every value: ``_needed`` keeps
+    a carrier of each) and every candidate of ``lookups`` — what its links carry (``link_rids``)."""
+    rids = {rec["facts"]["release_id"] for rec in state["rows"].values() if "release_id" in rec["facts"]}
+    if directory is not None:
+        rids.update(rid for interest in lookups for rid in directory.candidates(interest))
+    return rids
 
 
 def since_of(state: dict) -> str | None:
@@ -1914,9 +1936,11 @@ def _refresh_pod(state: dict, directory, res: Resolution, out: Outcome) -> None:
     f = res.identity
     if f.get("workload_id"):
         rel, rel_how = own_release(state, directory, f)
+        link = {"release_id": rel, "attribution": rel_how, "from": "pod"}
+        if (rids := own_rids(state, directory, res.candidates)) - {rel}:
+            link["rids"] = sorted(rids)  # (every release it could forward: ``link_rids``)
         # (the look-ups its rows count: every value any row named, ``named_values``)
-        _forward(state, f"wl:{f['workload_id']}", res.facts_version + directory.candidates_version(res.candidates),
-                 {"release_id": rel, "attribution": rel_how, "from": "pod"}, out)
+        _forward(state, f"wl:{f['workload_id']}", res.facts_version + directory.candidates_version(res.candidates), link, out)
 
 
 def _refresh_device(state: dict, out: Outcome) -> None:
@@ -1933,9 +1957,12 @@ def _refresh_workload(state: dict, res: Resolution, out: Outcome) -> None:
     f = res.identity
     if not f.get("release_id"):
         return
+    link = {"release_id": f["release_id"], "attribution": "workload_release", "from": "wl"}
+    if (rids := own_rids(state)) - {f["release_id"]}:
+        link["rids"] = sorted(rids)  # (every release label its rows had: ``link_rids``)
     for src in sorted(state["links"]):
         if src.startswith("pod:"):
-            _forward(state, src, res.facts_version, {"release_id": f["release_id"], "attribution": "workload_release", "from": "wl"}, out)
+            _forward(state, src, res.facts_version, link, out)
 
 
 def _forward(state: dict, target: str, version: int, link: dict, out: Outcome) -> None:

@@ -224,3 +224,27 @@ def test_a_gpus_rows_keep_counting_a_release_their_holder_no_longer_resolves_to(
         d = Driver(seed=seed).feed(order).flush_parked()
         assert d.conflicts == 0, f"order {seed}"
         assert d.latest(versions=True) == reference.latest(versions=True), f"order {seed}"
+
+
+def test_a_workloads_rows_keep_counting_a_release_its_pods_link_no_longer_names():
+    """A pod's pick moves as an earlier row of it arrives (its ``since``), and the release it forwards to its
+    workload with it: the workload's rows counted the release the link named before, which left their
+    sum — they fell (a review: a workload row went from r0 at version 36 to r3 at 30, and the worker kept
+    r0). A link carries every release its sender could name (``rids``: its labels, its look-ups'
+    candidates), which the receiver's rows name; that set only grows."""
+    image = "sha256:" + "b1" * 32
+    events = [release("release.registered", 34, rid="r0", model="ma", version="2", digest=image),
+              release("release.registered", 14, rid="r3", model="ma", version="2", digest=image),
+              pod_event("scheduler.queued", 40.2, pod="p1", workload="ml/Job/a", digest=image, pod_uid="u1"),
+              pod_event("scheduler.scheduled", 0.5, pod="p2", workload="ml/Job/a", digest=image, pod_uid="u2"),
+              pod_event("scheduler.finished", 31.6, pod=None, workload="ml/Job/a"),  # the Kueue Workload's own row
+              alert(33, fp="f1", namespace="ml", pod="p1")]                          # p1's earliest row, told last
+    reference = Driver().feed(events).flush_parked()
+    assert reference.conflicts == 0
+    [wl_row] = [r for r in reference.rows.values() if r.event_type == "scheduler.finished"]
+    assert wl_row.identity.release_id == "r3"  # serving when the workload's pods began: r0 came later
+    assert {rid for link in reference.entities["wl:ml/Job/a"]["links"].values() for rid in link.get("rids", ())} == {"r0", "r3"}
+    for seed, order in _orders(events, range(1, 9)):
+        d = Driver(seed=seed).feed(order).flush_parked()
+        assert d.conflicts == 0, f"order {seed}"
+        assert d.latest(versions=True) == reference.latest(versions=True), f"order {seed}"
