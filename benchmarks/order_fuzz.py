@@ -28,25 +28,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.streams.harness import Driver, alert, gpu_event, pod_event, release  # noqa: E402  (sets VERIFY_UNCHANGED)
+from tests.streams.harness import Driver, alert, gpu_event, kafka_orders, pod_event, release  # noqa: E402  (sets VERIFY_UNCHANGED)
 
 DA, DB = "sha256:" + "a1" * 32, "sha256:" + "b1" * 32
 DIGESTS = [DA, DA, DB, None] if os.environ.get("SHARED") else [DA, DB, None]
-
-
-def orders(events: list, seeds):
-    """Shuffled orders, each release's events in their order; every fourth with a third delivered again."""
-    for seed in seeds:
-        order = list(events)
-        random.Random(seed).shuffle(order)
-        queue: dict[str, list] = {}
-        for e in events:
-            if e.event_type.startswith("release."):
-                queue.setdefault(e.identity.release_id, []).append(e)
-        order = [queue[e.identity.release_id].pop(0) if e.event_type.startswith("release.") else e for e in order]
-        if seed % 4 == 0:
-            order += order[: len(order) // 3]
-        yield seed, order
 
 
 def scenario(rng: random.Random) -> list:
@@ -84,7 +69,7 @@ def main(first: int, last: int) -> None:
         reference = Driver().feed(events).flush_parked()
         ref = reference.latest(versions=True)
         conflicts, diffs = reference.conflicts, 0
-        for seed, order in orders(events, range(1, 5)):
+        for seed, order in kafka_orders(events, range(1, 5)):
             d = Driver(seed=seed).feed(order).flush_parked()
             conflicts += d.conflicts
             got = d.latest(versions=True)

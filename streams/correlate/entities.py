@@ -174,8 +174,7 @@ def fold_row(state: dict, row: dict) -> bool:
     if row["id"] in rows or _gone(state, row["id"]):
         return False  # (a row let go past the bound went out before it went: ``_bound``)
     if state.get("key", "").startswith(("pod:", "wl:")):
-        first = state.get("since") or min((rec["at"] for rec in rows.values()), default=row["at"])
-        state["since"] = min(first, row["at"])  # (``since``: never later, even when rows are let go)
+        state["since"] = min(since_of(state) or row["at"], row["at"])  # (never later, even when rows are let go)
     rows[row["id"]] = row
     _bound(state)
     return True
@@ -826,13 +825,10 @@ def link_rids(links: dict) -> tuple[str, ...]:
     return tuple(sorted({rid for link in links.values() for rid in link.get("rids", ())}))
 
 
-def own_rids(state: dict, directory=None, lookups=()) -> set[str]:
-    """The releases an entity's own rows could name: their release labels (every value: ``_needed`` keeps
-    a carrier of each) and every candidate of ``lookups`` — what its links carry (``link_rids``)."""
-    rids = {rec["facts"]["release_id"] for rec in state["rows"].values() if "release_id" in rec["facts"]}
-    if directory is not None:
-        rids.update(rid for interest in lookups for rid in directory.candidates(interest))
-    return rids
+def own_rids(state: dict) -> set[str]:
+    """The release labels an entity's own rows carry (every value: ``_needed`` keeps a carrier of each) —
+    with a pod's look-ups' candidates, what its links carry (``link_rids``)."""
+    return {rec["facts"]["release_id"] for rec in state["rows"].values() if "release_id" in rec["facts"]}
 
 
 def since_of(state: dict) -> str | None:
@@ -1891,7 +1887,8 @@ def _refresh_pod(state: dict, directory, res: Resolution, out: Outcome) -> None:
         every_rid = None
     # Every release the pod's resolution could name — those its rows named and every candidate of its
     # look-ups, a set that only grows — is named by its holdings to their GPU's rows (``_iv_rids``).
-    could = {*res.named, *(rid for interest in res.candidates for rid in directory.candidates(interest))}
+    candidates = {rid for interest in res.candidates for rid in directory.candidates(interest)}
+    could = {*res.named, *candidates}
     if inc is not None:
         could.update(every_rid)
     if could - {res.release_id}:
@@ -1937,7 +1934,7 @@ def _refresh_pod(state: dict, directory, res: Resolution, out: Outcome) -> None:
     if f.get("workload_id"):
         rel, rel_how = own_release(state, directory, f)
         link = {"release_id": rel, "attribution": rel_how, "from": "pod"}
-        if (rids := own_rids(state, directory, res.candidates)) - {rel}:
+        if (rids := own_rids(state) | candidates) - {rel}:
             link["rids"] = sorted(rids)  # (every release it could forward: ``link_rids``)
         # (the look-ups its rows count: every value any row named, ``named_values``)
         _forward(state, f"wl:{f['workload_id']}", res.facts_version + directory.candidates_version(res.candidates), link, out)

@@ -80,6 +80,22 @@ def alert(minutes, fp="fp1", labels=None, **ident):
                       payload=AlertPayload(alertname="A", starts_at=at(minutes), labels=dict(labels or {})))
 
 
+def kafka_orders(events, seeds):
+    """Shuffled orders of ``events`` (one per seed) that keep each release's own events in their order
+    (one key, one partition: Kafka keeps it); every fourth delivers a third of them again."""
+    for seed in seeds:
+        order = list(events)
+        random.Random(seed).shuffle(order)
+        queue: dict[str, list] = {}
+        for e in events:
+            if e.event_type.startswith("release."):
+                queue.setdefault(e.identity.release_id, []).append(e)
+        order = [queue[e.identity.release_id].pop(0) if e.event_type.startswith("release.") else e for e in order]
+        if seed % 4 == 0:
+            order += order[: len(order) // 3]
+        yield seed, order
+
+
 class Driver:
     """Processes events like the worker: releases feed the directory; every event is
     routed to its entity; forwards and refreshes are queued like route messages."""

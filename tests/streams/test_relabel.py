@@ -9,7 +9,7 @@ import random
 import pytest
 
 import streams.correlate.entities as entities
-from tests.streams.harness import Driver, alert, gpu_event, pod_event, release
+from tests.streams.harness import Driver, alert, gpu_event, kafka_orders, pod_event, release
 
 DA, DB = "sha256:" + "a1" * 32, "sha256:" + "b1" * 32
 RELEASES = [release("release.registered", 0, rid="a1", model="ma", version="1", digest=DA),
@@ -30,22 +30,6 @@ LABEL_REPLACED = [*RELEASES,
                   pod_event("scheduler.finished", 20, pod="p2", release_id="b1", pod_uid="u2")]
 
 
-def _orders(events, seeds):
-    """Shuffled orders of ``events``, a release's own events kept in their order (one key, one
-    partition: Kafka keeps it), every fourth with a third of it delivered again."""
-    for seed in seeds:
-        order = list(events)
-        random.Random(seed).shuffle(order)
-        queue = {}
-        for e in events:
-            if e.event_type.startswith("release."):
-                queue.setdefault(e.identity.release_id, []).append(e)
-        order = [queue[e.identity.release_id].pop(0) if e.event_type.startswith("release.") else e for e in order]
-        if seed % 4 == 0:
-            order += order[: len(order) // 3]
-        yield seed, order
-
-
 @pytest.mark.parametrize("scenario,expected", [
     (RELABELLED, {"scheduler.scheduled": "b1", "scheduler.running": "b1", "alert.firing": "b1", "scheduler.finished": "b1"}),
     # (a row that carries a release label keeps its own; the others follow the pod's latest)
@@ -57,7 +41,7 @@ def test_a_relabelled_pod_stores_the_same_rows_and_versions_in_any_order(scenari
     pods = [r for r in reference.rows.values() if not r.event_type.startswith("release.")]
     # The pod's rows follow its latest labels (a pod is one release: the one its facts name now).
     assert {r.event_type: r.identity.release_id for r in pods} == expected
-    for seed, order in _orders(scenario, range(16)):
+    for seed, order in kafka_orders(scenario, range(16)):
         d = Driver(seed=seed).feed(order).flush_parked()
         assert d.conflicts == 0, f"order {seed}: a row's content changed without its version growing"
         assert d.latest(versions=True) == reference.latest(versions=True), f"order {seed}"
@@ -100,7 +84,7 @@ def test_random_relabellings_store_the_same_rows_and_versions_in_any_order():
     for s in range(120):
         events = _random_scenario(random.Random(s))
         reference = Driver().feed(events).flush_parked()
-        for seed, order in _orders(events, range(1, 4)):
+        for seed, order in kafka_orders(events, range(1, 4)):
             d = Driver(seed=seed).feed(order).flush_parked()
             assert d.conflicts == 0, f"scenario {s}, order {seed}"
             assert d.latest(versions=True) == reference.latest(versions=True), f"scenario {s}, order {seed}"
@@ -128,7 +112,7 @@ def test_a_relabelled_pod_past_its_row_cap_keeps_a_carrier_of_every_label_it_had
     assert {r["facts"].get("model_name") for r in rows} >= {"ma", "mb", "mc"}
     assert named_mc.event_id in d.entities["pod:ml/p1"]["rows"]
     assert d.conflicts == 0
-    for seed, order in _orders(events, range(1, 5)):
+    for seed, order in kafka_orders(events, range(1, 5)):
         assert Driver(seed=seed).feed(order).flush_parked().conflicts == 0, f"order {seed}"
 
 
@@ -154,7 +138,7 @@ def test_a_serving_image_several_models_share_goes_to_the_release_of_the_pods_ow
                   ("alert.firing", "llama-0"): ("llama-1", "image_digest_match"),
                   ("scheduler.scheduled", "runtime-0"): ("mistral-3", "image_digest_match"),
                   ("alert.firing", "by-labels"): ("mistral-3", "model_version_match")}
-    for seed, order in _orders(SHARED, range(8)):
+    for seed, order in kafka_orders(SHARED, range(8)):
         d = Driver(seed=seed).feed(order).flush_parked()
         assert d.conflicts == 0, f"order {seed}"
         assert d.latest(versions=True) == reference.latest(versions=True), f"order {seed}"
@@ -183,7 +167,7 @@ def test_a_pod_named_only_by_its_model_goes_to_the_release_serving_when_it_began
     # the workload the pod forwards its release to takes it too
     wl = reference.entities["wl:ml/Job/train"]
     assert {link["release_id"] for link in wl["links"].values()} == {"m-1"}
-    for seed, order in _orders(MODEL_ONLY, range(16)):
+    for seed, order in kafka_orders(MODEL_ONLY, range(16)):
         d = Driver(seed=seed).feed(order).flush_parked()
         assert d.conflicts == 0, f"order {seed}"
         assert d.latest(versions=True) == reference.latest(versions=True), f"order {seed}"
@@ -220,7 +204,7 @@ def test_a_gpus_rows_keep_counting_a_release_their_holder_no_longer_resolves_to(
     reference = Driver().feed(events).flush_parked()
     [gpu_alert] = [r for r in reference.rows.values() if r.identity.alert_fingerprint == "g0"]
     assert (gpu_alert.identity.release_id, gpu_alert.attribution) == ("r0", "gpu_assignment")
-    for seed, order in _orders(events, range(12)):
+    for seed, order in kafka_orders(events, range(12)):
         d = Driver(seed=seed).feed(order).flush_parked()
         assert d.conflicts == 0, f"order {seed}"
         assert d.latest(versions=True) == reference.latest(versions=True), f"order {seed}"
@@ -244,7 +228,7 @@ def test_a_workloads_rows_keep_counting_a_release_its_pods_link_no_longer_names(
     [wl_row] = [r for r in reference.rows.values() if r.event_type == "scheduler.finished"]
     assert wl_row.identity.release_id == "r3"  # serving when the workload's pods began: r0 came later
     assert {rid for link in reference.entities["wl:ml/Job/a"]["links"].values() for rid in link.get("rids", ())} == {"r0", "r3"}
-    for seed, order in _orders(events, range(1, 9)):
+    for seed, order in kafka_orders(events, range(1, 9)):
         d = Driver(seed=seed).feed(order).flush_parked()
         assert d.conflicts == 0, f"order {seed}"
         assert d.latest(versions=True) == reference.latest(versions=True), f"order {seed}"
