@@ -273,7 +273,7 @@ def _needed(state: dict) -> set[str]:
     if state["key"].startswith(("pod:", "wl:")):
         # The newest carrier of each release and look-up value any row named (``named_values``: every row names
         # them all; with its last carrier gone, a value left the set and the versions counting it fell).
-        for name in NAMED_FACTS:
+        for name in (*NAMED_FACTS, "workload_id"):  # (a pod links to every workload its rows named: ``own_named``)
             last: dict = {}
             for rec in rows.values():
                 if name in rec["facts"] and rec["key"] > last.get(rec["facts"][name], ("",))[0]:
@@ -792,6 +792,7 @@ def resolve_entity(state: dict, directory) -> Resolution:
     incarnations (``Incarnations``): its latest incarnation's, carrying every incarnation's
     (``Resolution.incarnations``), by which each of its rows resolves (``resolve_row``)."""
     f, fv, fallback_v, inc, per = _facts_and_runs(state, FALLBACK_FACTS)
+    pod = state["key"].startswith("pod:")
     linked = sorted((src, link["release_id"]) for src, link in state["links"].items() if link.get("release_id"))
     since = since_of(state)
     # What the related entity's link says it could name (``link_rids``): the set only grows, where its
@@ -802,12 +803,13 @@ def resolve_entity(state: dict, directory) -> Resolution:
         named, lookups = named_values(per) if _several_named(per) else ((), ())
         named = (*named, *also)
         return _resolve_facts(f, directory, linked, named, lookups, fv + links_version(state["links"], state.get("gone_links")), fv, fallback_v,
-                              since)
+                              since, pod)
     # Every release and look-up any of its rows named is named by all of them (``Incarnations.named``): none
     # stops counting when a row moves to another incarnation, or a second uid arrives.
     base = inc.const + links_version(state["links"], state.get("gone_links"))
     for uid, facts in inc.facts.items():
-        inc.res[uid] = _resolve_facts(facts, directory, linked, (*inc.named, *also), inc.lookups, base, inc.const, inc.partial_const, since)
+        inc.res[uid] = _resolve_facts(facts, directory, linked, (*inc.named, *also), inc.lookups, base, inc.const, inc.partial_const, since,
+                                      True)
     interests = sorted({i for res in inc.res.values() for i in res.interests})
     for res in inc.res.values():
         res.interests = interests
@@ -831,6 +833,19 @@ def own_rids(state: dict) -> set[str]:
     return {rec["facts"]["release_id"] for rec in state["rows"].values() if "release_id" in rec["facts"]}
 
 
+def own_named(state: dict) -> tuple[set[str], set[str]]:
+    """``own_rids``, and every workload a pod's rows named (``_needed`` keeps a carrier of each): the
+    workloads it links to (``_refresh_pod``)."""
+    rids, workloads = set(), set()
+    for rec in state["rows"].values():
+        facts = rec["facts"]
+        if "release_id" in facts:
+            rids.add(facts["release_id"])
+        if "workload_id" in facts:
+            workloads.add(facts["workload_id"])
+    return rids, workloads
+
+
 def since_of(state: dict) -> str | None:
     """When a pod or workload began, for its own look-ups (``_resolve_facts``): its earliest row's
     time — kept in the state as rows are folded (``fold_row``), so it is never later than before,
@@ -839,7 +854,7 @@ def since_of(state: dict) -> str | None:
 
 
 def _resolve_facts(f: dict, directory, linked: list, also_named, also_lookups, base: int, fv: int, fallback_v: int,
-                   since: str | None = None) -> Resolution:
+                   since: str | None = None, pod: bool = False) -> Resolution:
     """``resolve_entity`` of facts ``f`` (``also_*``: releases and look-ups named besides its own).
 
     Its own look-ups (an image digest or model that several releases answer) take the release
@@ -857,6 +872,10 @@ def _resolve_facts(f: dict, directory, linked: list, also_named, also_lookups, b
     if since is not None and (after := directory.after(lookups, since)):
         base, fv, fallback_v = base + after, fv + after, fallback_v + after
     named = tuple(sorted(({f["release_id"]} if f.get("release_id") else set()) | {rid for _, rid in linked} | set(also_named)))
+    if pod:
+        # (a pod takes the release of the workload its facts name now; a link from one it named before — a
+        # pod moved, or an earlier row of it that arrived late — is still counted, never followed)
+        linked = [(src, rid) for src, rid in linked if src == f"wl:{f.get('workload_id')}"]
     rid, how, unknown = None, "unattributed", None
     if f.get("release_id"):
         rid, how = f["release_id"], "release_label"
@@ -1930,14 +1949,26 @@ def _refresh_pod(state: dict, directory, res: Resolution, out: Outcome) -> None:
             gpu_version[physical][(iv["container"], iv["resource"], iv["device"])] = iv["v"]
     for target, ivs in per_gpu.items():
         _forward(state, target, sum(gpu_version[target].values()) + identity_version, {"intervals": ivs}, out)
-    f = res.identity
-    if f.get("workload_id"):
-        rel, rel_how = own_release(state, directory, f)
-        link = {"release_id": rel, "attribution": rel_how, "from": "pod"}
-        if (rids := own_rids(state) | candidates) - {rel}:
-            link["rids"] = sorted(rids)  # (every release it could forward: ``link_rids``)
-        # (the look-ups its rows count: every value any row named, ``named_values``)
-        _forward(state, f"wl:{f['workload_id']}", res.facts_version + directory.candidates_version(res.candidates), link, out)
+    rids, workloads = own_named(state)
+    if not workloads:
+        return
+    # The workload each incarnation's facts name now (the latest incarnation's, of one named by several) gets
+    # the release the pod's own facts give; every other workload its rows ever named gets a link naming none
+    # (``release_id`` None) — a pod moved to another workload, or whose row naming another arrived first,
+    # let the first one keep it for ever, and what it emitted then depended on the order (order_fuzz).
+    live = {f["workload_id"]: f for f in (inc.facts.values() if inc is not None else (res.identity,)) if f.get("workload_id")}
+    rids |= candidates
+    # (the look-ups its rows count: every value any row named, ``named_values``)
+    version = res.facts_version + directory.candidates_version(res.candidates)
+    for wl in sorted(workloads):
+        if (f := live.get(wl)) is not None:
+            rel, rel_how = own_release(state, directory, f)
+            link = {"release_id": rel, "attribution": rel_how, "from": "pod"}
+            if rids - {rel}:
+                link["rids"] = sorted(rids)  # (every release it could forward: ``link_rids``)
+        else:
+            link = {"release_id": None, "attribution": "left", "from": "pod", "rids": sorted(rids)}
+        _forward(state, f"wl:{wl}", version, link, out)
 
 
 def _refresh_device(state: dict, out: Outcome) -> None:
