@@ -259,7 +259,7 @@ def finish_sandbox(plan: ReplayPlan, cluster: str | None = None) -> None:
 
 def table_rows(dsn: str, database: str, cluster: str | None = None) -> tuple[dict[str, int], dict[str, int]]:
     """Rows per gpuledger table as readers see them (FINAL on the replacing tables, without the
-    withdrawn violations' tombstones, as ``sinks.checksum`` counts them: how many a run writes
+    tombstones of withdrawn violations and allocations, as ``sinks.checksum`` counts them: how many a run writes
     depends on the order it saw the history in — five replays of one history printed five
     counts), and per table the tombstones left out."""
     from sinks.checksum import TOMBSTONES
@@ -333,7 +333,7 @@ class ReplayResult:
     rows: dict[str, int]
     elapsed_s: float
     worker_exit: int | None
-    withdrawn: dict[str, int]  # per table: the withdrawn violations' tombstones, left out of ``rows``
+    withdrawn: dict[str, int]  # per table: the tombstones of withdrawn violations and allocations, left out of ``rows``
     #: Raw records the route stage read in this run, as its group's committed offsets count them (None:
     #: Kafka did not say), and how many of them were published after the replay started.
     read: int | None = None

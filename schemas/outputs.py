@@ -71,6 +71,11 @@ def joined(attribution: str, release_id: str | None, release_known: bool | None)
     return (attribution != "unattributed" or bool(release_id)) and release_known is not False
 
 
+#: ``GpuAllocation.end_reason`` of a withdrawn allocation: a tombstone (closed at its start) that
+#: readers skip — the engine found its holding started earlier, under another allocation id.
+ALLOCATION_WITHDRAWN = "withdrawn"
+
+
 class GpuAllocation(Frozen):
     """One interval during which a device was assigned to a pod's container.
 
@@ -93,7 +98,9 @@ class GpuAllocation(Frozen):
     attribution: str = Field(description="How the release was resolved (see CorrelatedEvent.attribution).")
     started_at: UtcDatetime = Field(description="When the assignment was observed (event time).")
     ended_at: UtcDatetime | None = Field(default=None, description="When it ended; null while held.")
-    end_reason: str | None = Field(default=None, description="released, pod_deleted, node_lost.")
+    end_reason: str | None = Field(default=None, description=(
+        "released, pod_deleted, node_lost; withdrawn: a tombstone, closed at its start — the engine found the holding "
+        "started earlier (an earlier assignment read later) and under another allocation_id. Readers skip it."))
     start_event_id: str = Field(description="event_id of the gpu.assigned event.")
     end_event_id: str | None = Field(default=None, description="event_id of the event that closed it.")
 

@@ -44,9 +44,11 @@ def volatile_columns(table: str) -> frozenset[str]:
 
 #: Rows that are tombstones, not content: a withdrawn violation (re-emitted closed at its
 #: opening, ``streams.controls.rules.WITHDRAWN``) exists only in a run that opened it
-#: early; a run that saw the history in another order never opened it. Readers skip them
-#: too, so the checksum covers what readers see.
-TOMBSTONES: dict[str, str] = {"violations": "NOT startsWith(detail, 'withdrawn: ')"}
+#: early, a withdrawn allocation (closed at its start, ``schemas.outputs.ALLOCATION_WITHDRAWN``)
+#: only in a run that read a later start of its holding first; a run that saw the history in
+#: another order never emitted them. Readers skip them too, so the checksum covers what readers
+#: see. (Each condition: as it holds for the rows readers keep — applied after ``FINAL``.)
+TOMBSTONES: dict[str, str] = {"violations": "NOT startsWith(detail, 'withdrawn: ')", "gpu_allocations": "end_reason != 'withdrawn'"}
 
 
 def checksum_sql(database: str, table: str, columns: list[str], final: bool, where: str | None = None) -> str:

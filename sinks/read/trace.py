@@ -56,6 +56,7 @@ from typing import Any
 from producers.kubernetes.mapping import KUEUE_JOB_UID_LABEL
 from schemas.envelope import nfc
 from schemas.release import ENDING_EVENTS, LIFECYCLE_EVENTS, actor_text, decision_actor
+from sinks.checksum import TOMBSTONES as CHECKSUM_TOMBSTONES
 from sinks.migrations import table_name
 from sinks.read.decisions import DEFERRED_RULE, check_state as decided_check_state, decision_status, is_dry_run
 from sinks.read.replayed import after_end, ended_by_deletion, note as replay_note, replayed
@@ -182,6 +183,11 @@ def norm_time(value) -> str | None:
 
 #: Tables keyed by an attributed column, read with the newest-version check (see Store.latest).
 SUPERSEDED_CHECK = frozenset({"workload_timeline"})
+#: Tables whose tombstones ``Store.latest`` leaves out (on the latest version: ``sinks.checksum.TOMBSTONES``,
+#: the same condition): an allocation withdrawn (``schemas.outputs.ALLOCATION_WITHDRAWN``). (Violations'
+#: withdrawals are told apart by their readers: ``is_withdrawn``.)
+TOMBSTONES = {"gpu_allocations": CHECKSUM_TOMBSTONES["gpu_allocations"]}
+TOMBSTONE_COLUMNS = {"gpu_allocations": ("end_reason",)}
 TIME_COLUMNS = {"opened_at", "closed_at", "occurred_at", "started_at", "ended_at", "starts_at", "ends_at", "expires_at"}
 
 
@@ -216,6 +222,10 @@ class Store:
         keys = KEYS[table]
         t = self._table(table)
         order_sql = f" ORDER BY {order}" if order else ""
+        if table in TOMBSTONES:
+            # (on the latest version only: an allocation's withdrawal supersedes the interval it went out as)
+            after = f"({after}) AND {TOMBSTONES[table]}" if after else TOMBSTONES[table]
+            after_columns = (*after_columns, *TOMBSTONE_COLUMNS[table])
         in_op = "GLOBAL IN" if self.cluster else "IN"
         if table in SUPERSEDED_CHECK:
             # Keyed by an attributed column (workload_timeline): a row re-attributed from one

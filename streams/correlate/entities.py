@@ -7,10 +7,12 @@ alert fingerprint. An entity keeps
 - ``rows``: the input events attached to it (bounded: ``_bound`` — alerts before the entity's own rows, the oldest first, never one still needed), each with the
   identity facts it carries, whether it is parked, and the GPU operation it is;
 - ``links``: identity forwarded by related entities (a pod's intervals to its
-  node/GPU, a pod's release to its workload, a workload's release to its pods), each
-  with the sender's version; the highest version of a link wins;
+  node/GPU, a pod's release to every workload its rows named — ``left`` to those it no longer
+  names —, a workload's release to its pods), each with the sender's version; the highest
+  version of a link wins;
 - ``sent`` / ``allocs`` / ``fwd``: the version last emitted per row, allocation and
   forward (``sent_version``; with its digest when the tests verify: ``VERIFY_UNCHANGED``);
+  ``allocs_gone``: the allocations withdrawn (``_withdraw``: a holding found to start earlier);
 - ``ctl``: the alert fingerprints whose rows go to the controls stage (below).
 
 Facts (pod uid, workload, node, image digest, release/model labels, …) are derived
@@ -74,7 +76,7 @@ import orjson
 
 from gpuledger.timefmt import utc_isoformat
 from schemas import Identity
-from schemas.outputs import joined
+from schemas.outputs import ALLOCATION_WITHDRAWN, joined
 from streams.caps import capped
 from streams.correlate.directory import interests_for
 from streams.correlate.release import segments, summarize
@@ -1914,10 +1916,18 @@ def _refresh_pod(state: dict, directory, res: Resolution, out: Outcome) -> None:
         every_rid = sorted(could)
     per_gpu: dict[str, list] = {}
     gpu_version: dict[str, dict] = defaultdict(dict)  # target -> {allocation key: its event count}
+    current: set[str] = set()
+    withdrawn = state.get("allocs_gone")
     for iv in intervals(state, inc):
         container_part = iv.get("id_container", iv["container"])  # "" for a DRA holding (merge_dra): no source's container in its key
-        alloc_id = hashlib.sha256(f"{iv['node']}|{iv['device']}|{ns}/{pod}|{container_part}|{iv['start_event']}".encode()).hexdigest()[:32]
+        alloc_id = _alloc_id(iv["node"], iv["device"], ns, pod, container_part, iv["start_event"])
+        current.add(alloc_id)
         res_iv, identity_iv, alloc_v = res, identity, iv["v"] + identity_version
+        if withdrawn and alloc_id in withdrawn:
+            # An interval withdrawn, back (a release between its start and the one that took it over arrived):
+            # above its withdrawal, whatever the versions say.
+            del withdrawn[alloc_id]
+            alloc_v = max(alloc_v, sent_version(state["allocs"][alloc_id]) + 1)
         if inc is not None:  # the incarnation its starting row is of
             start_key = state["rows"][iv["start_event"]]["key"]
             uid = inc.uid_at(start_key)
@@ -1949,6 +1959,8 @@ def _refresh_pod(state: dict, directory, res: Resolution, out: Outcome) -> None:
             gpu_version[physical][(iv["container"], iv["resource"], iv["device"])] = iv["v"]
     for target, ivs in per_gpu.items():
         _forward(state, target, sum(gpu_version[target].values()) + identity_version, {"intervals": ivs}, out)
+    if len(state["allocs"]) > len(current) + len(withdrawn or ()):
+        _withdraw(state, current, ns, pod, identity, res.attribution, out)
     rids, workloads = own_named(state)
     if not workloads:
         return
@@ -1969,6 +1981,54 @@ def _refresh_pod(state: dict, directory, res: Resolution, out: Outcome) -> None:
         else:
             link = {"release_id": None, "attribution": "left", "from": "pod", "rids": sorted(rids)}
         _forward(state, f"wl:{wl}", version, link, out)
+
+
+def _alloc_id(node: str, device: str, ns: str, pod: str, container_part, start_event: str) -> str:
+    return hashlib.sha256(f"{node}|{device}|{ns}/{pod}|{container_part}|{start_event}".encode()).hexdigest()[:32]
+
+
+def _withdraw(state: dict, current: set[str], ns: str, pod: str, identity: dict, attribution: str, out: Outcome) -> None:
+    """Withdraw the allocations a pod emitted that are no longer among its intervals.
+
+    An allocation's id is that of the event that started it; when an earlier ``gpu.assigned`` of the
+    same holding is read later (another partition's order, a collector's re-list), the interval starts
+    there and gets another id — the first one was stored for ever, a holding that never ended (or one
+    ended twice). Each such id is sent again closed at its start with ``end_reason`` ``withdrawn``
+    (``schemas.outputs.ALLOCATION_WITHDRAWN``) one version above what it went out at: a tombstone, which readers and the store's
+    checksums skip (``sinks.checksum.TOMBSTONES``) — a run that read the events in order never emitted
+    it. Kept in ``allocs_gone`` (one that comes back is sent above its withdrawal: ``_refresh_pod``).
+
+    The id is found again from its starting row (every ``gpu.assigned`` and claim reservation the pod
+    has, hashed as ``_refresh_pod`` hashes its intervals' starts). One whose starting row is gone was
+    let go past the row cap (``_bound``: an interval goes whole, its start and end together) — what it
+    stored stays, as every row let go keeps what it emitted — and is only marked, not withdrawn."""
+    allocs = state["allocs"]
+    gone = state.setdefault("allocs_gone", {})
+    orphans = [aid for aid in allocs if aid not in current and aid not in gone]
+    if not orphans:
+        return
+    starts: dict[str, tuple[dict, str, str, str | None, str]] = {}  # id -> (row, node, device, container, resource)
+    for rec in state["rows"].values():
+        if (op := rec.get("gpu")) and op[1] == "a":
+            node, device, container, resource = op[0].split("|", 3)
+            for part in ({container or None, ""}):  # (a device plugin's container; a DRA holding's none: ``merge_dra``)
+                starts[_alloc_id(node, device, ns, pod, part, rec["id"])] = (rec, node, device, container or None, resource)
+        elif (op := rec.get("claim")) and op[1] == "a":
+            node, device, resource = op[0].split("|", 2)
+            starts[_alloc_id(node, device, ns, pod, "", rec["id"])] = (rec, node, device, None, resource)
+    for aid in sorted(orphans):
+        version = sent_version(allocs[aid]) + 1
+        gone[aid] = version
+        if (start := starts.get(aid)) is None:
+            continue  # (let go with its rows: docstring)
+        rec, node, device, container, resource = start
+        gpu, mig = (rec["gpu"][2], rec["gpu"][3]) if rec.get("gpu") else (None, None)
+        row = {"allocation_id": aid, "node": node, "gpu_id": device, "gpu": gpu, "mig_instance": mig, "resource_name": resource,
+               "namespace": ns, "pod": pod, "container": container,
+               "identity": {**identity, "node": node, "gpu_id": device, "namespace": ns, "pod": pod}, "attribution": attribution,
+               "started_at": rec["at"], "ended_at": rec["at"], "end_reason": ALLOCATION_WITHDRAWN, "start_event_id": rec["id"], "end_event_id": None}
+        if (emitted := _emit(allocs, aid, version, row, out)) is not None:
+            out.allocations.append({**row, "version": emitted})
 
 
 def _refresh_device(state: dict, out: Outcome) -> None:

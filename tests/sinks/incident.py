@@ -23,12 +23,14 @@ from datetime import datetime, timedelta, timezone
 import orjson
 
 from schemas import CorrelatedEvent, GpuAllocation, Identity, make_event_id
+from schemas.outputs import ALLOCATION_WITHDRAWN
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
 R7, R6, R7_STAGING = "fraud-scorer-v7-prod", "fraud-scorer-v6-prod", "fraud-scorer-v7-staging"
 W7, WT, W_WRONG = "risk/fraud-scorer-7", "training/llm-finetune-3", "risk/fraud-scorer-7-old"
 P1, P2, PT = "fraud-scorer-7-abc12", "fraud-scorer-7-def34", "llm-finetune-3-0"
 GPU_A, GPU_B = "GPU-aaaa-1111", "GPU-bbbb-2222"
+GHOST = "al-p1-withdrawn"  # (allocation_rows: a withdrawn allocation's tombstone)
 FP, FP_XID, FP_OLD = "7d1f2a9c3b4e5f60", "aa11bb22cc33dd44", "0f0e0d0c0b0a0908"
 MANIFEST7 = dict(model_name="fraud-scorer", model_version="7", artifact_digest="sha256:" + "a1" * 32,
                  image_digest="sha256:" + "b2" * 32, config_digest="sha256:" + "c3" * 32, dataset_ref="s3://datasets/fraud/2026-11",
@@ -216,6 +218,11 @@ def allocation_rows() -> list[GpuAllocation]:
         alloc("al-p2", 0, "node-b", GPU_B, "risk", P2, {"workload_id": W7}, m(62.5), attribution="unattributed"),
         alloc("al-p2", 1, "node-b", GPU_B, "risk", P2, ident7, m(62.5)),
         alloc("al-pt", 0, "node-a", GPU_A, "training", PT, {"workload_id": WT}, m(60.2), attribution="unattributed"),
+        # P1's holding first went out from a later re-report of its assignment (read before the first one), then
+        # was withdrawn when the engine read the first (``streams.correlate.entities._withdraw``): a tombstone
+        # every reader skips (before, this open interval stayed for ever beside al-p1).
+        alloc(GHOST, 0, "node-a", GPU_A, "risk", P1, ident7, m(19)),
+        alloc(GHOST, 1, "node-a", GPU_A, "risk", P1, ident7, m(19), m(19), ALLOCATION_WITHDRAWN),
     ]
 
 

@@ -129,3 +129,18 @@ def test_command_reads_the_database_the_readers_setting_names(tmp_path):
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["correlated_events"][0] == len(inc.latest(inc.correlated_rows()))
 
+
+
+def test_a_withdrawn_allocations_tombstone_is_not_content(clickhouse_client):
+    """A run that read a holding's later assignment first stored an allocation under it, then withdrew it
+    (``end_reason`` withdrawn, closed at its start); a run that read them in order never did. Both stores
+    hold what readers see alike: the checksums leave the tombstone out (as the withdrawn violations')."""
+    allocations = inc.allocation_rows()
+    without = [a for a in allocations if a.allocation_id != inc.GHOST]
+    assert len(without) == len(allocations) - 2
+    a = table_checksums(clickhouse_client, _store(clickhouse_client, lambda w: [w.store_allocations(allocations)]))
+    b = table_checksums(clickhouse_client, _store(clickhouse_client, lambda w: [w.store_allocations(without)]))
+    assert a["gpu_allocations"] == b["gpu_allocations"] and a["gpu_allocations"][0] == 3
+    # the withdrawal supersedes the open interval it went out as: without it, that one is content
+    opened = table_checksums(clickhouse_client, _store(clickhouse_client, lambda w: [w.store_allocations(allocations[:-1])]))
+    assert opened["gpu_allocations"][0] == 4 and "gpu_allocations" in differing(opened, b)

@@ -6,4 +6,5 @@ SELECT
     allocation_id
 FROM {db:Identifier}.gpu_allocations FINAL
 WHERE node = {node:String} AND gpu_id = {gpu:String} AND started_at <= {at:DateTime64(3, 'UTC')}
+  AND end_reason != 'withdrawn'  -- a tombstone: an interval the engine found started earlier (docs/schemas.md)
 ORDER BY started_at, allocation_id

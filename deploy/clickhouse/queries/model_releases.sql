@@ -44,7 +44,7 @@ LEFT JOIN (
 LEFT JOIN (
     SELECT release_id, toUInt32(count()) AS gpus
     FROM {db:Identifier}.gpu_allocations FINAL
-    WHERE release_id != ''
+    WHERE release_id != '' AND end_reason != 'withdrawn'
       AND ({at:Nullable(DateTime64(3, 'UTC'))} IS NULL OR started_at <= {at:Nullable(DateTime64(3, 'UTC'))})
       AND (ended_at IS NULL OR ({at:Nullable(DateTime64(3, 'UTC'))} IS NOT NULL AND ended_at > {at:Nullable(DateTime64(3, 'UTC'))}))
     GROUP BY release_id

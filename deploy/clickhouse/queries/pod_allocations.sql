@@ -6,6 +6,6 @@ SELECT
     if({at:Nullable(DateTime64(3, 'UTC'))} IS NOT NULL AND ended_at > {at:Nullable(DateTime64(3, 'UTC'))}, NULL, ended_at) AS ended_at,
     end_reason, workload_id, release_id, attribution, allocation_id
 FROM {db:Identifier}.gpu_allocations FINAL
-WHERE namespace = {namespace:String} AND pod = {pod:String}
+WHERE namespace = {namespace:String} AND pod = {pod:String} AND end_reason != 'withdrawn'  -- (tombstones: docs/schemas.md)
   AND ({at:Nullable(DateTime64(3, 'UTC'))} IS NULL OR started_at <= {at:Nullable(DateTime64(3, 'UTC'))})
 ORDER BY started_at, allocation_id
