@@ -448,7 +448,7 @@ def fold_link(state: dict, source: str, link: dict) -> bool:
         # (``_gone_link``) — a True when it grew. Not counted as detached (it never was attached),
         # and the state is left as it was: a state changed in memory without being put is not
         # its changelog record (and a local snapshot of it would not be: ``PartitionStore._records``).
-        return False if gpu else _gone_link(state, source, link.get("v", 0))
+        return False if gpu else _gone_link(state, source, link)
     if gpu and current is None and (gone := state.get("gone")):
         # A detached holder's link that comes back (a later allocation of the GPU to the same
         # pod): its step leaves ``gone`` — the link counts again, not twice.
@@ -466,14 +466,14 @@ def fold_link(state: dict, source: str, link: dict) -> bool:
             if gone is not None:
                 _let_go(gone, src, links[src])
             else:
-                _gone_link(state, src, links[src].get("v", 0))
+                _gone_link(state, src, links[src])
             del links[src]
             state["detached"] += 1
         capped("links_detached", len(least), state["key"], _detached())
     return source in links
 
 
-def _gone_link(state: dict, source: str, v: int) -> bool:
+def _gone_link(state: dict, source: str, link: dict) -> bool:
     """Keep the version of a link let go past ``MAX_LINKS`` by an entity other than a node/GPU (a
     workload's pods): ``state["gone_links"]``, per source the highest version it had (``{"v": …}``),
     counted in the entity's version as the link was (``links_version``) — so letting it go lowers
@@ -482,12 +482,21 @@ def _gone_link(state: dict, source: str, v: int) -> bool:
     so a pod let go is let go whatever the order: the kept links and the versions are those of the
     whole link set. At most ``MAX_GONE_LINKS`` sources are kept by name (the least by name go
     first; their versions stay in ``extra``): one of those forwarded again counts its version again
-    — a version too high, never one too low. True when the versions grew."""
+    — a version too high, never one too low. And the releases it named (its ``release_id`` and
+    ``rids``: ``gone_links["rids"]``), which the entity's rows still name (``link_rids``): with the
+    link they left the set its rows' versions count, and those fell. True when either grew."""
     gone = state.setdefault("gone_links", {"v": {}, "extra": 0})
+    named = {link["release_id"]} if link.get("release_id") else set()
+    named.update(link.get("rids", ()))
+    grew = False
+    if named - set(gone.get("rids", ())):
+        gone["rids"] = sorted(named.union(gone.get("rids", ())))
+        grew = True
+    v = link.get("v", 0)
     versions = gone["v"]
     old = versions.get(source)
     if old is not None and v <= old:
-        return False
+        return grew
     versions[source] = v
     if len(versions) > MAX_GONE_LINKS:
         least = min(versions)
@@ -799,7 +808,7 @@ def resolve_entity(state: dict, directory) -> Resolution:
     since = since_of(state)
     # What the related entity's link says it could name (``link_rids``): the set only grows, where its
     # ``release_id`` can move from one release to another and the one left stopped counting here.
-    also = link_rids(state["links"])
+    also = link_rids(state["links"], state.get("gone_links"))
     if inc is None:
         # (one value per named fact — nearly every pod and workload — names nothing its latest facts do not)
         named, lookups = named_values(per) if _several_named(per) else ((), ())
@@ -820,13 +829,16 @@ def resolve_entity(state: dict, directory) -> Resolution:
     return inc.at("\uffff")
 
 
-def link_rids(links: dict) -> tuple[str, ...]:
+def link_rids(links: dict, gone: dict | None = None) -> tuple[str, ...]:
     """Every release the pods' and workload's links say their sender could name (``rids``: its own rows'
     release labels, and a pod's look-ups' candidates — ``own_rids``), which a row of the receiver names:
     a link's ``release_id`` moves (a pod picking another release as an earlier row of it arrives, a
     label replaced) while the receiver's rows counted the one it named before — they fell (a review's
     probe: a workload row went from r0 at 36 to r3 at 30)."""
-    return tuple(sorted({rid for link in links.values() for rid in link.get("rids", ())}))
+    rids = {rid for link in links.values() for rid in link.get("rids", ())}
+    if gone and gone.get("rids"):
+        rids.update(gone["rids"])  # (and those of the links let go past ``MAX_LINKS``: ``_gone_link``)
+    return tuple(sorted(rids))
 
 
 def own_rids(state: dict) -> set[str]:

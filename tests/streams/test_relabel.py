@@ -270,3 +270,27 @@ def test_a_pod_takes_the_release_of_the_workload_its_facts_name_now_in_any_order
         d = Driver(seed=seed).feed(order).flush_parked()
         assert d.conflicts == 0, f"order {seed}"
         assert d.latest(versions=True) == reference.latest(versions=True), f"order {seed}"
+
+
+def test_a_workloads_rows_keep_counting_the_releases_of_pods_it_let_go_past_max_links(monkeypatch):
+    """A workload keeps ``MAX_LINKS`` pods' links (by name); one let go took the releases it named out of the
+    set its rows' versions count: a workload row attributed to the release of its first pod (r1, many events)
+    moved to r3 (few) when pods w-3 and w-4 arrived and w-1, w-2 were let go — at a lower version (a
+    conflict: the latest version was not the right content). ``gone_links["rids"]`` keeps them counted."""
+    monkeypatch.setattr(entities, "MAX_LINKS", 2)
+    busy = [release("release.registered" if k == 0 else "release.evaluated", 0.1 * k, rid=rid, model="ma", version=rid, digest=None)
+            for rid in ("r1", "r2") for k in range(30)]  # (evaluated thirty times before the workload's row)
+    quiet = [release("release.registered", 1, rid=rid, model="ma", version=rid, digest=None) for rid in ("r3", "r4")]
+    pods = [pod_event("scheduler.scheduled", 10 + i, pod=f"w-{i}", workload="ml/Job/big", release_id=f"r{i}", pod_uid=f"u{i}")
+            for i in range(1, 5)]
+    events = [*busy, *quiet, pod_event("scheduler.queued", 5, pod=None, workload="ml/Job/big"), *pods]  # the Workload's own row
+    reference = Driver().feed(events).flush_parked()
+    assert reference.conflicts == 0
+    wl = reference.entities["wl:ml/Job/big"]
+    assert sorted(wl["links"]) == ["pod:ml/w-3", "pod:ml/w-4"] and wl["gone_links"]["rids"] == ["r1", "r2"]
+    [row] = [r for r in reference.rows.values() if r.event_type == "scheduler.queued"]
+    assert (row.identity.release_id, row.attribution) == ("r3", "workload_release")
+    for seed, order in kafka_orders(events, range(1, 13)):
+        d = Driver(seed=seed).feed(order).flush_parked()
+        assert d.conflicts == 0, f"order {seed}"
+        assert d.latest(versions=True) == reference.latest(versions=True), f"order {seed}"
