@@ -1,6 +1,8 @@
 """Random-order probe of the engine's exactness, for developing it: not a test (it reports what is left).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/order_fuzz.py [first=0] [last=800]   # SHARED=1: images several releases share
+    PYTHONPATH=. .venv/bin/python benchmarks/order_fuzz.py [first=0] [last=800]
+    # SHARED=1: images several releases share; INTERLEAVE=1: release events reach the directory among the
+    # entities' messages in the shuffled orders (else each as it is fed, before any entity message drains)
 
 Random small histories — releases whose manifests change, pods and a Kueue Workload whose release
 labels, model labels, image digests, workloads and uids change between their events, GPU assignments
@@ -10,16 +12,20 @@ partition: Kafka keeps it) and, every fourth, deliver a third of them again. Wit
 ``VERIFY_UNCHANGED`` on, it counts per scenario the *conflicts* (a row whose content changed at a
 version no higher than before: the latest version would not be the right content) and the orders
 whose final rows and allocations (with versions; not the withdrawn allocations' tombstones) differ from
-event order's, and prints which fields differ.
+event order's, and prints which fields differ; and the entities a refresh now would still make emit
+(a refresh the run missed: their rows keep versions below those the history gives them).
 
 Measured (800 scenarios): cb2bd70 111 scenarios with conflicts, 147 with differing final rows;
 after ``named_values``/``since``/holdings' and links' ``rids`` 0 and 97 (the links a pod of two
 workloads left behind: versions, and in some attribution); after a pod links to every workload it
 named (``own_named``) 0 and 0 — and 0 and 0 in 3,000, and with ``SHARED=1`` (docs/architecture.md).
+With ``INTERLEAVE=1`` 5 of 400 differed, each with a missed refresh (a release event changes every
+look-up the release ever answered: ``ReleaseDirectory.answered``); 0 of 3,000 since.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import sys
@@ -29,10 +35,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from streams.correlate.entities import refresh  # noqa: E402
 from tests.streams.harness import Driver, alert, gpu_event, kafka_orders, pod_event, release  # noqa: E402  (sets VERIFY_UNCHANGED)
 
 DA, DB = "sha256:" + "a1" * 32, "sha256:" + "b1" * 32
 DIGESTS = [DA, DA, DB, None] if os.environ.get("SHARED") else [DA, DB, None]
+INTERLEAVE = bool(os.environ.get("INTERLEAVE"))  # release events reach the directory among the entities' messages (harness.Driver)
 
 
 def scenario(rng: random.Random) -> list:
@@ -69,16 +77,27 @@ def held(d: Driver) -> dict:
     return {aid: a for aid, a in d.latest_allocations(versions=True).items() if a["end_reason"] != "withdrawn"}
 
 
+def stale(d: Driver) -> int:
+    """Entities that a refresh now would make emit (a row, an allocation, a link): a refresh the run
+    missed — its rows keep versions below those the history gives them."""
+    n = 0
+    for state in d.entities.values():
+        out = refresh(copy.deepcopy(state), d.directory, park=d.park)
+        n += bool(out.correlated or out.allocations or out.forwards)
+    return n
+
+
 def main(first: int, last: int) -> None:
-    started, with_conflicts, with_diffs, fields = time.time(), 0, 0, Counter()
+    started, with_conflicts, with_diffs, with_stale, fields = time.time(), 0, 0, 0, Counter()
     for s in range(first, last):
         events = scenario(random.Random(s))
         reference = Driver().feed(events).flush_parked()
         ref, ref_allocs = reference.latest(versions=True), held(reference)
-        conflicts, diffs = reference.conflicts, 0
+        conflicts, diffs, missed = reference.conflicts, 0, stale(reference)
         for seed, order in kafka_orders(events, range(1, 5)):
-            d = Driver(seed=seed).feed(order).flush_parked()
+            d = Driver(seed=seed, interleave=INTERLEAVE).feed(order).flush_parked()
             conflicts += d.conflicts
+            missed += stale(d)
             got, got_allocs = d.latest(versions=True), held(d)
             if got != ref or got_allocs != ref_allocs:
                 diffs += 1
@@ -89,9 +108,11 @@ def main(first: int, last: int) -> None:
                             fields[(what + "missing",) if a is None or b is None else tuple(sorted(what + f for f in a if a[f] != b[f]))] += 1
         with_conflicts += conflicts > 0
         with_diffs += diffs > 0
-        if conflicts or diffs:
-            print(f"scenario {s}: {conflicts} conflict(s), {diffs} of 4 orders differ", flush=True)
-    print(f"{last - first} scenarios in {time.time() - started:.0f}s: {with_conflicts} with conflicts, {with_diffs} with differing final rows")
+        with_stale += missed > 0
+        if conflicts or diffs or missed:
+            print(f"scenario {s}: {conflicts} conflict(s), {diffs} of 4 orders differ, {missed} entit(ies) a refresh was missed for", flush=True)
+    print(f"{last - first} scenarios in {time.time() - started:.0f}s: {with_conflicts} with conflicts, {with_diffs} with differing final rows, "
+          f"{with_stale} with a missed refresh")
     print("fields that differ (rows × orders):", fields.most_common(8))
 
 

@@ -389,17 +389,10 @@ class Correlator:
 
     def _dependents_of_release(self):
         """The entities that depend on a release: on any interest it ever answered
-        (``directory.ever``), as its changes signal ``before | after``. The index of what
-        each release answered is built on the first question (only a catch-up asks)."""
-        answered: dict[str, set[str]] | None = None  # release -> interests it ever answered
+        (``directory.answered``), as its changes signal them (``ReleaseDirectory.apply``)."""
+        answered = self.directory.answered
 
         def dependents(rid: str) -> set[str]:
-            nonlocal answered
-            if answered is None:
-                answered = defaultdict(set)
-                for interest, rids in self.directory.ever.items():
-                    for r in rids:
-                        answered[r].add(interest)
             return {key for interest in {f"rid:{rid}", *answered.get(rid, ())} for key in self.runtime.dependents.get(interest, ())}
         return dependents
 

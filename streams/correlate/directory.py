@@ -97,6 +97,7 @@ class ReleaseDirectory:
         # Every release that ever had a digest / model (never shrinks): the candidates a
         # look-up consulted, for the version of the rows that look-up attributed.
         self.ever: dict[str, set[str]] = defaultdict(set)
+        self.answered: dict[str, set[str]] = defaultdict(set)  # release -> every key of ``ever`` it is in
         self.ready = asyncio.Event()
         # time.time() of the last instant at which the directory held every event of the release
         # topic that Kafka had acknowledged (``follow_release_topic``); None before it loaded.
@@ -141,13 +142,20 @@ class ReleaseDirectory:
         self.ever[f"rid:{rid}"].add(rid)
         for key in after:
             self.ever[key].add(rid)
+        answered = self.answered[rid]
+        answered.add(f"rid:{rid}")
+        answered.update(after)
         if manifest.get("image_digest"):
             self.by_digest[manifest["image_digest"]].add(rid)
         if manifest.get("model_name"):
             self.by_model_name[manifest["model_name"]].add(rid)
             if manifest.get("model_version"):
                 self.by_model[(manifest["model_name"], manifest["model_version"])].add(rid)
-        return sorted(before | after)
+        # Every look-up it ever answered, not only those of its manifest before and after: an event of it
+        # changes the counts of each (``candidates_version``, ``after``) — a release re-registered under
+        # another model, whose earlier event was read late, changed the old model's look-up and refreshed
+        # nobody waiting on it (their rows kept a version below the one the history gives them).
+        return sorted(before | after | answered)
 
     def _unindex(self, key: str, rid: str) -> None:
         kind, _, value = key.partition(":")

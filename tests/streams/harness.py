@@ -100,7 +100,7 @@ class Driver:
     """Processes events like the worker: releases feed the directory; every event is
     routed to its entity; forwards and refreshes are queued like route messages."""
 
-    def __init__(self, seed: int | None = None, park: bool = True, memos: bool = True) -> None:
+    def __init__(self, seed: int | None = None, park: bool = True, memos: bool = True, interleave: bool = False) -> None:
         self.directory = ReleaseDirectory()
         self.entities: dict[str, dict] = {}
         self.rows: dict[str, object] = {}
@@ -112,11 +112,17 @@ class Driver:
         self.offset = 0
         self.conflicts = 0
         self.memos: dict | None = {} if memos else None  # as the Correlator keeps them (streams.correlate.entities.GpuMemo)
+        # With a seed: a release event reaches the directory when its own queue turn comes, among the entities'
+        # messages (as the worker reads the release partitions between others), not as it is fed.
+        self.interleave = interleave
 
     def _state(self, key):
         return self.entities.setdefault(key, new_entity(key))
 
     def _apply(self, key: str, msg: dict) -> None:
+        if msg["k"] == "directory":
+            self._release(msg["event"])
+            return
         state = self._state(key)
         if msg["k"] == "event":
             fold_row(state, event_row(routed_event(msg["event"]), kind_of(key), ("raw", 0, msg["offset"])))
@@ -157,14 +163,20 @@ class Driver:
             key, msg = self.queue.pop(i)
             self._apply(key, msg)
 
+    def _release(self, ev) -> None:
+        changed = self.directory.apply(ev)
+        for key, state in list(self.entities.items()):
+            if set(state["interests"]) & set(changed):
+                self.queue.append((key, {"k": "refresh"}))
+
     def feed(self, events) -> Driver:
         for ev in events:
             self.offset += 1
             if ev.event_type.startswith("release."):
-                changed = self.directory.apply(ev)
-                for key, state in list(self.entities.items()):
-                    if set(state["interests"]) & set(changed):
-                        self.queue.append((key, {"k": "refresh"}))
+                if self.interleave and self.rng:
+                    self.queue.append((f"directory:{ev.identity.release_id}", {"k": "directory", "event": ev}))
+                else:
+                    self._release(ev)
             self.queue.append((entity_key(ev), {"k": "event", "event": ev, "offset": self.offset}))
             if self.rng is None:
                 self._drain()
