@@ -1087,7 +1087,12 @@ def merge_dra(state: dict, spans: list[dict], inc: Incarnations | None = None) -
                 groups[-1].append(iv)
             else:
                 groups.append([iv])
-        out.extend(_one_holding(group) for group in groups)
+        # Each holding's version counts every report of the device (of each source's key once: its spans
+        # share it), not its group's: a group that splits again (a release read between two reports) took
+        # the other spans' counts with it — a holding back from a withdrawal, or the other one, went out
+        # below a version it had had, and the worker, trusting versions, kept it open for ever.
+        dev_v = sum({(bool(iv.get("claim")), iv["container"], iv["resource"]): iv["v"] for iv in ivs}.values())
+        out.extend({**_one_holding(group), "v": dev_v} for group in groups)
     return out
 
 
@@ -1960,7 +1965,9 @@ def _refresh_pod(state: dict, directory, res: Resolution, out: Outcome) -> None:
             held["rids"] = every_rid
         target = f"gpu:{iv['node']}/{iv['device']}"
         per_gpu.setdefault(target, []).append(held)
-        gpu_version[target][(iv["container"], iv["resource"], iv["device"])] = iv["v"]
+        # (a DRA holding by its device alone: its containers' list changes as its groups do — ``merge_dra``)
+        gkey = (iv["container"] if "id_container" not in iv else "", iv["resource"], iv["device"])
+        gpu_version[target][gkey] = iv["v"]
         if iv["gpu"] and iv["gpu"] != iv["device"]:
             # A MIG slice or time-slicing share — or a DRA device, named by its pool — of a
             # physical GPU: that GPU's alerts reach its holder too (a whole DRA GPU as a whole holder).
@@ -1968,7 +1975,7 @@ def _refresh_pod(state: dict, directory, res: Resolution, out: Outcome) -> None:
             whole = iv.get("dra") and not iv["mig"]
             per_gpu.setdefault(physical, []).append(held if whole else {**held, "slice": iv["device"], "resource": iv["resource"],
                                                                        "gi": iv.get("gi"), "profile": iv.get("profile")})
-            gpu_version[physical][(iv["container"], iv["resource"], iv["device"])] = iv["v"]
+            gpu_version[physical][gkey] = iv["v"]
     for target, ivs in per_gpu.items():
         _forward(state, target, sum(gpu_version[target].values()) + identity_version, {"intervals": ivs}, out)
     if len(state["allocs"]) > len(current) + len(withdrawn or ()):
@@ -2012,8 +2019,9 @@ def _withdraw(state: dict, current: set[str], ns: str, pod: str, identity: dict,
 
     The id is found again from its starting row (every ``gpu.assigned`` and claim reservation the pod
     has, hashed as ``_refresh_pod`` hashes its intervals' starts). One whose starting row is gone was
-    let go past the row cap (``_bound``: an interval goes whole, its start and end together) — what it
-    stored stays, as every row let go keeps what it emitted — and is only marked, not withdrawn."""
+    let go past the row cap (``_bound``) — what it stored stays, as every row let go keeps what it
+    emitted — and is only marked, not withdrawn. (A bound, as before: a closed holding whose first
+    assignment was let go while a repeated one stayed shows from that one as well.)"""
     allocs = state["allocs"]
     gone = state.setdefault("allocs_gone", {})
     orphans = [aid for aid in allocs if aid not in current and aid not in gone]
