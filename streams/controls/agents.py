@@ -181,11 +181,12 @@ class Controller:
                 if kind == "tick" or (kind == "link" and len(body["link"]) <= 1):
                     continue
                 state = new_state(key)
-            if kind == "row":
-                row = body["row"]
-                changed = fold_row(state, row)
-                for at in (row.get("at"), row.get("start"), row.get("end")):
-                    self.runtime.advance(at)
+            if kind in ("row", "rows"):
+                changed = False
+                for row in body["rows"] if kind == "rows" else (body["row"],):  # ("rows": a pod's withdrawn allocations and their replacements)
+                    changed = fold_row(state, row) or changed
+                    for at in (row.get("at"), row.get("start"), row.get("end")):
+                        self.runtime.advance(at)
             elif kind == "link":
                 changed = fold_link(state, body["from"], body["link"])
             else:  # tick: a deadline passed or a release changed

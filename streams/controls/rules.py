@@ -61,7 +61,7 @@ from streams.controls.policy import ACTION_OF_EVENT, CONTROL_TITLES, Policy
 from streams.packing import kind_of
 from gpuledger.timefmt import format_duration, iso_z, quick_utc_isoformat
 from schemas import Identity
-from schemas.outputs import Violation, joined
+from schemas.outputs import ALLOCATION_WITHDRAWN, Violation, joined
 from schemas.release import actor_text, decision_actor
 
 START = frozenset({"scheduler.admitted", "scheduler.scheduled", "scheduler.running", "scheduler.pods_ready"})
@@ -153,9 +153,12 @@ def compact_row(record) -> dict | None:
 def compact_allocation(record) -> dict:
     a = _as_dict(record)
     ident = a.get("identity") or {}
-    return {"id": a["allocation_id"], "v": int(a["version"]), "node": a["node"], "gpu_id": a["gpu_id"], "pod": f"{a['namespace']}/{a['pod']}",
-            "rid": ident.get("release_id"), "wid": ident.get("workload_id"), "attr": a.get("attribution"), "start": iso(a["started_at"]),
-            "end": iso(a.get("ended_at")), "se": a["start_event_id"], "ee": a.get("end_event_id")}
+    out = {"id": a["allocation_id"], "v": int(a["version"]), "node": a["node"], "gpu_id": a["gpu_id"], "pod": f"{a['namespace']}/{a['pod']}",
+           "rid": ident.get("release_id"), "wid": ident.get("workload_id"), "attr": a.get("attribution"), "start": iso(a["started_at"]),
+           "end": iso(a.get("ended_at")), "se": a["start_event_id"], "ee": a.get("end_event_id")}
+    if a.get("end_reason") == ALLOCATION_WITHDRAWN:
+        out["w"] = 1  # a tombstone (``streams.correlate.entities._withdraw``): ``fold_row`` keeps it as one
+    return out
 
 
 def row_key(row: dict) -> str:
@@ -200,8 +203,17 @@ def fold_row(state: dict, row: dict) -> bool:
     once — one seen again after it went (a re-delivery), or one older than every row the key keeps
     — is not kept and not counted (counted, a re-delivery would raise every violation's version)."""
     rows = state["rows"]
+    incoming = row["v"]
+    if row.get("w"):
+        # A withdrawn allocation (``compact_allocation``): kept at its version (``wv``: an older version of
+        # it re-delivered stays out) but counted as none in the key's version (``key_version``) — a run that
+        # read the holding's events in order never had it, and the violations' versions would differ by
+        # order. It comes in one message with the allocation that replaced it (``Correlator._emit``), whose
+        # version is higher than the one it had (the same device's reports, and more): the key's version
+        # grows, and ends as that run's.
+        row = {**row, "v": 0, "wv": incoming}
     current = rows.get(row["id"])
-    if current is not None and current["v"] >= row["v"]:
+    if current is not None and current.get("wv", current["v"]) >= incoming:
         return False
     if current is None and len(rows) >= MAX_ROWS and _drop_order(row) < min(map(_drop_order, rows.values())):
         capped("control_rows_dropped", 1, state["key"], _dropped_text())
@@ -568,6 +580,12 @@ def _forward_allocations(allocs: list[dict], forwards: dict, interests: set, ctx
         if not rid:
             continue
         interests.add(f"rid:{rid}")  # a reservation or retirement later makes the release read them
+        if a.get("w"):
+            # Withdrawn (``fold_row``): no holding. Its release still gets the pod's list, if empty — it
+            # replaces the one that named it.
+            if holdings_read(ctx, rid, "allocs"):
+                per_release.setdefault(rid, [])
+            continue
         if holdings_read(ctx, rid, "allocs"):
             per_release[rid].append({"id": a["id"], "start": a["start"], "end": a["end"], "se": a["se"], "ee": a["ee"],
                                      "pod": a["pod"], "gpu": f"{a['node']}/{a['gpu_id']}"})

@@ -302,10 +302,24 @@ class Correlator:
             if compact is not None:
                 self.controls.add(row_key(compact), {"k": "row", "row": compact},
                                   source=(row["source_topic"], row["source_partition"], row["source_offset"]))
+        withdrawing: dict[str, list] = {}  # pod key -> its allocations, when one of them is a tombstone
         for alloc in allocs:
             out.produce(allocations, f"{alloc['node']}/{alloc['gpu_id']}".encode(), orjson.dumps(alloc))
             compact = compact_allocation(alloc)
-            self.controls.add(allocation_key(compact), {"k": "row", "row": compact})
+            if compact.get("w"):
+                withdrawing[allocation_key(compact)] = []
+        for alloc in allocs:
+            compact = compact_allocation(alloc)
+            key = allocation_key(compact)
+            if key in withdrawing:
+                withdrawing[key].append(compact)
+            else:
+                self.controls.add(key, {"k": "row", "row": compact})
+        for key, rows in withdrawing.items():
+            # A pod's withdrawn allocations travel with the allocations that replaced them, one message: the
+            # controls fold them in one batch — a tombstone alone lowered the pod's version (it counts as none:
+            # ``streams.controls.rules.fold_row``) and what it forwarded changed at a lower version.
+            self.controls.add(key, {"k": "rows", "rows": rows})
 
     # --- failure handling ---------------------------------------------------------------
     def parked(self) -> int | None:

@@ -2016,6 +2016,10 @@ def _withdraw(state: dict, current: set[str], ns: str, pod: str, identity: dict,
     (``schemas.outputs.ALLOCATION_WITHDRAWN``) one version above what it went out at: a tombstone, which readers and the store's
     checksums skip (``sinks.checksum.TOMBSTONES``) — a run that read the events in order never emitted
     it. Kept in ``allocs_gone`` (one that comes back is sent above its withdrawal: ``_refresh_pod``).
+    The controls stage gets a pod's tombstones and the allocations of the same refresh (those that
+    replaced them: a new id is always sent) in one message (``Correlator._emit``): it counts a tombstone
+    as no version, and the allocation that replaced it as a higher one than the withdrawn had
+    (``streams.controls.rules.fold_row``).
 
     The id is found again from its starting row (every ``gpu.assigned`` and claim reservation the pod
     has, hashed as ``_refresh_pod`` hashes its intervals' starts). One whose starting row is gone was

@@ -194,3 +194,47 @@ def test_a_worker_killed_after_opening_violations_closes_them_after_restart(kafk
             break
         time.sleep(0.2)
     assert stores["entities"]["cold"] > 0 and stores["controls"]["cold"] > 0, stores
+
+
+def test_a_holding_read_late_through_the_worker_stores_what_a_run_in_order_stores(kafka_bootstrap, catalogue, worker_factory):
+    """A pod's later re-report of its GPU assignment read before the first one (the first published after
+    the worker had stored the holding from the later one): the worker withdraws that allocation (a
+    tombstone readers skip), and stores the same allocations — and the same control 8 violation of the
+    release retired while holding it, version included — as a worker that read them in order (before, the
+    first allocation stayed open beside the real one, and the tombstone's version was in the violation's)."""
+    from producers._kafka import ensure_topics
+    from schemas.topics import TopicCatalogue
+
+    in_order = TopicCatalogue(prefix=f"t{uuid.uuid4().hex[:10]}", raw_partitions=4)  # a second run's topics: read in order
+    ensure_topics({"bootstrap.servers": kafka_bootstrap}, in_order)
+    history = [*released("r-w"), sched("scheduler.scheduled", 9, pod="w-1", workload="ml/Job/w", release_id="r-w")]
+    a10, a12 = gpu_event("gpu.assigned", 10, pod="w-1", device="GPU-W"), gpu_event("gpu.assigned", 12, pod="w-1", device="GPU-W")
+    later = [rel("release.retired", 30, "r-w", actor="alice"), rel("release.evaluated", 200, "r-w", actor="eval-bot")]
+    late = worker_factory(catalogue, extra_env=FAST)
+    publish(kafka_bootstrap, catalogue, [*history, a12])
+    holdings = "SELECT allocation_id, started_at, ended_at, end_reason, version FROM gpuledger.gpu_allocations FINAL ORDER BY allocation_id"
+    deadline = time.monotonic() + 60
+    while not late.reader.query(holdings).dicts():
+        assert time.monotonic() < deadline, "the holding from the later assignment was never stored"
+        time.sleep(0.3)
+    publish(kafka_bootstrap, catalogue, [a10, *later])
+    ordered = worker_factory(in_order, extra_env=FAST)
+    publish(kafka_bootstrap, in_order, [*history, a10, a12, *later])
+
+    def settled(reader, cat):
+        allocations = [r for r in reader.query(holdings).dicts() if r["end_reason"] != "withdrawn"]
+        violations = {vid: (v.control_id, v.opened_at, v.closed_at, v.detail, v.version) for vid, v in latest(kafka_bootstrap, cat).items()
+                      if not is_withdrawn(v)}
+        return allocations, violations
+
+    deadline, got = time.monotonic() + 90, None
+    while time.monotonic() < deadline:
+        got = (settled(late.reader, catalogue), settled(ordered.reader, in_order))
+        if got[0] == got[1] and [c for c, *_ in got[0][1].values()] == [8] and len(got[0][0]) == 1:
+            break
+        time.sleep(1)
+    assert got[0] == got[1] and len(got[0][0]) == 1, got
+    [allocation] = got[0][0]
+    assert "08:10:00" in str(allocation["started_at"]) and allocation["ended_at"] is None, allocation
+    tombstones = [r for r in late.reader.query(holdings).dicts() if r["end_reason"] == "withdrawn"]
+    assert len(tombstones) == 1 and tombstones[0]["started_at"] == tombstones[0]["ended_at"]

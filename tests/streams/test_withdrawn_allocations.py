@@ -173,3 +173,32 @@ def test_random_dra_and_claim_histories_leave_the_same_allocations_in_any_order(
             d = Driver(seed=seed).feed(order).flush_parked()
             assert d.conflicts == 0, f"history {s}, order {seed}"
             assert held(d) == held(reference), f"history {s}, order {seed}"
+
+
+def test_a_tombstone_is_no_version_to_the_controls_so_their_violations_match_a_run_in_order():
+    """The controls stage kept a withdrawn allocation's tombstone as a row of its pod and counted its
+    version: control 8's violation of a retired release went out at version 139 in a run that read the
+    holding's later assignment first, at 111 in one that read them in order (review helper-63). The
+    allocations of each step as the correlation stage sends them: a pod's tombstones with the allocations
+    that replaced them, one message (one evaluation)."""
+    rel = lambda etype, minutes, **kw: release(etype, minutes, rid="r1", **kw)  # noqa: E731
+    history = [rel("release.registered", 0, actor="ci-pipeline"), rel("release.approved", 1, actor="alice", approval_id="CHG-1"),
+               rel("release.promoted", 2, actor="alice", to_environment="prod"), pod_event("scheduler.scheduled", 9, release_id="r1"),
+               rel("release.retired", 30, actor="alice")]
+    a10, a12 = gpu_event("gpu.assigned", 10), gpu_event("gpu.assigned", 12)
+
+    def violations(steps):
+        d = Driver()
+        engine = ControlEngine(d.directory, Policy(), at(300))
+        sent: dict = {}
+        for step in steps:
+            d.feed(step).flush_parked()
+            engine.feed(list(d.rows.values())).run()
+            news = [a for a in d.allocations.values() if sent.get(a.allocation_id) != a.version]
+            sent.update((a.allocation_id, a.version) for a in news)
+            engine.feed((), news).run()
+        return {(v.control_id, v.opened_at, v.closed_at, v.detail): v.version for v in engine.current(include_withdrawn=True)}
+
+    in_order = violations([history, [a10], [a12]])
+    assert [k[0] for k in in_order] == [8]
+    assert violations([history, [a12], [a10]]) == in_order
