@@ -2072,7 +2072,10 @@ def _refresh_workload(state: dict, res: Resolution, out: Outcome) -> None:
     link = {"release_id": f["release_id"], "attribution": "workload_release", "from": "wl"}
     if (rids := own_rids(state)) - {f["release_id"]}:
         link["rids"] = sorted(rids)  # (every release label its rows had: ``link_rids``)
-    for src in sorted(state["links"]):
+    # Its pods — and those it let go past ``MAX_LINKS`` (``_gone_link``: kept by name): a pod let go kept
+    # whichever link it had got before, and its rows differed by the order the run read them in.
+    gone = state.get("gone_links")
+    for src in sorted({*state["links"], *(gone["v"] if gone else ())}):
         if src.startswith("pod:"):
             _forward(state, src, res.facts_version, link, out)
 
