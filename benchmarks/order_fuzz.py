@@ -2,7 +2,9 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/order_fuzz.py [first=0] [last=800]
     # SHARED=1: images several releases share; INTERLEAVE=1: release events reach the directory among the
-    # entities' messages in the shuffled orders (else each as it is fed, before any entity message drains)
+    # entities' messages in the shuffled orders (else each as it is fed, before any entity message drains);
+    # GPU=1: one pod's GPU holdings instead — a DRA device the kubelet reports for two containers, claims,
+    # a device plugin's GPU and MIG slice, deletions, a second incarnation
 
 Random small histories — releases whose manifests change, pods and a Kueue Workload whose release
 labels, model labels, image digests, workloads and uids change between their events, GPU assignments
@@ -20,7 +22,9 @@ after ``named_values``/``since``/holdings' and links' ``rids`` 0 and 97 (the lin
 workloads left behind: versions, and in some attribution); after a pod links to every workload it
 named (``own_named``) 0 and 0 — and 0 and 0 in 3,000, and with ``SHARED=1`` (docs/architecture.md).
 With ``INTERLEAVE=1`` 5 of 400 differed, each with a missed refresh (a release event changes every
-look-up the release ever answered: ``ReleaseDirectory.answered``); 0 of 3,000 since.
+look-up the release ever answered: ``ReleaseDirectory.answered``); 0 of 3,000 since. ``GPU=1``, with
+c180cae's entities: 14 of 400 with conflicts, 156 differing (allocations left behind, DRA holdings'
+versions); 0 and 0 since the withdrawal and the per-device DRA versions.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from streams.correlate.entities import refresh  # noqa: E402
-from tests.streams.harness import Driver, alert, gpu_event, kafka_orders, pod_event, release  # noqa: E402  (sets VERIFY_UNCHANGED)
+from tests.streams.harness import (Driver, alert, claim_event, dra_device, gpu_event, kafka_orders, pod_event,  # noqa: E402  (sets VERIFY_UNCHANGED)
+                                   release)
 
 DA, DB = "sha256:" + "a1" * 32, "sha256:" + "b1" * 32
 DIGESTS = [DA, DA, DB, None] if os.environ.get("SHARED") else [DA, DB, None]
@@ -71,6 +76,36 @@ def scenario(rng: random.Random) -> list:
     return list({e.event_id: e for e in events}.values())
 
 
+DRA = "gpu.nvidia.com"
+MIG = "MIG-" + "1" * 8 + "-1111-1111-1111-" + "1" * 12
+
+
+def gpu_scenario(rng: random.Random) -> list:
+    """One pod's GPU holdings (``GPU=1``), in the shapes whose allocation ids and versions are subtle:
+    a DRA holding several reports make (``merge_dra``), claims, re-reports, deletions, incarnations."""
+    events = [release("release.registered", 0, rid="r1"), release("release.registered", 0, rid="r2", model="m2", digest="sha256:" + "c" * 64),
+              dra_device(0), pod_event("scheduler.scheduled", 1, release_id="r1", pod_uid="u1")]
+    uid = lambda: rng.choice(["u1", "u1", "u2"])  # noqa: E731
+    if rng.random() < 0.5:
+        events.append(pod_event("scheduler.scheduled", rng.randint(20, 40), release_id="r2", pod_uid="u2"))
+    for i in range(rng.randint(2, 9)):
+        t, kind = rng.randint(2, 60) + i / 100, rng.choice(["dra", "claim", "plugin", "deleted", "running"])
+        if kind == "dra":
+            events.append(gpu_event(rng.choice(["gpu.assigned", "gpu.assigned", "gpu.released"]), t, device=f"{DRA}/n1/gpu-0", resource=DRA,
+                                    container=rng.choice(["main", "side"])))
+        elif kind == "claim":
+            etype = rng.choice(["gpu.claim_reserved", "gpu.claim_released"])
+            events.append(claim_event(etype, t, pod_uid=uid(), claim=rng.choice(["cA", "cB"]), reason="unreserved" if "released" in etype else None))
+        elif kind == "plugin":
+            events.append(gpu_event(rng.choice(["gpu.assigned", "gpu.assigned", "gpu.released"]), t, device=rng.choice(["GPU-1111", MIG]),
+                                    container=rng.choice(["main", "side"])))
+        else:
+            events.append(pod_event(f"scheduler.{kind}", t, release_id=rng.choice(["r1", "r2"]), pod_uid=uid()))
+    if rng.random() < 0.3:
+        events.append(alert(rng.randint(2, 60), fp="g1", node="n1", gpu_id="GPU-1111"))
+    return list({e.event_id: e for e in events}.values())
+
+
 def held(d: Driver) -> dict:
     """The allocations readers see: not the tombstones of those withdrawn (``entities._withdraw``), which
     only a run that emitted the id first writes."""
@@ -90,7 +125,7 @@ def stale(d: Driver) -> int:
 def main(first: int, last: int) -> None:
     started, with_conflicts, with_diffs, with_stale, fields = time.time(), 0, 0, 0, Counter()
     for s in range(first, last):
-        events = scenario(random.Random(s))
+        events = (gpu_scenario if os.environ.get("GPU") else scenario)(random.Random(s))
         reference = Driver().feed(events).flush_parked()
         ref, ref_allocs = reference.latest(versions=True), held(reference)
         conflicts, diffs, missed = reference.conflicts, 0, stale(reference)
