@@ -370,6 +370,7 @@ def trim(state: dict) -> None:
         if i >= n_room or budget < 0:
             going = ordered[i:]
             break
+    going = _whole_holdings(rows, going)
     if not going:
         # Over a bound by needed rows only (a batch's, not yet out): a fold looks again only a tenth of
         # the bound later (each look walks every row: at every fold of a large batch it cost ~0.7 ms
@@ -410,7 +411,7 @@ def trim(state: dict) -> None:
     capped("rows_detached", len(going), state["key"],
            f"rows let go past {MAX_ROWS:,} rows or {MAX_STATE_BYTES:,} bytes of row text (MAX_ROWS, MAX_STATE_BYTES): "
            "alerts before the entity's own rows, the oldest first; never a row not yet emitted, nor one its facts, "
-           "open intervals or MIG parents come from")
+           "open intervals or MIG parents come from, nor part of a GPU holding")
     state["bytes"] = sum(_row_bytes(r) for r in rows.values())
     ctl = state.get("ctl")
     if ctl and len(ctl) > MAX_CTL_FPS:
@@ -425,6 +426,45 @@ def trim(state: dict) -> None:
         capped("control_fingerprints_detached", len(going_fps), state["key"],
                f"alert fingerprints no longer sent to the controls past {MAX_CTL_FPS:,} tracked (MAX_CTL_FPS): "
                "the oldest whose rows were all let go")
+
+
+def _whole_holdings(rows: dict, going: list[dict]) -> list[dict]:
+    """``going`` less the rows of a GPU holding some of whose rows stay: a holding's rows (its start, the
+    repeated reports while it is held, its end — per allocation key, as ``_held`` reads them) go all
+    together or not at all. One going in part moved its start to a repeated report that stayed: the same
+    holding went out again under that report's id beside the first (the first one's starting row gone,
+    it could not be withdrawn: ``_withdraw``)."""
+    going_ids = {rec["id"] for rec in going}
+    if not any(rec.get("gpu") or rec.get("claim") for rec in going):
+        return going
+    per: dict[str, list[dict]] = defaultdict(list)
+    for rec in rows.values():
+        for field in ("gpu", "claim"):
+            if op := rec.get(field):
+                per[f"{field}|{op[0]}"].append(rec)
+    stay: set[str] = set()
+    for recs in per.values():
+        if not any(rec["id"] in going_ids for rec in recs):
+            continue
+        recs.sort(key=itemgetter("key"))
+        group: list[str] = []  # the holding open so far: its start and repeated reports
+        for rec in recs:
+            if (rec.get("gpu") or rec.get("claim"))[1] == "a":
+                group.append(rec["id"])
+            elif group:  # its end
+                _split_holding([*group, rec["id"]], going_ids, stay)
+                group = []
+            # (an end with none open: ``_held`` reads nothing of it, it goes alone)
+        if group:
+            _split_holding(group, going_ids, stay)
+    return [rec for rec in going if rec["id"] not in stay] if stay else going
+
+
+def _split_holding(group: list[str], going_ids: set[str], stay: set[str]) -> None:
+    """The rows of ``group`` (one holding's) that were going stay, unless all of them go."""
+    gone = [rid for rid in group if rid in going_ids]
+    if gone and len(gone) < len(group):
+        stay.update(gone)
 
 
 def fold_link(state: dict, source: str, link: dict) -> bool:
@@ -2024,8 +2064,8 @@ def _withdraw(state: dict, current: set[str], ns: str, pod: str, identity: dict,
     The id is found again from its starting row (every ``gpu.assigned`` and claim reservation the pod
     has, hashed as ``_refresh_pod`` hashes its intervals' starts). One whose starting row is gone was
     let go past the row cap (``_bound``) — what it stored stays, as every row let go keeps what it
-    emitted — and is only marked, not withdrawn. (A bound, as before: a closed holding whose first
-    assignment was let go while a repeated one stayed shows from that one as well.)"""
+    emitted — and is only marked, not withdrawn (the cap lets a holding's rows go together:
+    ``_whole_holdings``)."""
     allocs = state["allocs"]
     gone = state.setdefault("allocs_gone", {})
     orphans = [aid for aid in allocs if aid not in current and aid not in gone]
