@@ -411,7 +411,7 @@ def trim(state: dict) -> None:
     capped("rows_detached", len(going), state["key"],
            f"rows let go past {MAX_ROWS:,} rows or {MAX_STATE_BYTES:,} bytes of row text (MAX_ROWS, MAX_STATE_BYTES): "
            "alerts before the entity's own rows, the oldest first; never a row not yet emitted, nor one its facts, "
-           "open intervals or MIG parents come from, nor part of a GPU holding")
+           "open intervals or MIG parents come from, nor part of an ended GPU holding")
     state["bytes"] = sum(_row_bytes(r) for r in rows.values())
     ctl = state.get("ctl")
     if ctl and len(ctl) > MAX_CTL_FPS:
@@ -429,14 +429,15 @@ def trim(state: dict) -> None:
 
 
 def _whole_holdings(rows: dict, going: list[dict]) -> list[dict]:
-    """``going`` less the rows of a GPU holding some of whose rows stay: a holding's rows (its start, the
-    repeated reports while it is held, its end — per allocation key, as ``_held`` reads them) go all
-    together or not at all. One going in part moved its start to a repeated report that stayed: the same
-    holding went out again under that report's id beside the first (the first one's starting row gone,
-    it could not be withdrawn: ``_withdraw``)."""
-    going_ids = {rec["id"] for rec in going}
+    """``going`` less the rows of an ended GPU holding some of whose rows stay: its rows (its start, the
+    reports repeated while it was held, its end — per allocation key, as ``_held`` reads them) go all
+    together or not at all. One let go in part started again at a repeated report that stayed: the same
+    holding went out again under that report's id beside the first (whose starting row was gone: it
+    could not be withdrawn, ``_withdraw``). An open holding's repeated reports may go (its start is
+    needed and stays: ``_needed``; a kubelet collector re-lists what is held at every restart)."""
     if not any(rec.get("gpu") or rec.get("claim") for rec in going):
         return going
+    going_ids = {rec["id"] for rec in going}
     per: dict[str, list[dict]] = defaultdict(list)
     for rec in rows.values():
         for field in ("gpu", "claim"):
@@ -452,19 +453,13 @@ def _whole_holdings(rows: dict, going: list[dict]) -> list[dict]:
             if (rec.get("gpu") or rec.get("claim"))[1] == "a":
                 group.append(rec["id"])
             elif group:  # its end
-                _split_holding([*group, rec["id"]], going_ids, stay)
+                group.append(rec["id"])
+                gone = [rid for rid in group if rid in going_ids]
+                if gone and len(gone) < len(group):
+                    stay.update(gone)
                 group = []
             # (an end with none open: ``_held`` reads nothing of it, it goes alone)
-        if group:
-            _split_holding(group, going_ids, stay)
     return [rec for rec in going if rec["id"] not in stay] if stay else going
-
-
-def _split_holding(group: list[str], going_ids: set[str], stay: set[str]) -> None:
-    """The rows of ``group`` (one holding's) that were going stay, unless all of them go."""
-    gone = [rid for rid in group if rid in going_ids]
-    if gone and len(gone) < len(group):
-        stay.update(gone)
 
 
 def fold_link(state: dict, source: str, link: dict) -> bool:

@@ -219,3 +219,16 @@ def test_the_row_cap_lets_a_holding_go_whole_or_not_at_all(monkeypatch):
         spans = sorted((a["started_at"], a["ended_at"]) for a in held(d).values())
         assert spans == [(at(10), at(20))], f"order {seed}: {spans}"
         assert d.conflicts == 0
+
+
+def test_an_open_holdings_repeated_reports_still_go_past_the_row_cap(monkeypatch):
+    """Its start stays (needed while it is held); the reports a collector repeats at every restart go, or a
+    long-held GPU's pod grew past the cap with each re-list."""
+    import streams.correlate.entities as entities
+
+    monkeypatch.setattr(entities, "MAX_ROWS", 8)
+    events = [release("release.registered", 0, rid="r1"), pod_event("scheduler.scheduled", 5, release_id="r1"),
+              *(gpu_event("gpu.assigned", 10 + i) for i in range(30))]
+    d = Driver().feed(events).flush_parked()
+    assert len(d.entities["pod:ml/p1"]["rows"]) <= 8
+    assert sorted((a["started_at"], a["ended_at"]) for a in held(d).values()) == [(at(10), None)]
