@@ -241,7 +241,9 @@ def _needed(state: dict) -> set[str]:
     open (``_held``: with it gone, its GPU looked free) and the end of every interval whose start is
     kept, the pod's last deletion (it closes what is still open), and the newest alert teaching each
     MIG instance its physical GPU (``learned_parents``). The first are bounded by a batch and the rows
-    parked within their TTL, the others by the entity's facts, devices and instances."""
+    parked within their TTL, the others by the entity's facts, devices and instances. And a pod's: the
+    starting row of every allocation it emitted that is no longer among its intervals and not yet
+    withdrawn (``_unwithdrawn_starts``: until its refresh withdraws it, within the batch)."""
     rows, sent = state["rows"], state["sent"]
     keep = {rid for rid in rows if rid not in sent}
     newest: dict = {}  # fact name / MIG instance / the deletions -> (row key, row id)
@@ -261,6 +263,8 @@ def _needed(state: dict) -> set[str]:
             if op := rec.get(field):
                 holding[(field, op[0])].append((key, op[1], rid))
     keep.update(rid for _key, rid in newest.values())
+    if state["key"].startswith("pod:") and state["allocs"]:
+        keep.update(_unwithdrawn_starts(state))  # (until the refresh withdraws their allocations: ``_withdraw``)
     if state["key"].startswith("pod:") and (inc := _facts_and_runs(state)[3]) is not None:
         # A pod of several incarnations (``Incarnations``): the newest carrier of each incarnation's facts,
         # the first row of each run of uids (where an incarnation starts: the others can go without a row
@@ -2041,6 +2045,40 @@ def _alloc_id(node: str, device: str, ns: str, pod: str, container_part, start_e
     return hashlib.sha256(f"{node}|{device}|{ns}/{pod}|{container_part}|{start_event}".encode()).hexdigest()[:32]
 
 
+def _alloc_starts(state: dict, ns: str, pod: str) -> dict[str, tuple[dict, str, str, str | None, str]]:
+    """Allocation id -> (its starting row, node, device, container, resource), for every row that can
+    start one (every ``gpu.assigned`` and claim reservation the pod has, hashed as ``_refresh_pod``
+    hashes its intervals' starts)."""
+    starts: dict[str, tuple[dict, str, str, str | None, str]] = {}
+    for rec in state["rows"].values():
+        if (op := rec.get("gpu")) and op[1] == "a":
+            node, device, container, resource = op[0].split("|", 3)
+            for part in ({container or None, ""}):  # (a device plugin's container; a DRA holding's none: ``merge_dra``)
+                starts[_alloc_id(node, device, ns, pod, part, rec["id"])] = (rec, node, device, container or None, resource)
+        elif (op := rec.get("claim")) and op[1] == "a":
+            node, device, resource = op[0].split("|", 2)
+            starts[_alloc_id(node, device, ns, pod, "", rec["id"])] = (rec, node, device, None, resource)
+    return starts
+
+
+def _unwithdrawn_starts(state: dict) -> set[str]:
+    """The starting rows of the allocations a pod emitted that are no longer among its intervals and not
+    yet withdrawn — an earlier report of their holding folded, the refresh that withdraws them still to
+    come (``_needed`` keeps them: let go now, their allocation could not be rebuilt and stayed open)."""
+    allocs = state["allocs"]
+    gone = state.get("allocs_gone") or {}
+    if len(allocs) <= len(gone):
+        return set()
+    ns, _, pod = state["key"][4:].partition("/")
+    current = {_alloc_id(iv["node"], iv["device"], ns, pod, iv.get("id_container", iv["container"]), iv["start_event"])
+               for iv in intervals(state)}
+    orphans = [aid for aid in allocs if aid not in current and aid not in gone]
+    if not orphans:
+        return set()
+    starts = _alloc_starts(state, ns, pod)
+    return {starts[aid][0]["id"] for aid in orphans if aid in starts}
+
+
 def _withdraw(state: dict, current: set[str], ns: str, pod: str, identity: dict, attribution: str, out: Outcome) -> None:
     """Withdraw the allocations a pod emitted that are no longer among its intervals.
 
@@ -2059,22 +2097,14 @@ def _withdraw(state: dict, current: set[str], ns: str, pod: str, identity: dict,
     The id is found again from its starting row (every ``gpu.assigned`` and claim reservation the pod
     has, hashed as ``_refresh_pod`` hashes its intervals' starts). One whose starting row is gone was
     let go past the row cap (``_bound``) — what it stored stays, as every row let go keeps what it
-    emitted — and is only marked, not withdrawn (the cap lets a holding's rows go together:
-    ``_whole_holdings``)."""
+    emitted — and is only marked, not withdrawn (the cap keeps an unwithdrawn one's starting row until
+    then, ``_unwithdrawn_starts``, and lets an ended holding's rows go together, ``_whole_holdings``)."""
     allocs = state["allocs"]
     gone = state.setdefault("allocs_gone", {})
     orphans = [aid for aid in allocs if aid not in current and aid not in gone]
     if not orphans:
         return
-    starts: dict[str, tuple[dict, str, str, str | None, str]] = {}  # id -> (row, node, device, container, resource)
-    for rec in state["rows"].values():
-        if (op := rec.get("gpu")) and op[1] == "a":
-            node, device, container, resource = op[0].split("|", 3)
-            for part in ({container or None, ""}):  # (a device plugin's container; a DRA holding's none: ``merge_dra``)
-                starts[_alloc_id(node, device, ns, pod, part, rec["id"])] = (rec, node, device, container or None, resource)
-        elif (op := rec.get("claim")) and op[1] == "a":
-            node, device, resource = op[0].split("|", 2)
-            starts[_alloc_id(node, device, ns, pod, "", rec["id"])] = (rec, node, device, None, resource)
+    starts = _alloc_starts(state, ns, pod)
     for aid in sorted(orphans):
         version = sent_version(allocs[aid]) + 1
         gone[aid] = version

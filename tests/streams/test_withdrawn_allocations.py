@@ -232,3 +232,21 @@ def test_an_open_holdings_repeated_reports_still_go_past_the_row_cap(monkeypatch
     d = Driver().feed(events).flush_parked()
     assert len(d.entities["pod:ml/p1"]["rows"]) <= 8
     assert sorted((a["started_at"], a["ended_at"]) for a in held(d).values()) == [(at(10), None)]
+
+
+def test_a_pod_at_its_row_cap_keeps_a_withdrawn_allocations_start_until_it_is_withdrawn(monkeypatch):
+    """The pod at its cap when a holding's earlier report arrives: the fold let the later report go (a repeat of
+    the holding now) before the refresh that would withdraw the allocation it started — which then could not
+    be rebuilt, and stayed open beside the real one."""
+    import streams.correlate.entities as entities
+
+    monkeypatch.setattr(entities, "MAX_ROWS", 8)
+    head = [release("release.registered", 0, rid="r1"), pod_event("scheduler.scheduled", 5, release_id="r1"), gpu_event("gpu.assigned", 12),
+            *(pod_event("scheduler.running", 30 + i, release_id="r1") for i in range(6))]
+    d = Driver().feed(head).flush_parked()
+    assert len(d.entities["pod:ml/p1"]["rows"]) == 8
+    d.feed([gpu_event("gpu.assigned", 10)]).flush_parked()
+    assert sorted((a["started_at"], a["ended_at"]) for a in held(d).values()) == [(at(10), None)]
+    assert [a.started_at for a in tombstones(d)] == [at(12)]
+    d.feed([pod_event("scheduler.running", 40 + i, release_id="r1") for i in range(4)]).flush_parked()
+    assert len(d.entities["pod:ml/p1"]["rows"]) <= 8  # withdrawn, its row goes like any other
