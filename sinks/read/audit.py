@@ -38,7 +38,7 @@ import json
 from collections import Counter, defaultdict
 from datetime import datetime, timedelta
 
-from gpuledger.timefmt import TimeFormatError, format_duration, parse_duration, parse_time
+from gpuledger.timefmt import TimeFormatError, at_store_precision, format_duration, parse_duration, parse_time
 from sinks.correlated import IDENTITY_FIELDS
 from schemas.release import actor_text, decision_actor
 from sinks.migrations import table_name
@@ -185,6 +185,9 @@ def build_report(history: dict, policy: Policy, start: datetime, end: datetime, 
                  reevaluate: bool = False) -> dict:
     """The report over ``[start, end]``: the recorded violations (or, with ``reevaluate``,
     the controls re-run under ``policy`` as of ``end``) beside each control's evidence."""
+    # (the range at the store's precision, as its rows were read: ``--from`` with microseconds left out a
+    # violation closed in its own millisecond, which the store's read had kept)
+    start, end = at_store_precision(start), at_store_precision(end)
     rows = history["rows"]
     directory = directory_from_rows(rows)
     if reevaluate:

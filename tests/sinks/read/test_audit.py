@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from datetime import timedelta
+from datetime import timedelta, timezone
 
 import pytest
 from typer.testing import CliRunner
@@ -791,3 +791,18 @@ def test_reevaluate_judges_controls_1_and_3_as_the_worker_did_from_the_stored_ro
     assert [subject for subject, *_ in judged(again, 6)] == [subject for subject, *_ in judged(recorded, 6)] == ["ghost-v1"]
     status = {report["mode"]: {c["id"]: c["status"] for c in report["controls"]} for report in (recorded, again)}
     assert status["re-evaluation"][1] == status["recorded"][1] == "FAIL" and status["re-evaluation"][3] == status["recorded"][3] == "FAIL"
+
+
+def test_a_bound_with_microseconds_keeps_what_the_store_read_in_its_millisecond(store):
+    """``--from`` with microseconds: the store was read at its precision (ms: a violation closed in the same
+    millisecond is in range), and the report's own range check compared to the microsecond and left it out."""
+    from sinks.clickhouse import connect
+
+    client = connect(store["GPULEDGER_CLICKHOUSE_DSN"], store["GPULEDGER_CLICKHOUSE_DATABASE"], create=False)
+    closed = client.query(f"SELECT violation_id, closed_at FROM {store['GPULEDGER_CLICKHOUSE_DATABASE']}.violations FINAL "
+                          "WHERE closed_at IS NOT NULL AND NOT startsWith(detail, 'withdrawn:') ORDER BY closed_at LIMIT 1").result_rows
+    assert closed, "the incident has a violation that closed"
+    vid, at = closed[0]
+    start = at.replace(tzinfo=timezone.utc) + timedelta(microseconds=400)
+    report = json.loads(audit(store, "--from", start.isoformat(), "--to", "2026-11-30T14:00:00Z", "--format", "json").output)
+    assert vid in {v["violation_id"] for v in report["violations"]}
