@@ -302,15 +302,15 @@ class Correlator:
             if compact is not None:
                 self.controls.add(row_key(compact), {"k": "row", "row": compact},
                                   source=(row["source_topic"], row["source_partition"], row["source_offset"]))
+        compacts: list[tuple[str, dict]] = []  # (pod key, compact allocation)
         withdrawing: dict[str, list] = {}  # pod key -> its allocations, when one of them is a tombstone
         for alloc in allocs:
             out.produce(allocations, f"{alloc['node']}/{alloc['gpu_id']}".encode(), orjson.dumps(alloc))
             compact = compact_allocation(alloc)
+            compacts.append((key := allocation_key(compact), compact))
             if compact.get("w"):
-                withdrawing[allocation_key(compact)] = []
-        for alloc in allocs:
-            compact = compact_allocation(alloc)
-            key = allocation_key(compact)
+                withdrawing[key] = []
+        for key, compact in compacts:
             if key in withdrawing:
                 withdrawing[key].append(compact)
             else:

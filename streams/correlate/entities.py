@@ -870,7 +870,7 @@ def resolve_entity(state: dict, directory) -> Resolution:
 
 def link_rids(links: dict, gone: dict | None = None) -> tuple[str, ...]:
     """Every release the pods' and workload's links say their sender could name (``rids``: its own rows'
-    release labels, and a pod's look-ups' candidates — ``own_rids``), which a row of the receiver names:
+    release labels, and a pod's look-ups' candidates — ``own_named``), which a row of the receiver names:
     a link's ``release_id`` moves (a pod picking another release as an earlier row of it arrives, a
     label replaced) while the receiver's rows counted the one it named before — they fell (a review's
     probe: a workload row went from r0 at 36 to r3 at 30)."""
@@ -880,15 +880,10 @@ def link_rids(links: dict, gone: dict | None = None) -> tuple[str, ...]:
     return tuple(sorted(rids))
 
 
-def own_rids(state: dict) -> set[str]:
-    """The release labels an entity's own rows carry (every value: ``_needed`` keeps a carrier of each) —
-    with a pod's look-ups' candidates, what its links carry (``link_rids``)."""
-    return {rec["facts"]["release_id"] for rec in state["rows"].values() if "release_id" in rec["facts"]}
-
-
 def own_named(state: dict) -> tuple[set[str], set[str]]:
-    """``own_rids``, and every workload a pod's rows named (``_needed`` keeps a carrier of each): the
-    workloads it links to (``_refresh_pod``)."""
+    """The release labels an entity's own rows carry (every value: ``_needed`` keeps a carrier of each) —
+    with a pod's look-ups' candidates, what its links carry (``link_rids``) —, and every workload its rows
+    named (likewise kept): the workloads a pod links to (``_refresh_pod``)."""
     rids, workloads = set(), set()
     for rec in state["rows"].values():
         facts = rec["facts"]
@@ -1975,8 +1970,7 @@ def _refresh_pod(state: dict, directory, res: Resolution, out: Outcome) -> None:
     current: set[str] = set()
     withdrawn = state.get("allocs_gone")
     for iv in intervals(state, inc):
-        container_part = iv.get("id_container", iv["container"])  # "" for a DRA holding (merge_dra): no source's container in its key
-        alloc_id = _alloc_id(iv["node"], iv["device"], ns, pod, container_part, iv["start_event"])
+        alloc_id = _interval_alloc_id(iv, ns, pod)
         current.add(alloc_id)
         res_iv, identity_iv, alloc_v = res, identity, iv["v"] + identity_version
         if withdrawn and alloc_id in withdrawn:
@@ -2045,6 +2039,19 @@ def _alloc_id(node: str, device: str, ns: str, pod: str, container_part, start_e
     return hashlib.sha256(f"{node}|{device}|{ns}/{pod}|{container_part}|{start_event}".encode()).hexdigest()[:32]
 
 
+def _interval_alloc_id(iv: dict, ns: str, pod: str) -> str:
+    """The allocation id of an interval (``intervals``): ``id_container`` is "" for a DRA holding (``merge_dra``:
+    no source's container in its key)."""
+    return _alloc_id(iv["node"], iv["device"], ns, pod, iv.get("id_container", iv["container"]), iv["start_event"])
+
+
+def _orphans(state: dict, current: set[str]) -> list[str]:
+    """The allocations a pod emitted that are no longer among its intervals (``current``: their ids) and not
+    yet withdrawn (``allocs_gone``)."""
+    gone = state.get("allocs_gone") or {}
+    return [aid for aid in state["allocs"] if aid not in current and aid not in gone]
+
+
 def _alloc_starts(state: dict, ns: str, pod: str) -> dict[str, tuple[dict, str, str, str | None, str]]:
     """Allocation id -> (its starting row, node, device, container, resource), for every row that can
     start one (every ``gpu.assigned`` and claim reservation the pod has, hashed as ``_refresh_pod``
@@ -2065,14 +2072,10 @@ def _unwithdrawn_starts(state: dict) -> set[str]:
     """The starting rows of the allocations a pod emitted that are no longer among its intervals and not
     yet withdrawn — an earlier report of their holding folded, the refresh that withdraws them still to
     come (``_needed`` keeps them: let go now, their allocation could not be rebuilt and stayed open)."""
-    allocs = state["allocs"]
-    gone = state.get("allocs_gone") or {}
-    if len(allocs) <= len(gone):
+    if len(state["allocs"]) <= len(state.get("allocs_gone") or ()):
         return set()
     ns, _, pod = state["key"][4:].partition("/")
-    current = {_alloc_id(iv["node"], iv["device"], ns, pod, iv.get("id_container", iv["container"]), iv["start_event"])
-               for iv in intervals(state)}
-    orphans = [aid for aid in allocs if aid not in current and aid not in gone]
+    orphans = _orphans(state, {_interval_alloc_id(iv, ns, pod) for iv in intervals(state)})
     if not orphans:
         return set()
     starts = _alloc_starts(state, ns, pod)
@@ -2099,11 +2102,10 @@ def _withdraw(state: dict, current: set[str], ns: str, pod: str, identity: dict,
     let go past the row cap (``_bound``) — what it stored stays, as every row let go keeps what it
     emitted — and is only marked, not withdrawn (the cap keeps an unwithdrawn one's starting row until
     then, ``_unwithdrawn_starts``, and lets an ended holding's rows go together, ``_whole_holdings``)."""
-    allocs = state["allocs"]
-    gone = state.setdefault("allocs_gone", {})
-    orphans = [aid for aid in allocs if aid not in current and aid not in gone]
+    orphans = _orphans(state, current)
     if not orphans:
         return
+    allocs, gone = state["allocs"], state.setdefault("allocs_gone", {})
     starts = _alloc_starts(state, ns, pod)
     for aid in sorted(orphans):
         version = sent_version(allocs[aid]) + 1
@@ -2135,7 +2137,7 @@ def _refresh_workload(state: dict, res: Resolution, out: Outcome) -> None:
     if not f.get("release_id"):
         return
     link = {"release_id": f["release_id"], "attribution": "workload_release", "from": "wl"}
-    if (rids := own_rids(state)) - {f["release_id"]}:
+    if (rids := own_named(state)[0]) - {f["release_id"]}:
         link["rids"] = sorted(rids)  # (every release label its rows had: ``link_rids``)
     # Its pods — and those it let go past ``MAX_LINKS`` (``_gone_link``: kept by name): a pod let go kept
     # whichever link it had got before, and its rows differed by the order the run read them in.
