@@ -2127,9 +2127,10 @@ def _refresh_device(state: dict, out: Outcome) -> None:
     device, version = device_link(state)
     if device is None:
         return
-    for src in sorted(state["links"]):
-        if src.startswith("pod:"):
-            _forward(state, src, version, {"device": device}, out)
+    targets = [src for src in sorted(state["links"]) if src.startswith("pod:")]
+    for src in targets:
+        _forward(state, src, version, {"device": device}, out)
+    _forget_forwards(state, targets)
 
 
 def _refresh_workload(state: dict, res: Resolution, out: Outcome) -> None:
@@ -2142,9 +2143,28 @@ def _refresh_workload(state: dict, res: Resolution, out: Outcome) -> None:
     # Its pods — and those it let go past ``MAX_LINKS`` (``_gone_link``: kept by name): a pod let go kept
     # whichever link it had got before, and its rows differed by the order the run read them in.
     gone = state.get("gone_links")
-    for src in sorted({*state["links"], *(gone["v"] if gone else ())}):
-        if src.startswith("pod:"):
-            _forward(state, src, res.facts_version, link, out)
+    targets = [src for src in sorted({*state["links"], *(gone["v"] if gone else ())}) if src.startswith("pod:")]
+    for src in targets:
+        _forward(state, src, res.facts_version, link, out)
+    _forget_forwards(state, targets)
+
+
+def _forget_forwards(state: dict, targets: list[str]) -> None:
+    """Keep ``fwd`` (what was last forwarded to each target) for the entity's current ``targets`` only.
+
+    A workload forwards to its pods and those it let go it still keeps by name (``MAX_LINKS`` +
+    ``MAX_GONE_LINKS``), a DRA device to the pods linked to it (``MAX_LINKS``); the entry of every
+    other pod it ever forwarded to is never read again. Kept, they grew with every pod the entity
+    ever had — a serving Deployment's churning pods — ~46 bytes each in the state's head record,
+    re-encoded at every touch, until the head no longer fitted in a changelog record (~21,000 pods)
+    and the entity lost its state (``streams.store``: refused, dead-lettered). A pod that links
+    again is forwarded to again at its deterministic version: the same link at the same version,
+    which its ``fold_link`` keeps once."""
+    fwd = state["fwd"]
+    if len(fwd) > len(targets):
+        keep = set(targets)
+        for target in [t for t in fwd if t not in keep]:
+            del fwd[target]
 
 
 def _forward(state: dict, target: str, version: int, link: dict, out: Outcome) -> None:

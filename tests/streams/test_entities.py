@@ -1061,6 +1061,51 @@ def test_a_workload_past_its_link_cap_keeps_its_let_go_pods_versions_and_stores_
         assert d.entities["wl:ml/Job/big"]["gone_links"] == wl["gone_links"], f"seed {seed}"
 
 
+def test_a_workload_keeps_what_it_forwarded_only_for_the_pods_it_still_forwards_to(monkeypatch):
+    """A workload forwards its release to its pods and to those it let go but keeps by name
+    (``MAX_LINKS`` + ``MAX_GONE_LINKS``); what it last forwarded to every other pod it ever had is
+    forgotten (``_forget_forwards``) — before, ``fwd`` grew with every pod a churning workload ever
+    had (~46 bytes each in its head record, re-encoded at every touch) until the state no longer
+    fitted in a changelog record. The rows are the same in any order, as before."""
+    import streams.correlate.entities as entities
+
+    monkeypatch.setattr(entities, "MAX_LINKS", 8)
+    monkeypatch.setattr(entities, "MAX_GONE_LINKS", 10)
+    # 30 pods, the workload's release on its own event (Kueue's Workload labelled): it forwards it to its pods
+    events = [*_big_workload(), pod_event("scheduler.admitted", 4.5, ns="ml", pod=None, workload="ml/Job/big", release_id="r1")]
+    reference = Driver().feed(events).flush_parked()
+    wl = reference.entities["wl:ml/Job/big"]
+    kept = {*wl["links"], *wl["gone_links"]["v"]}
+    assert len(kept) == 18 and set(wl["fwd"]) == kept
+    assert wl["gone_links"]["extra"] > 0  # (12 pods' versions past MAX_GONE_LINKS: no longer forwarded to)
+    for seed in range(8):
+        order = list(events)
+        random.Random(seed).shuffle(order)
+        d = Driver(seed=seed).feed(order).flush_parked()
+        # (the content: past ``MAX_GONE_LINKS`` a pod forwarded again counts its version again — a version
+        # too high, never one too low: ``_gone_link``)
+        assert d.latest() == reference.latest(), f"seed {seed}"
+        assert set(d.entities["wl:ml/Job/big"]["fwd"]) == {*d.entities["wl:ml/Job/big"]["links"], *d.entities["wl:ml/Job/big"]["gone_links"]["v"]}
+
+
+def test_a_dra_device_keeps_what_it_forwarded_only_for_the_pods_linked_to_it(monkeypatch):
+    """A DRA device tells the pods linked to it what it is; a pod it let go past ``MAX_LINKS`` is no
+    longer told, and what it last told it is forgotten (it grew with every pod the device ever
+    had). Every claim's allocation still names the device's GPU."""
+    import streams.correlate.entities as entities
+
+    monkeypatch.setattr(entities, "MAX_LINKS", 4)
+    events = [*RELEASES, dra_device(0, pool="n1", device="gpu-0", uuid=GPU_P)]
+    for i in range(12):
+        events += [pod_event("scheduler.scheduled", 5 + i, pod=f"c{i}", release_id="r1"),
+                   claim_event("gpu.claim_reserved", 5 + i, pod=f"c{i}", pod_uid=f"uid-c{i}", claim=f"c{i}-gpu"),
+                   claim_event("gpu.claim_released", 5.5 + i, pod=f"c{i}", pod_uid=f"uid-c{i}", claim=f"c{i}-gpu", reason="unreserved")]
+    d = Driver().feed(events).flush_parked()
+    device = d.entities[f"gpu:n1/{CLAIMED}"]
+    assert len(device["links"]) == 4 and set(device["fwd"]) == {src for src in device["links"] if src.startswith("pod:")}
+    assert sorted((a.pod, a.gpu) for a in d.allocations.values()) == sorted((f"c{i}", GPU_P) for i in range(12))
+
+
 def test_a_fact_only_an_old_alert_carries_stays_when_the_alert_goes_and_nothing_changes_without_its_version(monkeypatch):
     """The newest carrier of each of a pod's facts is never let go past ``MAX_ROWS``: a node only
     one early alert named stays the pod's node for every later row, as without a cap (with it gone,
