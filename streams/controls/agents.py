@@ -49,7 +49,7 @@ from streams.controls.policy import PolicySettings
 from schemas import encode_event
 from streams.controls.rules import Context, digest, fold_link, fold_row, max_time, new_state, step
 from streams.packing import Packer, unpack
-from streams.store import DIRECTORY_MARK, DirectoryMarks, PartitionStore, StateUnavailable
+from streams.store import DIRECTORY_MARK, Chunks, DirectoryMarks, PartitionStore, StateUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,19 @@ class ControlRuntime:
         return changed
 
 
+def control_chunks(size: int, seal_from: int | None = None) -> Chunks:
+    """A control key's links and the violations it emitted are written to the changelog in sealed
+    chunks of ``size`` once it holds ``seal_from`` of them (``streams.store``; the ``state_chunk``
+    settings, as the entities'): a workload's key holds every one of its pods' scheduler rows (a link
+    per pod, ~0.9 KB), a release's the allocations and running intervals of every pod and workload
+    that ran it — whole in one record, a workload of ~1,080 pods no longer fitted in the broker's
+    1 MB record, was dead-lettered, and the key started without it after a restart
+    (``benchmarks/state_growth.py``). Both collections change only by an item replaced
+    (``fold_link``, ``step``), which the store's chunk tokens see; a key of fewer than ``seal_from``
+    is still one record, byte for byte as before."""
+    return Chunks({"links": (), "emitted": ()}, size=size, seal_from=seal_from)
+
+
 def control_summary(state: dict) -> list:
     """What ``Controller._loaded`` needs of a control key after a restart — its interests,
     its deadline and its latest event time — written beside its state (``PartitionStore``'s
@@ -150,6 +163,7 @@ class Controller:
         self.runtime = ControlRuntime()
         self.store = PartitionStore("controls", ctx.run.controls_changelog, ctx.consumer_config, on_load=self._loaded,
                                     loading=getattr(ctx, "recovery_lock", None), summarize=control_summary,
+                                    chunks=control_chunks(ctx.settings.streams.state_chunk, ctx.settings.streams.state_chunk_from),
                                     snapshots=ctx.snapshots(ctx.run.controls_changelog))
         self.store.follow(ctx.output)
         self.packer = Packer(ctx.run.controls, ctx.run.partitions, max_messages=ctx.settings.streams.pack_max)

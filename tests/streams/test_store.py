@@ -549,6 +549,63 @@ def test_a_failed_batch_reloads_its_state_only_once_every_record_produced_before
     assert recovered == state
 
 
+def _workload_control_key(pods: int) -> tuple[str, dict]:
+    """The controls stage's key of a workload of ``pods`` pods (each scheduled and deleted), as the
+    worker's functions build it: a link per pod holding its scheduler rows."""
+    from streams.controls.policy import Policy
+    from streams.controls.rules import ControlEngine
+    from tests.streams.harness import Driver, pod_event, release
+
+    events = [release("release.registered", 0, rid="r1"), release("release.approved", 0.1, rid="r1"),
+              pod_event("scheduler.admitted", 0.5, pod=None, workload="ml/Deployment/srv", release_id="r1")]
+    for i in range(pods):
+        events += [pod_event("scheduler.scheduled", 1 + i * 0.01, pod=f"srv-{i}", workload="ml/Deployment/srv", release_id="r1"),
+                   pod_event("scheduler.deleted", 1.006 + i * 0.01, pod=f"srv-{i}", workload="ml/Deployment/srv", release_id="r1")]
+    driver = Driver().feed(events).flush_parked()
+    engine = ControlEngine(driver.directory, Policy())
+    engine.feed(driver.rows.values()).run()
+    return "wl:ml/Deployment/srv", engine.states["wl:ml/Deployment/srv"]
+
+
+def test_a_workload_control_key_of_over_a_thousand_pods_is_written_and_recovered_whole(kafka_bootstrap, catalogue, settings_for):
+    """A workload's control key holds every one of its pods' scheduler rows (a link per pod, ~0.9 KB):
+    1,200 pods are over 1 MB. Written as one record it was refused by the broker and dead-lettered, and
+    the key started without it after a restart (``benchmarks/state_growth.py``: ~1,080 pods). The
+    controls store writes links and violations in chunks (``control_chunks``): every record fits, and
+    another Controller recovers the key whole."""
+    from streams.app import WorkerContext, ensure_run_topics
+    from streams.controls.agents import Controller
+
+    key, state = _workload_control_key(1200)
+    assert len(state["links"]) == 1200 and len(orjson.dumps(state)) > 1_000_000
+    settings = settings_for(catalogue)
+    settings.streams.app_id = f"big-ctl-{uuid.uuid4().hex[:6]}"
+    ensure_run_topics(settings)
+
+    async def write():
+        ctx = WorkerContext(settings)
+        agent = Controller(ctx)
+        await agent.store.ensure({0})
+        agent.store.put(0, key, state)
+        written = agent.store.write_changes(ctx.output)
+        await ctx.output.flush()
+        ctx.output.close()
+        return written, ctx.output.dead_letters
+
+    async def recover():
+        ctx = WorkerContext(settings)
+        agent = Controller(ctx)
+        await agent.store.ensure({0})
+        got = agent.store.get(0, key)
+        ctx.output.close()
+        return got
+
+    written, dead = asyncio.run(write())
+    assert dead == 0 and written > 100  # (1,200 links in chunks of 8, and the head)
+    recovered = asyncio.run(recover())
+    assert recovered == state and list(recovered["links"]) == list(state["links"])
+
+
 def test_a_rebalance_gives_partitions_up_only_once_every_record_produced_before_is_acknowledged(kafka_bootstrap, catalogue, settings_for):
     """The worker's revocation handler (``streams.app.create_app``) acknowledges what this worker
     produced before it drops the revoked partitions' state — here a changelog record queued by a
