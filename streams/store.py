@@ -557,6 +557,10 @@ class PartitionStore:
         self._cold: dict[int, dict[str, bytes | tuple[bytes, dict[str, bytes]]]] = {}
         # ...and the summary header its record carried (a snapshot writes it again: ``save_snapshots``).
         self._cold_summaries: dict[int, dict[str, bytes]] = {}
+        # Per loaded partition: the keys whose changelog held a chunk record after their head's last one
+        # (``take_late``), as the read found them (``_late_read``, by the load's thread).
+        self._late: dict[int, set[str]] = {}
+        self._late_read: dict[int, set[str]] = {}
         self.decoded_cold = 0
         self._dirty: dict[int, set[str]] = defaultdict(set)
         # What the changelog holds for each key (``_digest`` of the record's bytes): a key put
@@ -639,6 +643,7 @@ class PartitionStore:
                         # partition comes back (another worker wrote to it); load it again then.
                         continue
                     self.parts[p], self._cold[p], marks, summaries, self._cold_summaries[p], self._loaded_at[p] = loaded[p]
+                    self._late[p] = self._late_read.pop(p, set())
                     self._emitted[p] = 0
                     self._record_bytes.pop(p, None)
                     self._not_saveable.pop(p, None)
@@ -674,6 +679,7 @@ class PartitionStore:
                              "fetch.queue.backoff.ms": 0})  # fetch again as soon as a response is queued (a restart waits)
         raw: dict[int, dict[str, bytes | None]] = {p: {} for p in partitions}
         summaries: dict[int, dict[str, bytes]] = {p: {} for p in partitions}
+        late: dict[int, set[str]] = {p: set() for p in partitions}  # (``take_late``)
         loaded_at: dict[int, tuple | None] = {}
         from_snapshot: dict[int, int] = {}
         if use_snapshots:
@@ -720,6 +726,9 @@ class PartitionStore:
                             # A chunk written after its head's summary (a snapshot's, or a crash's leftover
                             # head): the summary may not be the state's any more — decoded at once (``_decode``).
                             summaries[p].pop(key.rpartition(SEP)[0], None)
+                            late[p].add(key.rpartition(SEP)[0])
+                        elif self.chunks is not None:
+                            late[p].discard(key)
                         self.loaded_records += 1
                         if p in from_snapshot:
                             self.snapshot_stats["tail_records"] += 1
@@ -742,6 +751,7 @@ class PartitionStore:
                     undecodable.append(p)
         for p in undecodable:
             from_snapshot.pop(p)
+        self._late_read.update((p, keys) for p, keys in late.items() if p not in undecodable)
         inner = self.load_seconds
         if undecodable:
             out.update(self._read_partitions(undecodable, use_snapshots=False, topic_id=topic_id))
@@ -861,6 +871,7 @@ class PartitionStore:
     def drop(self, partitions: Iterable[int]) -> None:
         for p in partitions:
             self._drops[p] += 1
+            self._late.pop(p, None)
             self._kinds.subtract(kind_of(k) for k in self.parts.pop(p, {}))
             self._kinds.subtract(kind_of(k) for k in self._cold.pop(p, {}))
             self._cold_summaries.pop(p, None)
@@ -871,6 +882,22 @@ class PartitionStore:
             self._dirty.pop(p, None)
             self._written.pop(p, None)  # a failed batch drops its partitions: nothing here is trusted past the changelog
             self._layouts.pop(p, None)
+
+    def take_late(self) -> set[str]:
+        """The keys of the partitions loaded since the last call whose changelog held a chunk record
+        after their head's last record — and forget them. A key's chunks are written before its head
+        (``encode_chunked``), so a crash between them leaves the newer chunks beside the older head:
+        the state decodes whole (``decode_chunked`` keeps a chunk's copy of an item), but what its
+        owner derived into the head at that write (an entity's interests and sent versions, a control
+        key's interests, deadline and violations) is the write before's — and the batch delivered
+        again folds nothing new (its rows and links are in the chunks already), so nothing would
+        derive it again. Its owner re-derives these keys (a refresh, a tick). A chunk written alone
+        (an item sealed earlier replaced, the head unchanged) is found too: its key is re-derived to
+        the same outputs, which the versions make harmless."""
+        keys: set[str] = set()
+        for p in list(self._late):
+            keys.update(self._late.pop(p))
+        return keys
 
     # --- access ---------------------------------------------------------------------------
     def start_empty(self, partitions: Iterable[int]) -> None:

@@ -306,6 +306,9 @@ class Controller:
         self.stats["control_catch_up_ticks"] = self.stats.get("control_catch_up_ticks", 0) + len(ticks)
         targets.update(ticks)
         targets.update(runtime.due())
+        if late := self.store.take_late():  # (a crash between a key's chunks and its head: ``PartitionStore.take_late``)
+            self.stats["control_late_chunk_ticks"] = self.stats.get("control_late_chunk_ticks", 0) + len(late)
+            targets.update(late)
         for key in sorted(targets):
             self.packer.add(key, {"k": "tick"})
         if self.packer.pending():

@@ -391,6 +391,9 @@ class Correlator:
         caught_up, stale = runtime.marks.catch_up(counts, self._dependents_of_release(), self.ctx.run.partitions)
         self.stats["catch_up_refreshes"] = self.stats.get("catch_up_refreshes", 0) + len(stale)
         targets.update(stale)
+        if late := self.store.take_late():  # (a crash between an entity's chunks and its head: ``PartitionStore.take_late``)
+            self.stats["late_chunk_refreshes"] = self.stats.get("late_chunk_refreshes", 0) + len(late)
+            targets.update(late)
         for key in sorted(targets):
             self.route.add(key, {"k": "refresh"})
         if self.runtime.idle():

@@ -606,6 +606,112 @@ def test_a_workload_control_key_of_over_a_thousand_pods_is_written_and_recovered
     assert recovered == state and list(recovered["links"]) == list(state["links"])
 
 
+def _crash_after_chunks(bootstrap: str, topic: str, partition: int, key: str, state: dict, chunks: Chunks, layout: _Layout) -> list[str]:
+    """Write ``state``'s changed records as ``PartitionStore`` would (chunks, then its head) but lose the
+    head — a crash between them — and return the chunk records' names."""
+    from confluent_kafka import Producer
+
+    records = encode_chunked(chunks, key, state, layout)
+    producer = Producer({"bootstrap.servers": bootstrap})
+    names = []
+    for name, value in records:
+        if SEP in name:
+            producer.produce(topic, key=name.encode(), value=value, partition=partition)
+            names.append(name)
+    assert producer.flush(30) == 0
+    return names
+
+
+def test_a_key_whose_chunks_outlived_its_head_in_a_crash_is_handed_to_its_owner_after_the_load(kafka_bootstrap):
+    """A key's chunks are written before its head: a crash between them leaves the newer chunks beside
+    the older head. The state decodes whole, but what its owner derived into the head (interests,
+    deadlines, sent versions) is the write before's, and the batch delivered again folds nothing new —
+    nothing would derive it again. The load hands such keys to the owner (``take_late``: its refresh or
+    tick), once; a key whose head came last is not handed over."""
+    topic, config, output = _setup(kafka_bootstrap)
+    shape = Chunks({"links": (), "emitted": ()}, size=4)
+    store = PartitionStore("t", topic, config, chunks=shape)
+    asyncio.run(store.ensure([0, 1]))
+    crashed = {"key": "wl:ml/big", "interests": ["rid:r1"], "links": {f"pod:ml/p{i}": {"v": 1, "rows": [i]} for i in range(10)}, "emitted": {}}
+    fine = {"key": "wl:ml/other", "interests": ["rid:r1"], "links": {f"pod:ml/q{i}": {"v": 1, "rows": [i]} for i in range(10)}, "emitted": {}}
+    assert _write(store, output, {(0, crashed["key"]): crashed, (0, fine["key"]): fine}) == 2 * 3  # (two chunks and a head each)
+    output.close()
+    assert store.take_late() == set()  # (nothing loaded from the changelog yet)
+
+    # The next epoch: a sealed link of each replaced and a new release named in the head; the first
+    # key's head is lost in a crash, the second one's written.
+    layout = store._layouts[0][crashed["key"]]
+    changed = {**crashed, "interests": ["rid:r1", "rid:r2"], "links": {**crashed["links"], "pod:ml/p0": {"v": 2, "rows": [0, 99]}}}
+    assert [n.split(SEP)[1] for n in _crash_after_chunks(kafka_bootstrap, topic, 0, crashed["key"], changed, shape, layout)] == ["links0"]
+    fine2 = {**fine, "interests": ["rid:r1", "rid:r2"], "links": {**fine["links"], "pod:ml/q0": {"v": 2, "rows": [0, 99]}}}
+    output = BatchOutput(config, "store-test", f"{topic}.dead")
+    store.put(0, fine["key"], fine2)
+    store.write_changes(output)
+    asyncio.run(output.flush())
+    output.close()
+
+    recovered = PartitionStore("t", topic, config, chunks=shape)
+    asyncio.run(recovered.ensure([0, 1]))
+    state = recovered.get(0, crashed["key"])
+    assert state["links"]["pod:ml/p0"] == {"v": 2, "rows": [0, 99]} and state["interests"] == ["rid:r1"]  # the chunk's, the old head's
+    assert recovered.take_late() == {crashed["key"]}
+    assert recovered.take_late() == set()  # handed over once
+
+
+@pytest.mark.parametrize("stage", ["correlate", "controls"])
+def test_a_key_whose_chunks_outlived_its_head_is_derived_again_after_a_restart(kafka_bootstrap, catalogue, settings_for, stage):
+    """Each stage's housekeeping re-derives the keys its store hands over after a load (``take_late``):
+    the correlation stage refreshes the entity, the controls stage ticks the key — its interests,
+    deadline, sent versions and violations derived again from its rows and links (a crash had left the
+    head of the write before)."""
+    from streams.app import WorkerContext, ensure_run_topics
+    from streams.controls.agents import Controller, control_chunks
+    from streams.correlate.agents import Correlator, entity_chunks
+    from streams.correlate.entities import new_entity
+    from streams.packing import unpack
+
+    if stage == "controls":
+        key, state = _workload_control_key(20)
+        field, shape, make = "links", control_chunks(8, 16), Controller
+    else:
+        key = "gpu:n1/GPU-1"
+        state = {**new_entity(key), "rows": {f"e{i}": {"id": f"e{i}", "parked": False, "expired": False, "payload": "x"} for i in range(20)}}
+        field, shape, make = "rows", entity_chunks(8, 16), Correlator
+    settings = settings_for(catalogue)
+    settings.streams.app_id = f"late-{stage}-{uuid.uuid4().hex[:6]}"
+    ensure_run_topics(settings)
+
+    async def write():
+        ctx = WorkerContext(settings)
+        agent = make(ctx)
+        await agent.store.ensure({0})
+        agent.store.put(0, key, state)
+        agent.store.write_changes(ctx.output)
+        await ctx.output.flush()
+        ctx.output.close()
+        return agent.store._layouts[0][key], ctx.run
+
+    layout, run_topics = asyncio.run(write())
+    first = next(iter(state[field]))
+    changed = {**state, field: {**state[field], first: {**state[field][first], "v": 7}}}  # (a sealed item replaced)
+    changelog = run_topics.controls_changelog if stage == "controls" else run_topics.entities_changelog
+    assert _crash_after_chunks(kafka_bootstrap, changelog, 0, key, changed, shape, layout)
+
+    async def restart():
+        ctx = WorkerContext(settings)
+        ctx.directory.ready.set()
+        agent = make(ctx)
+        await agent.store.ensure({0})
+        await agent.housekeeping()
+        ctx.output.close()
+        return agent.stats.get("control_late_chunk_ticks" if stage == "controls" else "late_chunk_refreshes")
+
+    assert asyncio.run(restart()) == 1
+    topic = run_topics.controls if stage == "controls" else run_topics.route
+    sent = [(k, body) for m in read_topic(kafka_bootstrap, topic, min_count=1) for k, body in unpack(m.value())]
+    assert (key, {"k": "tick"} if stage == "controls" else {"k": "refresh"}) in sent
+
+
 def test_a_rebalance_gives_partitions_up_only_once_every_record_produced_before_is_acknowledged(kafka_bootstrap, catalogue, settings_for):
     """The worker's revocation handler (``streams.app.create_app``) acknowledges what this worker
     produced before it drops the revoked partitions' state — here a changelog record queued by a
