@@ -891,7 +891,9 @@ class PartitionStore:
         owner derived into the head at that write (an entity's interests and sent versions, a control
         key's interests, deadline and violations) is the write before's — and the batch delivered
         again folds nothing new (its rows and links are in the chunks already), so nothing would
-        derive it again. Its owner re-derives these keys (a refresh, a tick). A chunk written alone
+        derive it again. Its owner re-derives these keys (a refresh, a tick); until it has taken them, no
+        snapshot of their partition is written (it holds no record order: loaded from it, they would
+        not be found again). A chunk written alone
         (an item sealed earlier replaced, the head unchanged) is found too: its key is re-derived to
         the same outputs, which the versions make harmless."""
         keys: set[str] = set()
@@ -1055,6 +1057,9 @@ class PartitionStore:
         orphans = sum(1 for key, layout in layouts.items() if key not in states and layout.chunks)
         if orphans:
             return None, f"{orphans} key(s) with a crash's orphaned chunks (their records are not in memory)"
+        if self._late.get(partition):
+            # (a snapshot holds no record order: loaded from it, these keys would not be handed over again)
+            return None, f"{len(self._late[partition])} key(s) with a chunk after their head not handed to their owner yet (take_late)"
         if written == 0:
             return high, None
         if next_offset - high != written:

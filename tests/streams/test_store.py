@@ -658,6 +658,31 @@ def test_a_key_whose_chunks_outlived_its_head_in_a_crash_is_handed_to_its_owner_
     assert recovered.take_late() == set()  # handed over once
 
 
+def test_no_snapshot_is_written_of_a_partition_whose_late_keys_were_not_handed_over(kafka_bootstrap, tmp_path):
+    """A snapshot holds no record order: a partition loaded from one would not find a key whose
+    chunks outlived its head again. So until the owner has taken them (``take_late``), its partition
+    is not snapshotted — a restart reads its changelog and finds them again."""
+    topic, config, output = _setup(kafka_bootstrap)
+    shape = Chunks({"links": (), "emitted": ()}, size=4)
+    store = PartitionStore("t", topic, config, chunks=shape)
+    asyncio.run(store.ensure([0, 1]))
+    state = {"key": "wl:ml/big", "interests": ["rid:r1"], "links": {f"pod:ml/p{i}": {"v": 1, "rows": [i]} for i in range(10)}, "emitted": {}}
+    _write(store, output, {(0, state["key"]): state})
+    output.close()
+    changed = {**state, "interests": ["rid:r1", "rid:r2"], "links": {**state["links"], "pod:ml/p0": {"v": 2, "rows": [0, 99]}}}
+    _crash_after_chunks(kafka_bootstrap, topic, 0, state["key"], changed, shape, store._layouts[0][state["key"]])
+
+    output = BatchOutput(config, "store-test", f"{topic}.dead")
+    recovered = _snap_store(topic, config, tmp_path, shape)
+    recovered.follow(output)
+    asyncio.run(recovered.ensure([0, 1]))
+    not_saved = recovered.save_snapshots()
+    assert set(not_saved) == {0} and "take_late" in not_saved[0]  # partition 1 (nothing late) is
+    assert recovered.take_late() == {state["key"]}
+    assert recovered.save_snapshots() == {}
+    output.close()
+
+
 @pytest.mark.parametrize("stage", ["correlate", "controls"])
 def test_a_key_whose_chunks_outlived_its_head_is_derived_again_after_a_restart(kafka_bootstrap, catalogue, settings_for, stage):
     """Each stage's housekeeping re-derives the keys its store hands over after a load (``take_late``):
@@ -960,6 +985,8 @@ def test_a_state_in_chunks_kept_cold_from_a_snapshot_is_written_and_recovered_as
     assert after.health()["snapshots"]["tail_records"] == 1 and after.health()["cold"] == 1  # the pod only
     assert sorted(loads, key=repr) == sorted(whole_loads, key=repr) and ["e1"] == dict(loads)[0][big["key"]][1][:1]
     assert _everything(after) == _everything(whole) == _everything(warm)
+    # (its chunk after its head: handed to its owner, whose housekeeping takes it — until then no snapshot)
+    assert set(after.save_snapshots()) == {0} and after.take_late() == {big["key"]}
     assert after.save_snapshots() == {}
 
     # put changed without being asked for: what a decoded state's put writes (a row added: its head, no sealed chunk)
