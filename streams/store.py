@@ -557,10 +557,8 @@ class PartitionStore:
         self._cold: dict[int, dict[str, bytes | tuple[bytes, dict[str, bytes]]]] = {}
         # ...and the summary header its record carried (a snapshot writes it again: ``save_snapshots``).
         self._cold_summaries: dict[int, dict[str, bytes]] = {}
-        # Per loaded partition: the keys whose changelog held a chunk record after their head's last one
-        # (``take_late``), as the read found them (``_late_read``, by the load's thread).
+        # Per loaded partition: the keys whose changelog held a chunk record after their head's last one (``take_late``).
         self._late: dict[int, set[str]] = {}
-        self._late_read: dict[int, set[str]] = {}
         self.decoded_cold = 0
         self._dirty: dict[int, set[str]] = defaultdict(set)
         # What the changelog holds for each key (``_digest`` of the record's bytes): a key put
@@ -642,8 +640,7 @@ class PartitionStore:
                         # Revoked while it loaded: what was read may be stale by the time the
                         # partition comes back (another worker wrote to it); load it again then.
                         continue
-                    self.parts[p], self._cold[p], marks, summaries, self._cold_summaries[p], self._loaded_at[p] = loaded[p]
-                    self._late[p] = self._late_read.pop(p, set())
+                    self.parts[p], self._cold[p], marks, summaries, self._cold_summaries[p], self._loaded_at[p], self._late[p] = loaded[p]
                     self._emitted[p] = 0
                     self._record_bytes.pop(p, None)
                     self._not_saveable.pop(p, None)
@@ -663,8 +660,8 @@ class PartitionStore:
     def _read_partitions(self, partitions: list[int], use_snapshots: bool = True, topic_id: str | None = None) -> dict[int, tuple]:
         """Each partition's decoded states, its cold ones (encoded), what the changelog holds
         for each key (digest, or layout with ``chunks``), the keys' summaries, the cold keys'
-        summary headers and where the changelog's writes were when it loaded
-        (``_loaded_at``). Only a key's last record is read: a changelog's tail is not
+        summary headers, where the changelog's writes were when it loaded (``_loaded_at``) and
+        the keys with a chunk record after their head's last one (``take_late``). Only a key's last record is read: a changelog's tail is not
         compacted yet and holds many superseded versions of a busy key. With ``snapshots``,
         a partition's usable snapshot (``_usable``) stands for its records up to the
         snapshot's offset, and only the records after it are read (``use_snapshots=False``: the
@@ -725,8 +722,9 @@ class PartitionStore:
                         if self.chunks is not None and SEP in key:
                             # A chunk written after its head's summary (a snapshot's, or a crash's leftover
                             # head): the summary may not be the state's any more — decoded at once (``_decode``).
-                            summaries[p].pop(key.rpartition(SEP)[0], None)
-                            late[p].add(key.rpartition(SEP)[0])
+                            head = key.rpartition(SEP)[0]
+                            summaries[p].pop(head, None)
+                            late[p].add(head)
                         elif self.chunks is not None:
                             late[p].discard(key)
                         self.loaded_records += 1
@@ -741,7 +739,7 @@ class PartitionStore:
         with gctune.bulk(freeze=any(raw.values())):  # a restart's decoded state is garbage-free and long-lived
             for p, records in raw.items():
                 try:
-                    out[p] = (*self._decode(records, summaries[p]), loaded_at[p])
+                    out[p] = (*self._decode(records, summaries[p]), loaded_at[p], late[p])
                 except Exception as exc:
                     if p not in from_snapshot:
                         raise
@@ -751,7 +749,6 @@ class PartitionStore:
                     undecodable.append(p)
         for p in undecodable:
             from_snapshot.pop(p)
-        self._late_read.update((p, keys) for p, keys in late.items() if p not in undecodable)
         inner = self.load_seconds
         if undecodable:
             out.update(self._read_partitions(undecodable, use_snapshots=False, topic_id=topic_id))

@@ -567,6 +567,25 @@ def _workload_control_key(pods: int) -> tuple[str, dict]:
     return "wl:ml/Deployment/srv", engine.states["wl:ml/Deployment/srv"]
 
 
+def _put_through_stage(settings, make, key: str, state: dict) -> tuple[int, int, _Layout | None, object]:
+    """Put ``state`` under ``key`` in partition 0 of a new ``make`` (a stage's agent: ``Controller``,
+    ``Correlator``) store and write it to the run's changelog: the records written, the output's dead
+    letters, the key's chunk layout, the run's topics."""
+    from streams.app import WorkerContext
+
+    async def write():
+        ctx = WorkerContext(settings)
+        agent = make(ctx)
+        await agent.store.ensure({0})
+        agent.store.put(0, key, state)
+        written = agent.store.write_changes(ctx.output)
+        await ctx.output.flush()
+        ctx.output.close()
+        return written, ctx.output.dead_letters, agent.store._layouts[0].get(key), ctx.run
+
+    return asyncio.run(write())
+
+
 def test_a_workload_control_key_of_over_a_thousand_pods_is_written_and_recovered_whole(kafka_bootstrap, catalogue, settings_for):
     """A workload's control key holds every one of its pods' scheduler rows (a link per pod, ~0.9 KB):
     1,200 pods are over 1 MB. Written as one record it was refused by the broker and dead-lettered, and
@@ -582,16 +601,6 @@ def test_a_workload_control_key_of_over_a_thousand_pods_is_written_and_recovered
     settings.streams.app_id = f"big-ctl-{uuid.uuid4().hex[:6]}"
     ensure_run_topics(settings)
 
-    async def write():
-        ctx = WorkerContext(settings)
-        agent = Controller(ctx)
-        await agent.store.ensure({0})
-        agent.store.put(0, key, state)
-        written = agent.store.write_changes(ctx.output)
-        await ctx.output.flush()
-        ctx.output.close()
-        return written, ctx.output.dead_letters
-
     async def recover():
         ctx = WorkerContext(settings)
         agent = Controller(ctx)
@@ -600,7 +609,7 @@ def test_a_workload_control_key_of_over_a_thousand_pods_is_written_and_recovered
         ctx.output.close()
         return got
 
-    written, dead = asyncio.run(write())
+    written, dead, _layout, _run = _put_through_stage(settings, Controller, key, state)
     assert dead == 0 and written > 100  # (1,200 links in chunks of 8, and the head)
     recovered = asyncio.run(recover())
     assert recovered == state and list(recovered["links"]) == list(state["links"])
@@ -706,17 +715,7 @@ def test_a_key_whose_chunks_outlived_its_head_is_derived_again_after_a_restart(k
     settings.streams.app_id = f"late-{stage}-{uuid.uuid4().hex[:6]}"
     ensure_run_topics(settings)
 
-    async def write():
-        ctx = WorkerContext(settings)
-        agent = make(ctx)
-        await agent.store.ensure({0})
-        agent.store.put(0, key, state)
-        agent.store.write_changes(ctx.output)
-        await ctx.output.flush()
-        ctx.output.close()
-        return agent.store._layouts[0][key], ctx.run
-
-    layout, run_topics = asyncio.run(write())
+    _written, _dead, layout, run_topics = _put_through_stage(settings, make, key, state)
     first = next(iter(state[field]))
     changed = {**state, field: {**state[field], first: {**state[field][first], "v": 7}}}  # (a sealed item replaced)
     changelog = run_topics.controls_changelog if stage == "controls" else run_topics.entities_changelog
